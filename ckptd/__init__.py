@@ -1,0 +1,27 @@
+"""ckptd: asynchronous, crash-safe checkpoints written by a per-node daemon.
+
+``import ckptd`` gives the whole public API. The torch-side names (``Client``,
+``load``, ...) are imported on first use, so the daemon, which imports this
+package too, never loads torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ckptd.protocol import __version__
+from ckptd.protocol.errors import *  # noqa: F401,F403
+from ckptd.protocol.index import CheckpointIndex, latest, read_index
+
+_CLIENT_NAMES = ("Client", "SaveFuture", "SaveResult", "load")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CLIENT_NAMES:
+        return getattr(importlib.import_module("ckptd.client"), name)
+    raise AttributeError(f"module 'ckptd' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_CLIENT_NAMES))

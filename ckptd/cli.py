@@ -1,0 +1,115 @@
+"""``ckptd start | status | stop``.
+
+Exit codes: 0 success, 1 no daemon answers, 2 usage error, 3 the daemon (or
+start-up) reported an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ckptd.protocol.endpoint import default_run_dir
+from ckptd.protocol.errors import CkptdError, DaemonUnavailable
+from ckptd.protocol.messages import Error, Status, StatusReply, Stop
+
+from .config import DaemonConfig
+from .control import request
+from .render import render_status
+
+EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckptd", description="Per-node asynchronous checkpoint writer.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_run_dir(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sp.add_argument("--run-dir", type=Path, default=None,
+                        help="daemon run directory (default: $CKPTD_RUN_DIR, $XDG_RUNTIME_DIR/ckptd or /tmp/ckptd-UID)")
+        return sp
+
+    start = with_run_dir(sub.add_parser("start", help="start this node's daemon"))
+    start.add_argument("--foreground", action="store_true", help="run in this process (for supervisors and tests)")
+    start.add_argument("--root", action="append", type=Path, default=None, metavar="DIR",
+                       help="allow checkpoints below DIR (repeatable; default $CKPTD_ROOTS or /)")
+    start.add_argument("--max-concurrent-writes", type=int, default=2, metavar="N",
+                       help="shard files written at once on this node (default 2)")
+    start.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
+                       help="exit after this long with no clients and no work")
+    start.add_argument("--buffered-io", action="store_true", help="do not use O_DIRECT")
+    start.add_argument("--quiet", action="store_true", help="with --foreground: log to the log file only")
+
+    status = with_run_dir(sub.add_parser("status", help="show what the daemon is doing"))
+    status.add_argument("--json", action="store_true", help="print the status snapshot as JSON")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+
+    stop = with_run_dir(sub.add_parser("stop", help="finish in-flight saves, then exit"))
+    stop.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the drain")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    run_dir: Path = (args.run_dir or default_run_dir()).absolute()
+    try:
+        return {"start": _start, "status": _status, "stop": _stop}[args.command](args, run_dir)
+    except DaemonUnavailable as exc:
+        print(f"ckptd: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except (CkptdError, OSError) as exc:
+        print(f"ckptd: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except ValueError as exc:
+        print(f"ckptd: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _start(args: argparse.Namespace, run_dir: Path) -> int:
+    from .daemon import run_foreground, start_detached
+
+    kwargs = {"run_dir": run_dir, "max_concurrent_writes": args.max_concurrent_writes,
+              "exit_when_idle": args.exit_when_idle, "direct_io": not args.buffered_io}
+    if args.root:
+        kwargs["roots"] = tuple(args.root)
+    config = DaemonConfig(**kwargs, log_to_stderr=args.foreground and not args.quiet)
+    if args.foreground:
+        run_foreground(config)
+        return EXIT_OK
+    argv = ["--run-dir", str(run_dir), "--max-concurrent-writes", str(config.max_concurrent_writes)]
+    argv += [a for r in config.roots for a in ("--root", str(r))]
+    if args.exit_when_idle is not None:
+        argv += ["--exit-when-idle", str(args.exit_when_idle)]
+    if args.buffered_io:
+        argv.append("--buffered-io")
+    pid = start_detached(argv, run_dir)
+    print(f"ckptd started (pid {pid}) on {config.endpoint}")
+    return EXIT_OK
+
+
+def _status(args: argparse.Namespace, run_dir: Path) -> int:
+    reply = request(run_dir, Status(1), timeout=args.timeout)
+    if isinstance(reply, Error):
+        print(f"ckptd: daemon error {reply.code}: {reply.message}", file=sys.stderr)
+        return EXIT_ERROR
+    assert isinstance(reply, StatusReply)
+    print(json.dumps(reply.info, indent=2, sort_keys=True) if args.json else render_status(reply.info))
+    return EXIT_OK
+
+
+def _stop(args: argparse.Namespace, run_dir: Path) -> int:
+    from .daemon import wait_for_exit
+
+    status = request(run_dir, Status(1), timeout=5.0)
+    reply = request(run_dir, Stop(2), timeout=5.0)
+    if isinstance(reply, Error):
+        print(f"ckptd: daemon error {reply.code}: {reply.message}", file=sys.stderr)
+        return EXIT_ERROR
+    pid = status.info["daemon"]["pid"] if isinstance(status, StatusReply) else None
+    if pid is not None and not wait_for_exit(pid, args.timeout):
+        print(f"ckptd: daemon (pid {pid}) still draining after {args.timeout:g} s", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"ckptd stopped (pid {pid})")
+    return EXIT_OK

@@ -1,0 +1,53 @@
+"""Daemon settings: one dataclass, each field documented, checked on creation."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptd.protocol.endpoint import default_run_dir, endpoint_for
+
+DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+def _roots_from_env() -> tuple[Path, ...]:
+    raw = os.environ.get("CKPTD_ROOTS", "")
+    return tuple(Path(p) for p in raw.split(os.pathsep) if p) or (Path("/"),)
+
+
+@dataclass
+class DaemonConfig:
+    """How one node's daemon runs."""
+
+    run_dir: Path = field(default_factory=default_run_dir)
+    """Private (0700) directory holding the socket, pid file and log."""
+    roots: tuple[Path, ...] = field(default_factory=_roots_from_env)
+    """Checkpoints may only be written below these (after resolving symlinks).
+    Default: ``$CKPTD_ROOTS`` (``:``-separated), else ``/``, i.e. anywhere the
+    daemon's user may write."""
+    max_concurrent_writes: int = 2
+    """Shard files written at once, node-wide; further commits queue FIFO."""
+    exit_when_idle: float | None = None
+    """Seconds with no clients and no work after which the daemon exits.
+    Set for daemons that a client spawned; None runs until stopped."""
+    direct_io: bool = True
+    """Write with O_DIRECT where the filesystem supports it (measured faster
+    and it keeps checkpoint bytes out of the page cache)."""
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    """Bytes per write call; a multiple of 4096 for O_DIRECT."""
+    log_to_stderr: bool = False
+    """Also log to stderr (``ckptd start --foreground``)."""
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir).absolute()
+        if not self.roots:
+            raise ValueError("at least one root is needed")
+        self.roots = tuple(Path(os.path.realpath(r)) for r in self.roots)
+        if self.max_concurrent_writes < 1:
+            raise ValueError(f"max_concurrent_writes must be at least 1, got {self.max_concurrent_writes}")
+        if self.chunk_bytes < 4096 or self.chunk_bytes % 4096:
+            raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
+        if self.exit_when_idle is not None and self.exit_when_idle <= 0:
+            raise ValueError(f"exit_when_idle must be positive seconds, got {self.exit_when_idle}")
+        self.endpoint = endpoint_for(self.run_dir)

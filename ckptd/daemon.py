@@ -1,0 +1,138 @@
+"""The daemon process: run directory, pid lock, logging, signals, detaching.
+
+``run_foreground`` is what ``ckptd start --foreground`` runs and what a
+supervisor (or a test) should run. ``start_detached`` starts that same
+command in a new session, so the daemon outlives the shell or the trainer
+that started it, and returns once the daemon answers.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import logging.handlers
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ckptd.protocol.endpoint import LOG_NAME, PID_NAME, SOCKET_NAME
+from ckptd.protocol.errors import CkptdError
+
+from .config import DaemonConfig
+from .control import probe
+from .server import Server
+from .storage import storage_from_env
+
+log = logging.getLogger("ckptd")
+ERR_NAME = "ckptd.err"
+LOG_BYTES = 10 * 1024 * 1024
+LOG_BACKUPS = 3
+
+
+class AlreadyRunning(CkptdError):
+    """A daemon already holds this run directory's pid lock."""
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """Create the run directory private to this user, or refuse a foreign one."""
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = run_dir.stat()
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"run directory {run_dir} belongs to uid {st.st_uid}, not to this user")
+    if st.st_mode & 0o077:
+        os.chmod(run_dir, 0o700)
+
+
+def acquire_pid_lock(run_dir: Path) -> int:
+    """Lock and fill the pid file; the lock lives as long as the process."""
+    fd = os.open(run_dir / PID_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise AlreadyRunning(f"a ckptd daemon (pid {other}) is already running on {run_dir}") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def setup_logging(run_dir: Path, *, to_stderr: bool) -> None:
+    """One key=value line per event in the run directory, rotated."""
+    fmt = logging.Formatter("%(asctime)s level=%(levelname)s %(message)s")
+    handlers: list[logging.Handler] = [
+        logging.handlers.RotatingFileHandler(run_dir / LOG_NAME, maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS)
+    ]
+    if to_stderr:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    for h in handlers:
+        h.setFormatter(fmt)
+        log.addHandler(h)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def run_foreground(config: DaemonConfig) -> None:
+    """Serve until stopped (``ckptd stop``, SIGTERM or SIGINT drain first)."""
+    prepare_run_dir(config.run_dir)
+    lock_fd = acquire_pid_lock(config.run_dir)
+    setup_logging(config.run_dir, to_stderr=config.log_to_stderr)
+    sock = config.run_dir / SOCKET_NAME
+    if sock.exists():  # we hold the lock, so it is a dead daemon's socket
+        sock.unlink()
+    server = Server(config, storage_from_env())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.request_stop())
+    try:
+        server.serve_forever()
+    finally:
+        server.close()
+        for name in (SOCKET_NAME, PID_NAME):
+            try:
+                (config.run_dir / name).unlink()
+            except FileNotFoundError:
+                pass
+        os.close(lock_fd)
+
+
+def start_detached(argv: list[str], run_dir: Path, *, timeout: float = 30.0) -> int:
+    """Start ``ckptd start --foreground`` with ``argv`` in a new session; return its pid."""
+    prepare_run_dir(run_dir)
+    err_path = run_dir / ERR_NAME
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptd", "start", "--foreground", "--quiet", *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+            close_fds=True,
+        )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        if code is not None:
+            tail = err_path.read_text(errors="replace").strip().splitlines()[-5:]
+            raise CkptdError("daemon exited at start (code %d): %s" % (code, " | ".join(tail) or "no output"))
+        if probe(run_dir, timeout=0.5):
+            return proc.pid
+        time.sleep(0.05)
+    proc.terminate()
+    raise CkptdError(f"daemon did not answer within {timeout:.0f} s; see {run_dir / LOG_NAME}")
+
+
+def wait_for_exit(pid: int, timeout: float) -> bool:
+    """True once ``pid`` is gone; False if it still runs after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except OSError as exc:
+            if exc.errno == errno.ESRCH:
+                return True
+        time.sleep(0.05)
+    return False

@@ -1,0 +1,56 @@
+"""``ckptd status`` as a person reads it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def render_status(info: dict[str, Any]) -> str:
+    d = info["daemon"]
+    lines = [
+        f"ckptd {d['version']}  pid {d['pid']}  up {d['uptime_s']:.0f} s  rss {human_bytes(d['rss_bytes'])}"
+        f"  cpu {d['cpu_percent']:.0f}%{'  DRAINING' if d['draining'] else ''}",
+        f"endpoint {d['endpoint']}",
+        f"clients {len(info['clients'])}: " + (", ".join(f"pid {c['pid']} ({c['saves']} saves)" for c in info["clients"]) or "none"),
+        f"writes: {info['writes']['writing']} writing, {info['writes']['queued']} queued "
+        f"(max {info['writes']['max_concurrent']})   shared memory mapped {human_bytes(info['shm_mapped_bytes'])}",
+    ]
+    if info["checkpoints"]:
+        lines.append("in progress:")
+        for c in info["checkpoints"]:
+            lines.append(
+                f"  {c['path']}  step {c['step']}  {c['state']}  ranks durable {c['ranks_durable']}/{c['world_size']}"
+                f"  {c['elapsed_s']:.1f} s"
+            )
+        for s in info["saves"]:
+            pct = 100.0 * s["written"] / s["bytes"] if s["bytes"] else 100.0
+            lines.append(
+                f"    rank {s['rank']}: {s['state']:<7} {pct:5.1f}% of {human_bytes(s['bytes'])}"
+                f"  waited {s['waited_s']:.2f} s"
+            )
+    else:
+        lines.append("in progress: nothing")
+    done = info["completed"]
+    last = done["last"]
+    lines.append(f"completed: {done['count']} checkpoints, {human_bytes(done['bytes'])}")
+    if last:
+        rate = f"{last['gbps']:.2f} GB/s" if last["gbps"] else "?"
+        lines.append(f"  last: {last['path']} step {last['step']}  {human_bytes(last['bytes'])} in {last['seconds']:.2f} s ({rate})")
+    for r in info["roots"]:
+        lines.append(f"root {r['path']}: {human_bytes(r['free_bytes'])} free of {human_bytes(r['total_bytes'])}")
+    if info["errors"]:
+        lines.append("recent errors:")
+        for e in info["errors"][-5:]:
+            lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['message']}")
+    return "\n".join(lines)

@@ -1,0 +1,327 @@
+"""The daemon's event loop: one thread owns the ROUTER socket.
+
+Each turn polls the socket and a wake-up fd with a timeout, decodes and
+dispatches requests, applies finished writes, and does housekeeping (dead
+clients, idle exit). File I/O never happens on this thread: shard writes run
+on a bounded pool (the node's write slots, FIFO), commits on one commit
+thread, and both report back through a queue plus an eventfd. ``_handle`` is
+the one place where an exception becomes an ``Error`` reply, so no request,
+however malformed, can take the daemon down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import zmq
+
+from ckptd.protocol import __version__
+from ckptd.protocol.errors import BadMessage, BadSlot, CkptdError, ErrorCode, InternalError, ShuttingDown, UnknownClient
+from ckptd.protocol.layout import parse_header
+from ckptd.protocol.messages import (
+    MAX_MESSAGE_BYTES,
+    Accepted,
+    Bye,
+    Commit,
+    Done,
+    Error,
+    Hello,
+    Message,
+    Ok,
+    Ping,
+    Pong,
+    Status,
+    Stop,
+    Welcome,
+    decode,
+    request_id,
+)
+
+from .commit import Commits, PendingCheckpoint
+from .config import DaemonConfig
+from .slots import SlotMaps
+from .stats import Stats
+from .storage import Storage
+from .writer import WriteJob, round_up, write_shard
+
+log = logging.getLogger("ckptd")
+POLL_MS = 200
+HOUSEKEEPING_S = 1.0
+
+
+@dataclass
+class ClientRecord:
+    pid: int
+    since: float = field(default_factory=time.time)
+    saves: int = 0
+
+
+class Server:
+    """Serve one node until stopped; ``serve_forever`` returns when drained."""
+
+    def __init__(self, config: DaemonConfig, storage: Storage) -> None:
+        self.config = config
+        self.storage = storage
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.router.setsockopt(zmq.LINGER, 1000)
+        self.router.bind(config.endpoint)
+        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.finished: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.writers = ThreadPoolExecutor(config.max_concurrent_writes, thread_name_prefix="ckptd-write")
+        self.checksums = ThreadPoolExecutor(config.max_concurrent_writes, thread_name_prefix="ckptd-crc")
+        self.committer = ThreadPoolExecutor(1, thread_name_prefix="ckptd-commit")
+        self.commits = Commits(storage, config.roots)
+        self.slots = SlotMaps()
+        self.clients: dict[bytes, ClientRecord] = {}
+        self.jobs: list[WriteJob] = []
+        self.finalizing = 0
+        self.stats = Stats(config)
+        self.draining = False
+        self._idle_since = time.monotonic()
+        self._handlers: dict[type[Message], Callable[[bytes, Message], Message | None]] = {
+            Hello: self._on_hello,
+            Commit: self._on_commit,
+            Status: self._on_status,
+            Ping: lambda ident, msg: Pong(msg.id),
+            Bye: self._on_bye,
+            Stop: self._on_stop,
+        }
+
+    # -- loop ---------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.wake_fd, zmq.POLLIN)
+        next_housekeeping = time.monotonic()
+        log.info("event=start pid=%d endpoint=%s roots=%s", os.getpid(), self.config.endpoint,
+                 ",".join(map(str, self.config.roots)))
+        while True:
+            events = dict(poller.poll(POLL_MS))
+            if self.router in events:
+                self._drain_socket()
+            if self.wake_fd in events:
+                os.eventfd_read(self.wake_fd)
+            self._apply_finished()
+            if time.monotonic() >= next_housekeeping:
+                next_housekeeping = time.monotonic() + HOUSEKEEPING_S
+                self._housekeeping()
+            if self._should_exit():
+                break
+        log.info("event=exit pid=%d", os.getpid())
+
+    def request_stop(self) -> None:
+        """Begin draining (safe to call from a signal handler)."""
+        self.draining = True
+
+    def close(self) -> None:
+        for pool in (self.writers, self.committer, self.checksums):
+            pool.shutdown(wait=True)
+        self._apply_finished()
+        self.router.close()
+        self.ctx.term()
+        os.close(self.wake_fd)
+        self.slots.close()
+
+    def _busy(self) -> bool:
+        return bool(self.jobs or self.finalizing)
+
+    def _should_exit(self) -> bool:
+        if self.draining:
+            return not self._busy()
+        idle_limit = self.config.exit_when_idle
+        if idle_limit is None:
+            return False
+        if self.clients or self._busy():
+            self._idle_since = time.monotonic()
+            return False
+        if time.monotonic() - self._idle_since >= idle_limit:
+            log.info("event=idle_exit idle_s=%.0f", idle_limit)
+            return True
+        return False
+
+    def _drain_socket(self) -> None:
+        while True:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            ident, payloads = frames[0], frames[1:]
+            if len(payloads) != 1:
+                self._send(ident, Error(0, ErrorCode.BAD_MESSAGE, f"expected one frame, got {len(payloads)}"))
+                continue
+            reply = self._handle(ident, payloads[0])
+            if reply is not None:
+                self._send(ident, reply)
+
+    def _handle(self, ident: bytes, payload: bytes) -> Message | None:
+        """Decode, dispatch, and turn any exception into an Error reply."""
+        rid = 0
+        try:
+            msg = decode(payload)
+            rid = msg.id
+            handler = self._handlers.get(type(msg))
+            if handler is None:
+                raise BadMessage(f"{msg.type!r} is a reply; the daemon does not accept it as a request")
+            return handler(ident, msg)
+        except CkptdError as exc:
+            rid = rid or request_id(payload)
+            self.stats.error(exc.message)
+            return Error(rid, exc.code, exc.message)
+        except Exception as exc:  # a bug: report it, keep serving
+            log.exception("event=internal_error")
+            self.stats.error(f"internal error: {exc!r}")
+            return Error(rid, ErrorCode.INTERNAL, f"internal error in ckptd: {exc!r}")
+
+    def _send(self, ident: bytes, msg: Message) -> None:
+        try:
+            self.router.send_multipart([ident, msg.to_wire()], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: it will time out
+            log.warning("event=reply_dropped type=%s error=%s", msg.type, exc)
+
+    # -- requests -----------------------------------------------------------
+
+    def _on_hello(self, ident: bytes, msg: Hello) -> Message:
+        if msg.uid != os.getuid():
+            raise BadMessage(f"client uid {msg.uid} is not this daemon's uid {os.getuid()}")
+        self.clients[ident] = ClientRecord(pid=msg.pid)
+        log.info("event=hello pid=%d version=%s", msg.pid, msg.client_version)
+        return Welcome(msg.id, os.getpid(), __version__, tuple(str(r) for r in self.config.roots))
+
+    def _client(self, ident: bytes) -> ClientRecord:
+        client = self.clients.get(ident)
+        if client is None:
+            raise UnknownClient("this client has not said hello (or the daemon restarted); send hello first")
+        return client
+
+    def _on_commit(self, ident: bytes, msg: Commit) -> Message:
+        client = self._client(ident)
+        if self.draining:
+            raise ShuttingDown("the daemon is draining and accepts no new saves")
+        slot = self.slots.acquire(msg.slot, pid=client.pid, nbytes=round_up(msg.nbytes))
+        try:
+            entries, _, data_start = parse_header(slot.map[: msg.header_len], msg.nbytes)
+            by_offset = lambda e: (e.begin, e.end)  # noqa: E731
+            if data_start != msg.header_len or sorted(entries, key=by_offset) != sorted(msg.tensors, key=by_offset):
+                raise BadSlot(f"slot {msg.slot!r} holds a header that does not match the commit's tensor table")
+            pending, dest = self.commits.admit(msg, ident)
+        except BadMessage as exc:
+            self.slots.release(slot)
+            raise BadSlot(f"slot {msg.slot!r}: {exc.message}") from None
+        except BaseException:
+            self.slots.release(slot)
+            raise
+        job = WriteJob(ident, msg, slot, dest)
+        self.jobs.append(job)
+        client.saves += 1
+        run = lambda: write_shard(  # noqa: E731
+            job, self.storage, self.checksums, direct=self.config.direct_io, chunk=self.config.chunk_bytes
+        )
+        self._submit(self.writers, run, lambda fut: self._write_finished(job, pending, fut))
+        log.info("event=accepted path=%s rank=%d bytes=%d", pending.path, msg.rank, msg.nbytes)
+        return Accepted(msg.id)
+
+    def _on_status(self, ident: bytes, msg: Status) -> Message:
+        return self.stats.reply(msg.id, self)
+
+    def _on_bye(self, ident: bytes, msg: Bye) -> Message:
+        client = self.clients.pop(ident, None)
+        if client is not None:
+            self.slots.forget_pid(client.pid)
+        return Ok(msg.id)
+
+    def _on_stop(self, ident: bytes, msg: Stop) -> Message:
+        log.info("event=stop_requested")
+        self.request_stop()
+        return Ok(msg.id)
+
+    # -- completions (run on the socket thread) ----------------------------
+
+    def _submit(self, pool: ThreadPoolExecutor, work: Callable[[], object], then: Callable[[Future], None]) -> None:
+        """Run ``work`` on ``pool``; ``then(future)`` runs back on this thread."""
+
+        def report(fut: Future) -> None:
+            self.finished.put(lambda: then(fut))
+            os.eventfd_write(self.wake_fd, 1)
+
+        pool.submit(work).add_done_callback(report)
+
+    def _apply_finished(self) -> None:
+        while True:
+            try:
+                self.finished.get_nowait()()
+            except queue.Empty:
+                return
+
+    def _write_finished(self, job: WriteJob, pending: PendingCheckpoint, fut: Future) -> None:
+        self.jobs.remove(job)
+        self.slots.release(job.slot)
+        job.finished_at = time.monotonic()
+        exc = fut.exception()
+        if pending.state == "failed":
+            return
+        if exc is not None:
+            job.state = "failed"
+            self._fail(pending, exc)
+            return
+        if self.commits.shard_durable(pending, fut.result()):
+            self.finalizing += 1
+            self._submit(self.committer, lambda: self.commits.finalize(pending),
+                         lambda f: self._finalized(pending, f))
+
+    def _finalized(self, pending: PendingCheckpoint, fut: Future) -> None:
+        self.finalizing -= 1
+        exc = fut.exception()
+        if exc is not None:
+            self._fail(pending, exc)
+            return
+        self.commits.forget(pending)
+        pending.state = "committed"
+        seconds = time.monotonic() - pending.started_at
+        self.stats.committed(pending, seconds)
+        log.info("event=committed path=%s bytes=%d seconds=%.3f", pending.path, pending.index().total_bytes, seconds)
+        for ident, rid, rank in pending.waiting:
+            self._send(ident, Done(rid, str(pending.path), pending.shards[rank].size, seconds))
+
+    def _fail(self, pending: PendingCheckpoint, exc: BaseException) -> None:
+        if not isinstance(exc, CkptdError):
+            log.error("event=internal_error path=%s error=%r", pending.path, exc)
+            exc = InternalError(f"internal error while saving {pending.path}: {exc!r}")
+        pending.state = "failed"
+        self.commits.forget(pending)
+        self.stats.error(exc.message)
+        log.warning("event=failed path=%s error=%s", pending.path, exc.message)
+        for ident, rid, _ in pending.waiting:
+            self._send(ident, Error(rid, exc.code, exc.message))
+        self.finalizing += 1
+        self._submit(self.committer, lambda: self.commits.discard(pending), lambda f: self._discarded())
+
+    def _discarded(self) -> None:
+        self.finalizing -= 1
+
+    # -- housekeeping ------------------------------------------------------
+
+    def _housekeeping(self) -> None:
+        for ident, client in list(self.clients.items()):
+            if not _alive(client.pid):
+                del self.clients[ident]
+                removed = self.slots.reclaim(client.pid)
+                log.info("event=client_gone pid=%d slots_reclaimed=%d", client.pid, removed)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,126 @@
+"""The daemon's view of clients' shared-memory slots.
+
+A client creates its slots as ``/dev/shm/ckptd-<uid>-<pid>-<n>`` and reuses
+them for every save. The daemon maps each slot read-only once and keeps the
+mapping while the slot keeps its identity (inode and size), so a steady
+stream of saves costs no page-table set-up after the first. A slot is only
+accepted from the process whose pid is in its name, and only if it belongs
+to the daemon's own user.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptd.protocol.errors import BadSlot
+
+SHM_DIR = Path("/dev/shm")
+SLOT_NAME = re.compile(r"ckptd-(\d+)-(\d+)-(\d+)")
+
+
+@dataclass
+class MappedSlot:
+    name: str
+    inode: int
+    size: int
+    map: mmap.mmap
+    users: int = 0
+    """Writes in flight over this mapping; it is only closed at zero."""
+
+
+def slot_owner(name: str) -> tuple[int, int] | None:
+    """``(uid, pid)`` encoded in a slot name, or None if it is not a slot name."""
+    m = SLOT_NAME.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+class SlotMaps:
+    """Read-only mappings of client slots, cached by name."""
+
+    def __init__(self, shm_dir: Path = SHM_DIR) -> None:
+        self.shm_dir = shm_dir
+        self._maps: dict[str, MappedSlot] = {}
+
+    def acquire(self, name: str, *, pid: int, nbytes: int) -> MappedSlot:
+        """Map slot ``name`` of client ``pid`` holding at least ``nbytes``."""
+        owner = slot_owner(name)
+        if owner != (os.getuid(), pid):
+            raise BadSlot(f"slot {name!r} is not named ckptd-{os.getuid()}-{pid}-<n> for this client (pid {pid})")
+        try:
+            fd = os.open(self.shm_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise BadSlot(f"cannot open slot {name!r}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid():
+                raise BadSlot(f"slot {name!r} belongs to uid {st.st_uid}, not to this daemon's user")
+            if st.st_size < nbytes:
+                raise BadSlot(f"slot {name!r} holds {st.st_size} bytes but the commit claims {nbytes}")
+            cached = self._maps.get(name)
+            if cached and (cached.inode, cached.size) == (st.st_ino, st.st_size):
+                cached.users += 1
+                return cached
+            # MAP_POPULATE builds the page tables in one pass instead of a
+            # fault per page during the first write from this slot.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapping = mmap.mmap(fd, st.st_size, flags, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        if cached:
+            self._drop(cached)
+        self._drop_unlinked(pid)
+        slot = MappedSlot(name, st.st_ino, st.st_size, mapping, users=1)
+        self._maps[name] = slot
+        return slot
+
+    def release(self, slot: MappedSlot) -> None:
+        slot.users -= 1
+        if slot.users == 0 and self._maps.get(slot.name) is not slot:
+            slot.map.close()
+
+    def forget_pid(self, pid: int) -> None:
+        """Drop cached mappings of a client that left (closed once idle)."""
+        for name in [n for n in self._maps if (slot_owner(n) or (0, 0))[1] == pid]:
+            self._drop(self._maps[name])
+
+    def _drop_unlinked(self, pid: int) -> None:
+        """Forget mappings of ``pid``'s slots that it has since unlinked (grown)."""
+        for name, slot in list(self._maps.items()):
+            if (slot_owner(name) or (0, 0))[1] == pid and not (self.shm_dir / name).exists():
+                self._drop(slot)
+
+    def reclaim(self, pid: int) -> int:
+        """Unlink the slots of dead client ``pid``; returns how many.
+
+        Mappings still in use keep their memory until released, so a save the
+        client committed before dying still completes.
+        """
+        self.forget_pid(pid)
+        prefix = f"ckptd-{os.getuid()}-{pid}-"
+        removed = 0
+        for entry in os.scandir(self.shm_dir):
+            if entry.name.startswith(prefix) and SLOT_NAME.fullmatch(entry.name):
+                try:
+                    os.unlink(entry.path)
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+        return removed
+
+    def _drop(self, slot: MappedSlot) -> None:
+        if self._maps.get(slot.name) is slot:
+            del self._maps[slot.name]
+        if slot.users == 0:
+            slot.map.close()
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(s.size for s in self._maps.values())
+
+    def close(self) -> None:
+        for slot in list(self._maps.values()):
+            self._drop(slot)

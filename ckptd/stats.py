@@ -1,0 +1,120 @@
+"""What ``ckptd status`` reports: counters kept by the server, and the snapshot.
+
+The snapshot is a plain dict (msgpack on the wire, JSON from the CLI). Its
+keys are documented in the README and frozen by a test; add keys, never
+rename them.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import time
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from ckptd.protocol import __version__
+from ckptd.protocol.messages import StatusReply
+
+from .config import DaemonConfig
+
+if TYPE_CHECKING:
+    from .commit import PendingCheckpoint
+    from .server import Server
+
+RECENT_ERRORS = 20
+
+
+class Stats:
+    """Counters the server updates as saves finish or fail."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.started = time.time()
+        self.committed_count = 0
+        self.committed_bytes = 0
+        self.last_committed: dict[str, Any] | None = None
+        self.errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_ERRORS)
+        self.process = psutil.Process()
+
+    def committed(self, pending: "PendingCheckpoint", seconds: float) -> None:
+        total = sum(s.size for s in pending.shards.values())
+        self.committed_count += 1
+        self.committed_bytes += total
+        self.last_committed = {
+            "path": str(pending.path),
+            "step": pending.step,
+            "bytes": total,
+            "seconds": round(seconds, 6),
+            "gbps": round(total / seconds / 1e9, 3) if seconds > 0 else None,
+            "time": time.time(),
+        }
+
+    def error(self, message: str) -> None:
+        self.errors.append({"time": time.time(), "message": message})
+
+    def reply(self, rid: int, server: "Server") -> StatusReply:
+        now = time.monotonic()
+        saves = [
+            {
+                "path": str(job.dest.parent),
+                "rank": job.commit.rank,
+                "world_size": job.commit.world_size,
+                "state": job.state,
+                "bytes": job.commit.nbytes,
+                "written": job.written,
+                "waited_s": round((job.started_at or now) - job.queued_at, 6),
+                "elapsed_s": round(now - job.queued_at, 6),
+            }
+            for job in server.jobs
+        ]
+        checkpoints = [
+            {
+                "path": str(p.path),
+                "step": p.step,
+                "world_size": p.world_size,
+                "ranks_durable": len(p.shards),
+                "state": p.state,
+                "elapsed_s": round(now - p.started_at, 6),
+            }
+            for p in server.commits.pending.values()
+        ]
+        info = {
+            "daemon": {
+                "pid": os.getpid(),
+                "version": __version__,
+                "uptime_s": round(time.time() - self.started, 3),
+                "endpoint": self.config.endpoint,
+                "run_dir": str(self.config.run_dir),
+                "draining": server.draining,
+                "rss_bytes": self.process.memory_info().rss,
+                "cpu_percent": self.process.cpu_percent(None),
+            },
+            "clients": [{"pid": c.pid, "since": c.since, "saves": c.saves} for c in server.clients.values()],
+            "writes": {
+                "max_concurrent": self.config.max_concurrent_writes,
+                "writing": sum(1 for j in server.jobs if j.state != "queued"),
+                "queued": sum(1 for j in server.jobs if j.state == "queued"),
+            },
+            "saves": saves,
+            "checkpoints": checkpoints,
+            "completed": {
+                "count": self.committed_count,
+                "bytes": self.committed_bytes,
+                "last": self.last_committed,
+            },
+            "errors": list(self.errors),
+            "shm_mapped_bytes": server.slots.mapped_bytes,
+            "roots": [_root_usage(r) for r in self.config.roots],
+        }
+        return StatusReply(rid, info)
+
+
+def _root_usage(root: os.PathLike) -> dict[str, Any]:
+    try:
+        usage = shutil.disk_usage(root)
+        return {"path": str(root), "free_bytes": usage.free, "total_bytes": usage.total}
+    except OSError:
+        return {"path": str(root), "free_bytes": None, "total_bytes": None}

@@ -1,0 +1,129 @@
+"""The storage seam: every filesystem call the daemon makes on checkpoints.
+
+The writer and the commit logic never call ``os`` directly for checkpoint
+files; they call a ``Storage``. Tests inject slow or failing I/O by starting
+the daemon with ``CKPTD_FAULTS`` set, which swaps in ``FaultyStorage`` (this
+is the only place a fault can enter, and production never sets it).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class Storage:
+    """Plain POSIX I/O, with O_DIRECT where the filesystem allows it."""
+
+    def open_new(self, path: Path, *, direct: bool) -> tuple[int, bool]:
+        """Create ``path`` for writing; returns the fd and whether it is O_DIRECT."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        if direct:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o644), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # EINVAL: filesystem without O_DIRECT
+                    raise
+        return os.open(path, flags, 0o644), False
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        return os.pwrite(fd, data, offset)
+
+    def truncate(self, fd: int, size: int) -> None:
+        os.ftruncate(fd, size)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def mkdir(self, path: Path) -> None:
+        os.mkdir(path, 0o755)
+
+    def write_file(self, path: Path, data: bytes) -> None:
+        """Write a small file and make it durable."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[self.pwrite(fd, view, len(data) - len(view)) :]
+            self.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def rename(self, src: Path, dst: Path) -> None:
+        os.rename(src, dst)
+
+    def fsync_dir(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def remove_tree(self, path: Path) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Fail (or delay) calls of ``op`` whose path contains ``match``."""
+
+    op: str
+    match: str = ""
+    errno: int = errno.EIO
+    delay: float = 0.0
+    """Seconds to sleep before the call; with ``errno`` 0 the call then succeeds."""
+
+
+class FaultyStorage(Storage):
+    """Storage that injects the faults listed in ``CKPTD_FAULTS`` (tests only)."""
+
+    def __init__(self, faults: list[Fault]) -> None:
+        self.faults = faults
+        self._paths: dict[int, str] = {}
+
+    @classmethod
+    def from_env(cls, raw: str) -> "FaultyStorage":
+        return cls([Fault(**f) for f in json.loads(raw)])
+
+    def _inject(self, op: str, where: str) -> None:
+        for f in self.faults:
+            if f.op == op and f.match in where:
+                if f.delay:
+                    time.sleep(f.delay)
+                if f.errno:
+                    raise OSError(f.errno, f"{os.strerror(f.errno)} (injected)", where)
+
+    def open_new(self, path: Path, *, direct: bool) -> tuple[int, bool]:
+        self._inject("open", str(path))
+        fd, is_direct = super().open_new(path, direct=direct)
+        self._paths[fd] = str(path)
+        return fd, is_direct
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        self._inject("write", self._paths.get(fd, ""))
+        return super().pwrite(fd, data, offset)
+
+    def fsync(self, fd: int) -> None:
+        self._inject("fsync", self._paths.get(fd, ""))
+        super().fsync(fd)
+
+    def close(self, fd: int) -> None:
+        self._paths.pop(fd, None)
+        super().close(fd)
+
+    def rename(self, src: Path, dst: Path) -> None:
+        self._inject("rename", str(dst))
+        super().rename(src, dst)
+
+
+def storage_from_env() -> Storage:
+    raw = os.environ.get("CKPTD_FAULTS")
+    return FaultyStorage.from_env(raw) if raw else Storage()

@@ -1,0 +1,122 @@
+"""The client's shared-memory slots: created once, pre-faulted, reused.
+
+Copying into memory that was touched before runs ~10x faster than into
+fresh shared memory (page faults dominate the latter), so a client keeps a
+small pool of slots and reuses them for every save. A slot is a file in
+``/dev/shm`` named ``ckptd-<uid>-<pid>-<n>``; the daemon maps the same file
+read-only and writes it to disk. Space is reserved with ``posix_fallocate``
+so a full ``/dev/shm`` is an error at creation, never a SIGBUS mid-copy.
+
+Slots are unlinked on ``close()`` and at interpreter exit; if the process is
+killed, the daemon reclaims them when it sees the pid is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import mmap
+import os
+import threading
+import weakref
+from pathlib import Path
+
+import torch
+
+SHM_DIR = Path("/dev/shm")
+PAGE = 4096
+GROWTH_QUANTUM = 1 << 20
+"""Slots are sized in whole MiB so that small growth reuses the slot."""
+
+_counter = itertools.count()
+_live: "weakref.WeakSet[Slot]" = weakref.WeakSet()
+
+
+class Slot:
+    """One shared-memory segment and a uint8 tensor over it."""
+
+    def __init__(self, size: int) -> None:
+        self.size = max(PAGE, -(-size // GROWTH_QUANTUM) * GROWTH_QUANTUM)
+        self.name = f"ckptd-{os.getuid()}-{os.getpid()}-{next(_counter)}"
+        self.path = SHM_DIR / self.name
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, self.size)
+            except OSError as exc:
+                os.unlink(self.path)
+                raise OSError(exc.errno, f"cannot reserve {self.size} bytes in {SHM_DIR}: {exc.strerror}") from None
+            self.map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.tensor.fill_(0)  # pre-fault every page now, not during a save
+        _live.add(self)
+
+    def close(self) -> None:
+        """Unlink and unmap; safe to call twice."""
+        if self.map.closed:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        del self.tensor
+        try:
+            self.map.close()
+        except BufferError:  # a caller still holds a view: leave it to GC
+            pass
+
+
+class SlotPool:
+    """At most ``capacity`` slots; a save takes a free one big enough."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._free: list[Slot] = []
+        self._busy: set[Slot] = set()
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> Slot:
+        """A free slot of at least ``nbytes``; grows (replaces) one if needed.
+
+        The caller bounds in-flight saves, so a free slot always exists here.
+        """
+        with self._lock:
+            assert len(self._busy) < self.capacity, "more saves in flight than slots"
+            fits = [s for s in self._free if s.size >= nbytes]
+            if fits:
+                slot = min(fits, key=lambda s: s.size)
+                self._free.remove(slot)
+            else:
+                if self._free and len(self._free) + len(self._busy) >= self.capacity:
+                    self._free.pop(0).close()
+                slot = None
+        if slot is None:
+            slot = Slot(nbytes)
+        with self._lock:
+            self._busy.add(slot)
+        return slot
+
+    def give_back(self, slot: Slot) -> None:
+        with self._lock:
+            self._busy.discard(slot)
+            if not slot.map.closed:
+                self._free.append(slot)
+
+    @property
+    def names(self) -> list[str]:
+        with self._lock:
+            return [s.name for s in (*self._free, *self._busy)]
+
+    def close(self) -> None:
+        with self._lock:
+            slots, self._free, self._busy = [*self._free, *self._busy], [], set()
+        for s in slots:
+            s.close()
+
+
+@atexit.register
+def _unlink_all() -> None:
+    for slot in list(_live):
+        slot.close()

@@ -1,0 +1,65 @@
+"""Finding this node's daemon, and starting one when none runs.
+
+Every rank on a node may call ``Client()`` at the same moment. A file lock
+in the run directory decides: the first rank to hold it starts the daemon
+(``python -m ckptd start``, which detaches into its own session and so
+outlives a crashed trainer long enough to finish what was staged), the
+others wait on the lock and then find the daemon running. A spawned daemon
+exits by itself once it has had no clients and no work for a while.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+from ckptd.protocol.endpoint import SOCKET_NAME, SPAWN_LOCK_NAME
+from ckptd.protocol.errors import DaemonUnavailable
+from ckptd.protocol.messages import Ping, Pong, decode
+
+SPAWNED_IDLE_EXIT_S = 120.0
+
+
+def answers(endpoint: str, timeout: float) -> bool:
+    """Whether a daemon replies to a ping at ``endpoint`` within ``timeout``."""
+    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
+        return False
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(Ping(0).to_wire())
+        return bool(sock.poll(int(timeout * 1000))) and isinstance(decode(sock.recv()), Pong)
+    finally:
+        sock.close()
+
+
+def ensure_daemon(run_dir: Path, endpoint: str, *, spawn: bool, timeout: float = 30.0) -> None:
+    """Return once a daemon answers on ``endpoint``, spawning one if allowed."""
+    if answers(endpoint, timeout=1.0):
+        return
+    if not spawn:
+        raise DaemonUnavailable(
+            f"no ckptd daemon answers at {endpoint}; start one with `ckptd start --run-dir {run_dir}` "
+            "or create the client with spawn=True"
+        )
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(run_dir / SPAWN_LOCK_NAME, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # other ranks wait here while one spawns
+        if answers(endpoint, timeout=1.0):
+            return
+        cmd = [sys.executable, "-m", "ckptd", "start", "--run-dir", str(run_dir),
+               "--exit-when-idle", str(SPAWNED_IDLE_EXIT_S)]
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise DaemonUnavailable(f"could not start a ckptd daemon on {run_dir}: {proc.stderr.strip()}")
+    deadline = time.monotonic() + timeout
+    while not answers(endpoint, timeout=1.0):
+        if time.monotonic() > deadline:
+            raise DaemonUnavailable(f"spawned a ckptd daemon but nothing answers at {endpoint} ({run_dir / SOCKET_NAME})")

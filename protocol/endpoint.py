@@ -1,0 +1,45 @@
+"""Where a node's daemon lives: its run directory and socket address.
+
+Client, CLI and daemon all find each other through this module, so
+``CKPTD_RUN_DIR`` and ``CKPTD_ENDPOINT`` mean the same thing everywhere.
+The run directory is private (mode 0700): the socket inside it is then
+reachable only by the user who owns it, which is the whole trust model for
+who may ask the daemon to write.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SOCKET_NAME = "ckptd.sock"
+PID_NAME = "ckptd.pid"
+LOG_NAME = "ckptd.log"
+SPAWN_LOCK_NAME = "spawn.lock"
+MAX_IPC_PATH = 107
+"""sun_path holds 108 bytes including the terminating NUL."""
+
+
+def default_run_dir() -> Path:
+    """``$CKPTD_RUN_DIR``, else ``$XDG_RUNTIME_DIR/ckptd``, else ``/tmp/ckptd-<uid>``."""
+    explicit = os.environ.get("CKPTD_RUN_DIR")
+    if explicit:
+        return Path(explicit)
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return Path(runtime) / "ckptd"
+    return Path(f"/tmp/ckptd-{os.getuid()}")
+
+
+def endpoint_for(run_dir: Path | str | None = None) -> str:
+    """The ZeroMQ address of the daemon for ``run_dir`` (``$CKPTD_ENDPOINT`` wins)."""
+    explicit = os.environ.get("CKPTD_ENDPOINT")
+    if explicit and run_dir is None:
+        return explicit
+    sock = Path(run_dir if run_dir is not None else default_run_dir()) / SOCKET_NAME
+    if len(str(sock)) > MAX_IPC_PATH:
+        raise ValueError(
+            f"socket path {sock} is {len(str(sock))} bytes; Unix sockets allow {MAX_IPC_PATH}. "
+            "Choose a shorter run directory (--run-dir or CKPTD_RUN_DIR)."
+        )
+    return f"ipc://{sock}"

@@ -1,0 +1,137 @@
+"""The on-disk shape of a committed checkpoint and its index file.
+
+A checkpoint ``p`` is a directory holding one safetensors shard per rank and
+``ckptd.json``. It is written as ``p.incomplete`` and renamed to ``p`` only
+after every shard and the index are durable, so a directory under its final
+name with a valid index is committed, and nothing else is. Readers use
+``read_index`` and trust nothing it refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .errors import InvalidCheckpoint
+
+INDEX_NAME = "ckptd.json"
+INCOMPLETE_SUFFIX = ".incomplete"
+FORMAT_NAME = "ckptd"
+FORMAT_VERSION = 1
+CHECKSUM_ALGORITHM = "crc32"
+STRUCTURE_KEY = "ckptd.structure"
+"""safetensors ``__metadata__`` key holding the base64 msgpack structure."""
+
+
+def shard_name(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def incomplete_path(path: Path) -> Path:
+    return path.with_name(path.name + INCOMPLETE_SUFFIX)
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One rank's file as the daemon wrote it."""
+
+    file: str
+    rank: int
+    size: int
+    checksum: int
+    tensors: int
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    """Contents of ``ckptd.json``; written last, it is the commit marker."""
+
+    world_size: int
+    step: int | None
+    created: float
+    """Unix time at which the checkpoint was committed."""
+    files: tuple[ShardRecord, ...]
+    format: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+    checksum_algorithm: str = CHECKSUM_ALGORITHM
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def shard(self, rank: int) -> ShardRecord:
+        for f in self.files:
+            if f.rank == rank:
+                return f
+        raise InvalidCheckpoint(f"checkpoint has no rank {rank}; it holds ranks 0..{self.world_size - 1}")
+
+    def to_json(self) -> bytes:
+        doc = asdict(self)
+        doc["files"] = [asdict(f) for f in self.files]
+        return json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> "CheckpointIndex":
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != FORMAT_NAME:
+                raise ValueError(f"format is {doc.get('format')!r}, not {FORMAT_NAME!r}")
+            if doc.get("version") != FORMAT_VERSION:
+                raise ValueError(f"format version {doc.get('version')!r} is not {FORMAT_VERSION}")
+            files = tuple(ShardRecord(**f) for f in doc["files"])
+            index = cls(
+                world_size=int(doc["world_size"]),
+                step=None if doc["step"] is None else int(doc["step"]),
+                created=float(doc["created"]),
+                files=files,
+                checksum_algorithm=doc["checksum_algorithm"],
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise InvalidCheckpoint(f"{where}: index is not a valid ckptd index ({exc})") from None
+        ranks = sorted(f.rank for f in files)
+        if ranks != list(range(index.world_size)):
+            raise InvalidCheckpoint(f"{where}: index lists ranks {ranks} for world size {index.world_size}")
+        return index
+
+
+def read_index(path: Path | str) -> CheckpointIndex:
+    """The index of the committed checkpoint at ``path``, or ``InvalidCheckpoint``."""
+    path = Path(path)
+    if path.name.endswith(INCOMPLETE_SUFFIX):
+        raise InvalidCheckpoint(f"{path} is an unfinished checkpoint (.incomplete) and is never loaded")
+    index_file = path / INDEX_NAME
+    try:
+        data = index_file.read_bytes()
+    except FileNotFoundError:
+        if path.is_dir():
+            raise InvalidCheckpoint(f"{path} has no {INDEX_NAME}: it is not a committed ckptd checkpoint") from None
+        raise InvalidCheckpoint(f"no checkpoint at {path}") from None
+    except OSError as exc:
+        raise InvalidCheckpoint(f"cannot read {index_file}: {exc.strerror}") from None
+    return CheckpointIndex.from_json(data, str(index_file))
+
+
+def latest(root: Path | str) -> Path | None:
+    """The committed checkpoint under ``root`` with the highest step, or None.
+
+    Ties and missing steps are broken by commit time. ``.incomplete``
+    directories and directories without a valid index are ignored.
+    """
+    best: tuple[tuple[int, float], Path] | None = None
+    try:
+        children = list(os.scandir(root))
+    except FileNotFoundError:
+        return None
+    for entry in children:
+        if entry.name.endswith(INCOMPLETE_SUFFIX) or not entry.is_dir():
+            continue
+        try:
+            index = read_index(entry.path)
+        except InvalidCheckpoint:
+            continue
+        key = (index.step if index.step is not None else -1, index.created)
+        if best is None or key > best[0]:
+            best = (key, Path(entry.path))
+    return best[1] if best else None

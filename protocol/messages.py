@@ -1,0 +1,292 @@
+"""Every message ckptd sends, and the one codec that turns them into bytes.
+
+A message is a frozen dataclass. On the wire it is one msgpack map holding
+``v`` (protocol version), ``type``, ``id`` (the request id, echoed by every
+reply) and the dataclass fields by name. ``decode`` is the only way bytes
+become a message, and it validates everything it can without knowing who
+sent it: field types, integer bounds, string lengths, and for a commit the
+whole tensor table against the slot (dtype allow-list, shape x itemsize =
+nbytes, offsets inside the slot, no overlap, no hole). Checks that need the
+daemon's state (who sent it, which roots are allowed) happen at admission.
+
+Conversation::
+
+    client                      daemon
+    Hello            ──▶        Welcome
+    Commit           ──▶        Accepted ... later Done | Error
+    Status           ──▶        StatusReply
+    Ping             ──▶        Pong        (heartbeat while work is pending)
+    Bye | Stop       ──▶        Ok
+    anything bad     ──▶        Error
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+
+from .errors import BadMessage, UnsupportedVersion
+from .layout import DATA_ALIGNMENT, TensorEntry, validate_entries
+
+PROTOCOL_VERSION = 1
+SLOT_PREFIX = "ckptd-"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""The daemon's socket drops frames larger than this before decoding."""
+MAX_STRING = 64 * 1024
+MAX_INT = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base: the request id every message carries; ``type`` names it on the wire."""
+
+    id: int
+    type: ClassVar[str] = ""
+
+    def to_wire(self) -> bytes:
+        return encode(self)
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "Message":
+        msg = decode(data)
+        if not isinstance(msg, cls):
+            raise BadMessage(f"expected a {cls.type or 'message'}, got {msg.type!r}")
+        return msg
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """A client registers: the pid owns its slots, so the daemon can check them."""
+
+    pid: int
+    uid: int
+    client_version: str
+    type: ClassVar[str] = "hello"
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    daemon_pid: int
+    daemon_version: str
+    roots: tuple[str, ...]
+    type: ClassVar[str] = "welcome"
+
+
+@dataclass(frozen=True)
+class Commit(Message):
+    """Write the shard staged in ``slot`` as ``rank`` of checkpoint ``path``."""
+
+    slot: str
+    nbytes: int
+    """Bytes of the shard file in the slot (header included)."""
+    header_len: int
+    """Length prefix plus padded JSON header; the data starts here."""
+    tensors: tuple[TensorEntry, ...]
+    path: str
+    rank: int
+    world_size: int
+    step: int | None
+    overwrite: bool
+    type: ClassVar[str] = "commit"
+
+    def __post_init__(self) -> None:
+        if not self.slot.startswith(SLOT_PREFIX) or "/" in self.slot:
+            raise BadMessage(f"slot name {self.slot!r} must start with {SLOT_PREFIX!r} and hold no '/'")
+        if not self.path:
+            raise BadMessage("checkpoint path is empty")
+        if self.world_size < 1 or self.rank >= self.world_size:
+            raise BadMessage(f"rank {self.rank} is not inside world size {self.world_size}")
+        if self.header_len < 8 or self.header_len % DATA_ALIGNMENT or self.header_len > self.nbytes:
+            raise BadMessage(
+                f"header length {self.header_len} must be a multiple of {DATA_ALIGNMENT} "
+                f"no larger than the shard ({self.nbytes} bytes)"
+            )
+        validate_entries(self.tensors, self.nbytes - self.header_len)
+
+
+@dataclass(frozen=True)
+class Accepted(Message):
+    """The commit passed admission and is queued; ``Done`` or ``Error`` follows."""
+
+    type: ClassVar[str] = "accepted"
+
+
+@dataclass(frozen=True)
+class Done(Message):
+    """The checkpoint holding this shard is durable under its final name."""
+
+    path: str
+    bytes_written: int
+    seconds: float
+    type: ClassVar[str] = "done"
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    code: int
+    message: str
+    type: ClassVar[str] = "error"
+
+
+@dataclass(frozen=True)
+class Status(Message):
+    type: ClassVar[str] = "status"
+
+
+@dataclass(frozen=True)
+class StatusReply(Message):
+    """A snapshot of the daemon; the schema is documented in the README."""
+
+    info: dict
+    type: ClassVar[str] = "status_reply"
+
+
+@dataclass(frozen=True)
+class Ping(Message):
+    type: ClassVar[str] = "ping"
+
+
+@dataclass(frozen=True)
+class Pong(Message):
+    type: ClassVar[str] = "pong"
+
+
+@dataclass(frozen=True)
+class Bye(Message):
+    """A client closes: its slots are gone and it expects no more replies."""
+
+    type: ClassVar[str] = "bye"
+
+
+@dataclass(frozen=True)
+class Stop(Message):
+    """Drain: refuse new work, finish what is in flight, then exit."""
+
+    type: ClassVar[str] = "stop"
+
+
+@dataclass(frozen=True)
+class Ok(Message):
+    type: ClassVar[str] = "ok"
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.type: cls
+    for cls in (Hello, Welcome, Commit, Accepted, Done, Error, Status, StatusReply, Ping, Pong, Bye, Stop, Ok)
+}
+
+
+def encode(msg: Message) -> bytes:
+    """The wire bytes of a message."""
+    wire: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.type}
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        if f.name == "tensors":
+            value = [[e.name, e.dtype, list(e.shape), e.begin, e.end] for e in value]
+        wire[f.name] = value
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+def decode(data: bytes) -> Message:
+    """Bytes to a validated message, or ``BadMessage`` saying what is wrong."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise BadMessage(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        wire = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise BadMessage(f"not a msgpack message: {exc}") from None
+    if not isinstance(wire, dict):
+        raise BadMessage("a message must be a msgpack map")
+    version = wire.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise UnsupportedVersion(f"protocol version {version!r} is not supported; this side speaks {PROTOCOL_VERSION}")
+    kind = wire.pop("type", None)
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise BadMessage(f"unknown message type {kind!r}")
+    hints = _wire_fields(cls)
+    names = hints.keys()
+    extra = set(wire) - names
+    if extra:
+        raise BadMessage(f"{kind}: unexpected fields {sorted(map(str, extra))}")
+    values = {}
+    for name in names:
+        if name not in wire:
+            raise BadMessage(f"{kind}: missing field {name!r}")
+        values[name] = _check(wire[name], hints[name], f"{kind}.{name}")
+    return cls(**values)
+
+
+@functools.cache
+def _wire_fields(cls: type[Message]) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def request_id(data: bytes) -> int:
+    """Best-effort id of an undecodable message, so its error reply can echo it."""
+    try:
+        wire = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        rid = wire.get("id") if isinstance(wire, dict) else None
+    except Exception:
+        return 0
+    return rid if type(rid) is int and 0 <= rid <= MAX_INT else 0
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    """Check one decoded field against its annotation; return the typed value."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check(value, inner, where)
+    if hint is bool:
+        if type(value) is not bool:
+            raise BadMessage(f"{where} must be a boolean, got {type(value).__name__}")
+        return value
+    if hint is int:
+        if type(value) is not int or not 0 <= value <= MAX_INT:
+            raise BadMessage(f"{where} must be an integer in [0, 2^63), got {value!r:.40}")
+        return value
+    if hint is float:
+        if type(value) not in (int, float):
+            raise BadMessage(f"{where} must be a number, got {type(value).__name__}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str) or len(value) > MAX_STRING or "\x00" in value:
+            raise BadMessage(f"{where} must be a string of at most {MAX_STRING} characters without NUL")
+        return value
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise BadMessage(f"{where} must be a map")
+        return value
+    if origin is tuple and args[0] is TensorEntry:
+        if not isinstance(value, list):
+            raise BadMessage(f"{where} must be a list of tensors")
+        return tuple(_tensor_entry(item, f"{where}[{i}]") for i, item in enumerate(value))
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise BadMessage(f"{where} must be a list")
+        return tuple(_check(item, args[0], f"{where}[{i}]") for i, item in enumerate(value))
+    raise AssertionError(f"no wire check for {hint!r} at {where}")
+
+
+def _tensor_entry(item: Any, where: str) -> TensorEntry:
+    if not isinstance(item, list) or len(item) != 5:
+        raise BadMessage(f"{where} must be [name, dtype, shape, begin, end]")
+    name, dtype, shape, begin, end = item
+    shape = _check(shape, tuple[int, ...], f"{where}.shape")
+    return TensorEntry(
+        _check(name, str, f"{where}.name"),
+        _check(dtype, str, f"{where}.dtype"),
+        shape,
+        _check(begin, int, f"{where}.begin"),
+        _check(end, int, f"{where}.end"),
+    )
