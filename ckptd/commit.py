@@ -107,8 +107,11 @@ class Commits:
 
     def _prepare_directory(self, pending: PendingCheckpoint) -> None:
         """Create ``p.incomplete`` fresh; a leftover from a dead save is removed."""
+        parent = pending.path.parent
+        if os.path.lexists(parent) and not parent.is_dir():
+            raise WriteFailed(f"cannot create {pending.incomplete}: {parent} is not a directory")
         try:
-            os.makedirs(pending.path.parent, exist_ok=True)
+            os.makedirs(parent, exist_ok=True)
             if os.path.lexists(pending.incomplete):
                 self.storage.remove_tree(pending.incomplete)
             self.storage.mkdir(pending.incomplete)

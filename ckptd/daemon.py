@@ -8,7 +8,6 @@ that started it, and returns once the daemon answers.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import logging.handlers
@@ -18,6 +17,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 from ckptd.protocol.endpoint import LOG_NAME, PID_NAME, SOCKET_NAME
 from ckptd.protocol.errors import CkptdError
@@ -118,21 +119,28 @@ def start_detached(argv: list[str], run_dir: Path, *, timeout: float = 30.0) -> 
         if code is not None:
             tail = err_path.read_text(errors="replace").strip().splitlines()[-5:]
             raise CkptdError("daemon exited at start (code %d): %s" % (code, " | ".join(tail) or "no output"))
-        if probe(run_dir, timeout=0.5):
+        if probe(run_dir, timeout=0.5) and _pid_in(run_dir) == proc.pid:
             return proc.pid
         time.sleep(0.05)
     proc.terminate()
     raise CkptdError(f"daemon did not answer within {timeout:.0f} s; see {run_dir / LOG_NAME}")
 
 
+def _pid_in(run_dir: Path) -> int | None:
+    try:
+        return int((run_dir / PID_NAME).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def wait_for_exit(pid: int, timeout: float) -> bool:
-    """True once ``pid`` is gone; False if it still runs after ``timeout``."""
+    """True once ``pid`` has exited (a zombie counts: its parent just has not reaped it)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except OSError as exc:
-            if exc.errno == errno.ESRCH:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
                 return True
+        except psutil.NoSuchProcess:
+            return True
         time.sleep(0.05)
     return False

@@ -61,13 +61,17 @@ def load(path: str | os.PathLike, *, rank: int | None = None, verify: bool = Tru
         raise InvalidCheckpoint(f"shard {shard} holds no ckptd structure in its metadata")
     buf = torch.frombuffer(mapping, dtype=torch.uint8)
     by_name = {e.name: e for e in entries}
+    made: dict[str, torch.Tensor] = {}
 
     def tensor_for(name: str) -> torch.Tensor:
+        if name in made:  # one tensor referenced twice (tied weights) loads as one object
+            return made[name]
         e = by_name.get(name)
         if e is None:
             raise InvalidCheckpoint(f"shard {shard}: structure names tensor {name!r}, which the header lacks")
         flat = buf[data_start + e.begin : data_start + e.end]
-        return flat.view(TORCH_DTYPES[e.dtype]).view(e.shape)
+        made[name] = flat.view(TORCH_DTYPES[e.dtype]).view(e.shape)
+        return made[name]
 
     try:
         return unflatten(structure, tensor_for)

@@ -10,6 +10,7 @@ name with a valid index is committed, and nothing else is. Readers use
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,26 +75,48 @@ class CheckpointIndex:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> "CheckpointIndex":
+        """Parse and check an index; anything odd is ``InvalidCheckpoint``."""
         try:
             doc = json.loads(data)
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
             if doc.get("format") != FORMAT_NAME:
                 raise ValueError(f"format is {doc.get('format')!r}, not {FORMAT_NAME!r}")
-            if doc.get("version") != FORMAT_VERSION:
+            if not _is_int(doc.get("version")) or doc["version"] != FORMAT_VERSION:
                 raise ValueError(f"format version {doc.get('version')!r} is not {FORMAT_VERSION}")
-            files = tuple(ShardRecord(**f) for f in doc["files"])
-            index = cls(
-                world_size=int(doc["world_size"]),
-                step=None if doc["step"] is None else int(doc["step"]),
-                created=float(doc["created"]),
-                files=files,
-                checksum_algorithm=doc["checksum_algorithm"],
-            )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            files = tuple(_shard_record(f) for f in doc["files"])
+            world_size, step, created = doc["world_size"], doc["step"], doc["created"]
+            if not _is_int(world_size) or world_size < 1:
+                raise ValueError(f"world_size {world_size!r} is not a positive integer")
+            if step is not None and not _is_int(step):
+                raise ValueError(f"step {step!r} is not an integer")
+            if type(created) not in (int, float) or not math.isfinite(created):
+                raise ValueError(f"created {created!r} is not a time")
+            if not isinstance(doc["checksum_algorithm"], str):
+                raise ValueError("checksum_algorithm is not a string")
+            index = cls(world_size=world_size, step=step, created=float(created), files=files,
+                        checksum_algorithm=doc["checksum_algorithm"])
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise InvalidCheckpoint(f"{where}: index is not a valid ckptd index ({exc})") from None
         ranks = sorted(f.rank for f in files)
         if ranks != list(range(index.world_size)):
             raise InvalidCheckpoint(f"{where}: index lists ranks {ranks} for world size {index.world_size}")
         return index
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
+def _shard_record(doc: object) -> ShardRecord:
+    if not isinstance(doc, dict) or set(doc) != {"file", "rank", "size", "checksum", "tensors"}:
+        raise ValueError(f"file entry {doc!r:.80} must hold file, rank, size, checksum and tensors")
+    if not isinstance(doc["file"], str) or "/" in doc["file"] or doc["file"] in ("", ".", ".."):
+        raise ValueError(f"file name {doc['file']!r} is not a plain file name")
+    for key in ("rank", "size", "checksum", "tensors"):
+        if not _is_int(doc[key]) or doc[key] < 0:
+            raise ValueError(f"{key} {doc[key]!r} of {doc['file']} is not a non-negative integer")
+    return ShardRecord(**doc)
 
 
 def read_index(path: Path | str) -> CheckpointIndex:

@@ -157,11 +157,12 @@ def parse_header(prefix: bytes | memoryview, file_size: int) -> tuple[list[Tenso
         raise BadMessage(f"need {8 + hlen} header bytes, got {len(prefix)}")
     try:
         doc = json.loads(bytes(prefix[8 : 8 + hlen]))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise BadMessage(f"header is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise BadMessage("header is not a JSON object")
-    metadata = doc.pop("__metadata__", None) or {}
+    metadata = doc.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):

@@ -204,7 +204,7 @@ def decode(data: bytes) -> Message:
     if not isinstance(wire, dict):
         raise BadMessage("a message must be a msgpack map")
     version = wire.pop("v", None)
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise UnsupportedVersion(f"protocol version {version!r} is not supported; this side speaks {PROTOCOL_VERSION}")
     kind = wire.pop("type", None)
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None

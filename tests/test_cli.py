@@ -1,0 +1,58 @@
+"""CLI exit codes: 0 ok, 1 daemon unreachable, 2 usage, 3 error reply."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def ckptd_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_status_exits_zero_and_prints_a_readable_table(daemon) -> None:
+    out = daemon.cli("status")
+    assert out.returncode == 0
+    assert f"pid {daemon.proc.pid}" in out.stdout and "in progress: nothing" in out.stdout
+
+
+def test_status_json_has_the_documented_top_level_keys(daemon) -> None:
+    out = daemon.cli("status", "--json")
+    assert out.returncode == 0
+    info = json.loads(out.stdout)
+    assert set(info) == {"daemon", "clients", "writes", "saves", "checkpoints", "completed", "errors",
+                         "shm_mapped_bytes", "roots"}
+    assert info["daemon"]["pid"] == daemon.proc.pid
+    assert info["roots"][0]["path"] == str(daemon.root)
+
+
+def test_status_and_stop_exit_one_when_no_daemon_runs(run_dir) -> None:
+    for cmd in ("status", "stop"):
+        out = ckptd_cli(cmd, "--run-dir", str(run_dir))
+        assert out.returncode == 1, out
+        assert "no ckptd daemon is running" in out.stderr
+
+
+def test_usage_errors_exit_two(run_dir) -> None:
+    assert ckptd_cli().returncode == 2
+    assert ckptd_cli("frobnicate").returncode == 2
+    out = ckptd_cli("start", "--max-concurrent-writes", "many")
+    assert out.returncode == 2 and "invalid int value" in out.stderr
+    out = ckptd_cli("start", "--foreground", "--run-dir", str(run_dir), "--max-concurrent-writes", "0")
+    assert out.returncode == 2 and "max_concurrent_writes" in out.stderr
+
+
+def test_an_error_exits_three(daemon) -> None:
+    out = daemon.cli("start")
+    assert out.returncode == 3 and "already running" in out.stderr
+
+
+def test_start_detaches_and_stop_drains(run_dir, root) -> None:
+    out = ckptd_cli("start", "--run-dir", str(run_dir), "--root", str(root))
+    assert out.returncode == 0, out.stderr
+    assert "ckptd started" in out.stdout
+    assert ckptd_cli("status", "--run-dir", str(run_dir)).returncode == 0
+    out = ckptd_cli("stop", "--run-dir", str(run_dir))
+    assert out.returncode == 0 and "stopped" in out.stdout
+    assert ckptd_cli("status", "--run-dir", str(run_dir)).returncode == 1

@@ -1,0 +1,206 @@
+"""The daemon as a process: lifecycle, draining, spawning, and what it refuses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+import ckptd
+from ckptd.protocol.errors import ErrorCode
+from ckptd.protocol.messages import Commit, Error, Hello, Ok, Status, StatusReply, Welcome, decode
+from ckptd.protocol.layout import plan_layout
+
+from conftest import short_tempdir, start_daemon
+
+SLOW = [{"op": "write", "match": "slow", "errno": 0, "delay": 1.5}]
+
+
+def wait_until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_status_shows_a_save_in_flight(daemon_factory, client_factory, root) -> None:
+    daemon = daemon_factory(faults=SLOW)
+    client = client_factory()
+    fut = client.save_async({"w": torch.ones(1000)}, root / "slow", step=9)
+    status = daemon.status()
+    (ckpt,) = status["checkpoints"]
+    assert ckpt["path"] == str(root / "slow") and ckpt["step"] == 9
+    assert ckpt["ranks_durable"] == 0 and ckpt["world_size"] == 1
+    (save,) = status["saves"]
+    assert save["state"] in ("queued", "writing") and save["bytes"] > 0
+    assert status["writes"]["writing"] + status["writes"]["queued"] == 1
+    text = daemon.cli("status").stdout
+    assert "in progress:" in text and "ranks durable 0/1" in text
+    fut.result(30)
+    after = daemon.status()
+    assert after["checkpoints"] == [] and after["completed"]["count"] == 1
+    assert after["completed"]["last"]["path"] == str(root / "slow")
+
+
+def test_second_start_on_the_same_run_dir_refuses_clearly(daemon) -> None:
+    out = daemon.cli("start", "--foreground")
+    assert out.returncode == 3
+    assert "already running" in out.stderr and str(daemon.proc.pid) in out.stderr
+    assert daemon.proc.poll() is None
+
+
+def test_sigterm_drains_in_flight_saves_then_exits_zero(daemon_factory, client_factory, root) -> None:
+    daemon = daemon_factory(faults=SLOW)
+    client = client_factory()
+    fut = client.save_async({"w": torch.ones(100)}, root / "slow")
+    fut.wait_staged(10)
+    wait_until(lambda: daemon.status()["saves"])
+    assert daemon.stop(timeout=30) == 0
+    assert fut.result(10).path == root / "slow"
+    assert ckptd.read_index(root / "slow").world_size == 1
+    assert not (daemon.run_dir / "ckptd.sock").exists() and not (daemon.run_dir / "ckptd.pid").exists()
+
+
+def test_ckptd_stop_refuses_new_saves_while_draining(daemon_factory, client_factory, root) -> None:
+    daemon = daemon_factory(faults=SLOW)
+    client = client_factory(max_inflight=2)
+    first = client.save_async({"w": torch.ones(100)}, root / "slow")
+    wait_until(lambda: daemon.status()["saves"])
+    stopper = subprocess.Popen([sys.executable, "-m", "ckptd", "stop", "--run-dir", str(daemon.run_dir)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: daemon.proc.poll() is not None or _draining(daemon))
+    with pytest.raises(ckptd.ShuttingDown):
+        client.save_async({"w": torch.ones(100)}, root / "refused").result(30)
+    assert first.result(30).path == root / "slow"
+    out, err = stopper.communicate(timeout=30)
+    assert stopper.returncode == 0, err
+    assert "stopped" in out
+    assert daemon.proc.wait(10) == 0
+    assert not (root / "refused").exists()
+
+
+def _draining(daemon) -> bool:
+    out = daemon.cli("status", "--json")
+    return out.returncode == 0 and '"draining": true' in out.stdout
+
+
+def test_daemon_process_never_loads_torch(daemon, client, root) -> None:
+    client.save_async({"w": torch.ones(10)}, root / "c").result(30)
+    maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps and "torch" not in maps
+
+
+def test_a_client_spawns_a_detached_daemon_once_even_when_ranks_race(run_dir, root, monkeypatch) -> None:
+    monkeypatch.setenv("CKPTD_ROOTS", str(root))
+    clients: list = [None] * 4
+    errors: list = []
+
+    def make(i: int) -> None:
+        try:
+            clients[i] = ckptd.Client(run_dir=run_dir, spawn=True, timeout=20)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=make, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    pid = int((run_dir / "ckptd.pid").read_text())
+    try:
+        assert os.getsid(pid) != os.getsid(0), "the daemon must run in its own session"
+        for i, c in enumerate(clients):
+            c.save_async({"i": torch.tensor(i)}, root / f"from-{i}").result(30)
+        status = subprocess.run([sys.executable, "-m", "ckptd", "status", "--json", "--run-dir", str(run_dir)],
+                                capture_output=True, text=True, timeout=30)
+        assert f'"pid": {pid}' in status.stdout
+        assert status.stdout.count('"saves": 1') == 4
+    finally:
+        for c in clients:
+            c.close()
+        out = subprocess.run([sys.executable, "-m", "ckptd", "stop", "--run-dir", str(run_dir)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+
+
+def test_daemon_started_with_exit_when_idle_exits_after_its_last_client(run_dir, root, client_factory) -> None:
+    daemon = start_daemon(run_dir, root, "--exit-when-idle", "0.5")
+    try:
+        c = client_factory()
+        c.save_async({"x": 1}, root / "c").result(30)
+        time.sleep(1.0)
+        assert daemon.proc.poll() is None, "must not exit while a client is connected"
+        c.close()
+        assert daemon.proc.wait(15) == 0
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.kill()
+
+
+def _raw_socket(daemon) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(daemon.endpoint)
+    return sock
+
+
+def test_garbage_and_rule_breaking_requests_get_error_replies_and_the_daemon_serves_on(daemon, root) -> None:
+    sock = _raw_socket(daemon)
+    layout = plan_layout([("w", "F32", (4,))], {})
+    commit = Commit(7, f"ckptd-{os.getuid()}-{os.getpid()}-0", layout.nbytes, layout.data_start,
+                    layout.entries, str(root / "x"), 0, 1, None, False)
+    cases = [
+        (b"\xc1garbage", ErrorCode.BAD_MESSAGE),
+        (msgpack.packb({"v": 99, "type": "status", "id": 3}), ErrorCode.UNSUPPORTED_VERSION),
+        (msgpack.packb({"v": 1, "type": "welcome", "id": 4, "daemon_pid": 1, "daemon_version": "x", "roots": []}),
+         ErrorCode.BAD_MESSAGE),
+        (commit.to_wire(), ErrorCode.UNKNOWN_CLIENT),  # no hello yet
+    ]
+    for payload, code in cases:
+        sock.send(payload)
+        reply = decode(sock.recv())
+        assert isinstance(reply, Error) and reply.code == code, reply
+    sock.send(Hello(1, os.getpid(), os.getuid(), "test").to_wire())
+    assert isinstance(decode(sock.recv()), Welcome)
+    # a slot that does not exist, and a slot named for another process
+    sock.send(commit.to_wire())
+    reply = decode(sock.recv())
+    assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_SLOT and "cannot open slot" in reply.message
+    other = Commit(8, f"ckptd-{os.getuid()}-1-0", layout.nbytes, layout.data_start, layout.entries,
+                   str(root / "x"), 0, 1, None, False)
+    sock.send(other.to_wire())
+    reply = decode(sock.recv())
+    assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_SLOT and "pid" in reply.message
+    sock.send_multipart([b"two", b"frames"])
+    assert decode(sock.recv()).code == ErrorCode.BAD_MESSAGE
+    sock.send(Status(9).to_wire())
+    assert isinstance(decode(sock.recv()), StatusReply)
+    sock.close()
+    assert not (root / "x").exists() and not (root / "x.incomplete").exists()
+
+
+def test_a_slot_whose_header_disagrees_with_the_commit_is_refused(daemon, client, root) -> None:
+    # stage a real save to get a real slot, then lie about its tensor table
+    client.save_async({"w": torch.ones(4)}, root / "real").result(30)
+    (slot,) = client.slot_names
+    sock = _raw_socket(daemon)
+    sock.send(Hello(1, os.getpid(), os.getuid(), "test").to_wire())
+    decode(sock.recv())
+    layout = plan_layout([("v", "F32", (4,))], {})
+    lie = Commit(2, slot, layout.nbytes, layout.data_start, layout.entries, str(root / "lie"), 0, 1, None, False)
+    sock.send(lie.to_wire())
+    reply = decode(sock.recv())
+    assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_SLOT, reply
+    sock.close()
+    assert not (root / "lie").exists()

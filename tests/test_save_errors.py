@@ -1,0 +1,101 @@
+"""Every way a save can fail arrives as a typed error, and nothing committed is harmed."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd
+
+
+def test_path_outside_the_allowed_roots_fails_with_path_not_allowed(client, root, tmp_path) -> None:
+    outside = tmp_path / "elsewhere" / "ckpt"
+    with pytest.raises(ckptd.PathNotAllowed, match="outside the daemon's allowed roots"):
+        client.save_async({"x": torch.ones(2)}, outside).result(30)
+    assert not outside.parent.exists()
+
+
+def test_symlink_leading_out_of_the_roots_is_refused(client, root, tmp_path) -> None:
+    (tmp_path / "escape").mkdir()
+    (root / "link").symlink_to(tmp_path / "escape")
+    with pytest.raises(ckptd.PathNotAllowed):
+        client.save_async({"x": 1}, root / "link" / "ckpt").result(30)
+    with pytest.raises(ckptd.PathNotAllowed):
+        client.save_async({"x": 1}, root / ".." / "dotdot").result(30)
+    assert list((tmp_path / "escape").iterdir()) == []
+
+
+def test_existing_checkpoint_is_kept_without_overwrite_and_replaced_with_it(client, root) -> None:
+    client.save_async({"v": torch.tensor(1)}, root / "c").result(30)
+    with pytest.raises(ckptd.CheckpointExists, match="overwrite=True"):
+        client.save_async({"v": torch.tensor(2)}, root / "c").result(30)
+    assert ckptd.load(root / "c")["v"].item() == 1
+    client.save_async({"v": torch.tensor(3)}, root / "c", overwrite=True).result(30)
+    assert ckptd.load(root / "c")["v"].item() == 3
+    assert sorted(p.name for p in root.iterdir()) == ["c"]
+
+
+def test_unwritable_path_fails_with_write_failed(client, root) -> None:
+    (root / "file").write_text("not a directory")
+    with pytest.raises(ckptd.WriteFailed, match="is not a directory"):
+        client.save_async({"x": 1}, root / "file" / "ckpt").result(30)
+
+
+def wait_until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        {"op": "write", "match": "broken", "errno": errno.EIO},
+        {"op": "fsync", "match": "broken", "errno": errno.ENOSPC},
+        {"op": "open", "match": "broken", "errno": errno.EACCES},
+        {"op": "rename", "match": "broken", "errno": errno.EIO},
+    ],
+    ids=lambda f: f"{f['op']}-{errno.errorcode[f['errno']]}",
+)
+def test_failed_write_leaves_no_final_directory_and_the_daemon_keeps_serving(
+    daemon_factory, client_factory, root, fault
+) -> None:
+    daemon = daemon_factory(faults=[fault])
+    client = client_factory()
+    client.save_async({"w": torch.ones(100)}, root / "good-before").result(30)
+    with pytest.raises(ckptd.WriteFailed, match=os.strerror(fault["errno"])):
+        client.save_async({"w": torch.ones(100)}, root / "broken").result(30)
+    wait_until(lambda: not (root / "broken.incomplete").exists())
+    assert not (root / "broken").exists()
+    client.save_async({"w": torch.ones(100)}, root / "good-after").result(30)
+    assert sorted(p.name for p in root.iterdir()) == ["good-after", "good-before"]
+    assert torch.equal(ckptd.load(root / "good-before")["w"], torch.ones(100))
+    errors = daemon.status()["errors"]
+    assert any("broken" in e["message"] for e in errors)
+
+
+def test_pending_save_fails_with_daemon_unavailable_when_the_daemon_is_killed(daemon_factory, client_factory, root) -> None:
+    daemon = daemon_factory(faults=[{"op": "write", "match": "slow", "errno": 0, "delay": 30}])
+    client = client_factory(heartbeat=0.2, timeout=5.0)
+    fut = client.save_async({"w": torch.ones(10)}, root / "slow")
+    time.sleep(0.3)
+    daemon.kill()
+    started = time.monotonic()
+    with pytest.raises(ckptd.DaemonUnavailable, match="died|not answered"):
+        fut.result(15)
+    assert time.monotonic() - started < 10
+    assert not (root / "slow").exists()
+    # a later save says clearly that no daemon answers (spawn=False)
+    with pytest.raises(ckptd.DaemonUnavailable, match="no ckptd daemon answers"):
+        client.save_async({"w": torch.ones(10)}, root / "later")
+
+
+def test_client_without_spawn_raises_a_clear_error_when_no_daemon_runs(run_dir) -> None:
+    with pytest.raises(ckptd.DaemonUnavailable, match="ckptd start"):
+        ckptd.Client(run_dir=run_dir, spawn=False)

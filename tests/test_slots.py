@@ -1,0 +1,68 @@
+"""Shared-memory slots: created once, reused, grown only when needed, never leaked."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch
+
+from conftest import SHM, own_segments
+
+
+def test_second_save_of_the_same_size_creates_no_new_segment(client, root) -> None:
+    state = {"w": torch.randn(256, 256), "step": 1}
+    client.save_async(state, root / "a").result(30)
+    first = own_segments()
+    assert len(first) == 1
+    inode = os.stat(SHM / next(iter(first))).st_ino
+    for i in range(3):
+        client.save_async(state, root / f"b{i}").result(30)
+    assert own_segments() == first
+    assert os.stat(SHM / next(iter(first))).st_ino == inode
+
+
+def test_a_larger_state_grows_the_slot_and_unlinks_the_old_one(client_factory, daemon, root) -> None:
+    client = client_factory(max_inflight=1)
+    client.save_async({"w": torch.randn(1024)}, root / "small").result(30)
+    small = own_segments()
+    client.save_async({"w": torch.randn(1024, 1024)}, root / "big").result(30)
+    client.save_async({"w": torch.randn(1024, 1024), "v": torch.randn(8)}, root / "big2").result(30)
+    segments = own_segments()
+    assert len(segments) <= 2  # max_inflight + 1
+    assert torch.equal(torch.load if False else torch.ones(1), torch.ones(1))
+
+
+def test_close_leaves_nothing_in_dev_shm(client_factory, daemon, root) -> None:
+    client = client_factory(max_inflight=2)
+    futs = [client.save_async({"w": torch.randn(512, 512)}, root / f"c{i}") for i in range(4)]
+    for f in futs:
+        f.result(30)
+    assert own_segments()
+    client.close()
+    assert own_segments() == set()
+    assert daemon.status()["clients"] == []
+
+
+def test_a_killed_trainers_slots_are_reclaimed_by_the_daemon(daemon, root) -> None:
+    script = textwrap.dedent(f"""
+        import os, sys, time, torch, ckptd
+        c = ckptd.Client(run_dir={str(daemon.run_dir)!r}, spawn=False)
+        c.save_async({{"w": torch.ones(1000)}}, {str(root / 'k')!r}).result(30)
+        print(" ".join(c.slot_names), flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    names = proc.stdout.readline().split()
+    assert names and all((SHM / n).exists() for n in names)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 10
+    while any((SHM / n).exists() for n in names):
+        assert time.monotonic() < deadline, f"slots {names} not reclaimed"
+        time.sleep(0.1)
+    assert daemon.status()["clients"] == []

@@ -1,0 +1,171 @@
+"""Golden bytes for every message: the wire format is frozen here.
+
+Clients and daemons of different ckptd releases talk to each other on the
+same node, so any change to how a message is encoded is a protocol change.
+If one of these tests fails, either the change was an accident (fix the
+code) or it is deliberate (bump PROTOCOL_VERSION and regenerate the hex on
+purpose, never silently).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptd.protocol.errors import ErrorCode
+from ckptd.protocol.layout import TensorEntry
+from ckptd.protocol.messages import (
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Accepted,
+    Bye,
+    Commit,
+    Done,
+    Error,
+    Hello,
+    Message,
+    Ok,
+    Ping,
+    Pong,
+    Status,
+    StatusReply,
+    Stop,
+    Welcome,
+    decode,
+)
+
+GOLDEN: dict[str, tuple[Message, str]] = {
+    "hello": (
+        Hello(id=1, pid=4242, uid=1000, client_version="0.1.0"),
+        "86a17601a474797065a568656c6c6fa2696401a3706964cd1092a3756964cd03e8"
+        "ae636c69656e745f76657273696f6ea5302e312e30",
+    ),
+    "welcome": (
+        Welcome(id=1, daemon_pid=77, daemon_version="0.1.0", roots=("/ckpt", "/scratch/ckpt")),
+        "86a17601a474797065a777656c636f6d65a2696401aa6461656d6f6e5f7069644d"
+        "ae6461656d6f6e5f76657273696f6ea5302e312e30a5726f6f747392a52f636b70"
+        "74ad2f736372617463682f636b7074",
+    ),
+    "commit": (
+        Commit(
+            id=2,
+            slot="ckptd-1000-4242-0",
+            nbytes=4096 + 32,
+            header_len=4096,
+            tensors=(
+                TensorEntry("w", "F32", (2, 3), 0, 24),
+                TensorEntry("b", "BF16", (4,), 24, 32),
+            ),
+            path="/ckpt/step-100",
+            rank=1,
+            world_size=2,
+            step=100,
+            overwrite=False,
+        ),
+        "8ca17601a474797065a6636f6d6d6974a2696402a4736c6f74b1636b7074642d31"
+        "3030302d343234322d30a66e6279746573cd1020aa6865616465725f6c656ecd10"
+        "00a774656e736f72739295a177a34633329202030018" "95a162a44246313691041820"
+        "a470617468ae2f636b70742f737465702d313030a472616e6b01aa776f726c645f"
+        "73697a6502a47374657064a96f7665727772697465c2",
+    ),
+    "accepted": (
+        Accepted(id=2),
+        "83a17601a474797065a86163636570746564a2696402",
+    ),
+    "done": (
+        Done(id=2, path="/ckpt/step-100", bytes_written=4128, seconds=1.5),
+        "86a17601a474797065a4646f6e65a2696402a470617468ae2f636b70742f737465"
+        "702d313030ad62797465735f7772697474656ecd1020a77365636f6e6473cb3ff8"
+        "000000000000",
+    ),
+    "error": (
+        Error(id=3, code=6, message="checkpoint /ckpt/step-100 exists"),
+        "85a17601a474797065a56572726f72a2696403a4636f646506a76d657373616765"
+        "d920636865636b706f696e74202f636b70742f737465702d31303020657869737473",
+    ),
+    "status": (
+        Status(id=4),
+        "83a17601a474797065a6737461747573a2696404",
+    ),
+    "status_reply": (
+        StatusReply(id=4, info={"pending": 2, "roots": ["/ckpt"]}),
+        "84a17601a474797065ac7374617475735f7265706c79a2696404a4696e666f82a7"
+        "70656e64696e6702a5726f6f747391a52f636b7074",
+    ),
+    "ping": (Ping(id=5), "83a17601a474797065a470696e67a2696405"),
+    "pong": (Pong(id=5), "83a17601a474797065a4706f6e67a2696405"),
+    "bye": (Bye(id=6), "83a17601a474797065a3627965a2696406"),
+    "stop": (Stop(id=7), "83a17601a474797065a473746f70a2696407"),
+    "ok": (Ok(id=7), "83a17601a474797065a26f6ba2696407"),
+}
+
+
+def test_the_golden_table_covers_every_message_type_and_nothing_else():
+    assert set(GOLDEN) == set(MESSAGE_TYPES)
+    for name, (msg, _) in GOLDEN.items():
+        assert type(msg) is MESSAGE_TYPES[name]
+
+
+@pytest.mark.parametrize("kind", sorted(GOLDEN))
+def test_message_encodes_to_the_frozen_bytes(kind):
+    msg, golden = GOLDEN[kind]
+    assert msg.to_wire().hex() == golden
+
+
+@pytest.mark.parametrize("kind", sorted(GOLDEN))
+def test_frozen_bytes_decode_back_to_the_same_message(kind):
+    msg, golden = GOLDEN[kind]
+    decoded = decode(bytes.fromhex(golden))
+    assert type(decoded) is type(msg)
+    assert decoded == msg
+
+
+@pytest.mark.parametrize("kind", sorted(GOLDEN))
+def test_from_wire_on_the_message_class_accepts_its_own_bytes(kind):
+    msg, golden = GOLDEN[kind]
+    assert type(msg).from_wire(bytes.fromhex(golden)) == msg
+
+
+def test_message_type_names_are_frozen():
+    assert {name: cls.__name__ for name, cls in MESSAGE_TYPES.items()} == {
+        "hello": "Hello",
+        "welcome": "Welcome",
+        "commit": "Commit",
+        "accepted": "Accepted",
+        "done": "Done",
+        "error": "Error",
+        "status": "Status",
+        "status_reply": "StatusReply",
+        "ping": "Ping",
+        "pong": "Pong",
+        "bye": "Bye",
+        "stop": "Stop",
+        "ok": "Ok",
+    }
+
+
+def test_protocol_version_is_one():
+    assert PROTOCOL_VERSION == 1
+    assert type(PROTOCOL_VERSION) is int
+
+
+def test_error_codes_are_frozen_by_name_and_number():
+    assert {code.name: int(code) for code in ErrorCode} == {
+        "BAD_MESSAGE": 1,
+        "UNSUPPORTED_VERSION": 2,
+        "UNKNOWN_CLIENT": 3,
+        "BAD_SLOT": 4,
+        "PATH_NOT_ALLOWED": 5,
+        "CHECKPOINT_EXISTS": 6,
+        "WRITE_FAILED": 7,
+        "CONFLICT": 8,
+        "SHUTTING_DOWN": 9,
+        "INTERNAL": 10,
+        "DAEMON_UNAVAILABLE": 11,
+        "INVALID_CHECKPOINT": 12,
+    }
+
+
+def test_an_error_built_with_an_error_code_enum_encodes_as_the_plain_integer():
+    # The server builds replies as Error(rid, exc.code, ...) with an IntEnum.
+    with_enum = Error(id=3, code=ErrorCode.CHECKPOINT_EXISTS, message="checkpoint /ckpt/step-100 exists")
+    assert with_enum.to_wire().hex() == GOLDEN["error"][1]
