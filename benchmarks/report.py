@@ -52,6 +52,8 @@ class Machine:
     torch: str
     scratch: Path
     scratch_fs: str
+    load: tuple[float, float, float]
+    """1/5/15-minute load average at the start: other work on two cores shows up in the numbers."""
 
 
 def _cpu_model() -> str:
@@ -87,6 +89,7 @@ def describe_machine(scratch: Path) -> Machine:
         torch=torch.__version__,
         scratch=scratch,
         scratch_fs=filesystem_of(scratch),
+        load=os.getloadavg(),
     )
 
 
@@ -179,6 +182,7 @@ def markdown(*, command: str, machine: Machine, state_line: str, table: list[lis
         f"- date: {m.date}",
         f"- machine: {m.cores} cores ({m.cpu}), {m.ram_gib:.1f} GiB RAM, /dev/shm {m.shm_gib:.1f} GiB",
         f"- kernel: {m.kernel}; Python {m.python}; torch {m.torch}",
+        f"- load average at start: {m.load[0]:.2f} {m.load[1]:.2f} {m.load[2]:.2f}",
         f"- scratch dir: `{m.scratch}` on {m.scratch_fs}",
         f"- state: {state_line}",
         "",

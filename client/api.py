@@ -180,15 +180,17 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        if self._stager is not None:
-            self._stager.shutdown(wait=True)
-        self.wait()
         try:
-            self._conn.call(Bye(self._conn.next_id()), timeout=min(self._timeout, 5.0))
-        except Exception:
-            pass  # the daemon is gone; it reclaims nothing we have not unlinked
-        self._conn.close()
-        self._slots.close()
+            if self._stager is not None:
+                self._stager.shutdown(wait=True)
+            self.wait()
+            try:
+                self._conn.call(Bye(self._conn.next_id()), timeout=min(self._timeout, 5.0))
+            except Exception:
+                pass  # the daemon is gone: nothing to say goodbye to
+            self._conn.close()
+        finally:
+            self._slots.close()
 
     def __enter__(self) -> "Client":
         return self

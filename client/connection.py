@@ -77,6 +77,9 @@ class Connection:
         return self.request(msg).result(timeout if timeout is not None else self.timeout)
 
     def close(self) -> None:
+        """Stop the I/O thread (pending requests fail); safe to call twice."""
+        if self._closing.is_set():
+            return
         self._closing.set()
         os.eventfd_write(self._wake, 1)
         self._thread.join()

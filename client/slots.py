@@ -78,22 +78,23 @@ class SlotPool:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> Slot:
-        """A free slot of at least ``nbytes``; grows (replaces) one if needed.
+        """A free slot of at least ``nbytes``, or a new one if none fits.
 
-        The caller bounds in-flight saves, so a free slot always exists here.
+        When the state has grown past every free slot, those slots are too
+        small from now on: their memory is given back before the new one is
+        made. The caller bounds in-flight saves, so the pool never exceeds
+        its capacity.
         """
         with self._lock:
             assert len(self._busy) < self.capacity, "more saves in flight than slots"
             fits = [s for s in self._free if s.size >= nbytes]
-            if fits:
-                slot = min(fits, key=lambda s: s.size)
+            slot = min(fits, key=lambda s: s.size) if fits else None
+            if slot is not None:
                 self._free.remove(slot)
-            else:
-                if self._free and len(self._free) + len(self._busy) >= self.capacity:
-                    self._free.pop(0).close()
-                slot = None
-        if slot is None:
-            slot = Slot(nbytes)
+            stale, self._free = (self._free, []) if slot is None else ([], self._free)
+        for s in stale:
+            s.close()
+        slot = slot or Slot(nbytes)
         with self._lock:
             self._busy.add(slot)
         return slot

@@ -146,3 +146,14 @@ def own_segments() -> set[str]:
     """This process's ckptd segments in /dev/shm."""
     prefix = f"ckptd-{os.getuid()}-{os.getpid()}-"
     return {p.name for p in SHM.iterdir() if p.name.startswith(prefix)}
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_segments() -> Iterator[None]:
+    """Every test must leave this process's /dev/shm as it found it."""
+    before = own_segments()
+    yield
+    leaked = own_segments() - before
+    for name in leaked:
+        (SHM / name).unlink(missing_ok=True)
+    assert not leaked, f"test leaked shared-memory segments {sorted(leaked)}"
