@@ -40,11 +40,19 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
                        help="exit after this long with no clients and no work")
     start.add_argument("--buffered-io", action="store_true", help="do not use O_DIRECT")
+    start.add_argument("--keep", action="append", default=None, metavar="DIR=K", type=_keep_arg,
+                       help="retention: keep only the K newest checkpoints in DIR and below (repeatable)")
+    start.add_argument("--sweep", choices=("remove", "move", "off"), default="remove",
+                       help="on start, remove (default), move aside, or keep orphaned .incomplete directories")
     start.add_argument("--quiet", action="store_true", help="with --foreground: log to the log file only")
 
     status = with_run_dir(sub.add_parser("status", help="show what the daemon is doing"))
     status.add_argument("--json", action="store_true", help="print the status snapshot as JSON")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+
+    listing = sub.add_parser("list", help="list the checkpoints under a directory (no daemon needed)")
+    listing.add_argument("root", type=Path)
+    listing.add_argument("--json", action="store_true")
 
     stop = with_run_dir(sub.add_parser("stop", help="finish in-flight saves, then exit"))
     stop.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the drain")
@@ -53,9 +61,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    run_dir: Path = (args.run_dir or default_run_dir()).absolute()
+    run_dir: Path = (getattr(args, "run_dir", None) or default_run_dir()).absolute()
     try:
-        return {"start": _start, "status": _status, "stop": _stop}[args.command](args, run_dir)
+        return {"start": _start, "status": _status, "stop": _stop, "list": _list}[args.command](args, run_dir)
     except DaemonUnavailable as exc:
         print(f"ckptd: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -71,7 +79,8 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
     from .daemon import run_foreground, start_detached
 
     kwargs = {"run_dir": run_dir, "max_concurrent_writes": args.max_concurrent_writes,
-              "exit_when_idle": args.exit_when_idle, "direct_io": not args.buffered_io}
+              "exit_when_idle": args.exit_when_idle, "direct_io": not args.buffered_io,
+              "keep_last": dict(args.keep or []), "sweep": args.sweep}
     if args.root:
         kwargs["roots"] = tuple(args.root)
     config = DaemonConfig(**kwargs, log_to_stderr=args.foreground and not args.quiet)
@@ -84,8 +93,25 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
         argv += ["--exit-when-idle", str(args.exit_when_idle)]
     if args.buffered_io:
         argv.append("--buffered-io")
+    argv += [a for d, k in config.keep_last.items() for a in ("--keep", f"{d}={k}")]
+    argv += ["--sweep", config.sweep]
     pid = start_detached(argv, run_dir)
     print(f"ckptd started (pid {pid}) on {config.endpoint}")
+    return EXIT_OK
+
+
+def _keep_arg(text: str) -> tuple[Path, int]:
+    directory, sep, count = text.rpartition("=")
+    if not sep or not directory or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"expected DIR=K with K >= 1, got {text!r}")
+    return Path(directory), int(count)
+
+
+def _list(args: argparse.Namespace, run_dir: Path) -> int:
+    from .listing import list_checkpoints, render_listing
+
+    rows = list_checkpoints(args.root)
+    print(json.dumps(rows, indent=2) if args.json else render_listing(rows))
     return EXIT_OK
 
 

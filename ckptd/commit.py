@@ -4,8 +4,13 @@ A checkpoint in progress lives at ``p.incomplete/``. Each rank's shard is
 written and fsync'd there; when the last rank of the world is durable, the
 index ``ckptd.json`` is written and fsync'd (the marker is written last),
 ``p.incomplete`` is renamed to ``p`` and the parent directory is fsync'd.
-Only then are the ranks told ``Done``. If anything fails, ``p.incomplete``
-is removed and no ``p`` appears.
+Only then are the ranks told ``Done``. If anything fails, or a rank does not
+commit within the checkpoint's timeout, ``p.incomplete`` is removed, no
+``p`` appears, and every rank is told why.
+
+On several nodes (``coordinated``) each daemon only writes its own ranks'
+shards and answers ``Durable``; the ranks agree among themselves, and global
+rank 0's daemon receives ``Finalize`` and does the commit above.
 
 All bookkeeping here runs on the server's socket thread; only ``finalize``
 and ``discard`` do I/O, and the server runs those on its commit thread.
@@ -15,15 +20,26 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptd.protocol.errors import CheckpointExists, Conflict, PathNotAllowed, WriteFailed
-from ckptd.protocol.index import INCOMPLETE_SUFFIX, CheckpointIndex, ShardRecord, incomplete_path, shard_name
-from ckptd.protocol.messages import Commit
+from ckptd.protocol.errors import CheckpointExists, CkptdError, Conflict, PathNotAllowed, RanksMissing, WriteFailed
+from ckptd.protocol.index import (
+    INCOMPLETE_SUFFIX,
+    INDEX_NAME,
+    CheckpointIndex,
+    ShardRecord,
+    incomplete_path,
+    shard_name,
+)
+from ckptd.protocol.messages import Commit, Finalize
 
 from .storage import Storage
+
+OWNER_PREFIX = ".ckptd-owner-"
+"""Marker in ``p.incomplete/`` naming the host and daemon pid writing it (for the start-up sweep)."""
 
 _replaced = itertools.count()
 
@@ -36,9 +52,14 @@ class PendingCheckpoint:
     world_size: int
     step: int | None
     overwrite: bool
+    coordinated: bool = False
+    keep_last: int | None = None
+    timeout: float = 600.0
     started_at: float = field(default_factory=time.monotonic)
     shards: dict[int, ShardRecord] = field(default_factory=dict)
     ranks_seen: set[int] = field(default_factory=set)
+    writing: int = 0
+    """Shards of this checkpoint admitted here and not yet durable or failed."""
     waiting: list[tuple[bytes, int, int]] = field(default_factory=list)
     """(client, request id, rank) of every rank owed a Done or Error."""
     state: str = "writing"
@@ -51,9 +72,22 @@ class PendingCheckpoint:
     def complete(self) -> bool:
         return len(self.shards) == self.world_size
 
+    @property
+    def missing(self) -> list[int]:
+        return sorted(set(range(self.world_size)) - self.ranks_seen)
+
     def index(self) -> CheckpointIndex:
         files = tuple(self.shards[r] for r in sorted(self.shards))
         return CheckpointIndex(world_size=self.world_size, step=self.step, created=time.time(), files=files)
+
+
+@dataclass
+class FailedCheckpoint:
+    """Why a checkpoint failed, kept so its late ranks fail the same way."""
+
+    error: CkptdError
+    ranks_seen: set[int]
+    expires: float
 
 
 def resolve_path(raw: str, roots: tuple[Path, ...]) -> Path:
@@ -76,6 +110,10 @@ def resolve_path(raw: str, roots: tuple[Path, ...]) -> Path:
     return final
 
 
+def owner_marker() -> str:
+    return f"{OWNER_PREFIX}{socket.gethostname()}-{os.getpid()}"
+
+
 class Commits:
     """Checkpoints in progress on this daemon, by final path."""
 
@@ -83,18 +121,21 @@ class Commits:
         self.storage = storage
         self.roots = roots
         self.pending: dict[Path, PendingCheckpoint] = {}
+        self.failed: dict[Path, FailedCheckpoint] = {}
 
     def admit(self, commit: Commit, client: bytes) -> tuple[PendingCheckpoint, Path]:
         """Register one rank's commit; returns its checkpoint and shard file path."""
         final = resolve_path(commit.path, self.roots)
+        self._refuse_late_rank_of_failed(final, commit.rank)
         pending = self.pending.get(final)
         if pending is None:
             if os.path.lexists(final) and not commit.overwrite:
                 raise CheckpointExists(f"checkpoint {final} already exists; pass overwrite=True to replace it")
-            pending = PendingCheckpoint(final, commit.world_size, commit.step, commit.overwrite)
+            pending = PendingCheckpoint(final, commit.world_size, commit.step, commit.overwrite,
+                                        commit.coordinated, commit.keep_last, commit.timeout)
             self._prepare_directory(pending)
             self.pending[final] = pending
-        elif pending.world_size != commit.world_size or pending.step != commit.step:
+        elif (pending.world_size, pending.step, pending.coordinated) != (commit.world_size, commit.step, commit.coordinated):
             raise Conflict(
                 f"checkpoint {final} is being written with world size {pending.world_size} and step "
                 f"{pending.step}; this commit says world size {commit.world_size}, step {commit.step}"
@@ -102,35 +143,90 @@ class Commits:
         if commit.rank in pending.ranks_seen:
             raise Conflict(f"rank {commit.rank} of checkpoint {final} is already being written")
         pending.ranks_seen.add(commit.rank)
+        pending.writing += 1
         pending.waiting.append((client, commit.id, commit.rank))
         return pending, pending.incomplete / shard_name(commit.rank, commit.world_size)
 
+    def _refuse_late_rank_of_failed(self, final: Path, rank: int) -> None:
+        """A rank arriving after its checkpoint failed gets the same error; its retry starts afresh."""
+        failed = self.failed.get(final)
+        if failed is None:
+            return
+        if time.monotonic() > failed.expires or rank in failed.ranks_seen:
+            del self.failed[final]
+            return
+        failed.ranks_seen.add(rank)
+        raise type(failed.error)(failed.error.message)
+
     def _prepare_directory(self, pending: PendingCheckpoint) -> None:
-        """Create ``p.incomplete`` fresh; a leftover from a dead save is removed."""
+        """Create ``p.incomplete``; a leftover from a dead save is removed first.
+
+        Coordinated checkpoints share the directory with other nodes' daemons,
+        so there it is created if missing and never removed.
+        """
         parent = pending.path.parent
         if os.path.lexists(parent) and not parent.is_dir():
             raise WriteFailed(f"cannot create {pending.incomplete}: {parent} is not a directory")
         try:
             os.makedirs(parent, exist_ok=True)
-            if os.path.lexists(pending.incomplete):
+            if os.path.lexists(pending.incomplete) and not pending.coordinated:
                 self.storage.remove_tree(pending.incomplete)
-            self.storage.mkdir(pending.incomplete)
+            try:
+                self.storage.mkdir(pending.incomplete)
+            except FileExistsError:
+                if not pending.coordinated:
+                    raise
+            self.storage.touch(pending.incomplete / owner_marker())
         except OSError as exc:
             raise WriteFailed(f"cannot create {pending.incomplete}: {exc.strerror or exc}") from None
 
-    def shard_durable(self, pending: PendingCheckpoint, record: ShardRecord) -> bool:
-        """Record a durable shard; True when the checkpoint can be finalized."""
-        pending.shards[record.rank] = record
+    def shard_done(self, pending: PendingCheckpoint, record: ShardRecord | None) -> bool:
+        """Record a shard's end (None: it failed); True when the checkpoint can be finalized."""
+        pending.writing -= 1
+        if pending.state == "failed":
+            return False
+        if record is not None:
+            pending.shards[record.rank] = record
+        if pending.coordinated:
+            if pending.writing == 0:
+                self.forget(pending)
+            return False
         if pending.complete:
             pending.state = "committing"
         return pending.complete
+
+    def overdue(self, now: float) -> list[tuple[PendingCheckpoint, RanksMissing]]:
+        """Checkpoints whose missing ranks did not commit within the timeout."""
+        out = []
+        for p in self.pending.values():
+            if not p.coordinated and p.missing and now - p.started_at > p.timeout:
+                out.append((p, RanksMissing(
+                    f"checkpoint {p.path}: ranks {p.missing} of {p.world_size} never committed within "
+                    f"{p.timeout:g} s; nothing was committed")))
+        return out
+
+    def fail(self, pending: PendingCheckpoint, error: CkptdError) -> None:
+        """Forget a failed checkpoint, remembering why for its late ranks."""
+        pending.state = "failed"
+        self.forget(pending)
+        self.failed[pending.path] = FailedCheckpoint(error, set(pending.ranks_seen), time.monotonic() + pending.timeout)
+
+    def from_finalize(self, msg: Finalize, client: bytes) -> PendingCheckpoint:
+        """The checkpoint global rank 0 asks this daemon to commit."""
+        final = resolve_path(msg.path, self.roots)
+        pending = PendingCheckpoint(final, msg.world_size, msg.step, msg.overwrite, True, msg.keep_last,
+                                    shards={f.rank: f for f in msg.files}, ranks_seen=set(range(msg.world_size)),
+                                    state="committing")
+        pending.waiting.append((client, msg.id, 0))
+        return pending
 
     def finalize(self, pending: PendingCheckpoint) -> None:
         """Index, rename, fsync the parent: the checkpoint becomes visible (I/O)."""
         storage, final = self.storage, pending.path
         replaced = None
         try:
-            storage.write_file(pending.incomplete / "ckptd.json", pending.index().to_json())
+            self._check_shards(pending)
+            storage.write_file(pending.incomplete / INDEX_NAME, pending.index().to_json())
             storage.fsync_dir(pending.incomplete)
             if os.path.lexists(final):
                 if not pending.overwrite:
@@ -144,9 +240,24 @@ class Commits:
         if replaced is not None:
             storage.remove_tree(replaced)
 
+    def _check_shards(self, pending: PendingCheckpoint) -> None:
+        """Every listed shard is there at its size; nothing else is left behind."""
+        keep = {f.file for f in pending.shards.values()}
+        for entry in os.scandir(pending.incomplete):
+            if entry.name not in keep:
+                (self.storage.remove_tree if entry.is_dir() else os.unlink)(entry.path)
+        for f in pending.shards.values():
+            try:
+                size = os.stat(pending.incomplete / f.file).st_size
+            except FileNotFoundError:
+                raise WriteFailed(f"shard {f.file} of rank {f.rank} is missing from {pending.incomplete}") from None
+            if size != f.size:
+                raise WriteFailed(f"shard {f.file} of rank {f.rank} holds {size} bytes, not the {f.size} written")
+
     def discard(self, pending: PendingCheckpoint) -> None:
         """Remove what a failed checkpoint left behind (I/O)."""
         self.storage.remove_tree(pending.incomplete)
 
     def forget(self, pending: PendingCheckpoint) -> None:
-        self.pending.pop(pending.path, None)
+        if self.pending.get(pending.path) is pending:
+            del self.pending[pending.path]

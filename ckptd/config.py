@@ -38,6 +38,19 @@ class DaemonConfig:
     """Bytes per write call; a multiple of 4096 for O_DIRECT."""
     log_to_stderr: bool = False
     """Also log to stderr (``ckptd start --foreground``)."""
+    keep_last: dict[Path, int] = field(default_factory=dict)
+    """Retention per directory: after a commit under one of these directories
+    (the longest match wins), keep only that many newest checkpoints beside it.
+    A ``keep_last`` given with the save takes precedence."""
+    sweep: str = "remove"
+    """On start, ``remove`` orphaned ``.incomplete`` directories, ``move`` them
+    into ``.ckptd-swept/`` beside them, or leave them (``off``)."""
+    space_margin_fraction: float = 0.01
+    """Admission keeps this fraction of the target filesystem free..."""
+    space_margin_bytes: int = 64 * 1024 * 1024
+    """...but at least this many bytes."""
+    shm_min_free: int = 16 * 1024 * 1024
+    """Admission refuses saves while /dev/shm has less than this free."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir).absolute()
@@ -50,4 +63,14 @@ class DaemonConfig:
             raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
         if self.exit_when_idle is not None and self.exit_when_idle <= 0:
             raise ValueError(f"exit_when_idle must be positive seconds, got {self.exit_when_idle}")
+        if self.sweep not in ("remove", "move", "off"):
+            raise ValueError(f"sweep must be remove, move or off, got {self.sweep!r}")
+        if any(k < 1 for k in self.keep_last.values()):
+            raise ValueError(f"keep_last values must be at least 1, got {self.keep_last}")
+        self.keep_last = {Path(os.path.realpath(d)): k for d, k in self.keep_last.items()}
         self.endpoint = endpoint_for(self.run_dir)
+
+    def retention_for(self, checkpoint: Path) -> int | None:
+        """The configured keep_last for a checkpoint's directory, if any."""
+        matches = [d for d in self.keep_last if checkpoint.parent.is_relative_to(d)]
+        return self.keep_last[max(matches, key=lambda d: len(d.parts))] if matches else None

@@ -22,7 +22,8 @@ def render_status(info: dict[str, Any]) -> str:
         f"ckptd {d['version']}  pid {d['pid']}  up {d['uptime_s']:.0f} s  rss {human_bytes(d['rss_bytes'])}"
         f"  cpu {d['cpu_percent']:.0f}%{'  DRAINING' if d['draining'] else ''}",
         f"endpoint {d['endpoint']}",
-        f"clients {len(info['clients'])}: " + (", ".join(f"pid {c['pid']} ({c['saves']} saves)" for c in info["clients"]) or "none"),
+        f"clients {len(info['clients'])}: " + (", ".join(
+            f"pid {c['pid']} ({c['saves']} saves, waited {c['waited_s']:.2f} s)" for c in info["clients"]) or "none"),
         f"writes: {info['writes']['writing']} writing, {info['writes']['queued']} queued "
         f"(max {info['writes']['max_concurrent']})   shared memory mapped {human_bytes(info['shm_mapped_bytes'])}",
     ]

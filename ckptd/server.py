@@ -17,20 +17,34 @@ import queue
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import zmq
 
 from ckptd.protocol import __version__
-from ckptd.protocol.errors import BadMessage, BadSlot, CkptdError, ErrorCode, InternalError, ShuttingDown, UnknownClient
+from ckptd.protocol.errors import (
+    BadMessage,
+    BadSlot,
+    CkptdError,
+    ErrorCode,
+    InternalError,
+    RanksMissing,
+    ShuttingDown,
+    UnknownClient,
+)
+from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.layout import parse_header
 from ckptd.protocol.messages import (
     MAX_MESSAGE_BYTES,
+    Abort,
     Accepted,
     Bye,
     Commit,
     Done,
+    Durable,
     Error,
+    Finalize,
     Hello,
     Message,
     Ok,
@@ -43,9 +57,12 @@ from ckptd.protocol.messages import (
     request_id,
 )
 
-from .commit import Commits, PendingCheckpoint
+from .admission import check_room, filesystem_of
+from .commit import Commits, PendingCheckpoint, resolve_path
 from .config import DaemonConfig
-from .slots import SlotMaps
+from .retention import apply_retention
+from .slots import SlotMaps, pid_alive
+from .sweep import reclaim_orphaned_slots, sweep_incomplete
 from .stats import Stats
 from .storage import Storage
 from .writer import WriteJob, round_up, write_shard
@@ -55,11 +72,18 @@ POLL_MS = 200
 HOUSEKEEPING_S = 1.0
 
 
+KNOWN_DIRS_NAME = "ckptd.dirs"
+MAX_KNOWN_DIRS = 1000
+
+
 @dataclass
 class ClientRecord:
     pid: int
     since: float = field(default_factory=time.time)
     saves: int = 0
+    waited_s: float = 0.0
+    """Total seconds this client blocked on backpressure before its saves."""
+    last_waited_s: float = 0.0
 
 
 class Server:
@@ -91,9 +115,13 @@ class Server:
             Commit: self._on_commit,
             Status: self._on_status,
             Ping: lambda ident, msg: Pong(msg.id),
+            Finalize: self._on_finalize,
+            Abort: self._on_abort,
             Bye: self._on_bye,
             Stop: self._on_stop,
         }
+        self.known_dirs = self._load_known_dirs()
+        self._start_sweep()
 
     # -- loop ---------------------------------------------------------------
 
@@ -212,6 +240,7 @@ class Server:
             by_offset = lambda e: (e.begin, e.end)  # noqa: E731
             if data_start != msg.header_len or sorted(entries, key=by_offset) != sorted(msg.tensors, key=by_offset):
                 raise BadSlot(f"slot {msg.slot!r} holds a header that does not match the commit's tensor table")
+            self._check_room(resolve_path(msg.path, self.config.roots), msg.nbytes)
             pending, dest = self.commits.admit(msg, ident)
         except BadMessage as exc:
             self.slots.release(slot)
@@ -219,15 +248,36 @@ class Server:
         except BaseException:
             self.slots.release(slot)
             raise
-        job = WriteJob(ident, msg, slot, dest)
+        job = WriteJob(ident, msg, slot, dest, device=filesystem_of(dest))
         self.jobs.append(job)
         client.saves += 1
+        client.waited_s += msg.waited
+        client.last_waited_s = msg.waited
         run = lambda: write_shard(  # noqa: E731
             job, self.storage, self.checksums, direct=self.config.direct_io, chunk=self.config.chunk_bytes
         )
         self._submit(self.writers, run, lambda fut: self._write_finished(job, pending, fut))
         log.info("event=accepted path=%s rank=%d bytes=%d", pending.path, msg.rank, msg.nbytes)
         return Accepted(msg.id)
+
+    def _check_room(self, target: Path, nbytes: int) -> None:
+        device = filesystem_of(target)
+        reserved = sum(j.commit.nbytes - j.written for j in self.jobs if j.device == device)
+        check_room(target, nbytes, reserved, margin_fraction=self.config.space_margin_fraction,
+                   margin_min=self.config.space_margin_bytes, shm_min_free=self.config.shm_min_free)
+
+    def _on_finalize(self, ident: bytes, msg: Finalize) -> None:
+        self._client(ident)
+        pending = self.commits.from_finalize(msg, ident)
+        self._finalize(pending)
+        return None  # Done or Error follows once the commit is durable
+
+    def _on_abort(self, ident: bytes, msg: Abort) -> Message:
+        self._client(ident)
+        final = resolve_path(msg.path, self.config.roots)
+        pending = self.commits.pending.get(final) or PendingCheckpoint(final, 1, None, False, coordinated=True)
+        self._fail(pending, RanksMissing(f"checkpoint {final} was aborted: {msg.reason}"))
+        return Ok(msg.id)
 
     def _on_status(self, ident: bytes, msg: Status) -> Message:
         return self.stats.reply(msg.id, self)
@@ -266,16 +316,25 @@ class Server:
         self.slots.release(job.slot)
         job.finished_at = time.monotonic()
         exc = fut.exception()
-        if pending.state == "failed":
-            return
+        record: ShardRecord | None = None if exc is not None else fut.result()
         if exc is not None:
             job.state = "failed"
-            self._fail(pending, exc)
+            if pending.state != "failed":
+                self._fail(pending, exc)
+        ready = self.commits.shard_done(pending, record)
+        if pending.state == "failed":
+            if pending.writing == 0:
+                self._discard(pending)
             return
-        if self.commits.shard_durable(pending, fut.result()):
-            self.finalizing += 1
-            self._submit(self.committer, lambda: self.commits.finalize(pending),
-                         lambda f: self._finalized(pending, f))
+        if pending.coordinated and record is not None:
+            self._send(job.client, Durable(job.commit.id, record.file, record.rank, record.size,
+                                           record.checksum, record.tensors))
+        if ready:
+            self._finalize(pending)
+
+    def _finalize(self, pending: PendingCheckpoint) -> None:
+        self.finalizing += 1
+        self._submit(self.committer, lambda: self.commits.finalize(pending), lambda f: self._finalized(pending, f))
 
     def _finalized(self, pending: PendingCheckpoint, fut: Future) -> None:
         self.finalizing -= 1
@@ -290,17 +349,31 @@ class Server:
         log.info("event=committed path=%s bytes=%d seconds=%.3f", pending.path, pending.index().total_bytes, seconds)
         for ident, rid, rank in pending.waiting:
             self._send(ident, Done(rid, str(pending.path), pending.shards[rank].size, seconds))
+        self._remember_dir(pending.path.parent)
+        keep = pending.keep_last or self.config.retention_for(pending.path)
+        if keep is not None:
+            in_flight = set(self.commits.pending)
+            self._submit(self.committer, lambda: apply_retention(self.storage, pending.path, keep, in_flight),
+                         lambda f: self._retention_done(pending, f))
+
+    def _retention_done(self, pending: PendingCheckpoint, fut: Future) -> None:
+        if fut.exception() is not None:
+            log.error("event=retention_failed path=%s error=%r", pending.path, fut.exception())
+            self.stats.error(f"retention after {pending.path} failed: {fut.exception()!r}")
 
     def _fail(self, pending: PendingCheckpoint, exc: BaseException) -> None:
         if not isinstance(exc, CkptdError):
             log.error("event=internal_error path=%s error=%r", pending.path, exc)
             exc = InternalError(f"internal error while saving {pending.path}: {exc!r}")
-        pending.state = "failed"
-        self.commits.forget(pending)
+        self.commits.fail(pending, exc)
         self.stats.error(exc.message)
         log.warning("event=failed path=%s error=%s", pending.path, exc.message)
         for ident, rid, _ in pending.waiting:
             self._send(ident, Error(rid, exc.code, exc.message))
+        if pending.writing == 0:  # else the last shard to finish discards (_write_finished)
+            self._discard(pending)
+
+    def _discard(self, pending: PendingCheckpoint) -> None:
         self.finalizing += 1
         self._submit(self.committer, lambda: self.commits.discard(pending), lambda f: self._discarded())
 
@@ -309,19 +382,38 @@ class Server:
 
     # -- housekeeping ------------------------------------------------------
 
+    def _load_known_dirs(self) -> list[Path]:
+        """Directories this daemon committed into before: the start-up sweep looks there too."""
+        try:
+            lines = (self.config.run_dir / KNOWN_DIRS_NAME).read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        return [Path(line) for line in lines if line.startswith("/")][-MAX_KNOWN_DIRS:]
+
+    def _remember_dir(self, directory: Path) -> None:
+        if directory in self.known_dirs:
+            return
+        self.known_dirs = [*self.known_dirs, directory][-MAX_KNOWN_DIRS:]
+        tmp = self.config.run_dir / (KNOWN_DIRS_NAME + ".tmp")
+        tmp.write_text("".join(f"{d}\n" for d in self.known_dirs))
+        os.replace(tmp, self.config.run_dir / KNOWN_DIRS_NAME)
+
+    def _start_sweep(self) -> None:
+        """Clean leftovers of dead writers, off the socket thread."""
+        directories = list(dict.fromkeys([*self.config.roots, *self.known_dirs]))
+
+        def sweep() -> None:
+            reclaim_orphaned_slots()
+            sweep_incomplete(self.storage, directories, self.config.sweep)
+
+        self.finalizing += 1
+        self._submit(self.committer, sweep, lambda f: self._discarded())
+
     def _housekeeping(self) -> None:
+        for pending, error in self.commits.overdue(time.monotonic()):
+            self._fail(pending, error)
         for ident, client in list(self.clients.items()):
-            if not _alive(client.pid):
+            if not pid_alive(client.pid):
                 del self.clients[ident]
                 removed = self.slots.reclaim(client.pid)
                 log.info("event=client_gone pid=%d slots_reclaimed=%d", client.pid, removed)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -32,6 +32,17 @@ class MappedSlot:
     """Writes in flight over this mapping; it is only closed at zero."""
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this host)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def slot_owner(name: str) -> tuple[int, int] | None:
     """``(uid, pid)`` encoded in a slot name, or None if it is not a slot name."""
     m = SLOT_NAME.fullmatch(name)

@@ -92,7 +92,11 @@ class Stats:
                 "rss_bytes": self.process.memory_info().rss,
                 "cpu_percent": self.process.cpu_percent(None),
             },
-            "clients": [{"pid": c.pid, "since": c.since, "saves": c.saves} for c in server.clients.values()],
+            "clients": [
+                {"pid": c.pid, "since": c.since, "saves": c.saves, "waited_s": round(c.waited_s, 6),
+                 "last_waited_s": round(c.last_waited_s, 6)}
+                for c in server.clients.values()
+            ],
             "writes": {
                 "max_concurrent": self.config.max_concurrent_writes,
                 "writing": sum(1 for j in server.jobs if j.state != "queued"),

@@ -46,6 +46,10 @@ class Storage:
     def mkdir(self, path: Path) -> None:
         os.mkdir(path, 0o755)
 
+    def touch(self, path: Path) -> None:
+        """Create an empty advisory file (no fsync: losing it loses nothing)."""
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+
     def write_file(self, path: Path, data: bytes) -> None:
         """Write a small file and make it durable."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)

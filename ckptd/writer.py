@@ -44,6 +44,8 @@ class WriteJob:
     commit: Commit
     slot: MappedSlot
     dest: Path
+    device: int = 0
+    """Filesystem the shard goes to (admission control sums bytes per device)."""
     state: str = "queued"
     written: int = 0
     queued_at: float = field(default_factory=time.monotonic)

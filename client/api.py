@@ -7,19 +7,21 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckptd.protocol import __version__
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
-from ckptd.protocol.errors import InternalError
+from ckptd.protocol.errors import Busy, InternalError
 from ckptd.protocol.messages import Bye, Commit, Done, Hello, Welcome
 
 from .connection import Connection
+from .coordinate import Coordinator, spans_several_daemons
 from .flatten import Flat, flatten
 from .future import SaveFuture, SaveResult
-from .ranks import detect_rank
-from .slots import SlotPool
+from .ranks import detect_ranks
+from .slots import Slot, SlotPool
 from .spawn import ensure_daemon
 from .staging import layout_for, stage
 
@@ -43,6 +45,9 @@ class Client:
         background_staging: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        local_rank: int | None = None,
+        commit_timeout: float = 600.0,
+        keep_last: int | None = None,
         heartbeat: float = 1.0,
         timeout: float = 30.0,
     ) -> None:
@@ -57,22 +62,32 @@ class Client:
             background_staging: copy on a client thread so ``save_async``
                 returns at once; wait on ``future.staged`` before changing
                 the tensors.
-            rank, world_size: this process's shard; default from
-                torch.distributed, else ``RANK``/``WORLD_SIZE``, else 0 of 1.
+            rank, world_size, local_rank: this process's shard; default from
+                torch.distributed, else ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``,
+                else 0 of 1.
+            commit_timeout: seconds every rank has to commit its shard; after
+                that the checkpoint fails on every rank, naming the missing ones.
+            keep_last: default retention for ``save_async``: keep only this
+                many newest checkpoints beside the one just saved.
             heartbeat: seconds between liveness checks while saves are pending.
             timeout: seconds of daemon silence after which pending saves fail.
         """
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be at least 1, got {max_inflight}")
-        detected = detect_rank() if rank is None or world_size is None else (rank, world_size)
-        self.rank = detected[0] if rank is None else rank
-        self.world_size = detected[1] if world_size is None else world_size
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+        detected = detect_ranks()
+        self.rank = detected.rank if rank is None else rank
+        self.world_size = detected.world_size if world_size is None else world_size
+        self.local_rank = detected.local_rank if local_rank is None else local_rank
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not inside world size {self.world_size}")
         self.run_dir = Path(run_dir).absolute() if run_dir is not None else default_run_dir()
         self.endpoint = endpoint_for(self.run_dir) if run_dir is not None else endpoint_for()
         self.spawn = spawn
         self.max_inflight = max_inflight
+        self.commit_timeout = commit_timeout
+        self.keep_last = keep_last
         self._heartbeat, self._timeout = heartbeat, timeout
         self._slots = SlotPool(max_inflight + 1)
         self._inflight = threading.BoundedSemaphore(max_inflight)
@@ -81,6 +96,11 @@ class Client:
         self._lock = threading.Lock()
         self._closed = False
         self._conn = self._connect()
+        self._coordinator: Coordinator | None = None
+        if detected.distributed and self.world_size > 1:
+            group = spans_several_daemons(self.endpoint, commit_timeout)
+            if group is not None:
+                self._coordinator = Coordinator(group, lambda: self._conn, self.rank)
 
     def _connect(self) -> Connection:
         ensure_daemon(self.run_dir, self.endpoint, spawn=self.spawn, timeout=self._timeout)
@@ -95,63 +115,79 @@ class Client:
         return conn
 
     def save_async(self, state_dict: Any, path: str | os.PathLike, *, step: int | None = None,
-                   overwrite: bool = False) -> SaveFuture:
+                   overwrite: bool = False, keep_last: int | None = None, block: bool = True) -> SaveFuture:
         """Save ``state_dict`` as checkpoint ``path``; returns at once or after staging.
 
         Unsupported leaves raise ``TypeError`` here, naming their key path.
-        The future resolves with a ``SaveResult`` once every rank's shard is
-        durable and the checkpoint is renamed to ``path``.
+        With ``max_inflight`` saves pending, this waits for one to finish, or
+        raises ``ckptd.Busy`` with ``block=False``. The future resolves with a
+        ``SaveResult`` once every rank's shard is durable and the checkpoint
+        is renamed to ``path``. ``keep_last`` overrides the client's retention.
         """
         started = time.monotonic()
         if self._closed:
             raise RuntimeError("this ckptd client is closed")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1, got {keep_last}")
         flat = flatten(state_dict)
         target = os.path.abspath(os.fspath(path))
         self._reconnect_if_lost()
-        self._inflight.acquire()
+        if not self._inflight.acquire(blocking=block):
+            raise Busy(f"{self.max_inflight} save(s) already in flight; wait for one or raise max_inflight")
         fut = SaveFuture()
         with self._lock:
             self._futures.add(fut)
         fut.add_done_callback(self._forget)
+        request = _Request(flat, target, step, overwrite, keep_last or self.keep_last, started,
+                           waited=time.monotonic() - started)
         if self._stager is None:
-            self._stage_and_commit(flat, target, step, overwrite, fut, started)
+            self._stage_and_commit(request, fut)
         else:
-            self._stager.submit(self._stage_and_commit, flat, target, step, overwrite, fut, started)
+            self._stager.submit(self._stage_and_commit, request, fut)
         return fut
 
-    def _stage_and_commit(self, flat: Flat, path: str, step: int | None, overwrite: bool,
-                          fut: SaveFuture, started: float) -> None:
+    def _stage_and_commit(self, req: "_Request", fut: SaveFuture) -> None:
         slot = None
         try:
-            layout = layout_for(flat)
+            layout = layout_for(req.flat)
             slot = self._slots.take(layout.nbytes)
-            stage(flat, layout, slot)
+            stage(req.flat, layout, slot)
             fut.staged.set_result(None)
             commit = Commit(self._conn.next_id(), slot.name, layout.nbytes, layout.data_start, layout.entries,
-                            path, self.rank, self.world_size, step, overwrite)
+                            req.path, self.rank, self.world_size, req.step, req.overwrite,
+                            coordinated=self._coordinator is not None, keep_last=req.keep_last,
+                            timeout=self.commit_timeout, waited=req.waited)
         except BaseException as exc:
-            if slot is not None:
-                self._slots.give_back(slot)
-            self._inflight.release()
-            for f in (fut.staged, fut):
-                if not f.done():
-                    f.set_exception(exc)
+            if not fut.staged.done():
+                fut.staged.set_exception(exc)
+            if self._coordinator is None:
+                self._resolve(fut, slot, req, exc)
+                return
+            # the other ranks still expect this rank in the agreement
+            failed: Future = Future()
+            failed.set_exception(exc)
+            commit = Commit(0, "ckptd-0-0-0", 4096, 4096, (), req.path, self.rank, self.world_size, req.step,
+                            req.overwrite, True, req.keep_last, self.commit_timeout, req.waited)
+            self._coordinator.submit(failed, commit, lambda outcome: self._resolve(fut, slot, req, outcome))
             return
         reply = self._conn.request(commit)
-        reply.add_done_callback(lambda r: self._finished(r, fut, slot, started, step))
+        if self._coordinator is None:
+            reply.add_done_callback(lambda r: self._resolve(fut, slot, req, r.exception() or r.result()))
+        else:
+            self._coordinator.submit(reply, commit, lambda outcome: self._resolve(fut, slot, req, outcome))
 
-    def _finished(self, reply: Future, fut: SaveFuture, slot: Any, started: float, step: int | None) -> None:
-        self._slots.give_back(slot)
+    def _resolve(self, fut: SaveFuture, slot: Slot | None, req: "_Request", outcome: Any) -> None:
+        """A save's end: free its slot and in-flight place, then settle its future."""
+        if slot is not None:
+            self._slots.give_back(slot)
         self._inflight.release()
-        exc = reply.exception()
-        if exc is not None:
-            fut.set_exception(exc)
-            return
-        done = reply.result()
-        if not isinstance(done, Done):
-            fut.set_exception(InternalError(f"daemon answered a commit with {done.type!r}"))
-            return
-        fut.set_result(SaveResult(Path(done.path), done.bytes_written, time.monotonic() - started, step))
+        if isinstance(outcome, BaseException):
+            fut.set_exception(outcome)
+        elif not isinstance(outcome, Done):
+            fut.set_exception(InternalError(f"daemon answered a commit with {outcome.type!r}"))
+        else:
+            fut.set_result(SaveResult(Path(outcome.path), outcome.bytes_written, time.monotonic() - req.started,
+                                      req.step))
 
     def _forget(self, fut: Future) -> None:
         with self._lock:
@@ -190,6 +226,8 @@ class Client:
                 pass  # the daemon is gone: nothing to say goodbye to
             self._conn.close()
         finally:
+            if self._coordinator is not None:
+                self._coordinator.close()
             self._slots.close()
 
     def __enter__(self) -> "Client":
@@ -197,3 +235,16 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One save_async call, as the staging step needs it."""
+
+    flat: Flat
+    path: str
+    step: int | None
+    overwrite: bool
+    keep_last: int | None
+    started: float
+    waited: float

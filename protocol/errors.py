@@ -28,6 +28,9 @@ __all__ = [
     "InternalError",
     "DaemonUnavailable",
     "InvalidCheckpoint",
+    "RanksMissing",
+    "NoSpace",
+    "Busy",
     "error_for_code",
 ]
 
@@ -47,6 +50,9 @@ class ErrorCode(IntEnum):
     INTERNAL = 10
     DAEMON_UNAVAILABLE = 11
     INVALID_CHECKPOINT = 12
+    RANKS_MISSING = 13
+    NO_SPACE = 14
+    BUSY = 15
 
 
 class CkptdError(Exception):
@@ -131,6 +137,24 @@ class InvalidCheckpoint(CkptdError):
     code = ErrorCode.INVALID_CHECKPOINT
 
 
+class RanksMissing(CkptdError, TimeoutError):
+    """Some ranks of a checkpoint never committed, or failed; nothing was committed."""
+
+    code = ErrorCode.RANKS_MISSING
+
+
+class NoSpace(CkptdError, OSError):
+    """Admission control: the target filesystem or /dev/shm lacks room for the save."""
+
+    code = ErrorCode.NO_SPACE
+
+
+class Busy(CkptdError):
+    """``save_async(block=False)`` found every in-flight slot taken."""
+
+    code = ErrorCode.BUSY
+
+
 _BY_CODE: dict[int, type[CkptdError]] = {
     cls.code: cls
     for cls in (
@@ -146,6 +170,9 @@ _BY_CODE: dict[int, type[CkptdError]] = {
         InternalError,
         DaemonUnavailable,
         InvalidCheckpoint,
+        RanksMissing,
+        NoSpace,
+        Busy,
     )
 }
 

@@ -14,6 +14,9 @@ Conversation::
     client                      daemon
     Hello            ──▶        Welcome
     Commit           ──▶        Accepted ... later Done | Error
+                                (coordinated: Accepted ... Durable | Error)
+    Finalize         ──▶        Done | Error      (global rank 0, several nodes)
+    Abort            ──▶        Ok                (several nodes, a rank failed)
     Status           ──▶        StatusReply
     Ping             ──▶        Pong        (heartbeat while work is pending)
     Bye | Stop       ──▶        Ok
@@ -32,6 +35,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from .errors import BadMessage, UnsupportedVersion
+from .index import ShardRecord
 from .layout import DATA_ALIGNMENT, TensorEntry, validate_entries
 
 PROTOCOL_VERSION = 1
@@ -93,6 +97,16 @@ class Commit(Message):
     world_size: int
     step: int | None
     overwrite: bool
+    coordinated: bool
+    """Several nodes: reply ``Durable`` for this shard and leave the commit to
+    global rank 0's ``Finalize``; otherwise this daemon commits when every
+    rank of the world is durable."""
+    keep_last: int | None
+    """After the commit, keep only this many newest checkpoints beside it."""
+    timeout: float
+    """Seconds the daemon waits for the other ranks before failing them all."""
+    waited: float
+    """Seconds the client blocked for a free in-flight slot (backpressure)."""
     type: ClassVar[str] = "commit"
 
     def __post_init__(self) -> None:
@@ -108,6 +122,14 @@ class Commit(Message):
                 f"no larger than the shard ({self.nbytes} bytes)"
             )
         validate_entries(self.tensors, self.nbytes - self.header_len)
+        _check_common(self.keep_last, self.timeout)
+
+
+def _check_common(keep_last: int | None, timeout: float) -> None:
+    if keep_last is not None and keep_last < 1:
+        raise BadMessage(f"keep_last must be at least 1, got {keep_last}")
+    if not 0 < timeout <= 7 * 24 * 3600:
+        raise BadMessage(f"timeout must be between 0 and one week, got {timeout}")
 
 
 @dataclass(frozen=True)
@@ -125,6 +147,49 @@ class Done(Message):
     bytes_written: int
     seconds: float
     type: ClassVar[str] = "done"
+
+
+@dataclass(frozen=True)
+class Durable(Message):
+    """A coordinated commit's shard is written and fsync'd (not yet committed)."""
+
+    file: str
+    rank: int
+    size: int
+    checksum: int
+    tensors: int
+    type: ClassVar[str] = "durable"
+
+
+@dataclass(frozen=True)
+class Finalize(Message):
+    """Commit checkpoint ``path`` from every rank's durable shard (global rank 0)."""
+
+    path: str
+    world_size: int
+    step: int | None
+    overwrite: bool
+    keep_last: int | None
+    files: tuple[ShardRecord, ...]
+    type: ClassVar[str] = "finalize"
+
+    def __post_init__(self) -> None:
+        ranks = sorted(f.rank for f in self.files)
+        if ranks != list(range(self.world_size)):
+            raise BadMessage(f"finalize lists ranks {ranks} for world size {self.world_size}")
+        for f in self.files:
+            if "/" in f.file or f.file in ("", ".", ".."):
+                raise BadMessage(f"finalize names file {f.file!r}, which is not a plain file name")
+        _check_common(self.keep_last, 1.0)
+
+
+@dataclass(frozen=True)
+class Abort(Message):
+    """Give up checkpoint ``path`` (a rank failed): remove what was written."""
+
+    path: str
+    reason: str
+    type: ClassVar[str] = "abort"
 
 
 @dataclass(frozen=True)
@@ -178,7 +243,8 @@ class Ok(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.type: cls
-    for cls in (Hello, Welcome, Commit, Accepted, Done, Error, Status, StatusReply, Ping, Pong, Bye, Stop, Ok)
+    for cls in (Hello, Welcome, Commit, Accepted, Durable, Finalize, Abort, Done, Error, Status, StatusReply,
+                Ping, Pong, Bye, Stop, Ok)
 }
 
 
@@ -187,10 +253,19 @@ def encode(msg: Message) -> bytes:
     wire: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.type}
     for f in dataclasses.fields(msg):
         value = getattr(msg, f.name)
-        if f.name == "tensors":
-            value = [[e.name, e.dtype, list(e.shape), e.begin, e.end] for e in value]
+        if isinstance(value, tuple):
+            value = [_flat(item) for item in value]
         wire[f.name] = value
     return msgpack.packb(wire, use_bin_type=True)
+
+
+def _flat(item: Any) -> Any:
+    """Table rows travel as plain lists: compact, and the same in every language."""
+    if isinstance(item, TensorEntry):
+        return [item.name, item.dtype, list(item.shape), item.begin, item.end]
+    if isinstance(item, ShardRecord):
+        return [item.file, item.rank, item.size, item.checksum, item.tensors]
+    return item
 
 
 def decode(data: bytes) -> Message:
@@ -267,6 +342,10 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise BadMessage(f"{where} must be a map")
         return value
+    if origin is tuple and args[0] is ShardRecord:
+        if not isinstance(value, list):
+            raise BadMessage(f"{where} must be a list of files")
+        return tuple(_shard_record(item, f"{where}[{i}]") for i, item in enumerate(value))
     if origin is tuple and args[0] is TensorEntry:
         if not isinstance(value, list):
             raise BadMessage(f"{where} must be a list of tensors")
@@ -276,6 +355,13 @@ def _check(value: Any, hint: Any, where: str) -> Any:
             raise BadMessage(f"{where} must be a list")
         return tuple(_check(item, args[0], f"{where}[{i}]") for i, item in enumerate(value))
     raise AssertionError(f"no wire check for {hint!r} at {where}")
+
+
+def _shard_record(item: Any, where: str) -> ShardRecord:
+    if not isinstance(item, list) or len(item) != 5:
+        raise BadMessage(f"{where} must be [file, rank, size, checksum, tensors]")
+    file, *numbers = item
+    return ShardRecord(_check(file, str, f"{where}.file"), *(_check(n, int, f"{where}[{i + 1}]") for i, n in enumerate(numbers)))
 
 
 def _tensor_entry(item: Any, where: str) -> TensorEntry:

@@ -42,7 +42,21 @@ VALID_FIELDS: dict[str, dict[str, Any]] = {
         "world_size": 2,
         "step": 100,
         "overwrite": False,
+        "coordinated": False,
+        "keep_last": None,
+        "timeout": 600.0,
+        "waited": 0.0,
     },
+    "durable": {"file": "rank-00001-of-00002.safetensors", "rank": 1, "size": 4128, "checksum": 7, "tensors": 2},
+    "finalize": {
+        "path": "/ckpt/step-100",
+        "world_size": 2,
+        "step": 100,
+        "overwrite": False,
+        "keep_last": 2,
+        "files": [["rank-00000-of-00002.safetensors", 0, 4128, 1, 2], ["rank-00001-of-00002.safetensors", 1, 4128, 2, 2]],
+    },
+    "abort": {"path": "/ckpt/step-100", "reason": "rank 1 failed"},
     "accepted": {},
     "done": {"path": "/ckpt/step-100", "bytes_written": 4128, "seconds": 1.5},
     "error": {"code": 6, "message": "exists"},
@@ -378,7 +392,7 @@ def test_a_tensor_with_a_negative_dimension_is_refused_naming_the_tensor():
     with pytest.raises(BadMessage, match=re.escape("tensor 'w': negative dimension in shape [-2, -3]")):
         validate_entries(entries, 24)
     with pytest.raises(BadMessage, match="negative dimension"):
-        Commit(1, "ckptd-x", HEADER + 24, HEADER, tuple(entries), "/c", 0, 1, None, False)
+        Commit(1, "ckptd-x", HEADER + 24, HEADER, tuple(entries), "/c", 0, 1, None, False, False, None, 60.0, 0.0)
 
 
 def test_a_commit_whose_shape_disagrees_with_its_offsets_is_refused_naming_the_tensor():
@@ -534,3 +548,32 @@ def test_maps_with_every_field_of_a_type_decode_to_a_message_or_raise_a_ckptd_er
         else:
             doc[name] = data.draw(st.just(valid) | values, label=name)
     assert_decodes_or_refuses(packed(doc))
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"keep_last": 0}, "keep_last must be at least 1"),
+        ({"timeout": 0.0}, "timeout must be between"),
+        ({"timeout": 1e9}, "timeout must be between"),
+        ({"waited": "long"}, "commit.waited must be a number"),
+    ],
+    ids=["keep-last-zero", "timeout-zero", "timeout-huge", "waited-not-a-number"],
+)
+def test_a_commit_with_bad_retention_or_timeout_is_refused(changes, needle) -> None:
+    with pytest.raises(BadMessage, match=needle):
+        decode(msgpack.packb(wire("commit", **changes)))
+
+
+@pytest.mark.parametrize(
+    "files, needle",
+    [
+        ([["a", 0, 1, 1, 1]], "ranks \\[0\\] for world size 2"),
+        ([["a", 0, 1, 1, 1], ["../../etc/x", 1, 1, 1, 1]], "not a plain file name"),
+        ([["a", 0, 1, 1], ["b", 1, 1, 1, 1]], "must be \\[file, rank, size, checksum, tensors\\]"),
+    ],
+    ids=["missing-rank", "path-in-file-name", "short-row"],
+)
+def test_a_finalize_with_bad_files_is_refused(files, needle) -> None:
+    with pytest.raises(BadMessage, match=needle):
+        decode(msgpack.packb(wire("finalize", files=files)))

@@ -12,15 +12,19 @@ from __future__ import annotations
 import pytest
 
 from ckptd.protocol.errors import ErrorCode
+from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.layout import TensorEntry
 from ckptd.protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
+    Abort,
     Accepted,
     Bye,
     Commit,
     Done,
+    Durable,
     Error,
+    Finalize,
     Hello,
     Message,
     Ok,
@@ -60,12 +64,49 @@ GOLDEN: dict[str, tuple[Message, str]] = {
             world_size=2,
             step=100,
             overwrite=False,
+            coordinated=False,
+            keep_last=3,
+            timeout=600.0,
+            waited=0.25,
         ),
-        "8ca17601a474797065a6636f6d6d6974a2696402a4736c6f74b1636b7074642d31"
-        "3030302d343234322d30a66e6279746573cd1020aa6865616465725f6c656ecd10"
-        "00a774656e736f72739295a177a34633329202030018" "95a162a44246313691041820"
-        "a470617468ae2f636b70742f737465702d313030a472616e6b01aa776f726c645f"
-        "73697a6502a47374657064a96f7665727772697465c2",
+        "de0010a17601a474797065a6636f6d6d6974a2696402a4736c6f74b1636b707464"
+        "2d313030302d343234322d30a66e6279746573cd1020aa6865616465725f6c656e"
+        "cd1000a774656e736f72739295a177a3463332920203001895a162a44246313691"
+        "041820a470617468ae2f636b70742f737465702d313030a472616e6b01aa776f72"
+        "6c645f73697a6502a47374657064a96f7665727772697465c2ab636f6f7264696e"
+        "61746564c2a96b6565705f6c61737403a774696d656f7574cb4082c00000000000"
+        "a6776169746564cb3fd0000000000000",
+    ),
+    "durable": (
+        Durable(id=2, file="rank-00001-of-00002.safetensors", rank=1, size=4128, checksum=305419896, tensors=2),
+        "88a17601a474797065a764757261626c65a2696402a466696c65bf72616e6b2d30"
+        "303030312d6f662d30303030322e7361666574656e736f7273a472616e6b01a473"
+        "697a65cd1020a8636865636b73756dce12345678a774656e736f727302",
+    ),
+    "finalize": (
+        Finalize(
+            id=9,
+            path="/ckpt/step-100",
+            world_size=2,
+            step=100,
+            overwrite=False,
+            keep_last=None,
+            files=(
+                ShardRecord("rank-00000-of-00002.safetensors", 0, 4128, 1, 2),
+                ShardRecord("rank-00001-of-00002.safetensors", 1, 4128, 2, 2),
+            ),
+        ),
+        "89a17601a474797065a866696e616c697a65a2696409a470617468ae2f636b7074"
+        "2f737465702d313030aa776f726c645f73697a6502a47374657064a96f76657277"
+        "72697465c2a96b6565705f6c617374c0a566696c65739295bf72616e6b2d303030"
+        "30302d6f662d30303030322e7361666574656e736f727300cd1020010295bf7261"
+        "6e6b2d30303030312d6f662d30303030322e7361666574656e736f727301cd1020"
+        "0202",
+    ),
+    "abort": (
+        Abort(id=10, path="/ckpt/step-100", reason="rank 3: daemon gone"),
+        "85a17601a474797065a561626f7274a269640aa470617468ae2f636b70742f7374"
+        "65702d313030a6726561736f6eb372616e6b20333a206461656d6f6e20676f6e65",
     ),
     "accepted": (
         Accepted(id=2),
@@ -131,6 +172,9 @@ def test_message_type_names_are_frozen():
         "welcome": "Welcome",
         "commit": "Commit",
         "accepted": "Accepted",
+        "durable": "Durable",
+        "finalize": "Finalize",
+        "abort": "Abort",
         "done": "Done",
         "error": "Error",
         "status": "Status",
@@ -162,6 +206,9 @@ def test_error_codes_are_frozen_by_name_and_number():
         "INTERNAL": 10,
         "DAEMON_UNAVAILABLE": 11,
         "INVALID_CHECKPOINT": 12,
+        "RANKS_MISSING": 13,
+        "NO_SPACE": 14,
+        "BUSY": 15,
     }
 
 

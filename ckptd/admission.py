@@ -1,0 +1,50 @@
+"""Admission control: refuse a save up front when it cannot fit.
+
+A save that fails halfway for lack of space wastes the write and, on a shared
+filesystem, squeezes everyone else. So before accepting a shard the daemon
+checks the target filesystem has room for it, plus everything already
+queued or writing to the same filesystem, plus a margin; and that the node's
+``/dev/shm`` still has headroom (slots live there, and so does everything
+else that uses shared memory on the node).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ckptd.protocol.errors import NoSpace
+
+SHM_DIR = Path("/dev/shm")
+
+
+def _human(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def existing_ancestor(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def filesystem_of(path: Path) -> int:
+    """Device id of the filesystem that will hold ``path``."""
+    return os.stat(existing_ancestor(path)).st_dev
+
+
+def check_room(target: Path, nbytes: int, reserved: int, *, margin_fraction: float, margin_min: int,
+               shm_min_free: int, shm_dir: Path = SHM_DIR) -> None:
+    """Raise ``NoSpace`` unless ``nbytes`` more fit beside ``reserved`` bytes already promised."""
+    st = os.statvfs(existing_ancestor(target))
+    free = st.f_bavail * st.f_frsize
+    margin = max(margin_min, int(st.f_blocks * st.f_frsize * margin_fraction))
+    if nbytes + reserved + margin > free:
+        raise NoSpace(
+            f"not enough space for {target}: the shard needs {_human(nbytes)}, saves in flight to the same "
+            f"filesystem need {_human(reserved)}, and {_human(margin)} is kept free, but only {_human(free)} is free"
+        )
+    shm = os.statvfs(shm_dir)
+    shm_free = shm.f_bavail * shm.f_frsize
+    if shm_free < shm_min_free:
+        raise NoSpace(f"{shm_dir} is nearly full ({_human(shm_free)} free, {_human(shm_min_free)} needed as headroom)")

@@ -1,0 +1,85 @@
+"""Start-up cleaning: leftovers of saves whose writer died, and orphaned slots.
+
+``p.incomplete`` directories are never loaded, but they hold disk space. On
+start the daemon removes (or moves aside) the ones it can prove are dead: every
+owner marker inside names this host and a process that no longer runs.
+Directories written from another host, or without a marker, are left alone,
+because a daemon on another node may be writing them right now.
+
+Shared-memory slots whose owning client process is gone are unlinked too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from ckptd.protocol.index import INCOMPLETE_SUFFIX
+
+from .commit import OWNER_PREFIX
+from .slots import SHM_DIR, pid_alive, slot_owner
+from .storage import Storage
+
+log = logging.getLogger("ckptd")
+SWEPT_DIR = ".ckptd-swept"
+
+
+def is_orphaned(incomplete: Path, host: str) -> bool:
+    """Whether every writer named in ``incomplete``'s markers is a dead process on this host."""
+    try:
+        markers = [e.name[len(OWNER_PREFIX):] for e in os.scandir(incomplete) if e.name.startswith(OWNER_PREFIX)]
+    except OSError:
+        return False
+    if not markers:
+        return False
+    for marker in markers:
+        marker_host, _, pid = marker.rpartition("-")
+        if marker_host != host or not pid.isdigit() or pid_alive(int(pid)):
+            return False
+    return True
+
+
+def sweep_incomplete(storage: Storage, directories: list[Path], mode: str) -> list[Path]:
+    """Remove (``remove``) or move into ``.ckptd-swept/`` (``move``) orphaned ``.incomplete`` dirs."""
+    if mode == "off":
+        return []
+    host = socket.gethostname()
+    swept = []
+    for directory in directories:
+        try:
+            entries = [e for e in os.scandir(directory) if e.name.endswith(INCOMPLETE_SUFFIX) and e.is_dir()]
+        except OSError:
+            continue
+        for entry in entries:
+            path = Path(entry.path)
+            if not is_orphaned(path, host):
+                continue
+            if mode == "move":
+                aside = directory / SWEPT_DIR
+                aside.mkdir(exist_ok=True)
+                storage.rename(path, aside / f"{entry.name}-{int(time.time())}")
+            else:
+                storage.remove_tree(path)
+            swept.append(path)
+            log.info("event=swept path=%s mode=%s", path, mode)
+    return swept
+
+
+def reclaim_orphaned_slots(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink this user's ckptd slots whose owning process is gone."""
+    removed = []
+    for entry in os.scandir(shm_dir):
+        owner = slot_owner(entry.name)
+        if owner is None or owner[0] != os.getuid() or pid_alive(owner[1]):
+            continue
+        try:
+            os.unlink(entry.path)
+            removed.append(entry.name)
+        except FileNotFoundError:
+            pass
+    if removed:
+        log.info("event=slots_reclaimed count=%d", len(removed))
+    return removed

@@ -1,0 +1,124 @@
+"""Agreeing on a checkpoint across nodes, on a thread the client owns.
+
+With ranks on several nodes, no single daemon sees every shard. Each rank's
+daemon writes its shard and answers ``Durable``; then the ranks agree,
+through a dedicated gloo group (never the training group, whose collectives
+the training loop is issuing at the same time), on whether every shard made
+it. Global rank 0 then asks its own daemon to ``Finalize`` (index, rename,
+fsync) or ``Abort``, and broadcasts the outcome, so every rank's future
+resolves the same way.
+
+Collectives must run in the same order on every rank: saves are queued here
+in the order ``save_async`` was called and handled one at a time.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+from ckptd.protocol.errors import CkptdError, RanksMissing, error_for_code
+from ckptd.protocol.index import ShardRecord
+from ckptd.protocol.messages import Abort, Commit, Done, Durable, Finalize
+
+from .connection import Connection
+
+
+@dataclass
+class _Save:
+    shard: Future
+    """This rank's reply: ``Durable``, or an exception."""
+    commit: Commit
+    resolve: Callable[[Done | BaseException], None]
+
+
+def spans_several_daemons(endpoint: str, timeout: float) -> dist.ProcessGroup | None:
+    """A gloo group for coordination if the ranks talk to more than one daemon, else None.
+
+    Collective: every rank must call it (``Client()`` does, on every rank).
+    """
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    places: list = [None] * dist.get_world_size()
+    dist.all_gather_object(places, (socket.gethostname(), endpoint), group=group)
+    if len(set(places)) == 1:
+        dist.destroy_process_group(group)
+        return None
+    return group
+
+
+class Coordinator:
+    """One thread per client that turns durable shards into a committed checkpoint."""
+
+    def __init__(self, group: dist.ProcessGroup, connection: Callable[[], Connection], rank: int) -> None:
+        self.group = group
+        self.connection = connection
+        self.rank = rank
+        self._queue: queue.SimpleQueue[_Save | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="ckptd-coordinate", daemon=True)
+        self._thread.start()
+
+    def submit(self, shard: Future, commit: Commit, resolve: Callable[[Done | BaseException], None]) -> None:
+        """Queue a save; ``resolve`` gets rank 0's outcome once all ranks agree."""
+        self._queue.put(_Save(shard, commit, resolve))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (save := self._queue.get()) is not None:
+            try:
+                outcome = self._agree(save)
+            except BaseException as exc:  # collective failed: a rank died or timed out
+                outcome = RanksMissing(f"checkpoint {save.commit.path}: ranks did not agree: {exc}")
+            save.resolve(outcome)
+
+    def _agree(self, save: _Save) -> Done | BaseException:
+        try:
+            reply = save.shard.result()
+            assert isinstance(reply, Durable)
+            mine: tuple = ("ok", (reply.file, reply.rank, reply.size, reply.checksum, reply.tensors))
+        except CkptdError as exc:
+            mine = ("error", f"rank {self.rank}: {exc.message}", int(exc.code))
+        except BaseException as exc:
+            mine = ("error", f"rank {self.rank}: {exc!r}", 0)
+        everyone: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, mine, group=self.group)
+        outcome: list = [None]
+        if self.rank == 0:
+            outcome[0] = self._commit_or_abort(save.commit, everyone)
+        dist.broadcast_object_list(outcome, src=0, group=self.group)
+        kind, *data = outcome[0]
+        if kind == "done":
+            path, seconds = data
+            size = mine[1][2] if mine[0] == "ok" else 0
+            return Done(save.commit.id, path, size, seconds)
+        message, code = data
+        return error_for_code(code, message) if code else RanksMissing(message)
+
+    def _commit_or_abort(self, commit: Commit, everyone: list) -> tuple:
+        """Global rank 0 only: Finalize if every shard is durable, else Abort."""
+        failures = [entry[1] for entry in everyone if entry[0] != "ok"]
+        conn = self.connection()
+        if failures:
+            reason = "; ".join(failures)
+            try:
+                conn.call(Abort(conn.next_id(), commit.path, reason))
+            except Exception:
+                pass  # rank 0's daemon is gone too; the sweep will clean up
+            code = next((e[2] for e in everyone if e[0] != "ok"), 0)
+            return ("error", f"checkpoint {commit.path} was not committed: {reason}", code)
+        files = tuple(ShardRecord(*entry[1]) for entry in everyone)
+        try:
+            done = conn.call(Finalize(conn.next_id(), commit.path, commit.world_size, commit.step,
+                                      commit.overwrite, commit.keep_last, files), timeout=commit.timeout)
+        except CkptdError as exc:
+            return ("error", exc.message, int(exc.code))
+        return ("done", done.path, done.seconds)
