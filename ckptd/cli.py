@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the status snapshot as JSON")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
 
-    listing = sub.add_parser("list", help="list the checkpoints under a directory (no daemon needed)")
+    listing = with_run_dir(sub.add_parser("list", help="list the checkpoints under a directory (no daemon needed)"))
     listing.add_argument("root", type=Path)
     listing.add_argument("--json", action="store_true")
 
@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    run_dir: Path = (getattr(args, "run_dir", None) or default_run_dir()).absolute()
+    run_dir: Path = (args.run_dir or default_run_dir()).absolute()
     try:
         return {"start": _start, "status": _status, "stop": _stop, "list": _list}[args.command](args, run_dir)
     except DaemonUnavailable as exc:
