@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,13 +78,21 @@ class Storage:
 
 @dataclass(frozen=True)
 class Fault:
-    """Fail (or delay) calls of ``op`` whose path contains ``match``."""
+    """Fail, delay or kill the daemon at calls of ``op`` whose path contains ``match``.
+
+    ``op`` is one of open, write, fsync, write_file, fsync_dir, rename.
+    """
 
     op: str
     match: str = ""
     errno: int = errno.EIO
+    """Raise this OSError (0: do not raise)."""
     delay: float = 0.0
-    """Seconds to sleep before the call; with ``errno`` 0 the call then succeeds."""
+    """Seconds to sleep first."""
+    kill: bool = False
+    """SIGKILL the daemon itself: a crash at exactly this point."""
+    after: bool = False
+    """Act after the call succeeded instead of before it."""
 
 
 class FaultyStorage(Storage):
@@ -97,11 +106,13 @@ class FaultyStorage(Storage):
     def from_env(cls, raw: str) -> "FaultyStorage":
         return cls([Fault(**f) for f in json.loads(raw)])
 
-    def _inject(self, op: str, where: str) -> None:
+    def _inject(self, op: str, where: str, *, after: bool = False) -> None:
         for f in self.faults:
-            if f.op == op and f.match in where:
+            if f.op == op and f.match in where and f.after == after:
                 if f.delay:
                     time.sleep(f.delay)
+                if f.kill:
+                    os.kill(os.getpid(), signal.SIGKILL)
                 if f.errno:
                     raise OSError(f.errno, f"{os.strerror(f.errno)} (injected)", where)
 
@@ -112,20 +123,40 @@ class FaultyStorage(Storage):
         return fd, is_direct
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
-        self._inject("write", self._paths.get(fd, ""))
-        return super().pwrite(fd, data, offset)
+        where = self._paths.get(fd, "")
+        self._inject("write", where)
+        n = super().pwrite(fd, data, offset)
+        self._inject("write", where, after=True)
+        return n
 
     def fsync(self, fd: int) -> None:
-        self._inject("fsync", self._paths.get(fd, ""))
+        where = self._paths.get(fd, "")
+        self._inject("fsync", where)
         super().fsync(fd)
+        self._inject("fsync", where, after=True)
 
     def close(self, fd: int) -> None:
         self._paths.pop(fd, None)
         super().close(fd)
 
+    def write_file(self, path: Path, data: bytes) -> None:
+        self._inject("write_file", str(path))
+        super().write_file(path, data)
+        self._inject("write_file", str(path), after=True)
+
+    def fsync_dir(self, path: Path) -> None:
+        self._inject("fsync_dir", str(path))
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._inject("fsync_dir", str(path), after=True)
+
     def rename(self, src: Path, dst: Path) -> None:
         self._inject("rename", str(dst))
         super().rename(src, dst)
+        self._inject("rename", str(dst), after=True)
 
 
 def storage_from_env() -> Storage:
