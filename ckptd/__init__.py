@@ -13,8 +13,10 @@ from typing import Any
 from ckptd.protocol import __version__
 from ckptd.protocol.errors import *  # noqa: F401,F403
 from ckptd.protocol.index import CheckpointIndex, latest, read_index
+from ckptd.protocol.inspect import CheckpointInfo, VerifyReport, verify_checkpoint
+from ckptd.protocol.inspect import inspect_checkpoint as inspect
 
-_CLIENT_NAMES = ("Client", "SaveFuture", "SaveResult", "load")
+_CLIENT_NAMES = ("Client", "SaveFuture", "SaveResult", "load", "load_into", "LoadReport")
 
 
 def __getattr__(name: str) -> Any:

@@ -17,7 +17,7 @@ from ckptd.protocol.messages import Error, Status, StatusReply, Stop
 
 from .config import DaemonConfig
 from .control import request
-from .render import render_status
+from .render import human_bytes, render_status
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 
@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--buffered-io", action="store_true", help="do not use O_DIRECT")
     start.add_argument("--keep", action="append", default=None, metavar="DIR=K", type=_keep_arg,
                        help="retention: keep only the K newest checkpoints in DIR and below (repeatable)")
+    start.add_argument("--max-concurrent-loads", type=int, default=None, metavar="N",
+                       help="default cap on ranks of this node loading at once (loads that ask for it)")
     start.add_argument("--sweep", choices=("remove", "move", "off"), default="remove",
                        help="on start, remove (default), move aside, or keep orphaned .incomplete directories")
     start.add_argument("--quiet", action="store_true", help="with --foreground: log to the log file only")
@@ -54,6 +56,14 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("root", type=Path)
     listing.add_argument("--json", action="store_true")
 
+    verify = with_run_dir(sub.add_parser("verify", help="check a checkpoint's index, headers and checksums"))
+    verify.add_argument("path", type=Path)
+    verify.add_argument("--json", action="store_true")
+
+    inspect = with_run_dir(sub.add_parser("inspect", help="describe a checkpoint without reading tensor data"))
+    inspect.add_argument("path", type=Path)
+    inspect.add_argument("--json", action="store_true")
+
     stop = with_run_dir(sub.add_parser("stop", help="finish in-flight saves, then exit"))
     stop.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the drain")
     return p
@@ -63,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     run_dir: Path = (args.run_dir or default_run_dir()).absolute()
     try:
-        return {"start": _start, "status": _status, "stop": _stop, "list": _list}[args.command](args, run_dir)
+        return {"start": _start, "status": _status, "stop": _stop, "list": _list, "verify": _verify,
+                "inspect": _inspect}[args.command](args, run_dir)
     except DaemonUnavailable as exc:
         print(f"ckptd: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -80,7 +91,8 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
 
     kwargs = {"run_dir": run_dir, "max_concurrent_writes": args.max_concurrent_writes,
               "exit_when_idle": args.exit_when_idle, "direct_io": not args.buffered_io,
-              "keep_last": dict(args.keep or []), "sweep": args.sweep}
+              "keep_last": dict(args.keep or []), "sweep": args.sweep,
+              "max_concurrent_loads": args.max_concurrent_loads}
     if args.root:
         kwargs["roots"] = tuple(args.root)
     config = DaemonConfig(**kwargs, log_to_stderr=args.foreground and not args.quiet)
@@ -95,6 +107,8 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
         argv.append("--buffered-io")
     argv += [a for d, k in config.keep_last.items() for a in ("--keep", f"{d}={k}")]
     argv += ["--sweep", config.sweep]
+    if config.max_concurrent_loads is not None:
+        argv += ["--max-concurrent-loads", str(config.max_concurrent_loads)]
     pid = start_detached(argv, run_dir)
     print(f"ckptd started (pid {pid}) on {config.endpoint}")
     return EXIT_OK
@@ -112,6 +126,36 @@ def _list(args: argparse.Namespace, run_dir: Path) -> int:
 
     rows = list_checkpoints(args.root)
     print(json.dumps(rows, indent=2) if args.json else render_listing(rows))
+    return EXIT_OK
+
+
+def _verify(args: argparse.Namespace, run_dir: Path) -> int:
+    from ckptd.protocol.inspect import verify_checkpoint
+
+    report = verify_checkpoint(args.path)
+    if args.json:
+        print(json.dumps({"path": str(report.path), "ok": report.ok, "problems": report.problems,
+                          "checked_bytes": report.checked_bytes}, indent=2))
+    elif report.ok:
+        print(f"{report.path}: ok ({report.checked_bytes} bytes checked)")
+    else:
+        for problem in report.problems:
+            print(f"ckptd: {problem}", file=sys.stderr)
+    return EXIT_OK if report.ok else EXIT_ERROR
+
+
+def _inspect(args: argparse.Namespace, run_dir: Path) -> int:
+    from ckptd.protocol.inspect import inspect_checkpoint
+
+    info = inspect_checkpoint(args.path).to_dict()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return EXIT_OK
+    print(f"{info['path']}: step {info['step']}, {info['world_size']} rank(s), {human_bytes(info['bytes'])}")
+    for shard in info["shards"]:
+        print(f"  rank {shard['rank']}: {shard['file']} ({human_bytes(shard['size'])}, {len(shard['tensors'])} tensors)")
+        for t in shard["tensors"]:
+            print(f"    {t['name']:<48} {t['dtype']:<8} {str(t['shape']):<20} {human_bytes(t['bytes'])}")
     return EXIT_OK
 
 

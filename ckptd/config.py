@@ -49,6 +49,9 @@ class DaemonConfig:
     """Admission keeps this fraction of the target filesystem free..."""
     space_margin_bytes: int = 64 * 1024 * 1024
     """...but at least this many bytes."""
+    max_concurrent_loads: int | None = None
+    """Load leases held at once on this node when a load asks for the daemon's
+    default (``max_concurrent_per_node`` not given); None: no limit."""
     shm_min_free: int = 16 * 1024 * 1024
     """Admission refuses saves while /dev/shm has less than this free."""
 
@@ -63,6 +66,8 @@ class DaemonConfig:
             raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
         if self.exit_when_idle is not None and self.exit_when_idle <= 0:
             raise ValueError(f"exit_when_idle must be positive seconds, got {self.exit_when_idle}")
+        if self.max_concurrent_loads is not None and self.max_concurrent_loads < 1:
+            raise ValueError(f"max_concurrent_loads must be at least 1, got {self.max_concurrent_loads}")
         if self.sweep not in ("remove", "move", "off"):
             raise ValueError(f"sweep must be remove, move or off, got {self.sweep!r}")
         if any(k < 1 for k in self.keep_last.values()):

@@ -45,11 +45,14 @@ from ckptd.protocol.messages import (
     Durable,
     Error,
     Finalize,
+    Granted,
     Hello,
+    Lease,
     Message,
     Ok,
     Ping,
     Pong,
+    Release,
     Status,
     Stop,
     Welcome,
@@ -60,6 +63,7 @@ from ckptd.protocol.messages import (
 from .admission import check_room, filesystem_of
 from .commit import Commits, PendingCheckpoint, resolve_path
 from .config import DaemonConfig
+from .leases import Grant, LoadLeases
 from .retention import apply_retention
 from .slots import SlotMaps, pid_alive
 from .sweep import reclaim_orphaned_slots, sweep_incomplete
@@ -108,6 +112,7 @@ class Server:
         self.jobs: list[WriteJob] = []
         self.finalizing = 0
         self.stats = Stats(config)
+        self.leases = LoadLeases(config.max_concurrent_loads)
         self.draining = False
         self._idle_since = time.monotonic()
         self._handlers: dict[type[Message], Callable[[bytes, Message], Message | None]] = {
@@ -117,6 +122,8 @@ class Server:
             Ping: lambda ident, msg: Pong(msg.id),
             Finalize: self._on_finalize,
             Abort: self._on_abort,
+            Lease: self._on_lease,
+            Release: self._on_release,
             Bye: self._on_bye,
             Stop: self._on_stop,
         }
@@ -279,6 +286,19 @@ class Server:
         self._fail(pending, RanksMissing(f"checkpoint {final} was aborted: {msg.reason}"))
         return Ok(msg.id)
 
+    def _on_lease(self, ident: bytes, msg: Lease) -> None:
+        client = self._client(ident)
+        self._send_grants(self.leases.request(ident, msg.id, client.pid, msg.limit))
+        return None  # Granted follows when a lease is free
+
+    def _on_release(self, ident: bytes, msg: Release) -> Message:
+        self._send_grants(self.leases.release(ident))
+        return Ok(msg.id)
+
+    def _send_grants(self, grants: list[Grant]) -> None:
+        for g in grants:
+            self._send(g.client, Granted(g.request_id, g.waited))
+
     def _on_status(self, ident: bytes, msg: Status) -> Message:
         return self.stats.reply(msg.id, self)
 
@@ -286,6 +306,7 @@ class Server:
         client = self.clients.pop(ident, None)
         if client is not None:
             self.slots.forget_pid(client.pid)
+        self._send_grants(self.leases.release(ident))
         return Ok(msg.id)
 
     def _on_stop(self, ident: bytes, msg: Stop) -> Message:
@@ -415,5 +436,6 @@ class Server:
         for ident, client in list(self.clients.items()):
             if not pid_alive(client.pid):
                 del self.clients[ident]
+                self._send_grants(self.leases.drop_pid(client.pid))
                 removed = self.slots.reclaim(client.pid)
                 log.info("event=client_gone pid=%d slots_reclaimed=%d", client.pid, removed)

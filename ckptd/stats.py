@@ -111,6 +111,7 @@ class Stats:
             },
             "errors": list(self.errors),
             "shm_mapped_bytes": server.slots.mapped_bytes,
+            "loads": server.leases.snapshot(),
             "roots": [_root_usage(r) for r in self.config.roots],
         }
         return StatusReply(rid, info)

@@ -8,5 +8,6 @@ from ckptd.protocol.index import latest
 from .api import Client
 from .future import SaveFuture, SaveResult
 from .load import load
+from .restore import LoadReport, load_into
 
-__all__ = ["Client", "SaveFuture", "SaveResult", "latest", "load"]
+__all__ = ["Client", "LoadReport", "SaveFuture", "SaveResult", "latest", "load", "load_into"]

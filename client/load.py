@@ -1,10 +1,15 @@
 """Reading a committed checkpoint back into the structure that was saved.
 
-The shard is memory-mapped copy-on-write and tensors are views of the
-mapping: no read into a temporary buffer and no copy, the page cache serves
-the bytes, and writing to a loaded tensor changes only this process's copy,
-never the file. The checksum from the index is verified first (one pass over
-the mapping) unless ``verify=False``.
+By default the shard is memory-mapped copy-on-write and tensors are views of
+the mapping: no read into a temporary buffer and no copy, the page cache
+serves the bytes (reclaimable, so eight ranks mapping big checkpoints do not
+run a node out of memory), and writing to a loaded tensor changes only this
+process's copy, never the file. With ``map_location`` each tensor is copied
+straight from the mapping to that device instead, one tensor at a time.
+
+The checksum from the index is verified first (one pass over the mapping)
+unless ``verify=False``. Every failure is an ``InvalidCheckpoint`` that
+names the file and what is wrong; nothing partial is returned.
 """
 
 from __future__ import annotations
@@ -13,26 +18,87 @@ import mmap
 import os
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from ckptd.protocol.errors import BadMessage, InvalidCheckpoint
-from ckptd.protocol.index import read_index
+from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
 from ckptd.protocol.layout import parse_header
 
 from .dtypes import TORCH_DTYPES
 from .flatten import structure_from_metadata, unflatten
-from .ranks import detect_rank
+from .lease import load_lease
+from .ranks import detect_ranks
+
+MapLocation = str | torch.device | None
 
 
-def load(path: str | os.PathLike, *, rank: int | None = None, verify: bool = True) -> Any:
-    """The state saved by ``rank`` (default: this process's rank) at ``path``."""
+def load(
+    path: str | os.PathLike,
+    *,
+    rank: int | Literal["all"] | None = None,
+    map_location: MapLocation = None,
+    verify: bool = True,
+    max_concurrent_per_node: int | None = None,
+    run_dir: str | os.PathLike | None = None,
+) -> Any:
+    """The state saved by ``rank`` at ``path`` (``rank="all"``: a list, one per rank).
+
+    Args:
+        rank: default this process's rank (0 for a one-rank checkpoint).
+        map_location: None keeps tensors backed by the file (zero-copy,
+            copy-on-write); a device (``"cpu"``, ``"cuda:0"``) copies each
+            tensor there and lets go of the file.
+        verify: check the shard's checksum from the index first.
+        max_concurrent_per_node: hold a lease from this node's daemon so at
+            most this many ranks load at once (None: the daemon's default,
+            if a daemon runs and has one).
+        run_dir: the daemon to ask for the lease.
+    """
     path = Path(path)
     index = read_index(path)
-    if rank is None:
-        rank = detect_rank()[0] if index.world_size > 1 else 0
+    with load_lease(max_concurrent_per_node, run_dir=run_dir):
+        if rank == "all":
+            return [_load_rank(path, index, r, map_location, verify) for r in range(index.world_size)]
+        if rank is None:
+            rank = detect_ranks().rank if index.world_size > 1 else 0
+        return _load_rank(path, index, rank, map_location, verify)
+
+
+def _load_rank(path: Path, index: CheckpointIndex, rank: int, map_location: MapLocation, verify: bool) -> Any:
     record = index.shard(rank)
+    mapping, shard = map_shard(path, record, verify=verify, algorithm=index.checksum_algorithm)
+    try:
+        entries, metadata, data_start = parse_header(memoryview(mapping), record.size)
+    except BadMessage as exc:
+        raise InvalidCheckpoint(f"shard {shard} has a bad header: {exc.message}") from None
+    structure = structure_from_metadata(metadata)
+    if structure is None:
+        raise InvalidCheckpoint(f"shard {shard} holds no ckptd structure in its metadata")
+    buf = torch.frombuffer(mapping, dtype=torch.uint8)
+    by_name = {e.name: e for e in entries}
+    made: dict[str, torch.Tensor] = {}
+    device = torch.device(map_location) if map_location is not None else None
+
+    def tensor_for(name: str) -> torch.Tensor:
+        if name in made:  # one tensor referenced twice (tied weights) loads as one object
+            return made[name]
+        e = by_name.get(name)
+        if e is None:
+            raise InvalidCheckpoint(f"shard {shard}: structure names tensor {name!r}, which the header lacks")
+        t = buf[data_start + e.begin : data_start + e.end].view(TORCH_DTYPES[e.dtype]).view(e.shape)
+        made[name] = t if device is None else t.to(device, copy=True)
+        return made[name]
+
+    try:
+        return unflatten(structure, tensor_for)
+    except (ValueError, TypeError) as exc:
+        raise InvalidCheckpoint(f"shard {shard} has a structure that cannot be read: {exc}") from None
+
+
+def map_shard(path: Path, record: ShardRecord, *, verify: bool, algorithm: str = "crc32") -> tuple[mmap.mmap, Path]:
+    """Map a shard copy-on-write after checking its size (and checksum)."""
     shard = path / record.file
     try:
         fd = os.open(shard, os.O_RDONLY | os.O_CLOEXEC)
@@ -49,31 +115,7 @@ def load(path: str | os.PathLike, *, rank: int | None = None, verify: bool = Tru
         crc = zlib.crc32(mapping)
         if crc != record.checksum:
             raise InvalidCheckpoint(
-                f"shard {shard} fails its checksum ({index.checksum_algorithm} {crc:#010x}, index says "
+                f"shard {shard} fails its checksum ({algorithm} {crc:#010x}, index says "
                 f"{record.checksum:#010x}): the file is corrupt"
             )
-    try:
-        entries, metadata, data_start = parse_header(memoryview(mapping), size)
-    except BadMessage as exc:
-        raise InvalidCheckpoint(f"shard {shard} has a bad header: {exc.message}") from None
-    structure = structure_from_metadata(metadata)
-    if structure is None:
-        raise InvalidCheckpoint(f"shard {shard} holds no ckptd structure in its metadata")
-    buf = torch.frombuffer(mapping, dtype=torch.uint8)
-    by_name = {e.name: e for e in entries}
-    made: dict[str, torch.Tensor] = {}
-
-    def tensor_for(name: str) -> torch.Tensor:
-        if name in made:  # one tensor referenced twice (tied weights) loads as one object
-            return made[name]
-        e = by_name.get(name)
-        if e is None:
-            raise InvalidCheckpoint(f"shard {shard}: structure names tensor {name!r}, which the header lacks")
-        flat = buf[data_start + e.begin : data_start + e.end]
-        made[name] = flat.view(TORCH_DTYPES[e.dtype]).view(e.shape)
-        return made[name]
-
-    try:
-        return unflatten(structure, tensor_for)
-    except (ValueError, TypeError) as exc:
-        raise InvalidCheckpoint(f"shard {shard} has a structure that cannot be read: {exc}") from None
+    return mapping, shard

@@ -19,6 +19,8 @@ Conversation::
     Abort            ──▶        Ok                (several nodes, a rank failed)
     Status           ──▶        StatusReply
     Ping             ──▶        Pong        (heartbeat while work is pending)
+    Lease            ──▶        Granted (when a load slot frees up)
+    Release          ──▶        Ok
     Bye | Stop       ──▶        Ok
     anything bad     ──▶        Error
 """
@@ -193,6 +195,31 @@ class Abort(Message):
 
 
 @dataclass(frozen=True)
+class Lease(Message):
+    """Ask to load: at most ``limit`` holders per node at once (None: the daemon's default)."""
+
+    limit: int | None
+    type: ClassVar[str] = "lease"
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and self.limit < 1:
+            raise BadMessage(f"lease limit must be at least 1, got {self.limit}")
+
+
+@dataclass(frozen=True)
+class Granted(Message):
+    """The lease is held until ``Release`` (or until the client's process dies)."""
+
+    waited: float
+    type: ClassVar[str] = "granted"
+
+
+@dataclass(frozen=True)
+class Release(Message):
+    type: ClassVar[str] = "release"
+
+
+@dataclass(frozen=True)
 class Error(Message):
     code: int
     message: str
@@ -243,8 +270,8 @@ class Ok(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.type: cls
-    for cls in (Hello, Welcome, Commit, Accepted, Durable, Finalize, Abort, Done, Error, Status, StatusReply,
-                Ping, Pong, Bye, Stop, Ok)
+    for cls in (Hello, Welcome, Commit, Accepted, Durable, Finalize, Abort, Done, Lease, Granted, Release, Error,
+                Status, StatusReply, Ping, Pong, Bye, Stop, Ok)
 }
 
 

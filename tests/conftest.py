@@ -74,7 +74,8 @@ def start_daemon(run_dir: Path, root: Path, *extra: str, faults: list[dict] | No
         if proc.poll() is not None:
             raise RuntimeError(f"daemon exited at start: {proc.stderr.read().decode()}")
         if (run_dir / "ckptd.sock").exists() and daemon.cli("status", timeout=10).returncode == 0:
-            return daemon
+            if (run_dir / "ckptd.pid").read_text().strip() == str(proc.pid):
+                return daemon
         time.sleep(0.05)
     proc.kill()
     raise RuntimeError("daemon did not come up")

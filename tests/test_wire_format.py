@@ -25,11 +25,14 @@ from ckptd.protocol.messages import (
     Durable,
     Error,
     Finalize,
+    Granted,
     Hello,
+    Lease,
     Message,
     Ok,
     Ping,
     Pong,
+    Release,
     Status,
     StatusReply,
     Stop,
@@ -108,6 +111,19 @@ GOLDEN: dict[str, tuple[Message, str]] = {
         "85a17601a474797065a561626f7274a269640aa470617468ae2f636b70742f7374"
         "65702d313030a6726561736f6eb372616e6b20333a206461656d6f6e20676f6e65",
     ),
+    "lease": (
+        Lease(id=11, limit=2),
+        "84a17601a474797065a56c65617365a269640ba56c696d697402",
+    ),
+    "granted": (
+        Granted(id=11, waited=0.5),
+        "84a17601a474797065a76772616e746564a269640ba6776169746564cb3fe00000"
+        "00000000",
+    ),
+    "release": (
+        Release(id=12),
+        "83a17601a474797065a772656c65617365a269640c",
+    ),
     "accepted": (
         Accepted(id=2),
         "83a17601a474797065a86163636570746564a2696402",
@@ -175,6 +191,9 @@ def test_message_type_names_are_frozen():
         "durable": "Durable",
         "finalize": "Finalize",
         "abort": "Abort",
+        "lease": "Lease",
+        "granted": "Granted",
+        "release": "Release",
         "done": "Done",
         "error": "Error",
         "status": "Status",

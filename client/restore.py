@@ -1,0 +1,167 @@
+"""``load_into``: restore a checkpoint into tensors that already exist.
+
+Loading a checkpoint as a new state dict and then copying it into a model
+holds two copies at the peak. ``load_into`` maps the shard (no copy) and
+copies each saved tensor straight into the existing tensor with the same key,
+so the extra memory is about one tensor's pages of the mapping at a time,
+and those are page cache, not process memory.
+
+Everything is checked before a byte is copied: missing keys, unexpected
+keys, shape and dtype mismatches are reported together in one error, and on
+error the target is untouched.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptd.protocol.errors import InvalidCheckpoint
+from ckptd.protocol.index import read_index
+
+from .lease import load_lease
+from .load import _load_rank
+from .ranks import detect_ranks
+
+
+@dataclass
+class LoadReport:
+    """What ``load_into`` did; with ``strict=False`` the lists may be non-empty."""
+
+    copied: int = 0
+    """Tensors copied in place."""
+    missing: list[str] = field(default_factory=list)
+    """Keys of the target the checkpoint does not hold."""
+    unexpected: list[str] = field(default_factory=list)
+    """Keys of the checkpoint the target does not hold."""
+
+
+@dataclass
+class _Plan:
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    assigns: list[tuple[Any, Any, Any]] = field(default_factory=list)
+    """(container, key, value) for plain values."""
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+
+def load_into(
+    target: Any,
+    path: str | os.PathLike,
+    *,
+    rank: int | None = None,
+    key: str | None = None,
+    strict: bool = True,
+    verify: bool = True,
+    max_concurrent_per_node: int | None = None,
+    run_dir: str | os.PathLike | None = None,
+) -> LoadReport:
+    """Copy the checkpoint at ``path`` into ``target`` in place.
+
+    ``target`` is a (nested) state dict, a ``torch.nn.Module`` or a
+    ``torch.optim.Optimizer``. ``key`` selects a part of the saved state
+    (``key="model"`` when the checkpoint is ``{"model": ..., "optimizer": ...}``).
+    With ``strict`` (default) missing or unexpected keys are an error; shape
+    and dtype mismatches always are. An optimizer that has no state yet
+    (before its first step) is restored with its own ``load_state_dict``.
+    """
+    path = Path(path)
+    index = read_index(path)
+    if rank is None:
+        rank = detect_ranks().rank if index.world_size > 1 else 0
+    with load_lease(max_concurrent_per_node, run_dir=run_dir):
+        saved = _load_rank(path, index, rank, None, verify)
+        if key is not None:
+            if not isinstance(saved, dict) or key not in saved:
+                raise InvalidCheckpoint(f"checkpoint {path} (rank {rank}) holds no top-level key {key!r}")
+            saved = saved[key]
+        if isinstance(target, torch.optim.Optimizer) and not target.state:
+            target.load_state_dict(saved)
+            return LoadReport(copied=sum(1 for _ in _tensors(saved)))
+        return _apply(target, saved, strict, f"checkpoint {path}")
+
+
+def _apply(target: Any, saved: Any, strict: bool, where: str) -> LoadReport:
+    plan = _Plan()
+    if isinstance(target, torch.nn.Module):
+        _match(target.state_dict(), saved, "", plan)
+    elif isinstance(target, torch.optim.Optimizer):
+        _match(target.state_dict(), saved, "", plan)
+        plan.assigns = []  # its state_dict() is a copy; hyperparameters are applied below
+    else:
+        _match(target, saved, "", plan)
+    problems = [f"shape/dtype mismatch: {m}" for m in plan.mismatched]
+    if strict:
+        problems += [f"missing from the checkpoint: {k}" for k in plan.missing]
+        problems += [f"not in the target: {k}" for k in plan.unexpected]
+    if problems:
+        raise InvalidCheckpoint(f"cannot load {where} into the target ({len(problems)} problems, nothing changed):\n  "
+                                + "\n  ".join(problems))
+    with torch.no_grad():
+        for dst, src in plan.copies:
+            dst.copy_(src)
+    for container, k, value in plan.assigns:
+        container[k] = value
+    if isinstance(target, torch.optim.Optimizer):
+        for group, saved_group in zip(target.param_groups, saved.get("param_groups", [])):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+    return LoadReport(len(plan.copies), plan.missing, plan.unexpected)
+
+
+def _match(dst: Any, src: Any, where: str, plan: _Plan) -> None:
+    """Pair up ``dst`` and ``src`` leaf by leaf, recording what to copy and what is wrong."""
+    if isinstance(dst, torch.Tensor) or isinstance(src, torch.Tensor):
+        if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)):
+            plan.mismatched.append(f"{where or '<root>'}: target holds {type(dst).__name__}, checkpoint {type(src).__name__}")
+        elif dst.shape != src.shape or dst.dtype != src.dtype:
+            plan.mismatched.append(f"{where}: target {dst.dtype}{list(dst.shape)}, checkpoint {src.dtype}{list(src.shape)}")
+        else:
+            plan.copies.append((dst, src))
+        return
+    if isinstance(dst, dict) and isinstance(src, dict):
+        plan.missing += [_join(where, k) for k in dst if k not in src]
+        plan.unexpected += [_join(where, k) for k in src if k not in dst]
+        for k in dst:
+            if k in src:
+                _leaf_or_recurse(dst, k, src[k], _join(where, k), plan)
+        return
+    if isinstance(dst, (list, tuple)) and isinstance(src, (list, tuple)):
+        if len(dst) != len(src):
+            plan.mismatched.append(f"{where}: target holds {len(dst)} items, checkpoint {len(src)}")
+            return
+        for i, item in enumerate(src):
+            if isinstance(dst, list):
+                _leaf_or_recurse(dst, i, item, _join(where, i), plan)
+            else:
+                _match(dst[i], item, _join(where, i), plan)
+        return
+    if type(dst) is not type(src) and (isinstance(dst, (dict, list, tuple)) or isinstance(src, (dict, list, tuple))):
+        plan.mismatched.append(f"{where}: target holds {type(dst).__name__}, checkpoint {type(src).__name__}")
+
+
+def _leaf_or_recurse(container: Any, k: Any, value: Any, where: str, plan: _Plan) -> None:
+    current = container[k]
+    if isinstance(current, (torch.Tensor, dict, list, tuple)) or isinstance(value, (torch.Tensor, dict, list, tuple)):
+        _match(current, value, where, plan)
+    else:
+        plan.assigns.append((container, k, value))
+
+
+def _join(where: str, k: Any) -> str:
+    return f"{where}.{k}" if where else str(k)
+
+
+def _tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
