@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from ckptd.protocol.endpoint import default_run_dir
@@ -20,6 +21,7 @@ from .control import request
 from .render import human_bytes, render_status
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     status = with_run_dir(sub.add_parser("status", help="show what the daemon is doing"))
     status.add_argument("--json", action="store_true", help="print the status snapshot as JSON")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+    status.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
+    status.add_argument("--interval", type=float, default=1.0, help="seconds between redraws with --watch")
+    status.add_argument("--count", type=int, default=None, help="with --watch: stop after this many redraws")
 
     listing = with_run_dir(sub.add_parser("list", help="list the checkpoints under a directory (no daemon needed)"))
     listing.add_argument("root", type=Path)
@@ -84,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"ckptd: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_OK
 
 
 def _start(args: argparse.Namespace, run_dir: Path) -> int:
@@ -160,13 +167,28 @@ def _inspect(args: argparse.Namespace, run_dir: Path) -> int:
 
 
 def _status(args: argparse.Namespace, run_dir: Path) -> int:
-    reply = request(run_dir, Status(1), timeout=args.timeout)
-    if isinstance(reply, Error):
-        print(f"ckptd: daemon error {reply.code}: {reply.message}", file=sys.stderr)
-        return EXIT_ERROR
-    assert isinstance(reply, StatusReply)
-    print(json.dumps(reply.info, indent=2, sort_keys=True) if args.json else render_status(reply.info))
-    return EXIT_OK
+    if args.watch and args.json:
+        raise ValueError("--watch and --json do not go together")
+    shown = 0
+    while True:
+        reply = request(run_dir, Status(1), timeout=args.timeout)
+        if isinstance(reply, Error):
+            print(f"ckptd: daemon error {reply.code}: {reply.message}", file=sys.stderr)
+            return EXIT_ERROR
+        assert isinstance(reply, StatusReply)
+        if args.json:
+            print(json.dumps(reply.info, indent=2, sort_keys=True))
+            return EXIT_OK
+        if args.watch:
+            print(CLEAR_SCREEN + time.strftime("%H:%M:%S") + f"  (every {args.interval:g} s, Ctrl-C to stop)")
+        print(render_status(reply.info), flush=True)
+        shown += 1
+        if not args.watch or (args.count is not None and shown >= args.count):
+            return EXIT_OK
+        try:
+            time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return EXIT_OK
 
 
 def _stop(args: argparse.Namespace, run_dir: Path) -> int:

@@ -16,6 +16,11 @@ def human_bytes(n: float | None) -> str:
     raise AssertionError("unreachable")
 
 
+def progress_bar(fraction: float, width: int = 24) -> str:
+    filled = int(round(max(0.0, min(1.0, fraction)) * width))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
 def render_status(info: dict[str, Any]) -> str:
     d = info["daemon"]
     lines = [
@@ -34,14 +39,21 @@ def render_status(info: dict[str, Any]) -> str:
                 f"  {c['path']}  step {c['step']}  {c['state']}  ranks durable {c['ranks_durable']}/{c['world_size']}"
                 f"  {c['elapsed_s']:.1f} s"
             )
-        for s in info["saves"]:
-            pct = 100.0 * s["written"] / s["bytes"] if s["bytes"] else 100.0
-            lines.append(
-                f"    rank {s['rank']}: {s['state']:<7} {pct:5.1f}% of {human_bytes(s['bytes'])}"
-                f"  waited {s['waited_s']:.2f} s"
-            )
+            for s in (s for s in info["saves"] if s["path"] == c["path"]):
+                frac = s["written"] / s["bytes"] if s["bytes"] else 1.0
+                lines.append(
+                    f"    rank {s['rank']:<5} {s['state']:<8} {progress_bar(frac)} {100 * frac:5.1f}% of "
+                    f"{human_bytes(s['bytes'])}  waited {s['waited_s']:.2f} s"
+                )
+        rate = info["writes"].get("throughput_bps")
+        if rate:
+            lines.append(f"  writing at {rate / 1e9:.2f} GB/s")
     else:
         lines.append("in progress: nothing")
+    loads = info.get("loads") or {}
+    if loads.get("held") or loads.get("waiting"):
+        lines.append(f"loads: {len(loads['held'])} holding a lease, {len(loads['waiting'])} waiting"
+                     f" (default limit {loads['default_limit']})")
     done = info["completed"]
     last = done["last"]
     lines.append(f"completed: {done['count']} checkpoints, {human_bytes(done['bytes'])}")

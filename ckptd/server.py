@@ -255,7 +255,7 @@ class Server:
         except BaseException:
             self.slots.release(slot)
             raise
-        job = WriteJob(ident, msg, slot, dest, device=filesystem_of(dest))
+        job = WriteJob(ident, msg, slot, dest, pending.path, device=filesystem_of(dest))
         self.jobs.append(job)
         client.saves += 1
         client.waited_s += msg.waited

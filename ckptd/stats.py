@@ -59,7 +59,7 @@ class Stats:
         now = time.monotonic()
         saves = [
             {
-                "path": str(job.dest.parent),
+                "path": str(job.checkpoint),
                 "rank": job.commit.rank,
                 "world_size": job.commit.world_size,
                 "state": job.state,
@@ -101,6 +101,7 @@ class Stats:
                 "max_concurrent": self.config.max_concurrent_writes,
                 "writing": sum(1 for j in server.jobs if j.state != "queued"),
                 "queued": sum(1 for j in server.jobs if j.state == "queued"),
+                "throughput_bps": _throughput(server.jobs, now),
             },
             "saves": saves,
             "checkpoints": checkpoints,
@@ -115,6 +116,12 @@ class Stats:
             "roots": [_root_usage(r) for r in self.config.roots],
         }
         return StatusReply(rid, info)
+
+
+def _throughput(jobs: list, now: float) -> float:
+    """Bytes per second written right now, over the shards being written."""
+    active = [j for j in jobs if j.started_at is not None and j.written]
+    return round(sum(j.written / max(now - j.started_at, 1e-6) for j in active), 1)
 
 
 def _root_usage(root: os.PathLike) -> dict[str, Any]:

@@ -44,6 +44,8 @@ class WriteJob:
     commit: Commit
     slot: MappedSlot
     dest: Path
+    checkpoint: Path
+    """Final path of the checkpoint this shard belongs to."""
     device: int = 0
     """Filesystem the shard goes to (admission control sums bytes per device)."""
     state: str = "queued"

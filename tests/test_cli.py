@@ -56,3 +56,16 @@ def test_start_detaches_and_stop_drains(run_dir, root) -> None:
     out = ckptd_cli("stop", "--run-dir", str(run_dir))
     assert out.returncode == 0 and "stopped" in out.stdout
     assert ckptd_cli("status", "--run-dir", str(run_dir)).returncode == 1
+
+
+def test_status_watch_redraws_with_progress_bars_while_a_save_runs(daemon_factory, client_factory, root) -> None:
+    import torch
+
+    daemon = daemon_factory(faults=[{"op": "fsync", "match": "slow", "errno": 0, "delay": 2.0}])
+    fut = client_factory().save_async({"w": torch.ones(1000)}, root / "slow")
+    out = daemon.cli("status", "--watch", "--interval", "0.2", "--count", "3")
+    assert out.returncode == 0
+    assert out.stdout.count("\x1b[H\x1b[2J") == 3
+    assert "[########################] 100.0%" in out.stdout and "fsync" in out.stdout
+    fut.result(30)
+    assert daemon.cli("status", "--watch", "--json").returncode == 2

@@ -82,7 +82,7 @@ except ImportError:  # only the older standalone package is installed
         ) from exc
 
 from ckptd.client import Client, SaveFuture, load
-from ckptd.protocol.errors import InvalidCheckpoint
+from ckptd.protocol.errors import CkptdError, InvalidCheckpoint
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, incomplete_path, read_index
 
 __all__ = ["CkptdCheckpointIO", "to_plain"]
@@ -407,7 +407,9 @@ class CkptdCheckpointIO(CheckpointIO):
             exc = fut.exception()
             assert exc is not None
             more = f" (and {len(failed) - 1} more failed saves)" if len(failed) > 1 else ""
-            raise type(exc)(f"checkpoint {key} failed in the background: {exc}{more}") from exc
+            if isinstance(exc, CkptdError):  # same type, so callers can still catch e.g. WriteFailed
+                raise type(exc)(f"checkpoint {key} failed in the background: {exc}{more}") from exc
+            raise exc
 
     def _warn_lossy(self, lossy: list[str]) -> None:
         """Warn once per converted key path: its type does not come back on load."""
