@@ -14,16 +14,17 @@ from typing import Any
 from ckptd.protocol import __version__
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.errors import Busy, InternalError
+from ckptd.protocol.layout import ShardLayout
 from ckptd.protocol.messages import Bye, Commit, Done, Hello, Welcome
 
 from .connection import Connection
-from .coordinate import Coordinator, spans_several_daemons
+from .coordinate import Coordinator, SaveSpec, spans_several_daemons
 from .flatten import Flat, flatten
 from .future import SaveFuture, SaveResult
 from .ranks import detect_ranks
 from .slots import Slot, SlotPool
 from .spawn import ensure_daemon
-from .staging import layout_for, stage
+from .staging import DeviceCopies, layout_for, stage
 
 
 class Client:
@@ -91,7 +92,9 @@ class Client:
         self._heartbeat, self._timeout = heartbeat, timeout
         self._slots = SlotPool(max_inflight + 1)
         self._inflight = threading.BoundedSemaphore(max_inflight)
-        self._stager = ThreadPoolExecutor(1, thread_name_prefix="ckptd-stage") if background_staging else None
+        self._background_staging = background_staging
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptd-stage")
+        """Background staging, and waiting for CUDA copies to land."""
         self._futures: set[SaveFuture] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -138,48 +141,59 @@ class Client:
         with self._lock:
             self._futures.add(fut)
         fut.add_done_callback(self._forget)
-        request = _Request(flat, target, step, overwrite, keep_last or self.keep_last, started,
-                           waited=time.monotonic() - started)
-        if self._stager is None:
-            self._stage_and_commit(request, fut)
+        req = _Request(flat, target, step, overwrite, keep_last or self.keep_last, started,
+                       waited=time.monotonic() - started)
+        # This rank's daemon reply (Done, or Durable on several nodes) lands in
+        # ``shard``. The coordinator gets its place now, in call order, which is
+        # the same on every rank whatever staging does later.
+        shard: Future = Future()
+        if self._coordinator is None:
+            shard.add_done_callback(lambda r: self._resolve(fut, req, r.exception() or r.result()))
         else:
-            self._stager.submit(self._stage_and_commit, request, fut)
+            self._coordinator.submit(shard, self._spec(req), lambda outcome: self._resolve(fut, req, outcome))
+        if self._background_staging:
+            self._worker.submit(self._stage, req, fut, shard, True)
+        else:
+            self._stage(req, fut, shard, False)
         return fut
 
-    def _stage_and_commit(self, req: "_Request", fut: SaveFuture) -> None:
-        slot = None
+    def _spec(self, req: "_Request") -> SaveSpec:
+        return SaveSpec(req.path, self.world_size, req.step, req.overwrite, req.keep_last, self.commit_timeout)
+
+    def _stage(self, req: "_Request", fut: SaveFuture, shard: Future, on_worker: bool) -> None:
+        """Copy into a slot; CUDA copies still running are awaited on the worker thread."""
         try:
             layout = layout_for(req.flat)
-            slot = self._slots.take(layout.nbytes)
-            stage(req.flat, layout, slot)
+            req.slot = self._slots.take(layout.nbytes)
+            copies = stage(req.flat, layout, req.slot)
+        except BaseException as exc:
+            _fail(exc, fut.staged, shard)
+            return
+        if copies is not None and not on_worker:
+            self._worker.submit(self._commit, req, fut, shard, layout, copies)
+        else:
+            self._commit(req, fut, shard, layout, copies)
+
+    def _commit(self, req: "_Request", fut: SaveFuture, shard: Future, layout: ShardLayout,
+                copies: DeviceCopies | None) -> None:
+        """Once the bytes are in the slot: staged, and off to the daemon."""
+        try:
+            if copies is not None:
+                copies.wait()
             fut.staged.set_result(None)
-            commit = Commit(self._conn.next_id(), slot.name, layout.nbytes, layout.data_start, layout.entries,
+            commit = Commit(self._conn.next_id(), req.slot.name, layout.nbytes, layout.data_start, layout.entries,
                             req.path, self.rank, self.world_size, req.step, req.overwrite,
                             coordinated=self._coordinator is not None, keep_last=req.keep_last,
                             timeout=self.commit_timeout, waited=req.waited)
         except BaseException as exc:
-            if not fut.staged.done():
-                fut.staged.set_exception(exc)
-            if self._coordinator is None:
-                self._resolve(fut, slot, req, exc)
-                return
-            # the other ranks still expect this rank in the agreement
-            failed: Future = Future()
-            failed.set_exception(exc)
-            commit = Commit(0, "ckptd-0-0-0", 4096, 4096, (), req.path, self.rank, self.world_size, req.step,
-                            req.overwrite, True, req.keep_last, self.commit_timeout, req.waited)
-            self._coordinator.submit(failed, commit, lambda outcome: self._resolve(fut, slot, req, outcome))
+            _fail(exc, fut.staged, shard)
             return
-        reply = self._conn.request(commit)
-        if self._coordinator is None:
-            reply.add_done_callback(lambda r: self._resolve(fut, slot, req, r.exception() or r.result()))
-        else:
-            self._coordinator.submit(reply, commit, lambda outcome: self._resolve(fut, slot, req, outcome))
+        self._conn.request(commit).add_done_callback(lambda r: _chain(r, shard))
 
-    def _resolve(self, fut: SaveFuture, slot: Slot | None, req: "_Request", outcome: Any) -> None:
+    def _resolve(self, fut: SaveFuture, req: "_Request", outcome: Any) -> None:
         """A save's end: free its slot and in-flight place, then settle its future."""
-        if slot is not None:
-            self._slots.give_back(slot)
+        if req.slot is not None:
+            self._slots.give_back(req.slot)
         self._inflight.release()
         if isinstance(outcome, BaseException):
             fut.set_exception(outcome)
@@ -217,8 +231,7 @@ class Client:
             return
         self._closed = True
         try:
-            if self._stager is not None:
-                self._stager.shutdown(wait=True)
+            self._worker.shutdown(wait=True)
             self.wait()
             try:
                 self._conn.call(Bye(self._conn.next_id()), timeout=min(self._timeout, 5.0))
@@ -237,9 +250,9 @@ class Client:
         self.close()
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Request:
-    """One save_async call, as the staging step needs it."""
+    """One save_async call on its way through staging and commit."""
 
     flat: Flat
     path: str
@@ -248,3 +261,18 @@ class _Request:
     keep_last: int | None
     started: float
     waited: float
+    slot: Slot | None = None
+
+
+def _fail(exc: BaseException, *futures: Future) -> None:
+    for f in futures:
+        if not f.done():
+            f.set_exception(exc)
+
+
+def _chain(source: Future, target: Future) -> None:
+    exc = source.exception()
+    if exc is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())

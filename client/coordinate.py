@@ -26,16 +26,28 @@ import torch.distributed as dist
 
 from ckptd.protocol.errors import CkptdError, RanksMissing, error_for_code
 from ckptd.protocol.index import ShardRecord
-from ckptd.protocol.messages import Abort, Commit, Done, Durable, Finalize
+from ckptd.protocol.messages import Abort, Done, Durable, Finalize
 
 from .connection import Connection
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """What every rank agrees to commit."""
+
+    path: str
+    world_size: int
+    step: int | None
+    overwrite: bool
+    keep_last: int | None
+    timeout: float
 
 
 @dataclass
 class _Save:
     shard: Future
     """This rank's reply: ``Durable``, or an exception."""
-    commit: Commit
+    spec: SaveSpec
     resolve: Callable[[Done | BaseException], None]
 
 
@@ -64,9 +76,9 @@ class Coordinator:
         self._thread = threading.Thread(target=self._run, name="ckptd-coordinate", daemon=True)
         self._thread.start()
 
-    def submit(self, shard: Future, commit: Commit, resolve: Callable[[Done | BaseException], None]) -> None:
-        """Queue a save; ``resolve`` gets rank 0's outcome once all ranks agree."""
-        self._queue.put(_Save(shard, commit, resolve))
+    def submit(self, shard: Future, spec: SaveSpec, resolve: Callable[[Done | BaseException], None]) -> None:
+        """Queue a save (in call order); ``resolve`` gets rank 0's outcome once all ranks agree."""
+        self._queue.put(_Save(shard, spec, resolve))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -77,7 +89,7 @@ class Coordinator:
             try:
                 outcome = self._agree(save)
             except BaseException as exc:  # collective failed: a rank died or timed out
-                outcome = RanksMissing(f"checkpoint {save.commit.path}: ranks did not agree: {exc}")
+                outcome = RanksMissing(f"checkpoint {save.spec.path}: ranks did not agree: {exc}")
             save.resolve(outcome)
 
     def _agree(self, save: _Save) -> Done | BaseException:
@@ -93,32 +105,32 @@ class Coordinator:
         dist.all_gather_object(everyone, mine, group=self.group)
         outcome: list = [None]
         if self.rank == 0:
-            outcome[0] = self._commit_or_abort(save.commit, everyone)
+            outcome[0] = self._commit_or_abort(save.spec, everyone)
         dist.broadcast_object_list(outcome, src=0, group=self.group)
         kind, *data = outcome[0]
         if kind == "done":
             path, seconds = data
             size = mine[1][2] if mine[0] == "ok" else 0
-            return Done(save.commit.id, path, size, seconds)
+            return Done(0, path, size, seconds)
         message, code = data
         return error_for_code(code, message) if code else RanksMissing(message)
 
-    def _commit_or_abort(self, commit: Commit, everyone: list) -> tuple:
+    def _commit_or_abort(self, spec: SaveSpec, everyone: list) -> tuple:
         """Global rank 0 only: Finalize if every shard is durable, else Abort."""
         failures = [entry[1] for entry in everyone if entry[0] != "ok"]
         conn = self.connection()
         if failures:
             reason = "; ".join(failures)
             try:
-                conn.call(Abort(conn.next_id(), commit.path, reason))
+                conn.call(Abort(conn.next_id(), spec.path, reason))
             except Exception:
                 pass  # rank 0's daemon is gone too; the sweep will clean up
             code = next((e[2] for e in everyone if e[0] != "ok"), 0)
-            return ("error", f"checkpoint {commit.path} was not committed: {reason}", code)
+            return ("error", f"checkpoint {spec.path} was not committed: {reason}", code)
         files = tuple(ShardRecord(*entry[1]) for entry in everyone)
         try:
-            done = conn.call(Finalize(conn.next_id(), commit.path, commit.world_size, commit.step,
-                                      commit.overwrite, commit.keep_last, files), timeout=commit.timeout)
+            done = conn.call(Finalize(conn.next_id(), spec.path, spec.world_size, spec.step,
+                                      spec.overwrite, spec.keep_last, files), timeout=spec.timeout)
         except CkptdError as exc:
             return ("error", exc.message, int(exc.code))
         return ("done", done.path, done.seconds)

@@ -51,7 +51,19 @@ class Slot:
             os.close(fd)
         self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
         self.tensor.fill_(0)  # pre-fault every page now, not during a save
+        self.pinned: bool | None = None
+        """Registered with CUDA as pinned memory (None: not tried yet)."""
         _live.add(self)
+
+    def pin(self) -> bool:
+        """Register the slot as CUDA pinned memory, once; False if CUDA refuses."""
+        if self.pinned is None:
+            try:
+                torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0))
+                self.pinned = True
+            except Exception:  # no CUDA, or registration refused: copies still work, unpinned
+                self.pinned = False
+        return self.pinned
 
     def close(self) -> None:
         """Unlink and unmap; safe to call twice."""
@@ -61,6 +73,8 @@ class Slot:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
         del self.tensor
         try:
             self.map.close()

@@ -97,8 +97,8 @@ def test_backpressure_blocks_or_raises_busy_and_status_shows_the_wait(daemon_fac
 def test_write_slots_cap_concurrent_writes_node_wide_fifo(daemon_factory, client_factory, root) -> None:
     daemon = daemon_factory("--max-concurrent-writes", "1", faults=SLOW)
     futures = [client_factory().save_async({"w": torch.ones(10)}, root / f"slow-{i}") for i in range(3)]
-    status = daemon.status()
-    assert status["writes"] == {"max_concurrent": 1, "writing": 1, "queued": 2}
+    writes = daemon.status()["writes"]
+    assert (writes["max_concurrent"], writes["writing"], writes["queued"]) == (1, 1, 2)
     finished = []
     for i, f in enumerate(futures):
         f.add_done_callback(lambda _, i=i: finished.append(i))

@@ -47,6 +47,15 @@ What loading gives back. The same structure with the same Python types,
 except that dict subclasses (``OrderedDict`` state dicts) load as ``dict``
 and the conversions above. Tensors are views of a copy-on-write mapping of
 the shard (see ``ckptd.load``).
+
+Not covered. ``LightningModule.load_from_checkpoint(path)`` never asks the
+trainer's ``CheckpointIO``: it calls ``torch.load`` on ``path`` and fails on a
+directory. Load through the plugin instead (``trainer.fit/validate/test(
+ckpt_path=...)`` do), or by hand::
+
+    ckpt = CkptdCheckpointIO().load_checkpoint(path)   # or ckptd.load(path)
+    model = MyModel(**ckpt["hyper_parameters"])
+    model.load_state_dict(ckpt["state_dict"])
 """
 
 from __future__ import annotations
