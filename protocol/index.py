@@ -148,7 +148,7 @@ def latest(root: Path | str) -> Path | None:
     except FileNotFoundError:
         return None
     for entry in children:
-        if entry.name.endswith(INCOMPLETE_SUFFIX) or not entry.is_dir():
+        if entry.name.endswith(INCOMPLETE_SUFFIX) or not entry.is_dir(follow_symlinks=False):
             continue
         try:
             index = read_index(entry.path)

@@ -191,10 +191,12 @@ def _restore_hparams_types(checkpoint: dict[str, Any]) -> None:
 MapLocation = str | torch.device | int | dict | Callable[..., Any] | None
 
 
-def _map_tensors(obj: Any, map_location: MapLocation) -> Any:
-    """Apply ``map_location`` to every tensor, keeping one object per tied tensor."""
-    if map_location is None:
-        return obj
+def _map_tensors(obj: Any, map_location: dict | Callable[..., Any]) -> Any:
+    """Apply a dict or callable ``map_location`` to every tensor, keeping one object per tied tensor.
+
+    Devices are not handled here: ``ckptd.load`` copies each tensor straight
+    from the file to a device, without a CPU copy first.
+    """
     done: dict[int, torch.Tensor] = {}
 
     def move(t: torch.Tensor) -> torch.Tensor:
@@ -208,7 +210,7 @@ def _map_tensors(obj: Any, map_location: MapLocation) -> Any:
                 target = map_location.get(str(t.device))
                 done[id(t)] = t if target is None else t.to(target)
             else:
-                done[id(t)] = t.to(map_location)
+                raise TypeError(f"map_location must be a device, a dict or a callable, not {map_location!r}")
         return done[id(t)]
 
     def walk(o: Any) -> Any:
@@ -328,7 +330,8 @@ class CkptdCheckpointIO(CheckpointIO):
         ``weights_only=True``. ``map_location`` may be a device (string, int
         or ``torch.device``), a dict mapping ``"cpu"`` to a device, or a
         callable called as ``f(tensor, "cpu")`` whose tensor result replaces
-        the tensor.
+        the tensor. The load goes through the plugin's ``run_dir``, so a
+        daemon that limits concurrent loads per node is the one asked.
         """
         key = self._key(path)
         failed = self._wait_for(key)
@@ -338,11 +341,16 @@ class CkptdCheckpointIO(CheckpointIO):
             raise failed
         if not os.path.lexists(path):
             raise FileNotFoundError(f"Checkpoint not found: {path}")
-        checkpoint = load(path)
+        device = map_location if isinstance(map_location, (str, torch.device)) else None
+        if isinstance(map_location, int):
+            device = torch.device(map_location)  # as torch.load reads an int: that accelerator index
+        checkpoint = load(path, map_location=device, run_dir=self._client_kwargs["run_dir"])
         if not isinstance(checkpoint, dict):
             raise InvalidCheckpoint(f"{path} holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict")
         _restore_hparams_types(checkpoint)
-        return _map_tensors(checkpoint, map_location)
+        if map_location is not None and device is None:
+            checkpoint = _map_tensors(checkpoint, map_location)
+        return checkpoint
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Delete the checkpoint at ``path`` once no save to it is in flight; absent is fine.

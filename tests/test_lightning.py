@@ -1,0 +1,239 @@
+"""CkptdCheckpointIO: Lightning's checkpoints through a real ckptd daemon.
+
+A real ``lightning.Trainer`` with ``ModelCheckpoint`` saves, prunes and
+resumes through the plugin; the smaller tests drive the plugin the way
+``ModelCheckpoint`` does (save, then remove or load the same path at once)
+against daemons made slow or failing with injected storage faults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import enum
+import errno
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+L = pytest.importorskip("lightning", reason="the Lightning integration needs lightning 2.x (requirements-dev.txt)")
+
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import ckptd  # noqa: E402
+from ckptd.integrations.lightning import CkptdCheckpointIO  # noqa: E402
+
+SCORES = [0.9, 0.5, 0.2, 0.1]
+"""The monitored score of epochs 0-3 (lower is better): after three epochs the best two are
+epochs 1 and 2 (epoch 0 saved, then pruned); a resumed fourth epoch displaces epoch 1."""
+STEPS_PER_EPOCH = 4
+
+
+class TinyModel(L.LightningModule):
+    """A linear regressor whose logged score is fixed per epoch, so top-k is known in advance."""
+
+    def __init__(self, lr: float = 0.05, hidden: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("score", torch.tensor(SCORES[self.current_epoch]))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8 * STEPS_PER_EPOCH, 4, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8)
+
+
+def clone_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+class Recorder(Callback):
+    """What the model and optimizer held when each checkpoint was saved, and at training start."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, dict[str, Any]] = {}
+        self.at_start: dict[str, Any] = {}
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self.saved[trainer.current_epoch] = {
+            "weights": clone_state(checkpoint["state_dict"]),
+            "exp_avg": [s["exp_avg"].clone() for s in checkpoint["optimizer_states"][0]["state"].values()],
+            "global_step": checkpoint["global_step"],
+        }
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        opt = trainer.optimizers[0]
+        self.at_start = {
+            "weights": clone_state(pl_module.state_dict()),
+            "exp_avg": [opt.state[p]["exp_avg"].clone() for p in pl_module.parameters() if p in opt.state],
+            "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "lr": opt.param_groups[0]["lr"],
+        }
+
+
+def make_trainer(root: Path, run_dir: Path, max_epochs: int, recorder: Recorder) -> tuple[L.Trainer, ModelCheckpoint]:
+    checkpoints = ModelCheckpoint(dirpath=root, monitor="score", mode="min", save_top_k=2)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[checkpoints, recorder],
+        plugins=[CkptdCheckpointIO(run_dir=run_dir, spawn=False, max_inflight=2, timeout=10.0)],
+    )
+    return trainer, checkpoints
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def entries(root: Path) -> list[str]:
+    return sorted(os.listdir(root))
+
+
+def assert_equal_tensors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for k in expected:
+        assert torch.equal(actual[k], expected[k]), f"{k} differs"
+
+
+@pytest.mark.timeout(90)
+def test_lightning_fit_keeps_top_k_committed_and_resumes(daemon, root: Path) -> None:
+    torch.manual_seed(0)
+    first = Recorder()
+    trainer, checkpoints = make_trainer(root, daemon.run_dir, 3, first)
+    trainer.fit(TinyModel(), loader(), loader())
+
+    # exactly the two best (epochs 1 and 2) remain, committed; epoch 0 was pruned; nothing half-written
+    best_two = ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+    assert entries(root) == best_two
+    assert sorted(Path(p).name for p in checkpoints.best_k_models) == best_two
+    for name in best_two:
+        index = ckptd.read_index(root / name)
+        assert index.world_size == 1
+        assert index.step == int(name.split("step=")[1].removesuffix(".ckpt"))
+    assert not [p for p in root.rglob("*") if p.name.endswith(".incomplete")]
+    assert Path(checkpoints.best_model_path).name == "epoch=2-step=12.ckpt"
+
+    # the whole Lightning dict round-trips, non-tensor entries included
+    saved = ckptd.load(checkpoints.best_model_path)
+    assert saved["epoch"] == 2 and saved["global_step"] == 12
+    assert saved["pytorch-lightning_version"] == L.__version__
+    assert saved["hyper_parameters"] == {"lr": 0.05, "hidden": 8}
+    assert saved["lr_schedulers"][0]["last_epoch"] == 3
+    assert any(k.startswith("ModelCheckpoint") for k in saved["callbacks"])
+    assert_equal_tensors(saved["state_dict"], first.saved[2]["weights"])
+
+    # a fresh trainer resumes from the best checkpoint with the saved weights and optimizer state
+    torch.manual_seed(1)  # different initial weights: only the checkpoint can make them equal
+    second = Recorder()
+    trainer2, checkpoints2 = make_trainer(root, daemon.run_dir, 4, second)
+    trainer2.fit(TinyModel(), loader(), loader(), ckpt_path=checkpoints.best_model_path)
+
+    assert second.at_start["global_step"] == 12 and second.at_start["epoch"] == 3
+    assert_equal_tensors(second.at_start["weights"], first.saved[2]["weights"])
+    for actual, expected in zip(second.at_start["exp_avg"], first.saved[2]["exp_avg"], strict=True):
+        assert torch.equal(actual, expected)
+    assert second.at_start["lr"] == pytest.approx(0.05 * 0.5**3)  # StepLR state came back too
+    # training went on, and the restored ModelCheckpoint state pruned epoch 1 for the better epoch 3
+    assert trainer2.global_step == 16
+    assert not torch.equal(second.saved[3]["weights"]["net.0.weight"], first.saved[2]["weights"]["net.0.weight"])
+    assert entries(root) == ["epoch=2-step=12.ckpt", "epoch=3-step=16.ckpt"]
+    assert ckptd.read_index(root / "epoch=3-step=16.ckpt").step == 16
+
+
+@pytest.mark.timeout(60)
+def test_remove_checkpoint_waits_for_the_save_in_flight_to_that_path(daemon_factory, root: Path) -> None:
+    daemon = daemon_factory(faults=[{"op": "rename", "match": "slow.ckpt", "errno": 0, "delay": 1.0}])
+    io = CkptdCheckpointIO(run_dir=daemon.run_dir, spawn=False, timeout=10.0)
+    path = root / "slow.ckpt"
+    try:
+        io.save_checkpoint({"w": torch.ones(1000), "global_step": 3}, path)
+        wait_until(lambda: (root / "slow.ckpt" / "ckptd.json").exists() or (root / "slow.ckpt.incomplete").is_dir())
+        assert not (root / "slow.ckpt").exists()  # in flight: the daemon holds the rename for a second
+        io.remove_checkpoint(path)
+        assert entries(root) == []
+
+        io.remove_checkpoint(root / "never-saved.ckpt")  # absent: nothing to do, no error
+        (root / "not-ours.ckpt").write_bytes(b"a torch.save file")
+        with pytest.warns(UserWarning, match="not a ckptd checkpoint"):
+            io.remove_checkpoint(root / "not-ours.ckpt")
+        assert (root / "not-ours.ckpt").read_bytes() == b"a torch.save file"
+    finally:
+        io.teardown()
+
+
+@pytest.mark.timeout(60)
+def test_load_checkpoint_waits_for_the_save_in_flight_and_a_failed_save_is_raised(daemon_factory, root: Path) -> None:
+    daemon = daemon_factory(faults=[
+        {"op": "rename", "match": "slow.ckpt", "errno": 0, "delay": 1.0},
+        {"op": "write", "match": "doomed", "errno": errno.EIO},
+    ])
+    io = CkptdCheckpointIO(run_dir=daemon.run_dir, spawn=False, max_inflight=2, timeout=10.0)
+    weights = torch.arange(1000, dtype=torch.float32)
+    try:
+        io.save_checkpoint({"w": weights, "global_step": 7, "nested": {"t": (1, "a")}}, root / "slow.ckpt")
+        loaded = io.load_checkpoint(root / "slow.ckpt")
+        assert torch.equal(loaded["w"], weights) and loaded["global_step"] == 7 and loaded["nested"] == {"t": (1, "a")}
+        assert torch.equal(io.load_checkpoint(root / "slow.ckpt", map_location="cpu")["w"], weights)
+        mapped = io.load_checkpoint(root / "slow.ckpt", map_location=lambda t, location: t.double())
+        assert mapped["w"].dtype == torch.float64 and torch.equal(mapped["w"], weights.double())
+
+        io.save_checkpoint({"w": weights}, root / "doomed.ckpt")
+        with pytest.raises(ckptd.WriteFailed):
+            io.load_checkpoint(root / "doomed.ckpt")  # waits, then raises the save's own error
+
+        io.save_checkpoint({"w": weights}, root / "doomed-again.ckpt")
+        with pytest.raises(ckptd.WriteFailed, match="doomed-again.ckpt failed in the background"):
+            io.teardown()  # a background failure nobody has seen yet is never dropped
+    finally:
+        with contextlib.suppress(ckptd.CkptdError):
+            io.teardown()  # after a failure above: close the client all the same
+    assert entries(root) == ["slow.ckpt"]
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+
+
+@pytest.mark.timeout(60)
+def test_paths_namespaces_and_enums_in_hyperparameters_load_as_plain_values_and_others_are_refused(
+        daemon, root: Path) -> None:
+    io = CkptdCheckpointIO(run_dir=daemon.run_dir, spawn=False, timeout=10.0)
+    hparams = {"data": Path("/data/train"), "args": argparse.Namespace(depth=3, out=Path("/o")), "mode": Mode.FAST}
+    try:
+        with pytest.warns(UserWarning, match=r"checkpoint\['hyper_parameters'\]\['data'\]: pathlib"):
+            io.save_checkpoint({"hyper_parameters": hparams, "global_step": 1}, root / "h.ckpt")
+        assert io.load_checkpoint(root / "h.ckpt")["hyper_parameters"] == {
+            "data": "/data/train", "args": {"depth": 3, "out": "/o"}, "mode": "fast"}
+
+        with pytest.raises(TypeError, match=r"state_dict\['hyper_parameters'\]\['fn'\] holds a builtins.function"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                io.save_checkpoint({"hyper_parameters": {"fn": lambda: 0}}, root / "refused.ckpt")
+        with pytest.raises(ValueError, match="keep_last"):
+            CkptdCheckpointIO(run_dir=daemon.run_dir, keep_last=2)
+    finally:
+        io.teardown()
+    assert entries(root) == ["h.ckpt"]
