@@ -46,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="retention: keep only the K newest checkpoints in DIR and below (repeatable)")
     start.add_argument("--max-concurrent-loads", type=int, default=None, metavar="N",
                        help="default cap on ranks of this node loading at once (loads that ask for it)")
+    start.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                       help="serve Prometheus metrics on this port (needs prometheus-client)")
+    start.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                       help="address for --metrics-port (default 127.0.0.1)")
+    start.add_argument("--metrics-textfile", type=Path, default=None, metavar="FILE",
+                       help="write Prometheus metrics to FILE every second")
     start.add_argument("--sweep", choices=("remove", "move", "off"), default="remove",
                        help="on start, remove (default), move aside, or keep orphaned .incomplete directories")
     start.add_argument("--quiet", action="store_true", help="with --foreground: log to the log file only")
@@ -99,7 +105,8 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
     kwargs = {"run_dir": run_dir, "max_concurrent_writes": args.max_concurrent_writes,
               "exit_when_idle": args.exit_when_idle, "direct_io": not args.buffered_io,
               "keep_last": dict(args.keep or []), "sweep": args.sweep,
-              "max_concurrent_loads": args.max_concurrent_loads}
+              "max_concurrent_loads": args.max_concurrent_loads, "metrics_port": args.metrics_port,
+              "metrics_addr": args.metrics_addr, "metrics_textfile": args.metrics_textfile}
     if args.root:
         kwargs["roots"] = tuple(args.root)
     config = DaemonConfig(**kwargs, log_to_stderr=args.foreground and not args.quiet)
@@ -116,6 +123,10 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
     argv += ["--sweep", config.sweep]
     if config.max_concurrent_loads is not None:
         argv += ["--max-concurrent-loads", str(config.max_concurrent_loads)]
+    if config.metrics_port is not None:
+        argv += ["--metrics-port", str(config.metrics_port), "--metrics-addr", config.metrics_addr]
+    if config.metrics_textfile is not None:
+        argv += ["--metrics-textfile", str(config.metrics_textfile.absolute())]
     pid = start_detached(argv, run_dir)
     print(f"ckptd started (pid {pid}) on {config.endpoint}")
     return EXIT_OK

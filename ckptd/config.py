@@ -52,6 +52,12 @@ class DaemonConfig:
     max_concurrent_loads: int | None = None
     """Load leases held at once on this node when a load asks for the daemon's
     default (``max_concurrent_per_node`` not given); None: no limit."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics over HTTP on this port (opt-in)."""
+    metrics_addr: str = "127.0.0.1"
+    """Address the metrics endpoint binds; 0.0.0.0 to let a remote Prometheus scrape."""
+    metrics_textfile: Path | None = None
+    """Write Prometheus metrics to this file every second (node-exporter textfile collector)."""
     shm_min_free: int = 16 * 1024 * 1024
     """Admission refuses saves while /dev/shm has less than this free."""
 

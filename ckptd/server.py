@@ -127,6 +127,12 @@ class Server:
             Bye: self._on_bye,
             Stop: self._on_stop,
         }
+        self.metrics = None
+        if config.metrics_port is not None or config.metrics_textfile is not None:
+            from .metrics import Metrics
+
+            self.metrics = Metrics(port=config.metrics_port, addr=config.metrics_addr,
+                                   textfile=config.metrics_textfile)
         self.known_dirs = self._load_known_dirs()
         self._start_sweep()
 
@@ -431,6 +437,8 @@ class Server:
         self._submit(self.committer, sweep, lambda f: self._discarded())
 
     def _housekeeping(self) -> None:
+        if self.metrics is not None:
+            self.metrics.update(self.stats.reply(0, self).info)
         for pending, error in self.commits.overdue(time.monotonic()):
             self._fail(pending, error)
         for ident, client in list(self.clients.items()):

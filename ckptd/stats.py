@@ -37,6 +37,7 @@ class Stats:
         self.committed_bytes = 0
         self.last_committed: dict[str, Any] | None = None
         self.errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_ERRORS)
+        self.errors_total = 0
         self.process = psutil.Process()
 
     def committed(self, pending: "PendingCheckpoint", seconds: float) -> None:
@@ -54,6 +55,7 @@ class Stats:
 
     def error(self, message: str) -> None:
         self.errors.append({"time": time.time(), "message": message})
+        self.errors_total += 1
 
     def reply(self, rid: int, server: "Server") -> StatusReply:
         now = time.monotonic()
@@ -111,6 +113,7 @@ class Stats:
                 "last": self.last_committed,
             },
             "errors": list(self.errors),
+            "errors_total": self.errors_total,
             "shm_mapped_bytes": server.slots.mapped_bytes,
             "loads": server.leases.snapshot(),
             "roots": [_root_usage(r) for r in self.config.roots],

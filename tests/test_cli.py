@@ -22,7 +22,7 @@ def test_status_json_has_the_documented_top_level_keys(daemon) -> None:
     assert out.returncode == 0
     info = json.loads(out.stdout)
     assert set(info) == {"daemon", "clients", "writes", "saves", "checkpoints", "completed", "errors",
-                         "shm_mapped_bytes", "roots", "loads"}
+                         "shm_mapped_bytes", "roots", "loads", "errors_total"}
     assert info["daemon"]["pid"] == daemon.proc.pid
     assert info["roots"][0]["path"] == str(daemon.root)
 
@@ -69,3 +69,26 @@ def test_status_watch_redraws_with_progress_bars_while_a_save_runs(daemon_factor
     assert "[########################] 100.0%" in out.stdout and "fsync" in out.stdout
     fut.result(30)
     assert daemon.cli("status", "--watch", "--json").returncode == 2
+
+
+def test_prometheus_metrics_are_served_and_written_to_a_textfile(daemon_factory, client_factory, root, tmp_path) -> None:
+    import socket
+    import time
+    import urllib.request
+
+    import torch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    textfile = tmp_path / "ckptd.prom"
+    daemon_factory("--metrics-port", str(port), "--metrics-textfile", str(textfile))
+    client_factory().save_async({"w": torch.ones(1000)}, root / "c").result(30)
+    time.sleep(1.5)  # the snapshot is taken once a second
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "ckptd_up 1.0" in body
+    assert "ckptd_checkpoints_committed_total 1.0" in body
+    assert f'ckptd_root_free_bytes{{root="{root}"}}' in body
+    written = [line for line in body.splitlines() if line.startswith("ckptd_written_bytes_total")]
+    assert float(written[0].split()[1]) > 4000
+    assert "ckptd_checkpoints_committed_total 1.0" in textfile.read_text()

@@ -1,0 +1,84 @@
+"""Prometheus metrics, opt-in: an HTTP endpoint or a node-exporter textfile.
+
+The numbers are the ``ckptd status`` snapshot, taken on the daemon's own
+loop thread once a second and handed over whole, so a scrape never reads
+the server's state mid-change. Names follow Prometheus conventions: base
+units (bytes, seconds) and ``_total`` for counters.
+
+``prometheus-client`` is only imported when metrics are asked for
+(``pip install ckptd[metrics]``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+GAUGES = [
+    ("ckptd_up", "1 while the daemon runs.", lambda s: 1),
+    ("ckptd_uptime_seconds", "Seconds since the daemon started.", lambda s: s["daemon"]["uptime_s"]),
+    ("ckptd_resident_memory_bytes", "Daemon resident memory.", lambda s: s["daemon"]["rss_bytes"]),
+    ("ckptd_clients", "Training processes connected.", lambda s: len(s["clients"])),
+    ("ckptd_write_slots", "Shard writes allowed at once on this node.", lambda s: s["writes"]["max_concurrent"]),
+    ("ckptd_writes_in_progress", "Shards being written now.", lambda s: s["writes"]["writing"]),
+    ("ckptd_writes_queued", "Shards waiting for a write slot.", lambda s: s["writes"]["queued"]),
+    ("ckptd_write_throughput_bytes_per_second", "Current write rate over the shards being written.",
+     lambda s: s["writes"]["throughput_bps"]),
+    ("ckptd_checkpoints_in_progress", "Checkpoints not yet committed.", lambda s: len(s["checkpoints"])),
+    ("ckptd_shm_mapped_bytes", "Client slot memory the daemon maps.", lambda s: s["shm_mapped_bytes"]),
+    ("ckptd_load_leases_held", "Ranks holding a load lease.", lambda s: len(s["loads"]["held"])),
+    ("ckptd_load_leases_waiting", "Ranks waiting for a load lease.", lambda s: len(s["loads"]["waiting"])),
+    ("ckptd_last_commit_seconds", "Duration of the last commit (first rank admitted to rename).",
+     lambda s: (s["completed"]["last"] or {}).get("seconds", 0)),
+    ("ckptd_last_commit_bytes", "Bytes of the last committed checkpoint.",
+     lambda s: (s["completed"]["last"] or {}).get("bytes", 0)),
+    ("ckptd_last_commit_timestamp_seconds", "Unix time of the last commit.",
+     lambda s: (s["completed"]["last"] or {}).get("time", 0)),
+]
+COUNTERS = [
+    ("ckptd_checkpoints_committed", "Checkpoints committed since start.", lambda s: s["completed"]["count"]),
+    ("ckptd_written_bytes", "Bytes of committed checkpoints since start.", lambda s: s["completed"]["bytes"]),
+    ("ckptd_errors", "Errors reported to clients since start.", lambda s: s["errors_total"]),
+    ("ckptd_client_wait_seconds", "Seconds connected clients blocked on backpressure.",
+     lambda s: sum(c["waited_s"] for c in s["clients"])),
+]
+
+
+class Metrics:
+    """Serves or writes the latest snapshot; ``update`` runs on the daemon loop."""
+
+    def __init__(self, *, port: int | None, addr: str, textfile: Path | None) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self.snapshot: dict[str, Any] | None = None
+        self.textfile = textfile
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        if port is not None:
+            start_http_server(port, addr=addr, registry=self.registry)
+
+    def update(self, snapshot: dict[str, Any]) -> None:
+        self.snapshot = snapshot
+        if self.textfile is not None:
+            from prometheus_client import write_to_textfile
+
+            write_to_textfile(str(self.textfile), self.registry)
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.snapshot
+        if s is None:
+            return
+        for name, doc, value in GAUGES:
+            yield GaugeMetricFamily(name, doc, value=value(s))
+        for name, doc, value in COUNTERS:
+            yield CounterMetricFamily(name, doc, value=value(s))
+        free = GaugeMetricFamily("ckptd_root_free_bytes", "Free space on each root's filesystem.", labels=["root"])
+        size = GaugeMetricFamily("ckptd_root_size_bytes", "Size of each root's filesystem.", labels=["root"])
+        for r in s["roots"]:
+            if r["free_bytes"] is not None:
+                free.add_metric([r["path"]], r["free_bytes"])
+                size.add_metric([r["path"]], r["total_bytes"])
+        yield free
+        yield size
