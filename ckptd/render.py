@@ -39,7 +39,7 @@ def render_status(info: dict[str, Any]) -> str:
                 f"  {c['path']}  step {c['step']}  {c['state']}  ranks durable {c['ranks_durable']}/{c['world_size']}"
                 f"  {c['elapsed_s']:.1f} s"
             )
-            for s in (s for s in info["saves"] if s["path"] == c["path"] and s["state"] != "staging"):
+            for s in (s for s in info["saves"] if s["path"] == c["path"]):
                 frac = s["written"] / s["bytes"] if s["bytes"] else 1.0
                 lines.append(
                     f"    rank {s['rank']:<5} {s['state']:<8} {progress_bar(frac)} {100 * frac:5.1f}% of "
@@ -50,8 +50,6 @@ def render_status(info: dict[str, Any]) -> str:
             lines.append(f"  writing at {rate / 1e9:.2f} GB/s")
     else:
         lines.append("in progress: nothing")
-    for s in (s for s in info["saves"] if s["state"] == "staging"):
-        lines.append(f"  staging: {s['path']} rank {s['rank']} ({human_bytes(s['bytes'])}, {s['elapsed_s']:.1f} s)")
     loads = info.get("loads") or {}
     if loads.get("held") or loads.get("waiting"):
         lines.append(f"loads: {len(loads['held'])} holding a lease, {len(loads['waiting'])} waiting"

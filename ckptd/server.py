@@ -53,7 +53,6 @@ from ckptd.protocol.messages import (
     Ping,
     Pong,
     Release,
-    Staging,
     Status,
     Stop,
     Welcome,
@@ -111,8 +110,6 @@ class Server:
         self.slots = SlotMaps()
         self.clients: dict[bytes, ClientRecord] = {}
         self.jobs: list[WriteJob] = []
-        self.staging: dict[tuple[bytes, str, int], tuple[Staging, float]] = {}
-        """Saves clients announced and have not committed yet: (client, path, rank) -> (notice, since)."""
         self.finalizing = 0
         self.stats = Stats(config)
         self.leases = LoadLeases(config.max_concurrent_loads)
@@ -120,7 +117,6 @@ class Server:
         self._idle_since = time.monotonic()
         self._handlers: dict[type[Message], Callable[[bytes, Message], Message | None]] = {
             Hello: self._on_hello,
-            Staging: self._on_staging,
             Commit: self._on_commit,
             Status: self._on_status,
             Ping: lambda ident, msg: Pong(msg.id),
@@ -247,13 +243,7 @@ class Server:
             raise UnknownClient("this client has not said hello (or the daemon restarted); send hello first")
         return client
 
-    def _on_staging(self, ident: bytes, msg: Staging) -> Message:
-        self._client(ident)
-        self.staging[(ident, msg.path, msg.rank)] = (msg, time.monotonic())
-        return Ok(msg.id)
-
     def _on_commit(self, ident: bytes, msg: Commit) -> Message:
-        self.staging.pop((ident, msg.path, msg.rank), None)
         client = self._client(ident)
         if self.draining:
             raise ShuttingDown("the daemon is draining and accepts no new saves")
@@ -322,7 +312,6 @@ class Server:
         client = self.clients.pop(ident, None)
         if client is not None:
             self.slots.forget_pid(client.pid)
-        self._forget_staging(ident)
         self._send_grants(self.leases.release(ident))
         return Ok(msg.id)
 
@@ -420,10 +409,6 @@ class Server:
 
     # -- housekeeping ------------------------------------------------------
 
-    def _forget_staging(self, ident: bytes) -> None:
-        for key in [k for k in self.staging if k[0] == ident]:
-            del self.staging[key]
-
     def _load_known_dirs(self) -> list[Path]:
         """Directories this daemon committed into before: the start-up sweep looks there too."""
         try:
@@ -459,7 +444,6 @@ class Server:
         for ident, client in list(self.clients.items()):
             if not pid_alive(client.pid):
                 del self.clients[ident]
-                self._forget_staging(ident)
                 self._send_grants(self.leases.drop_pid(client.pid))
                 removed = self.slots.reclaim(client.pid)
                 log.info("event=client_gone pid=%d slots_reclaimed=%d", client.pid, removed)

@@ -71,18 +71,6 @@ class Stats:
                 "elapsed_s": round(now - job.queued_at, 6),
             }
             for job in server.jobs
-        ] + [
-            {
-                "path": notice.path,
-                "rank": notice.rank,
-                "world_size": notice.world_size,
-                "state": "staging",
-                "bytes": notice.nbytes,
-                "written": 0,
-                "waited_s": 0.0,
-                "elapsed_s": round(now - since, 6),
-            }
-            for notice, since in server.staging.values()
         ]
         checkpoints = [
             {

@@ -15,7 +15,7 @@ from ckptd.protocol import __version__
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.errors import Busy, InternalError
 from ckptd.protocol.layout import ShardLayout
-from ckptd.protocol.messages import Bye, Commit, Done, Hello, Staging, Welcome
+from ckptd.protocol.messages import Bye, Commit, Done, Hello, Welcome
 
 from .connection import Connection
 from .coordinate import Coordinator, SaveSpec, spans_several_daemons
@@ -164,7 +164,6 @@ class Client:
         """Copy into a slot; CUDA copies still running are awaited on the worker thread."""
         try:
             layout = layout_for(req.flat)
-            self._conn.request(Staging(self._conn.next_id(), req.path, self.rank, self.world_size, layout.nbytes))
             req.slot = self._slots.take(layout.nbytes)
             copies = stage(req.flat, layout, req.slot)
         except BaseException as exc:

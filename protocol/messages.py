@@ -13,7 +13,6 @@ Conversation::
 
     client                      daemon
     Hello            ──▶        Welcome
-    Staging          ──▶        Ok        (notice: a rank is copying; status shows it)
     Commit           ──▶        Accepted ... later Done | Error
                                 (coordinated: Accepted ... Durable | Error)
     Finalize         ──▶        Done | Error      (global rank 0, several nodes)
@@ -133,17 +132,6 @@ def _check_common(keep_last: int | None, timeout: float) -> None:
         raise BadMessage(f"keep_last must be at least 1, got {keep_last}")
     if not 0 < timeout <= 7 * 24 * 3600:
         raise BadMessage(f"timeout must be between 0 and one week, got {timeout}")
-
-
-@dataclass(frozen=True)
-class Staging(Message):
-    """Notice that a rank started copying a save into its slot (for ``status``)."""
-
-    path: str
-    rank: int
-    world_size: int
-    nbytes: int
-    type: ClassVar[str] = "staging"
 
 
 @dataclass(frozen=True)
@@ -282,7 +270,7 @@ class Ok(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.type: cls
-    for cls in (Hello, Welcome, Staging, Commit, Accepted, Durable, Finalize, Abort, Done, Lease, Granted, Release, Error,
+    for cls in (Hello, Welcome, Commit, Accepted, Durable, Finalize, Abort, Done, Lease, Granted, Release, Error,
                 Status, StatusReply, Ping, Pong, Bye, Stop, Ok)
 }
 

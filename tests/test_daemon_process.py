@@ -204,20 +204,3 @@ def test_a_slot_whose_header_disagrees_with_the_commit_is_refused(daemon, client
     assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_SLOT, reply
     sock.close()
     assert not (root / "lie").exists()
-
-
-def test_status_shows_a_rank_that_is_still_staging_until_it_commits_or_leaves(daemon) -> None:
-    from ckptd.protocol.messages import Bye, Staging
-
-    sock = _raw_socket(daemon)
-    sock.send(Hello(1, os.getpid(), os.getuid(), "test").to_wire())
-    decode(sock.recv())
-    sock.send(Staging(2, "/somewhere/step-1", 3, 8, 2**30).to_wire())
-    assert isinstance(decode(sock.recv()), Ok)
-    (save,) = daemon.status()["saves"]
-    assert (save["state"], save["rank"], save["bytes"]) == ("staging", 3, 2**30)
-    assert "staging: /somewhere/step-1 rank 3 (1.0 GiB" in daemon.cli("status").stdout
-    sock.send(Bye(3).to_wire())
-    decode(sock.recv())
-    assert daemon.status()["saves"] == []
-    sock.close()

@@ -58,7 +58,6 @@ VALID_FIELDS: dict[str, dict[str, Any]] = {
     },
     "abort": {"path": "/ckpt/step-100", "reason": "rank 1 failed"},
     "lease": {"limit": 2},
-    "staging": {"path": "/ckpt/step-100", "rank": 0, "world_size": 1, "nbytes": 8192},
     "granted": {"waited": 0.5},
     "release": {},
     "accepted": {},

@@ -33,7 +33,6 @@ from ckptd.protocol.messages import (
     Ping,
     Pong,
     Release,
-    Staging,
     Status,
     StatusReply,
     Stop,
@@ -125,12 +124,6 @@ GOLDEN: dict[str, tuple[Message, str]] = {
         Release(id=12),
         "83a17601a474797065a772656c65617365a269640c",
     ),
-    "staging": (
-        Staging(id=13, path="/ckpt/step-100", rank=1, world_size=2, nbytes=8192),
-        "87a17601a474797065a773746167696e67a269640da470617468ae2f636b70742f"
-        "737465702d313030a472616e6b01aa776f726c645f73697a6502a66e6279746573"
-        "cd2000",
-    ),
     "accepted": (
         Accepted(id=2),
         "83a17601a474797065a86163636570746564a2696402",
@@ -201,7 +194,6 @@ def test_message_type_names_are_frozen():
         "lease": "Lease",
         "granted": "Granted",
         "release": "Release",
-        "staging": "Staging",
         "done": "Done",
         "error": "Error",
         "status": "Status",
