@@ -53,6 +53,7 @@ from ckptd.protocol.messages import (
     Ping,
     Pong,
     Release,
+    Staged,
     Status,
     Stop,
     Welcome,
@@ -69,7 +70,7 @@ from .slots import SlotMaps, pid_alive
 from .sweep import reclaim_orphaned_slots, sweep_incomplete
 from .stats import Stats
 from .storage import Storage
-from .writer import WriteJob, round_up, write_shard
+from .writer import Progress, WriteJob, round_up, write_shard
 
 log = logging.getLogger("ckptd")
 POLL_MS = 200
@@ -118,6 +119,7 @@ class Server:
         self._handlers: dict[type[Message], Callable[[bytes, Message], Message | None]] = {
             Hello: self._on_hello,
             Commit: self._on_commit,
+            Staged: self._on_staged,
             Status: self._on_status,
             Ping: lambda ident, msg: Pong(msg.id),
             Finalize: self._on_finalize,
@@ -261,7 +263,8 @@ class Server:
         except BaseException:
             self.slots.release(slot)
             raise
-        job = WriteJob(ident, msg, slot, dest, pending.path, device=filesystem_of(dest))
+        progress = Progress(msg.staged, msg.nbytes, deadline=time.monotonic() + msg.timeout)
+        job = WriteJob(ident, msg, slot, dest, pending.path, progress, device=filesystem_of(dest))
         self.jobs.append(job)
         client.saves += 1
         client.waited_s += msg.waited
@@ -305,6 +308,16 @@ class Server:
         for g in grants:
             self._send(g.client, Granted(g.request_id, g.waited))
 
+    def _on_staged(self, ident: bytes, msg: Staged) -> None:
+        job = next((j for j in self.jobs if j.client == ident and j.commit.id == msg.id), None)
+        if job is None:
+            return None  # that save already ended (refused or failed): the notice is moot
+        if msg.error:
+            job.progress.fail(f"the client reported: {msg.error}")
+        else:
+            job.progress.advance(msg.upto)
+        return None
+
     def _on_status(self, ident: bytes, msg: Status) -> Message:
         return self.stats.reply(msg.id, self)
 
@@ -312,6 +325,7 @@ class Server:
         client = self.clients.pop(ident, None)
         if client is not None:
             self.slots.forget_pid(client.pid)
+        self._abandon_staging(ident, "the client closed before it finished staging")
         self._send_grants(self.leases.release(ident))
         return Ok(msg.id)
 
@@ -409,6 +423,11 @@ class Server:
 
     # -- housekeeping ------------------------------------------------------
 
+    def _abandon_staging(self, ident: bytes, reason: str) -> None:
+        for job in self.jobs:
+            if job.client == ident and not job.progress.complete:
+                job.progress.fail(reason)
+
     def _load_known_dirs(self) -> list[Path]:
         """Directories this daemon committed into before: the start-up sweep looks there too."""
         try:
@@ -444,6 +463,7 @@ class Server:
         for ident, client in list(self.clients.items()):
             if not pid_alive(client.pid):
                 del self.clients[ident]
+                self._abandon_staging(ident, f"the client (pid {client.pid}) died before it finished staging")
                 self._send_grants(self.leases.drop_pid(client.pid))
                 removed = self.slots.reclaim(client.pid)
                 log.info("event=client_gone pid=%d slots_reclaimed=%d", client.pid, removed)

@@ -67,6 +67,7 @@ class Stats:
                 "state": job.state,
                 "bytes": job.commit.nbytes,
                 "written": job.written,
+                "staged": job.progress.staged,
                 "waited_s": round((job.started_at or now) - job.queued_at, 6),
                 "elapsed_s": round(now - job.queued_at, 6),
             }

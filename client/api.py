@@ -15,7 +15,7 @@ from ckptd.protocol import __version__
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.errors import Busy, InternalError
 from ckptd.protocol.layout import ShardLayout
-from ckptd.protocol.messages import Bye, Commit, Done, Hello, Welcome
+from ckptd.protocol.messages import Bye, Commit, Done, Hello, Staged, Welcome
 
 from .connection import Connection
 from .coordinate import Coordinator, SaveSpec, spans_several_daemons
@@ -24,7 +24,7 @@ from .future import SaveFuture, SaveResult
 from .ranks import detect_ranks
 from .slots import Slot, SlotPool
 from .spawn import ensure_daemon
-from .staging import DeviceCopies, layout_for, stage
+from .staging import DeviceCopies, layout_for, stage, streamable, write_header
 
 
 class Client:
@@ -161,34 +161,53 @@ class Client:
         return SaveSpec(req.path, self.world_size, req.step, req.overwrite, req.keep_last, self.commit_timeout)
 
     def _stage(self, req: "_Request", fut: SaveFuture, shard: Future, on_worker: bool) -> None:
-        """Copy into a slot; CUDA copies still running are awaited on the worker thread."""
+        """Copy into a slot; CUDA copies still running are awaited on the worker thread.
+
+        A big host-only shard is committed right after its header, and the
+        daemon writes each part as soon as ``Staged`` says it is final.
+        """
         try:
             layout = layout_for(req.flat)
             req.slot = self._slots.take(layout.nbytes)
+            write_header(layout, req.slot)
+            if streamable(req.flat, layout):
+                commit_id = self._send_commit(req, shard, layout, staged=layout.data_start)
+                report = lambda upto: self._conn.notify(Staged(commit_id, upto, ""))  # noqa: E731
+                try:
+                    stage(req.flat, layout, req.slot, progress=report)
+                except BaseException as exc:
+                    self._conn.notify(Staged(commit_id, layout.data_start, f"staging failed: {exc!r}"))
+                    raise
+                self._conn.notify(Staged(commit_id, layout.nbytes, ""))
+                fut.staged.set_result(None)
+                return
             copies = stage(req.flat, layout, req.slot)
         except BaseException as exc:
             _fail(exc, fut.staged, shard)
             return
         if copies is not None and not on_worker:
-            self._worker.submit(self._commit, req, fut, shard, layout, copies)
+            self._worker.submit(self._commit_when_copied, req, fut, shard, layout, copies)
         else:
-            self._commit(req, fut, shard, layout, copies)
+            self._commit_when_copied(req, fut, shard, layout, copies)
 
-    def _commit(self, req: "_Request", fut: SaveFuture, shard: Future, layout: ShardLayout,
-                copies: DeviceCopies | None) -> None:
-        """Once the bytes are in the slot: staged, and off to the daemon."""
+    def _commit_when_copied(self, req: "_Request", fut: SaveFuture, shard: Future, layout: ShardLayout,
+                            copies: DeviceCopies | None) -> None:
+        """Once every byte is in the slot: staged, and off to the daemon."""
         try:
             if copies is not None:
                 copies.wait()
             fut.staged.set_result(None)
-            commit = Commit(self._conn.next_id(), req.slot.name, layout.nbytes, layout.data_start, layout.entries,
-                            req.path, self.rank, self.world_size, req.step, req.overwrite,
-                            coordinated=self._coordinator is not None, keep_last=req.keep_last,
-                            timeout=self.commit_timeout, waited=req.waited)
+            self._send_commit(req, shard, layout, staged=layout.nbytes)
         except BaseException as exc:
             _fail(exc, fut.staged, shard)
-            return
+
+    def _send_commit(self, req: "_Request", shard: Future, layout: ShardLayout, *, staged: int) -> int:
+        commit = Commit(self._conn.next_id(), req.slot.name, layout.nbytes, layout.data_start, layout.entries,
+                        req.path, self.rank, self.world_size, req.step, req.overwrite,
+                        coordinated=self._coordinator is not None, keep_last=req.keep_last,
+                        timeout=self.commit_timeout, waited=req.waited, staged=staged)
         self._conn.request(commit).add_done_callback(lambda r: _chain(r, shard))
+        return commit.id
 
     def _resolve(self, fut: SaveFuture, req: "_Request", outcome: Any) -> None:
         """A save's end: free its slot and in-flight place, then settle its future."""
@@ -271,6 +290,8 @@ def _fail(exc: BaseException, *futures: Future) -> None:
 
 
 def _chain(source: Future, target: Future) -> None:
+    if target.done():  # staging already failed it, with the more telling error
+        return
     exc = source.exception()
     if exc is not None:
         target.set_exception(exc)

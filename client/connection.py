@@ -73,6 +73,12 @@ class Connection:
         os.eventfd_write(self._wake, 1)
         return fut
 
+    def notify(self, msg: Message) -> None:
+        """Send a message that gets no reply (a ``Staged`` notice)."""
+        if self.lost is None:
+            self._outbox.put((msg, None))
+            os.eventfd_write(self._wake, 1)
+
     def call(self, msg: Message, timeout: float | None = None) -> Message:
         return self.request(msg).result(timeout if timeout is not None else self.timeout)
 

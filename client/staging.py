@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -28,6 +29,11 @@ from .flatten import Flat
 from .slots import Slot
 
 _side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+
+STREAM_MIN_BYTES = 64 * 1024 * 1024
+"""Shards at least this big are committed before the copy and streamed (see ``stage``)."""
+PROGRESS_EVERY = 64 * 1024 * 1024
+"""Bytes copied between progress reports while streaming."""
 
 
 def layout_for(flat: Flat) -> ShardLayout:
@@ -48,13 +54,28 @@ class DeviceCopies:
             event.synchronize()
 
 
-def stage(flat: Flat, layout: ShardLayout, slot: Slot) -> DeviceCopies | None:
-    """Write the shard into ``slot``; returns the CUDA copies still running, if any."""
+def write_header(layout: ShardLayout, slot: Slot) -> None:
     assert slot.size >= layout.nbytes, "slot too small for the shard"
+    slot.tensor[: layout.data_start].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
+
+
+def streamable(flat: Flat, layout: ShardLayout) -> bool:
+    """Big, host-only shards can be committed first and written while they are copied."""
+    return layout.nbytes >= STREAM_MIN_BYTES and all(t.device.type != "cuda" for _, t in flat.tensors)
+
+
+def stage(flat: Flat, layout: ShardLayout, slot: Slot,
+          progress: Callable[[int], None] | None = None) -> DeviceCopies | None:
+    """Copy every tensor into ``slot`` (after ``write_header``), in file order.
+
+    ``progress(upto)`` is called every ``PROGRESS_EVERY`` bytes with the file
+    offset below which the slot is final. Returns the CUDA copies still
+    running, if any.
+    """
     buf = slot.tensor
     start = layout.data_start
-    buf[:start].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
     by_name = dict(flat.tensors)
+    reported = start
     on_cuda: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
     for entry in layout.entries:
         if entry.nbytes == 0:
@@ -65,6 +86,9 @@ def stage(flat: Flat, layout: ShardLayout, slot: Slot) -> DeviceCopies | None:
             on_cuda[src.device].append((dst, src))
         else:
             dst.copy_(src)
+            if progress is not None and start + entry.end - reported >= PROGRESS_EVERY:
+                reported = start + entry.end
+                progress(reported)
     if not on_cuda:
         return None
     slot.pin()

@@ -14,6 +14,7 @@ Conversation::
     client                      daemon
     Hello            ──▶        Welcome
     Commit           ──▶        Accepted ... later Done | Error
+    Staged           ──▶        (nothing: a notice; one for a save that ended is ignored)
                                 (coordinated: Accepted ... Durable | Error)
     Finalize         ──▶        Done | Error      (global rank 0, several nodes)
     Abort            ──▶        Ok                (several nodes, a rank failed)
@@ -109,6 +110,11 @@ class Commit(Message):
     """Seconds the daemon waits for the other ranks before failing them all."""
     waited: float
     """Seconds the client blocked for a free in-flight slot (backpressure)."""
+    staged: int
+    """Bytes of the shard already final in the slot. Below ``nbytes`` the
+    client is still copying and reports progress with ``Staged`` notices; the
+    daemon writes each part as soon as it is final (staging and writing
+    overlap)."""
     type: ClassVar[str] = "commit"
 
     def __post_init__(self) -> None:
@@ -125,6 +131,8 @@ class Commit(Message):
             )
         validate_entries(self.tensors, self.nbytes - self.header_len)
         _check_common(self.keep_last, self.timeout)
+        if not self.header_len <= self.staged <= self.nbytes:
+            raise BadMessage(f"staged {self.staged} must lie between the header ({self.header_len}) and nbytes ({self.nbytes})")
 
 
 def _check_common(keep_last: int | None, timeout: float) -> None:
@@ -132,6 +140,19 @@ def _check_common(keep_last: int | None, timeout: float) -> None:
         raise BadMessage(f"keep_last must be at least 1, got {keep_last}")
     if not 0 < timeout <= 7 * 24 * 3600:
         raise BadMessage(f"timeout must be between 0 and one week, got {timeout}")
+
+
+@dataclass(frozen=True)
+class Staged(Message):
+    """Notice for commit ``id``: bytes up to ``upto`` are final in the slot.
+
+    A non-empty ``error`` says staging failed on the client; the daemon then
+    fails the save. No reply.
+    """
+
+    upto: int
+    error: str
+    type: ClassVar[str] = "staged"
 
 
 @dataclass(frozen=True)
@@ -270,7 +291,7 @@ class Ok(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.type: cls
-    for cls in (Hello, Welcome, Commit, Accepted, Durable, Finalize, Abort, Done, Lease, Granted, Release, Error,
+    for cls in (Hello, Welcome, Commit, Staged, Accepted, Durable, Finalize, Abort, Done, Lease, Granted, Release, Error,
                 Status, StatusReply, Ping, Pong, Bye, Stop, Ok)
 }
 

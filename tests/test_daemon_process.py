@@ -159,7 +159,7 @@ def test_garbage_and_rule_breaking_requests_get_error_replies_and_the_daemon_ser
     sock = _raw_socket(daemon)
     layout = plan_layout([("w", "F32", (4,))], {})
     commit = Commit(7, f"ckptd-{os.getuid()}-{os.getpid()}-0", layout.nbytes, layout.data_start,
-                    layout.entries, str(root / "x"), 0, 1, None, False, False, None, 60.0, 0.0)
+                    layout.entries, str(root / "x"), 0, 1, None, False, False, None, 60.0, 0.0, layout.nbytes)
     cases = [
         (b"\xc1garbage", ErrorCode.BAD_MESSAGE),
         (msgpack.packb({"v": 99, "type": "status", "id": 3}), ErrorCode.UNSUPPORTED_VERSION),
@@ -178,7 +178,7 @@ def test_garbage_and_rule_breaking_requests_get_error_replies_and_the_daemon_ser
     reply = decode(sock.recv())
     assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_SLOT and "cannot open slot" in reply.message
     other = Commit(8, f"ckptd-{os.getuid()}-1-0", layout.nbytes, layout.data_start, layout.entries,
-                   str(root / "x"), 0, 1, None, False, False, None, 60.0, 0.0)
+                   str(root / "x"), 0, 1, None, False, False, None, 60.0, 0.0, layout.nbytes)
     sock.send(other.to_wire())
     reply = decode(sock.recv())
     assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_SLOT and "pid" in reply.message
@@ -198,7 +198,7 @@ def test_a_slot_whose_header_disagrees_with_the_commit_is_refused(daemon, client
     sock.send(Hello(1, os.getpid(), os.getuid(), "test").to_wire())
     decode(sock.recv())
     layout = plan_layout([("v", "F32", (4,))], {})
-    lie = Commit(2, slot, layout.nbytes, layout.data_start, layout.entries, str(root / "lie"), 0, 1, None, False, False, None, 60.0, 0.0)
+    lie = Commit(2, slot, layout.nbytes, layout.data_start, layout.entries, str(root / "lie"), 0, 1, None, False, False, None, 60.0, 0.0, layout.nbytes)
     sock.send(lie.to_wire())
     reply = decode(sock.recv())
     assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_SLOT, reply

@@ -46,7 +46,9 @@ VALID_FIELDS: dict[str, dict[str, Any]] = {
         "keep_last": None,
         "timeout": 600.0,
         "waited": 0.0,
+        "staged": HEADER + 32,
     },
+    "staged": {"upto": HEADER + 16, "error": ""},
     "durable": {"file": "rank-00001-of-00002.safetensors", "rank": 1, "size": 4128, "checksum": 7, "tensors": 2},
     "finalize": {
         "path": "/ckpt/step-100",
@@ -395,7 +397,7 @@ def test_a_tensor_with_a_negative_dimension_is_refused_naming_the_tensor():
     with pytest.raises(BadMessage, match=re.escape("tensor 'w': negative dimension in shape [-2, -3]")):
         validate_entries(entries, 24)
     with pytest.raises(BadMessage, match="negative dimension"):
-        Commit(1, "ckptd-x", HEADER + 24, HEADER, tuple(entries), "/c", 0, 1, None, False, False, None, 60.0, 0.0)
+        Commit(1, "ckptd-x", HEADER + 24, HEADER, tuple(entries), "/c", 0, 1, None, False, False, None, 60.0, 0.0, HEADER + 24)
 
 
 def test_a_commit_whose_shape_disagrees_with_its_offsets_is_refused_naming_the_tensor():
@@ -441,7 +443,7 @@ def test_a_commit_whose_tensors_do_not_cover_the_data_is_refused_naming_both_siz
 
 
 def test_a_commit_with_no_tensors_and_no_data_is_accepted():
-    msg = decode(commit(tensors=[], nbytes=HEADER))
+    msg = decode(commit(tensors=[], nbytes=HEADER, staged=HEADER))
     assert msg.tensors == ()
 
 
@@ -560,8 +562,11 @@ def test_maps_with_every_field_of_a_type_decode_to_a_message_or_raise_a_ckptd_er
         ({"timeout": 0.0}, "timeout must be between"),
         ({"timeout": 1e9}, "timeout must be between"),
         ({"waited": "long"}, "commit.waited must be a number"),
+        ({"staged": HEADER - 1}, "staged 4095 must lie between the header"),
+        ({"staged": HEADER + 33}, "must lie between the header"),
     ],
-    ids=["keep-last-zero", "timeout-zero", "timeout-huge", "waited-not-a-number"],
+    ids=["keep-last-zero", "timeout-zero", "timeout-huge", "waited-not-a-number", "staged-inside-header",
+         "staged-past-the-shard"],
 )
 def test_a_commit_with_bad_retention_or_timeout_is_refused(changes, needle) -> None:
     with pytest.raises(BadMessage, match=needle):

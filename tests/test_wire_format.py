@@ -33,6 +33,7 @@ from ckptd.protocol.messages import (
     Ping,
     Pong,
     Release,
+    Staged,
     Status,
     StatusReply,
     Stop,
@@ -71,14 +72,15 @@ GOLDEN: dict[str, tuple[Message, str]] = {
             keep_last=3,
             timeout=600.0,
             waited=0.25,
+            staged=4096,
         ),
-        "de0010a17601a474797065a6636f6d6d6974a2696402a4736c6f74b1636b707464"
+        "de0011a17601a474797065a6636f6d6d6974a2696402a4736c6f74b1636b707464"
         "2d313030302d343234322d30a66e6279746573cd1020aa6865616465725f6c656e"
         "cd1000a774656e736f72739295a177a3463332920203001895a162a44246313691"
         "041820a470617468ae2f636b70742f737465702d313030a472616e6b01aa776f72"
         "6c645f73697a6502a47374657064a96f7665727772697465c2ab636f6f7264696e"
         "61746564c2a96b6565705f6c61737403a774696d656f7574cb4082c00000000000"
-        "a6776169746564cb3fd0000000000000",
+        "a6776169746564cb3fd0000000000000a6737461676564cd1000",
     ),
     "durable": (
         Durable(id=2, file="rank-00001-of-00002.safetensors", rank=1, size=4128, checksum=305419896, tensors=2),
@@ -123,6 +125,11 @@ GOLDEN: dict[str, tuple[Message, str]] = {
     "release": (
         Release(id=12),
         "83a17601a474797065a772656c65617365a269640c",
+    ),
+    "staged": (
+        Staged(id=2, upto=1 << 26, error=""),
+        "85a17601a474797065a6737461676564a2696402a47570746fce04000000a56572"
+        "726f72a0",
     ),
     "accepted": (
         Accepted(id=2),
@@ -194,6 +201,7 @@ def test_message_type_names_are_frozen():
         "lease": "Lease",
         "granted": "Granted",
         "release": "Release",
+        "staged": "Staged",
         "done": "Done",
         "error": "Error",
         "status": "Status",
