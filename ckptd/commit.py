@@ -142,6 +142,7 @@ class Commits:
             )
         if commit.rank in pending.ranks_seen:
             raise Conflict(f"rank {commit.rank} of checkpoint {final} is already being written")
+        pending.timeout = min(pending.timeout, commit.timeout)
         pending.ranks_seen.add(commit.rank)
         pending.writing += 1
         pending.waiting.append((client, commit.id, commit.rank))

@@ -51,7 +51,8 @@ def test_ranks_come_from_torchrun_environment(daemon, run_dir, monkeypatch) -> N
 
 
 def test_a_rank_that_never_commits_fails_every_rank_naming_it(daemon, client_factory, root) -> None:
-    a, b = client_factory(rank=0, world_size=3, commit_timeout=1.0), client_factory(rank=2, world_size=3)
+    a = client_factory(rank=0, world_size=3, commit_timeout=1.0)
+    b = client_factory(rank=2, world_size=3, commit_timeout=1.0)
     fa = a.save_async({"x": 1}, root / "ckpt")
     fb = b.save_async({"x": 2}, root / "ckpt")
     for fut in (fa, fb):
