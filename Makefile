@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench clean
+.PHONY: test soak demo bench clean
 
 $(STAMP): setup.cfg pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,10 @@ $(STAMP): setup.cfg pyproject.toml requirements-dev.txt
 
 test: $(STAMP)
 	$(PY) -m pytest -q --timeout=180 $(PYTEST_ARGS)
+
+# Long fuzzing, load and leak runs (tests/soak is skipped by `make test`).
+soak: $(STAMP)
+	$(PY) -m pytest -q --timeout=3600 tests/soak $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
