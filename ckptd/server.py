@@ -67,7 +67,7 @@ from .config import DaemonConfig
 from .leases import Grant, LoadLeases
 from .retention import apply_retention
 from .slots import SlotMaps, pid_alive
-from .sweep import reclaim_orphaned_slots, sweep_incomplete
+from .sweep import KnownDirs, reclaim_orphaned_slots, sweep_incomplete
 from .stats import Stats
 from .storage import Storage
 from .writer import Progress, WriteJob, round_up, write_shard
@@ -77,8 +77,6 @@ POLL_MS = 200
 HOUSEKEEPING_S = 1.0
 
 
-KNOWN_DIRS_NAME = "ckptd.dirs"
-MAX_KNOWN_DIRS = 1000
 
 
 @dataclass
@@ -135,7 +133,7 @@ class Server:
 
             self.metrics = Metrics(port=config.metrics_port, addr=config.metrics_addr,
                                    textfile=config.metrics_textfile)
-        self.known_dirs = self._load_known_dirs()
+        self.known_dirs = KnownDirs(config.run_dir)
         self._start_sweep()
 
     # -- loop ---------------------------------------------------------------
@@ -390,7 +388,7 @@ class Server:
         log.info("event=committed path=%s bytes=%d seconds=%.3f", pending.path, pending.index().total_bytes, seconds)
         for ident, rid, rank in pending.waiting:
             self._send(ident, Done(rid, str(pending.path), pending.shards[rank].size, seconds))
-        self._remember_dir(pending.path.parent)
+        self.known_dirs.remember(pending.path.parent)
         keep = pending.keep_last or self.config.retention_for(pending.path)
         if keep is not None:
             in_flight = set(self.commits.pending)
@@ -428,25 +426,9 @@ class Server:
             if job.client == ident and not job.progress.complete:
                 job.progress.fail(reason)
 
-    def _load_known_dirs(self) -> list[Path]:
-        """Directories this daemon committed into before: the start-up sweep looks there too."""
-        try:
-            lines = (self.config.run_dir / KNOWN_DIRS_NAME).read_text().splitlines()
-        except FileNotFoundError:
-            return []
-        return [Path(line) for line in lines if line.startswith("/")][-MAX_KNOWN_DIRS:]
-
-    def _remember_dir(self, directory: Path) -> None:
-        if directory in self.known_dirs:
-            return
-        self.known_dirs = [*self.known_dirs, directory][-MAX_KNOWN_DIRS:]
-        tmp = self.config.run_dir / (KNOWN_DIRS_NAME + ".tmp")
-        tmp.write_text("".join(f"{d}\n" for d in self.known_dirs))
-        os.replace(tmp, self.config.run_dir / KNOWN_DIRS_NAME)
-
     def _start_sweep(self) -> None:
         """Clean leftovers of dead writers, off the socket thread."""
-        directories = list(dict.fromkeys([*self.config.roots, *self.known_dirs]))
+        directories = list(dict.fromkeys([*self.config.roots, *self.known_dirs.dirs]))
 
         def sweep() -> None:
             reclaim_orphaned_slots()

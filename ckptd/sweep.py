@@ -25,6 +25,32 @@ from .storage import Storage
 
 log = logging.getLogger("ckptd")
 SWEPT_DIR = ".ckptd-swept"
+KNOWN_DIRS_NAME = "ckptd.dirs"
+MAX_KNOWN_DIRS = 1000
+
+
+class KnownDirs:
+    """Directories this daemon committed into, kept in the run dir so the next start sweeps them too.
+
+    Roots can be as wide as ``/``; scanning them whole is not an option, so the
+    sweep looks at each root's own entries and at the directories saves went to.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.file = run_dir / KNOWN_DIRS_NAME
+        try:
+            lines = self.file.read_text().splitlines()
+        except FileNotFoundError:
+            lines = []
+        self.dirs = [Path(line) for line in lines if line.startswith("/")][-MAX_KNOWN_DIRS:]
+
+    def remember(self, directory: Path) -> None:
+        if directory in self.dirs:
+            return
+        self.dirs = [*self.dirs, directory][-MAX_KNOWN_DIRS:]
+        tmp = self.file.with_name(self.file.name + ".tmp")
+        tmp.write_text("".join(f"{d}\n" for d in self.dirs))
+        os.replace(tmp, self.file)
 
 
 def is_orphaned(incomplete: Path, host: str) -> bool:

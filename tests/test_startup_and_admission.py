@@ -110,3 +110,17 @@ def test_a_save_that_cannot_fit_is_refused_up_front_and_the_daemon_serves_on(run
         assert ckptd.load(small_fs / "slow-1")["w"].shape == (100 * 2**20,)
     finally:
         daemon.stop()
+
+
+def test_start_also_sweeps_directories_it_committed_into_before(daemon_factory, client_factory, root) -> None:
+    run = root / "deep" / "run-1"
+    d = daemon_factory()
+    client_factory().save_async({"x": 1}, run / "step-1").result(30)
+    d.stop()
+    dead = leftover(run, "step-2", socket.gethostname(), dead_pid())
+    daemon_factory()
+    deadline = time.monotonic() + 10
+    while dead.exists():
+        assert time.monotonic() < deadline, "a directory the daemon wrote into before was not swept"
+        time.sleep(0.05)
+    assert ckptd.latest(run) == run / "step-1"
