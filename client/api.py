@@ -135,8 +135,10 @@ class Client:
         flat = flatten(state_dict)
         target = os.path.abspath(os.fspath(path))
         self._reconnect_if_lost()
-        if not self._inflight.acquire(blocking=block):
-            raise Busy(f"{self.max_inflight} save(s) already in flight; wait for one or raise max_inflight")
+        acquired = self._inflight.acquire(timeout=self.commit_timeout) if block else self._inflight.acquire(False)
+        if not acquired:  # never block a training loop forever, even on a hung filesystem
+            waited = f" for {self.commit_timeout:g} s" if block else ""
+            raise Busy(f"{self.max_inflight} save(s) still in flight{waited}; wait for one or raise max_inflight")
         fut = SaveFuture()
         with self._lock:
             self._futures.add(fut)

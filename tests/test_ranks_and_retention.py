@@ -83,7 +83,7 @@ def test_backpressure_blocks_or_raises_busy_and_status_shows_the_wait(daemon_fac
     daemon = daemon_factory(faults=SLOW)
     c = client_factory(max_inflight=1)
     first = c.save_async({"w": torch.ones(10)}, root / "slow-1")
-    with pytest.raises(ckptd.Busy, match="already in flight"):
+    with pytest.raises(ckptd.Busy, match="still in flight"):
         c.save_async({"w": torch.ones(10)}, root / "slow-x", block=False)
     started = time.monotonic()
     second = c.save_async({"w": torch.ones(10)}, root / "slow-2")  # waits for the first
