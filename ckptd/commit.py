@@ -210,7 +210,9 @@ class Commits:
         """Forget a failed checkpoint, remembering why for its late ranks."""
         pending.state = "failed"
         self.forget(pending)
-        self.failed[pending.path] = FailedCheckpoint(error, set(pending.ranks_seen), time.monotonic() + pending.timeout)
+        if not pending.coordinated:  # across nodes the ranks' own agreement tells late ranks
+            self.failed[pending.path] = FailedCheckpoint(error, set(pending.ranks_seen),
+                                                         time.monotonic() + pending.timeout)
 
     def from_finalize(self, msg: Finalize, client: bytes) -> PendingCheckpoint:
         """The checkpoint global rank 0 asks this daemon to commit."""
