@@ -109,7 +109,8 @@ class Server:
         self.slots = SlotMaps()
         self.clients: dict[bytes, ClientRecord] = {}
         self.jobs: list[WriteJob] = []
-        self.finalizing = 0
+        self.background_jobs = 0
+        """Commits, discards and the start-up sweep running on the commit thread."""
         self.stats = Stats(config)
         self.leases = LoadLeases(config.max_concurrent_loads)
         self.draining = False
@@ -173,7 +174,7 @@ class Server:
         self.slots.close()
 
     def _busy(self) -> bool:
-        return bool(self.jobs or self.finalizing)
+        return bool(self.jobs or self.background_jobs)
 
     def _should_exit(self) -> bool:
         if self.draining:
@@ -372,11 +373,11 @@ class Server:
             self._finalize(pending)
 
     def _finalize(self, pending: PendingCheckpoint) -> None:
-        self.finalizing += 1
+        self.background_jobs += 1
         self._submit(self.committer, lambda: self.commits.finalize(pending), lambda f: self._finalized(pending, f))
 
     def _finalized(self, pending: PendingCheckpoint, fut: Future) -> None:
-        self.finalizing -= 1
+        self.background_jobs -= 1
         exc = fut.exception()
         if exc is not None:
             self._fail(pending, exc)
@@ -413,11 +414,11 @@ class Server:
             self._discard(pending)
 
     def _discard(self, pending: PendingCheckpoint) -> None:
-        self.finalizing += 1
-        self._submit(self.committer, lambda: self.commits.discard(pending), lambda f: self._discarded())
+        self.background_jobs += 1
+        self._submit(self.committer, lambda: self.commits.discard(pending), lambda f: self._background_done())
 
-    def _discarded(self) -> None:
-        self.finalizing -= 1
+    def _background_done(self) -> None:
+        self.background_jobs -= 1
 
     # -- housekeeping ------------------------------------------------------
 
@@ -434,8 +435,8 @@ class Server:
             reclaim_orphaned_slots()
             sweep_incomplete(self.storage, directories, self.config.sweep)
 
-        self.finalizing += 1
-        self._submit(self.committer, sweep, lambda f: self._discarded())
+        self.background_jobs += 1
+        self._submit(self.committer, sweep, lambda f: self._background_done())
 
     def _housekeeping(self) -> None:
         if self.metrics is not None:
