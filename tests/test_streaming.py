@@ -30,7 +30,7 @@ def big_state() -> dict:
 def test_a_big_shard_streams_and_round_trips_bitwise(daemon_factory, client_factory, root) -> None:
     daemon = daemon_factory()
     state = big_state()
-    result = client_factory().save_async(state, root / "big", step=1).result(60)
+    result = client_factory(stream_commit=True).save_async(state, root / "big", step=1).result(60)
     assert result.bytes_written > STREAM_MIN_BYTES
     back = ckptd.load(root / "big")
     assert all(torch.equal(back[k], v) for k, v in state.items())
@@ -42,7 +42,7 @@ def test_staging_that_fails_midway_fails_the_save_and_leaves_nothing(daemon_fact
     daemon = daemon_factory()
     state = big_state()
     state["zz"] = torch.zeros(100, dtype=torch.uint8).as_subclass(ExplodingTensor)  # copied last
-    fut = client_factory().save_async(state, root / "broken")
+    fut = client_factory(stream_commit=True).save_async(state, root / "broken")
     with pytest.raises(RuntimeError, match="cannot be read"):
         fut.result(60)
     with pytest.raises(RuntimeError, match="cannot be read"):
