@@ -16,7 +16,7 @@ test: $(STAMP)
 
 # Long fuzzing, load and leak runs (tests/soak is skipped by `make test`).
 soak: $(STAMP)
-	$(PY) -m pytest -q --timeout=3600 tests/soak $(PYTEST_ARGS)
+	CKPTD_SOAK=1 $(PY) -m pytest -q -s --timeout=3600 tests/soak $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py

@@ -18,7 +18,6 @@ and ``discard`` do I/O, and the server runs those on its commit thread.
 
 from __future__ import annotations
 
-import itertools
 import os
 import socket
 import time
@@ -40,9 +39,6 @@ from .storage import Storage
 
 OWNER_PREFIX = ".ckptd-owner-"
 """Marker in ``p.incomplete/`` naming the host and daemon pid writing it (for the start-up sweep)."""
-
-_replaced = itertools.count()
-
 
 @dataclass
 class PendingCheckpoint:
@@ -101,12 +97,15 @@ def resolve_path(raw: str, roots: tuple[Path, ...]) -> Path:
         raise PathNotAllowed(f"checkpoint path {raw!r} must be absolute")
     if path.name in ("", ".", "..") or path.name.endswith(INCOMPLETE_SUFFIX):
         raise PathNotAllowed(f"checkpoint path {raw!r} must end in a name that is not {INCOMPLETE_SUFFIX!r}")
-    final = Path(os.path.realpath(path.parent)) / path.name
-    if not any(final.is_relative_to(root) for root in roots):
-        allowed = ", ".join(str(r) for r in roots)
-        raise PathNotAllowed(f"checkpoint path {final} is outside the daemon's allowed roots ({allowed})")
-    if final.is_symlink():
-        raise PathNotAllowed(f"checkpoint path {final} is a symbolic link")
+    try:
+        final = Path(os.path.realpath(path.parent)) / path.name
+        if not any(final.is_relative_to(root) and final != root for root in roots):
+            allowed = ", ".join(str(r) for r in roots)
+            raise PathNotAllowed(f"checkpoint path {final} is not strictly below the daemon's allowed roots ({allowed})")
+        if final.is_symlink():
+            raise PathNotAllowed(f"checkpoint path {final} is a symbolic link")
+    except OSError as exc:  # a name too long, a loop of links...
+        raise PathNotAllowed(f"checkpoint path {raw!r:.200} cannot be used: {exc.strerror or exc}") from None
     return final
 
 
@@ -198,9 +197,11 @@ class Commits:
 
     def overdue(self, now: float) -> list[tuple[PendingCheckpoint, RanksMissing]]:
         """Checkpoints whose missing ranks did not commit within the timeout."""
+        for path in [p for p, f in self.failed.items() if now > f.expires]:
+            del self.failed[path]
         out = []
         for p in self.pending.values():
-            if not p.coordinated and p.missing and now - p.started_at > p.timeout:
+            if not p.coordinated and now - p.started_at > p.timeout and len(p.ranks_seen) < p.world_size:
                 out.append((p, RanksMissing(
                     f"checkpoint {p.path}: ranks {p.missing} of {p.world_size} never committed within "
                     f"{p.timeout:g} s; nothing was committed")))
@@ -224,9 +225,15 @@ class Commits:
         return pending
 
     def finalize(self, pending: PendingCheckpoint) -> None:
-        """Index, rename, fsync the parent: the checkpoint becomes visible (I/O)."""
+        """Index, rename, fsync the parent: the checkpoint becomes visible (I/O).
+
+        Replacing an existing checkpoint swaps the two directories in one
+        atomic ``renameat2(RENAME_EXCHANGE)``, so a crash at any point leaves
+        either the old or the new checkpoint under the name, never neither.
+        The owner markers stay until after the rename, so the start-up sweep
+        can still recognise a crashed commit as ours.
+        """
         storage, final = self.storage, pending.path
-        replaced = None
         try:
             self._check_shards(pending)
             storage.write_file(pending.incomplete / INDEX_NAME, pending.index().to_json())
@@ -234,20 +241,23 @@ class Commits:
             if os.path.lexists(final):
                 if not pending.overwrite:
                     raise CheckpointExists(f"checkpoint {final} appeared while this one was written")
-                replaced = final.with_name(f"{final.name}.replaced-{os.getpid()}-{next(_replaced)}{INCOMPLETE_SUFFIX}")
-                storage.rename(final, replaced)
-            storage.rename(pending.incomplete, final)
-            storage.fsync_dir(final.parent)
+                storage.exchange(pending.incomplete, final)  # the old checkpoint is now at p.incomplete
+                storage.fsync_dir(final.parent)
+                storage.remove_tree(pending.incomplete)
+            else:
+                storage.rename(pending.incomplete, final)
+                storage.fsync_dir(final.parent)
         except OSError as exc:
             raise WriteFailed(f"committing {final} failed: {exc.strerror or exc}") from None
-        if replaced is not None:
-            storage.remove_tree(replaced)
+        for entry in os.scandir(final):
+            if entry.name.startswith(OWNER_PREFIX):
+                os.unlink(entry.path)
 
     def _check_shards(self, pending: PendingCheckpoint) -> None:
         """Every listed shard is there at its size; nothing else is left behind."""
         keep = {f.file for f in pending.shards.values()}
         for entry in os.scandir(pending.incomplete):
-            if entry.name not in keep:
+            if entry.name not in keep and not entry.name.startswith(OWNER_PREFIX):
                 (self.storage.remove_tree if entry.is_dir() else os.unlink)(entry.path)
         for f in pending.shards.values():
             try:

@@ -74,6 +74,8 @@ from .writer import Progress, WriteJob, round_up, write_shard
 
 log = logging.getLogger("ckptd")
 POLL_MS = 200
+MAX_PID = 1 << 22
+"""The kernel's largest possible pid_max."""
 HOUSEKEEPING_S = 1.0
 
 
@@ -234,6 +236,8 @@ class Server:
     def _on_hello(self, ident: bytes, msg: Hello) -> Message:
         if msg.uid != os.getuid():
             raise BadMessage(f"client uid {msg.uid} is not this daemon's uid {os.getuid()}")
+        if not 0 < msg.pid <= MAX_PID:
+            raise BadMessage(f"client pid {msg.pid} is not a process id (1..{MAX_PID})")
         self.clients[ident] = ClientRecord(pid=msg.pid)
         log.info("event=hello pid=%d version=%s", msg.pid, msg.client_version)
         return Welcome(msg.id, os.getpid(), __version__, tuple(str(r) for r in self.config.roots))

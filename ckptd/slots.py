@@ -13,6 +13,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists (on this host)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True
@@ -61,12 +62,14 @@ class SlotMaps:
         owner = slot_owner(name)
         if owner != (os.getuid(), pid):
             raise BadSlot(f"slot {name!r} is not named ckptd-{os.getuid()}-{pid}-<n> for this client (pid {pid})")
-        try:
-            fd = os.open(self.shm_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:  # O_NONBLOCK: a FIFO planted under a slot's name must not block the daemon
+            fd = os.open(self.shm_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             raise BadSlot(f"cannot open slot {name!r}: {exc.strerror}") from None
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BadSlot(f"slot {name!r} is not a regular file")
             if st.st_uid != os.getuid():
                 raise BadSlot(f"slot {name!r} belongs to uid {st.st_uid}, not to this daemon's user")
             if st.st_size < nbytes:

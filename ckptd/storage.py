@@ -8,6 +8,8 @@ is the only place a fault can enter, and production never sets it).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import json
 import os
@@ -16,6 +18,11 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
 
 
 class Storage:
@@ -64,6 +71,12 @@ class Storage:
 
     def rename(self, src: Path, dst: Path) -> None:
         os.rename(src, dst)
+
+    def exchange(self, a: Path, b: Path) -> None:
+        """Swap two directories atomically (Linux ``renameat2(RENAME_EXCHANGE)``)."""
+        if _libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), str(b))
 
     def fsync_dir(self, path: Path) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -157,6 +170,11 @@ class FaultyStorage(Storage):
         self._inject("rename", str(dst))
         super().rename(src, dst)
         self._inject("rename", str(dst), after=True)
+
+    def exchange(self, a: Path, b: Path) -> None:
+        self._inject("rename", str(b))
+        super().exchange(a, b)
+        self._inject("rename", str(b), after=True)
 
 
 def storage_from_env() -> Storage:

@@ -15,7 +15,7 @@ from ckptd.protocol import __version__
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.errors import Busy, InternalError
 from ckptd.protocol.layout import ShardLayout
-from ckptd.protocol.messages import Bye, Commit, Done, Hello, Staged, Welcome
+from ckptd.protocol.messages import Bye, Commit, Done, Hello, Ping, Staged, Welcome
 
 from .connection import Connection
 from .coordinate import Coordinator, SaveSpec, spans_several_daemons
@@ -182,7 +182,7 @@ class Client:
             req.slot = self._slots.take(layout.nbytes)
             write_header(layout, req.slot)
             if self.stream_commit and streamable(req.flat, layout):
-                commit_id = self._send_commit(req, shard, layout, staged=layout.data_start)
+                commit_id, accepted = self._send_commit(req, shard, layout, staged=layout.data_start)
                 report = lambda upto: self._conn.notify(Staged(commit_id, upto, ""))  # noqa: E731
                 try:
                     stage(req.flat, layout, req.slot, progress=report)
@@ -191,34 +191,53 @@ class Client:
                     raise
                 self._conn.notify(Staged(commit_id, layout.nbytes, ""))
                 fut.staged.set_result(None)
+                if not on_worker:
+                    self._until_delivered(accepted)
                 return
             copies = stage(req.flat, layout, req.slot)
         except BaseException as exc:
             _fail(exc, fut.staged, shard)
             return
         if copies is not None and not on_worker:
-            self._worker.submit(self._commit_when_copied, req, fut, shard, layout, copies)
+            self._worker.submit(self._commit_when_copied, req, fut, shard, layout, copies, False)
         else:
-            self._commit_when_copied(req, fut, shard, layout, copies)
+            self._commit_when_copied(req, fut, shard, layout, copies, not on_worker)
 
     def _commit_when_copied(self, req: "_Request", fut: SaveFuture, shard: Future, layout: ShardLayout,
-                            copies: DeviceCopies | None) -> None:
+                            copies: DeviceCopies | None, wait_delivered: bool) -> None:
         """Once every byte is in the slot: staged, and off to the daemon."""
         try:
             if copies is not None:
                 copies.wait()
             fut.staged.set_result(None)
-            self._send_commit(req, shard, layout, staged=layout.nbytes)
+            _, accepted = self._send_commit(req, shard, layout, staged=layout.nbytes)
         except BaseException as exc:
             _fail(exc, fut.staged, shard)
+            return
+        if wait_delivered:
+            self._until_delivered(accepted)
 
-    def _send_commit(self, req: "_Request", shard: Future, layout: ShardLayout, *, staged: int) -> int:
+    def _until_delivered(self, accepted: Future) -> None:
+        """Return once the daemon holds the save (or refused it).
+
+        A trainer may be killed the moment ``save_async`` returns; by then the
+        daemon has the commit and every progress notice, so the checkpoint is
+        still written. Costs one round trip on this node's socket.
+        """
+        try:
+            accepted.exception(timeout=self._timeout)
+            self._conn.call(Ping(self._conn.next_id()))  # notices sent before it have arrived too
+        except Exception:
+            pass  # the save's own future reports what went wrong
+
+    def _send_commit(self, req: "_Request", shard: Future, layout: ShardLayout, *, staged: int) -> tuple[int, Future]:
         commit = Commit(self._conn.next_id(), req.slot.name, layout.nbytes, layout.data_start, layout.entries,
                         req.path, self.rank, self.world_size, req.step, req.overwrite,
                         coordinated=self._coordinator is not None, keep_last=req.keep_last,
                         timeout=self.commit_timeout, waited=req.waited, staged=staged)
-        self._conn.request(commit).add_done_callback(lambda r: _chain(r, shard))
-        return commit.id
+        accepted: Future = Future()
+        self._conn.request(commit, accepted=accepted).add_done_callback(lambda r: _chain(r, shard))
+        return commit.id, accepted
 
     def _resolve(self, fut: SaveFuture, req: "_Request", outcome: Any) -> None:
         """A save's end: free its slot and in-flight place, then settle its future."""

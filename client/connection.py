@@ -146,6 +146,8 @@ class Connection:
         except Exception as exc:
             log.error("undecodable reply from daemon: %s", exc)
             return
+        if isinstance(reply, Welcome):  # also the one answering a re-hello after a restart
+            self.daemon_pid = reply.daemon_pid
         pending = self._pending.get(reply.id)
         if pending is None:
             return  # a heartbeat answer, or a reply to a request already failed
@@ -159,15 +161,15 @@ class Connection:
             sock.send(pending.msg.to_wire())
             return
         del self._pending[reply.id]
-        if isinstance(reply, Welcome):
-            self.daemon_pid = reply.daemon_pid
         if isinstance(reply, Error):
             _fail(pending, error_for_code(reply.code, reply.message))
         else:
             pending.future.set_result(reply)
 
     def _lost_reason(self, silent_for: float) -> str | None:
-        if self.daemon_pid is not None:
+        # A dead pid counts only after a heartbeat of silence: a restarted
+        # daemon answers first, and its Welcome brings the new pid.
+        if self.daemon_pid is not None and silent_for > self.heartbeat:
             try:
                 os.kill(self.daemon_pid, 0)
             except ProcessLookupError:

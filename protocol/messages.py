@@ -47,6 +47,8 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """The daemon's socket drops frames larger than this before decoding."""
 MAX_STRING = 64 * 1024
 MAX_INT = 2**63 - 1
+MAX_WORLD_SIZE = 1 << 20
+"""More ranks than any job runs; bounds what the daemon keeps per checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,8 @@ class Commit(Message):
             raise BadMessage(f"slot name {self.slot!r} must start with {SLOT_PREFIX!r} and hold no '/'")
         if not self.path:
             raise BadMessage("checkpoint path is empty")
-        if self.world_size < 1 or self.rank >= self.world_size:
-            raise BadMessage(f"rank {self.rank} is not inside world size {self.world_size}")
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE or self.rank >= self.world_size:
+            raise BadMessage(f"rank {self.rank} is not inside world size {self.world_size} (at most {MAX_WORLD_SIZE})")
         if self.header_len < 8 or self.header_len % DATA_ALIGNMENT or self.header_len > self.nbytes:
             raise BadMessage(
                 f"header length {self.header_len} must be a multiple of {DATA_ALIGNMENT} "
@@ -197,6 +199,8 @@ class Finalize(Message):
     type: ClassVar[str] = "finalize"
 
     def __post_init__(self) -> None:
+        if len(self.files) != self.world_size:
+            raise BadMessage(f"finalize lists {len(self.files)} files for world size {self.world_size}")
         ranks = sorted(f.rank for f in self.files)
         if ranks != list(range(self.world_size)):
             raise BadMessage(f"finalize lists ranks {ranks} for world size {self.world_size}")

@@ -576,7 +576,7 @@ def test_a_commit_with_bad_retention_or_timeout_is_refused(changes, needle) -> N
 @pytest.mark.parametrize(
     "files, needle",
     [
-        ([["a", 0, 1, 1, 1]], "ranks \\[0\\] for world size 2"),
+        ([["a", 0, 1, 1, 1]], "lists 1 files for world size 2"),
         ([["a", 0, 1, 1, 1], ["../../etc/x", 1, 1, 1, 1]], "not a plain file name"),
         ([["a", 0, 1, 1], ["b", 1, 1, 1, 1]], "must be \\[file, rank, size, checksum, tensors\\]"),
     ],

@@ -1,0 +1,439 @@
+"""A daemon that dies at any point of a save leaves nothing half-visible, and the node recovers.
+
+The daemon is started with a ``kill`` fault (``CKPTD_FAULTS``, the storage
+seam): it SIGKILLs itself at exactly one point of the commit sequence
+(shard write, shard fsync, index write, directory fsync, rename). Whatever
+the point, the checkpoint path is either absent or a whole, loadable
+checkpoint; checkpoints committed before are bitwise intact; a daemon
+restarted on the same run directory sweeps the dead one's leftovers and the
+same client (``spawn=False``) saves again.
+
+Also here: how a client sees its daemon die or freeze (pending futures fail
+in bounded time, ``save_async`` never blocks forever, ``spawn=True``
+respawns), and disks that fail or fill up (injected ENOSPC/EIO, and a real
+tmpfs that runs out of space in the middle of a write).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd
+
+CHUNK = 8 * 2**20
+"""The daemon's write size: a shard bigger than this is written in several calls."""
+NAME = "ckpt-under-fire"
+"""The checkpoint every fault matches; nothing else saved here contains this string."""
+
+
+# -- helpers -------------------------------------------------------------------
+
+
+def wait_until(cond, timeout: float, what) -> None:
+    """Poll ``cond`` until true; ``what`` (a string, or a callable for the state at the end) says why."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what() if callable(what) else what}")
+        time.sleep(0.05)
+
+
+def make_state(seed: int, mib: float = 0.25) -> dict:
+    """A small mixed state: several dtypes, a 0-dim tensor, plain values."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "w": torch.randn(int(mib * 2**18), generator=g),
+            "b": torch.randn(33, generator=g).to(torch.bfloat16),
+            "i": torch.randint(-(2**40), 2**40, (17,), generator=g),
+            "mask": torch.rand(9, generator=g) > 0.5,
+            "scale": torch.tensor(float(seed) + 0.5, dtype=torch.float64),
+        },
+        "step": seed,
+        "name": f"state-{seed}",
+    }
+
+
+def same(a, b) -> bool:
+    """Bitwise equality of two saved structures (NaN-safe: compares bytes)."""
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def assert_whole(path: Path, states: dict[int, dict]) -> None:
+    """``path`` is committed: the index reads, and every rank loads (CRC checked) as saved."""
+    index = ckptd.read_index(path)
+    assert index.world_size == len(states), index
+    for rank, state in states.items():
+        loaded = ckptd.load(path, rank=rank)
+        assert same(loaded, state), f"{path} rank {rank} does not load back bitwise"
+
+
+def digests(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+def leftovers(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.endswith(".incomplete"))
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+# -- 1. kill points ------------------------------------------------------------
+
+# (id, fault, what the path must be afterwards). Paths the faults see:
+#   write/fsync:  <root>/ckpt-under-fire.incomplete/rank-00000-of-00001.safetensors
+#   write_file:   <root>/ckpt-under-fire.incomplete/ckptd.json
+#   fsync_dir:    <root>/ckpt-under-fire.incomplete   (then <root>, which no
+#                 substring can single out: "after the parent fsync" is not addressable)
+#   rename:       destination <root>/ckpt-under-fire
+SHARD = f"{NAME}.incomplete/rank-"
+KILL_POINTS = [
+    ("mid-shard-write", {"op": "write", "match": SHARD, "after": True}, "absent"),
+    ("before-shard-fsync", {"op": "fsync", "match": SHARD}, "absent"),
+    ("after-shard-fsync", {"op": "fsync", "match": SHARD, "after": True}, "absent"),
+    ("before-index-write", {"op": "write_file", "match": f"{NAME}.incomplete/ckptd.json"}, "absent"),
+    ("after-index-write", {"op": "write_file", "match": f"{NAME}.incomplete/ckptd.json", "after": True}, "absent"),
+    ("before-dir-fsync", {"op": "fsync_dir", "match": f"{NAME}.incomplete"}, "absent"),
+    ("after-dir-fsync", {"op": "fsync_dir", "match": f"{NAME}.incomplete", "after": True}, "absent"),
+    ("before-rename", {"op": "rename", "match": f"/{NAME}"}, "absent"),
+    ("after-rename", {"op": "rename", "match": f"/{NAME}", "after": True}, "committed"),
+]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("point,fault,outcome", KILL_POINTS, ids=[k[0] for k in KILL_POINTS])
+def test_a_daemon_killed_at_any_point_of_a_save_leaves_the_path_absent_or_whole_and_a_restart_recovers(
+    daemon_factory, client_factory, root, point, fault, outcome
+) -> None:
+    daemon = daemon_factory(faults=[{**fault, "kill": True, "errno": 0}])
+    client = client_factory(heartbeat=0.2, timeout=5.0)
+    earlier = make_state(1)
+    client.save_async(earlier, root / "earlier", step=1).result(30)
+    earlier_bytes = digests(root / "earlier")
+
+    doomed = make_state(2, mib=24)  # three write calls: "mid-shard" is after the first
+    assert doomed["model"]["w"].nbytes > 2 * CHUNK
+    started = time.monotonic()
+    fut = client.save_async(doomed, root / NAME, step=2)
+    assert daemon.proc.wait(30) == -signal.SIGKILL, f"the daemon did not die at {point}"
+    died = time.monotonic()
+    with pytest.raises(ckptd.DaemonUnavailable):
+        fut.result(15)
+    assert time.monotonic() - died < 3, "a pending save must fail within seconds of the daemon dying"
+    assert time.monotonic() - started < 30
+
+    # on disk: never a final directory that fails to load
+    final = root / NAME
+    if outcome == "absent":
+        assert not final.exists(), f"killed at {point}, {final} appeared"
+    else:
+        assert_whole(final, {0: doomed})
+    assert ckptd.latest(root) in (root / "earlier", final)
+    assert digests(root / "earlier") == earlier_bytes, "a committed checkpoint changed"
+    assert_whole(root / "earlier", {0: earlier})
+
+    # restart on the same run dir: the same client reconnects by itself
+    daemon_factory()
+    later = make_state(3)
+    client.save_async(later, root / "after-restart", step=3).result(30)
+    assert_whole(root / "after-restart", {0: later})
+    wait_until(lambda: not leftovers(root), 5,
+               lambda: f"the start-up sweep removes the dead daemon's leftovers; still there: {leftovers(root)}")
+    # and the save that was cut short can be made again
+    retry = make_state(4)
+    client.save_async(retry, final, step=4, overwrite=final.exists()).result(30)
+    assert_whole(final, {0: retry})
+    assert sorted(p.name for p in root.iterdir()) == sorted(["earlier", "after-restart", NAME])
+
+
+OVERWRITE_KILL_POINTS = [
+    # the old checkpoint is renamed aside to <name>.replaced-<pid>-<n>.incomplete first
+    ("before-old-moved-aside", {"op": "rename", "match": f"/{NAME}.replaced-"}),
+    ("after-old-moved-aside", {"op": "rename", "match": f"/{NAME}.replaced-", "after": True}),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("point,fault", OVERWRITE_KILL_POINTS, ids=[k[0] for k in OVERWRITE_KILL_POINTS])
+def test_a_daemon_killed_while_overwriting_leaves_the_old_or_the_new_checkpoint_loadable_at_the_path(
+    daemon_factory, client_factory, root, point, fault
+) -> None:
+    daemon = daemon_factory(faults=[{**fault, "kill": True, "errno": 0}])
+    client = client_factory(heartbeat=0.2, timeout=5.0)
+    old, new = make_state(5), make_state(6)
+    client.save_async(old, root / NAME, step=5).result(30)
+    fut = client.save_async(new, root / NAME, step=6, overwrite=True)
+    wait_until(lambda: fut.done() or daemon.proc.poll() is not None, 30, "the save ends or the daemon dies")
+    try:
+        fut.result(15)
+        died = False  # an implementation without this rename has no such kill point: the save went through
+    except ckptd.DaemonUnavailable:
+        died = True
+        assert daemon.proc.wait(30) == -signal.SIGKILL
+    final = root / NAME
+    on_disk = sorted(p.name for p in root.iterdir())
+    assert final.is_dir(), (
+        f"killed {point} of an overwrite, {final} is gone: the old checkpoint survives only as "
+        f"a never-loaded .incomplete directory ({on_disk}), and the new one was never renamed in"
+    )
+    index = ckptd.read_index(final)
+    assert died or index.step == 6
+    assert_whole(final, {0: old if index.step == 5 else new})
+    assert ckptd.latest(root) == final
+
+    if died:
+        daemon_factory()
+    wait_until(lambda: not leftovers(root), 5,
+               lambda: f"the start-up sweep removes the dead daemon's leftovers; still there: {leftovers(root)}")
+    client.save_async(make_state(7), root / "after-restart", step=7).result(30)
+
+
+# -- 3. the daemon dies or freezes under a client --------------------------------
+
+SLOW = [{"op": "write", "match": "/slow-", "errno": 0, "delay": 30}]
+
+
+@pytest.mark.timeout(60)
+def test_every_pending_save_fails_within_seconds_when_the_daemon_dies_and_save_async_does_not_block(
+    daemon_factory, client_factory, root
+) -> None:
+    daemon = daemon_factory(faults=SLOW)
+    client = client_factory(heartbeat=0.2, timeout=5.0, max_inflight=3)
+    futures = [client.save_async(make_state(i), root / f"slow-{i}") for i in range(3)]
+    wait_until(lambda: len(daemon.status()["saves"]) == 3, 10, "three saves in flight")
+    daemon.kill()  # SIGKILL and reap
+    died = time.monotonic()
+    for fut in futures:
+        with pytest.raises(ckptd.DaemonUnavailable, match="died"):
+            fut.result(10)
+    assert time.monotonic() - died < 3
+    # no daemon: save_async says so at once instead of blocking (spawn=False)
+    t = time.monotonic()
+    with pytest.raises(ckptd.DaemonUnavailable, match="no ckptd daemon answers"):
+        client.save_async(make_state(9), root / "refused")
+    assert time.monotonic() - t < 5
+    assert not any(root.iterdir()) or leftovers(root) == [f"slow-{i}.incomplete" for i in range(3)]
+    # the daemon comes back: the same client saves again, the sweep cleans up
+    daemon_factory()
+    state = make_state(10)
+    client.save_async(state, root / "after", step=10).result(30)
+    assert_whole(root / "after", {0: state})
+    wait_until(lambda: not leftovers(root), 10, "the sweep removes the killed saves' directories")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_client_that_was_idle_while_its_daemon_restarted_saves_again_at_once(
+    daemon_factory, client_factory, root, how
+) -> None:
+    daemon = daemon_factory()
+    client = client_factory(heartbeat=0.2, timeout=5.0)
+    client.save_async(make_state(1), root / "before", step=1).result(30)
+    if how == "killed":
+        daemon.kill()
+    else:
+        assert daemon.stop() == 0
+    daemon_factory()
+    state = make_state(2)
+    client.save_async(state, root / "after", step=2).result(30)  # no save was pending: nothing to fail
+    assert_whole(root / "after", {0: state})
+
+
+@pytest.mark.timeout(60)
+def test_a_frozen_daemon_fails_pending_saves_after_the_timeout_and_save_async_returns(
+    daemon_factory, client_factory, root
+) -> None:
+    daemon = daemon_factory()
+    client = client_factory(heartbeat=0.2, timeout=2.0, max_inflight=1)
+    client.save_async(make_state(1), root / "warm").result(30)
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        first = client.save_async(make_state(2), root / "frozen-1")
+        # the only in-flight place is taken: this call waits, but only until the first fails
+        second = client.save_async(make_state(3), root / "frozen-2")
+        returned = time.monotonic() - t
+        with pytest.raises(ckptd.DaemonUnavailable, match="not answered"):
+            first.result(10)
+        with pytest.raises(ckptd.DaemonUnavailable):
+            second.result(10)
+        assert returned < 2.0 + 3, f"save_async blocked {returned:.1f} s on a frozen daemon"
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    # thawed, it answers again and the client reconnects; what it did meanwhile is all or nothing
+    state = make_state(4)
+    client.save_async(state, root / "thawed", step=4).result(30)
+    assert_whole(root / "thawed", {0: state})
+    for name in ("frozen-1", "frozen-2"):
+        if (root / name).exists():
+            assert ckptd.read_index(root / name).world_size == 1
+
+
+@pytest.mark.timeout(90)
+def test_with_spawn_a_save_after_the_daemon_died_respawns_one_and_succeeds(run_dir, root, monkeypatch) -> None:
+    monkeypatch.setenv("CKPTD_ROOTS", str(root))
+    monkeypatch.setenv("CKPTD_FAULTS", '[{"op": "write", "match": "/slow-", "errno": 0, "delay": 30}]')
+    client = ckptd.Client(run_dir=run_dir, spawn=True, heartbeat=0.2, timeout=2.0)
+    try:
+        first_pid = int((run_dir / "ckptd.pid").read_text())
+        fut = client.save_async(make_state(1), root / "slow-1")
+        time.sleep(0.3)
+        os.kill(first_pid, signal.SIGKILL)
+        with pytest.raises(ckptd.DaemonUnavailable):
+            fut.result(15)  # "died", or (its zombie not reaped yet) "has not answered" after 2 s
+        state = make_state(2)
+        t = time.monotonic()
+        result = client.save_async(state, root / "respawned", step=2).result(30)
+        assert time.monotonic() - t < 30
+        assert result.path == root / "respawned"
+        assert_whole(root / "respawned", {0: state})
+        second_pid = int((run_dir / "ckptd.pid").read_text())
+        assert second_pid != first_pid and os.getsid(second_pid) != os.getsid(0)
+    finally:
+        client.close()
+        out = subprocess.run([sys.executable, "-m", "ckptd", "stop", "--run-dir", str(run_dir)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    wait_until(lambda: not leftovers(root), 10, "the respawned daemon swept the killed save's directory")
+
+
+# -- 5. disks that fail or fill up ---------------------------------------------
+
+IO_FAULTS = [
+    ("write-ENOSPC", {"op": "write", "errno": errno.ENOSPC}),
+    ("write-EIO", {"op": "write", "errno": errno.EIO}),
+    ("write-ENOSPC-after-8MiB", {"op": "write", "errno": errno.ENOSPC, "after": True}),
+    ("write-EIO-after-8MiB", {"op": "write", "errno": errno.EIO, "after": True}),
+    ("fsync-ENOSPC", {"op": "fsync", "errno": errno.ENOSPC}),
+    ("fsync-EIO", {"op": "fsync", "errno": errno.EIO}),
+    ("index-write-ENOSPC", {"op": "write_file", "errno": errno.ENOSPC}),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case,fault", IO_FAULTS, ids=[c[0] for c in IO_FAULTS])
+def test_an_io_error_fails_the_save_with_write_failed_removes_its_bytes_and_the_daemon_serves_on(
+    daemon_factory, client_factory, root, case, fault
+) -> None:
+    daemon = daemon_factory(faults=[{**fault, "match": f"/{NAME}.incomplete/"}])
+    client = client_factory()
+    before = make_state(1)
+    client.save_async(before, root / "before").result(30)
+    with pytest.raises(ckptd.WriteFailed, match=os.strerror(fault["errno"])):
+        client.save_async(make_state(2, mib=20), root / NAME).result(30)
+    wait_until(lambda: not leftovers(root), 10, "the failed save's directory is removed")
+    assert sorted(p.name for p in root.iterdir()) == ["before"]
+    assert any(NAME in e["message"] for e in daemon.status()["errors"])
+    after = make_state(3)
+    client.save_async(after, root / "after").result(30)
+    assert_whole(root / "before", {0: before})
+    assert_whole(root / "after", {0: after})
+
+
+SMALL_FS = 192 * 2**20
+MARGIN = 64 * 2**20
+"""The daemon's default admission margin (``space_margin_bytes``): it keeps this much free."""
+
+
+@pytest.fixture
+def small_fs(root: Path):
+    """``root`` on its own 192 MiB tmpfs, so free space is exact and genuinely runs out."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_FS},mode=0755", "tmpfs", str(root)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], capture_output=True)
+
+
+def fill(path: Path, nbytes: int) -> None:
+    block = b"\xab" * 2**20
+    with open(path, "wb") as f:
+        for _ in range(nbytes // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def big_state(nbytes: int) -> dict:
+    """One float32 tensor whose shard (4 KiB header included) is about ``nbytes``."""
+    return {"w": torch.full(((nbytes - 4096) // 4,), 1.5)}
+
+
+@pytest.mark.timeout(60)
+def test_a_disk_that_fills_up_during_the_write_fails_the_save_cleanly_and_gets_its_space_back(
+    small_fs, daemon_factory, client_factory
+) -> None:
+    root = small_fs
+    # admitted, then held at the shard's open for 2 s while another file takes the space
+    daemon = daemon_factory(faults=[{"op": "open", "match": "/too-big.incomplete/", "errno": 0, "delay": 2.0}])
+    client = client_factory()
+    client.save_async(make_state(1), root / "before").result(30)
+    free_before = free_bytes(root)
+    nbytes = free_before - MARGIN - 2**20  # just under what admission allows
+    fut = client.save_async(big_state(nbytes), root / "too-big")
+    wait_until(lambda: any("/too-big" in s["path"] for s in daemon.status()["saves"]), 10,
+               "the big save is admitted")
+    fill(root / "filler", 100 * 2**20)
+    free_filled = free_bytes(root)
+    assert free_filled < nbytes
+    with pytest.raises(ckptd.WriteFailed, match="No space left on device"):
+        fut.result(30)
+    wait_until(lambda: not leftovers(root), 10, "the partial shard is removed")
+    assert not (root / "too-big").exists()
+    assert free_bytes(root) == free_filled, "the partial write's space must be given back"
+    (root / "filler").unlink()
+    assert free_bytes(root) == free_before
+    after = make_state(2)
+    client.save_async(after, root / "after").result(30)
+    assert_whole(root / "after", {0: after})
+    assert sorted(p.name for p in root.iterdir()) == ["after", "before"]
+
+
+@pytest.mark.timeout(60)
+def test_a_save_that_no_longer_fits_after_another_file_filled_the_disk_is_refused_with_no_space(
+    small_fs, daemon_factory, client_factory
+) -> None:
+    root = small_fs
+    daemon_factory()
+    client = client_factory()
+    free_before = free_bytes(root)
+    nbytes = free_before - MARGIN - 2**20  # would fit on the empty disk
+    fill(root / "filler", 100 * 2**20)
+    free_filled = free_bytes(root)
+    with pytest.raises(ckptd.NoSpace, match="not enough space"):
+        client.save_async(big_state(nbytes), root / "too-big").result(30)
+    assert sorted(p.name for p in root.iterdir()) == ["filler"]
+    assert free_bytes(root) == free_filled
+    (root / "filler").unlink()
+    state = big_state(nbytes)
+    client.save_async(state, root / "fits-again").result(60)
+    assert_whole(root / "fits-again", {0: state})
