@@ -1,48 +1,74 @@
-"""``python -m benchmarks``: measure ckptd, its limits and torch.save in one run.
+"""``python -m benchmarks``: ckptd against its limits and its peers, in one run.
 
-Everything runs in one process on one state dict, in a fixed order (limits,
-``torch.save``, ckptd sync, ckptd background), so every ratio in the report
-compares numbers taken minutes apart on the same machine state. The run
-prints progress to stderr, the table to stdout, and writes ``RESULTS.md``.
+Sections (``--only``, default all, in this order):
+
+* ``save``: machine limits, ``torch.save`` + fsync, DCP ``save`` and
+  ``async_save`` (THREAD, PROCESS, PROCESS with a reused stager), ckptd with
+  sync and background staging: blocking, staged, durable, memory;
+* ``multi``: several clients on one node saving at once, against a raw
+  O_DIRECT write of the same bytes;
+* ``scaling``: ckptd sync staging from 64 MiB to 4 GiB;
+* ``load``: loading the same state back every way, cold and warm, and
+  several ranks loading at once with and without the daemon's load lease.
+
+The targets of the issue are evaluated from whatever ran. The run prints
+progress to stderr and the tables to stdout, and writes ``RESULTS.md`` and
+``results.png`` (with matplotlib installed) beside this file when every
+section ran at the default settings; a partial or ``--quick`` run writes
+into the scratch directory instead, unless ``--out`` says where.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import shlex
 import sys
 import time
 from pathlib import Path
 
-from . import limits
-from .ckptd_runs import BenchDaemon, CkptdResult, clean_scratch, run_client
-from .measure import RssSampler, Series
-from .peers import torch_save
-from .report import GIB, Findings, Row, describe_machine, markdown, render_text, rss_lines, summary, table_lines
-from .state import build_state
+from . import chart
+from .ckptd_runs import clean_scratch
+from .measure import QuietLog, Sampler, can_drop_caches
+from .report import (GIB, Block, describe_machine, details, header, library_line, load_blocks, markdown,
+                     multi_block, save_blocks, scaling_block, summary, targets_block)
+from .runner import Ctx, log
+from .scaling import DEFAULT_SIZES, parse_size
+from .targets import evaluate
 
 HERE = Path(__file__).resolve().parent
+SECTIONS = ("save", "multi", "scaling", "load")
 QUICK_GIB = 1 / 16
 LIMIT_REPEAT = 5
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    p.add_argument("--size-gib", type=float, default=1.0, help="state dict size in GiB (default 1)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Example: python -m benchmarks --only save,load --size-gib 0.5 --repeat 2")
+    p.add_argument("--only", default=",".join(SECTIONS),
+                   help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})")
+    p.add_argument("--size-gib", type=float, default=1.0, help="state size for save and load, GiB (default 1)")
     p.add_argument("--repeat", type=int, default=3, help="timed repetitions after one warm-up (default 3)")
+    p.add_argument("--ranks", type=int, default=4, help="clients saving at once, and ranks loading at once (default 4)")
+    p.add_argument("--rank-size-gib", type=float, default=0.5,
+                   help="state per client in multi, and shard per rank in load (default 0.5)")
+    p.add_argument("--scaling-sizes", default=DEFAULT_SIZES, help=f"sizes for scaling (default {DEFAULT_SIZES})")
+    p.add_argument("--no-dcp", action="store_true", help="skip the DCP peers in save")
+    p.add_argument("--evict", choices=("fadvise", "drop_caches"), default="fadvise",
+                   help="how load makes the page cache cold: per-file fadvise (default) or the global drop_caches")
+    p.add_argument("--quiet-budget", type=float, default=150.0,
+                   help="seconds the whole run may wait for quiet windows (default 150; 0: never wait)")
+    p.add_argument("--quiet-max-wait", type=float, default=30.0, help="seconds one phase may wait (default 30)")
+    p.add_argument("--busy-retries", type=int, default=4,
+                   help="phases that may be rerun because other work used the CPUs during them (default 4)")
     p.add_argument("--quick", action="store_true",
-                   help=f"smoke run: {QUICK_GIB * 1024:.0f} MiB, 1 repetition; writes RESULTS-quick.md "
-                        "into the scratch dir unless --out is given")
+                   help="smoke run: 64 MiB states, 1 repetition, scaling 16M,64M, 32 MiB per rank; writes "
+                        "RESULTS-quick.md into the scratch dir unless --out is given")
     p.add_argument("--out", type=Path, default=None, help="results file (default benchmarks/RESULTS.md)")
     p.add_argument("--scratch", type=Path, default=HERE / "out",
                    help="directory on the disk under test for checkpoints (default benchmarks/out, git-ignored)")
     return p
-
-
-def _log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def _command() -> str:
@@ -51,109 +77,112 @@ def _command() -> str:
     return f"{rel if not rel.startswith('..') else exe} -m benchmarks {shlex.join(sys.argv[1:])}".rstrip()
 
 
-def _details(rows: list[Row], ts_serialize: Series, ts_bytes: int, ck: list[CkptdResult], nbytes: int,
-             limit_repeat: int, repeat: int) -> list[str]:
-    lines = [f"Every timed repetition (s), min-max ({limit_repeat} for the machine limits, {repeat} for the others):", ""]
-    for r in rows:
-        parts = [f"blocking {r.blocking.spread()}" if r.blocking else "", f"durable {r.durable.spread()}" if r.durable else ""]
-        lines.append(f"- {r.what}: " + ", ".join(p for p in parts if p))
-    lines += [
-        "",
-        f"- `torch.save` alone (bytes in the page cache, before fsync): median {ts_serialize.median:.3f} s; "
-        f"its file is {ts_bytes / GIB:.3f} GiB.",
-    ]
-    for c in ck:
-        mode = "background" if c.background else "sync"
-        lines.append(
-            f"- ckptd {mode}: shard {c.bytes_written / GIB:.3f} GiB ({c.bytes_written - nbytes:,} bytes of header "
-            f"over the tensor data); `SaveResult.seconds` median {c.reported.median:.3f} s; "
-            f"staged after {c.staged.median:.3f} s"
-            + (f"; the daemon's accepted-to-committed time (its log) median {c.daemon.median:.3f} s." if c.daemon.values else ".")
-        )
-    lines += ["", "The daemon ran with its defaults: O_DIRECT, 8 MiB writes, 2 concurrent writes; the client with "
-              "`max_inflight=1`. Saves were back to back (each waited for the previous one to be durable)."]
-    return lines
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    size_gib, repeat = (QUICK_GIB, 1) if args.quick else (args.size_gib, args.repeat)
-    if repeat < 1 or size_gib <= 0:
-        _parser().error("--repeat must be at least 1 and --size-gib positive")
-    # The limits are the denominators of every ratio and take well under a
-    # second each, so they get more repetitions: one slow memcpy (this VM
-    # shows occasional 3-6x outliers) must not move the baseline.
-    limit_repeat = repeat if args.quick else max(repeat, LIMIT_REPEAT)
+    started = time.monotonic()
+    parser = _parser()
+    args = parser.parse_args(argv)
+    sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    sections = [s for s in SECTIONS if s in sections]
+    if args.quick:
+        args.size_gib, args.repeat, args.scaling_sizes, args.rank_size_gib = QUICK_GIB, 1, "16M,64M", 1 / 32
+    if args.repeat < 1 or args.size_gib <= 0 or args.ranks < 1 or args.rank_size_gib <= 0:
+        parser.error("--repeat and --ranks must be at least 1, sizes positive")
+    if args.evict == "drop_caches" and not can_drop_caches():
+        parser.error("--evict drop_caches needs write access to /proc/sys/vm/drop_caches (root)")
+    scaling_sizes = [parse_size(x) for x in args.scaling_sizes.split(",") if x.strip()]
+    full = set(sections) == set(SECTIONS) and not args.quick
     scratch: Path = args.scratch.resolve()
-    out: Path = args.out or (scratch / "RESULTS-quick.md" if args.quick else HERE / "RESULTS.md")
+    default_name = "RESULTS-quick.md" if args.quick else "RESULTS-partial.md"
+    out: Path = args.out or (HERE / "RESULTS.md" if full else scratch / default_name)
+    png = out.parent / ("results.png" if out.name == "RESULTS.md" else out.stem.lower() + ".png")
+
     clean_scratch(scratch)
+    logs = scratch / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     machine = describe_machine(scratch)
+    library = library_line()  # at the start: the library may change while the run goes on
     if machine.scratch_fs.startswith("tmpfs"):
-        _log(f"warning: {scratch} is on tmpfs; disk numbers will be memory numbers")
+        log(f"warning: {scratch} is on tmpfs; disk numbers will be memory numbers")
+    limit_repeat = args.repeat if args.quick else max(args.repeat, LIMIT_REPEAT)
+    sampler = Sampler().start()
+    ctx = Ctx(scratch=scratch, repeat=args.repeat, limit_repeat=limit_repeat, size_gib=args.size_gib,
+              sampler=sampler, quiet=QuietLog(args.quiet_budget), quiet_max_wait=args.quiet_max_wait, logs=logs,
+              evict_mode=args.evict, retries_left=args.busy_retries)
+    log(f"sections: {', '.join(sections)}; worker logs in {logs}")
 
-    sampler = RssSampler().start()
-    _log(f"building a {size_gib:g} GiB state dict")
-    bench = build_state(size_gib)
-    nbytes, tensors = bench.nbytes, bench.tensors
-    state_line = (f"{nbytes / GIB:.3f} GiB ({nbytes:,} bytes) in {len(tensors)} float32 tensors "
-                  f"(largest {bench.largest / (1 << 20):.1f} MiB): a {bench.layers}-layer transformer of width "
-                  f"{bench.width}, {bench.params / 1e6:.1f} M parameters, plus AdamW exp_avg, exp_avg_sq and step")
-    _log(f"state: {state_line}")
+    save = multi = scaling = load = None
+    try:
+        if "save" in sections:
+            from . import save as save_mod
 
-    sampler.phase("machine limits")
-    _log("memcpy into a reused buffer")
-    memcpy = limits.memcpy_reused(tensors, nbytes, limit_repeat)
-    gc.collect()
-    _log("memcpy into fresh /dev/shm")
-    fresh = limits.memcpy_fresh_shm(tensors, nbytes, limit_repeat)
-    _log("O_DIRECT write + fsync")
-    direct = limits.odirect_write(scratch, nbytes, limit_repeat)
-    _log("buffered write + fsync")
-    buffered = limits.buffered_write(scratch, nbytes, limit_repeat)
-    gc.collect()
+            save = save_mod.run_section(ctx, dcp=not args.no_dcp)
+        if "multi" in sections:
+            from . import multi as multi_mod
 
-    sampler.phase("torch.save")
-    _log("torch.save + fsync")
-    ts = torch_save(bench.state, scratch, repeat)
+            multi = multi_mod.run_section(ctx, args.rank_size_gib, args.ranks)
+        if "scaling" in sections:
+            from . import scaling as scaling_mod
 
-    results: list[CkptdResult] = []
-    sampler.phase("ckptd start")
-    _log("starting a ckptd daemon")
-    with BenchDaemon(scratch) as daemon:
-        sampler.watch_daemon(daemon.pid)
-        for background in (False, True):
-            name = "ckptd background" if background else "ckptd sync"
-            sampler.phase(name)
-            _log(f"{name}: 1 warm-up + {repeat} saves")
-            results.append(run_client(daemon, bench.state, scratch, background=background, repeat=repeat))
-        sampler.phase("ckptd stop")
-    peaks = sampler.stop()
-    sync, bg = results
+            scaling = scaling_mod.run_section(ctx, scaling_sizes)
+        if "load" in sections:
+            from . import loading
 
-    rows = [
-        Row("memcpy → reused buffer", memcpy, None),
-        Row("memcpy → fresh /dev/shm", fresh, None),
-        Row("write O_DIRECT + fsync", direct, direct),
-        Row("write buffered + fsync", buffered, buffered),
-        Row("torch.save + fsync", ts.durable, ts.durable),
-        Row("ckptd save_async, sync staging", sync.returned, sync.durable),
-        Row("ckptd save_async, background staging", bg.returned, bg.durable),
-        Row("ckptd background, until staged", bg.staged, bg.durable),
-    ]
-    cells = table_lines(rows, nbytes, memcpy.median, direct.median)
-    text = summary(Findings(memcpy.median, fresh.median, direct.median, ts.durable.median, sync.returned.median,
-                            sync.durable.median, bg.returned.median, bg.staged.median, bg.durable.median))
-    rss = rss_lines({k: v for k, v in peaks.items() if k not in ("ckptd start", "ckptd stop")})
-    print(render_text(cells))
-    print()
-    print(render_text(rss))
-    print()
-    print(text)
+            load = loading.run_section(ctx, args.size_gib, args.rank_size_gib, ranks=args.ranks)
+    finally:
+        sampler.stop()
+        clean_scratch(scratch, keep_logs=True)  # gigabytes of checkpoints; the worker logs stay
+
+    daemon_anon: list[tuple[str, int]] = []
+    if save:
+        daemon_anon += [(m.what, m.writer.anon) for m in save.methods if m.key.startswith("ckptd") and m.writer]
+    if multi:
+        daemon_anon += [(f"{multi.ranks} clients, {x.what}", x.daemon.anon) for x in multi.layouts if x.daemon]
+    if scaling:
+        from .scaling import size_label
+
+        daemon_anon += [(f"scaling {size_label(p.size_gib)}", p.daemon.anon) for p in scaling if p.daemon]
+    targets = evaluate(save, multi, scaling, daemon_anon)
+
+    drew = chart.draw(png, save, load)
+    chart_ref = os.path.relpath(png, out.parent) if drew else None
+    if not drew and (save or load):
+        log("no chart: matplotlib is not installed (pip install matplotlib)")
+
+    blocks: list[Block] = [targets_block(targets), summary(save, multi, scaling, load, targets)]
+    if save:
+        blocks += save_blocks(save, chart_ref)
+    if multi:
+        blocks.append(multi_block(multi))
+    if scaling:
+        blocks.append(scaling_block(scaling))
+    if load:
+        blocks += load_blocks(load)
+        if chart_ref and not save:
+            blocks.append(Block("Chart", [f"![load times]({chart_ref})"]))
+    blocks.append(details(save, multi, scaling, load))
+
+    state_line = None
+    if save:
+        st = save.state
+        state_line = (f"{st['nbytes'] / GIB:.3f} GiB ({st['nbytes']:,} bytes) in {st['tensors']} float32 tensors "
+                      f"(largest {st['largest'] / (1 << 20):.1f} MiB): a {st['layers']}-layer transformer of width "
+                      f"{st['width']}, {st['params'] / 1e6:.1f} M parameters, plus AdamW exp_avg, exp_avg_sq and "
+                      "step; other sections build the same model at their own sizes")
+    wall = time.monotonic() - started
+    library_end = library_line()
+    if library_end != library:
+        log(f"warning: the library changed during the run: {library} -> {library_end}")
+        library += f" — CHANGED during the run, now {library_end}; rerun for consistent numbers"
+    head = header(command=_command(), machine=machine, sections=sections, state_line=state_line, wall_s=wall,
+                  quiet=ctx.quiet, retried=ctx.retried, library=library)
+    for b in blocks[:-1]:
+        print(b.text() if b.title != "What the numbers say" else f"== {b.title} ==\n{b.parts[0]}\n")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(markdown(command=_command(), machine=machine, state_line=state_line, table=cells, text=text,
-                            rss=rss, details=_details(rows, ts.serialize, ts.file_bytes, results, nbytes,
-                                                    limit_repeat, repeat)))
-    _log(f"wrote {out}")
+    out.write_text(markdown(head, blocks))
+    log(f"wrote {out}" + (f" and {png}" if drew else "") + f" in {wall / 60:.1f} min")
     return 0
 
 

@@ -24,7 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ckptd
 from ckptd.protocol.endpoint import LOG_NAME
@@ -38,10 +38,11 @@ STOP_TIMEOUT_S = 60.0
 class BenchDaemon:
     """A ``ckptd`` daemon for this run only; use as a context manager."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *extra: str) -> None:
         self.root = root
+        self.extra = extra
         # Short and under /tmp: the socket path must fit in 107 bytes.
-        self.run_dir = Path(tempfile.mkdtemp(prefix="ckb-", dir="/tmp"))
+        self.run_dir = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir="/tmp"))
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -55,7 +56,7 @@ class BenchDaemon:
     def start(self) -> "BenchDaemon":
         err = open(self.run_dir / "bench-daemon.err", "wb")
         self.proc = subprocess.Popen(
-            self._ckptd("start", "--foreground", "--quiet", "--root", str(self.root)),
+            self._ckptd("start", "--foreground", "--quiet", "--root", str(self.root), *self.extra),
             stdin=subprocess.DEVNULL, stdout=err, stderr=err, close_fds=True,
         )
         err.close()
@@ -69,20 +70,6 @@ class BenchDaemon:
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"ckptd daemon did not answer within {START_TIMEOUT_S:.0f} s: {self._err_tail()}")
-
-    def committed_seconds(self, path: Path) -> float | None:
-        """The daemon's own accepted-to-committed time for ``path``, from its log.
-
-        Best effort: the log is for people, so a changed format only loses
-        this breakdown, never the benchmark.
-        """
-        try:
-            text = (self.run_dir / LOG_NAME).read_text(errors="replace")
-        except OSError:
-            return None
-        pattern = re.compile(rf"event=committed path={re.escape(str(path))} .*?seconds=([0-9.]+)")
-        found = pattern.findall(text)
-        return float(found[-1]) if found else None
 
     def _err_tail(self) -> str:
         text = (self.run_dir / "bench-daemon.err").read_text(errors="replace").strip()
@@ -106,6 +93,21 @@ class BenchDaemon:
         self.stop()
 
 
+def daemon_committed_seconds(run_dir: Path, path: Path) -> float | None:
+    """The daemon's own accepted-to-committed time for ``path``, from its log.
+
+    Best effort: the log is for people, so a changed format only loses
+    this breakdown, never the benchmark.
+    """
+    try:
+        text = (Path(run_dir) / LOG_NAME).read_text(errors="replace")
+    except OSError:
+        return None
+    pattern = re.compile(rf"event=committed path={re.escape(str(path))} .*?seconds=([0-9.]+)")
+    found = pattern.findall(text)
+    return float(found[-1]) if found else None
+
+
 @dataclass
 class CkptdResult:
     """Per-repetition timings of one client mode, in seconds from the call."""
@@ -123,16 +125,36 @@ class CkptdResult:
     """The daemon's accepted-to-committed time (write, fsync, index, rename), from its log."""
     bytes_written: int = 0
 
+    def to_json(self) -> dict:
+        return {"background": self.background, "returned": self.returned.values, "staged": self.staged.values,
+                "durable": self.durable.values, "reported": self.reported.values, "daemon": self.daemon.values,
+                "bytes_written": self.bytes_written}
 
-def run_client(daemon: BenchDaemon, state: Any, scratch: Path, *, background: bool, repeat: int) -> CkptdResult:
-    """One warm-up save and ``repeat`` timed ones through a fresh client."""
+
+def client_accepts(option: str) -> bool:
+    """Whether this ckptd's ``Client`` takes keyword ``option`` (the library moves; features are detected)."""
+    import inspect
+
+    return option in inspect.signature(ckptd.Client).parameters
+
+
+def run_client(run_dir: Path, state: Any, scratch: Path, *, background: bool, repeat: int, prefix: str = "ckptd",
+               on_steady: Callable[[], None] | None = None, **client_options: Any) -> CkptdResult:
+    """One warm-up save and ``repeat`` timed ones through a fresh client.
+
+    ``on_steady`` runs after the warm-up (the slot exists from then on), right
+    before the first timed save. ``client_options`` go to ``ckptd.Client``.
+    """
     result = CkptdResult(background)
     mode = "background" if background else "sync"
     previous: Path | None = None
-    client = ckptd.Client(run_dir=daemon.run_dir, spawn=False, max_inflight=1, background_staging=background)
+    client = ckptd.Client(run_dir=run_dir, spawn=False, max_inflight=1, background_staging=background,
+                          rank=0, world_size=1, **client_options)
     try:
         for i in range(1 + repeat):
-            path = scratch / f"ckptd-{mode}-{i}"
+            if i == 1 and on_steady is not None:
+                on_steady()
+            path = scratch / f"{prefix}-{mode}-{i}"
             t0 = time.perf_counter()
             fut = client.save_async(state, path, step=i)
             t_returned = time.perf_counter()
@@ -149,7 +171,7 @@ def run_client(daemon: BenchDaemon, state: Any, scratch: Path, *, background: bo
                 result.staged.add(t_staged - t0)
                 result.durable.add(t_durable - t0)
                 result.reported.add(saved.seconds)
-                in_daemon = daemon.committed_seconds(saved.path)
+                in_daemon = daemon_committed_seconds(run_dir, saved.path)
                 if in_daemon is not None:
                     result.daemon.add(in_daemon)
     finally:
@@ -159,11 +181,14 @@ def run_client(daemon: BenchDaemon, state: Any, scratch: Path, *, background: bo
     return result
 
 
-def clean_scratch(scratch: Path) -> None:
-    """Remove what an interrupted earlier run left in ``scratch`` (ours only)."""
+PREFIXES = ("ckptd-", "torch-save-", "raw-", "dcp-", "scale-", "multi-", "load-", "rank4-", "logs")
+
+
+def clean_scratch(scratch: Path, *, keep_logs: bool = False) -> None:
+    """Remove what a run (or an interrupted earlier one) left in ``scratch`` (ours only)."""
     for entry in scratch.iterdir() if scratch.exists() else ():
-        if entry.name.startswith(("ckptd-sync-", "ckptd-background-", "torch-save-", "raw-")):
-            if entry.is_dir():
+        if entry.name.startswith(PREFIXES) and not (keep_logs and entry.name == "logs"):
+            if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
             else:
                 entry.unlink(missing_ok=True)

@@ -12,6 +12,11 @@ ckptd's numbers only mean something next to the limits it is built on:
   from a page-aligned buffer in 8 MiB ``pwrite`` calls, then ``fsync``: the
   floor for ckptd's time to durable.
 * ``buffered_write``: the same through the page cache, then ``fsync``.
+* ``parallel_direct_write``: several O_DIRECT writers at once (threads,
+  ``pwrite`` releases the GIL), for the four-clients comparison.
+* ``read_file``: a sequential read of a file in 8 MiB ``readinto`` calls
+  into one reused buffer, through the page cache or with O_DIRECT: the
+  floor for loading a checkpoint from that file.
 
 Write targets are new files in the scratch directory, removed untimed after
 each repetition; buffered data is dropped from the page cache so the next
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -138,3 +144,51 @@ def odirect_write(scratch: Path, nbytes: int, repeat: int) -> Series:
 def buffered_write(scratch: Path, nbytes: int, repeat: int) -> Series:
     """Sequential buffered write of ``nbytes`` plus ``fsync``, 8 MiB per call."""
     return _write_series(scratch, nbytes, repeat, direct=False)
+
+
+def parallel_direct_write(scratch: Path, nbytes_each: int, writers: int, repeat: int) -> Series:
+    """``writers`` O_DIRECT writes of ``nbytes_each`` at once (one thread each), + fsync each."""
+    buf = _aligned_buffer(nbytes_each)
+    view = memoryview(buf)
+    targets = [scratch / f"raw-parallel-{i}.bin" for i in range(writers)]
+
+    def once() -> None:
+        threads = [threading.Thread(target=_write_file, args=(t, view, nbytes_each), kwargs={"direct": True})
+                   for t in targets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def cleanup() -> None:
+        for t in targets:
+            drop_cached(t)
+
+    try:
+        return timed(once, repeat=repeat, cleanup=cleanup)
+    finally:
+        view.release()
+        buf.close()
+        cleanup()
+
+
+def read_file(paths: list[Path], *, direct: bool = False) -> int:
+    """Read ``paths`` sequentially in ``CHUNK`` pieces into one reused buffer; returns bytes read."""
+    buf = _aligned_buffer(CHUNK)
+    view = memoryview(buf)
+    total = 0
+    try:
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+            try:
+                while True:
+                    n = os.readv(fd, [view])
+                    total += n
+                    if n < CHUNK:
+                        break
+            finally:
+                os.close(fd)
+    finally:
+        view.release()
+        buf.close()
+    return total

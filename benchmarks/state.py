@@ -82,6 +82,9 @@ class BenchState:
     params: int
     tensors: list[torch.Tensor]
     """Every tensor of ``state`` once, in flattening order."""
+    model: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    """The objects ``state`` was taken from (its tensors are theirs): targets for ``load_into``."""
 
     @property
     def nbytes(self) -> int:
@@ -125,4 +128,15 @@ def build_state(size_gib: float, *, seed: int = 0, step: int = 1000) -> BenchSta
     opt.zero_grad(set_to_none=True)
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
     params = sum(p.numel() for p in model.parameters())
-    return BenchState(state, d, LAYERS, params, list(iter_tensors(state)))
+    return BenchState(state, d, LAYERS, params, list(iter_tensors(state)), model, opt)
+
+
+def describe(bench: BenchState) -> dict:
+    """What the report says about the state, as JSON."""
+    return {"nbytes": bench.nbytes, "tensors": len(bench.tensors), "largest": bench.largest,
+            "layers": bench.layers, "width": bench.width, "params": bench.params}
+
+
+def tensor_sum(tensors: Any) -> float:
+    """Sum of every element of every tensor (float32 sums, added in Python): touches every byte."""
+    return float(sum(float(t.sum()) for t in tensors if t.numel()))
