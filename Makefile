@@ -21,7 +21,9 @@ soak: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# The chart needs matplotlib; only the benchmark installs it, so `make test` stays lean.
 bench: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check matplotlib==3.11.2
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:
