@@ -10,33 +10,13 @@ at once, and only then removed.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
-from ckptd.protocol.errors import InvalidCheckpoint
-from ckptd.protocol.index import INCOMPLETE_SUFFIX, read_index
+from ckptd.protocol.index import INCOMPLETE_SUFFIX, committed_in
 
 from .storage import Storage
 
 log = logging.getLogger("ckptd")
-
-
-def committed_in(directory: Path) -> list[tuple[tuple[int, float], Path]]:
-    """Committed checkpoints directly under ``directory``, oldest first, keyed by (step, created)."""
-    found = []
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return []
-    for entry in entries:
-        if entry.name.endswith(INCOMPLETE_SUFFIX) or not entry.is_dir(follow_symlinks=False):
-            continue
-        try:
-            index = read_index(entry.path)
-        except InvalidCheckpoint:
-            continue
-        found.append(((index.step if index.step is not None else -1, index.created), Path(entry.path)))
-    return sorted(found)
 
 
 def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: set[Path]) -> list[Path]:

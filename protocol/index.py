@@ -136,25 +136,29 @@ def read_index(path: Path | str) -> CheckpointIndex:
     return CheckpointIndex.from_json(data, str(index_file))
 
 
-def latest(root: Path | str) -> Path | None:
-    """The committed checkpoint under ``root`` with the highest step, or None.
+def committed_in(directory: Path | str) -> list[tuple[tuple[int, float], Path]]:
+    """Committed checkpoints directly under ``directory``, oldest first, keyed by (step, created).
 
-    Ties and missing steps are broken by commit time. ``.incomplete``
-    directories and directories without a valid index are ignored.
+    A missing step sorts first. ``.incomplete`` directories, symlinks and
+    directories without a valid index are not checkpoints and are left out.
     """
-    best: tuple[tuple[int, float], Path] | None = None
     try:
-        children = list(os.scandir(root))
-    except FileNotFoundError:
-        return None
-    for entry in children:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
         if entry.name.endswith(INCOMPLETE_SUFFIX) or not entry.is_dir(follow_symlinks=False):
             continue
         try:
             index = read_index(entry.path)
         except InvalidCheckpoint:
             continue
-        key = (index.step if index.step is not None else -1, index.created)
-        if best is None or key > best[0]:
-            best = (key, Path(entry.path))
-    return best[1] if best else None
+        found.append(((index.step if index.step is not None else -1, index.created), Path(entry.path)))
+    return sorted(found)
+
+
+def latest(root: Path | str) -> Path | None:
+    """The committed checkpoint under ``root`` with the highest step (then the newest), or None."""
+    found = committed_in(root)
+    return found[-1][1] if found else None
