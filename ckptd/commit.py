@@ -241,6 +241,9 @@ class Commits:
             if os.path.lexists(final):
                 if not pending.overwrite:
                     raise CheckpointExists(f"checkpoint {final} appeared while this one was written")
+                # Mark the old checkpoint as ours first: after the swap it sits at
+                # p.incomplete, and if we die there the start-up sweep removes it.
+                storage.touch(final / owner_marker())
                 storage.exchange(pending.incomplete, final)  # the old checkpoint is now at p.incomplete
                 storage.fsync_dir(final.parent)
                 storage.remove_tree(pending.incomplete)
