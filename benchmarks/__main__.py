@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import shlex
 import sys
 import time
@@ -40,6 +41,8 @@ HERE = Path(__file__).resolve().parent
 SECTIONS = ("save", "multi", "scaling", "load")
 QUICK_GIB = 1 / 16
 LIMIT_REPEAT = 5
+LAST_RUN = "last-run.pkl"
+"""The last run's measurements, in the scratch dir, for ``--rerender``."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,15 +60,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-dcp", action="store_true", help="skip the DCP peers in save")
     p.add_argument("--evict", choices=("fadvise", "drop_caches"), default="fadvise",
                    help="how load makes the page cache cold: per-file fadvise (default) or the global drop_caches")
-    p.add_argument("--quiet-budget", type=float, default=150.0,
-                   help="seconds the whole run may wait for quiet windows (default 150; 0: never wait)")
+    p.add_argument("--quiet-budget", type=float, default=120.0,
+                   help="seconds the whole run may wait for quiet windows (default 120; 0: never wait)")
     p.add_argument("--quiet-max-wait", type=float, default=30.0, help="seconds one phase may wait (default 30)")
-    p.add_argument("--busy-retries", type=int, default=4,
-                   help="phases that may be rerun because other work used the CPUs during them (default 4)")
+    p.add_argument("--busy-retries", type=int, default=3,
+                   help="phases that may be rerun because other work used the CPUs during them (default 3)")
+    p.add_argument("--patience-min", type=float, default=9.0,
+                   help="minutes after which the run stops waiting for quiet windows and rerunning busy phases, "
+                        "so a busy machine cannot push it far past ~12 minutes (default 9)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 64 MiB states, 1 repetition, scaling 16M,64M, 32 MiB per rank; writes "
                         "RESULTS-quick.md into the scratch dir unless --out is given")
     p.add_argument("--out", type=Path, default=None, help="results file (default benchmarks/RESULTS.md)")
+    p.add_argument("--rerender", type=Path, default=None, metavar="PKL",
+                   help=f"measure nothing: write the report again from a run's saved measurements (the scratch "
+                        f"dir's {LAST_RUN}), e.g. after changing report.py; --out as for that run")
     p.add_argument("--scratch", type=Path, default=HERE / "out",
                    help="directory on the disk under test for checkpoints (default benchmarks/out, git-ignored)")
     return p
@@ -75,6 +84,10 @@ def _command() -> str:
     exe = sys.executable
     rel = os.path.relpath(exe)
     return f"{rel if not rel.startswith('..') else exe} -m benchmarks {shlex.join(sys.argv[1:])}".rstrip()
+
+
+def _png_for(out: Path) -> Path:
+    return out.parent / ("results.png" if out.name == "RESULTS.md" else out.stem.lower() + ".png")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,11 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.evict == "drop_caches" and not can_drop_caches():
         parser.error("--evict drop_caches needs write access to /proc/sys/vm/drop_caches (root)")
     scaling_sizes = [parse_size(x) for x in args.scaling_sizes.split(",") if x.strip()]
-    full = set(sections) == set(SECTIONS) and not args.quick
     scratch: Path = args.scratch.resolve()
+    if args.rerender is not None:
+        with open(args.rerender, "rb") as f:
+            data = pickle.load(f)
+        full = set(data["sections"]) == set(SECTIONS) and "--quick" not in data["command"]
+        out = args.out or (HERE / "RESULTS.md" if full else scratch / "RESULTS-partial.md")
+        render(data, out, _png_for(out))
+        return 0
+    full = set(sections) == set(SECTIONS) and not args.quick
     default_name = "RESULTS-quick.md" if args.quick else "RESULTS-partial.md"
     out: Path = args.out or (HERE / "RESULTS.md" if full else scratch / default_name)
-    png = out.parent / ("results.png" if out.name == "RESULTS.md" else out.stem.lower() + ".png")
+    png = _png_for(out)
 
     clean_scratch(scratch)
     logs = scratch / "logs"
@@ -110,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     sampler = Sampler().start()
     ctx = Ctx(scratch=scratch, repeat=args.repeat, limit_repeat=limit_repeat, size_gib=args.size_gib,
               sampler=sampler, quiet=QuietLog(args.quiet_budget), quiet_max_wait=args.quiet_max_wait, logs=logs,
-              evict_mode=args.evict, retries_left=args.busy_retries)
+              evict_mode=args.evict, retries_left=args.busy_retries,
+              soft_deadline=started + 60 * args.patience_min)
     log(f"sections: {', '.join(sections)}; worker logs in {logs}")
 
     save = multi = scaling = load = None
@@ -135,6 +156,26 @@ def main(argv: list[str] | None = None) -> int:
         sampler.stop()
         clean_scratch(scratch, keep_logs=True)  # gigabytes of checkpoints; the worker logs stay
 
+    wall = time.monotonic() - started
+    library_end = library_line()
+    if library_end != library:
+        log(f"warning: the library changed during the run: {library} -> {library_end}")
+        library += f" — CHANGED during the run, now {library_end}; rerun for consistent numbers"
+    data = {"save": save, "multi": multi, "scaling": scaling, "load": load, "machine": machine,
+            "sections": sections, "command": _command(), "wall": wall, "quiet": ctx.quiet, "retried": ctx.retried,
+            "library": library}
+    try:  # everything the report is made of, so a changed report can be rendered again (--rerender)
+        with open(scratch / LAST_RUN, "wb") as f:
+            pickle.dump(data, f)
+    except (OSError, pickle.PicklingError) as exc:
+        log(f"could not keep the measurements in {scratch / LAST_RUN}: {exc}")
+    render(data, out, png)
+    return 0
+
+
+def render(data: dict, out: Path, png: Path) -> None:
+    """Targets, tables, chart and ``RESULTS.md`` from one run's measurements."""
+    save, multi, scaling, load = data["save"], data["multi"], data["scaling"], data["load"]
     daemon_anon: list[tuple[str, int]] = []
     if save:
         daemon_anon += [(m.what, m.writer.anon) for m in save.methods if m.key.startswith("ckptd") and m.writer]
@@ -171,19 +212,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"(largest {st['largest'] / (1 << 20):.1f} MiB): a {st['layers']}-layer transformer of width "
                       f"{st['width']}, {st['params'] / 1e6:.1f} M parameters, plus AdamW exp_avg, exp_avg_sq and "
                       "step; other sections build the same model at their own sizes")
-    wall = time.monotonic() - started
-    library_end = library_line()
-    if library_end != library:
-        log(f"warning: the library changed during the run: {library} -> {library_end}")
-        library += f" — CHANGED during the run, now {library_end}; rerun for consistent numbers"
-    head = header(command=_command(), machine=machine, sections=sections, state_line=state_line, wall_s=wall,
-                  quiet=ctx.quiet, retried=ctx.retried, library=library)
+    head = header(command=data["command"], machine=data["machine"], sections=data["sections"],
+                  state_line=state_line, wall_s=data["wall"], quiet=data["quiet"], retried=data["retried"],
+                  library=data["library"])
     for b in blocks[:-1]:
         print(b.text() if b.title != "What the numbers say" else f"== {b.title} ==\n{b.parts[0]}\n")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(markdown(head, blocks))
-    log(f"wrote {out}" + (f" and {png}" if drew else "") + f" in {wall / 60:.1f} min")
-    return 0
+    log(f"wrote {out}" + (f" and {png}" if drew else "") + f"; the run took {data['wall'] / 60:.1f} min")
 
 
 if __name__ == "__main__":

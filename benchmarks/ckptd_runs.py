@@ -181,13 +181,13 @@ def run_client(run_dir: Path, state: Any, scratch: Path, *, background: bool, re
     return result
 
 
-PREFIXES = ("ckptd-", "torch-save-", "raw-", "dcp-", "scale-", "multi-", "load-", "rank4-", "logs")
+PREFIXES = ("ckptd-", "torch-save-", "raw-", "dcp-", "scale-", "multi-", "load-", "rank4-", "logs", "last-run.pkl")
 
 
 def clean_scratch(scratch: Path, *, keep_logs: bool = False) -> None:
     """Remove what a run (or an interrupted earlier one) left in ``scratch`` (ours only)."""
     for entry in scratch.iterdir() if scratch.exists() else ():
-        if entry.name.startswith(PREFIXES) and not (keep_logs and entry.name == "logs"):
+        if entry.name.startswith(PREFIXES) and not (keep_logs and entry.name in ("logs", "last-run.pkl")):
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
             else:

@@ -50,6 +50,12 @@ class Ctx:
     """Phases that may still be rerun because other work kept the CPUs busy during them."""
     retried: list[tuple[str, float, float | None]] = field(default_factory=list)
     """(phase, other CPU of the discarded run, of the kept run)."""
+    soft_deadline: float = float("inf")
+    """Monotonic time after which the run stops waiting for quiet windows and rerunning busy phases,
+    so that a busy machine cannot push the whole run past its time budget."""
+
+    def patient(self) -> bool:
+        return time.monotonic() < self.soft_deadline
 
 
 class WorkerFailed(RuntimeError):
@@ -165,7 +171,8 @@ def run_one(ctx: Ctx, task: str, phase: str, *, writer_pid: int | None = None, *
     with the quieter machine is kept.
     """
     run = _run_one(ctx, task, phase, writer_pid=writer_pid, **args)
-    if run.phase.others is not None and run.phase.others > QUIET_CORES and ctx.retries_left > 0:
+    if (run.phase.others is not None and run.phase.others > QUIET_CORES and ctx.retries_left > 0
+            and ctx.patient()):
         ctx.retries_left -= 1
         log(f"{phase}: other work used {run.phase.others:.2f} cores during it; running it again")
         again = _run_one(ctx, task, phase, writer_pid=writer_pid, **args)
@@ -185,7 +192,7 @@ def _run_one(ctx: Ctx, task: str, phase: str, *, writer_pid: int | None = None, 
     try:
         ready = w.next("ready", READY_TIMEOUT_S)
         before = ctx.quiet.spent
-        wait_quiet(ctx.sampler, ctx.quiet, phase, max_wait=ctx.quiet_max_wait)
+        wait_quiet(ctx.sampler, ctx.quiet, phase, max_wait=ctx.quiet_max_wait if ctx.patient() else 0.0)
         t_go = w.go()
         log(f"{phase}: running")
         result = w.next("result", RESULT_TIMEOUT_S)
@@ -216,7 +223,8 @@ class Group:
     def go(self, phase: str | None = None) -> float:
         """Wait for a quiet machine (if ``phase`` is named), then say go to every worker."""
         if phase is not None:
-            wait_quiet(self.ctx.sampler, self.ctx.quiet, phase, max_wait=self.ctx.quiet_max_wait)
+            wait_quiet(self.ctx.sampler, self.ctx.quiet, phase,
+                       max_wait=self.ctx.quiet_max_wait if self.ctx.patient() else 0.0)
         t = time.monotonic()
         for w in self.workers:
             w.go()
