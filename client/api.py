@@ -92,7 +92,7 @@ class Client:
         self.local_rank = detected.local_rank if local_rank is None else local_rank
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not inside world size {self.world_size}")
-        self.run_dir = Path(run_dir).absolute() if run_dir is not None else default_run_dir()
+        self.run_dir = Path(check_path("run_dir", run_dir)).absolute() if run_dir is not None else default_run_dir()
         self.endpoint = endpoint_for(self.run_dir) if run_dir is not None else endpoint_for()
         self.spawn = spawn
         self.max_inflight = max_inflight

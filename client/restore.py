@@ -83,13 +83,16 @@ def load_into(
         rank = detect_ranks().rank if index.world_size > 1 else 0
     with load_lease(limit, run_dir=run_dir):
         # Views of a mapping: no second copy of the checkpoint. Nothing holds
-        # them past this call, so the mapping goes when it returns.
-        saved = _load_rank(path, index, rank, None, verify, mmap=True)
+        # them past this call, so the mapping goes when it returns. A fresh
+        # optimizer keeps what its load_state_dict is given (``.to`` does not
+        # copy), so it gets tensors that own their memory instead.
+        fresh_optimizer = isinstance(target, torch.optim.Optimizer) and not target.state
+        saved = _load_rank(path, index, rank, None, verify, mmap=not fresh_optimizer)
         if key is not None:
             if not isinstance(saved, dict) or key not in saved:
                 raise InvalidCheckpoint(f"checkpoint {path} (rank {rank}) holds no top-level key {key!r}")
             saved = saved[key]
-        if isinstance(target, torch.optim.Optimizer) and not target.state:
+        if fresh_optimizer:
             target.load_state_dict(saved)
             return LoadReport(copied=sum(1 for _ in _tensors(saved)))
         return _apply(target, saved, strict, f"checkpoint {path}")

@@ -73,6 +73,7 @@ def open_fds_on(path: Path) -> list[str]:
     ({"keep_last": 2**70}, ValueError, "keep_last"),
     ({"keep_last": 0}, ValueError, "keep_last"),
     ({"spawn": "no"}, TypeError, "spawn"),
+    ({"run_dir": 3}, TypeError, "run_dir"),
 ])
 def test_bad_client_arguments_are_refused_naming_the_argument(run_dir, kwargs, error, names) -> None:
     with pytest.raises(error, match=names):
@@ -198,7 +199,10 @@ def test_ctrl_c_during_staging_reaches_the_caller_and_the_client_still_saves(cli
 def saved_model(client, root) -> tuple[Path, nn.Module]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
-    client.save_async({"model": model.state_dict(), "step": 1}, root / "ckpt").result(30)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    client.save_async({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}, root / "ckpt").result(30)
     return root / "ckpt", model
 
 
@@ -236,6 +240,11 @@ def test_load_into_releases_its_mapping_when_it_returns_without_the_garbage_coll
         report = ckptd.load_into(target, path, key="model")
         assert report.copied == 4
         assert mappings_of(shard) == [] and open_fds_on(shard) == []
+        opt = torch.optim.AdamW(target.parameters())
+        ckptd.load_into(opt, path, key="optimizer")  # no state yet: through its own load_state_dict
+        assert mappings_of(shard) == [] and len(opt.state) == 4
+        ckptd.load_into(opt, path, key="optimizer")  # with state: copied in place
+        assert mappings_of(shard) == []
     finally:
         gc.enable()
     assert all(torch.equal(target.state_dict()[k], v) for k, v in model.state_dict().items())
