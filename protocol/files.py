@@ -29,7 +29,7 @@ def open_regular(path: Path | str, what: str = "shard") -> BinaryIO:
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise InvalidCheckpoint(f"cannot open {what} {path}: {exc.strerror}") from None
+        raise InvalidCheckpoint(f"cannot read {what} {path}: {exc.strerror}") from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
