@@ -14,8 +14,7 @@ import os
 from pathlib import Path
 
 from ckptd.protocol.errors import NoSpace
-
-SHM_DIR = Path("/dev/shm")
+from ckptd.protocol.shm import shm_dir as default_shm_dir
 
 
 def _human(n: int) -> str:
@@ -34,7 +33,7 @@ def filesystem_of(path: Path) -> int:
 
 
 def check_room(target: Path, nbytes: int, reserved: int, *, margin_fraction: float, margin_min: int,
-               shm_min_free: int, shm_dir: Path = SHM_DIR) -> None:
+               shm_min_free: int, shm_dir: Path | None = None) -> None:
     """Raise ``NoSpace`` unless ``nbytes`` more fit beside ``reserved`` bytes already promised."""
     st = os.statvfs(existing_ancestor(target))
     free = st.f_bavail * st.f_frsize
@@ -44,6 +43,7 @@ def check_room(target: Path, nbytes: int, reserved: int, *, margin_fraction: flo
             f"not enough space for {target}: the shard needs {_human(nbytes)}, saves in flight to the same "
             f"filesystem need {_human(reserved)}, and {_human(margin)} is kept free, but only {_human(free)} is free"
         )
+    shm_dir = shm_dir if shm_dir is not None else default_shm_dir()
     shm = os.statvfs(shm_dir)
     shm_free = shm.f_bavail * shm.f_frsize
     if shm_free < shm_min_free:

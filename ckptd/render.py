@@ -62,6 +62,10 @@ def render_status(info: dict[str, Any]) -> str:
         lines.append(f"  last: {last['path']} step {last['step']}  {human_bytes(last['bytes'])} in {last['seconds']:.2f} s ({rate})")
     for r in info["roots"]:
         lines.append(f"root {r['path']}: {human_bytes(r['free_bytes'])} free of {human_bytes(r['total_bytes'])}")
+    shm = info.get("shm")
+    if shm:
+        lines.append(f"shared memory {shm['dir']}: {human_bytes(shm['free_bytes'])} free of "
+                     f"{human_bytes(shm['total_bytes'])}")
     if info["errors"]:
         lines.append("recent errors:")
         for e in info["errors"][-5:]:

@@ -1,6 +1,7 @@
 """The daemon's view of clients' shared-memory slots.
 
-A client creates its slots as ``/dev/shm/ckptd-<uid>-<pid>-<n>`` and reuses
+A client creates its slots as ``/dev/shm/ckptd-<uid>-<pid>-<n>`` (the
+directory is ``$CKPTD_SHM_DIR`` if set, see ``ckptd.protocol.shm``) and reuses
 them for every save. The daemon maps each slot read-only once and keeps the
 mapping while the slot keeps its identity (inode and size), so a steady
 stream of saves costs no page-table set-up after the first. A slot is only
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.protocol.errors import BadSlot
+from ckptd.protocol.shm import shm_dir as default_shm_dir
 
-SHM_DIR = Path("/dev/shm")
 SLOT_NAME = re.compile(r"ckptd-(\d+)-(\d+)-(\d+)")
 
 
@@ -53,8 +54,8 @@ def slot_owner(name: str) -> tuple[int, int] | None:
 class SlotMaps:
     """Read-only mappings of client slots, cached by name."""
 
-    def __init__(self, shm_dir: Path = SHM_DIR) -> None:
-        self.shm_dir = shm_dir
+    def __init__(self, shm_dir: Path | None = None) -> None:
+        self.shm_dir = shm_dir if shm_dir is not None else default_shm_dir()
         self._maps: dict[str, MappedSlot] = {}
 
     def acquire(self, name: str, *, pid: int, nbytes: int) -> MappedSlot:

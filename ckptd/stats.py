@@ -17,6 +17,7 @@ import psutil
 
 from ckptd.protocol import __version__
 from ckptd.protocol.messages import StatusReply
+from ckptd.protocol.shm import shm_usage
 
 from .config import DaemonConfig
 
@@ -116,6 +117,7 @@ class Stats:
             "errors": list(self.errors),
             "errors_total": self.errors_total,
             "shm_mapped_bytes": server.slots.mapped_bytes,
+            "shm": shm_usage(server.slots.shm_dir),
             "loads": server.leases.snapshot(),
             "roots": [_root_usage(r) for r in self.config.roots],
         }

@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 
 from ckptd.protocol.index import INCOMPLETE_SUFFIX
+from ckptd.protocol.shm import shm_dir as default_shm_dir
 
 from .commit import OWNER_PREFIX
-from .slots import SHM_DIR, pid_alive, slot_owner
+from .slots import pid_alive, slot_owner
 from .storage import Storage
 
 log = logging.getLogger("ckptd")
@@ -94,10 +95,10 @@ def sweep_incomplete(storage: Storage, directories: list[Path], mode: str) -> li
     return swept
 
 
-def reclaim_orphaned_slots(shm_dir: Path = SHM_DIR) -> list[str]:
+def reclaim_orphaned_slots(shm_dir: Path | None = None) -> list[str]:
     """Unlink this user's ckptd slots whose owning process is gone."""
     removed = []
-    for entry in os.scandir(shm_dir):
+    for entry in os.scandir(shm_dir if shm_dir is not None else default_shm_dir()):
         owner = slot_owner(entry.name)
         if owner is None or owner[0] != os.getuid() or pid_alive(owner[1]):
             continue

@@ -17,6 +17,7 @@ from ckptd.protocol.errors import Busy, InternalError
 from ckptd.protocol.layout import ShardLayout
 from ckptd.protocol.messages import Bye, Commit, Done, Hello, Ping, Staged, Welcome
 
+from .checks import check_bool, check_client_args, check_keep_last, check_path, check_step
 from .connection import Connection
 from .coordinate import Coordinator, SaveSpec, spans_several_daemons
 from .flatten import Flat, flatten
@@ -80,17 +81,18 @@ class Client:
             heartbeat: seconds between liveness checks while saves are pending.
             timeout: seconds of daemon silence after which pending saves fail.
         """
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight must be at least 1, got {max_inflight}")
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+        check_client_args(max_inflight=max_inflight, rank=rank, world_size=world_size, local_rank=local_rank,
+                          commit_timeout=commit_timeout, keep_last=keep_last, heartbeat=heartbeat, timeout=timeout,
+                          spawn=spawn, background_staging=background_staging, stream_commit=stream_commit)
+        self._pid = os.getpid()
+        """The process that owns this client's slots, thread and socket."""
         detected = detect_ranks()
         self.rank = detected.rank if rank is None else rank
         self.world_size = detected.world_size if world_size is None else world_size
         self.local_rank = detected.local_rank if local_rank is None else local_rank
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not inside world size {self.world_size}")
-        self.run_dir = Path(run_dir).absolute() if run_dir is not None else default_run_dir()
+        self.run_dir = Path(check_path("run_dir", run_dir)).absolute() if run_dir is not None else default_run_dir()
         self.endpoint = endpoint_for(self.run_dir) if run_dir is not None else endpoint_for()
         self.spawn = spawn
         self.max_inflight = max_inflight
@@ -136,12 +138,14 @@ class Client:
         is renamed to ``path``. ``keep_last`` overrides the client's retention.
         """
         started = time.monotonic()
+        self._check_process()
         if self._closed:
             raise RuntimeError("this ckptd client is closed")
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+        target = os.path.abspath(check_path("path", path))
+        step, keep_last = check_step(step), check_keep_last(keep_last)
+        check_bool("overwrite", overwrite)
+        check_bool("block", block)
         flat = flatten(state_dict)
-        target = os.path.abspath(os.fspath(path))
         self._reconnect_if_lost()
         acquired = self._inflight.acquire(timeout=self.commit_timeout) if block else self._inflight.acquire(False)
         if not acquired:  # never block a training loop forever, even on a hung filesystem
@@ -166,6 +170,14 @@ class Client:
         else:
             self._stage(req, fut, shard, False)
         return fut
+
+    def _check_process(self) -> None:
+        """A forked child has no I/O thread and must not touch its parent's slots: fail at once."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this ckptd.Client belongs to process {self._pid}; it cannot be used in a forked child "
+                f"(pid {os.getpid()}). Create a new ckptd.Client in the child."
+            )
 
     def _spec(self, req: "_Request") -> SaveSpec:
         return SaveSpec(req.path, self.world_size, req.step, req.overwrite, req.keep_last, self.commit_timeout)
@@ -196,7 +208,9 @@ class Client:
                 return
             copies = stage(req.flat, layout, req.slot)
         except BaseException as exc:
-            _fail(exc, fut.staged, shard)
+            _fail(exc, fut.staged, shard)  # frees the slot and the in-flight place
+            if not isinstance(exc, Exception):
+                raise  # Ctrl-C and SystemExit reach the caller, after the clean-up
             return
         if copies is not None and not on_worker:
             self._worker.submit(self._commit_when_copied, req, fut, shard, layout, copies, False)
@@ -213,6 +227,8 @@ class Client:
             _, accepted = self._send_commit(req, shard, layout, staged=layout.nbytes)
         except BaseException as exc:
             _fail(exc, fut.staged, shard)
+            if not isinstance(exc, Exception):
+                raise
             return
         if wait_delivered:
             self._until_delivered(accepted)
@@ -265,6 +281,7 @@ class Client:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save has finished (successfully or not)."""
+        self._check_process()
         with self._lock:
             pending = list(self._futures)
         concurrent.futures.wait(pending, timeout)
@@ -275,8 +292,12 @@ class Client:
         return self._slots.names
 
     def close(self) -> None:
-        """Wait for pending saves, say goodbye, and unlink the slots."""
-        if self._closed:
+        """Wait for pending saves, say goodbye, and unlink the slots.
+
+        In a forked child this does nothing: the slots, the socket and the
+        pending saves are the parent's.
+        """
+        if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
         try:

@@ -32,7 +32,7 @@ log = logging.getLogger("ckptd.client")
 
 @dataclass
 class _Pending:
-    msg: Message
+    wire: bytes
     future: Future
     accepted: Future | None = None
     retried: bool = False
@@ -48,7 +48,7 @@ class Connection:
         self.timeout = timeout
         self._hello = hello
         self._ids = itertools.count(1)
-        self._outbox: queue.SimpleQueue[tuple[Message, _Pending | None]] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[int, bytes, _Pending | None]] = queue.SimpleQueue()
         self._pending: dict[int, _Pending] = {}
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._closing = threading.Event()
@@ -64,19 +64,27 @@ class Connection:
         """Send ``msg``; the future resolves with the final reply or fails typed.
 
         ``accepted`` (for commits) resolves when the daemon admits the request.
+        The message is encoded here, on the caller's thread: one that cannot
+        be encoded fails its own future and never reaches the I/O thread,
+        whose failure would fail every other request too.
         """
         fut: Future = Future()
         if self.lost is not None:
             fut.set_exception(DaemonUnavailable(str(self.lost)))
             return fut
-        self._outbox.put((msg, _Pending(msg, fut, accepted)))
+        try:
+            wire = msg.to_wire()
+        except Exception as exc:
+            fut.set_exception(ValueError(f"cannot encode {msg.type} request: {exc}"))
+            return fut
+        self._outbox.put((msg.id, wire, _Pending(wire, fut, accepted)))
         os.eventfd_write(self._wake, 1)
         return fut
 
     def notify(self, msg: Message) -> None:
         """Send a message that gets no reply (a ``Staged`` notice)."""
         if self.lost is None:
-            self._outbox.put((msg, None))
+            self._outbox.put((msg.id, msg.to_wire(), None))
             os.eventfd_write(self._wake, 1)
 
     def call(self, msg: Message, timeout: float | None = None) -> Message:
@@ -126,6 +134,10 @@ class Connection:
                 reason = self._lost_reason(now - last_heard)
                 if reason:
                     self._fail_all(DaemonUnavailable(reason))
+        except Exception as exc:  # a bug here must fail requests loudly, never leave them hanging
+            log.exception("ckptd client I/O thread failed")
+            self.lost = DaemonUnavailable(f"the ckptd client's I/O thread failed: {exc!r}")
+            self._fail_all(self.lost)
         finally:
             sock.close()
             self._fail_all(DaemonUnavailable("the ckptd client was closed with this request pending"))
@@ -133,12 +145,12 @@ class Connection:
     def _send_outbox(self, sock: zmq.Socket) -> None:
         while True:
             try:
-                msg, pending = self._outbox.get_nowait()
+                rid, wire, pending = self._outbox.get_nowait()
             except queue.Empty:
                 return
             if pending is not None:
-                self._pending[msg.id] = pending
-            sock.send(msg.to_wire())
+                self._pending[rid] = pending
+            sock.send(wire)
 
     def _on_reply(self, sock: zmq.Socket, data: bytes) -> None:
         try:
@@ -158,7 +170,7 @@ class Connection:
         if isinstance(reply, Error) and reply.code == ErrorCode.UNKNOWN_CLIENT and not pending.retried:
             pending.retried = True  # the daemon restarted: introduce ourselves again
             sock.send(Hello(self.next_id(), self._hello.pid, self._hello.uid, self._hello.client_version).to_wire())
-            sock.send(pending.msg.to_wire())
+            sock.send(pending.wire)
             return
         del self._pending[reply.id]
         if isinstance(reply, Error):

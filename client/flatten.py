@@ -5,7 +5,9 @@ plain values. ``flatten`` names every tensor by its key path (``model.fc.
 weight``, ``optimizer.state.0.exp_avg``) and describes the tree in msgpack,
 with tensors replaced by references to their names. The description travels
 in the shard's safetensors ``__metadata__``; ``unflatten`` rebuilds the same
-tree with the same Python types.
+tree with the same Python types: ``OrderedDict`` and ``torch.Size`` have
+extension types of their own; other dict and tuple subclasses come back as
+plain ``dict`` and ``tuple`` (named tuples are refused).
 
 Anything msgpack cannot carry faithfully is refused with the key path that
 holds it, before a byte is staged.
@@ -14,6 +16,7 @@ holds it, before a byte is staged.
 from __future__ import annotations
 
 import base64
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,6 +30,8 @@ from .dtypes import SAFETENSORS_DTYPES
 EXT_TENSOR = 1
 EXT_TUPLE = 2
 EXT_DTYPE = 3
+EXT_SIZE = 4
+EXT_ORDERED_DICT = 5
 _KEY_TYPES = (str, int, float, bool, type(None))
 _MSGPACK_INT = (-(2**63), 2**64 - 1)
 
@@ -75,9 +80,13 @@ def flatten(state: Any) -> Flat:
                 if not isinstance(k, _KEY_TYPES):
                     raise TypeError(f"{_describe(path)} has a key of type {type(k).__name__}; keys must be str, int, float, bool or None")
                 out[k] = walk(v, path + [k])
+            if isinstance(obj, OrderedDict):  # module.state_dict() is one; it loads back as one
+                return msgpack.ExtType(EXT_ORDERED_DICT, msgpack.packb(out, use_bin_type=True))
             return out
         if isinstance(obj, list):
             return [walk(v, path + [i]) for i, v in enumerate(obj)]
+        if isinstance(obj, torch.Size):
+            return msgpack.ExtType(EXT_SIZE, msgpack.packb(list(obj)))
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             items = [walk(v, path + [i]) for i, v in enumerate(obj)]
             return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items, use_bin_type=True))
@@ -117,6 +126,10 @@ def unflatten(structure: bytes, tensor_for: Callable[[str], torch.Tensor]) -> An
             return tensor_for(data.decode())
         if code == EXT_TUPLE:
             return tuple(_unpack(data))
+        if code == EXT_SIZE:
+            return torch.Size(_unpack(data))
+        if code == EXT_ORDERED_DICT:
+            return OrderedDict(_unpack(data))
         if code == EXT_DTYPE:
             dtype = getattr(torch, data.decode(), None)
             if not isinstance(dtype, torch.dtype):
@@ -127,7 +140,10 @@ def unflatten(structure: bytes, tensor_for: Callable[[str], torch.Tensor]) -> An
     def _unpack(data: bytes) -> Any:
         return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=ext_hook)
 
-    return _unpack(structure)
+    try:
+        return _unpack(structure)
+    finally:
+        del _unpack  # ext_hook and _unpack refer to each other: break the cycle, or the tensors wait for gc
 
 
 def structure_from_metadata(metadata: dict[str, str]) -> bytes | None:

@@ -1,37 +1,47 @@
 """Reading a committed checkpoint back into the structure that was saved.
 
-By default the shard is memory-mapped copy-on-write and tensors are views of
-the mapping: no read into a temporary buffer and no copy, the page cache
-serves the bytes (reclaimable, so eight ranks mapping big checkpoints do not
-run a node out of memory), and writing to a loaded tensor changes only this
-process's copy, never the file. With ``map_location`` each tensor is copied
-straight from the mapping to that device instead, one tensor at a time.
+By default every tensor owns its memory: the shard is read once, front to
+back, straight into one fresh buffer per tensor (no temporary copy of the
+file), and the checksum from the index is computed over the same bytes as
+they arrive. Nothing keeps the file open or mapped afterwards, so when
+retention deletes the checkpoint its space comes back, and ``torch.save`` of
+one loaded tensor writes that tensor, not the shard. With ``map_location``
+each tensor is moved to that device as soon as it is read.
 
-The checksum from the index is verified first (one pass over the mapping)
-unless ``verify=False``. Every failure is an ``InvalidCheckpoint`` that
-names the file and what is wrong; nothing partial is returned.
+``mmap=True`` (as in ``torch.load``) instead maps the shard copy-on-write and
+returns views of the mapping: no read at all, the page cache serves the
+bytes, and writing to a tensor changes only this process's copy. The
+mapping then lives as long as any of those tensors.
+
+Every failure is an ``InvalidCheckpoint`` that names the file and what is
+wrong (``verify=False`` skips the checksum); nothing partial is returned.
 """
 
 from __future__ import annotations
 
-import mmap
+import ctypes
+import mmap as _mmap
 import os
 import zlib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import torch
 
 from ckptd.protocol.errors import BadMessage, InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
-from ckptd.protocol.layout import parse_header
+from ckptd.protocol.inspect import open_shard, read_header_from
+from ckptd.protocol.layout import TensorEntry, parse_header
 
+from .checks import check_bool, check_limit, check_load_rank, check_path
 from .dtypes import TORCH_DTYPES
 from .flatten import structure_from_metadata, unflatten
 from .lease import load_lease
 from .ranks import detect_ranks
 
 MapLocation = str | torch.device | None
+MAX_READ = 1 << 30
+"""Bytes asked of one read(2); Linux returns at most ~2 GiB per call anyway."""
 
 
 def load(
@@ -40,6 +50,7 @@ def load(
     rank: int | Literal["all"] | None = None,
     map_location: MapLocation = None,
     verify: bool = True,
+    mmap: bool = False,
     max_concurrent_per_node: int | None = None,
     run_dir: str | os.PathLike | None = None,
 ) -> Any:
@@ -47,48 +58,64 @@ def load(
 
     Args:
         rank: default this process's rank (0 for a one-rank checkpoint).
-        map_location: None keeps tensors backed by the file (zero-copy,
-            copy-on-write); a device (``"cpu"``, ``"cuda:0"``) copies each
-            tensor there and lets go of the file.
-        verify: check the shard's checksum from the index first.
+        map_location: None keeps tensors on the CPU; a device (``"cpu"``,
+            ``"cuda:0"``) moves each tensor there as it is read.
+        verify: check the shard's checksum from the index (in the same pass
+            as the read; with ``mmap=True``, one pass over the mapping first).
+        mmap: return views of a copy-on-write mapping of the shard instead
+            of tensors that own their memory (zero-copy; the file stays
+            mapped while any of them lives).
         max_concurrent_per_node: hold a lease from this node's daemon so at
             most this many ranks load at once (None: the daemon's default,
             if a daemon runs and has one).
         run_dir: the daemon to ask for the lease.
     """
-    path = Path(path)
+    path = Path(check_path("path", path))
+    rank = check_load_rank(rank, allow_all=True)
+    check_bool("verify", verify)
+    check_bool("mmap", mmap)
+    limit = check_limit(max_concurrent_per_node)
+    device = _device(map_location)
     index = read_index(path)
-    with load_lease(max_concurrent_per_node, run_dir=run_dir):
+    with load_lease(limit, run_dir=run_dir):
         if rank == "all":
-            return [_load_rank(path, index, r, map_location, verify) for r in range(index.world_size)]
+            return [_load_rank(path, index, r, device, verify, mmap=mmap) for r in range(index.world_size)]
         if rank is None:
             rank = detect_ranks().rank if index.world_size > 1 else 0
-        return _load_rank(path, index, rank, map_location, verify)
+        return _load_rank(path, index, rank, device, verify, mmap=mmap)
 
 
-def _load_rank(path: Path, index: CheckpointIndex, rank: int, map_location: MapLocation, verify: bool) -> Any:
-    record = index.shard(rank)
-    mapping, shard = map_shard(path, record, verify=verify, algorithm=index.checksum_algorithm)
+def _device(map_location: Any) -> torch.device | None:
+    if map_location is None:
+        return None
+    if not isinstance(map_location, (str, torch.device)):
+        raise TypeError(f"map_location must be None, a str or a torch.device, got {type(map_location).__name__}")
     try:
-        entries, metadata, data_start = parse_header(memoryview(mapping), record.size)
-    except BadMessage as exc:
-        raise InvalidCheckpoint(f"shard {shard} has a bad header: {exc.message}") from None
+        return torch.device(map_location)
+    except RuntimeError as exc:
+        raise ValueError(f"map_location {map_location!r} is not a device: {exc}") from None
+
+
+def _load_rank(path: Path, index: CheckpointIndex, rank: int, device: torch.device | None, verify: bool, *,
+               mmap: bool) -> Any:
+    record = index.shard(rank)
+    shard = path / record.file
+    if mmap:
+        metadata, tensors = _map_tensors(shard, record, verify=verify, algorithm=index.checksum_algorithm)
+    else:
+        metadata, tensors = _read_tensors(shard, record, verify=verify, algorithm=index.checksum_algorithm)
     structure = structure_from_metadata(metadata)
     if structure is None:
         raise InvalidCheckpoint(f"shard {shard} holds no ckptd structure in its metadata")
-    buf = torch.frombuffer(mapping, dtype=torch.uint8)
-    by_name = {e.name: e for e in entries}
     made: dict[str, torch.Tensor] = {}
-    device = torch.device(map_location) if map_location is not None else None
 
     def tensor_for(name: str) -> torch.Tensor:
         if name in made:  # one tensor referenced twice (tied weights) loads as one object
             return made[name]
-        e = by_name.get(name)
-        if e is None:
+        t = tensors.get(name)
+        if t is None:
             raise InvalidCheckpoint(f"shard {shard}: structure names tensor {name!r}, which the header lacks")
-        t = buf[data_start + e.begin : data_start + e.end].view(TORCH_DTYPES[e.dtype]).view(e.shape)
-        made[name] = t if device is None else t.to(device, copy=True)
+        made[name] = t if device is None else t.to(device, copy=mmap)  # a copy lets go of the mapping
         return made[name]
 
     try:
@@ -97,25 +124,71 @@ def _load_rank(path: Path, index: CheckpointIndex, rank: int, map_location: MapL
         raise InvalidCheckpoint(f"shard {shard} has a structure that cannot be read: {exc}") from None
 
 
-def map_shard(path: Path, record: ShardRecord, *, verify: bool, algorithm: str = "crc32") -> tuple[mmap.mmap, Path]:
-    """Map a shard copy-on-write after checking its size (and checksum)."""
-    shard = path / record.file
-    try:
-        fd = os.open(shard, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise InvalidCheckpoint(f"cannot open shard {shard}: {exc.strerror}") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size != record.size:
-            raise InvalidCheckpoint(f"shard {shard} holds {size} bytes; the index says {record.size} (truncated?)")
-        mapping = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
+def _read_tensors(shard: Path, record: ShardRecord, *, verify: bool,
+                  algorithm: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Read the shard front to back into one owned buffer per tensor, checksumming as it goes."""
+    with open_shard(shard) as f:
+        _check_size(shard, os.fstat(f.fileno()).st_size, record)
+        entries, metadata, data_start = read_header_from(f, record.size, shard)
+        crc = zlib.crc32(os.pread(f.fileno(), data_start, 0)) if verify else 0
+        f.seek(data_start)
+        tensors = {}
+        for e in sorted(entries, key=lambda e: e.begin):  # contiguous, no holes: checked by the header parse
+            buf = torch.empty(e.nbytes, dtype=torch.uint8)
+            if e.nbytes:
+                view = memoryview((ctypes.c_char * e.nbytes).from_address(buf.data_ptr())).cast("B")
+                _read_into(f, view, shard)
+                if verify:
+                    crc = zlib.crc32(view, crc)
+            tensors[e.name] = _typed(buf, e)
     if verify:
-        crc = zlib.crc32(mapping)
-        if crc != record.checksum:
-            raise InvalidCheckpoint(
-                f"shard {shard} fails its checksum ({algorithm} {crc:#010x}, index says "
-                f"{record.checksum:#010x}): the file is corrupt"
-            )
-    return mapping, shard
+        _check_crc(shard, crc, record, algorithm)
+    return metadata, tensors
+
+
+def _read_into(f: BinaryIO, view: memoryview, shard: Path) -> None:
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done : done + MAX_READ])
+        if not n:
+            raise InvalidCheckpoint(f"shard {shard} ended early while being read (changed under the reader?)")
+        done += n
+
+
+def _map_tensors(shard: Path, record: ShardRecord, *, verify: bool,
+                 algorithm: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Views of a copy-on-write mapping of the shard (``mmap=True``)."""
+    with open_shard(shard) as f:
+        _check_size(shard, os.fstat(f.fileno()).st_size, record)
+        if record.size < 8:
+            raise InvalidCheckpoint(f"shard {shard} of {record.size} bytes is too short for a safetensors header")
+        mapping = _mmap.mmap(f.fileno(), record.size, _mmap.MAP_PRIVATE, _mmap.PROT_READ | _mmap.PROT_WRITE)
+    try:
+        if verify:
+            _check_crc(shard, zlib.crc32(mapping), record, algorithm)
+        try:
+            entries, metadata, data_start = parse_header(memoryview(mapping), record.size)
+        except BadMessage as exc:
+            raise InvalidCheckpoint(f"shard {shard} has a bad header: {exc.message}") from None
+    except BaseException:
+        mapping.close()
+        raise
+    buf = torch.frombuffer(mapping, dtype=torch.uint8)
+    return metadata, {e.name: _typed(buf[data_start + e.begin : data_start + e.end], e) for e in entries}
+
+
+def _typed(raw: torch.Tensor, e: TensorEntry) -> torch.Tensor:
+    return raw.view(TORCH_DTYPES[e.dtype]).view(e.shape)
+
+
+def _check_size(shard: Path, size: int, record: ShardRecord) -> None:
+    if size != record.size:
+        raise InvalidCheckpoint(f"shard {shard} holds {size} bytes; the index says {record.size} (truncated?)")
+
+
+def _check_crc(shard: Path, crc: int, record: ShardRecord, algorithm: str) -> None:
+    if crc != record.checksum:
+        raise InvalidCheckpoint(
+            f"shard {shard} fails its checksum ({algorithm} {crc:#010x}, index says "
+            f"{record.checksum:#010x}): the file is corrupt"
+        )

@@ -23,6 +23,7 @@ import torch
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import read_index
 
+from .checks import check_bool, check_limit, check_load_rank, check_path
 from .lease import load_lease
 from .load import _load_rank
 from .ranks import detect_ranks
@@ -70,17 +71,28 @@ def load_into(
     and dtype mismatches always are. An optimizer that has no state yet
     (before its first step) is restored with its own ``load_state_dict``.
     """
-    path = Path(path)
+    path = Path(check_path("path", path))
+    rank = check_load_rank(rank, allow_all=False)
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"key must be a str or None, got {type(key).__name__}")
+    check_bool("strict", strict)
+    check_bool("verify", verify)
+    limit = check_limit(max_concurrent_per_node)
     index = read_index(path)
     if rank is None:
         rank = detect_ranks().rank if index.world_size > 1 else 0
-    with load_lease(max_concurrent_per_node, run_dir=run_dir):
-        saved = _load_rank(path, index, rank, None, verify)
+    with load_lease(limit, run_dir=run_dir):
+        # Views of a mapping: no second copy of the checkpoint. Nothing holds
+        # them past this call, so the mapping goes when it returns. A fresh
+        # optimizer keeps what its load_state_dict is given (``.to`` does not
+        # copy), so it gets tensors that own their memory instead.
+        fresh_optimizer = isinstance(target, torch.optim.Optimizer) and not target.state
+        saved = _load_rank(path, index, rank, None, verify, mmap=not fresh_optimizer)
         if key is not None:
             if not isinstance(saved, dict) or key not in saved:
                 raise InvalidCheckpoint(f"checkpoint {path} (rank {rank}) holds no top-level key {key!r}")
             saved = saved[key]
-        if isinstance(target, torch.optim.Optimizer) and not target.state:
+        if fresh_optimizer:
             target.load_state_dict(saved)
             return LoadReport(copied=sum(1 for _ in _tensors(saved)))
         return _apply(target, saved, strict, f"checkpoint {path}")

@@ -7,23 +7,28 @@ small pool of slots and reuses them for every save. A slot is a file in
 read-only and writes it to disk. Space is reserved with ``posix_fallocate``
 so a full ``/dev/shm`` is an error at creation, never a SIGBUS mid-copy.
 
-Slots are unlinked on ``close()`` and at interpreter exit; if the process is
-killed, the daemon reclaims them when it sees the pid is gone.
+Slots are unlinked on ``close()`` and at interpreter exit, by the process
+that created them only: a forked child inherits the parent's slot objects
+(and the exit hook), but the slots stay the parent's. If the process is
+killed, the daemon reclaims them when it sees the pid is gone. The directory
+is ``$CKPTD_SHM_DIR`` or ``/dev/shm`` (``ckptd.protocol.shm``).
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import itertools
 import mmap
 import os
 import threading
 import weakref
-from pathlib import Path
 
 import torch
 
-SHM_DIR = Path("/dev/shm")
+from ckptd.protocol.errors import NoSpace
+from ckptd.protocol.shm import shm_dir, shm_shortage_message
+
 PAGE = 4096
 GROWTH_QUANTUM = 1 << 20
 """Slots are sized in whole MiB so that small growth reuses the slot."""
@@ -37,16 +42,20 @@ class Slot:
 
     def __init__(self, size: int) -> None:
         self.size = max(PAGE, -(-size // GROWTH_QUANTUM) * GROWTH_QUANTUM)
-        self.name = f"ckptd-{os.getuid()}-{os.getpid()}-{next(_counter)}"
-        self.path = SHM_DIR / self.name
+        self.owner_pid = os.getpid()
+        """Only this process unlinks the slot (not a forked child)."""
+        self.name = f"ckptd-{os.getuid()}-{self.owner_pid}-{next(_counter)}"
+        directory = shm_dir()
+        self.path = directory / self.name
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            try:
-                os.posix_fallocate(fd, 0, self.size)
-            except OSError as exc:
-                os.unlink(self.path)
-                raise OSError(exc.errno, f"cannot reserve {self.size} bytes in {SHM_DIR}: {exc.strerror}") from None
+            os.posix_fallocate(fd, 0, self.size)
             self.map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException as exc:  # Ctrl-C included: never leave a half-made slot behind
+            os.unlink(self.path)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise NoSpace(shm_shortage_message(self.size, directory, exc.strerror)) from None
+            raise
         finally:
             os.close(fd)
         self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
@@ -66,14 +75,15 @@ class Slot:
         return self.pinned
 
     def close(self) -> None:
-        """Unlink and unmap; safe to call twice."""
+        """Unlink (in the creating process only) and unmap; safe to call twice."""
         if self.map.closed:
             return
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        if self.pinned:
+        if os.getpid() == self.owner_pid:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        if self.pinned and os.getpid() == self.owner_pid:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
         del self.tensor
         try:
@@ -134,4 +144,5 @@ class SlotPool:
 @atexit.register
 def _unlink_all() -> None:
     for slot in list(_live):
-        slot.close()
+        if slot.owner_pid == os.getpid():  # a forked child leaves its parent's slots alone
+            slot.close()

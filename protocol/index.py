@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import InvalidCheckpoint
+from .files import read_regular
 
 INDEX_NAME = "ckptd.json"
 INCOMPLETE_SUFFIX = ".incomplete"
@@ -126,7 +127,7 @@ def read_index(path: Path | str) -> CheckpointIndex:
         raise InvalidCheckpoint(f"{path} is an unfinished checkpoint (.incomplete) and is never loaded")
     index_file = path / INDEX_NAME
     try:
-        data = index_file.read_bytes()
+        data = read_regular(index_file, "index")
     except FileNotFoundError:
         if path.is_dir():
             raise InvalidCheckpoint(f"{path} has no {INDEX_NAME}: it is not a committed ckptd checkpoint") from None

@@ -13,8 +13,10 @@ import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from .errors import BadMessage, InvalidCheckpoint
+from .files import open_regular
 from .index import CheckpointIndex, read_index
 from .layout import MAX_HEADER_BYTES, TensorEntry, parse_header
 
@@ -60,17 +62,46 @@ class CheckpointInfo:
 def read_shard_header(path: Path, size: int) -> tuple[list[TensorEntry], dict[str, str], int]:
     """Parse a shard file's header; ``InvalidCheckpoint`` naming the file if it is wrong."""
     try:
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) == 8:
-                hlen = int.from_bytes(prefix, "little")
-                prefix += f.read(min(hlen, MAX_HEADER_BYTES))
+        with open_shard(path) as f:
+            return read_header_from(f, size, path)
     except OSError as exc:
         raise InvalidCheckpoint(f"cannot read shard {path}: {exc.strerror}") from None
+
+
+def read_header_from(f: BinaryIO, size: int, path: Path) -> tuple[list[TensorEntry], dict[str, str], int]:
+    """Parse the header of shard ``path`` from ``f``, which is positioned at its start.
+
+    Leaves ``f`` wherever the header's last byte was read (the data start
+    for a well-formed shard).
+    """
+    prefix = f.read(8)
+    if len(prefix) == 8:
+        hlen = int.from_bytes(prefix, "little")
+        prefix += _read_exactly(f, min(hlen, MAX_HEADER_BYTES, max(size - 8, 0)))
     try:
         return parse_header(prefix, size)
     except BadMessage as exc:
         raise InvalidCheckpoint(f"shard {path} has a bad header: {exc.message}") from None
+
+
+def open_shard(path: Path) -> BinaryIO:
+    """A shard opened for reading: a missing file or one that is not a regular file is ``InvalidCheckpoint``."""
+    try:
+        return open_regular(path, "shard")
+    except FileNotFoundError:
+        raise InvalidCheckpoint(f"shard {path} is missing") from None
+
+
+def _read_exactly(f: BinaryIO, n: int) -> bytes:
+    """Up to ``n`` bytes: unbuffered reads may return short, so loop until EOF."""
+    chunks, left = [], n
+    while left > 0:
+        chunk = f.read(left)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def inspect_checkpoint(path: Path | str) -> CheckpointInfo:
@@ -125,7 +156,7 @@ def verify_checkpoint(path: Path | str) -> VerifyReport:
 
 def file_crc32(path: Path) -> int:
     crc = 0
-    with open(path, "rb", buffering=0) as f:
+    with open_shard(path) as f:
         buf = bytearray(READ_CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):
@@ -134,7 +165,5 @@ def file_crc32(path: Path) -> int:
 
 
 def _size_of(path: Path) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError as exc:
-        raise InvalidCheckpoint(f"shard {path} is missing or unreadable: {exc.strerror}") from None
+    with open_shard(path) as f:
+        return os.fstat(f.fileno()).st_size

@@ -49,6 +49,8 @@ MAX_STRING = 64 * 1024
 MAX_INT = 2**63 - 1
 MAX_WORLD_SIZE = 1 << 20
 """More ranks than any job runs; bounds what the daemon keeps per checkpoint."""
+MAX_TIMEOUT = 7 * 24 * 3600
+"""Longest commit timeout a message may carry, in seconds (one week)."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ class Commit(Message):
 def _check_common(keep_last: int | None, timeout: float) -> None:
     if keep_last is not None and keep_last < 1:
         raise BadMessage(f"keep_last must be at least 1, got {keep_last}")
-    if not 0 < timeout <= 7 * 24 * 3600:
+    if not 0 < timeout <= MAX_TIMEOUT:
         raise BadMessage(f"timeout must be between 0 and one week, got {timeout}")
 
 

@@ -33,15 +33,15 @@ def saved(client, root) -> Path:
     return root / "ckpt"
 
 
-def test_default_load_is_zero_copy_over_one_mapping(saved) -> None:
-    state = ckptd.load(saved)
+def test_mmap_load_is_zero_copy_over_one_mapping(saved) -> None:
+    state = ckptd.load(saved, mmap=True)
     tensors = list(state["model"].values())
     storages = {t.untyped_storage().data_ptr() for t in tensors}
     assert len(storages) == 1, "all tensors must be views of the one shard mapping"
 
 
 def test_map_location_copies_each_tensor_off_the_file(saved) -> None:
-    state = ckptd.load(saved, map_location="cpu")
+    state = ckptd.load(saved, map_location="cpu", mmap=True)
     storages = {t.untyped_storage().data_ptr() for t in state["model"].values()}
     assert len(storages) == len(state["model"])
     assert torch.equal(state["model"]["0.weight"], ckptd.load(saved)["model"]["0.weight"])
