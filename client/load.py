@@ -18,7 +18,7 @@ import mmap
 import os
 import zlib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -30,6 +30,7 @@ from .dtypes import TORCH_DTYPES
 from .flatten import structure_from_metadata, unflatten
 from .lease import load_lease
 from .ranks import detect_ranks
+from .reshard import ChunkFiles, read_full, structure_rank
 
 MapLocation = str | torch.device | None
 
@@ -58,15 +59,25 @@ def load(
     """
     path = Path(path)
     index = read_index(path)
+    files = ChunkFiles(path, index, verify=verify)
+    assembled: dict[str, torch.Tensor] = {}
+    device = torch.device(map_location) if map_location is not None else None
+
+    def full_tensor(name: str) -> torch.Tensor:  # a global tensor, assembled once however many ranks name it
+        if name not in assembled:
+            assembled[name] = read_full(files, files.ref(name), device)
+        return assembled[name]
+
     with load_lease(max_concurrent_per_node, run_dir=run_dir):
         if rank == "all":
-            return [_load_rank(path, index, r, map_location, verify) for r in range(index.world_size)]
+            return [_load_rank(path, index, r, map_location, verify, full_tensor) for r in range(index.world_size)]
         if rank is None:
-            rank = detect_ranks().rank if index.world_size > 1 else 0
-        return _load_rank(path, index, rank, map_location, verify)
+            rank = structure_rank(index, detect_ranks().rank) if index.world_size > 1 else 0
+        return _load_rank(path, index, rank, map_location, verify, full_tensor)
 
 
-def _load_rank(path: Path, index: CheckpointIndex, rank: int, map_location: MapLocation, verify: bool) -> Any:
+def _load_rank(path: Path, index: CheckpointIndex, rank: int, map_location: MapLocation, verify: bool,
+               global_for: Callable[[str], Any] | None = None) -> Any:
     record = index.shard(rank)
     mapping, shard = map_shard(path, record, verify=verify, algorithm=index.checksum_algorithm)
     try:
@@ -92,7 +103,7 @@ def _load_rank(path: Path, index: CheckpointIndex, rank: int, map_location: MapL
         return made[name]
 
     try:
-        return unflatten(structure, tensor_for)
+        return unflatten(structure, tensor_for, global_for)
     except (ValueError, TypeError) as exc:
         raise InvalidCheckpoint(f"shard {shard} has a structure that cannot be read: {exc}") from None
 
