@@ -76,25 +76,35 @@ def region(t: torch.Tensor, box: Box, origin: tuple[int, ...]) -> torch.Tensor:
 
 
 def plan_region(files: ChunkFiles, ref: GlobalRef, box: Box, dst: torch.Tensor
-                ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
-    """Copies that fill ``dst`` (the region ``box`` of the tensor) from the chunks, and how many elements they cover."""
-    copies, covered = [], 0
+                ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str | None]:
+    """Copies that fill ``dst`` (the region ``box`` of the tensor) from the chunks overlapping it.
+
+    The second value says what is wrong when the chunks do not cover the
+    region exactly once (a hole, or two chunks holding the same elements).
+    """
+    copies, pieces = [], []
     for chunk in ref.record.chunks:
         shared = overlap(box, (chunk.offsets, chunk.sizes))
         if shared is None:
             continue
-        src = region(files.chunk(ref, chunk), shared, chunk.offsets)
-        copies.append((region(dst, shared, box[0]), src))
-        covered += math.prod(shared[1])
-    return copies, covered
+        if any(overlap(shared, other) is not None for other in pieces):
+            return [], f"saved chunks of {ref.name!r} overlap at {list(shared[0])}"
+        pieces.append(shared)
+        copies.append((region(dst, shared, box[0]), region(files.chunk(ref, chunk), shared, chunk.offsets)))
+    covered, want = sum(math.prod(p[1]) for p in pieces), math.prod(box[1])
+    if covered != want:
+        return [], (f"region at {list(box[0])} of size {list(box[1])} of {ref.name!r}: saved chunks hold "
+                    f"{covered} of its {want} elements")
+    return copies, None
 
 
 def read_full(files: ChunkFiles, ref: GlobalRef, device: torch.device | None = None) -> torch.Tensor:
-    """The whole tensor, assembled from its chunks (the index guarantees they tile it)."""
+    """The whole tensor, assembled from its chunks."""
     shape = ref.record.shape
     out = torch.empty(shape, dtype=ref.dtype, device=device or "cpu")
-    copies, covered = plan_region(files, ref, ((0,) * len(shape), shape), out)
-    assert covered == math.prod(shape), f"{ref.name}: the index's chunks do not tile the tensor"
+    copies, problem = plan_region(files, ref, ((0,) * len(shape), shape), out)
+    if problem is not None:
+        raise InvalidCheckpoint(f"checkpoint {files.path}: {problem}")
     for dst, src in copies:
         dst.copy_(src)
     return out

@@ -19,7 +19,6 @@ tensor. A plain saved tensor loads into a DTensor target the same way.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,10 +200,9 @@ def _match_region(dst: Any, src: Any, where: str, plan: _Plan) -> None:
     if isinstance(src, torch.Tensor):  # a whole saved tensor into a target's region of it
         plan.copies.append((local, region(src, box, origin)))
         return
-    copies, covered = plan_region(plan.files, src, box, local)
-    if covered != math.prod(box[1]):
-        plan.uncovered.append(f"{where}: region at {list(box[0])} of size {list(box[1])} "
-                              f"({covered} of {math.prod(box[1])} elements found)")
+    copies, problem = plan_region(plan.files, src, box, local)
+    if problem is not None:
+        plan.uncovered.append(f"{where}: {problem}")
     plan.copies += copies
 
 

@@ -215,6 +215,8 @@ def test_sharded_state_saves_on_four_ranks_and_two_daemons_and_restores_on_three
         assert daemons[0].status()["completed"]["count"] == 4  # daemon A committed everything
         assert daemons[1].status()["completed"]["count"] == 0
         _check_disk(root, reference)
+        _check_dcp_reads_the_shards(root, reference)
+        _check_overlapping_chunks_are_refused(root, tmp_path / "tampered")
         # one plain process, no process group: full tensors
         for name in ("fsdp", "mesh", "hsdp"):
             assert _same(ckptd.load(root / name), reference[name]) is True, name
@@ -256,3 +258,33 @@ def _check_disk(root: Path, reference: dict) -> None:
 def _header_len(path: Path) -> int:
     with open(path, "rb") as f:
         return 8 + int.from_bytes(f.read(8), "little")
+
+
+def _check_dcp_reads_the_shards(root: Path, reference: dict) -> None:
+    """torch.distributed.checkpoint's own safetensors reader places every chunk by DCP_SHARDING_INFO."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    want = {"model.0.weight": reference["fsdp"]["model"]["0.weight"],
+            "optim.state.0.weight.exp_avg": reference["fsdp"]["optim"]["state"]["0.weight"]["exp_avg"]}
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(got, storage_reader=HuggingFaceStorageReader(str(root / "fsdp")))
+    assert _same(got, want) is True
+
+
+def _check_overlapping_chunks_are_refused(root: Path, tampered: Path) -> None:
+    """An index whose chunks overlap (and so leave a hole) is refused by both loaders, naming the tensor."""
+    import shutil
+
+    shutil.copytree(root / "fsdp", tampered)
+    doc = json.loads((tampered / "ckptd.json").read_text())
+    chunks = doc["tensors"]["model.0.weight"]["chunks"]
+    moved = next(c for c in chunks if c["offsets"] == [4, 0])
+    moved["offsets"] = [3, 0]  # now overlaps rows 2-3; rows 5 is nobody's
+    (tampered / "ckptd.json").write_text(json.dumps(doc))
+    with pytest.raises(ckptd.InvalidCheckpoint, match="saved chunks of 'model.0.weight' overlap at"):
+        ckptd.load(tampered)
+    target = {"0.weight": torch.zeros(7, 4), "0.bias": torch.zeros(7), "2.weight": torch.zeros(3, 7)}
+    with pytest.raises(ckptd.InvalidCheckpoint, match="not covered by any saved chunk: 0.weight: saved chunks"):
+        ckptd.load_into(target, tampered, key="model")
+    assert not any(t.any() for t in target.values())  # nothing was copied
