@@ -81,6 +81,7 @@ def _save_on_four(rank: int, world: int, init: str, run_dirs: list[str], root: s
     """Four ranks, two daemons: FSDP2 + AdamW, a 2-D mesh, HSDP; every error a save can meet."""
     os.environ["LOCAL_RANK"] = str(rank % 2)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    dist.distributed_c10d._unpickler = _no_pickle  # the ranks' agreement must not unpickle what a peer sent
     log: dict = {}
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -111,6 +112,10 @@ def _save_on_four(rank: int, world: int, init: str, run_dirs: list[str], root: s
         log["crash"] = traceback.format_exc()
     Path(out, f"save-{rank}.json").write_text(json.dumps(log))
     dist.destroy_process_group()
+
+
+def _no_pickle(*args, **kwargs):
+    raise AssertionError("an object collective unpickled what another rank sent")
 
 
 def _load_on_three(rank: int, world: int, init: str, run_dirs: list[str], root: str, out: str) -> None:
