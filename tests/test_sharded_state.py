@@ -149,6 +149,11 @@ def _load_on_three(rank: int, world: int, init: str, run_dirs: list[str], root: 
         log["mesh"] = _same(_full(mesh_target), reference["mesh"])
         replicated = ckptd.load(Path(root) / "replicated")
         log["replicated"] = [replicated["model"]["w"][0].item(), replicated["mine"][0].item()]
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mine = {"mine": distribute_tensor(torch.zeros(4), init_device_mesh("cpu", (world,)), [Shard(0)])}
+        ckptd.load_into(mine, Path(root) / "replicated", strict=False)  # a plain saved tensor into a DTensor
+        log["plain_into_dtensor"] = mine["mine"].to_local().tolist()
         client = ckptd.Client(run_dir=run_dirs[0], spawn=False, commit_timeout=60, timeout=10)
         client.save_async(target, Path(root) / "resaved", step=2).result(120)
         client.close()
@@ -233,6 +238,7 @@ def test_sharded_state_saves_on_four_ranks_and_two_daemons_and_restores_on_three
         assert log["untouched"] is True and log["fsdp"] is True and log["mesh"] is True, (r, log)
         assert log["copied"] == len(reference["fsdp"]["model"]) + 3 * len(reference["fsdp"]["optim"]["state"]), log
         assert log["replicated"] == [7.0, float(r)], log
+        assert log["plain_into_dtensor"] == [float(r)] * [2, 2, 0][r], log  # torch.chunk sizes
         for problem in ("missing from the checkpoint: extra",
                         "shape/dtype mismatch: model.0.weight: target torch.float32[7, 5], checkpoint torch.float32[7, 4]"):
             assert problem in log["bad"], log["bad"]
