@@ -46,6 +46,11 @@ def load(
 ) -> Any:
     """The state saved by ``rank`` at ``path`` (``rank="all"``: a list, one per rank).
 
+    Global tensors of a sharded checkpoint (DTensors, ``replicated=`` keys)
+    come back whole, assembled from their chunks, so one plain process can
+    read what many ranks saved; with ``rank="all"`` the ranks' states share
+    those tensors.
+
     Args:
         rank: default this process's rank (0 for a one-rank checkpoint).
         map_location: None keeps tensors backed by the file (zero-copy,
