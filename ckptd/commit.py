@@ -23,16 +23,28 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
-from ckptd.protocol.errors import CheckpointExists, CkptdError, Conflict, PathNotAllowed, RanksMissing, WriteFailed
+from ckptd.protocol.chunks import tensor_table
+from ckptd.protocol.errors import (
+    CheckpointExists,
+    CkptdError,
+    Conflict,
+    InvalidCheckpoint,
+    PathNotAllowed,
+    RanksMissing,
+    WriteFailed,
+)
 from ckptd.protocol.index import (
     INCOMPLETE_SUFFIX,
     INDEX_NAME,
     CheckpointIndex,
     ShardRecord,
+    TensorRecord,
     incomplete_path,
     shard_name,
 )
+from ckptd.protocol.inspect import read_shard_header
 from ckptd.protocol.messages import Commit, Finalize
 
 from .storage import Storage
@@ -72,9 +84,10 @@ class PendingCheckpoint:
     def missing(self) -> list[int]:
         return sorted(set(range(self.world_size)) - self.ranks_seen)
 
-    def index(self) -> CheckpointIndex:
+    def index(self, tensors: Mapping[str, TensorRecord] | None = None) -> CheckpointIndex:
         files = tuple(self.shards[r] for r in sorted(self.shards))
-        return CheckpointIndex(world_size=self.world_size, step=self.step, created=time.time(), files=files)
+        return CheckpointIndex(world_size=self.world_size, step=self.step, created=time.time(), files=files,
+                               tensors=tensors or {})
 
 
 @dataclass
@@ -236,7 +249,8 @@ class Commits:
         storage, final = self.storage, pending.path
         try:
             self._check_shards(pending)
-            storage.write_file(pending.incomplete / INDEX_NAME, pending.index().to_json())
+            index = pending.index(self._tensor_table(pending))
+            storage.write_file(pending.incomplete / INDEX_NAME, index.to_json())
             storage.fsync_dir(pending.incomplete)
             if os.path.lexists(final):
                 if not pending.overwrite:
@@ -269,6 +283,20 @@ class Commits:
                 raise WriteFailed(f"shard {f.file} of rank {f.rank} is missing from {pending.incomplete}") from None
             if size != f.size:
                 raise WriteFailed(f"shard {f.file} of rank {f.rank} holds {size} bytes, not the {f.size} written")
+
+    def _tensor_table(self, pending: PendingCheckpoint) -> dict[str, TensorRecord]:
+        """The global tensors' chunks, from every shard's header (the ranks' chunk tables)."""
+        headers = []
+        for f in pending.shards.values():
+            try:
+                entries, metadata, data_start = read_shard_header(pending.incomplete / f.file, f.size)
+            except InvalidCheckpoint as exc:
+                raise WriteFailed(exc.message) from None
+            headers.append((f.file, f.size, entries, metadata, data_start))
+        try:
+            return tensor_table(headers)
+        except ValueError as exc:
+            raise Conflict(f"checkpoint {pending.path}: the ranks' chunks of sharded tensors disagree: {exc}") from None
 
     def discard(self, pending: PendingCheckpoint) -> None:
         """Remove what a failed checkpoint left behind (I/O)."""

@@ -128,8 +128,15 @@ class Client:
         return conn
 
     def save_async(self, state_dict: Any, path: str | os.PathLike, *, step: int | None = None,
-                   overwrite: bool = False, keep_last: int | None = None, block: bool = True) -> SaveFuture:
+                   overwrite: bool = False, keep_last: int | None = None, block: bool = True,
+                   replicated: tuple[str, ...] = ()) -> SaveFuture:
         """Save ``state_dict`` as checkpoint ``path``; returns at once or after staging.
+
+        DTensors anywhere in the state are saved as chunks of their global
+        tensors: each rank stages only the chunk it owns, nothing is gathered.
+        ``replicated`` names top-level keys whose state is identical on every
+        rank (DDP's model and optimizer): written once, by rank 0, and served
+        to every rank on load.
 
         Unsupported leaves raise ``TypeError`` here, naming their key path.
         With ``max_inflight`` saves pending, this waits for one to finish, or
@@ -145,7 +152,7 @@ class Client:
         step, keep_last = check_step(step), check_keep_last(keep_last)
         check_bool("overwrite", overwrite)
         check_bool("block", block)
-        flat = flatten(state_dict)
+        flat = flatten(state_dict, replicated=replicated, rank=self.rank)
         self._reconnect_if_lost()
         acquired = self._inflight.acquire(timeout=self.commit_timeout) if block else self._inflight.acquire(False)
         if not acquired:  # never block a training loop forever, even on a hung filesystem

@@ -10,6 +10,10 @@ resolves the same way.
 
 Collectives must run in the same order on every rank: saves are queued here
 in the order ``save_async`` was called and handled one at a time.
+
+What ranks tell each other is msgpack, sent as uint8 tensors (a length
+all-gather, then one padded all-gather or broadcast): never pickle, which
+would run whatever another process sent, and needs numpy to be installed.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
+import msgpack
+import torch
 import torch.distributed as dist
 
 from ckptd.protocol.errors import CkptdError, RanksMissing, error_for_code
@@ -57,9 +63,8 @@ def spans_several_daemons(endpoint: str, timeout: float) -> dist.ProcessGroup | 
     Collective: every rank must call it (``Client()`` does, on every rank).
     """
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-    places: list = [None] * dist.get_world_size()
-    dist.all_gather_object(places, (socket.gethostname(), endpoint), group=group)
-    if len(set(places)) == 1:
+    places = all_gather_msgpack([socket.gethostname(), endpoint], group)
+    if len({tuple(p) for p in places}) == 1:
         dist.destroy_process_group(group)
         return None
     return group
@@ -101,13 +106,9 @@ class Coordinator:
             mine = ("error", f"rank {self.rank}: {exc.message}", int(exc.code))
         except BaseException as exc:
             mine = ("error", f"rank {self.rank}: {exc!r}", 0)
-        everyone: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(everyone, mine, group=self.group)
-        outcome: list = [None]
-        if self.rank == 0:
-            outcome[0] = self._commit_or_abort(save.spec, everyone)
-        dist.broadcast_object_list(outcome, src=0, group=self.group)
-        kind, *data = outcome[0]
+        everyone = all_gather_msgpack(mine, self.group)
+        outcome = self._commit_or_abort(save.spec, everyone) if self.rank == 0 else None
+        kind, *data = broadcast_msgpack(outcome, self.group)
         if kind == "done":
             path, seconds = data
             size = mine[1][2] if mine[0] == "ok" else 0
@@ -134,3 +135,36 @@ class Coordinator:
         except CkptdError as exc:
             return ("error", exc.message, int(exc.code))
         return ("done", done.path, done.seconds)
+
+
+def _to_tensor(data: bytes, length: int) -> torch.Tensor:
+    buf = torch.zeros(length, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf
+
+
+def _from_tensor(buf: torch.Tensor, length: int) -> object:
+    return msgpack.unpackb(bytes(buf[:length].tolist()), raw=False)
+
+
+def all_gather_msgpack(value: object, group: dist.ProcessGroup) -> list:
+    """Every rank's ``value`` (msgpack-able), in rank order."""
+    data = msgpack.packb(value, use_bin_type=True)
+    n = dist.get_world_size(group)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    longest = max(int(t.item()) for t in lengths)
+    bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
+    dist.all_gather(bufs, _to_tensor(data, longest), group=group)
+    return [_from_tensor(b, int(t.item())) for b, t in zip(bufs, lengths)]
+
+
+def broadcast_msgpack(value: object, group: dist.ProcessGroup, src: int = 0) -> object:
+    """Global rank ``src``'s ``value`` on every rank (the others pass None)."""
+    data = msgpack.packb(value, use_bin_type=True) if dist.get_rank() == src else b""
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(length, src=src, group=group)
+    buf = _to_tensor(data, int(length.item()))
+    dist.broadcast(buf, src=src, group=group)
+    return _from_tensor(buf, int(length.item()))

@@ -11,27 +11,34 @@ plain ``dict`` and ``tuple`` (named tuples are refused).
 
 Anything msgpack cannot carry faithfully is refused with the key path that
 holds it, before a byte is staged.
+
+Global tensors (DTensors, and every tensor under a ``replicated`` top-level
+key) are referenced as ``EXT_GLOBAL``: their chunks are listed in the index,
+and this rank stages only the chunk it owns (see ``sharding``).
 """
 
 from __future__ import annotations
 
 import base64
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgpack
 import torch
 
+from ckptd.protocol.chunks import Box, chunk_metadata
 from ckptd.protocol.index import STRUCTURE_KEY
 
 from .dtypes import SAFETENSORS_DTYPES
+from .sharding import LocalChunk, dtensor_chunk, is_dtensor, whole_chunk
 
 EXT_TENSOR = 1
 EXT_TUPLE = 2
 EXT_DTYPE = 3
 EXT_SIZE = 4
 EXT_ORDERED_DICT = 5
+EXT_GLOBAL = 6
 _KEY_TYPES = (str, int, float, bool, type(None))
 _MSGPACK_INT = (-(2**63), 2**64 - 1)
 
@@ -41,21 +48,43 @@ class Flat:
     """A flattened state: tensors by unique name, and the packed structure."""
 
     tensors: list[tuple[str, torch.Tensor]]
+    """What this rank stages: per-rank tensors and the global chunks it owns."""
     structure: bytes
+    chunks: dict[str, Box] = field(default_factory=dict)
+    """Owned chunks of global tensors among ``tensors``: name -> (offsets, sizes)."""
+    global_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def metadata(self) -> dict[str, str]:
-        return {"format": "pt", STRUCTURE_KEY: base64.b64encode(self.structure).decode()}
+        dims = ((name, t.dim()) for name, t in self.tensors)
+        return {"format": "pt", STRUCTURE_KEY: base64.b64encode(self.structure).decode(),
+                **chunk_metadata(dims, self.chunks, self.global_shapes)}
 
 
 def _describe(path: list[Any]) -> str:
     return "state_dict" + "".join(f"[{p!r}]" for p in path)
 
 
-def flatten(state: Any) -> Flat:
-    """Split ``state`` into named tensors and a structure description."""
+def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0) -> Flat:
+    """Split ``state`` into named tensors and a structure description.
+
+    Tensors under the top-level keys in ``replicated`` are global tensors
+    written by rank 0 only; DTensors anywhere are global tensors whose
+    chunks their owners write.
+    """
     tensors: list[tuple[str, torch.Tensor]] = []
     names: set[str] = set()
-    by_identity: dict[int, str] = {}
+    by_identity: dict[int, msgpack.ExtType] = {}
+    chunks: dict[str, Box] = {}
+    global_shapes: dict[str, tuple[int, ...]] = {}
+
+    def global_ref(chunk: LocalChunk, path: list[Any]) -> msgpack.ExtType:
+        _check_tensor(chunk.local, path)
+        name = name_for(path)
+        if chunk.owned:
+            tensors.append((name, chunk.local))
+            chunks[name] = chunk.box
+            global_shapes[name] = chunk.global_shape
+        return msgpack.ExtType(EXT_GLOBAL, name.encode())
 
     def name_for(path: list[Any]) -> str:
         base = ".".join(str(p) for p in path) or "tensor"
@@ -68,12 +97,18 @@ def flatten(state: Any) -> Flat:
     def walk(obj: Any, path: list[Any]) -> Any:
         if isinstance(obj, torch.Tensor):
             if id(obj) in by_identity:  # the same tensor object twice: stored once
-                return msgpack.ExtType(EXT_TENSOR, by_identity[id(obj)].encode())
-            _check_tensor(obj, path)
-            name = name_for(path)
-            by_identity[id(obj)] = name
-            tensors.append((name, obj))
-            return msgpack.ExtType(EXT_TENSOR, name.encode())
+                return by_identity[id(obj)]
+            if is_dtensor(obj):
+                ref = global_ref(dtensor_chunk(obj, _describe(path)), path)
+            elif path and path[0] in replicated:
+                ref = global_ref(whole_chunk(obj, rank), path)
+            else:
+                _check_tensor(obj, path)
+                name = name_for(path)
+                tensors.append((name, obj))
+                ref = msgpack.ExtType(EXT_TENSOR, name.encode())
+            by_identity[id(obj)] = ref
+            return ref
         if isinstance(obj, dict):
             out = {}
             for k, v in obj.items():
@@ -103,8 +138,19 @@ def flatten(state: Any) -> Flat:
             "use tensors, dicts, lists, tuples, str, bytes, int, float, bool, None or torch.dtype"
         )
 
+    _check_replicated(state, replicated)
     packed = msgpack.packb(walk(state, []), use_bin_type=True)
-    return Flat(tensors, packed)
+    return Flat(tensors, packed, chunks, global_shapes)
+
+
+def _check_replicated(state: Any, replicated: tuple[str, ...]) -> None:
+    if isinstance(replicated, (str, bytes)) or not all(isinstance(k, str) for k in replicated):
+        raise TypeError(f"replicated must be a tuple of top-level keys (str), got {replicated!r}")
+    if replicated and not isinstance(state, dict):
+        raise TypeError(f"replicated={tuple(replicated)!r} needs a dict state, got {type(state).__name__}")
+    missing = [k for k in replicated if k not in state]
+    if missing:
+        raise ValueError(f"replicated names keys the state does not hold: {missing} (it holds {list(state)})")
 
 
 def _check_tensor(t: torch.Tensor, path: list[Any]) -> None:
@@ -118,12 +164,21 @@ def _check_tensor(t: torch.Tensor, path: list[Any]) -> None:
         raise TypeError(f"{_describe(path)} is a quantized tensor; dequantize it first")
 
 
-def unflatten(structure: bytes, tensor_for: Callable[[str], torch.Tensor]) -> Any:
-    """Rebuild the tree described by ``structure``; ``tensor_for(name)`` supplies tensors."""
+def unflatten(structure: bytes, tensor_for: Callable[[str], torch.Tensor],
+              global_for: Callable[[str], Any] | None = None) -> Any:
+    """Rebuild the tree described by ``structure``.
+
+    ``tensor_for(name)`` supplies this shard's tensors, ``global_for(name)``
+    global tensors (or what stands for them).
+    """
 
     def ext_hook(code: int, data: bytes) -> Any:
         if code == EXT_TENSOR:
             return tensor_for(data.decode())
+        if code == EXT_GLOBAL:
+            if global_for is None:
+                raise ValueError(f"structure names global tensor {data.decode()!r} but nothing resolves it")
+            return global_for(data.decode())
         if code == EXT_TUPLE:
             return tuple(_unpack(data))
         if code == EXT_SIZE:

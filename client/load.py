@@ -24,7 +24,7 @@ import mmap as _mmap
 import os
 import zlib
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Callable, Literal
 
 import torch
 
@@ -38,6 +38,7 @@ from .dtypes import TORCH_DTYPES
 from .flatten import structure_from_metadata, unflatten
 from .lease import load_lease
 from .ranks import detect_ranks
+from .reshard import ChunkFiles, read_full, structure_rank
 
 MapLocation = str | torch.device | None
 MAX_READ = 1 << 30
@@ -55,6 +56,11 @@ def load(
     run_dir: str | os.PathLike | None = None,
 ) -> Any:
     """The state saved by ``rank`` at ``path`` (``rank="all"``: a list, one per rank).
+
+    Global tensors of a sharded checkpoint (DTensors, ``replicated=`` keys)
+    come back whole, assembled from their chunks, so one plain process can
+    read what many ranks saved; with ``rank="all"`` the ranks' states share
+    those tensors.
 
     Args:
         rank: default this process's rank (0 for a one-rank checkpoint).
@@ -77,12 +83,21 @@ def load(
     limit = check_limit(max_concurrent_per_node)
     device = _device(map_location)
     index = read_index(path)
+    files = ChunkFiles(path, index, verify=verify)
+    assembled: dict[str, torch.Tensor] = {}
+
+    def full_tensor(name: str) -> torch.Tensor:  # a global tensor, assembled once however many ranks name it
+        if name not in assembled:
+            assembled[name] = read_full(files, files.ref(name), device)
+        return assembled[name]
+
     with load_lease(limit, run_dir=run_dir):
         if rank == "all":
-            return [_load_rank(path, index, r, device, verify, mmap=mmap) for r in range(index.world_size)]
+            return [_load_rank(path, index, r, device, verify, full_tensor, mmap=mmap)
+                    for r in range(index.world_size)]
         if rank is None:
-            rank = detect_ranks().rank if index.world_size > 1 else 0
-        return _load_rank(path, index, rank, device, verify, mmap=mmap)
+            rank = structure_rank(index, detect_ranks().rank) if index.world_size > 1 else 0
+        return _load_rank(path, index, rank, device, verify, full_tensor, mmap=mmap)
 
 
 def _device(map_location: Any) -> torch.device | None:
@@ -96,8 +111,8 @@ def _device(map_location: Any) -> torch.device | None:
         raise ValueError(f"map_location {map_location!r} is not a device: {exc}") from None
 
 
-def _load_rank(path: Path, index: CheckpointIndex, rank: int, device: torch.device | None, verify: bool, *,
-               mmap: bool) -> Any:
+def _load_rank(path: Path, index: CheckpointIndex, rank: int, device: torch.device | None, verify: bool,
+               global_for: Callable[[str], Any] | None = None, *, mmap: bool) -> Any:
     record = index.shard(rank)
     shard = path / record.file
     if mmap:
@@ -119,7 +134,7 @@ def _load_rank(path: Path, index: CheckpointIndex, rank: int, device: torch.devi
         return made[name]
 
     try:
-        return unflatten(structure, tensor_for)
+        return unflatten(structure, tensor_for, global_for)
     except (ValueError, TypeError) as exc:
         raise InvalidCheckpoint(f"shard {shard} has a structure that cannot be read: {exc}") from None
 
@@ -158,14 +173,8 @@ def _read_into(f: BinaryIO, view: memoryview, shard: Path) -> None:
 def _map_tensors(shard: Path, record: ShardRecord, *, verify: bool,
                  algorithm: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """Views of a copy-on-write mapping of the shard (``mmap=True``)."""
-    with open_shard(shard) as f:
-        _check_size(shard, os.fstat(f.fileno()).st_size, record)
-        if record.size < 8:
-            raise InvalidCheckpoint(f"shard {shard} of {record.size} bytes is too short for a safetensors header")
-        mapping = _mmap.mmap(f.fileno(), record.size, _mmap.MAP_PRIVATE, _mmap.PROT_READ | _mmap.PROT_WRITE)
+    mapping = map_shard(shard, record, verify=verify, algorithm=algorithm)
     try:
-        if verify:
-            _check_crc(shard, zlib.crc32(mapping), record, algorithm)
         try:
             entries, metadata, data_start = parse_header(memoryview(mapping), record.size)
         except BadMessage as exc:
@@ -175,6 +184,22 @@ def _map_tensors(shard: Path, record: ShardRecord, *, verify: bool,
         raise
     buf = torch.frombuffer(mapping, dtype=torch.uint8)
     return metadata, {e.name: _typed(buf[data_start + e.begin : data_start + e.end], e) for e in entries}
+
+
+def map_shard(shard: Path, record: ShardRecord, *, verify: bool, algorithm: str) -> _mmap.mmap:
+    """The shard mapped copy-on-write, after checking that it is a regular file of the index's size (and its checksum)."""
+    with open_shard(shard) as f:
+        _check_size(shard, os.fstat(f.fileno()).st_size, record)
+        if record.size < 8:
+            raise InvalidCheckpoint(f"shard {shard} of {record.size} bytes is too short for a safetensors header")
+        mapping = _mmap.mmap(f.fileno(), record.size, _mmap.MAP_PRIVATE, _mmap.PROT_READ | _mmap.PROT_WRITE)
+    if verify:
+        try:
+            _check_crc(shard, zlib.crc32(mapping), record, algorithm)
+        except BaseException:
+            mapping.close()
+            raise
+    return mapping
 
 
 def _typed(raw: torch.Tensor, e: TensorEntry) -> torch.Tensor:

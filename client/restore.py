@@ -7,8 +7,14 @@ so the extra memory is about one tensor's pages of the mapping at a time,
 and those are page cache, not process memory.
 
 Everything is checked before a byte is copied: missing keys, unexpected
-keys, shape and dtype mismatches are reported together in one error, and on
-error the target is untouched.
+keys, shape and dtype mismatches, regions no saved chunk covers are reported
+together in one error, and on error the target is untouched.
+
+Sharded checkpoints reshard on the way in: a target DTensor (any mesh, any
+``Shard``/``Replicate`` placements, any world size) gets only the region of
+each global tensor its local shard holds, read from the chunks that overlap
+it, straight into ``to_local()``; a plain target tensor gets the whole
+tensor. A plain saved tensor loads into a DTensor target the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from .checks import check_bool, check_limit, check_load_rank, check_path
 from .lease import load_lease
 from .load import _load_rank
 from .ranks import detect_ranks
+from .reshard import ChunkFiles, GlobalRef, plan_region, read_full, region, structure_rank
+from .sharding import is_dtensor, target_region
 
 
 @dataclass
@@ -43,12 +51,17 @@ class LoadReport:
 
 @dataclass
 class _Plan:
+    files: ChunkFiles
+    """Where global tensors' chunks are read from."""
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    filled: int = 0
+    """Target tensors the copies fill."""
     assigns: list[tuple[Any, Any, Any]] = field(default_factory=list)
     """(container, key, value) for plain values."""
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
+    uncovered: list[str] = field(default_factory=list)
 
 
 def load_into(
@@ -81,25 +94,39 @@ def load_into(
     index = read_index(path)
     if rank is None:
         rank = detect_ranks().rank if index.world_size > 1 else 0
+    rank = structure_rank(index, rank)
+    files = ChunkFiles(path, index, verify=verify)
     with load_lease(limit, run_dir=run_dir):
         # Views of a mapping: no second copy of the checkpoint. Nothing holds
         # them past this call, so the mapping goes when it returns. A fresh
         # optimizer keeps what its load_state_dict is given (``.to`` does not
         # copy), so it gets tensors that own their memory instead.
         fresh_optimizer = isinstance(target, torch.optim.Optimizer) and not target.state
-        saved = _load_rank(path, index, rank, None, verify, mmap=not fresh_optimizer)
+        saved = _load_rank(path, index, rank, None, verify, files.ref, mmap=not fresh_optimizer)
         if key is not None:
             if not isinstance(saved, dict) or key not in saved:
                 raise InvalidCheckpoint(f"checkpoint {path} (rank {rank}) holds no top-level key {key!r}")
             saved = saved[key]
         if fresh_optimizer:
+            saved = _read_globals(saved, files)
             target.load_state_dict(saved)
             return LoadReport(copied=sum(1 for _ in _tensors(saved)))
-        return _apply(target, saved, strict, f"checkpoint {path}")
+        return _apply(target, saved, strict, f"checkpoint {path}", files)
 
 
-def _apply(target: Any, saved: Any, strict: bool, where: str) -> LoadReport:
-    plan = _Plan()
+def _read_globals(obj: Any, files: ChunkFiles) -> Any:
+    """``obj`` with every global tensor read whole (for ``load_state_dict``, which wants tensors)."""
+    if isinstance(obj, GlobalRef):
+        return read_full(files, obj)
+    if isinstance(obj, dict):
+        return {k: _read_globals(v, files) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_read_globals(v, files) for v in obj)
+    return obj
+
+
+def _apply(target: Any, saved: Any, strict: bool, where: str, files: ChunkFiles) -> LoadReport:
+    plan = _Plan(files)
     if isinstance(target, torch.nn.Module):
         _match(target.state_dict(), saved, "", plan)
     elif isinstance(target, torch.optim.Optimizer):
@@ -108,6 +135,7 @@ def _apply(target: Any, saved: Any, strict: bool, where: str) -> LoadReport:
     else:
         _match(target, saved, "", plan)
     problems = [f"shape/dtype mismatch: {m}" for m in plan.mismatched]
+    problems += [f"not covered by any saved chunk: {u}" for u in plan.uncovered]
     if strict:
         problems += [f"missing from the checkpoint: {k}" for k in plan.missing]
         problems += [f"not in the target: {k}" for k in plan.unexpected]
@@ -122,11 +150,14 @@ def _apply(target: Any, saved: Any, strict: bool, where: str) -> LoadReport:
     if isinstance(target, torch.optim.Optimizer):
         for group, saved_group in zip(target.param_groups, saved.get("param_groups", [])):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
-    return LoadReport(len(plan.copies), plan.missing, plan.unexpected)
+    return LoadReport(plan.filled, plan.missing, plan.unexpected)
 
 
 def _match(dst: Any, src: Any, where: str, plan: _Plan) -> None:
     """Pair up ``dst`` and ``src`` leaf by leaf, recording what to copy and what is wrong."""
+    if isinstance(src, GlobalRef) or is_dtensor(dst):
+        _match_region(dst, src, where, plan)
+        return
     if isinstance(dst, torch.Tensor) or isinstance(src, torch.Tensor):
         if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)):
             plan.mismatched.append(f"{where or '<root>'}: target holds {type(dst).__name__}, checkpoint {type(src).__name__}")
@@ -134,6 +165,7 @@ def _match(dst: Any, src: Any, where: str, plan: _Plan) -> None:
             plan.mismatched.append(f"{where}: target {dst.dtype}{list(dst.shape)}, checkpoint {src.dtype}{list(src.shape)}")
         else:
             plan.copies.append((dst, src))
+            plan.filled += 1
         return
     if isinstance(dst, dict) and isinstance(src, dict):
         plan.missing += [_join(where, k) for k in dst if k not in src]
@@ -156,9 +188,40 @@ def _match(dst: Any, src: Any, where: str, plan: _Plan) -> None:
         plan.mismatched.append(f"{where}: target holds {type(dst).__name__}, checkpoint {type(src).__name__}")
 
 
+def _match_region(dst: Any, src: Any, where: str, plan: _Plan) -> None:
+    """A global tensor (or a DTensor target): copy the region the target holds, from the chunks overlapping it."""
+    kind = src.describe() if isinstance(src, GlobalRef) else type(src).__name__
+    if not isinstance(dst, torch.Tensor) or not isinstance(src, (GlobalRef, torch.Tensor)):
+        plan.mismatched.append(f"{where or '<root>'}: target holds {type(dst).__name__}, checkpoint {kind}")
+        return
+    shape = src.record.shape if isinstance(src, GlobalRef) else tuple(src.shape)
+    if tuple(dst.shape) != shape or dst.dtype != src.dtype:
+        plan.mismatched.append(f"{where}: target {dst.dtype}{list(dst.shape)}, checkpoint {src.dtype}{list(shape)}")
+        return
+    origin = (0,) * len(shape)
+    if is_dtensor(dst):
+        try:
+            box = target_region(dst, where)
+        except (TypeError, ValueError) as exc:
+            plan.mismatched.append(str(exc))
+            return
+        local = dst.to_local()
+    else:
+        box, local = (origin, shape), dst
+    plan.filled += 1
+    if isinstance(src, torch.Tensor):  # a whole saved tensor into a target's region of it
+        plan.copies.append((local, region(src, box, origin)))
+        return
+    copies, problem = plan_region(plan.files, src, box, local)
+    if problem is not None:
+        plan.uncovered.append(f"{where}: {problem}")
+    plan.copies += copies
+
+
 def _leaf_or_recurse(container: Any, k: Any, value: Any, where: str, plan: _Plan) -> None:
     current = container[k]
-    if isinstance(current, (torch.Tensor, dict, list, tuple)) or isinstance(value, (torch.Tensor, dict, list, tuple)):
+    tree = (torch.Tensor, GlobalRef, dict, list, tuple)
+    if isinstance(current, tree) or isinstance(value, tree):
         _match(current, value, where, plan)
     else:
         plan.assigns.append((container, k, value))

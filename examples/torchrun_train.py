@@ -3,11 +3,13 @@
     torchrun --nproc-per-node 2 examples/torchrun_train.py --ckpt-dir /ckpts/run1 --steps 200 --save-every 50
 
 Every rank trains a DistributedDataParallel replica on CPU (gloo) and saves
-its own shard of each checkpoint with ``save_async``: the model and optimizer
-(the same on every rank) plus what is each rank's alone, its data stream's
-random state. The node's daemon commits ``step-NNNNNN/`` once both shards are
-durable. Run it again with the same ``--ckpt-dir`` and a larger ``--steps``:
-it resumes from ``ckptd.latest()``, each rank loading its own shard.
+each checkpoint with ``save_async``. The model and optimizer are the same on
+every rank, so they are declared ``replicated``: rank 0 writes them once, not
+one copy per rank. What is each rank's alone, its data stream's random state,
+goes in every rank's own shard. The node's daemon commits ``step-NNNNNN/``
+once every shard is durable. Run it again with the same ``--ckpt-dir`` and a
+larger ``--steps``: it resumes from ``ckptd.latest()``, each rank loading the
+shared model and optimizer and its own random state.
 
 ``ckptd.Client()`` takes rank and world size from torch.distributed, and finds
 the node's daemon through ``$CKPTD_RUN_DIR`` (or the default run dir),
@@ -76,7 +78,7 @@ def main() -> None:
     start = 0
     resume = latest_everywhere(root)
     if resume is not None:
-        state = ckptd.load(resume)  # this rank's shard: ckptd.load picks it from torch.distributed
+        state = ckptd.load(resume)  # this rank's state (its shard, plus the replicated keys from rank 0's)
         assert state["rank"] == rank, f"rank {rank} loaded rank {state['rank']}'s shard"
         model.load_state_dict(state["model"])
         data_rng.set_state(state["data_rng"].clone())
@@ -104,7 +106,8 @@ def main() -> None:
         if (step + 1) % args.save_every == 0:
             state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
                      "rank": rank, "data_rng": data_rng.get_state()}
-            saves.append(client.save_async(state, root / f"step-{step + 1:06d}", step=step + 1))
+            saves.append(client.save_async(state, root / f"step-{step + 1:06d}", step=step + 1,
+                                           replicated=("model", "optimizer")))
     client.close()  # waits until every save is committed (or failed)
     failed = [f.exception() for f in saves if f.exception() is not None]
     for exc in failed:

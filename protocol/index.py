@@ -5,6 +5,15 @@ A checkpoint ``p`` is a directory holding one safetensors shard per rank and
 after every shard and the index are durable, so a directory under its final
 name with a valid index is committed, and nothing else is. Readers use
 ``read_index`` and trust nothing it refuses.
+
+Format version 2 adds ``tensors``: every *global* tensor (a DTensor, or a
+tensor under a key saved with ``replicated=``) with its global shape, dtype
+and every saved chunk: the file holding it, the chunk's offsets and sizes in
+the global tensor, and its byte range ``[begin, end)`` counted from the start
+of that file. Each chunk is stored exactly once, so the chunks of a tensor
+tile it without overlap. Per-rank (plain) tensors are not listed; they are
+found in their rank's shard header as in version 1. Version-1 indexes (no
+``tensors``) still load.
 """
 
 from __future__ import annotations
@@ -12,16 +21,20 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 from .errors import InvalidCheckpoint
 from .files import read_regular
+from .layout import DTYPE_SIZES
 
 INDEX_NAME = "ckptd.json"
 INCOMPLETE_SUFFIX = ".incomplete"
 FORMAT_NAME = "ckptd"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Index versions this code reads; it always writes ``FORMAT_VERSION``."""
 CHECKSUM_ALGORITHM = "crc32"
 STRUCTURE_KEY = "ckptd.structure"
 """safetensors ``__metadata__`` key holding the base64 msgpack structure."""
@@ -47,6 +60,33 @@ class ShardRecord:
 
 
 @dataclass(frozen=True)
+class ChunkRecord:
+    """One stored piece of a global tensor."""
+
+    file: str
+    offsets: tuple[int, ...]
+    """Where the chunk starts in the global tensor, per dimension."""
+    sizes: tuple[int, ...]
+    begin: int
+    """Byte offset of the chunk's first element from the start of ``file``."""
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """A global tensor: its full shape and dtype, and where its chunks are."""
+
+    dtype: str
+    """safetensors dtype name (``F32``, ``BF16``...)."""
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkRecord, ...]
+
+
+@dataclass(frozen=True)
 class CheckpointIndex:
     """Contents of ``ckptd.json``; written last, it is the commit marker."""
 
@@ -55,6 +95,8 @@ class CheckpointIndex:
     created: float
     """Unix time at which the checkpoint was committed."""
     files: tuple[ShardRecord, ...]
+    tensors: Mapping[str, TensorRecord] = field(default_factory=dict)
+    """Global tensors by name (format version 2); empty when the state holds none."""
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
     checksum_algorithm: str = CHECKSUM_ALGORITHM
@@ -72,6 +114,7 @@ class CheckpointIndex:
     def to_json(self) -> bytes:
         doc = asdict(self)
         doc["files"] = [asdict(f) for f in self.files]
+        doc["tensors"] = {name: asdict(t) for name, t in self.tensors.items()}
         return json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
 
     @classmethod
@@ -83,9 +126,15 @@ class CheckpointIndex:
                 raise ValueError("not a JSON object")
             if doc.get("format") != FORMAT_NAME:
                 raise ValueError(f"format is {doc.get('format')!r}, not {FORMAT_NAME!r}")
-            if not _is_int(doc.get("version")) or doc["version"] != FORMAT_VERSION:
-                raise ValueError(f"format version {doc.get('version')!r} is not {FORMAT_VERSION}")
+            version = doc.get("version")
+            if not _is_int(version) or version not in READABLE_VERSIONS:
+                raise ValueError(f"format version {version!r} is not one of {list(READABLE_VERSIONS)}")
             files = tuple(_shard_record(f) for f in doc["files"])
+            raw_tensors = doc.get("tensors", {}) if version >= 2 else {}
+            if not isinstance(raw_tensors, dict):
+                raise ValueError("tensors is not a JSON object")
+            sizes = {f.file: f.size for f in files}
+            tensors = {name: _tensor_record(name, t, sizes) for name, t in raw_tensors.items()}
             world_size, step, created = doc["world_size"], doc["step"], doc["created"]
             if not _is_int(world_size) or world_size < 1:
                 raise ValueError(f"world_size {world_size!r} is not a positive integer")
@@ -95,7 +144,8 @@ class CheckpointIndex:
                 raise ValueError(f"created {created!r} is not a time")
             if not isinstance(doc["checksum_algorithm"], str):
                 raise ValueError("checksum_algorithm is not a string")
-            index = cls(world_size=world_size, step=step, created=float(created), files=files,
+            index = cls(world_size=world_size, step=step, created=float(created), files=files, tensors=tensors,
+                        version=version,
                         checksum_algorithm=doc["checksum_algorithm"])
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise InvalidCheckpoint(f"{where}: index is not a valid ckptd index ({exc})") from None
@@ -118,6 +168,60 @@ def _shard_record(doc: object) -> ShardRecord:
         if not _is_int(doc[key]) or doc[key] < 0:
             raise ValueError(f"{key} {doc[key]!r} of {doc['file']} is not a non-negative integer")
     return ShardRecord(**doc)
+
+
+def _int_list(value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(_is_int(v) and v >= 0 for v in value):
+        raise ValueError(f"{what} {value!r:.80} is not a list of non-negative integers")
+    return tuple(value)
+
+
+def _tensor_record(name: str, doc: object, file_sizes: Mapping[str, int]) -> TensorRecord:
+    """Parse one global tensor; its chunks must lie inside it, in listed files, and tile it once."""
+    if not isinstance(doc, dict) or set(doc) != {"dtype", "shape", "chunks"}:
+        raise ValueError(f"tensor {name!r} must hold dtype, shape and chunks")
+    dtype, shape = doc["dtype"], _int_list(doc["shape"], f"shape of {name!r}")
+    if dtype not in DTYPE_SIZES:
+        raise ValueError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(DTYPE_SIZES)}")
+    if not isinstance(doc["chunks"], list):
+        raise ValueError(f"chunks of {name!r} is not a list")
+    chunks = []
+    for c in doc["chunks"]:
+        if not isinstance(c, dict) or set(c) != {"file", "offsets", "sizes", "begin", "end"}:
+            raise ValueError(f"a chunk of {name!r} must hold file, offsets, sizes, begin and end")
+        chunk = ChunkRecord(c["file"], _int_list(c["offsets"], f"offsets of {name!r}"),
+                            _int_list(c["sizes"], f"sizes of {name!r}"), c["begin"], c["end"])
+        check_chunk(name, dtype, shape, chunk, file_sizes)
+        chunks.append(chunk)
+    check_tiling(name, shape, chunks)
+    return TensorRecord(dtype, shape, tuple(chunks))
+
+
+def check_chunk(name: str, dtype: str, shape: tuple[int, ...], chunk: ChunkRecord,
+                file_sizes: Mapping[str, int]) -> None:
+    """One chunk lies inside its tensor and its file, and its bytes match its sizes (else ``ValueError``)."""
+    if chunk.file not in file_sizes:
+        raise ValueError(f"a chunk of {name!r} is in {chunk.file!r}, which the index does not list")
+    if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape):
+        raise ValueError(f"a chunk of {name!r} has {len(chunk.offsets)}-d offsets for a {len(shape)}-d tensor")
+    if any(o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, shape)):
+        raise ValueError(f"chunk at {list(chunk.offsets)} size {list(chunk.sizes)} lies outside "
+                         f"{name!r} of shape {list(shape)}")
+    if not (_is_int(chunk.begin) and _is_int(chunk.end) and 0 <= chunk.begin <= chunk.end <= file_sizes[chunk.file]):
+        raise ValueError(f"a chunk of {name!r} has bytes [{chunk.begin!r}, {chunk.end!r}) outside {chunk.file}")
+    if chunk.end - chunk.begin != chunk.numel * DTYPE_SIZES[dtype]:
+        raise ValueError(f"a chunk of {name!r} spans {chunk.end - chunk.begin} bytes for {chunk.numel} "
+                         f"{dtype} elements")
+
+
+def check_tiling(name: str, shape: tuple[int, ...], chunks: list[ChunkRecord]) -> None:
+    """The chunks hold every element of the tensor once (counted; no two start at the same place)."""
+    starts = [c.offsets for c in chunks if c.numel]
+    if len(set(starts)) != len(starts):
+        raise ValueError(f"tensor {name!r} holds two chunks at the same offsets")
+    stored, want = sum(c.numel for c in chunks), math.prod(shape)
+    if stored != want:
+        raise ValueError(f"the chunks of {name!r} hold {stored} elements; its shape {list(shape)} has {want}")
 
 
 def read_index(path: Path | str) -> CheckpointIndex:

@@ -374,7 +374,7 @@ def test_checkpoint_index_round_trips_through_json(index):
 
 def test_checkpoint_index_json_names_its_format_version_and_checksum():
     doc = json.loads(make_index().to_json())
-    assert (doc["format"], doc["version"], doc["checksum_algorithm"]) == ("ckptd", 1, "crc32")
+    assert (doc["format"], doc["version"], doc["checksum_algorithm"]) == ("ckptd", 2, "crc32")
     assert doc["files"][1] == {"file": "rank-00001-of-00002.safetensors", "rank": 1, "size": 4128,
                                "checksum": 0xDEADBEEF + 1, "tensors": 2}
 
@@ -393,7 +393,7 @@ def test_checkpoint_index_finds_shards_by_rank_and_totals_their_bytes():
         pytest.param(b"{not json", "index is not a valid ckptd index", id="not-json"),
         pytest.param(b"[1, 2]", "index is not a valid ckptd index", id="not-an-object"),
         pytest.param(index_doc(format="safetensors"), "format is 'safetensors', not 'ckptd'", id="format-name"),
-        pytest.param(index_doc(version=2), "format version 2 is not 1", id="format-version"),
+        pytest.param(index_doc(version=3), "format version 3 is not one of [1, 2]", id="format-version"),
         pytest.param(index_doc(world_size="two"), "index is not a valid ckptd index", id="string-world-size"),
         pytest.param(index_doc(files=[{"file": "x"}]), "index is not a valid ckptd index", id="short-file-record"),
         pytest.param(index_doc(files="rank-0"), "index is not a valid ckptd index", id="files-not-a-list"),
@@ -454,7 +454,7 @@ def test_read_index_refuses_a_plain_file(tmp_path):
     "data, problem",
     [
         pytest.param(index_doc(format="other"), "format is 'other'", id="format-name"),
-        pytest.param(index_doc(version=7), "format version 7 is not 1", id="format-version"),
+        pytest.param(index_doc(version=7), "format version 7 is not one of [1, 2]", id="format-version"),
         pytest.param(index_doc(world_size=4), "index lists ranks [0, 1] for world size 4", id="ranks-vs-world"),
     ],
 )

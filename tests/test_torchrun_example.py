@@ -58,6 +58,13 @@ def test_torchrun_example_saves_two_shards_and_resumes_from_the_last_saved_step(
     shards = [ckptd.load(last, rank=r) for r in (0, 1)]
     assert [s["rank"] for s in shards] == [0, 1] and [s["step"] for s in shards] == [30, 30]
     assert not torch.equal(shards[0]["data_rng"], shards[1]["data_rng"])  # per-rank state, per-rank shard
+    # the model and optimizer, the same on both ranks, are stored once, in rank 0's shard, and served to both
+    replicated = [n for n in index.tensors if n.startswith(("model.", "optimizer."))]
+    assert len(replicated) == 4 + 3 * 4
+    assert {c.file for n in replicated for c in index.tensors[n].chunks} == {index.files[0].file}
+    assert [n for n in ckptd.inspect(last).shards[1].tensors if n.name.startswith("model.")] == []
+    for name, tensor in shards[0]["model"].items():
+        assert torch.equal(shards[1]["model"][name], tensor)
     assert not [p for p in root.rglob("*") if p.name.endswith(".incomplete")]
 
     straight_dir = root / "straight"

@@ -1,0 +1,88 @@
+"""Which chunk of a global tensor this rank holds, and whether it writes it.
+
+A DTensor's local shard is one rectangular chunk of its global tensor; torch
+computes the chunk's offsets from the mesh and the placements, so nothing is
+gathered and no rank needs to talk to another. A chunk that several ranks
+hold (``Replicate`` on some mesh dimension, HSDP replicas) is written by one
+owner only, decided locally: the rank at coordinate 0 along every replicated
+mesh dimension. So every element is stored exactly once.
+
+Tensors under a top-level key saved with ``replicated=`` are global tensors
+too: one chunk, the whole tensor, owned by rank 0.
+
+Loading uses the same arithmetic in reverse: ``target_region`` says which
+part of the global tensor a target DTensor's local shard is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+try:  # torch builds without distributed support have no DTensor
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+except ImportError:  # pragma: no cover - every supported torch has it
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+@dataclass(frozen=True)
+class LocalChunk:
+    """This rank's part of a global tensor."""
+
+    local: torch.Tensor
+    """The chunk's elements (a DTensor's local tensor, or the whole tensor)."""
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    owned: bool
+    """True when this rank is the one that writes the chunk."""
+
+    @property
+    def box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.offsets, tuple(self.local.shape)
+
+
+def is_dtensor(obj: object) -> bool:
+    return DTensor is not None and isinstance(obj, DTensor)
+
+
+def dtensor_chunk(t: "DTensor", where: str) -> LocalChunk:
+    """This rank's chunk of ``t``; ``where`` names its key path in errors."""
+    offsets = target_region(t, where)[0]
+    coordinate = t.device_mesh.get_coordinate()
+    local = t.to_local()
+    if coordinate is None:  # this rank is not on the tensor's mesh: it holds nothing
+        return LocalChunk(local, offsets, tuple(t.shape), owned=False)
+    replicated = [c for c, p in zip(coordinate, t.placements) if isinstance(p, Replicate)]
+    owned = all(c == 0 for c in replicated)
+    if local.numel() == 0:  # uneven sharding leaves some ranks nothing; an empty tensor still needs one chunk
+        owned = math.prod(t.shape) == 0 and all(c == 0 for c in coordinate)
+    return LocalChunk(local, offsets, tuple(t.shape), owned)
+
+
+def whole_chunk(t: torch.Tensor, rank: int) -> LocalChunk:
+    """A tensor identical on every rank (``replicated=``): one chunk, written by rank 0."""
+    return LocalChunk(t, (0,) * t.dim(), tuple(t.shape), owned=rank == 0)
+
+
+def target_region(t: "DTensor", where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of ``t``'s local shard in its global tensor.
+
+    Only ``Shard(d)`` and ``Replicate()`` placements describe a plain
+    rectangular chunk; ``Partial`` (pending reduction) holds no saved value
+    yet, and strided shards are not supported; both are refused naming the key.
+    """
+    for p in t.placements:
+        if p.is_partial():
+            raise ValueError(f"{where} is a DTensor with a Partial placement ({p}): its value is a pending "
+                             "reduction; redistribute it to Shard or Replicate before saving or loading")
+        if type(p) not in (Shard, Replicate):
+            raise TypeError(f"{where} is a DTensor with placement {p!r}; ckptd handles Shard(d) and Replicate()")
+    if t.device_mesh.get_coordinate() is None:
+        return (0,) * t.dim(), (0,) * t.dim()
+    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    assert tuple(sizes) == tuple(t.to_local().shape), f"{where}: local shape disagrees with its placements"
+    return tuple(offsets), tuple(sizes)
