@@ -1,17 +1,11 @@
 """What this machine can do at best with the state's bytes: the floors ckptd is measured against.
 
-* ``memcpy_reused``: one ``copy_`` per tensor into a buffer touched before
-  (pinned host memory for CUDA tensors): the floor for ``save_async``'s
-  blocking time, since staging does exactly this into its slot.
-* ``memcpy_fresh_shm``: the same copy into a new ``/dev/shm`` file, faulted
-  during the copy: staging without reused, pre-faulted slots.
-* ``write_file`` with O_DIRECT (or through the page cache), 8 MiB
-  ``pwrite`` calls, then ``fsync``: the floor for time to durable;
-  ``parallel_writes`` does the same from several threads at once.
-* ``read_files``: sequential 8 MiB reads into one reused buffer, the floor
-  for loading.
-
-Every function returns the timed repetitions after one untimed warm-up.
+A ``copy_`` per tensor into a buffer touched before (pinned for CUDA
+tensors) is the floor for blocking, since staging does exactly that; into a
+new ``/dev/shm`` file it is staging without reused, pre-faulted slots. An
+O_DIRECT write in 8 MiB ``pwrite`` calls + ``fsync`` is the floor for time
+to durable, and a sequential read into one reused buffer that for loading.
+Timed functions return the repetitions after one untimed warm-up.
 """
 
 from __future__ import annotations
@@ -24,6 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from .probe import evict
 
 CHUNK = 8 << 20
 PAGE = 4096
@@ -74,10 +70,7 @@ def memcpy_fresh_shm(tensors: list[torch.Tensor], nbytes: int, repeat: int) -> l
         finally:
             os.close(fd)
 
-    try:
-        return timed(once, repeat, cleanup=lambda: path.unlink(missing_ok=True))
-    finally:
-        path.unlink(missing_ok=True)
+    return timed(once, repeat, cleanup=lambda: path.unlink(missing_ok=True))
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
@@ -101,15 +94,6 @@ def write_file(path: Path, data: memoryview, nbytes: int, *, direct: bool = True
         os.close(fd)
 
 
-def drop(path: Path) -> None:
-    """Evict ``path`` from the page cache and remove it, so the next write starts alike."""
-    if path.exists():
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-        path.unlink()
-
-
 def parallel_writes(scratch: Path, nbytes: int, writers: int, repeat: int, *, direct: bool = True) -> list[float]:
     """``writers`` threads each writing ``nbytes // writers`` to its own file at once (one writer: a plain write)."""
     each = nbytes // writers
@@ -125,9 +109,10 @@ def parallel_writes(scratch: Path, nbytes: int, writers: int, repeat: int, *, di
         for t in threads:
             t.join()
 
-    def cleanup() -> None:
+    def cleanup() -> None:  # evicted and removed: the next write starts alike
+        evict(targets)
         for t in targets:
-            drop(t)
+            t.unlink()
 
     try:
         return timed(once, repeat, cleanup)

@@ -11,7 +11,6 @@ ckptd's slots and DCP's shared staging copies live).
 from __future__ import annotations
 
 import os
-import statistics
 import threading
 from pathlib import Path
 
@@ -105,7 +104,3 @@ def evict(paths: list[Path]) -> None:
 def files_under(path: Path) -> list[Path]:
     """Every file of a checkpoint directory (or the file itself)."""
     return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-
-
-def median(values: list[float] | None) -> float | None:
-    return statistics.median(values) if values else None

@@ -38,38 +38,38 @@ START_TIMEOUT_S = 60.0
 class BenchDaemon:
     """``ckptd start --foreground`` on a private run directory, for one case (a context manager)."""
 
-    def __init__(self, root: Path, *extra: str) -> None:
+    def __init__(self, root: Path) -> None:
+        self.root = root
         # Short and under /tmp: a socket path must fit in 107 bytes.
         self.run_dir = Path(tempfile.mkdtemp(prefix="ckbench-", dir="/tmp"))
-        self.args = ["start", "--foreground", "--quiet", "--root", str(root), *extra]
         self.proc: subprocess.Popen | None = None
+        self.pid = 0
 
-    def cli(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "ckptd", *args[:1], "--run-dir", str(self.run_dir), *args[1:]],
-                              capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    def _cmd(self, command: str, *args: str) -> list[str]:
+        return [sys.executable, "-m", "ckptd", command, "--run-dir", str(self.run_dir), *args]
 
     def status(self) -> dict:
         """The daemon's ``ckptd status --json`` snapshot."""
-        out = self.cli("status", "--json")
+        out = subprocess.run(self._cmd("status", "--json"), capture_output=True, text=True, timeout=START_TIMEOUT_S)
         if out.returncode:
             raise RuntimeError(f"ckptd status failed: {out.stderr.strip()}")
         return json.loads(out.stdout)
 
     def __enter__(self) -> "BenchDaemon":
-        self.proc = subprocess.Popen([sys.executable, "-m", "ckptd", *self.args[:1], "--run-dir", str(self.run_dir),
-                                      *self.args[1:]], stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self._cmd("start", "--foreground", "--quiet", "--root", str(self.root)),
+                                     stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not (self.run_dir / "ckptd.sock").exists() or self.cli("status").returncode:
+        while not self.pid:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.__exit__()
                 raise RuntimeError(f"the ckptd daemon did not start (exit code {self.proc.returncode})")
-            time.sleep(0.1)
+            if (self.run_dir / "ckptd.sock").exists():
+                try:
+                    self.pid = self.status()["daemon"]["pid"]
+                except RuntimeError:
+                    pass
+            time.sleep(0.05)
         return self
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
 
     def __exit__(self, *exc: object) -> None:
         """SIGTERM (the daemon drains, then exits); SIGKILL only if it hangs."""

@@ -82,20 +82,15 @@ class BenchState:
                 **({"gpu": torch.cuda.get_device_name(self.tensors[0].device)} if self.tensors[0].is_cuda else {})}
 
 
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+def iter_tensors(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
     """Tensors of a nested dict/list/tuple, depth first, each object once."""
-    seen: set[int] = set()
-    stack = [obj]
-    while stack:
-        o = stack.pop(0)
-        if isinstance(o, torch.Tensor):
-            if id(o) not in seen:
-                seen.add(id(o))
-                yield o
-        elif isinstance(o, dict):
-            stack[:0] = list(o.values())
-        elif isinstance(o, (list, tuple)):
-            stack[:0] = list(o)
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor) and id(obj) not in seen:
+        seen.add(id(obj))
+        yield obj
+    elif isinstance(obj, (dict, list, tuple)):
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            yield from iter_tensors(v, seen)
 
 
 def transformer(size_gib: float, *, device: str = "cpu", seed: int = 0) -> BenchState:
@@ -113,17 +108,12 @@ def transformer(size_gib: float, *, device: str = "cpu", seed: int = 0) -> Bench
     return BenchState(state, list(iter_tensors(state)), model, opt)
 
 
-def small_tensors(count: int = 1000, nbytes: int = 256, *, device: str = "cpu", seed: int = 0) -> BenchState:
-    """``count`` float32 tensors of ``nbytes`` each: a save dominated by fixed per-save and per-tensor costs."""
-    torch.manual_seed(seed)
-    state = {f"t{i:05d}": torch.randn(nbytes // 4, device=device) for i in range(count)}
-    return BenchState(state, list(state.values()))
-
-
 def build(name: str, size_gib: float, *, device: str = "cpu", seed: int = 0) -> BenchState:
-    """The state ``name`` (``transformer`` or ``small``); ``size_gib`` applies to the transformer only."""
+    """``transformer`` of ``size_gib``, or ``small``: 1,000 float32 tensors of 256 B (fixed costs dominate)."""
     if name == "small":
-        return small_tensors(device=device, seed=seed)
+        torch.manual_seed(seed)
+        state = {f"t{i:05d}": torch.randn(64, device=device) for i in range(1000)}
+        return BenchState(state, list(state.values()))
     return transformer(size_gib, device=device, seed=seed)
 
 
