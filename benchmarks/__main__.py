@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.report is not None:
         lines = [json.loads(x) for x in args.report.read_text().splitlines() if x.strip()]
         out = args.out or args.report.with_name("RESULTS-rendered.md")
-        out.write_text(render([x for x in lines if "meta" not in x], lines[0].get("meta", {})))
+        meta = {k: v for x in lines for k, v in x.get("meta", {}).items()}
+        out.write_text(render([x for x in lines if "meta" not in x], meta))
         print(f"wrote {out}", file=sys.stderr)
         return 0
     settings = _settings(args)
@@ -110,18 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": f"python -m benchmarks {shlex.join(argv if argv is not None else sys.argv[1:])}".strip(),
             **machine(scratch)}
     records = []
-    with open(scratch / "results.jsonl", "w") as f:
+    with open(scratch / "results.jsonl", "w", buffering=1) as f:  # the meta line(s), then one line per case
+        f.write(json.dumps({"meta": meta}) + "\n")
         for case, record in zip(cases, run_all(cases, scratch, timeout=args.timeout)):
-            line = json.dumps(record)
-            print(line, flush=True)
+            print(json.dumps(record), file=f)
+            print(json.dumps(record), flush=True)
             print(f"[bench] {case.name}: {record.get('error') or 'done'}", file=sys.stderr, flush=True)
-            f.write(line + "\n")
             records.append(record)
-    meta["wall time of the run"] = f"{(time.monotonic() - started) / 60:.1f} min"
-    with open(scratch / "results.jsonl", "r+") as f:
-        body = f.read()
-        f.seek(0)
-        f.write(json.dumps({"meta": meta}) + "\n" + body)
+        meta["wall time of the run"] = f"{(time.monotonic() - started) / 60:.1f} min"
+        f.write(json.dumps({"meta": {"wall time of the run": meta["wall time of the run"]}}) + "\n")
     full = not (args.smoke or patterns or args.size_gib or args.repeat or args.device != "cpu")
     kind = "smoke" if args.smoke else "partial"
     out = args.out or (HERE / "RESULTS.md" if full else scratch / f"RESULTS-{kind}.md")

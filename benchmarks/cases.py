@@ -1,14 +1,11 @@
-"""The registry of cases, and running one case in a process of its own.
+"""The registry of cases, and running each case in a process of its own.
 
-A case is a row: a name, the report section it belongs to, a method (a
-key of ``METHODS``), the state it is measured on (builder, size, device)
-and the method's parameters. ``registry`` lists every case of a run; to
-measure something new, add a row (and, for a new kind of measurement, a
-method). Each case runs in a fresh process forked from a server that has
-imported torch and ckptd and nothing else, so no case inherits another's
-memory, threads or page-cache habits, and starting one costs milliseconds
-instead of a torch import. A case sends back exactly one JSON line: its
-measurements, or ``{"case": ..., "error": ...}``.
+A case is a row: a name, its report section, a method (a key of
+``methods.METHODS``), its state (builder, size, device) and parameters; to
+measure something new, add a row. Each case runs in a fresh process forked
+from a server that has only imported torch and ckptd, so no case inherits
+another's memory or threads, and none pays a torch import. A case sends
+back exactly one JSON line: its measurements, or ``{"case", "error"}``.
 """
 
 from __future__ import annotations
@@ -19,18 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-LOAD_METHODS = {
-    "raw_read": "raw read, page cache (floor)",
-    "raw_read_direct": "raw read, O_DIRECT",
-    "ckptd_load": "ckptd.load, zero-copy",
-    "ckptd_load_noverify": "ckptd.load verify=False, zero-copy",
-    "ckptd_load_cpu": 'ckptd.load map_location="cpu"',
-    "ckptd_load_into": "ckptd.load_into model, then optimizer",
-    "ckptd_load_into_sd": "ckptd.load_into one state dict",
-    "torch_load": "torch.load",
-    "torch_load_mmap": "torch.load mmap=True",
-    "dcp_load": "DCP load (in place)",
-}
+LOAD_METHODS = {"raw_read": "raw read, page cache (floor)", "raw_read_direct": "raw read, O_DIRECT",
+                "ckptd_load": "ckptd.load, zero-copy", "ckptd_load_noverify": "ckptd.load verify=False, zero-copy",
+                "ckptd_load_cpu": 'ckptd.load map_location="cpu"',
+                "ckptd_load_into": "ckptd.load_into model, then optimizer",
+                "ckptd_load_into_sd": "ckptd.load_into one state dict", "torch_load": "torch.load",
+                "torch_load_mmap": "torch.load mmap=True", "dcp_load": "DCP load (in place)"}
 DCP_MODES = {"save": "DCP save", "thread": "DCP async_save THREAD", "process": "DCP async_save PROCESS",
              "process_stager": "DCP async_save PROCESS + reused DefaultStager"}
 

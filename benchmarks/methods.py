@@ -22,11 +22,6 @@ from .probe import memory
 from .state import BYTES_PER_PARAM, build, param_count, pick_width
 
 
-def transformer_bytes(size_gib: float) -> int:
-    """Tensor bytes of ``state.transformer(size_gib)``, without building it."""
-    return param_count(pick_width(int(size_gib * (1 << 30)))) * BYTES_PER_PARAM
-
-
 def _with_state(fn: Callable[..., dict]) -> Callable[[Case, Path], dict]:
     """Build the case's state first; ``fn(case, scratch, bench, rss_built)``."""
     def run(case: Case, scratch: Path) -> dict:
@@ -44,10 +39,12 @@ def _scaling(case: Case, scratch: Path, bench: Any, rss: int) -> dict:
     return out
 
 
-def _raw_writes(scratch: Path, nbytes: int, writers: int, repeat: int) -> dict:
-    """The bytes of all ranks, by one O_DIRECT writer and by ``writers`` at once."""
-    return {"nbytes": nbytes, "reps": {"single": limits.parallel_writes(scratch, nbytes, 1, repeat),
-                                       "parallel": limits.parallel_writes(scratch, nbytes, writers, repeat)}}
+def _raw_writes(case: Case, scratch: Path) -> dict:
+    """All ranks' state bytes (computed, not built) by one O_DIRECT writer, and by one per rank at once."""
+    writers = case.params["ranks"]
+    n = param_count(pick_width(int(case.size_gib * (1 << 30)))) * BYTES_PER_PARAM * writers
+    return {"nbytes": n, "reps": {"single": limits.parallel_writes(scratch, n, 1, case.repeat),
+                                  "parallel": limits.parallel_writes(scratch, n, writers, case.repeat)}}
 
 
 METHODS: dict[str, Callable[[Case, Path], dict]] = {
@@ -61,8 +58,7 @@ METHODS: dict[str, Callable[[Case, Path], dict]] = {
     "dcp": _with_state(lambda c, d, b, rss: saves.dcp_saves(b.state, d, c.repeat, rss, **c.params)),
     "ckptd": _with_state(lambda c, d, b, rss: saves.ckptd_saves(b.state, d, c.repeat, rss, **c.params)),
     "scaling": _with_state(_scaling),
-    "raw_write": lambda c, d: _raw_writes(d, transformer_bytes(c.size_gib) * c.params["ranks"], c.params["ranks"],
-                                          c.repeat),
+    "raw_write": _raw_writes,
     "multi_saves": lambda c, d: ranks.multi_saves(d, size_gib=c.size_gib, device=c.device, repeat=c.repeat,
                                                   **c.params),
     "load_prepare": lambda c, d: loads.prepare(d, c.size_gib),

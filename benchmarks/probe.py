@@ -1,11 +1,9 @@
-"""What a case reads about processes and the page cache: memory, CPU time, peaks, eviction.
+"""What a case reads about processes and files: memory, CPU time, peaks, eviction, all from ``/proc``.
 
-Everything comes from ``/proc`` of the processes involved (the case itself,
-ckptd's daemon, DCP's checkpoint process, the ranks), never from logs.
-``Sampler`` polls the memory of named groups of processes every 20 ms on a
-thread of the case and keeps each field's peak: RSS, ``RssAnon`` (private
-memory), ``RssFile`` (mapped files) and ``RssShmem`` (shared memory, where
-ckptd's slots and DCP's shared staging copies live).
+``Sampler`` polls the memory of named groups of processes (the case, the
+daemon, DCP's checkpoint process, the ranks) every 20 ms on a thread and
+keeps each field's peak: RSS, ``RssAnon`` (private memory), ``RssFile``
+(mapped files) and ``RssShmem`` (shared memory: slots, staging copies).
 """
 
 from __future__ import annotations

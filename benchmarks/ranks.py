@@ -1,17 +1,12 @@
 """Several ranks on one node: clients saving at once, and ranks loading at once under a load lease.
 
-The case process forks the ranks before it touches a tensor (torch is only
-imported), so each rank is a fresh process that builds or loads its own
-state. Every round starts on a barrier, so all ranks call at the same
-moment; the case samples the ranks' and the daemon's memory meanwhile.
-
-* ``multi_saves``: ``ranks`` clients, each with its own state, save through
-  one daemon, into separate checkpoints (rank 0 of 1 each) or into one
-  (rank r of ``ranks``). Aggregate: first call to last future resolved,
-  against a raw O_DIRECT write of the same total bytes (its own case).
-* ``rank_loads``: ``ranks`` fresh processes load their shard of one
-  checkpoint with ``map_location="cpu"``, hold it, drop it: the node's
-  peak memory, with no limit or with ``max_concurrent_per_node``.
+The case process forks the ranks before it touches a tensor, so each rank
+is a fresh process with its own state; every round starts on a barrier, and
+the case samples the ranks' and the daemon's memory meanwhile. Saving: each
+client its own state, into separate checkpoints or one (rank r of N); the
+aggregate runs from the first call to the last future resolved. Loading:
+fresh processes load their shard with ``map_location="cpu"``, hold it,
+drop it, with no limit or with ``max_concurrent_per_node``.
 """
 
 from __future__ import annotations

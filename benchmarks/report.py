@@ -1,11 +1,8 @@
 """From the cases' JSON lines to ``RESULTS.md``: targets as data rows, tables side by side, every repetition.
 
-Nothing here measures: the report reads only the records, so a changed
-report can be rendered again from a run's ``results.jsonl``. Every ratio
-is taken against a limit measured in the same run (a memcpy of the same
-state, a raw O_DIRECT write of the same bytes, a raw read of the same
-file). A case that failed shows in a list of failures, and whatever
-depends on it shows as "–".
+Nothing here measures, so a changed report renders again from a run's
+``results.jsonl``. Every ratio is against a limit measured in the same run.
+A failed case is listed, and whatever depends on it shows as "–".
 """
 
 from __future__ import annotations
@@ -37,19 +34,14 @@ def nbytes(rec: dict) -> int:
 
 # --- targets: each a data row ------------------------------------------------------------------------------------
 
-FIELDS: dict[str, Callable[[dict], float | None]] = {
-    "blocking": lambda r: med(r, "blocking"),
-    "staged": lambda r: med(r, "staged"),
-    "durable": lambda r: med(r, "durable"),
+FIELDS: dict[str, Callable[[dict], float | None]] = {  # any other field: the median of that repetition list
     "first_blocking": lambda r: r.get("first", {}).get("blocking"),
-    "seconds": lambda r: med(r, "seconds"),
     "extra_per_state": lambda r: div(r.get("trainer_extra"), r["state"]["nbytes"]),
     "daemon_anon": lambda r: ((r.get("writer") if r["method"] in ("ckptd", "scaling") else r.get("daemon")) or {}
                               ).get("RssAnon"),
     "daemon_cpu_per_gb": lambda r: div((r.get("writer") or {}).get("cpu"), nbytes(r) / GB),
     "gbps": lambda r: div(nbytes(r) / GB, med(r, "aggregate")),
     "raw_gbps": lambda r: div(nbytes(r) / GB, med(r, "single")),
-    "cold": lambda r: med(r, "cold"),
     "blocking_per_gib": lambda r: div(med(r, "blocking"), nbytes(r) / GIB),
     "durable_per_gib": lambda r: div(med(r, "durable"), nbytes(r) / GIB),
 }
@@ -75,7 +67,8 @@ TARGETS = [
     Target("blocking with sync staging ≤ 1.2 × memcpy into a reused buffer", ("ckptd_sync", "blocking"),
            ("memcpy", "seconds"), "≤", 1.2, 5),
     Target("background staging: blocking ≤ 10 ms", ("ckptd_bg", "blocking"), None, "≤", 0.010, 5),
-    Target("background staging: staged ≤ 1.5 × memcpy", ("ckptd_bg", "staged"), ("memcpy", "seconds"), "≤", 1.5, 5),
+    Target("background staging: staged ≤ 1.5 × memcpy", ("ckptd_bg", "staged"), ("memcpy", "seconds"), "≤", 1.5,
+           5),
     Target("time to durable ≤ 1.15 × raw O_DIRECT write + fsync (sync staging)", ("ckptd_sync", "durable"),
            ("write_direct", "seconds"), "≤", 1.15, 5),
     Target("time to durable ≤ 0.5 × DCP async_save PROCESS", ("ckptd_sync", "durable"), ("dcp_process", "durable"),
@@ -107,17 +100,21 @@ TARGETS = [
 ]
 
 
-def _resolve(recs: Records, case: str, field: str) -> float | None:
+def field(rec: dict, name: str) -> float | None:
+    return FIELDS[name](rec) if name in FIELDS else med(rec, name)
+
+
+def _resolve(recs: Records, case: str, name: str) -> float | None:
     if case == "*":
-        values = [v for r in recs.values() if (v := FIELDS[field](r)) is not None]
+        values = [v for r in recs.values() if (v := field(r, name)) is not None]
         return max(values) if values else None
     if case.startswith("scaling:"):
         points = sorted((r for r in recs.values() if r["section"] == "scaling"), key=lambda r: r["size_gib"])
         if len(points) < 2:
             return None
         rec = points[-1] if case.endswith("top") else min(points, key=lambda r: abs(r["size_gib"] - 1))
-        return FIELDS[field](rec)
-    return FIELDS[field](recs[case]) if case in recs else None
+        return field(rec, name)
+    return field(recs[case], name) if case in recs else None
 
 
 def targets_table(recs: Records) -> str:
@@ -129,9 +126,10 @@ def targets_table(recs: Records) -> str:
         compared = ratio if t.reference else value
         met = "–" if compared is None else ("met" if (compared <= t.bound if t.op == "≤" else compared >= t.bound)
                                             else "missed")
-        shown = "–" if value is None else (f"{value / 1e6:.1f} MB" if t.measured[1] == "daemon_anon" else f"{value:.4g}")
+        mb = t.measured[1] == "daemon_anon"
+        shown = "–" if value is None else (f"{value / 1e6:.1f} MB" if mb else f"{value:.4g}")
         against = f" vs {ref:.4g}" if ref is not None else ""
-        bound = f"{t.bound / 1e6:g} MB" if t.measured[1] == "daemon_anon" else f"{t.bound:g}"
+        bound = f"{t.bound / 1e6:g} MB" if mb else f"{t.bound:g}"
         rows.append([t.text, f"#{t.issue}", shown + against, fmt(ratio, 2), f"{t.op} {bound}", met])
     return table(["target", "issue", "measured (s, or as named)", "ratio", "bound", "met"], rows)
 
@@ -152,8 +150,7 @@ def _limit(recs: Records, rec: dict, name: str) -> dict | None:
 def save_table(recs: Records) -> str:
     rows = []
     for r in (r for r in recs.values() if r["section"] == "save"):
-        memcpy = FIELDS["seconds"](_limit(recs, r, "memcpy") or {})
-        direct = FIELDS["seconds"](_limit(recs, r, "write_direct") or {})
+        memcpy, direct = med(_limit(recs, r, "memcpy"), "seconds"), med(_limit(recs, r, "write_direct"), "seconds")
         secs = med(r, "seconds")
         blocking = secs if r["method"].startswith("memcpy") else med(r, "blocking")
         durable = secs if r["method"] == "write" else med(r, "durable")
@@ -192,7 +189,8 @@ def scaling_table(recs: Records) -> str:
         gib = nbytes(r) / GIB
         rows.append([r["label"], fmt(gib), fmt(med(r, "blocking")), fmt(med(r, "durable")),
                      fmt(FIELDS["blocking_per_gib"](r)), fmt(FIELDS["durable_per_gib"](r)),
-                     fmt(div(med(r, "blocking"), med(r, "memcpy")), 2), fmt(div(med(r, "durable"), med(r, "direct")), 2),
+                     fmt(div(med(r, "blocking"), med(r, "memcpy")), 2),
+                     fmt(div(med(r, "durable"), med(r, "direct")), 2),
                      fmt(med(r, "daemon_s")), fmt(FIELDS["extra_per_state"](r), 2)])
     return table(["state", "GiB", "blocking s", "durable s", "blocking s/GiB", "durable s/GiB", "blocking ÷ memcpy",
                   "durable ÷ O_DIRECT", "daemon's own s", "trainer extra ÷ state"], rows)
@@ -248,8 +246,8 @@ def render(records: list[dict], meta: dict[str, Any]) -> str:
     parts += [f"- {k}: {v}" for k, v in meta.items()]
     if main:
         parts.append(f"- state: {main['nbytes'] / GIB:.3f} GiB in {main['tensors']} tensors (largest "
-                     f"{main['largest'] / MIB:.1f} MiB) on {main['device']}{' (' + main['gpu'] + ')' if 'gpu' in main else ''}: "
-                     "a 12-layer transformer plus AdamW exp_avg, exp_avg_sq and step")
+                     f"{main['largest'] / MIB:.1f} MiB) on {main['device']} {main.get('gpu', '')}: a 12-layer "
+                     "transformer plus AdamW exp_avg, exp_avg_sq and step")
     if failed:
         parts += ["", "## Failed cases", "", *failed]
     parts += ["", "## Targets", "", "Measured over reference (or the value itself where there is none) against the "

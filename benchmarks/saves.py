@@ -1,16 +1,11 @@
 """Saving: ckptd through a daemon of the case's own, and the peers a trainer would use instead.
 
-Every method does one warm-up save, then ``repeat`` timed saves back to
-back, each waiting for the previous one to be durable and each to a new
-path (the previous checkpoint is removed untimed). Per save: *blocking*
-(the call returned), *staged* (the tensors may change), *durable* (the
-checkpoint is on disk: ``torch.save`` + fsync returned, DCP's future,
-ckptd's future). The daemon's own accepted-to-committed time comes from
-``ckptd status --json`` after each save, never from its log.
-
-DCP's ``FileSystemWriter`` fsyncs each data file and ``.metadata`` by
-default (``sync_files=True``), so its "durable" includes fsyncs as ckptd's
-does; it does not fsync the directory and writes under the final names.
+One warm-up save, then ``repeat`` timed ones back to back, each to a new
+path: *blocking* (the call returned), *staged* (the tensors may change),
+*durable* (``torch.save`` + fsync returned, DCP's future, ckptd's future).
+The daemon's own accepted-to-committed time comes from ``ckptd status
+--json`` after each save. DCP fsyncs its files (``sync_files=True``), not
+the directory, and writes under the final names.
 """
 
 from __future__ import annotations

@@ -57,10 +57,14 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
     saved = [r for r in records if r["method"] == "ckptd"]
     assert all(r["writer"]["RssAnon"] > 0 and r["reps"]["daemon_s"][0] > 0 for r in saved), "daemon figures missing"
 
-    jsonl = (tmp_path / "run" / "results.jsonl").read_text().splitlines()
-    assert "meta" in json.loads(jsonl[0]) and [json.loads(x)["case"] for x in jsonl[1:]] == names
+    jsonl = [json.loads(x) for x in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert "meta" in jsonl[0] and [x["case"] for x in jsonl if "meta" not in x] == names
+    rendered = tmp_path / "again.md"
+    again = _bench("--report", str(tmp_path / "run" / "results.jsonl"), "--out", str(rendered), timeout=120)
+    assert again.returncode == 0, again.stderr
 
     report = out.read_text()
+    assert rendered.read_text() == report  # the report is made of the lines alone
     for heading in ("## Targets", "## Saving", "## Clients on one node", "## Scaling", "## Loading",
                     "## Ranks loading at once", "## Every repetition"):
         assert heading in report
