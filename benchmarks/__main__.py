@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         meta["wall time of the run"] = f"{(time.monotonic() - started) / 60:.1f} min"
         f.write(json.dumps({"meta": {"wall time of the run": meta["wall time of the run"]}}) + "\n")
     full = not (args.smoke or patterns or args.size_gib or args.repeat or args.device != "cpu")
-    kind = "smoke" if args.smoke else "partial"
+    kind = "smoke" if args.smoke else "partial" if args.device == "cpu" else args.device
     out = args.out or (HERE / "RESULTS.md" if full else scratch / f"RESULTS-{kind}.md")
     out.write_text(render(records, meta))
     print(f"[bench] wrote {out}", file=sys.stderr)
