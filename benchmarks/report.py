@@ -245,9 +245,10 @@ def render(records: list[dict], meta: dict[str, Any]) -> str:
              "and `/proc`, never from its log.", ""]
     parts += [f"- {k}: {v}" for k, v in meta.items()]
     if main:
+        where = main["device"] + (f" ({main['gpu']})" if "gpu" in main else "")
         parts.append(f"- state: {main['nbytes'] / GIB:.3f} GiB in {main['tensors']} tensors (largest "
-                     f"{main['largest'] / MIB:.1f} MiB) on {main['device']} {main.get('gpu', '')}: a 12-layer "
-                     "transformer plus AdamW exp_avg, exp_avg_sq and step")
+                     f"{main['largest'] / MIB:.1f} MiB) on {where}: a 12-layer transformer plus AdamW exp_avg, "
+                     "exp_avg_sq and step")
     if failed:
         parts += ["", "## Failed cases", "", *failed]
     parts += ["", "## Targets", "", "Measured over reference (or the value itself where there is none) against the "
