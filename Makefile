@@ -21,9 +21,8 @@ soak: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-# The chart needs matplotlib; only the benchmark installs it, so `make test` stays lean.
+# Every benchmark case in its own process, then benchmarks/RESULTS.md (BENCH_ARGS=--smoke: seconds).
 bench: $(STAMP)
-	$(PY) -m pip install --quiet --disable-pip-version-check matplotlib==3.11.2
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:

@@ -1,16 +1,12 @@
-"""The benchmark's state dict: a small transformer plus its real AdamW state.
+"""The states the benchmark saves: a transformer plus its real AdamW state, or many small tensors.
 
 Checkpoint cost depends on the number of bytes *and* on the number of
-tensors (flattening, header layout and one ``copy_`` per tensor), so the
-state has to look like a real training state: hundreds of tensors, from
-0-dim AdamW ``step`` scalars and norm biases to a large embedding, shaped as
-``{"model": ..., "optimizer": ..., "step": n}``. The width of the model is
-chosen so the whole state (parameters, ``exp_avg``, ``exp_avg_sq``) comes as
-close as a multiple of 16 allows to the requested size.
-
-Gradients are set with ``randn_like`` instead of running a forward/backward
-pass: the optimizer state has exactly the tensors a real step produces, and
-building 1 GiB of state takes seconds instead of a minute on two cores.
+tensors (flattening, header layout, one ``copy_`` per tensor), so the main
+state looks like a real training state: hundreds of tensors, from 0-dim
+AdamW ``step`` scalars to a large embedding, shaped as ``{"model",
+"optimizer", "step"}``. Gradients are set with ``randn_like`` instead of a
+forward/backward pass: the optimizer holds exactly the tensors a real step
+makes, and 1 GiB of state takes seconds to build instead of a minute.
 """
 
 from __future__ import annotations
@@ -33,110 +29,94 @@ class Block(nn.Module):
 
     def __init__(self, d: int) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(d)
-        self.q = nn.Linear(d, d)
-        self.k = nn.Linear(d, d)
-        self.v = nn.Linear(d, d)
-        self.o = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
 
 class TinyTransformer(nn.Module):
     """Embedding, ``LAYERS`` blocks, final norm and an untied output head."""
 
-    def __init__(self, d: int, layers: int = LAYERS, vocab: int = VOCAB) -> None:
+    def __init__(self, d: int) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.embed = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
+        self.head = nn.Linear(d, VOCAB, bias=False)
 
 
-def param_count(d: int, layers: int = LAYERS, vocab: int = VOCAB) -> int:
+def param_count(d: int) -> int:
     """Parameters of ``TinyTransformer(d)``, without building it."""
     per_block = 2 * (2 * d) + 4 * (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
-    return 2 * vocab * d + layers * per_block + 2 * d
+    return 2 * VOCAB * d + LAYERS * per_block + 2 * d
 
 
 def pick_width(target_bytes: int) -> int:
-    """The width (multiple of ``WIDTH_STEP``) whose state is closest to ``target_bytes``."""
-    best, d = WIDTH_STEP, WIDTH_STEP
-    while True:
-        size = param_count(d) * BYTES_PER_PARAM
-        if abs(size - target_bytes) < abs(param_count(best) * BYTES_PER_PARAM - target_bytes):
-            best = d
-        if size > target_bytes:
-            return best
+    """The width (a multiple of ``WIDTH_STEP``) whose state comes closest to ``target_bytes``."""
+    d = WIDTH_STEP
+    while param_count(d + WIDTH_STEP) * BYTES_PER_PARAM <= target_bytes:
         d += WIDTH_STEP
+    above = d + WIDTH_STEP
+    gap = abs(param_count(above) * BYTES_PER_PARAM - target_bytes)
+    return above if gap < abs(param_count(d) * BYTES_PER_PARAM - target_bytes) else d
 
 
 @dataclass
 class BenchState:
-    """The state dict and what the report says about it."""
+    """A state dict, its tensors in flattening order, and (for the transformer) its model and optimizer."""
 
     state: dict[str, Any]
-    width: int
-    layers: int
-    params: int
     tensors: list[torch.Tensor]
-    """Every tensor of ``state`` once, in flattening order."""
     model: nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
-    """The objects ``state`` was taken from (its tensors are theirs): targets for ``load_into``."""
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    @property
-    def largest(self) -> int:
-        return max(t.numel() * t.element_size() for t in self.tensors)
+    def describe(self) -> dict:
+        """What the report says about the state."""
+        return {"nbytes": self.nbytes, "tensors": len(self.tensors),
+                "largest": max(t.numel() * t.element_size() for t in self.tensors),
+                "device": str(self.tensors[0].device),
+                **({"gpu": torch.cuda.get_device_name(self.tensors[0].device)} if self.tensors[0].is_cuda else {})}
 
 
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+def iter_tensors(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
     """Tensors of a nested dict/list/tuple, depth first, each object once."""
-    seen: set[int] = set()
-
-    def walk(o: Any) -> Iterator[torch.Tensor]:
-        if isinstance(o, torch.Tensor):
-            if id(o) not in seen:
-                seen.add(id(o))
-                yield o
-        elif isinstance(o, dict):
-            for v in o.values():
-                yield from walk(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                yield from walk(v)
-
-    return walk(obj)
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor) and id(obj) not in seen:
+        seen.add(id(obj))
+        yield obj
+    elif isinstance(obj, (dict, list, tuple)):
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            yield from iter_tensors(v, seen)
 
 
-def build_state(size_gib: float, *, seed: int = 0, step: int = 1000) -> BenchState:
-    """A ``{"model", "optimizer", "step"}`` state of about ``size_gib`` GiB."""
+def transformer(size_gib: float, *, device: str = "cpu", seed: int = 0) -> BenchState:
+    """A ``{"model", "optimizer", "step"}`` state of about ``size_gib`` GiB on ``device``."""
     torch.manual_seed(seed)
-    d = pick_width(int(size_gib * (1 << 30)))
-    model = TinyTransformer(d)
-    # foreach: the default single-tensor CPU step takes ~7 s for 1 GiB here.
+    model = TinyTransformer(pick_width(int(size_gib * (1 << 30)))).to(device)
+    # foreach: the default single-tensor CPU step takes ~7 s for 1 GiB on two cores.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
     with torch.no_grad():
         for p in model.parameters():
             p.grad = torch.randn_like(p).mul_(1e-3)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
-    params = sum(p.numel() for p in model.parameters())
-    return BenchState(state, d, LAYERS, params, list(iter_tensors(state)), model, opt)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1000}
+    return BenchState(state, list(iter_tensors(state)), model, opt)
 
 
-def describe(bench: BenchState) -> dict:
-    """What the report says about the state, as JSON."""
-    return {"nbytes": bench.nbytes, "tensors": len(bench.tensors), "largest": bench.largest,
-            "layers": bench.layers, "width": bench.width, "params": bench.params}
+def build(name: str, size_gib: float, *, device: str = "cpu", seed: int = 0) -> BenchState:
+    """``transformer`` of ``size_gib``, or ``small``: 1,000 float32 tensors of 256 B (fixed costs dominate)."""
+    if name == "small":
+        torch.manual_seed(seed)
+        state = {f"t{i:05d}": torch.randn(64, device=device) for i in range(1000)}
+        return BenchState(state, list(state.values()))
+    return transformer(size_gib, device=device, seed=seed)
 
 
 def tensor_sum(tensors: Any) -> float:
-    """Sum of every element of every tensor (float32 sums, added in Python): touches every byte."""
-    return float(sum(float(t.sum()) for t in tensors if t.numel()))
+    """Sum of every element of every tensor: touches every byte (float32 sums, added in Python)."""
+    return float(sum(float(t.float().sum()) for t in tensors if t.numel()))

@@ -1,0 +1,135 @@
+"""The registry of cases, and running each case in a process of its own.
+
+A case is a row: a name, its report section, a method (a key of
+``methods.METHODS``), its state (builder, size, device) and parameters; to
+measure something new, add a row. Each case runs in a fresh process forked
+from a server that has only imported torch and ckptd, so no case inherits
+another's memory or threads, and none pays a torch import. A case sends
+back exactly one JSON line: its measurements, or ``{"case", "error"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+LOAD_METHODS = {"raw_read": "raw read, page cache (floor)", "raw_read_direct": "raw read, O_DIRECT",
+                "ckptd_load": "ckptd.load, zero-copy", "ckptd_load_noverify": "ckptd.load verify=False, zero-copy",
+                "ckptd_load_cpu": 'ckptd.load map_location="cpu"',
+                "ckptd_load_into": "ckptd.load_into model, then optimizer",
+                "ckptd_load_into_sd": "ckptd.load_into one state dict", "torch_load": "torch.load",
+                "torch_load_mmap": "torch.load mmap=True", "dcp_load": "DCP load (in place)"}
+DCP_MODES = {"save": "DCP save", "thread": "DCP async_save THREAD", "process": "DCP async_save PROCESS",
+             "process_stager": "DCP async_save PROCESS + reused DefaultStager"}
+
+
+@dataclass
+class Case:
+    name: str
+    section: str
+    """``save``, ``multi``, ``scaling`` or ``load``: where the report puts it."""
+    method: str
+    label: str
+    repeat: int
+    state: str = "transformer"
+    size_gib: float = 1.0
+    device: str = "cpu"
+    params: dict = field(default_factory=dict)
+
+
+@dataclass
+class Settings:
+    """What one run measures; ``smoke`` shrinks every size so the whole registry runs in seconds."""
+
+    size_gib: float = 1.0
+    repeat: int = 3
+    limit_repeat: int = 5
+    ranks: int = 4
+    rank_size_gib: float = 0.5
+    scaling_gib: tuple[float, ...] = (1 / 16, 1 / 4, 1.0, 2.0, 4.0)
+    device: str = "cpu"
+
+    @classmethod
+    def smoke(cls, device: str = "cpu") -> "Settings":
+        return cls(1 / 64, 1, 1, 2, 1 / 80, (1 / 80, 1 / 32), device)
+
+
+def registry(s: Settings) -> list[Case]:
+    """Every case of a run, in the order they run (the limits first, then what is set against them)."""
+    dev, cpu = s.device, s.device == "cpu"
+    save = dict(section="save", size_gib=s.size_gib, device=dev)
+    lim = dict(save, repeat=s.limit_repeat)
+    out = [Case("memcpy", method="memcpy", label="memcpy → reused buffer (limit)", **lim),
+           Case("write_direct", method="write", label="write O_DIRECT + fsync (limit)", params={"direct": True}, **lim),
+           Case("write_buffered", method="write", label="write buffered + fsync", params={"direct": False}, **lim),
+           Case("torch_save", method="torch_save", label="torch.save + fsync", repeat=s.repeat, **save)]
+    if cpu:
+        out.insert(1, Case("memcpy_fresh", method="memcpy_fresh", label="memcpy → fresh /dev/shm", **lim))
+    out += [Case(f"dcp_{m}", method="dcp", label=label, repeat=s.repeat, params={"mode": m}, **save)
+            for m, label in DCP_MODES.items()]
+    out += [Case("ckptd_sync", method="ckptd", label="ckptd save_async, sync staging", repeat=s.repeat, **save),
+            Case("ckptd_sync_stream", method="ckptd", label="ckptd save_async, sync staging, stream_commit=True",
+                 repeat=s.repeat, params={"stream_commit": True}, **save),
+            Case("ckptd_bg", method="ckptd", label="ckptd save_async, background staging", repeat=s.repeat,
+                 params={"background_staging": True}, **save),
+            Case("memcpy_small", method="memcpy", label="memcpy → reused buffer (limit), 1,000 × 256 B",
+                 state="small", **lim),
+            Case("ckptd_sync_small", method="ckptd", label="ckptd save_async, sync staging, 1,000 × 256 B",
+                 state="small", repeat=s.repeat, **save)]
+    if cpu:
+        multi = dict(section="multi", size_gib=s.rank_size_gib, repeat=s.repeat)
+        out += [Case("multi_raw", method="raw_write", label="raw O_DIRECT write + fsync", params={"ranks": s.ranks},
+                     **dict(multi, repeat=s.limit_repeat)),
+                Case("multi_separate", method="multi_saves", label=f"ckptd, {s.ranks} separate checkpoints",
+                     params={"ranks": s.ranks, "shared": False}, **multi),
+                Case("multi_one", method="multi_saves", label=f"ckptd, one checkpoint, ranks 0-{s.ranks - 1} "
+                     f"of {s.ranks}", params={"ranks": s.ranks, "shared": True}, **multi)]
+    out += [Case(f"scaling_{size_label(g)}".replace(" ", ""), section="scaling", method="scaling", label=size_label(g),
+                 repeat=s.repeat, size_gib=g, device=dev) for g in s.scaling_gib]
+    if cpu:
+        load = dict(section="load", size_gib=s.size_gib, repeat=s.repeat)
+        out.append(Case("load_prepare", method="load_prepare", label="writing the checkpoints", **load))
+        out += [Case(f"load_{m}", method="load", label=label, params={"method": m}, **load)
+                for m, label in LOAD_METHODS.items()]
+        out += [Case(f"load_ranks_{'lease' if lease else 'nolimit'}", section="load", method="rank_loads",
+                     label=f"max_concurrent_per_node={lease}" if lease else "no limit", repeat=s.repeat,
+                     size_gib=s.rank_size_gib, params={"ranks": s.ranks, "limit": lease}) for lease in (None, 1)]
+    return out
+
+
+def size_label(gib: float) -> str:
+    return f"{gib:g} GiB" if gib >= 1 else f"{gib * 1024:g} MiB"
+
+
+def _child(case: Case, scratch: str, conn: Any, log: str) -> None:
+    """The case process's entry point (the server has imported ``methods`` already)."""
+    from .methods import child
+
+    child(case, scratch, conn, log)
+
+
+def run_all(cases: list[Case], scratch: Path, *, timeout: float) -> Iterator[dict]:
+    """Run each case in a fresh process, one after the other; yields each one's JSON record."""
+    ctx = mp.get_context("forkserver")
+    # Imported once by the server, never run: a case starts in milliseconds, without a torch import of its own.
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed.checkpoint", "ckptd.client",
+                                "benchmarks.methods"])
+    (scratch / "logs").mkdir(parents=True, exist_ok=True)
+    for case in cases:
+        log = scratch / "logs" / f"{case.name}.log"
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(case, str(scratch), send, str(log)), name=f"case-{case.name}")
+        proc.start()
+        send.close()
+        try:
+            line = json.loads(recv.recv()) if recv.poll(timeout) else None
+        except EOFError:
+            line = None
+        proc.join(60 if line else 5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        yield line or {"case": case.name, "error": f"no result (exit code {proc.exitcode}; log: {log})"}

@@ -1,0 +1,104 @@
+"""What a case reads about processes and files: memory, CPU time, peaks, eviction, all from ``/proc``.
+
+``Sampler`` polls the memory of named groups of processes (the case, the
+daemon, DCP's checkpoint process, the ranks) every 20 ms on a thread and
+keeps each field's peak: RSS, ``RssAnon`` (private memory), ``RssFile``
+(mapped files) and ``RssShmem`` (shared memory: slots, staging copies).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+TICK = 1.0 / os.sysconf("SC_CLK_TCK")
+FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+
+def memory(pid: int | str = "self") -> dict[str, int]:
+    """``FIELDS`` of ``pid`` in bytes (empty if the process is gone)."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                key, _, rest = line.partition(b":")
+                if key.decode() in FIELDS:
+                    out[key.decode()] = int(rest.split()[0]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        return {}
+    return out
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """User + system CPU seconds of ``pid``, all its threads (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    fields = data[data.rindex(b")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) * TICK
+
+
+def reset_peak_rss() -> None:
+    """Reset this process's ``VmHWM`` to its current RSS (``clear_refs`` 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss() -> int:
+    """This process's ``VmHWM`` in bytes: its peak RSS since start or the last reset."""
+    with open("/proc/self/status", "rb") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"VmHWM:"))
+
+
+class Sampler:
+    """Peaks of each group's summed memory fields while it runs (a context manager)."""
+
+    def __init__(self, groups: dict[str, list[int]], interval: float = 0.02) -> None:
+        self.groups = {name: list(pids) for name, pids in groups.items() if pids}
+        self.interval = interval
+        self.peaks: dict[str, dict[str, int]] = {name: dict.fromkeys(FIELDS, 0) for name in self.groups}
+        self.first: dict[str, dict[str, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+
+    def sample(self) -> None:
+        for name, pids in self.groups.items():
+            total = dict.fromkeys(FIELDS, 0)
+            for pid in pids:
+                for k, v in memory(pid).items():
+                    total[k] += v
+            self.first.setdefault(name, total)
+            self.peaks[name] = {k: max(v, total[k]) for k, v in self.peaks[name].items()}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> "Sampler":
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+def evict(paths: list[Path]) -> None:
+    """Drop the page-cache pages of ``paths`` (``POSIX_FADV_DONTNEED``): the next read is cold."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def files_under(path: Path) -> list[Path]:
+    """Every file of a checkpoint directory (or the file itself)."""
+    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]

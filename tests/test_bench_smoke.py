@@ -1,0 +1,76 @@
+"""The benchmark harness runs end to end at tiny sizes, so it cannot rot unnoticed.
+
+One real run of ``python -m benchmarks --smoke``: every case of the
+registry in its own process, real daemons, real files. No timing is
+asserted; what is checked is that every case sent one valid JSON line with
+measurements, and that the report renders from them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _numbers(value: object) -> list[float]:
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _numbers(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in _numbers(v)]
+    return [float(value)] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
+
+
+@pytest.mark.timeout(900)
+def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_path: Path) -> None:
+    listed = _bench("--smoke", "--list", timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    names = [line.split()[0] for line in listed.stdout.splitlines()]
+    assert len(names) >= 30 and "ckptd_sync" in names and "load_ranks_lease" in names
+
+    out = tmp_path / "RESULTS.md"
+    run = _bench("--smoke", "--scratch", str(tmp_path), "--out", str(out), timeout=840)
+    assert run.returncode == 0, run.stderr[-4000:]
+
+    records = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["case"] for r in records] == names
+    for r in records:
+        assert "error" not in r, r
+        assert r["wall_s"] > 0
+        if r["method"] != "load_prepare":
+            reps = r["reps"]
+            assert reps and all(len(v) >= 1 for v in reps.values()), r["case"]
+            values = _numbers(reps)
+            assert all(math.isfinite(v) and v >= 0 for v in values), r["case"]
+            assert any(v > 0 for v in values), r["case"]
+    saved = [r for r in records if r["method"] == "ckptd"]
+    assert all(r["writer"]["RssAnon"] > 0 and r["reps"]["daemon_s"][0] > 0 for r in saved), "daemon figures missing"
+
+    jsonl = [json.loads(x) for x in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert "meta" in jsonl[0] and [x["case"] for x in jsonl if "meta" not in x] == names
+    rendered = tmp_path / "again.md"
+    again = _bench("--report", str(tmp_path / "run" / "results.jsonl"), "--out", str(rendered), timeout=120)
+    assert again.returncode == 0, again.stderr
+
+    report = out.read_text()
+    assert rendered.read_text() == report  # the report is made of the lines alone
+    for heading in ("## Targets", "## Saving", "## Clients on one node", "## Scaling", "## Loading",
+                    "## Ranks loading at once", "## Every repetition"):
+        assert heading in report
+    assert "## Failed cases" not in report
+    for r in records:
+        if r.get("reps"):
+            assert f"- {r['case']} (" in report
+    targets = report.split("## Targets")[1].split("## ")[0]
+    assert targets.count("| met |") + targets.count("| missed |") >= 15
