@@ -182,13 +182,14 @@ class Commits:
         parent = pending.path.parent
         if os.path.lexists(parent) and not parent.is_dir():
             raise WriteFailed(f"cannot create {pending.incomplete}: {parent} is not a directory")
+        leftover = os.path.lexists(pending.incomplete) and not pending.coordinated
+        reason = why_not_leftover(pending.incomplete) if leftover else None
+        if reason is not None:
+            raise CheckpointExists(f"{pending.incomplete} is in the way of this save and is not a dead save's "
+                                   f"leftover ({reason}); move it away or save under another path")
         try:
             os.makedirs(parent, exist_ok=True)
-            if os.path.lexists(pending.incomplete) and not pending.coordinated:
-                reason = why_not_leftover(pending.incomplete)
-                if reason is not None:
-                    raise CheckpointExists(f"{pending.incomplete} is in the way of this save and is not a dead "
-                                           f"save's leftover ({reason}); move it away or save under another path")
+            if leftover:
                 self.storage.remove_tree(pending.incomplete)
             try:
                 self.storage.mkdir(pending.incomplete)

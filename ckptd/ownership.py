@@ -110,10 +110,12 @@ def why_not_replaceable(path: Path) -> str | None:
         reason = _not_a_directory(path)
         if reason is not None:
             return reason
+        if not os.path.lexists(path / INDEX_NAME):
+            return f"it is not a committed ckptd checkpoint: it has no {INDEX_NAME}"
         try:
             index = read_index(path)
-        except InvalidCheckpoint as exc:
-            return f"it is not a committed ckptd checkpoint ({exc.message})"
+        except InvalidCheckpoint:
+            return f"it is not a committed ckptd checkpoint: its {INDEX_NAME} is not a valid ckptd index"
         listed = {INDEX_NAME, *(f.file for f in index.files)}
         foreign = _foreign(path, listed.__contains__)
     except OSError as exc:
