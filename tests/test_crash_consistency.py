@@ -104,6 +104,11 @@ def assert_killed_at(daemon, fault: dict) -> None:
         f"the daemon died at another call than {want} on {fault['match']!r}: {last}")
 
 
+def killer(daemon_factory, client_factory, fault: dict):
+    """A daemon that SIGKILLs itself at ``fault``, and a client that notices its death quickly."""
+    return daemon_factory(faults=[{**fault, "kill": True, "errno": 0}]), client_factory(heartbeat=0.2, timeout=5.0)
+
+
 def leftovers(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.endswith(".incomplete"))
 
@@ -140,8 +145,7 @@ KILL_POINTS = [
 def test_a_daemon_killed_at_any_point_of_a_save_leaves_the_path_absent_or_whole_and_a_restart_recovers(
     daemon_factory, client_factory, root, point, fault, outcome
 ) -> None:
-    daemon = daemon_factory(faults=[{**fault, "kill": True, "errno": 0}])
-    client = client_factory(heartbeat=0.2, timeout=5.0)
+    daemon, client = killer(daemon_factory, client_factory, fault)
     earlier = make_state(1)
     client.save_async(earlier, root / "earlier", step=1).result(30)
     earlier_bytes = digests(root / "earlier")
@@ -198,8 +202,7 @@ OVERWRITE_KILL_POINTS = [
 def test_a_daemon_killed_while_overwriting_leaves_the_old_or_the_new_checkpoint_loadable_at_the_path(
     daemon_factory, client_factory, root, point, fault, step
 ) -> None:
-    daemon = daemon_factory(faults=[{**fault, "kill": True, "errno": 0}])
-    client = client_factory(heartbeat=0.2, timeout=5.0)
+    daemon, client = killer(daemon_factory, client_factory, fault)
     old, new = make_state(5), make_state(6)
     client.save_async(old, root / NAME, step=5).result(30)
     fut = client.save_async(new, root / NAME, step=6, overwrite=True)
@@ -240,8 +243,7 @@ RETENTION_KILL_POINTS = [
 def test_a_daemon_killed_inside_retention_leaves_every_checkpoint_whole_or_gone_and_a_restart_sweeps_the_victim(
     daemon_factory, client_factory, root, point, fault, kept
 ) -> None:
-    daemon = daemon_factory(faults=[{**fault, "kill": True, "errno": 0}])
-    client = client_factory(heartbeat=0.2, timeout=5.0)
+    daemon, client = killer(daemon_factory, client_factory, fault)
     states = {step: make_state(step) for step in (1, 2)}
     client.save_async(states[1], root / "step-1", step=1).result(30)
     client.save_async(states[2], root / "step-2", step=2, keep_last=1).result(30)  # committed, then retention
