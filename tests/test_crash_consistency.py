@@ -2,8 +2,11 @@
 
 The daemon is started with a ``kill`` fault (``CKPTD_FAULTS``, the storage
 seam): it SIGKILLs itself at exactly one point of the commit sequence
-(shard write, shard fsync, index write, directory fsync, rename). Whatever
-the point, the checkpoint path is either absent or a whole, loadable
+(shard write, shard fsync, index write, directory fsync, rename), of an
+overwrite (marking the old checkpoint, the exchange, removing the old one) or
+of retention (marking the victim, renaming it aside, removing it). Each test
+first proves the daemon died there: exit by SIGKILL, and the fault's
+``event=fault`` log line names the call. Whatever the point, the checkpoint path is either absent or a whole, loadable
 checkpoint; checkpoints committed before are bitwise intact; a daemon
 restarted on the same run directory sweeps the dead one's leftovers and the
 same client (``spawn=False``) saves again.
