@@ -205,7 +205,8 @@ class Server:
             self._drain_deadline = now + self.config.drain_timeout
             log.info("event=drain checkpoints=%d writes=%d", len(self.commits.pending), len(self.jobs))
         if now >= self._drain_deadline:
-            for pending in [p for p in self.commits.pending.values() if p.state == "writing" and not p.coordinated and p.missing]:
+            waiting = [p for p in self.commits.pending.values() if p.state == "writing" and not p.coordinated]
+            for pending in [p for p in waiting if p.missing]:
                 self._fail(pending, ShuttingDown(
                     f"the daemon was stopped while checkpoint {pending.path} waited for ranks {pending.missing} "
                     f"of {pending.world_size}; it waited {self.config.drain_timeout:g} s for them and "
