@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="write Prometheus metrics to FILE every second")
     start.add_argument("--sweep", choices=("remove", "move", "off"), default="remove",
                        help="on start, remove (default), move aside, or keep orphaned .incomplete directories")
+    start.add_argument("--drain-timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="on stop, wait this long for checkpoints still missing ranks (default 60)")
     start.add_argument("--quiet", action="store_true", help="with --foreground: log to the log file only")
 
     status = with_run_dir(sub.add_parser("status", help="show what the daemon is doing"))
@@ -106,7 +108,8 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
               "exit_when_idle": args.exit_when_idle, "direct_io": not args.buffered_io,
               "keep_last": dict(args.keep or []), "sweep": args.sweep,
               "max_concurrent_loads": args.max_concurrent_loads, "metrics_port": args.metrics_port,
-              "metrics_addr": args.metrics_addr, "metrics_textfile": args.metrics_textfile}
+              "metrics_addr": args.metrics_addr, "metrics_textfile": args.metrics_textfile,
+              "drain_timeout": args.drain_timeout}
     if args.root:
         kwargs["roots"] = tuple(args.root)
     config = DaemonConfig(**kwargs, log_to_stderr=args.foreground and not args.quiet)
@@ -120,7 +123,7 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
     if args.buffered_io:
         argv.append("--buffered-io")
     argv += [a for d, k in config.keep_last.items() for a in ("--keep", f"{d}={k}")]
-    argv += ["--sweep", config.sweep]
+    argv += ["--sweep", config.sweep, "--drain-timeout", str(config.drain_timeout)]
     if config.max_concurrent_loads is not None:
         argv += ["--max-concurrent-loads", str(config.max_concurrent_loads)]
     if config.metrics_port is not None:

@@ -19,7 +19,6 @@ and ``discard`` do I/O, and the server runs those on its commit thread.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,10 +46,16 @@ from ckptd.protocol.index import (
 from ckptd.protocol.inspect import read_shard_header
 from ckptd.protocol.messages import Commit, Finalize
 
+from .ownership import (
+    check_replaceable,
+    is_owner_marker,
+    owner_marker,
+    remove_markers,
+    why_not_leftover,
+    why_not_replaceable,
+)
 from .storage import Storage
 
-OWNER_PREFIX = ".ckptd-owner-"
-"""Marker in ``p.incomplete/`` naming the host and daemon pid writing it (for the start-up sweep)."""
 
 @dataclass
 class PendingCheckpoint:
@@ -122,10 +127,6 @@ def resolve_path(raw: str, roots: tuple[Path, ...]) -> Path:
     return final
 
 
-def owner_marker() -> str:
-    return f"{OWNER_PREFIX}{socket.gethostname()}-{os.getpid()}"
-
-
 class Commits:
     """Checkpoints in progress on this daemon, by final path."""
 
@@ -141,8 +142,8 @@ class Commits:
         self._refuse_late_rank_of_failed(final, commit.rank)
         pending = self.pending.get(final)
         if pending is None:
-            if os.path.lexists(final) and not commit.overwrite:
-                raise CheckpointExists(f"checkpoint {final} already exists; pass overwrite=True to replace it")
+            if os.path.lexists(final):
+                self._refuse_existing(final, commit.overwrite)
             pending = PendingCheckpoint(final, commit.world_size, commit.step, commit.overwrite,
                                         commit.coordinated, commit.keep_last, commit.timeout)
             self._prepare_directory(pending)
@@ -160,6 +161,18 @@ class Commits:
         pending.waiting.append((client, commit.id, commit.rank))
         return pending, pending.incomplete / shard_name(commit.rank, commit.world_size)
 
+    @staticmethod
+    def _refuse_existing(final: Path, overwrite: bool) -> None:
+        """Something is at ``final``: only a committed ckptd checkpoint, with ``overwrite``, may be replaced."""
+        if overwrite:
+            check_replaceable(final)
+            return
+        reason = why_not_replaceable(final)
+        if reason is None:
+            raise CheckpointExists(f"checkpoint {final} already exists; pass overwrite=True to replace it")
+        raise CheckpointExists(f"{final} already exists, and overwrite=True would not replace it either: "
+                               f"{reason}; save under another path")
+
     def _refuse_late_rank_of_failed(self, final: Path, rank: int) -> None:
         """A rank arriving after its checkpoint failed gets the same error; its retry starts afresh."""
         failed = self.failed.get(final)
@@ -174,15 +187,22 @@ class Commits:
     def _prepare_directory(self, pending: PendingCheckpoint) -> None:
         """Create ``p.incomplete``; a leftover from a dead save is removed first.
 
+        Only a leftover holding nothing but ckptd's files and written by no
+        live ckptd here is removed; anything else there is refused, untouched.
         Coordinated checkpoints share the directory with other nodes' daemons,
         so there it is created if missing and never removed.
         """
         parent = pending.path.parent
         if os.path.lexists(parent) and not parent.is_dir():
             raise WriteFailed(f"cannot create {pending.incomplete}: {parent} is not a directory")
+        leftover = os.path.lexists(pending.incomplete) and not pending.coordinated
+        reason = why_not_leftover(pending.incomplete) if leftover else None
+        if reason is not None:
+            raise CheckpointExists(f"{pending.incomplete} is in the way of this save and is not a dead save's "
+                                   f"leftover ({reason}); move it away or save under another path")
         try:
             os.makedirs(parent, exist_ok=True)
-            if os.path.lexists(pending.incomplete) and not pending.coordinated:
+            if leftover:
                 self.storage.remove_tree(pending.incomplete)
             try:
                 self.storage.mkdir(pending.incomplete)
@@ -243,8 +263,11 @@ class Commits:
         Replacing an existing checkpoint swaps the two directories in one
         atomic ``renameat2(RENAME_EXCHANGE)``, so a crash at any point leaves
         either the old or the new checkpoint under the name, never neither.
+        Only a committed checkpoint holding nothing but ckptd's files is ever
+        replaced (checked again here: the path may have changed since admission).
         The owner markers stay until after the rename, so the start-up sweep
-        can still recognise a crashed commit as ours.
+        can still recognise a crashed commit as ours; failing to remove them
+        afterwards does not undo the commit (readers ignore markers).
         """
         storage, final = self.storage, pending.path
         try:
@@ -255,6 +278,7 @@ class Commits:
             if os.path.lexists(final):
                 if not pending.overwrite:
                     raise CheckpointExists(f"checkpoint {final} appeared while this one was written")
+                check_replaceable(final)
                 # Mark the old checkpoint as ours first: after the swap it sits at
                 # p.incomplete, and if we die there the start-up sweep removes it.
                 storage.touch(final / owner_marker())
@@ -264,18 +288,18 @@ class Commits:
             else:
                 storage.rename(pending.incomplete, final)
                 storage.fsync_dir(final.parent)
+        except CkptdError:
+            raise
         except OSError as exc:
             raise WriteFailed(f"committing {final} failed: {exc.strerror or exc}") from None
-        for entry in os.scandir(final):
-            if entry.name.startswith(OWNER_PREFIX):
-                os.unlink(entry.path)
+        remove_markers(storage, final)
 
     def _check_shards(self, pending: PendingCheckpoint) -> None:
         """Every listed shard is there at its size; nothing else is left behind."""
         keep = {f.file for f in pending.shards.values()}
         for entry in os.scandir(pending.incomplete):
-            if entry.name not in keep and not entry.name.startswith(OWNER_PREFIX):
-                (self.storage.remove_tree if entry.is_dir() else os.unlink)(entry.path)
+            if entry.name not in keep and not is_owner_marker(entry.name):
+                (self.storage.remove_tree if entry.is_dir() else self.storage.unlink)(Path(entry.path))
         for f in pending.shards.values():
             try:
                 size = os.stat(pending.incomplete / f.file).st_size

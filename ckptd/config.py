@@ -60,6 +60,11 @@ class DaemonConfig:
     """Write Prometheus metrics to this file every second (node-exporter textfile collector)."""
     shm_min_free: int = 16 * 1024 * 1024
     """Admission refuses saves while /dev/shm has less than this free."""
+    drain_timeout: float = 60.0
+    """On ``ckptd stop`` or SIGTERM, seconds to wait for checkpoints still
+    missing ranks (their ranks may still commit); then they fail with
+    ShuttingDown and their ``.incomplete`` directories are removed. Shards
+    already being written are always finished."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir).absolute()
@@ -72,6 +77,8 @@ class DaemonConfig:
             raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
         if self.exit_when_idle is not None and self.exit_when_idle <= 0:
             raise ValueError(f"exit_when_idle must be positive seconds, got {self.exit_when_idle}")
+        if not 0 <= self.drain_timeout < float("inf"):
+            raise ValueError(f"drain_timeout must be finite non-negative seconds, got {self.drain_timeout}")
         if self.max_concurrent_loads is not None and self.max_concurrent_loads < 1:
             raise ValueError(f"max_concurrent_loads must be at least 1, got {self.max_concurrent_loads}")
         if self.sweep not in ("remove", "move", "off"):

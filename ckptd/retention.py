@@ -1,10 +1,13 @@
 """Keeping only the newest K checkpoints in a directory, safely.
 
 Runs on the daemon that committed, after the commit, off the socket thread.
-A directory is only ever deleted if it is a committed ckptd checkpoint (its
-index reads back), it is not the newest, and no save is writing it. A
-victim is first renamed to a ``.incomplete`` name, so readers see it vanish
-at once, and only then removed.
+A directory is only ever deleted if it is a committed ckptd checkpoint
+holding nothing but ckptd's files (``ownership.why_not_replaceable``), it is
+not the newest, and no save is writing it. A victim first gets this daemon's
+owner marker, then is renamed to a ``.incomplete`` name, so readers see it
+vanish at once, and only then removed: a daemon that dies between the rename
+and the removal leaves a ``.incomplete`` directory whose only owner is dead,
+which the next start-up sweep removes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, committed_in
 
+from .ownership import owner_marker, remove_markers, why_not_replaceable
 from .storage import Storage
 
 log = logging.getLogger("ckptd")
@@ -23,7 +27,8 @@ def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: s
     """Delete committed checkpoints beside ``newest`` beyond the newest ``keep_last``.
 
     ``newest`` (the checkpoint just committed) is never deleted, whatever its
-    step; neither is anything in ``in_flight``. Returns what was deleted.
+    step; neither is anything in ``in_flight``, nor a checkpoint that holds
+    files ckptd did not write (it is logged and kept). Returns what was deleted.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
@@ -31,11 +36,17 @@ def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: s
     victims = [p for p in others[: max(0, len(others) - (keep_last - 1))] if p not in in_flight]
     deleted = []
     for victim in victims:
+        reason = why_not_replaceable(victim)
+        if reason is not None:
+            log.warning("event=retention_skip path=%s reason=%s", victim, reason)
+            continue
         doomed = victim.with_name(f"{victim.name}.deleting{INCOMPLETE_SUFFIX}")
         try:
+            storage.touch(victim / owner_marker())
             storage.rename(victim, doomed)
         except OSError as exc:
-            log.warning("event=retention_skip path=%s error=%s", victim, exc.strerror)
+            log.warning("event=retention_skip path=%s error=%s", victim, exc.strerror or exc)
+            remove_markers(storage, victim)
             continue
         storage.remove_tree(doomed)
         deleted.append(victim)

@@ -116,6 +116,7 @@ class Server:
         self.stats = Stats(config)
         self.leases = LoadLeases(config.max_concurrent_loads)
         self.draining = False
+        self._drain_deadline: float | None = None
         self._idle_since = time.monotonic()
         self._handlers: dict[type[Message], Callable[[bytes, Message], Message | None]] = {
             Hello: self._on_hello,
@@ -180,7 +181,7 @@ class Server:
 
     def _should_exit(self) -> bool:
         if self.draining:
-            return not self._busy()
+            return self._drained()
         idle_limit = self.config.exit_when_idle
         if idle_limit is None:
             return False
@@ -191,6 +192,27 @@ class Server:
             log.info("event=idle_exit idle_s=%.0f", idle_limit)
             return True
         return False
+
+    def _drained(self) -> bool:
+        """Whether a drain is over: every write and commit done, every checkpoint ended.
+
+        A checkpoint still missing ranks is waited for up to ``drain_timeout``
+        (its ranks may still commit); then it fails with ``ShuttingDown``, its
+        ranks are told so and its ``.incomplete`` directory is removed.
+        """
+        now = time.monotonic()
+        if self._drain_deadline is None:
+            self._drain_deadline = now + self.config.drain_timeout
+            log.info("event=drain checkpoints=%d writes=%d", len(self.commits.pending), len(self.jobs))
+        if now >= self._drain_deadline:
+            waiting = [p for p in self.commits.pending.values() if p.state == "writing" and not p.coordinated]
+            for pending in [p for p in waiting if p.missing]:
+                self._fail(pending, ShuttingDown(
+                    f"the daemon was stopped while checkpoint {pending.path} waited for ranks {pending.missing} "
+                    f"of {pending.world_size}; it waited {self.config.drain_timeout:g} s for them and "
+                    f"committed nothing"))
+            self._abandon_staging(None, "the daemon was stopped before the client finished staging")
+        return not self._busy() and not self.commits.pending
 
     def _drain_socket(self) -> None:
         while True:
@@ -250,8 +272,9 @@ class Server:
 
     def _on_commit(self, ident: bytes, msg: Commit) -> Message:
         client = self._client(ident)
-        if self.draining:
-            raise ShuttingDown("the daemon is draining and accepts no new saves")
+        if self.draining and resolve_path(msg.path, self.config.roots) not in self.commits.pending:
+            raise ShuttingDown("the daemon is draining and accepts no new saves (only missing ranks of "
+                               "checkpoints already in progress)")
         slot = self.slots.acquire(msg.slot, pid=client.pid, nbytes=round_up(msg.nbytes))
         try:
             entries, _, data_start = parse_header(slot.map[: msg.header_len], msg.nbytes)
@@ -426,9 +449,10 @@ class Server:
 
     # -- housekeeping ------------------------------------------------------
 
-    def _abandon_staging(self, ident: bytes, reason: str) -> None:
+    def _abandon_staging(self, ident: bytes | None, reason: str) -> None:
+        """Fail the writes still waiting for ``ident``'s staging (None: every client's)."""
         for job in self.jobs:
-            if job.client == ident and not job.progress.complete:
+            if ident in (None, job.client) and not job.progress.complete:
                 job.progress.fail(reason)
 
     def _start_sweep(self) -> None:

@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import errno
 import json
+import logging
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+log = logging.getLogger("ckptd")
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -72,6 +74,9 @@ class Storage:
     def rename(self, src: Path, dst: Path) -> None:
         os.rename(src, dst)
 
+    def unlink(self, path: Path) -> None:
+        os.unlink(path)
+
     def exchange(self, a: Path, b: Path) -> None:
         """Swap two directories atomically (Linux ``renameat2(RENAME_EXCHANGE)``)."""
         if _libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
@@ -93,7 +98,10 @@ class Storage:
 class Fault:
     """Fail, delay or kill the daemon at calls of ``op`` whose path contains ``match``.
 
-    ``op`` is one of open, write, fsync, write_file, fsync_dir, rename.
+    ``op`` is one of open, write, fsync, write_file, fsync_dir, rename,
+    exchange (the swap of an overwrite; its path is the final name), touch
+    (owner markers), unlink, remove_tree. Each fault that acts logs
+    ``event=fault`` first, so a test can tell which call it hit.
     """
 
     op: str
@@ -122,6 +130,8 @@ class FaultyStorage(Storage):
     def _inject(self, op: str, where: str, *, after: bool = False) -> None:
         for f in self.faults:
             if f.op == op and f.match in where and f.after == after:
+                action = "kill" if f.kill else (f"errno={f.errno}" if f.errno else f"delay={f.delay:g}")
+                log.warning("event=fault op=%s after=%s action=%s path=%s", op, after, action, where)
                 if f.delay:
                     time.sleep(f.delay)
                 if f.kill:
@@ -172,9 +182,24 @@ class FaultyStorage(Storage):
         self._inject("rename", str(dst), after=True)
 
     def exchange(self, a: Path, b: Path) -> None:
-        self._inject("rename", str(b))
+        self._inject("exchange", str(b))
         super().exchange(a, b)
-        self._inject("rename", str(b), after=True)
+        self._inject("exchange", str(b), after=True)
+
+    def touch(self, path: Path) -> None:
+        self._inject("touch", str(path))
+        super().touch(path)
+        self._inject("touch", str(path), after=True)
+
+    def unlink(self, path: Path) -> None:
+        self._inject("unlink", str(path))
+        super().unlink(path)
+        self._inject("unlink", str(path), after=True)
+
+    def remove_tree(self, path: Path) -> None:
+        self._inject("remove_tree", str(path))
+        super().remove_tree(path)
+        self._inject("remove_tree", str(path), after=True)
 
 
 def storage_from_env() -> Storage:

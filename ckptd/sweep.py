@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 
-from ckptd.protocol.index import INCOMPLETE_SUFFIX
+from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME
 from ckptd.protocol.shm import shm_dir as default_shm_dir
 
-from .commit import OWNER_PREFIX
+from .ownership import dead_here, marker_owners, remove_markers
 from .slots import pid_alive, slot_owner
 from .storage import Storage
 
@@ -54,35 +53,38 @@ class KnownDirs:
         os.replace(tmp, self.file)
 
 
-def is_orphaned(incomplete: Path, host: str) -> bool:
+def is_orphaned(incomplete: Path) -> bool:
     """Whether every writer named in ``incomplete``'s markers is a dead process on this host."""
     try:
-        markers = [e.name[len(OWNER_PREFIX):] for e in os.scandir(incomplete) if e.name.startswith(OWNER_PREFIX)]
+        owners = marker_owners(incomplete)
     except OSError:
         return False
-    if not markers:
-        return False
-    for marker in markers:
-        marker_host, _, pid = marker.rpartition("-")
-        if marker_host != host or not pid.isdigit() or pid_alive(int(pid)):
-            return False
-    return True
+    return bool(owners) and all(dead_here(owner) for owner in owners)
 
 
 def sweep_incomplete(storage: Storage, directories: list[Path], mode: str) -> list[Path]:
-    """Remove (``remove``) or move into ``.ckptd-swept/`` (``move``) orphaned ``.incomplete`` dirs."""
+    """Remove (``remove``) or move into ``.ckptd-swept/`` (``move``) orphaned ``.incomplete`` dirs.
+
+    That includes a checkpoint that retention or an overwrite had renamed
+    aside when its daemon died. Dead daemons' owner markers left in committed
+    checkpoints (a crash between marking and renaming, or a failed removal)
+    are removed as well.
+    """
     if mode == "off":
         return []
-    host = socket.gethostname()
     swept = []
     for directory in directories:
         try:
-            entries = [e for e in os.scandir(directory) if e.name.endswith(INCOMPLETE_SUFFIX) and e.is_dir()]
+            entries = [e for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
         except OSError:
             continue
         for entry in entries:
             path = Path(entry.path)
-            if not is_orphaned(path, host):
+            if not entry.name.endswith(INCOMPLETE_SUFFIX):
+                if os.path.isfile(path / INDEX_NAME):
+                    remove_markers(storage, path, dead_only=True)
+                continue
+            if not is_orphaned(path):
                 continue
             if mode == "move":
                 aside = directory / SWEPT_DIR

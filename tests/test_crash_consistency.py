@@ -2,8 +2,11 @@
 
 The daemon is started with a ``kill`` fault (``CKPTD_FAULTS``, the storage
 seam): it SIGKILLs itself at exactly one point of the commit sequence
-(shard write, shard fsync, index write, directory fsync, rename). Whatever
-the point, the checkpoint path is either absent or a whole, loadable
+(shard write, shard fsync, index write, directory fsync, rename), of an
+overwrite (marking the old checkpoint, the exchange, removing the old one) or
+of retention (marking the victim, renaming it aside, removing it). Each test
+first proves the daemon died there: exit by SIGKILL, and the fault's
+``event=fault`` log line names the call. Whatever the point, the checkpoint path is either absent or a whole, loadable
 checkpoint; checkpoints committed before are bitwise intact; a daemon
 restarted on the same run directory sweeps the dead one's leftovers and the
 same client (``spawn=False``) saves again.
@@ -93,6 +96,22 @@ def digests(path: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
 
 
+def assert_killed_at(daemon, fault: dict) -> None:
+    """The daemon died of SIGKILL, and its log shows the injected fault that killed it."""
+    assert daemon.proc.wait(30) == -signal.SIGKILL, "the daemon did not die of SIGKILL"
+    lines = [line for line in (daemon.run_dir / "ckptd.log").read_text().splitlines() if "event=fault " in line]
+    assert lines, "the daemon died, but no injected fault acted"
+    last = lines[-1]
+    want = f"op={fault['op']} after={fault.get('after', False)} action=kill"
+    assert want in last and fault["match"] in last.partition(" path=")[2], (
+        f"the daemon died at another call than {want} on {fault['match']!r}: {last}")
+
+
+def killer(daemon_factory, client_factory, fault: dict):
+    """A daemon that SIGKILLs itself at ``fault``, and a client that notices its death quickly."""
+    return daemon_factory(faults=[{**fault, "kill": True, "errno": 0}]), client_factory(heartbeat=0.2, timeout=5.0)
+
+
 def leftovers(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.endswith(".incomplete"))
 
@@ -129,8 +148,7 @@ KILL_POINTS = [
 def test_a_daemon_killed_at_any_point_of_a_save_leaves_the_path_absent_or_whole_and_a_restart_recovers(
     daemon_factory, client_factory, root, point, fault, outcome
 ) -> None:
-    daemon = daemon_factory(faults=[{**fault, "kill": True, "errno": 0}])
-    client = client_factory(heartbeat=0.2, timeout=5.0)
+    daemon, client = killer(daemon_factory, client_factory, fault)
     earlier = make_state(1)
     client.save_async(earlier, root / "earlier", step=1).result(30)
     earlier_bytes = digests(root / "earlier")
@@ -139,7 +157,7 @@ def test_a_daemon_killed_at_any_point_of_a_save_leaves_the_path_absent_or_whole_
     assert doomed["model"]["w"].nbytes > 2 * CHUNK
     started = time.monotonic()
     fut = client.save_async(doomed, root / NAME, step=2)
-    assert daemon.proc.wait(30) == -signal.SIGKILL, f"the daemon did not die at {point}"
+    assert_killed_at(daemon, fault)
     died = time.monotonic()
     with pytest.raises(ckptd.DaemonUnavailable):
         fut.result(15)
@@ -170,46 +188,86 @@ def test_a_daemon_killed_at_any_point_of_a_save_leaves_the_path_absent_or_whole_
     assert sorted(p.name for p in root.iterdir()) == sorted(["earlier", "after-restart", NAME])
 
 
+# An overwrite marks the old checkpoint as this daemon's (touch of an owner
+# marker in <root>/ckpt-under-fire), swaps old and new in one exchange (its
+# path is the final name), fsyncs the parent and removes the old one (now at
+# <root>/ckpt-under-fire.incomplete).
 OVERWRITE_KILL_POINTS = [
-    # the old checkpoint is renamed aside to <name>.replaced-<pid>-<n>.incomplete first
-    ("before-old-moved-aside", {"op": "rename", "match": f"/{NAME}.replaced-"}),
-    ("after-old-moved-aside", {"op": "rename", "match": f"/{NAME}.replaced-", "after": True}),
+    ("after-old-marked", {"op": "touch", "match": f"/{NAME}/.ckptd-owner-", "after": True}, 5),
+    ("before-exchange", {"op": "exchange", "match": f"/{NAME}"}, 5),
+    ("after-exchange", {"op": "exchange", "match": f"/{NAME}", "after": True}, 6),
+    ("while-removing-the-old", {"op": "remove_tree", "match": f"/{NAME}.incomplete"}, 6),
 ]
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("point,fault", OVERWRITE_KILL_POINTS, ids=[k[0] for k in OVERWRITE_KILL_POINTS])
+@pytest.mark.parametrize("point,fault,step", OVERWRITE_KILL_POINTS, ids=[k[0] for k in OVERWRITE_KILL_POINTS])
 def test_a_daemon_killed_while_overwriting_leaves_the_old_or_the_new_checkpoint_loadable_at_the_path(
-    daemon_factory, client_factory, root, point, fault
+    daemon_factory, client_factory, root, point, fault, step
 ) -> None:
-    daemon = daemon_factory(faults=[{**fault, "kill": True, "errno": 0}])
-    client = client_factory(heartbeat=0.2, timeout=5.0)
+    daemon, client = killer(daemon_factory, client_factory, fault)
     old, new = make_state(5), make_state(6)
     client.save_async(old, root / NAME, step=5).result(30)
     fut = client.save_async(new, root / NAME, step=6, overwrite=True)
-    wait_until(lambda: fut.done() or daemon.proc.poll() is not None, 30, "the save ends or the daemon dies")
-    try:
+    assert_killed_at(daemon, fault)
+    with pytest.raises(ckptd.DaemonUnavailable):
         fut.result(15)
-        died = False  # an implementation without this rename has no such kill point: the save went through
-    except ckptd.DaemonUnavailable:
-        died = True
-        assert daemon.proc.wait(30) == -signal.SIGKILL
     final = root / NAME
     on_disk = sorted(p.name for p in root.iterdir())
-    assert final.is_dir(), (
-        f"killed {point} of an overwrite, {final} is gone: the old checkpoint survives only as "
-        f"a never-loaded .incomplete directory ({on_disk}), and the new one was never renamed in"
-    )
-    index = ckptd.read_index(final)
-    assert died or index.step == 6
-    assert_whole(final, {0: old if index.step == 5 else new})
+    assert final.is_dir(), f"killed {point} of an overwrite, {final} is gone ({on_disk})"
+    assert ckptd.read_index(final).step == step, f"killed {point}, the path holds step {ckptd.read_index(final).step}"
+    assert_whole(final, {0: old if step == 5 else new})
     assert ckptd.latest(root) == final
 
-    if died:
-        daemon_factory()
-    wait_until(lambda: not leftovers(root), 5,
-               lambda: f"the start-up sweep removes the dead daemon's leftovers; still there: {leftovers(root)}")
-    client.save_async(make_state(7), root / "after-restart", step=7).result(30)
+    daemon_factory()
+    wait_until(lambda: not leftovers(root) and not markers(final), 5,
+               lambda: f"the start-up sweep removes the dead daemon's leftovers; still there: "
+                       f"{leftovers(root)}, markers {markers(final)}")
+    newer = make_state(7)
+    client.save_async(newer, root / NAME, step=7, overwrite=True).result(30)
+    assert_whole(final, {0: newer})
+
+
+def markers(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir() if p.name.startswith(".ckptd-owner-"))
+
+
+# Retention marks each victim (touch of an owner marker), renames it aside to
+# <name>.deleting.incomplete, then removes that.
+RETENTION_KILL_POINTS = [
+    ("after-victim-marked", {"op": "touch", "match": "/step-1/.ckptd-owner-", "after": True}, True),
+    ("after-victim-renamed-aside", {"op": "rename", "match": "/step-1.deleting.incomplete", "after": True}, False),
+    ("while-removing-the-victim", {"op": "remove_tree", "match": "/step-1.deleting.incomplete"}, False),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("point,fault,kept", RETENTION_KILL_POINTS, ids=[k[0] for k in RETENTION_KILL_POINTS])
+def test_a_daemon_killed_inside_retention_leaves_every_checkpoint_whole_or_gone_and_a_restart_sweeps_the_victim(
+    daemon_factory, client_factory, root, point, fault, kept
+) -> None:
+    daemon, client = killer(daemon_factory, client_factory, fault)
+    states = {step: make_state(step) for step in (1, 2)}
+    client.save_async(states[1], root / "step-1", step=1).result(30)
+    fut = client.save_async(states[2], root / "step-2", step=2, keep_last=1)  # committed, then retention
+    assert_killed_at(daemon, fault)
+    try:
+        assert fut.result(15).path == root / "step-2"
+    except ckptd.DaemonUnavailable:
+        pass  # retention starts right after Done is queued: the reply may die with the daemon (committed anyway)
+    assert_whole(root / "step-2", {0: states[2]})
+    assert ckptd.latest(root) == root / "step-2"
+    if kept:  # killed before the rename: step-1 is still a whole checkpoint (with a dead marker in it)
+        assert_whole(root / "step-1", {0: states[1]})
+    else:
+        assert not (root / "step-1").exists(), f"killed {point}, the victim is still visible"
+
+    daemon_factory()
+    wait_until(lambda: not leftovers(root) and not any(markers(p) for p in root.iterdir()), 5,
+               lambda: f"the start-up sweep removes the half-deleted victim; still there: {sorted(os.listdir(root))}")
+    client.save_async(make_state(3), root / "step-3", step=3, keep_last=1).result(30)
+    wait_until(lambda: sorted(os.listdir(root)) == ["step-3"], 10,
+               lambda: f"retention deletes every older checkpoint; there: {sorted(os.listdir(root))}")
 
 
 # -- 3. the daemon dies or freezes under a client --------------------------------

@@ -1,0 +1,153 @@
+"""What on disk is ckptd's to replace or remove, and the markers that say who writes it.
+
+Overwrite and retention delete a directory, and a start-up sweep or a new save
+removes a leftover ``.incomplete`` one. The user's files must never go that
+way: ``save_async(sd, "/ckpts/exp1", overwrite=True)`` with ``exp1`` a run
+folder full of checkpoints and notes must refuse, not empty the folder. So a
+directory is only ever replaced when it is a committed checkpoint that ckptd
+wrote: a real directory (not a symlink) with a valid index, holding nothing
+but ``ckptd.json``, the shards that index lists and owner markers. A leftover
+``p.incomplete`` is only removed when it holds nothing but ckptd's files and
+no live ckptd process on this host is writing it. Everything else is left
+untouched, and the save is refused with an error that says why.
+
+Owner markers (``.ckptd-owner-<host>-<pid>``) name the daemon writing a
+directory; the start-up sweep removes a ``.incomplete`` directory only when
+every marker in it names a dead process on this host. Readers ignore them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import stat
+from pathlib import Path
+from typing import Callable
+
+from ckptd.protocol.errors import CheckpointExists, InvalidCheckpoint
+from ckptd.protocol.index import INDEX_NAME, read_index, shard_name
+
+from .slots import pid_alive
+from .storage import Storage
+
+log = logging.getLogger("ckptd")
+OWNER_PREFIX = ".ckptd-owner-"
+"""Marker naming the host and daemon pid writing a directory (for the start-up sweep)."""
+_SHARD = re.compile(r"rank-(\d+)-of-(\d+)\.safetensors")
+MAX_NAMED = 5
+"""Foreign entries named in an error; the rest are counted."""
+
+
+def owner_marker() -> str:
+    """This daemon's marker name."""
+    return f"{OWNER_PREFIX}{socket.gethostname()}-{os.getpid()}"
+
+
+def is_owner_marker(name: str) -> bool:
+    return name.startswith(OWNER_PREFIX)
+
+
+def _owner(name: str) -> tuple[str, int | None]:
+    host, _, pid = name[len(OWNER_PREFIX):].rpartition("-")
+    return host, int(pid) if pid.isdigit() else None
+
+
+def marker_owners(directory: Path) -> list[tuple[str, int | None]]:
+    """(host, pid) of every owner marker in ``directory`` (pid None: unreadable marker)."""
+    return [_owner(e.name) for e in os.scandir(directory) if is_owner_marker(e.name)]
+
+
+def dead_here(owner: tuple[str, int | None]) -> bool:
+    """Whether a marker's owner is a process of this host that no longer runs."""
+    host, pid = owner
+    return host == socket.gethostname() and pid is not None and not pid_alive(pid)
+
+
+def remove_markers(storage: Storage, directory: Path, *, dead_only: bool = False) -> None:
+    """Remove owner markers from ``directory`` (only dead processes' with ``dead_only``).
+
+    A marker left in a committed checkpoint harms no reader, so a failure is
+    logged, never raised: it must not turn a committed save into a failed one.
+    """
+    try:
+        for entry in os.scandir(directory):
+            if is_owner_marker(entry.name) and (not dead_only or dead_here(_owner(entry.name))):
+                storage.unlink(Path(entry.path))
+    except OSError as exc:
+        log.warning("event=marker_left path=%s error=%s", directory, exc.strerror or exc)
+
+
+def _is_shard_name(name: str) -> bool:
+    m = _SHARD.fullmatch(name)
+    return m is not None and shard_name(int(m[1]), int(m[2])) == name
+
+
+def _foreign(directory: Path, ours: Callable[[str], bool]) -> list[str]:
+    """Entries of ``directory`` that are not regular files ckptd writes (``ours`` decides by name)."""
+    return sorted(e.name for e in os.scandir(directory)
+                  if not (e.is_file(follow_symlinks=False) and (ours(e.name) or is_owner_marker(e.name))))
+
+
+def _describe(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:MAX_NAMED])
+    return shown + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
+
+
+def _not_a_directory(path: Path) -> str | None:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is a file, not a checkpoint directory"
+    return None
+
+
+def why_not_replaceable(path: Path) -> str | None:
+    """Why the existing ``path`` is not a committed ckptd checkpoint ckptd may delete; None if it is."""
+    try:
+        reason = _not_a_directory(path)
+        if reason is not None:
+            return reason
+        if not os.path.lexists(path / INDEX_NAME):
+            return f"it is not a committed ckptd checkpoint: it has no {INDEX_NAME}"
+        try:
+            index = read_index(path)
+        except InvalidCheckpoint:
+            return f"it is not a committed ckptd checkpoint: its {INDEX_NAME} is not a valid ckptd index"
+        listed = {INDEX_NAME, *(f.file for f in index.files)}
+        foreign = _foreign(path, listed.__contains__)
+    except OSError as exc:
+        return f"it cannot be examined ({exc.strerror or exc})"
+    if foreign:
+        return f"it holds entries ckptd did not write: {_describe(foreign)}"
+    return None
+
+
+def check_replaceable(path: Path) -> None:
+    """Refuse to delete ``path`` unless it is a committed checkpoint holding only ckptd's files."""
+    reason = why_not_replaceable(path)
+    if reason is not None:
+        raise CheckpointExists(
+            f"refusing to replace {path}: {reason}. overwrite=True only ever replaces a committed ckptd "
+            f"checkpoint; move {path.name!r} away or save under another path")
+
+
+def why_not_leftover(incomplete: Path) -> str | None:
+    """Why ``incomplete`` is not a dead save's leftover that a new save may remove; None if it is."""
+    try:
+        reason = _not_a_directory(incomplete)
+        if reason is not None:
+            return reason
+        foreign = _foreign(incomplete, lambda name: name == INDEX_NAME or _is_shard_name(name))
+        if foreign:
+            return f"it holds entries ckptd did not write: {_describe(foreign)}"
+        host = socket.gethostname()
+        live = [pid for h, pid in marker_owners(incomplete)
+                if h == host and pid is not None and pid != os.getpid() and pid_alive(pid)]
+    except OSError as exc:
+        return f"it cannot be examined ({exc.strerror or exc})"
+    if live:
+        return f"ckptd (pid {live[0]}) is writing it now"
+    return None
