@@ -57,7 +57,7 @@ class ExportResult:
     total_size: int
     """Tensor bytes written (``metadata.total_size`` of the index)."""
     skipped_per_rank: int
-    """Per-rank tensors of a multi-rank checkpoint, which have no single value."""
+    """Names of per-rank tensors of a multi-rank checkpoint, which have no single value."""
 
 
 def parse_size(text: str) -> int:
@@ -113,7 +113,7 @@ def export_checkpoint(checkpoint: Path | str, outdir: Path | str, *, prefix: str
 def _exported_tensors(checkpoint: Path, index: CheckpointIndex) -> tuple[dict[str, TensorRecord], int]:
     """Global tensors from the index; per-rank tensors as one-chunk records when the world is one rank."""
     tensors = dict(index.tensors)
-    per_rank = 0
+    per_rank: set[str] = set()
     for record in index.files:
         entries, metadata, data_start = read_shard_header(checkpoint / record.file, record.size)
         chunk_names = set(json.loads(metadata.get(GLOBAL_KEY, "{}")))
@@ -121,12 +121,12 @@ def _exported_tensors(checkpoint: Path, index: CheckpointIndex) -> tuple[dict[st
             if e.name in chunk_names:
                 continue
             if index.world_size > 1:
-                per_rank += 1
+                per_rank.add(e.name)
                 continue
             zeros = (0,) * len(e.shape)
             chunk = ChunkRecord(record.file, zeros, e.shape, data_start + e.begin, data_start + e.end)
             tensors[e.name] = TensorRecord(e.dtype, e.shape, (chunk,))
-    return tensors, per_rank
+    return tensors, len(per_rank)
 
 
 def _sample(tensors: dict[str, TensorRecord]) -> str:
@@ -157,7 +157,8 @@ class _Sources:
 
     def __init__(self, checkpoint: Path, index: CheckpointIndex) -> None:
         self.checkpoint, self.index = checkpoint, index
-        self.maps: dict[str, mmap.mmap] = {}
+        self.maps: dict[str, mmap.mmap | None] = {}
+        self.views: dict[str, memoryview] = {}
 
     def view(self, file: str) -> memoryview:
         if file not in self.maps:
@@ -173,13 +174,15 @@ class _Sources:
                 raise InvalidCheckpoint(f"shard {path} fails its checksum ({self.index.checksum_algorithm} "
                                         f"{crc:#010x}, index says {record.checksum:#010x}): the file is corrupt")
             self.maps[file] = mapped
-        mapped = self.maps[file]
-        return memoryview(mapped) if mapped is not None else memoryview(b"")
+            self.views[file] = memoryview(mapped) if mapped is not None else memoryview(b"")
+        return self.views[file]
 
     def __enter__(self) -> "_Sources":
         return self
 
     def __exit__(self, *exc: object) -> None:
+        for view in self.views.values():
+            view.release()  # a mapping cannot close while a view of it lives
         for mapped in self.maps.values():
             if mapped is not None:
                 mapped.close()
@@ -192,13 +195,12 @@ def _write_file(path: Path, group: dict[str, TensorRecord], sources: _Sources) -
     try:
         os.ftruncate(fd, layout.nbytes)
         with mmap.mmap(fd, layout.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as out:
-            dst = memoryview(out)
-            dst[: layout.data_start] = layout.header
-            for entry in layout.entries:
-                rec = group[entry.name]
-                for chunk in rec.chunks:
-                    _copy_chunk(dst, layout.data_start + entry.begin, rec, chunk, sources.view(chunk.file))
-            dst.release()
+            with memoryview(out) as dst:
+                dst[: layout.data_start] = layout.header
+                for entry in layout.entries:
+                    rec = group[entry.name]
+                    for chunk in rec.chunks:
+                        _copy_chunk(dst, layout.data_start + entry.begin, rec, chunk, sources.view(chunk.file))
             out.flush()
         os.fsync(fd)
     finally:
