@@ -9,10 +9,11 @@ plain values. Rank 0 writes every tensor's ``full_tensor()`` as the reference.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -100,6 +101,20 @@ def run_ranks(fn: Callable, world: int, tmp: Path, name: str, *args: Any) -> lis
     for r, log in enumerate(logs):
         assert "crash" not in log, f"rank {r}: {log['crash']}"
     return logs
+
+
+def sharded_checkpoint(tmp: Path) -> Iterator[tuple[Path, dict]]:
+    """A module fixture's body: a daemon, the four-rank save, (checkpoint, reference); the daemon goes after."""
+    from conftest import short_tempdir, start_daemon
+
+    root, run_dir = tmp / "ckpts", short_tempdir("ckshd-")
+    root.mkdir()
+    daemon = start_daemon(run_dir, root)
+    try:
+        yield save_sharded(tmp, root, run_dir)
+    finally:
+        daemon.kill()
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def save_sharded(tmp: Path, root: Path, run_dir: Path) -> tuple[Path, dict]:

@@ -17,21 +17,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptd
-from conftest import short_tempdir, start_daemon
-from sharded_ranks import fsdp, full, run_rank, run_ranks, save_sharded
+from sharded_ranks import fsdp, full, run_rank, run_ranks, sharded_checkpoint
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, dict]:
-    tmp = tmp_path_factory.mktemp("dcp")
-    root, run_dir = tmp / "ckpts", short_tempdir("ckdcp-")
-    root.mkdir()
-    daemon = start_daemon(run_dir, root)
-    try:
-        yield save_sharded(tmp, root, run_dir)
-    finally:
-        daemon.kill()
-        shutil.rmtree(run_dir, ignore_errors=True)
+    yield from sharded_checkpoint(tmp_path_factory.mktemp("dcp"))
 
 
 def _load_on_two(rank: int, world: int, init: str, path: str, out: str) -> None:

@@ -20,21 +20,12 @@ from safetensors.torch import load_file
 
 import ckptd
 from ckptd.export import export_checkpoint, parse_size
-from conftest import short_tempdir, start_daemon
-from sharded_ranks import model, save_sharded
+from sharded_ranks import model, sharded_checkpoint
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, dict]:
-    tmp = tmp_path_factory.mktemp("export")
-    root, run_dir = tmp / "ckpts", short_tempdir("ckexp-")
-    root.mkdir()
-    daemon = start_daemon(run_dir, root)
-    try:
-        yield save_sharded(tmp, root, run_dir)
-    finally:
-        daemon.kill()
-        shutil.rmtree(run_dir, ignore_errors=True)
+    yield from sharded_checkpoint(tmp_path_factory.mktemp("export"))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
