@@ -17,13 +17,17 @@ from ckptd.protocol.inspect import CheckpointInfo, VerifyReport, verify_checkpoi
 from ckptd.protocol.inspect import inspect_checkpoint as inspect
 
 _CLIENT_NAMES = ("Client", "SaveFuture", "SaveResult", "load", "load_into", "LoadReport")
+_CLIENT_MODULES = ("dcp",)
+"""Torch-side modules reachable as ``ckptd.<name>`` (``ckptd.dcp.StorageReader``)."""
 
 
 def __getattr__(name: str) -> Any:
     if name in _CLIENT_NAMES:
         return getattr(importlib.import_module("ckptd.client"), name)
+    if name in _CLIENT_MODULES:
+        return importlib.import_module(f"ckptd.client.{name}")
     raise AttributeError(f"module 'ckptd' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_CLIENT_NAMES))
+    return sorted(list(globals()) + list(_CLIENT_NAMES) + list(_CLIENT_MODULES))

@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", type=Path)
     inspect.add_argument("--json", action="store_true")
 
+    _export_parser(sub)
+
     stop = with_run_dir(sub.add_parser("stop", help="finish in-flight saves, then exit"))
     stop.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the drain")
     return p
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir: Path = (args.run_dir or default_run_dir()).absolute()
     try:
         return {"start": _start, "status": _status, "stop": _stop, "list": _list, "verify": _verify,
-                "inspect": _inspect}[args.command](args, run_dir)
+                "inspect": _inspect, "export": _export}[args.command](args, run_dir)
     except DaemonUnavailable as exc:
         print(f"ckptd: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -177,6 +179,26 @@ def _inspect(args: argparse.Namespace, run_dir: Path) -> int:
         print(f"  rank {shard['rank']}: {shard['file']} ({human_bytes(shard['size'])}, {len(shard['tensors'])} tensors)")
         for t in shard["tensors"]:
             print(f"    {t['name']:<48} {t['dtype']:<8} {str(t['shape']):<20} {human_bytes(t['bytes'])}")
+    return EXIT_OK
+
+
+def _export_parser(sub: argparse._SubParsersAction) -> None:
+    export = sub.add_parser("export", help="write full tensors as Hugging Face safetensors (no torch needed)")
+    export.add_argument("path", type=Path, help="a committed checkpoint")
+    export.add_argument("outdir", type=Path, help="new (or empty) directory for model*.safetensors")
+    export.add_argument("--prefix", default="", help="export only tensors named PREFIX..., with PREFIX removed")
+    export.add_argument("--max-shard-size", default="5GB", help="largest output file (5GB = 10**9 bytes, 2GiB)")
+    export.add_argument("--run-dir", type=Path, default=None, help=argparse.SUPPRESS)
+
+
+def _export(args: argparse.Namespace, run_dir: Path) -> int:
+    from .export import export_checkpoint
+
+    result = export_checkpoint(args.path, args.outdir, prefix=args.prefix, max_shard_size=args.max_shard_size)
+    print(f"{result.outdir}: {result.tensors} tensors, {human_bytes(result.total_size)} in {len(result.files)} file(s)")
+    if result.skipped_per_rank:
+        print(f"  left out {result.skipped_per_rank} per-rank tensors of a {args.path} saved by several ranks "
+              "(they differ between ranks; save them with replicated= to export them)")
     return EXIT_OK
 
 

@@ -55,10 +55,11 @@ class ChunkFiles:
 
     def chunk(self, ref: GlobalRef, chunk: ChunkRecord) -> torch.Tensor:
         """The chunk's elements, viewed in the mapped file (no read until touched)."""
-        data = self._bytes(chunk.file)
+        data = self.mapped(chunk.file)
         return data[chunk.begin : chunk.end].view(ref.dtype).view(chunk.sizes)
 
-    def _bytes(self, file: str) -> torch.Tensor:
+    def mapped(self, file: str) -> torch.Tensor:
+        """The whole file as bytes, mapped and (with ``verify``) checksummed on the first call."""
         if file not in self._maps:
             from .load import map_shard  # imported here: load imports this module
 

@@ -1,0 +1,181 @@
+"""``ckptd.dcp.StorageReader``: torch.distributed.checkpoint loads ckptd checkpoints.
+
+``dcp.load(state_dict, storage_reader=ckptd.dcp.StorageReader(path))`` plans
+with DCP's own planner and reshards with DCP's own logic: the reader only
+describes what the checkpoint holds and serves byte ranges.
+
+What DCP sees (its ``Metadata``), keyed by DCP's flattened names (DCP's own
+``flatten_state_dict`` over the saved structure, so the names are the ones
+DCP derives from the target):
+
+* a global tensor (DTensor, ``replicated=`` key): its dtype, global shape and
+  every saved chunk (offsets, sizes), straight from the index;
+* a per-rank tensor: one chunk, the whole tensor, as rank 0 saved it (DCP
+  treats a plain tensor as the same on every rank, as its own writer does);
+* anything else (ints, strings, lists of plain values...): ``BytesStorageMetadata``,
+  served as DCP's planner expects (``torch.save`` bytes of the value).
+
+Reads view chunks in place in the mapped shard files (``ChunkFiles``): each
+file is mapped and its checksum verified once, on first use, and a read
+copies only the pages of the requested region.
+
+There is no ``StorageWriter``: DCP's writer contract hands the storage a
+plan of already-resolved items per rank and expects per-item ``WriteResult``
+futures and a coordinator ``finish(metadata)`` that writes the commit. ckptd's
+save is one staged slot per rank committed by the daemon when every rank is
+durable; mapping one onto the other would bypass either DCP's planner or
+ckptd's commit. ``Client.save_async`` already saves DTensor state directly.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import StorageReader as _DCPStorageReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from ckptd.protocol.chunks import GLOBAL_KEY
+from ckptd.protocol.errors import InvalidCheckpoint
+from ckptd.protocol.index import ChunkRecord, TensorRecord, read_index
+from ckptd.protocol.inspect import read_shard_header
+
+from .checks import check_bool, check_path
+from .flatten import structure_from_metadata, unflatten
+from .reshard import ChunkFiles, GlobalRef, read_full, region
+
+__all__ = ["StorageReader"]
+
+
+class StorageReader(_DCPStorageReader):
+    """Reads a committed ckptd checkpoint for ``torch.distributed.checkpoint.load``."""
+
+    def __init__(self, path: str | os.PathLike, *, verify: bool = True) -> None:
+        super().__init__()
+        self.path = Path(check_path("path", path))
+        check_bool("verify", verify)
+        self.verify = verify
+        self._files: ChunkFiles | None = None
+        self._items: dict[str, Any] = {}
+        """DCP name -> GlobalRef (a tensor) or the plain value."""
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = Path(check_path("checkpoint_id", checkpoint_id))
+        self._files, self._items = None, {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            read_index(checkpoint_id)
+        except (InvalidCheckpoint, TypeError, ValueError):
+            return False
+        return True
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        index = read_index(self.path)
+        files = ChunkFiles(self.path, index, verify=self.verify)
+        record = index.shard(0)
+        entries, metadata, data_start = read_shard_header(self.path / record.file, record.size)
+        structure = structure_from_metadata(metadata)
+        if structure is None:
+            raise InvalidCheckpoint(f"shard {self.path / record.file} holds no ckptd structure in its metadata")
+        per_rank = {e.name: e for e in entries}
+        refs: dict[int, GlobalRef] = {}
+        keep: list[torch.Tensor] = []  # placeholders stay alive so their ids stay unique
+
+        def placeholder(ref: GlobalRef) -> torch.Tensor:
+            t = torch.empty(ref.record.shape, dtype=ref.dtype, device="meta")
+            refs[id(t)] = ref
+            keep.append(t)
+            return t
+
+        def tensor_for(name: str) -> torch.Tensor:
+            e = per_rank.get(name)
+            if e is None:
+                raise InvalidCheckpoint(f"shard {self.path / record.file}: structure names tensor {name!r}, "
+                                        "which the header lacks")
+            chunk = ChunkRecord(record.file, (0,) * len(e.shape), e.shape, data_start + e.begin, data_start + e.end)
+            return placeholder(GlobalRef(name, TensorRecord(e.dtype, e.shape, (chunk,))))
+
+        try:
+            state = unflatten(structure, tensor_for, lambda name: placeholder(files.ref(name)))
+        except (ValueError, TypeError) as exc:
+            raise InvalidCheckpoint(f"shard {self.path / record.file} has a structure that cannot be read: {exc}") from None
+        if not isinstance(state, dict):
+            raise InvalidCheckpoint(f"checkpoint {self.path} holds a {type(state).__name__}; DCP loads dict states only")
+        flat, _ = flatten_state_dict(state)
+        described: dict[str, Any] = {}
+        items: dict[str, Any] = {}
+        for name, value in flat.items():
+            ref = refs.get(id(value)) if isinstance(value, torch.Tensor) else None
+            if ref is not None:
+                chunks = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in ref.record.chunks]
+                described[name] = TensorStorageMetadata(TensorProperties(dtype=ref.dtype),
+                                                        torch.Size(ref.record.shape), chunks)
+                items[name] = ref
+            else:
+                described[name] = BytesStorageMetadata()
+                items[name] = _materialize(value, refs, files)
+        self._files, self._items = files, items
+        return Metadata(state_dict_metadata=described, storage_data=(files, items))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if isinstance(metadata.storage_data, tuple) and len(metadata.storage_data) == 2:
+            self._files, self._items = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._files is None:
+            raise RuntimeError("read_data before read_metadata: DCP calls read_metadata first")
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            value = self._items[fqn]
+            if item.type == LoadItemType.BYTE_IO:
+                self._files.mapped(self._files.index.shard(0).file)  # plain values come from rank 0's header: verify it
+                buffer = io.BytesIO()
+                torch.save(value, buffer)
+                buffer.seek(0)
+                planner.load_bytes(item, buffer)
+                continue
+            offsets = tuple(item.storage_index.offset)
+            chunk = next((c for c in value.record.chunks if c.offsets == offsets), None)
+            if chunk is None:
+                raise InvalidCheckpoint(f"checkpoint {self.path}: DCP asked for a chunk of {fqn!r} at "
+                                        f"{list(offsets)}, which the index does not list")
+            source = self._files.chunk(value, chunk)
+            box = (tuple(o + s for o, s in zip(chunk.offsets, item.storage_offsets)), tuple(item.lengths))
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(region(source, box, chunk.offsets))
+            planner.commit_tensor(item, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def _materialize(value: Any, refs: dict[int, GlobalRef], files: ChunkFiles) -> Any:
+    """A plain value with any tensor placeholders inside (DCP treats tuples as plain values) read whole."""
+    if isinstance(value, torch.Tensor) and id(value) in refs:
+        return read_full(files, refs[id(value)])
+    if isinstance(value, dict):
+        return type(value)((k, _materialize(v, refs, files)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_materialize(v, refs, files) for v in value)
+    return value

@@ -1,0 +1,110 @@
+"""``ckptd.dcp.StorageReader``: DCP's own ``dcp.load`` reads a ckptd checkpoint saved by four FSDP2 ranks.
+
+Two gloo ranks load it into an FSDP2 model of world size 2 (DCP plans and
+reshards), the 2-D mesh tensor into a 1-D mesh, plain values through DCP's
+bytes path; one plain process loads full tensors. A damaged shard is
+refused by its checksum.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import ckptd
+from sharded_ranks import fsdp, full, run_rank, run_ranks, sharded_checkpoint
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, dict]:
+    yield from sharded_checkpoint(tmp_path_factory.mktemp("dcp"))
+
+
+def _load_on_two(rank: int, world: int, init: str, path: str, out: str) -> None:
+    def body() -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        m, optim = fsdp(world)
+        for p in m.parameters():
+            torch.nn.init.zeros_(p)
+        msd, osd = get_state_dict(m, optim)
+        grid = distribute_tensor(torch.zeros(6, 5, dtype=torch.float64), init_device_mesh("cpu", (world,)), [Shard(1)])
+        state = {"model": msd, "optim": osd, "grid": grid, "epoch": 0, "note": ""}
+        dcp.load(state, storage_reader=ckptd.dcp.StorageReader(path))
+        set_state_dict(m, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        got = full({"model": state["model"], "optim": state["optim"], "grid": state["grid"]})
+        msd, osd = get_state_dict(m, optim)  # what the model and optimizer now hold
+        applied = full({"model": msd, "optim": osd})
+        if rank == 0:
+            torch.save({"loaded": got, "applied": applied}, Path(out) / "dcp-loaded.pt")
+        return {"epoch": state["epoch"], "note": state["note"]}
+
+    run_rank(rank, world, init, out, "dcp", body)
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return set(a) == set(b) and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.timeout(600)
+def test_dcp_load_on_two_ranks_reshards_a_four_rank_checkpoint(saved, tmp_path: Path):
+    path, reference = saved
+    logs = run_ranks(_load_on_two, 2, tmp_path, "dcp", str(path), str(tmp_path))
+    assert logs == [{"epoch": 3, "note": "first run"}] * 2
+    loaded = torch.load(tmp_path / "dcp-loaded.pt")
+    assert _equal(loaded["loaded"]["model"], reference["model"])
+    assert _equal(loaded["loaded"]["optim"]["state"], reference["optim"]["state"])
+    assert _equal(loaded["loaded"]["grid"], reference["grid"])
+    assert _equal(loaded["applied"]["model"], reference["model"])  # set_state_dict put it in the model
+    assert _equal(loaded["applied"]["optim"]["state"], reference["optim"]["state"])
+
+
+def test_dcp_load_in_one_process_gives_full_tensors_and_plain_values(saved):
+    path, reference = saved
+    state = {"model": {k: torch.zeros_like(v) for k, v in reference["model"].items()},
+             "grid": torch.zeros(6, 5, dtype=torch.float64), "epoch": 0,
+             "optim": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0)}]}}
+    dcp.load(state, storage_reader=ckptd.dcp.StorageReader(path))
+    assert _equal(state["model"], reference["model"]) and _equal(state["grid"], reference["grid"])
+    assert state["epoch"] == 3
+    assert state["optim"]["param_groups"][0] == {"lr": 0.1, "betas": (0.9, 0.999)}  # plain values, by DCP's names
+    assert ckptd.dcp.StorageReader.validate_checkpoint_id(path)
+    assert not ckptd.dcp.StorageReader.validate_checkpoint_id(path.parent)
+
+
+def test_a_damaged_shard_is_refused_by_its_checksum(saved, tmp_path: Path):
+    path, reference = saved
+    damaged = tmp_path / "damaged"
+    shutil.copytree(path, damaged)
+    chunk = ckptd.read_index(damaged).tensors["grid"].chunks[1]
+    with open(damaged / chunk.file, "r+b") as f:
+        f.seek(chunk.begin)
+        byte = f.read(1)
+        f.seek(chunk.begin)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    state = {"grid": torch.zeros(6, 5, dtype=torch.float64)}
+    with pytest.raises(CheckpointException) as info:  # DCP wraps each rank's error in it
+        dcp.load(state, storage_reader=ckptd.dcp.StorageReader(damaged))
+    assert f"shard {damaged / chunk.file} fails its checksum" in str(info.value), str(info.value)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="path"):
+        ckptd.dcp.StorageReader(5)
+    with pytest.raises(TypeError, match="verify"):
+        ckptd.dcp.StorageReader("/tmp/x", verify="yes")
+    with pytest.raises(CheckpointException, match="no checkpoint at /nonexistent/ckpt"):
+        dcp.load({"a": torch.zeros(1)}, storage_reader=ckptd.dcp.StorageReader("/nonexistent/ckpt"))
