@@ -16,6 +16,17 @@ def human_bytes(n: float | None) -> str:
     raise AssertionError("unreachable")
 
 
+def printable(text: str) -> str:
+    """``text`` with control characters (newline, escape...) and undecodable bytes escaped.
+
+    A file name may hold any byte but ``/`` and NUL; printed raw, a newline
+    would fake a row of ``ckptd list`` and an escape sequence would rewrite
+    the terminal.
+    """
+    return "".join(c if c.isprintable() or c == " " else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in text)
+
+
 def progress_bar(fraction: float, width: int = 24) -> str:
     filled = int(round(max(0.0, min(1.0, fraction)) * width))
     return "[" + "#" * filled + "." * (width - filled) + "]"
