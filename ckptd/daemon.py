@@ -85,13 +85,15 @@ def run_foreground(config: DaemonConfig) -> None:
     sock = config.run_dir / SOCKET_NAME
     if sock.exists():  # we hold the lock, so it is a dead daemon's socket
         sock.unlink()
-    server = Server(config, storage_from_env())
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: server.request_stop())
-    try:
-        server.serve_forever()
+    try:  # a start that fails (metrics port in use...) leaves no socket or pid file behind
+        server = Server(config, storage_from_env())
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: server.request_stop())
+        try:
+            server.serve_forever()
+        finally:
+            server.close()
     finally:
-        server.close()
         for name in (SOCKET_NAME, PID_NAME):
             try:
                 (config.run_dir / name).unlink()
