@@ -74,6 +74,14 @@ def test_a_root_that_does_not_exist_is_refused_at_start(run_dir, tmp_path) -> No
     assert not (run_dir / "ckptd.sock").exists()
 
 
+def test_a_run_dir_that_cannot_be_created_is_refused_naming_it(root, tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    for mode in (("--foreground",), ()):
+        out = ckptd_cli("start", *mode, "--run-dir", str(blocker), "--root", str(root))
+        assert_clear(out, 3, f"cannot use {blocker} as the run directory", "--run-dir")
+
+
 # --------------------------------------------------------------------------- status / stop
 
 
