@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from .errors import BadMessage, UnsupportedVersion
+from .errors import BadMessage, PathNotAllowed, UnsupportedVersion
 from .index import INCOMPLETE_SUFFIX, ShardRecord
 from .layout import DATA_ALIGNMENT, TensorEntry, validate_entries
 
@@ -145,7 +145,8 @@ def _check_path(path: str) -> None:
 
     The checkpoint is written as ``name.incomplete`` first, so the name must
     leave room for that suffix within ``MAX_NAME_BYTES``; otherwise the save
-    would fail deep in the write with a bare ``File name too long``.
+    would fail deep in the write with a bare ``File name too long``. Raises
+    ``PathNotAllowed``, like every other path the daemon will not write.
     """
     if not path:
         raise BadMessage("checkpoint path is empty")
@@ -153,7 +154,7 @@ def _check_path(path: str) -> None:
     limit = MAX_NAME_BYTES - len(INCOMPLETE_SUFFIX)
     size = len(name.encode("utf-8", "surrogatepass"))
     if size > limit:
-        raise BadMessage(
+        raise PathNotAllowed(
             f"checkpoint name {name[:40]!r}... is {size} bytes long; names may be at most {limit} bytes "
             f"(the filesystem allows {MAX_NAME_BYTES}, and the checkpoint is first written as "
             f"'<name>{INCOMPLETE_SUFFIX}'): choose a shorter name"

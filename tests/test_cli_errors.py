@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import ckptd
-from ckptd.protocol.errors import BadMessage, PathNotAllowed
+from ckptd.protocol.errors import PathNotAllowed
 from ckptd.protocol.messages import MAX_NAME_BYTES
 
 from conftest import start_daemon
@@ -160,10 +160,10 @@ def test_saving_under_proc_names_the_pseudo_filesystem_not_a_lack_of_space(daemo
 
 def test_a_name_whose_incomplete_form_is_too_long_is_refused_naming_the_limit(client, root) -> None:
     limit = MAX_NAME_BYTES - len(".incomplete")
-    with pytest.raises(BadMessage, match=f"at most {limit} bytes"):
+    with pytest.raises(PathNotAllowed, match=f"at most {limit} bytes"):
         client.save_async({"w": torch.ones(4)}, root / ("x" * (limit + 1))).result(30)
     accented = "é" * (limit // 2 + 1)  # fewer characters than the limit, more bytes
-    with pytest.raises(BadMessage, match=f"is {len(accented.encode())} bytes long"):
+    with pytest.raises(PathNotAllowed, match=f"is {len(accented.encode())} bytes long"):
         client.save_async({"w": torch.ones(4)}, root / accented).result(30)
     longest = root / ("y" * limit)
     client.save_async({"w": torch.ones(4)}, longest).result(30)
@@ -171,7 +171,7 @@ def test_a_name_whose_incomplete_form_is_too_long_is_refused_naming_the_limit(cl
 
 
 def test_the_daemon_refuses_an_overlong_name_at_decode() -> None:
-    message = refused(commit(path="/ckpts/" + "z" * (MAX_NAME_BYTES - len(".incomplete") + 1)))
+    message = refused(commit(path="/ckpts/" + "z" * (MAX_NAME_BYTES - len(".incomplete") + 1)), PathNotAllowed)
     assert "names may be at most" in message
 
 
