@@ -193,5 +193,13 @@ def test_list_escapes_control_characters_in_names(client, root) -> None:
     assert names == {"good", "evil\nstep-9    committed", "beep\x1b[2J"}  # JSON keeps the real names
 
 
+def test_status_escapes_control_characters_in_checkpoint_paths(daemon, client, root) -> None:
+    client.save_async({"w": torch.ones(4)}, root / "two\nlines").result(30)
+    out = daemon.cli("status")
+    assert out.returncode == 0, out
+    assert "two\nlines" not in out.stdout
+    assert any(line.startswith("  last: ") and "two\\nlines step" in line for line in out.stdout.splitlines()), out.stdout
+
+
 def test_list_of_a_missing_directory_is_a_usage_error(tmp_path) -> None:
     assert_clear(ckptd_cli("list", str(tmp_path / "nope")), 2, "is not a directory")
