@@ -74,4 +74,3 @@ def render_listing(rows: list[dict[str, Any]]) -> str:
         if r.get("problem"):
             lines.append(f"  {printable(r['problem'])}")
     return "\n".join(lines)
-
