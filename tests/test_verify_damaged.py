@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import zlib
@@ -171,3 +172,29 @@ def test_latest_skips_the_newest_checkpoint_when_its_shard_is_damaged(run1: Path
     SHARD_DAMAGE[damage](next((run1 / "step-3").glob("*.safetensors")))
     assert ckptd.latest(run1) == run1 / "step-2"
     assert ckptd.load(ckptd.latest(run1))["step"] == 7
+
+
+def plant_fifo_index(ckpt: Path) -> None:
+    (ckpt / INDEX_NAME).unlink()
+    os.mkfifo(ckpt / INDEX_NAME)
+
+
+def test_an_index_that_is_a_fifo_is_no_checkpoint_and_blocks_no_reader(run1: Path) -> None:
+    plant_fifo_index(run1 / "step-3")
+    rows = {r["name"]: r["state"] for r in json.loads(ckptd_cli("list", str(run1), "--json").stdout)}
+    assert rows == {"step-1": "committed", "step-2": "committed", "step-3": "foreign"}
+    assert ckptd.latest(run1) == run1 / "step-2"
+    out = ckptd_cli("verify", str(run1 / "step-3"))
+    assert out.returncode == 3 and "is not a regular file" in out.stderr, out
+
+
+def test_retention_passes_over_a_fifo_index_and_the_daemon_keeps_committing(daemon, client, root) -> None:
+    planted = root / "planted"
+    planted.mkdir()
+    os.mkfifo(planted / INDEX_NAME)
+    for step in (1, 2, 3):  # each commit waits for the retention pass after the one before
+        client.save_async({"s": step}, root / f"step-{step}", step=step, keep_last=1).result(60)
+    names = {p.name for p in root.iterdir()}
+    assert "step-1" not in names and "step-3" in names, names  # retention ran past the FIFO
+    assert stat.S_ISFIFO(os.lstat(planted / INDEX_NAME).st_mode)  # and left it alone
+    assert daemon.proc.poll() is None
