@@ -27,7 +27,7 @@ import ckptd
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import INDEX_NAME, read_index
 from ckptd.protocol.layout import encode_header, parse_header
-from ckptd.protocol.structure import EXT_DTYPE, EXT_TENSOR, STRUCTURE_KEY, TORCH_DTYPE_NAMES
+from ckptd.protocol.structure import EXT_DTYPE, EXT_GLOBAL, EXT_TENSOR, STRUCTURE_KEY, TORCH_DTYPE_NAMES
 
 from conftest import short_tempdir, start_daemon
 
@@ -98,6 +98,9 @@ DAMAGE = {
                                       "references none of the tensors ['model.b']"),
     "structure holds an unknown extension": (
         lambda m: m.update({STRUCTURE_KEY: structure(BOTH + [msgpack.ExtType(42, b"x")])}), "extension type 42"),
+    "structure names a global tensor the index lacks": (
+        lambda m: m.update({STRUCTURE_KEY: structure(BOTH + [msgpack.ExtType(EXT_GLOBAL, b"ghost")])}),
+        "global tensor 'ghost', which the index does not list"),
     "structure names an unknown dtype": (
         lambda m: m.update({STRUCTURE_KEY: structure(BOTH + [msgpack.ExtType(EXT_DTYPE, b"float99")])}),
         "'float99'"),
@@ -135,6 +138,16 @@ def test_an_intact_checkpoint_still_verifies_and_loads(run1: Path) -> None:
     loaded = ckptd.load(ckpt)
     assert loaded["dtype"] is torch.bfloat16 and loaded["pair"] == (1, "two")
     assert torch.equal(loaded["model"]["w"], STATE["model"]["w"])
+
+
+def test_a_checkpoint_with_global_tensors_verifies_as_it_loads(client, root) -> None:
+    state = {"model": {"w": torch.arange(6.0)}, "opt": {"m": torch.ones(2)}, "size": torch.Size([2, 3])}
+    client.save_async(state, root / "replicated", replicated=("model",)).result(30)
+    assert read_index(root / "replicated").tensors, "the model must be saved as a global tensor"
+    out = ckptd_cli("verify", str(root / "replicated"))
+    assert out.returncode == 0, out
+    loaded = ckptd.load(root / "replicated")
+    assert torch.equal(loaded["model"]["w"], torch.arange(6.0)) and loaded["size"] == torch.Size([2, 3])
 
 
 def test_every_torch_dtype_name_is_one_verify_accepts() -> None:
