@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,7 +20,7 @@ from ckptd.protocol.messages import Error, Status, StatusReply, Stop
 
 from .config import DaemonConfig
 from .control import request
-from .render import human_bytes, render_status
+from .render import human_bytes, printable, render_status
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
@@ -37,16 +39,16 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--foreground", action="store_true", help="run in this process (for supervisors and tests)")
     start.add_argument("--root", action="append", type=Path, default=None, metavar="DIR",
                        help="allow checkpoints below DIR (repeatable; default $CKPTD_ROOTS or /)")
-    start.add_argument("--max-concurrent-writes", type=int, default=2, metavar="N",
+    start.add_argument("--max-concurrent-writes", type=_positive_int, default=2, metavar="N",
                        help="shard files written at once on this node (default 2)")
-    start.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
+    start.add_argument("--exit-when-idle", type=_seconds, default=None, metavar="SECONDS",
                        help="exit after this long with no clients and no work")
     start.add_argument("--buffered-io", action="store_true", help="do not use O_DIRECT")
     start.add_argument("--keep", action="append", default=None, metavar="DIR=K", type=_keep_arg,
                        help="retention: keep only the K newest checkpoints in DIR and below (repeatable)")
-    start.add_argument("--max-concurrent-loads", type=int, default=None, metavar="N",
+    start.add_argument("--max-concurrent-loads", type=_positive_int, default=None, metavar="N",
                        help="default cap on ranks of this node loading at once (loads that ask for it)")
-    start.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    start.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
                        help="serve Prometheus metrics on this port (needs prometheus-client)")
     start.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
                        help="address for --metrics-port (default 127.0.0.1)")
@@ -60,10 +62,10 @@ def _parser() -> argparse.ArgumentParser:
 
     status = with_run_dir(sub.add_parser("status", help="show what the daemon is doing"))
     status.add_argument("--json", action="store_true", help="print the status snapshot as JSON")
-    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+    status.add_argument("--timeout", type=_seconds, default=5.0, help="seconds to wait for an answer")
     status.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
-    status.add_argument("--interval", type=float, default=1.0, help="seconds between redraws with --watch")
-    status.add_argument("--count", type=int, default=None, help="with --watch: stop after this many redraws")
+    status.add_argument("--interval", type=_seconds, default=1.0, help="seconds between redraws with --watch")
+    status.add_argument("--count", type=_positive_int, default=None, help="with --watch: stop after this many redraws")
 
     listing = with_run_dir(sub.add_parser("list", help="list the checkpoints under a directory (no daemon needed)"))
     listing.add_argument("root", type=Path)
@@ -80,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     _export_parser(sub)
 
     stop = with_run_dir(sub.add_parser("stop", help="finish in-flight saves, then exit"))
-    stop.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the drain")
+    stop.add_argument("--timeout", type=_seconds, default=300.0,
+                      help="seconds to wait for the daemon to answer and drain (default 300)")
     return p
 
 
@@ -90,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"start": _start, "status": _status, "stop": _stop, "list": _list, "verify": _verify,
                 "inspect": _inspect, "export": _export}[args.command](args, run_dir)
+    except BrokenPipeError:  # the reader left (`ckptd status --json | head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail
+        return EXIT_OK
     except DaemonUnavailable as exc:
         print(f"ckptd: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -137,6 +143,28 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
     return EXIT_OK
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return int(text)
+
+
+def _port(text: str) -> int:
+    if not text.strip().isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port between 1 and 65535, got {text!r}")
+    return int(text)
+
+
 def _keep_arg(text: str) -> tuple[Path, int]:
     directory, sep, count = text.rpartition("=")
     if not sep or not directory or not count.isdigit() or int(count) < 1:
@@ -147,6 +175,8 @@ def _keep_arg(text: str) -> tuple[Path, int]:
 def _list(args: argparse.Namespace, run_dir: Path) -> int:
     from .listing import list_checkpoints, render_listing
 
+    if not args.root.is_dir():
+        raise ValueError(f"{args.root} is not a directory: give the directory that holds the checkpoints")
     rows = list_checkpoints(args.root)
     print(json.dumps(rows, indent=2) if args.json else render_listing(rows))
     return EXIT_OK
@@ -160,10 +190,10 @@ def _verify(args: argparse.Namespace, run_dir: Path) -> int:
         print(json.dumps({"path": str(report.path), "ok": report.ok, "problems": report.problems,
                           "checked_bytes": report.checked_bytes}, indent=2))
     elif report.ok:
-        print(f"{report.path}: ok ({report.checked_bytes} bytes checked)")
+        print(f"{printable(str(report.path))}: ok ({report.checked_bytes} bytes checked)")
     else:
         for problem in report.problems:
-            print(f"ckptd: {problem}", file=sys.stderr)
+            print(f"ckptd: {printable(problem)}", file=sys.stderr)
     return EXIT_OK if report.ok else EXIT_ERROR
 
 
@@ -174,11 +204,11 @@ def _inspect(args: argparse.Namespace, run_dir: Path) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return EXIT_OK
-    print(f"{info['path']}: step {info['step']}, {info['world_size']} rank(s), {human_bytes(info['bytes'])}")
+    print(f"{printable(info['path'])}: step {info['step']}, {info['world_size']} rank(s), {human_bytes(info['bytes'])}")
     for shard in info["shards"]:
         print(f"  rank {shard['rank']}: {shard['file']} ({human_bytes(shard['size'])}, {len(shard['tensors'])} tensors)")
         for t in shard["tensors"]:
-            print(f"    {t['name']:<48} {t['dtype']:<8} {str(t['shape']):<20} {human_bytes(t['bytes'])}")
+            print(f"    {printable(t['name']):<48} {t['dtype']:<8} {str(t['shape']):<20} {human_bytes(t['bytes'])}")
     return EXIT_OK
 
 
@@ -230,13 +260,14 @@ def _status(args: argparse.Namespace, run_dir: Path) -> int:
 def _stop(args: argparse.Namespace, run_dir: Path) -> int:
     from .daemon import wait_for_exit
 
-    status = request(run_dir, Status(1), timeout=5.0)
-    reply = request(run_dir, Stop(2), timeout=5.0)
+    deadline = time.monotonic() + args.timeout  # the whole command, answers and drain alike
+    status = request(run_dir, Status(1), timeout=min(5.0, args.timeout))
+    reply = request(run_dir, Stop(2), timeout=max(0.1, min(5.0, deadline - time.monotonic())))
     if isinstance(reply, Error):
         print(f"ckptd: daemon error {reply.code}: {reply.message}", file=sys.stderr)
         return EXIT_ERROR
     pid = status.info["daemon"]["pid"] if isinstance(status, StatusReply) else None
-    if pid is not None and not wait_for_exit(pid, args.timeout):
+    if pid is not None and not wait_for_exit(pid, max(0.0, deadline - time.monotonic())):
         print(f"ckptd: daemon (pid {pid}) still draining after {args.timeout:g} s", file=sys.stderr)
         return EXIT_ERROR
     print(f"ckptd stopped (pid {pid})")

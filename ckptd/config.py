@@ -70,6 +70,10 @@ class DaemonConfig:
         self.run_dir = Path(self.run_dir).absolute()
         if not self.roots:
             raise ValueError("at least one root is needed")
+        for root in self.roots:
+            if not os.path.isdir(root):
+                raise ValueError(f"root {root} does not exist or is not a directory; create it first "
+                                 f"(mkdir -p {root}) or give another --root / CKPTD_ROOTS")
         self.roots = tuple(Path(os.path.realpath(r)) for r in self.roots)
         if self.max_concurrent_writes < 1:
             raise ValueError(f"max_concurrent_writes must be at least 1, got {self.max_concurrent_writes}")
@@ -86,6 +90,10 @@ class DaemonConfig:
         if any(k < 1 for k in self.keep_last.values()):
             raise ValueError(f"keep_last values must be at least 1, got {self.keep_last}")
         self.keep_last = {Path(os.path.realpath(d)): k for d, k in self.keep_last.items()}
+        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be a TCP port between 1 and 65535, got {self.metrics_port}")
+        if self.metrics_textfile is not None and not Path(self.metrics_textfile).absolute().parent.is_dir():
+            raise ValueError(f"metrics_textfile {self.metrics_textfile}: its directory does not exist")
         self.endpoint = endpoint_for(self.run_dir)
 
     def retention_for(self, checkpoint: Path) -> int | None:

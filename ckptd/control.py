@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import zmq
 
-from ckptd.protocol.endpoint import SOCKET_NAME, endpoint_for
+from ckptd.protocol.endpoint import endpoint_for, no_daemon_at
 from ckptd.protocol.errors import DaemonUnavailable
 from ckptd.protocol.messages import Message, Ping, Pong, decode
 
@@ -18,8 +17,9 @@ def request(run_dir: Path, msg: Message, *, timeout: float) -> Message:
     Raises ``DaemonUnavailable`` when no daemon answers within ``timeout``.
     """
     endpoint = endpoint_for(run_dir)
-    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
-        raise DaemonUnavailable(f"no ckptd daemon is running on {run_dir} (no socket at {run_dir / SOCKET_NAME})")
+    why_not = no_daemon_at(endpoint)
+    if why_not:
+        raise DaemonUnavailable(f"no ckptd daemon is running on {run_dir}: {why_not}")
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -40,7 +40,11 @@ class AlreadyRunning(CkptdError):
 
 def prepare_run_dir(run_dir: Path) -> None:
     """Create the run directory private to this user, or refuse a foreign one."""
-    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CkptdError(f"cannot use {run_dir} as the run directory: {exc.strerror or exc}; "
+                         "give another with --run-dir or CKPTD_RUN_DIR") from None
     st = run_dir.stat()
     if st.st_uid != os.getuid():
         raise PermissionError(f"run directory {run_dir} belongs to uid {st.st_uid}, not to this user")
@@ -85,13 +89,15 @@ def run_foreground(config: DaemonConfig) -> None:
     sock = config.run_dir / SOCKET_NAME
     if sock.exists():  # we hold the lock, so it is a dead daemon's socket
         sock.unlink()
-    server = Server(config, storage_from_env())
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: server.request_stop())
-    try:
-        server.serve_forever()
+    try:  # a start that fails (metrics port in use...) leaves no socket or pid file behind
+        server = Server(config, storage_from_env())
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: server.request_stop())
+        try:
+            server.serve_forever()
+        finally:
+            server.close()
     finally:
-        server.close()
         for name in (SOCKET_NAME, PID_NAME):
             try:
                 (config.run_dir / name).unlink()

@@ -1,8 +1,12 @@
 """``ckptd list ROOT``: what lies under a checkpoint directory, read from disk.
 
-No daemon needed. Each entry is ``committed`` (a valid index), ``incomplete``
-(a ``.incomplete`` directory: a save in progress or one that died; never
+No daemon needed. Each entry is ``committed`` (a valid index and every shard
+file present, regular and of the size the index records), ``damaged`` (a
+valid index but a shard missing, not a regular file or of the wrong size:
+``latest()`` skips it and ``load`` refuses it), ``incomplete`` (a
+``.incomplete`` directory: a save in progress or one that died; never
 loaded), or ``foreign`` (anything else: not ours, never touched by retention).
+The check is cheap (no data read); ``ckptd verify`` reads every byte.
 """
 
 from __future__ import annotations
@@ -13,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.protocol.errors import InvalidCheckpoint
-from ckptd.protocol.index import INCOMPLETE_SUFFIX, read_index
+from ckptd.protocol.index import INCOMPLETE_SUFFIX, missing_or_truncated, read_index
 
-from .render import human_bytes
+from .render import human_bytes, printable
 
 
 def _dir_bytes(path: Path) -> int:
@@ -46,10 +50,14 @@ def list_checkpoints(root: Path) -> list[dict[str, Any]]:
             except InvalidCheckpoint:
                 row.update(state="foreign")
             else:
-                row.update(state="committed", step=index.step, bytes=index.total_bytes,
-                           ranks=len(index.files), world_size=index.world_size, time=index.created)
+                problem = missing_or_truncated(path, index)
+                row.update(state="damaged" if problem else "committed", step=index.step,
+                           bytes=index.total_bytes, ranks=len(index.files), world_size=index.world_size,
+                           time=index.created)
+                if problem:
+                    row["problem"] = problem
         out.append(row)
-    order = {"committed": 0, "incomplete": 1, "foreign": 2}
+    order = {"committed": 0, "damaged": 1, "incomplete": 2, "foreign": 3}
     return sorted(out, key=lambda r: (order[r["state"]], r["step"] if r["step"] is not None else -1, r["name"]))
 
 
@@ -62,5 +70,7 @@ def render_listing(rows: list[dict[str, Any]]) -> str:
         ranks = "-" if r["ranks"] is None else (f"{r['ranks']}/{r['world_size']}" if r["world_size"] else str(r["ranks"]))
         size = "-" if r["bytes"] is None else human_bytes(r["bytes"])
         step = "-" if r["step"] is None else str(r["step"])
-        lines.append(f"{r['name']:<32} {r['state']:<10} {step:>8} {size:>10} {ranks:>7}  {when}")
+        lines.append(f"{printable(r['name']):<32} {r['state']:<10} {step:>8} {size:>10} {ranks:>7}  {when}")
+        if r.get("problem"):
+            lines.append(f"  {printable(r['problem'])}")
     return "\n".join(lines)

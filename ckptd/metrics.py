@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
+from ckptd.protocol.errors import CkptdError
+
 GAUGES = [
     ("ckptd_up", "1 while the daemon runs.", lambda s: 1),
     ("ckptd_uptime_seconds", "Seconds since the daemon started.", lambda s: s["daemon"]["uptime_s"]),
@@ -48,14 +50,22 @@ class Metrics:
     """Serves or writes the latest snapshot; ``update`` runs on the daemon loop."""
 
     def __init__(self, *, port: int | None, addr: str, textfile: Path | None) -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
+        """Raises ``CkptdError`` naming the port when it cannot be served (in use, bad address)."""
+        try:
+            from prometheus_client import CollectorRegistry, start_http_server
+        except ImportError:
+            raise CkptdError("metrics need the prometheus-client package: pip install 'ckptd[metrics]'") from None
 
         self.snapshot: dict[str, Any] | None = None
         self.textfile = textfile
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         if port is not None:
-            start_http_server(port, addr=addr, registry=self.registry)
+            try:
+                start_http_server(port, addr=addr, registry=self.registry)
+            except OSError as exc:
+                raise CkptdError(f"cannot serve metrics on {addr} port {port}: {exc.strerror or exc}; "
+                                 "choose another --metrics-port (or --metrics-addr)") from None
 
     def update(self, snapshot: dict[str, Any]) -> None:
         self.snapshot = snapshot

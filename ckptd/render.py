@@ -16,6 +16,17 @@ def human_bytes(n: float | None) -> str:
     raise AssertionError("unreachable")
 
 
+def printable(text: str) -> str:
+    """``text`` with control characters (newline, escape...) and undecodable bytes escaped.
+
+    A file name may hold any byte but ``/`` and NUL; printed raw, a newline
+    would fake a row of ``ckptd list`` and an escape sequence would rewrite
+    the terminal.
+    """
+    return "".join(c if c.isprintable() or c == " " else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in text)
+
+
 def progress_bar(fraction: float, width: int = 24) -> str:
     filled = int(round(max(0.0, min(1.0, fraction)) * width))
     return "[" + "#" * filled + "." * (width - filled) + "]"
@@ -36,7 +47,7 @@ def render_status(info: dict[str, Any]) -> str:
         lines.append("in progress:")
         for c in info["checkpoints"]:
             lines.append(
-                f"  {c['path']}  step {c['step']}  {c['state']}  ranks durable {c['ranks_durable']}/{c['world_size']}"
+                f"  {printable(c['path'])}  step {c['step']}  {c['state']}  ranks durable {c['ranks_durable']}/{c['world_size']}"
                 f"  {c['elapsed_s']:.1f} s"
             )
             for s in (s for s in info["saves"] if s["path"] == c["path"]):
@@ -59,7 +70,7 @@ def render_status(info: dict[str, Any]) -> str:
     lines.append(f"completed: {done['count']} checkpoints, {human_bytes(done['bytes'])}")
     if last:
         rate = f"{last['gbps']:.2f} GB/s" if last["gbps"] else "?"
-        lines.append(f"  last: {last['path']} step {last['step']}  {human_bytes(last['bytes'])} in {last['seconds']:.2f} s ({rate})")
+        lines.append(f"  last: {printable(last['path'])} step {last['step']}  {human_bytes(last['bytes'])} in {last['seconds']:.2f} s ({rate})")
     for r in info["roots"]:
         lines.append(f"root {r['path']}: {human_bytes(r['free_bytes'])} free of {human_bytes(r['total_bytes'])}")
     shm = info.get("shm")
@@ -69,5 +80,5 @@ def render_status(info: dict[str, Any]) -> str:
     if info["errors"]:
         lines.append("recent errors:")
         for e in info["errors"][-5:]:
-            lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['message']}")
+            lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {printable(e['message'])}")
     return "\n".join(lines)

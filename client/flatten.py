@@ -28,17 +28,19 @@ import msgpack
 import torch
 
 from ckptd.protocol.chunks import Box, chunk_metadata
-from ckptd.protocol.index import STRUCTURE_KEY
+from ckptd.protocol.structure import (
+    EXT_DTYPE,
+    EXT_GLOBAL,
+    EXT_ORDERED_DICT,
+    EXT_SIZE,
+    EXT_TENSOR,
+    EXT_TUPLE,
+    STRUCTURE_KEY,
+)
 
 from .dtypes import SAFETENSORS_DTYPES
 from .sharding import LocalChunk, dtensor_chunk, is_dtensor, whole_chunk
 
-EXT_TENSOR = 1
-EXT_TUPLE = 2
-EXT_DTYPE = 3
-EXT_SIZE = 4
-EXT_ORDERED_DICT = 5
-EXT_GLOBAL = 6
 _KEY_TYPES = (str, int, float, bool, type(None))
 _MSGPACK_INT = (-(2**63), 2**64 - 1)
 
@@ -199,8 +201,3 @@ def unflatten(structure: bytes, tensor_for: Callable[[str], torch.Tensor],
         return _unpack(structure)
     finally:
         del _unpack  # ext_hook and _unpack refer to each other: break the cycle, or the tensors wait for gc
-
-
-def structure_from_metadata(metadata: dict[str, str]) -> bytes | None:
-    raw = metadata.get(STRUCTURE_KEY)
-    return base64.b64decode(raw) if raw is not None else None

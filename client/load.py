@@ -30,12 +30,12 @@ import torch
 
 from ckptd.protocol.errors import BadMessage, InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
-from ckptd.protocol.inspect import open_shard, read_header_from
+from ckptd.protocol.inspect import check_shard_structure, open_shard, read_header_from
 from ckptd.protocol.layout import TensorEntry, parse_header
 
 from .checks import check_bool, check_limit, check_load_rank, check_path
 from .dtypes import TORCH_DTYPES
-from .flatten import structure_from_metadata, unflatten
+from .flatten import unflatten
 from .lease import load_lease
 from .ranks import detect_ranks
 from .reshard import ChunkFiles, read_full, structure_rank
@@ -119,9 +119,7 @@ def _load_rank(path: Path, index: CheckpointIndex, rank: int, device: torch.devi
         metadata, tensors = _map_tensors(shard, record, verify=verify, algorithm=index.checksum_algorithm)
     else:
         metadata, tensors = _read_tensors(shard, record, verify=verify, algorithm=index.checksum_algorithm)
-    structure = structure_from_metadata(metadata)
-    if structure is None:
-        raise InvalidCheckpoint(f"shard {shard} holds no ckptd structure in its metadata")
+    structure = check_shard_structure(tensors.keys(), metadata, record, index, shard)
     made: dict[str, torch.Tensor] = {}
 
     def tensor_for(name: str) -> torch.Tensor:

@@ -11,7 +11,6 @@ exits by itself once it has had no clients and no work for a while.
 from __future__ import annotations
 
 import fcntl
-import os
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import zmq
 
-from ckptd.protocol.endpoint import SOCKET_NAME, SPAWN_LOCK_NAME
+from ckptd.protocol.endpoint import SOCKET_NAME, SPAWN_LOCK_NAME, no_daemon_at
 from ckptd.protocol.errors import DaemonUnavailable
 from ckptd.protocol.messages import Ping, Pong, decode
 
@@ -28,7 +27,7 @@ SPAWNED_IDLE_EXIT_S = 120.0
 
 def answers(endpoint: str, timeout: float) -> bool:
     """Whether a daemon replies to a ping at ``endpoint`` within ``timeout``."""
-    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
+    if no_daemon_at(endpoint):
         return False
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -43,3 +43,43 @@ def endpoint_for(run_dir: Path | str | None = None) -> str:
             "Choose a shorter run directory (--run-dir or CKPTD_RUN_DIR)."
         )
     return f"ipc://{sock}"
+
+
+def no_daemon_at(endpoint: str) -> str | None:
+    """Why no daemon can answer at ``endpoint`` (no socket, or a dead daemon's), or None if one may.
+
+    Lets a caller say "not running" at once instead of waiting out a timeout.
+    Only ``ipc://`` endpoints can be told apart this way.
+    """
+    if not endpoint.startswith("ipc://"):
+        return None
+    sock = Path(endpoint[len("ipc://") :])
+    if not sock.exists():
+        return f"no socket at {sock}"
+    return leftover_socket(sock)
+
+
+def leftover_socket(sock: Path) -> str | None:
+    """Why the daemon socket ``sock`` is a dead daemon's leftover, or None if a daemon may own it.
+
+    A daemon killed outright leaves its socket behind; connecting to it then
+    waits for an answer that never comes. The daemon writes its pid beside the
+    socket before binding it and removes both on exit, so a missing pid file
+    or a pid that no longer runs means nobody is listening.
+    """
+    pid_file = sock.parent / PID_NAME
+    try:
+        text = pid_file.read_text().strip()
+    except FileNotFoundError:
+        return f"{sock} is left over from a daemon that exited (no {pid_file})"
+    except OSError:
+        return None
+    if not text.isdigit():  # a daemon starting up is writing it
+        return None
+    try:
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return f"its pid {text} (from {pid_file}) has exited and left {sock} behind"
+    except (PermissionError, OverflowError):
+        return None
+    return None

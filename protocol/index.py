@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -36,8 +37,6 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 """Index versions this code reads; it always writes ``FORMAT_VERSION``."""
 CHECKSUM_ALGORITHM = "crc32"
-STRUCTURE_KEY = "ckptd.structure"
-"""safetensors ``__metadata__`` key holding the base64 msgpack structure."""
 
 
 def shard_name(rank: int, world_size: int) -> str:
@@ -263,7 +262,36 @@ def committed_in(directory: Path | str) -> list[tuple[tuple[int, float], Path]]:
     return sorted(found)
 
 
+def missing_or_truncated(path: Path | str, index: CheckpointIndex) -> str | None:
+    """What is wrong with the shard files of ``path`` at a glance, or None.
+
+    Cheap (one ``stat`` per shard, no data read): each file the index lists
+    must be a regular file (after links, as load opens it) of the size the
+    index records. A checksum or header problem needs ``verify_checkpoint``.
+    """
+    for record in index.files:
+        shard = Path(path) / record.file
+        try:
+            st = os.stat(shard)
+        except OSError as exc:
+            return f"shard {shard} is missing or unreadable: {exc.strerror}"
+        if not stat.S_ISREG(st.st_mode):
+            return f"shard {shard} is not a regular file"
+        if st.st_size != record.size:
+            return f"shard {shard} holds {st.st_size} bytes; the index says {record.size} (truncated?)"
+    return None
+
+
 def latest(root: Path | str) -> Path | None:
-    """The committed checkpoint under ``root`` with the highest step (then the newest), or None."""
-    found = committed_in(root)
-    return found[-1][1] if found else None
+    """The committed checkpoint under ``root`` with the highest step (then the newest), or None.
+
+    A checkpoint whose shard files are missing, not regular or of the wrong
+    size is skipped, so a resume falls back to the newest one that can load.
+    """
+    for _, path in reversed(committed_in(root)):
+        try:
+            if missing_or_truncated(path, read_index(path)) is None:
+                return path
+        except InvalidCheckpoint:  # removed or replaced since the scan
+            continue
+    return None

@@ -13,12 +13,13 @@ import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Collection
 
 from .errors import BadMessage, InvalidCheckpoint
 from .files import open_regular
-from .index import CheckpointIndex, read_index
+from .index import CheckpointIndex, ShardRecord, read_index
 from .layout import MAX_HEADER_BYTES, TensorEntry, parse_header
+from .structure import check_structure, structure_bytes
 
 READ_CHUNK = 16 * 1024 * 1024
 
@@ -84,6 +85,25 @@ def read_header_from(f: BinaryIO, size: int, path: Path) -> tuple[list[TensorEnt
         raise InvalidCheckpoint(f"shard {path} has a bad header: {exc.message}") from None
 
 
+def check_shard_structure(tensor_names: Collection[str], metadata: dict[str, str], record: ShardRecord,
+                          index: CheckpointIndex, shard: Path) -> bytes:
+    """What load relies on beyond the tensor table (``parse_header``); the one check load and verify share.
+
+    The header must hold as many tensors as the index says, and its
+    ``ckptd.structure`` must decode and reference exactly those tensors (and
+    only global tensors the index lists). Returns the packed structure;
+    ``InvalidCheckpoint`` naming the file and the problem otherwise.
+    """
+    try:
+        if len(tensor_names) != record.tensors:
+            raise BadMessage(f"it holds {len(tensor_names)} tensors; the index says {record.tensors}")
+        structure = structure_bytes(metadata)
+        check_structure(structure, tensor_names, index.tensors)
+    except BadMessage as exc:
+        raise InvalidCheckpoint(f"shard {shard} has a bad header: {exc.message}") from None
+    return structure
+
+
 def open_shard(path: Path) -> BinaryIO:
     """A shard opened for reading: a missing file or one that is not a regular file is ``InvalidCheckpoint``."""
     try:
@@ -128,7 +148,7 @@ class VerifyReport:
 
 
 def verify_checkpoint(path: Path | str) -> VerifyReport:
-    """Check the index, every shard's size, header and checksum; collect every problem."""
+    """Check everything load relies on (index, each shard's size, header, structure, checksum); every problem."""
     report = VerifyReport(Path(path))
     try:
         index = read_index(path)
@@ -141,7 +161,8 @@ def verify_checkpoint(path: Path | str) -> VerifyReport:
             size = _size_of(shard)
             if size != record.size:
                 raise InvalidCheckpoint(f"shard {shard} holds {size} bytes; the index says {record.size} (truncated?)")
-            read_shard_header(shard, size)
+            entries, metadata, _ = read_shard_header(shard, size)
+            check_shard_structure([e.name for e in entries], metadata, record, index, shard)
             crc = file_crc32(shard)
             report.checked_bytes += size
             if crc != record.checksum:

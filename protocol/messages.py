@@ -37,8 +37,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from .errors import BadMessage, UnsupportedVersion
-from .index import ShardRecord
+from .errors import BadMessage, PathNotAllowed, UnsupportedVersion
+from .index import INCOMPLETE_SUFFIX, ShardRecord
 from .layout import DATA_ALIGNMENT, TensorEntry, validate_entries
 
 PROTOCOL_VERSION = 1
@@ -51,6 +51,8 @@ MAX_WORLD_SIZE = 1 << 20
 """More ranks than any job runs; bounds what the daemon keeps per checkpoint."""
 MAX_TIMEOUT = 7 * 24 * 3600
 """Longest commit timeout a message may carry, in seconds (one week)."""
+MAX_NAME_BYTES = 255
+"""NAME_MAX of Linux filesystems: the longest name of one directory entry, in bytes."""
 
 
 @dataclass(frozen=True)
@@ -124,8 +126,7 @@ class Commit(Message):
     def __post_init__(self) -> None:
         if not self.slot.startswith(SLOT_PREFIX) or "/" in self.slot:
             raise BadMessage(f"slot name {self.slot!r} must start with {SLOT_PREFIX!r} and hold no '/'")
-        if not self.path:
-            raise BadMessage("checkpoint path is empty")
+        _check_path(self.path)
         if not 1 <= self.world_size <= MAX_WORLD_SIZE or self.rank >= self.world_size:
             raise BadMessage(f"rank {self.rank} is not inside world size {self.world_size} (at most {MAX_WORLD_SIZE})")
         if self.header_len < 8 or self.header_len % DATA_ALIGNMENT or self.header_len > self.nbytes:
@@ -137,6 +138,27 @@ class Commit(Message):
         _check_common(self.keep_last, self.timeout)
         if not self.header_len <= self.staged <= self.nbytes:
             raise BadMessage(f"staged {self.staged} must lie between the header ({self.header_len}) and nbytes ({self.nbytes})")
+
+
+def _check_path(path: str) -> None:
+    """Refuse a checkpoint path whose name cannot exist on disk while it is written.
+
+    The checkpoint is written as ``name.incomplete`` first, so the name must
+    leave room for that suffix within ``MAX_NAME_BYTES``; otherwise the save
+    would fail deep in the write with a bare ``File name too long``. Raises
+    ``PathNotAllowed``, like every other path the daemon will not write.
+    """
+    if not path:
+        raise BadMessage("checkpoint path is empty")
+    name = path.rstrip("/").rpartition("/")[2]
+    limit = MAX_NAME_BYTES - len(INCOMPLETE_SUFFIX)
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise PathNotAllowed(
+            f"checkpoint name {name[:40]!r}... is {size} bytes long; names may be at most {limit} bytes "
+            f"(the filesystem allows {MAX_NAME_BYTES}, and the checkpoint is first written as "
+            f"'<name>{INCOMPLETE_SUFFIX}'): choose a shorter name"
+        )
 
 
 def _check_common(keep_last: int | None, timeout: float) -> None:
@@ -201,6 +223,7 @@ class Finalize(Message):
     type: ClassVar[str] = "finalize"
 
     def __post_init__(self) -> None:
+        _check_path(self.path)
         if len(self.files) != self.world_size:
             raise BadMessage(f"finalize lists {len(self.files)} files for world size {self.world_size}")
         ranks = sorted(f.rank for f in self.files)

@@ -342,9 +342,13 @@ def make_index(world_size: int = 2, step: int | None = 100, created: float = 1_7
 
 
 def write_checkpoint(directory: Path, index: CheckpointIndex | bytes) -> Path:
+    """An index, and for a parsed one, shard files of the sizes it records (zeros)."""
     directory.mkdir(parents=True)
     data = index if isinstance(index, bytes) else index.to_json()
     (directory / INDEX_NAME).write_bytes(data)
+    for record in () if isinstance(index, bytes) else index.files:
+        with open(directory / record.file, "wb") as f:
+            f.truncate(record.size)
     return directory
 
 
