@@ -50,10 +50,10 @@ from torch.futures import Future
 from ckptd.protocol.chunks import GLOBAL_KEY
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import ChunkRecord, TensorRecord, read_index
-from ckptd.protocol.inspect import read_shard_header
+from ckptd.protocol.inspect import check_shard_structure, read_shard_header
 
 from .checks import check_bool, check_path
-from .flatten import structure_from_metadata, unflatten
+from .flatten import unflatten
 from .reshard import ChunkFiles, GlobalRef, read_full, region
 
 __all__ = ["StorageReader"]
@@ -89,9 +89,7 @@ class StorageReader(_DCPStorageReader):
         files = ChunkFiles(self.path, index, verify=self.verify)
         record = index.shard(0)
         entries, metadata, data_start = read_shard_header(self.path / record.file, record.size)
-        structure = structure_from_metadata(metadata)
-        if structure is None:
-            raise InvalidCheckpoint(f"shard {self.path / record.file} holds no ckptd structure in its metadata")
+        structure = check_shard_structure([e.name for e in entries], metadata, record, index, self.path / record.file)
         per_rank = {e.name: e for e in entries}
         refs: dict[int, GlobalRef] = {}
         keep: list[torch.Tensor] = []  # placeholders stay alive so their ids stay unique
