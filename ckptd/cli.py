@@ -225,7 +225,9 @@ def _export(args: argparse.Namespace, run_dir: Path) -> int:
     from .export import export_checkpoint
 
     result = export_checkpoint(args.path, args.outdir, prefix=args.prefix, max_shard_size=args.max_shard_size)
-    print(f"{result.outdir}: {result.tensors} tensors, {human_bytes(result.total_size)} in {len(result.files)} file(s)")
+    index_note = " and an index" if result.tensor_files < len(result.files) else ""
+    print(f"{result.outdir}: {result.tensors} tensors, {human_bytes(result.total_size)} "
+          f"in {result.tensor_files} safetensors file(s){index_note}")
     if result.skipped_per_rank:
         print(f"  left out {result.skipped_per_rank} per-rank tensors of a {args.path} saved by several ranks "
               "(they differ between ranks; save them with replicated= to export them)")

@@ -57,7 +57,11 @@ class ExportResult:
     total_size: int
     """Tensor bytes written (``metadata.total_size`` of the index)."""
     skipped_per_rank: int
-    """Names of per-rank tensors of a multi-rank checkpoint, which have no single value."""
+    """Per-rank tensors under the prefix in a multi-rank checkpoint: they have no single value."""
+
+    @property
+    def tensor_files(self) -> int:
+        return sum(1 for f in self.files if f != INDEX_FILE)
 
 
 def parse_size(text: str) -> int:
@@ -107,10 +111,10 @@ def export_checkpoint(checkpoint: Path | str, outdir: Path | str, *, prefix: str
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportResult(outdir, tuple(names), len(chosen), total, skipped)
+    return ExportResult(outdir, tuple(names), len(chosen), total, sum(1 for n in skipped if n.startswith(prefix)))
 
 
-def _exported_tensors(checkpoint: Path, index: CheckpointIndex) -> tuple[dict[str, TensorRecord], int]:
+def _exported_tensors(checkpoint: Path, index: CheckpointIndex) -> tuple[dict[str, TensorRecord], set[str]]:
     """Global tensors from the index; per-rank tensors as one-chunk records when the world is one rank."""
     tensors = dict(index.tensors)
     per_rank: set[str] = set()
@@ -126,7 +130,7 @@ def _exported_tensors(checkpoint: Path, index: CheckpointIndex) -> tuple[dict[st
             zeros = (0,) * len(e.shape)
             chunk = ChunkRecord(record.file, zeros, e.shape, data_start + e.begin, data_start + e.end)
             tensors[e.name] = TensorRecord(e.dtype, e.shape, (chunk,))
-    return tensors, len(per_rank)
+    return tensors, per_rank
 
 
 def _sample(tensors: dict[str, TensorRecord]) -> str:

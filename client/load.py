@@ -38,7 +38,7 @@ from .dtypes import TORCH_DTYPES
 from .flatten import unflatten
 from .lease import load_lease
 from .ranks import detect_ranks
-from .reshard import ChunkFiles, read_full, structure_rank
+from .reshard import ChunkFiles, read_full
 
 MapLocation = str | torch.device | None
 MAX_READ = 1 << 30
@@ -96,8 +96,22 @@ def load(
             return [_load_rank(path, index, r, device, verify, full_tensor, mmap=mmap)
                     for r in range(index.world_size)]
         if rank is None:
-            rank = structure_rank(index, detect_ranks().rank) if index.world_size > 1 else 0
+            rank = _own_rank(path, index)
         return _load_rank(path, index, rank, device, verify, full_tensor, mmap=mmap)
+
+
+def _own_rank(path: Path, index: CheckpointIndex) -> int:
+    """This process's rank in the checkpoint: never silently another rank's state."""
+    if index.world_size == 1:
+        return 0  # one state for every reader, as with torch.load
+    rank = detect_ranks().rank
+    if rank >= index.world_size:
+        raise InvalidCheckpoint(
+            f"checkpoint {path} was saved by ranks 0..{index.world_size - 1}; this process is rank {rank}, which "
+            "has no state there. Pass rank= to read another rank's state on purpose, or use "
+            "ckptd.load_into to reshard the global tensors into this rank's target"
+        )
+    return rank
 
 
 def _device(map_location: Any) -> torch.device | None:
@@ -106,9 +120,15 @@ def _device(map_location: Any) -> torch.device | None:
     if not isinstance(map_location, (str, torch.device)):
         raise TypeError(f"map_location must be None, a str or a torch.device, got {type(map_location).__name__}")
     try:
-        return torch.device(map_location)
+        device = torch.device(map_location)
     except RuntimeError as exc:
         raise ValueError(f"map_location {map_location!r} is not a device: {exc}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise ValueError(f"map_location {map_location!r} names a CUDA device, but this process sees "
+                             f"{count} CUDA device(s)")
+    return device
 
 
 def _load_rank(path: Path, index: CheckpointIndex, rank: int, device: torch.device | None, verify: bool,

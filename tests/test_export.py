@@ -54,6 +54,8 @@ def test_export_writes_every_global_tensor_whole_in_one_file(saved, tmp_path: Pa
 def test_prefix_and_a_small_max_shard_size_give_sharded_files_and_an_index(saved, tmp_path: Path):
     path, reference = saved
     result = export_checkpoint(path, tmp_path / "hf", prefix="model.", max_shard_size="100B")
+    assert result.skipped_per_rank == 0  # the per-rank step counters lie outside the prefix
+    assert result.tensor_files == 3
     names = sorted(p.name for p in (tmp_path / "hf").iterdir())
     assert names == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
                      "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
