@@ -48,18 +48,20 @@ class Slot:
         directory = shm_dir()
         self.path = directory / self.name
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
+        try:  # Ctrl-C included: never leave a half-made slot behind
             os.posix_fallocate(fd, 0, self.size)
-            self.map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException as exc:  # Ctrl-C included: never leave a half-made slot behind
+            # MAP_POPULATE pre-faults every page now, not during a save, in the
+            # kernel: no parallel torch op, which can hang in a forked child.
+            self.map = mmap.mmap(fd, self.size, mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                 mmap.PROT_READ | mmap.PROT_WRITE)
+            self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
+        except BaseException as exc:
             os.unlink(self.path)
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise NoSpace(shm_shortage_message(self.size, directory, exc.strerror)) from None
             raise
         finally:
             os.close(fd)
-        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
-        self.tensor.fill_(0)  # pre-fault every page now, not during a save
         self.pinned: bool | None = None
         """Registered with CUDA as pinned memory (None: not tried yet)."""
         _live.add(self)

@@ -161,6 +161,36 @@ def test_a_forked_child_cannot_use_the_client_and_leaves_the_parents_slots_alone
     assert (root / "after" / "ckptd.json").is_file() and not (root / "child").exists()
 
 
+FRESH_CLIENT_IN_CHILD = textwrap.dedent("""
+    import os, sys, time, torch, ckptd
+    run_dir, root = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(2)
+    torch.ones(1 << 22).fill_(1.0)  # the parent's OpenMP pool has run: a parallel op in the child would hang
+    pid = os.fork()
+    if pid == 0:  # what the error advises: a new client in the child
+        with ckptd.Client(run_dir=run_dir, spawn=False, timeout=10.0) as fresh:
+            fresh.save_async({"w": torch.ones(10)}, f"{root}/child-new").result(30)
+        os._exit(0)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            print("exit", status)
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        print("hung")
+""")
+
+
+def test_a_new_client_in_a_forked_child_saves_without_hanging(daemon, run_dir, root) -> None:
+    out = subprocess.run([sys.executable, "-c", FRESH_CLIENT_IN_CHILD, str(run_dir), str(root)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.split() == ["exit", "0"], out.stdout + out.stderr
+    assert (root / "child-new" / "ckptd.json").is_file()
+
+
 # -- 4. Ctrl-C during staging --------------------------------------------------------
 
 
