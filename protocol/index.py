@@ -288,6 +288,8 @@ def latest(root: Path | str) -> Path | None:
     A checkpoint whose shard files are missing, not regular or of the wrong
     size is skipped, so a resume falls back to the newest one that can load.
     """
+    if not isinstance(root, (str, os.PathLike)):
+        raise TypeError(f"root must be a path (str or os.PathLike), got {type(root).__name__}")
     for _, path in reversed(committed_in(root)):
         try:
             if missing_or_truncated(path, read_index(path)) is None:

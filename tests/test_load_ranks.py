@@ -36,3 +36,8 @@ def test_a_rank_beyond_the_saved_world_gets_an_error_not_rank_0s_state(two_rank_
 def test_a_cuda_map_location_this_host_lacks_is_named(two_rank_checkpoint) -> None:
     with pytest.raises(ValueError, match=r"map_location 'cuda:7'.*CUDA device"):
         ckptd.load(two_rank_checkpoint, rank=0, map_location="cuda:7")
+
+
+def test_latest_of_no_path_is_a_type_error_not_none() -> None:
+    with pytest.raises(TypeError, match="root must be a path"):
+        ckptd.latest(None)
