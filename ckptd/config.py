@@ -65,6 +65,9 @@ class DaemonConfig:
     missing ranks (their ranks may still commit); then they fail with
     ShuttingDown and their ``.incomplete`` directories are removed. Shards
     already being written are always finished."""
+    storage: str | None = None
+    """``module:Class`` of the checkpoint storage (``ckptd.storage.Storage``);
+    None: the local filesystem. Tests load their fault-injecting one here."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir).absolute()

@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ckptd.protocol.index import INCOMPLETE_SUFFIX, committed_in
+from ckptd.protocol.index import INCOMPLETE_SUFFIX
 
+from .catalog import committed_in
 from .ownership import owner_marker, remove_markers, why_not_replaceable
 from .storage import Storage
 
@@ -32,11 +33,11 @@ def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: s
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-    others = [path for _, path in committed_in(newest.parent) if path != newest]
+    others = [path for _, path in committed_in(storage, newest.parent) if path != newest]
     victims = [p for p in others[: max(0, len(others) - (keep_last - 1))] if p not in in_flight]
     deleted = []
     for victim in victims:
-        reason = why_not_replaceable(victim)
+        reason = why_not_replaceable(storage, victim)
         if reason is not None:
             log.warning("event=retention_skip path=%s reason=%s", victim, reason)
             continue
