@@ -355,7 +355,8 @@ class Commits:
 
         After this the path is free for a retry, and removing the returned
         directory (later, on another thread) can only ever remove what this
-        attempt wrote. A crash before the removal leaves a ``.incomplete``
+        attempt wrote (if the rename fails, it is removed in place here, still
+        before any retry). A crash before the removal leaves a ``.incomplete``
         directory owned by a dead daemon, which the start-up sweep removes.
         """
         if not pending.owns_directory:
@@ -364,6 +365,9 @@ class Commits:
         try:
             self.storage.rename(pending.incomplete, aside)
         except FileNotFoundError:
+            return None
+        except OSError:  # cannot rename: remove it in place, before any retry is admitted
+            self.storage.remove_tree(pending.incomplete)
             return None
         return aside
 

@@ -41,15 +41,44 @@ def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: s
         if reason is not None:
             log.warning("event=retention_skip path=%s reason=%s", victim, reason)
             continue
-        doomed = victim.with_name(f"{victim.name}.deleting{INCOMPLETE_SUFFIX}")
         try:
-            storage.touch(victim / owner_marker())
-            storage.rename(victim, doomed)
+            if not remove_checkpoint(storage, victim, marker=owner_marker()):
+                continue
         except OSError as exc:
             log.warning("event=retention_skip path=%s error=%s", victim, exc.strerror or exc)
-            remove_markers(storage, victim)
             continue
-        storage.remove_tree(doomed)
         deleted.append(victim)
         log.info("event=retention_deleted path=%s", victim)
     return deleted
+
+
+def deleting_path(path: Path) -> Path:
+    """Where a checkpoint being deleted waits for its removal (a ``.incomplete`` name: never loaded)."""
+    return path.with_name(f"{path.name}.deleting{INCOMPLETE_SUFFIX}")
+
+
+def remove_checkpoint(storage: Storage, path: Path, *, marker: str | None) -> bool:
+    """Delete a committed checkpoint in two phases; False if it was already gone.
+
+    The one two-phase delete (retention and the Lightning plugin): rename to
+    ``deleting_path`` first, so readers see it vanish at once and never half
+    removed, then remove the tree. With ``marker`` (the daemon's owner
+    marker), a crash between the two leaves a directory the start-up sweep
+    removes. A leftover of an interrupted removal is cleared first. On an
+    ``OSError`` before the rename, the marker is taken back and the error raised.
+    """
+    doomed = deleting_path(path)
+    if storage.stat(doomed) is not None:
+        storage.remove_tree(doomed)
+    try:
+        if marker is not None:
+            storage.touch(path / marker)
+        storage.rename(path, doomed)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        if marker is not None:
+            remove_markers(storage, path)
+        raise
+    storage.remove_tree(doomed)
+    return True

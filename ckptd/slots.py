@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import re
 import stat
 import threading
 from dataclasses import dataclass
@@ -22,9 +21,9 @@ from pathlib import Path
 
 from ckptd.protocol.errors import BadSlot
 from ckptd.protocol.shm import shm_dir as default_shm_dir
+from ckptd.protocol.shm import slot_name, slot_owner
 
 log = logging.getLogger("ckptd")
-SLOT_NAME = re.compile(r"ckptd-(\d+)-(\d+)-(\d+)")
 
 
 @dataclass
@@ -48,12 +47,6 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def slot_owner(name: str) -> tuple[int, int] | None:
-    """``(uid, pid)`` encoded in a slot name, or None if it is not a slot name."""
-    m = SLOT_NAME.fullmatch(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
 class SlotMaps:
     """Read-only mappings of client slots, cached by name.
 
@@ -74,7 +67,8 @@ class SlotMaps:
     def _acquire(self, name: str, *, pid: int, nbytes: int) -> MappedSlot:
         owner = slot_owner(name)
         if owner != (os.getuid(), pid):
-            raise BadSlot(f"slot {name!r} is not named ckptd-{os.getuid()}-{pid}-<n> for this client (pid {pid})")
+            raise BadSlot(f"slot {name!r} is not named {slot_name(os.getuid(), pid, 0)[:-1]}<n> for this client "
+                          f"(pid {pid})")
         try:  # O_NONBLOCK: a FIFO planted under a slot's name must not block the daemon
             fd = os.open(self.shm_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
@@ -129,10 +123,9 @@ class SlotMaps:
         client committed before dying still completes.
         """
         self.forget_pid(pid)
-        prefix = f"ckptd-{os.getuid()}-{pid}-"
         removed = 0
         for entry in os.scandir(self.shm_dir):
-            if entry.name.startswith(prefix) and SLOT_NAME.fullmatch(entry.name):
+            if slot_owner(entry.name) == (os.getuid(), pid):
                 try:
                     os.unlink(entry.path)
                     removed += 1

@@ -217,7 +217,7 @@ class LocalStorage:
     def stat(self, path: Path, *, follow: bool = False) -> Stat | None:
         try:
             st = os.stat(path, follow_symlinks=follow)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no such name can exist there
             return None
         return Stat(_kind(st.st_mode), st.st_size, st.st_mtime)
 
