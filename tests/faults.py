@@ -43,6 +43,12 @@ class Fault:
     """SIGKILL the daemon itself: a crash at exactly this point."""
     after: bool = False
     """Act after the call succeeded instead of before it."""
+    exact: bool = False
+    """Match only the path equal to ``match`` (a directory, not the names below it)."""
+
+    def hits(self, op: str, where: str, after: bool) -> bool:
+        matches = where == self.match if self.exact else self.match in where
+        return self.op == op and self.after == after and matches
 
 
 class FaultyStorage(LocalStorage):
@@ -56,7 +62,7 @@ class FaultyStorage(LocalStorage):
 
     def _inject(self, op: str, where: str, *, after: bool = False) -> None:
         for f in self.faults:
-            if f.op == op and f.match in where and f.after == after:
+            if f.hits(op, where, after):
                 action = "kill" if f.kill else (f"errno={f.errno}" if f.errno else f"delay={f.delay:g}")
                 log.warning("event=fault op=%s after=%s action=%s path=%s", op, after, action, where)
                 if f.delay:
