@@ -43,6 +43,8 @@ class Fault:
     """SIGKILL the daemon itself: a crash at exactly this point."""
     after: bool = False
     """Act after the call succeeded instead of before it."""
+    wait_for: str = ""
+    """Block until this file exists (at most a minute): the test says when the call may go on."""
     exact: bool = False
     """Match only the path equal to ``match`` (a directory, not the names below it)."""
 
@@ -67,6 +69,9 @@ class FaultyStorage(LocalStorage):
                 log.warning("event=fault op=%s after=%s action=%s path=%s", op, after, action, where)
                 if f.delay:
                     time.sleep(f.delay)
+                deadline = time.monotonic() + 60
+                while f.wait_for and not os.path.exists(f.wait_for) and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 if f.kill:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if f.errno:

@@ -23,19 +23,24 @@ def wait_until(cond, timeout: float = 20.0) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_retry_right_after_a_failed_save_keeps_its_directory(daemon_factory, client_factory, root) -> None:
-    # "busy"'s index write holds the commit thread, so the failed attempt's cleanup cannot run
-    # before the retry is admitted: removing the failed attempt's directory in place would then
-    # remove the retry's.
-    daemon = daemon_factory(faults=[{"op": "write_file", "match": "/busy.incomplete/", "errno": 0, "delay": 4.0}])
+def test_a_retry_right_after_a_failed_save_keeps_its_directory(daemon_factory, client_factory, root, tmp_path) -> None:
+    # "busy"'s index write holds the commit thread until the test lets it go, so the failed
+    # attempt's cleanup cannot run before the retry is admitted: removing the failed attempt's
+    # directory in place then would remove the retry's.
+    go = tmp_path / "go"
+    daemon = daemon_factory(faults=[{"op": "write_file", "match": "/busy.incomplete/", "errno": 0,
+                                     "wait_for": str(go)}])
+    log = daemon.run_dir / "ckptd.log"
     client = client_factory()
     busy = client.save_async({"w": torch.ones(10)}, root / "busy")
-    wait_until(lambda: "event=fault op=write_file" in (daemon.run_dir / "ckptd.log").read_text())
+    wait_until(lambda: "event=fault op=write_file" in log.read_text())
     lonely = client_factory(rank=0, world_size=2, commit_timeout=0.5)
     with pytest.raises(ckptd.RanksMissing):
         lonely.save_async({"w": torch.ones(100)}, root / "racy", step=1).result(30)
-    assert busy.done() is False, "the commit thread must still be busy for this test to mean anything"
-    retry = client.save_async({"w": torch.full((100,), 2.0)}, root / "racy", step=1)
+    retry = client_factory().save_async({"w": torch.full((100,), 2.0)}, root / "racy", step=1)
+    wait_until(lambda: log.read_text().count(f"event=admitted path={root.resolve() / 'racy'} ") == 2)
+    assert not busy.done(), "the commit thread must still be held for this test to mean anything"
+    go.touch()
     assert retry.result(30).path == root / "racy"
     assert torch.equal(ckptd.load(root / "racy")["w"], torch.full((100,), 2.0))
     busy.result(30)
