@@ -19,8 +19,6 @@ holds no storage at all (``/proc``, ``/sys``) is refused as such, not as
 
 from __future__ import annotations
 
-import os
-import re
 from pathlib import Path
 
 from dataclasses import dataclass
@@ -67,8 +65,6 @@ def examine(storage: Storage, slots: SlotMaps, msg: Commit, *, pid: int, roots: 
         slots.release(slot)
         raise
 
-MOUNTINFO = Path("/proc/self/mountinfo")
-
 
 def check_room(target: Path, space: Space, nbytes: int, reserved: int, *, margin_fraction: float, margin_min: int,
                shm_min_free: int, shm_free: int | None) -> None:
@@ -79,7 +75,7 @@ def check_room(target: Path, space: Space, nbytes: int, reserved: int, *, margin
     """
     if space.total == 0:
         raise PathNotAllowed(
-            f"cannot save to {target}: it lies on a {filesystem_type(target)} filesystem, which has no storage "
+            f"cannot save to {target}: it lies on a {space.kind} filesystem, which has no storage "
             "(a kernel pseudo-filesystem such as /proc or /sys); choose a directory on a disk or a shared filesystem"
         )
     margin = max(margin_min, int(space.total * margin_fraction))
@@ -98,22 +94,3 @@ def shm_free_bytes() -> int | None:
     """Free bytes in the slot directory (None: it cannot be measured)."""
     free = shm_usage().get("free_bytes")
     return free if isinstance(free, int) else None
-
-
-def filesystem_type(path: Path) -> str:
-    """The type of the filesystem mounted at the deepest mount point above ``path`` (for messages)."""
-    best, kind = "", "unknown"
-    target = os.path.realpath(path)
-    try:
-        lines = MOUNTINFO.read_text().splitlines()
-    except OSError:
-        return kind
-    for line in lines:
-        fields, _, tail = line.partition(" - ")
-        parts = fields.split()
-        if len(parts) < 5 or not tail:
-            continue
-        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])  # space is \040
-        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
-            best, kind = mount, tail.split()[0]
-    return kind

@@ -39,6 +39,7 @@ import ctypes.util
 import errno
 import importlib
 import os
+import re
 import shutil
 import stat as stat_mod
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from typing import Protocol, runtime_checkable
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
+MOUNTINFO = Path("/proc/self/mountinfo")
 
 
 class Kind(str, Enum):
@@ -83,6 +85,8 @@ class Space:
     device: int
     free: int
     total: int
+    kind: str = ""
+    """The filesystem's type, looked up only when it holds no storage (``proc``, ``sysfs``: for the message)."""
 
 
 @runtime_checkable
@@ -228,7 +232,27 @@ class LocalStorage:
         while not os.path.lexists(path) and path != path.parent:
             path = path.parent
         st = os.statvfs(path)
-        return Space(os.stat(path).st_dev, st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
+        kind = filesystem_type(path) if st.f_blocks == 0 else ""
+        return Space(os.stat(path).st_dev, st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, kind)
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem mounted at the deepest mount point above ``path`` (for messages)."""
+    best, kind = "", "unknown"
+    target = os.path.realpath(path)
+    try:
+        lines = MOUNTINFO.read_text().splitlines()
+    except OSError:
+        return kind
+    for line in lines:
+        fields, _, tail = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not tail:
+            continue
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])  # space is \040
+        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+            best, kind = mount, tail.split()[0]
+    return kind
 
 
 def load_storage(spec: str | None) -> Storage:
