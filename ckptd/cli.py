@@ -1,4 +1,7 @@
-"""``ckptd start | status | stop``.
+"""``ckptd start | status | stop | list | verify | inspect | export``.
+
+``start``, ``status`` and ``stop`` talk to (or are) the daemon; ``list``,
+``verify``, ``inspect`` and ``export`` read checkpoints from disk and need none.
 
 Exit codes: 0 success, 1 no daemon answers, 2 usage error, 3 the daemon (or
 start-up) reported an error.
