@@ -164,16 +164,21 @@ class Saves:
 
     def finalize(self, ident: bytes, msg: Finalize) -> None:
         """Global rank 0 asks this daemon to commit a multi-node checkpoint; Done or Error follows."""
+        self._resolve_then(ident, msg.id, msg.path,
+                           lambda final: self._finalize(self.state.commits.from_finalize(msg, ident, final)))
+
+    def _resolve_then(self, ident: bytes, rid: int, raw: str, then: Callable[[Path], None]) -> None:
+        """Resolve a client's checkpoint path on the admit pool, then ``then(final)`` (or an Error reply)."""
         self.state.client(ident)
         roots = self.config.roots
 
         def resolved(fut: Future) -> None:
             if fut.exception() is not None:
-                self.send(ident, error_reply(self.state, msg.id, fut.exception()))
-                return
-            self._finalize(self.state.commits.from_finalize(msg, ident, fut.result()))
+                self.send(ident, error_reply(self.state, rid, fut.exception()))
+            else:
+                then(fut.result())
 
-        self.workers.submit("admit", lambda: resolve_path(self.storage, msg.path, roots), resolved)
+        self.workers.submit("admit", lambda: resolve_path(self.storage, raw, roots), resolved)
 
     def _finalize(self, pending: PendingCheckpoint) -> None:
         self.workers.submit("commit", lambda: self.state.commits.finalize(pending),
@@ -207,21 +212,15 @@ class Saves:
 
     def abort(self, ident: bytes, msg: Abort) -> None:
         """A rank gave up on a checkpoint (multi-node); Ok follows once it is failed here."""
-        self.state.client(ident)
-        roots = self.config.roots
 
-        def resolved(fut: Future) -> None:
-            if fut.exception() is not None:
-                self.send(ident, error_reply(self.state, msg.id, fut.exception()))
-                return
-            final = fut.result()
+        def abort(final: Path) -> None:
             pending = self.state.commits.pending.get(final) or PendingCheckpoint(
                 final, 1, None, False, coordinated=True, state=CheckpointState.WRITING, owns_directory=True)
             if pending.state is not CheckpointState.FAILED:
                 self.fail(pending, RanksMissing(f"checkpoint {final} was aborted: {msg.reason}"))
             self.send(ident, Ok(msg.id))
 
-        self.workers.submit("admit", lambda: resolve_path(self.storage, msg.path, roots), resolved)
+        self._resolve_then(ident, msg.id, msg.path, abort)
 
     def fail(self, pending: PendingCheckpoint, exc: BaseException) -> None:
         """Fail a checkpoint: tell every rank, remember why, clean up once no shard is being written."""
