@@ -8,6 +8,8 @@ from pathlib import Path
 
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 
+from .storage import load_storage
+
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 
 
@@ -97,6 +99,8 @@ class DaemonConfig:
             raise ValueError(f"metrics_port must be a TCP port between 1 and 65535, got {self.metrics_port}")
         if self.metrics_textfile is not None and not Path(self.metrics_textfile).absolute().parent.is_dir():
             raise ValueError(f"metrics_textfile {self.metrics_textfile}: its directory does not exist")
+        if self.storage is not None:
+            load_storage(self.storage)  # refuse a bad --storage here, before a detached start
         self.endpoint = endpoint_for(self.run_dir)
 
     def retention_for(self, checkpoint: Path) -> int | None:

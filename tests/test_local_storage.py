@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.config import DaemonConfig
 from ckptd.storage import Kind, LocalStorage, Storage, load_storage
 
 
@@ -113,3 +114,9 @@ def test_load_storage_names_what_is_wrong_with_the_option() -> None:
         load_storage("ckptd.storage:NoSuchClass")
     with pytest.raises(TypeError, match="does not implement"):
         load_storage("pathlib:PurePath")
+
+
+def test_a_daemon_config_refuses_a_storage_that_cannot_be_loaded(tmp_path) -> None:
+    with pytest.raises(ValueError, match="--storage 'no.such.module:Storage' cannot be loaded"):
+        DaemonConfig(run_dir=tmp_path, roots=(tmp_path,), storage="no.such.module:Storage")
+    assert DaemonConfig(run_dir=tmp_path, roots=(tmp_path,), storage="ckptd.storage:LocalStorage").storage
