@@ -1,4 +1,4 @@
-"""A failed save's cleanup never touches a retry, and a commit whose last fsync failed says what is true.
+"""Cleanup never harms or holds up other saves, and a commit whose last fsync failed says what is true.
 
 Real daemons with injected storage faults (``tests/faults.py``).
 """
@@ -59,3 +59,20 @@ def test_a_failed_parent_fsync_after_the_rename_reports_the_checkpoint_as_visibl
     # what the error says is true: the checkpoint is there, whole, and holds no owner marker
     assert torch.equal(ckptd.load(root / "honest")["w"], torch.ones(100))
     assert sorted(os.listdir(root / "honest")) == ["ckptd.json", "rank-00000-of-00001.safetensors"]
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_retention_removal_does_not_hold_up_the_next_commit(daemon_factory, client_factory, root,
+                                                                    tmp_path) -> None:
+    go = tmp_path / "go"
+    daemon = daemon_factory(faults=[{"op": "remove_tree", "match": "/old.deleting.incomplete", "errno": 0,
+                                     "wait_for": str(go)}])
+    client = client_factory()
+    client.save_async({"w": torch.ones(10)}, root / "old", step=1).result(30)
+    client.save_async({"w": torch.ones(10)}, root / "new", step=2, keep_last=1).result(30)
+    wait_until(lambda: "event=fault op=remove_tree" in (daemon.run_dir / "ckptd.log").read_text())
+    # the removal is held; a commit must not wait for it
+    assert client.save_async({"w": torch.ones(10)}, root / "other", step=3).result(30).path == root / "other"
+    assert (root / "old.deleting.incomplete").exists(), "the removal must still be held"
+    go.touch()
+    wait_until(lambda: sorted(os.listdir(root)) == ["new", "other"])
