@@ -76,3 +76,17 @@ def test_a_slow_retention_removal_does_not_hold_up_the_next_commit(daemon_factor
     assert (root / "old.deleting.incomplete").exists(), "the removal must still be held"
     go.touch()
     wait_until(lambda: sorted(os.listdir(root)) == ["new", "other"])
+
+
+@pytest.mark.timeout(120)
+def test_the_daemon_answers_while_a_checkpoint_directory_is_being_created(daemon_factory, client_factory, root,
+                                                                           tmp_path) -> None:
+    go = tmp_path / "go"
+    daemon = daemon_factory(faults=[{"op": "touch", "match": "/held.incomplete/", "errno": 0, "wait_for": str(go)}])
+    fut = client_factory().save_async({"w": torch.ones(10)}, root / "held")
+    wait_until(lambda: "event=fault op=touch" in (daemon.run_dir / "ckptd.log").read_text())
+    status = daemon.status()  # the loop answers while admission's I/O is held on its worker
+    assert [c["state"] for c in status["checkpoints"]] == ["preparing"]
+    assert not fut.done()
+    go.touch()
+    assert fut.result(30).path == root / "held"
