@@ -1,4 +1,11 @@
-"""Admission control: refuse a save up front when it cannot fit.
+"""Admission: what a commit is checked against before its write is queued.
+
+``examine`` is the admission work that touches files (resolving the path,
+mapping the slot, reading the header back, measuring free space); it runs on
+the admission worker, never on the loop thread. ``check_room`` is the
+arithmetic the loop then does with what is already promised.
+
+Refusing a save up front when it cannot fit:
 
 A save that fails halfway for lack of space wastes the write and, on a shared
 filesystem, squeezes everyone else. So before accepting a shard the daemon
@@ -12,68 +19,78 @@ holds no storage at all (``/proc``, ``/sys``) is refused as such, not as
 
 from __future__ import annotations
 
-import os
-import re
 from pathlib import Path
 
-from ckptd.protocol.errors import NoSpace, PathNotAllowed
-from ckptd.protocol.shm import shm_dir as default_shm_dir
+from dataclasses import dataclass
 
-MOUNTINFO = Path("/proc/self/mountinfo")
+from ckptd.protocol.errors import BadMessage, BadSlot, NoSpace, PathNotAllowed
+from ckptd.protocol.layout import parse_header
+from ckptd.protocol.messages import Commit
+from ckptd.protocol.shm import shm_usage
 
-
-def _human(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
-
-
-def existing_ancestor(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
+from .commit import resolve_path
+from .render import human_bytes
+from .slots import MappedSlot, SlotMaps
+from .storage import Space, Storage
+from .writer import round_up
 
 
-def filesystem_of(path: Path) -> int:
-    """Device id of the filesystem that will hold ``path``."""
-    return os.stat(existing_ancestor(path)).st_dev
+@dataclass
+class Examined:
+    """What admission found out about one commit, off the loop thread."""
+
+    final: Path
+    slot: MappedSlot
+    space: Space
+    shm_free: int | None
 
 
-def check_room(target: Path, nbytes: int, reserved: int, *, margin_fraction: float, margin_min: int,
-               shm_min_free: int, shm_dir: Path | None = None) -> None:
-    """Raise ``NoSpace`` unless ``nbytes`` more fit beside ``reserved`` bytes already promised."""
-    st = os.statvfs(existing_ancestor(target))
-    if st.f_blocks == 0:
+def examine(storage: Storage, slots: SlotMaps, msg: Commit, *, pid: int, roots: tuple[Path, ...]) -> Examined:
+    """Resolve the path, map and check the slot, measure free space (I/O; the admission worker).
+
+    The slot is released again if anything is wrong, so a refused commit holds no mapping.
+    """
+    slot = slots.acquire(msg.slot, pid=pid, nbytes=round_up(msg.nbytes))
+    try:
+        entries, _, data_start = parse_header(slot.map[: msg.header_len], msg.nbytes)
+        by_offset = lambda e: (e.begin, e.end)  # noqa: E731
+        if data_start != msg.header_len or sorted(entries, key=by_offset) != sorted(msg.tensors, key=by_offset):
+            raise BadSlot(f"slot {msg.slot!r} holds a header that does not match the commit's tensor table")
+        final = resolve_path(storage, msg.path, roots)
+        return Examined(final, slot, storage.space(final.parent), shm_free_bytes())
+    except BadMessage as exc:
+        slots.release(slot)
+        raise BadSlot(f"slot {msg.slot!r}: {exc.message}") from None
+    except BaseException:
+        slots.release(slot)
+        raise
+
+
+def check_room(target: Path, space: Space, nbytes: int, reserved: int, *, margin_fraction: float, margin_min: int,
+               shm_min_free: int, shm_free: int | None) -> None:
+    """Raise ``NoSpace`` unless ``nbytes`` more fit beside ``reserved`` bytes already promised.
+
+    Pure arithmetic over what the storage (``space``) and the slot directory
+    (``shm_free``) reported, so it runs on the loop thread where the promises are known.
+    """
+    if space.total == 0:
         raise PathNotAllowed(
-            f"cannot save to {target}: it lies on a {filesystem_type(target)} filesystem, which has no storage "
+            f"cannot save to {target}: it lies on a {space.kind} filesystem, which has no storage "
             "(a kernel pseudo-filesystem such as /proc or /sys); choose a directory on a disk or a shared filesystem"
         )
-    free = st.f_bavail * st.f_frsize
-    margin = max(margin_min, int(st.f_blocks * st.f_frsize * margin_fraction))
-    if nbytes + reserved + margin > free:
+    margin = max(margin_min, int(space.total * margin_fraction))
+    if nbytes + reserved + margin > space.free:
         raise NoSpace(
-            f"not enough space for {target}: the shard needs {_human(nbytes)}, saves in flight to the same "
-            f"filesystem need {_human(reserved)}, and {_human(margin)} is kept free, but only {_human(free)} is free"
+            f"not enough space for {target}: the shard needs {human_bytes(nbytes)}, saves in flight to the same "
+            f"filesystem need {human_bytes(reserved)}, and {human_bytes(margin)} is kept free, but only "
+            f"{human_bytes(space.free)} is free"
         )
-    shm_dir = shm_dir if shm_dir is not None else default_shm_dir()
-    shm = os.statvfs(shm_dir)
-    shm_free = shm.f_bavail * shm.f_frsize
-    if shm_free < shm_min_free:
-        raise NoSpace(f"{shm_dir} is nearly full ({_human(shm_free)} free, {_human(shm_min_free)} needed as headroom)")
+    if shm_free is not None and shm_free < shm_min_free:
+        raise NoSpace(f"{shm_usage()['dir']} is nearly full ({human_bytes(shm_free)} free, "
+                      f"{human_bytes(shm_min_free)} needed as headroom)")
 
 
-def filesystem_type(path: Path) -> str:
-    """The type of the filesystem mounted at the deepest mount point above ``path`` (for messages)."""
-    best, kind = "", "unknown"
-    target = os.path.realpath(existing_ancestor(path))
-    try:
-        lines = MOUNTINFO.read_text().splitlines()
-    except OSError:
-        return kind
-    for line in lines:
-        fields, _, tail = line.partition(" - ")
-        parts = fields.split()
-        if len(parts) < 5 or not tail:
-            continue
-        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])  # space is \040
-        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
-            best, kind = mount, tail.split()[0]
-    return kind
+def shm_free_bytes() -> int | None:
+    """Free bytes in the slot directory (None: it cannot be measured)."""
+    free = shm_usage().get("free_bytes")
+    return free if isinstance(free, int) else None

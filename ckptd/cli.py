@@ -1,4 +1,7 @@
-"""``ckptd start | status | stop``.
+"""``ckptd start | status | stop | list | verify | inspect | export``.
+
+``start``, ``status`` and ``stop`` talk to (or are) the daemon; ``list``,
+``verify``, ``inspect`` and ``export`` read checkpoints from disk and need none.
 
 Exit codes: 0 success, 1 no daemon answers, 2 usage error, 3 the daemon (or
 start-up) reported an error.
@@ -58,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="on start, remove (default), move aside, or keep orphaned .incomplete directories")
     start.add_argument("--drain-timeout", type=float, default=60.0, metavar="SECONDS",
                        help="on stop, wait this long for checkpoints still missing ranks (default 60)")
+    start.add_argument("--storage", default=os.environ.get("CKPTD_STORAGE") or None, metavar="MODULE:CLASS",
+                       help="checkpoint storage implementation (default $CKPTD_STORAGE, else the local filesystem)")
     start.add_argument("--quiet", action="store_true", help="with --foreground: log to the log file only")
 
     status = with_run_dir(sub.add_parser("status", help="show what the daemon is doing"))
@@ -117,7 +122,7 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
               "keep_last": dict(args.keep or []), "sweep": args.sweep,
               "max_concurrent_loads": args.max_concurrent_loads, "metrics_port": args.metrics_port,
               "metrics_addr": args.metrics_addr, "metrics_textfile": args.metrics_textfile,
-              "drain_timeout": args.drain_timeout}
+              "drain_timeout": args.drain_timeout, "storage": args.storage}
     if args.root:
         kwargs["roots"] = tuple(args.root)
     config = DaemonConfig(**kwargs, log_to_stderr=args.foreground and not args.quiet)
@@ -138,6 +143,8 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
         argv += ["--metrics-port", str(config.metrics_port), "--metrics-addr", config.metrics_addr]
     if config.metrics_textfile is not None:
         argv += ["--metrics-textfile", str(config.metrics_textfile.absolute())]
+    if config.storage is not None:
+        argv += ["--storage", config.storage]
     pid = start_detached(argv, run_dir)
     print(f"ckptd started (pid {pid}) on {config.endpoint}")
     return EXIT_OK

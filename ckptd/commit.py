@@ -12,15 +12,19 @@ On several nodes (``coordinated``) each daemon only writes its own ranks'
 shards and answers ``Durable``; the ranks agree among themselves, and global
 rank 0's daemon receives ``Finalize`` and does the commit above.
 
-All bookkeeping here runs on the server's socket thread; only ``finalize``
-and ``discard`` do I/O, and the server runs those on its commit thread.
+All bookkeeping here runs on the loop thread; ``resolve_path``,
+``prepare``, ``set_aside`` and ``finalize`` do I/O (only through the
+``Storage``) and run on the worker pools. A checkpoint goes through::
+
+    preparing -> writing -> committing -> committed      (or -> failed)
 """
 
 from __future__ import annotations
 
-import os
 import time
+import uuid
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Mapping
 
@@ -43,9 +47,9 @@ from ckptd.protocol.index import (
     incomplete_path,
     shard_name,
 )
-from ckptd.protocol.inspect import read_shard_header
 from ckptd.protocol.messages import Commit, Finalize
 
+from .catalog import read_shard_header
 from .ownership import (
     check_replaceable,
     is_owner_marker,
@@ -54,7 +58,16 @@ from .ownership import (
     why_not_leftover,
     why_not_replaceable,
 )
-from .storage import Storage
+from .storage import Kind, Storage
+
+
+class CheckpointState(str, Enum):
+    PREPARING = "preparing"
+    """Its ``.incomplete`` directory is being created; its ranks wait for Accepted."""
+    WRITING = "writing"
+    COMMITTING = "committing"
+    COMMITTED = "committed"
+    FAILED = "failed"
 
 
 @dataclass
@@ -75,7 +88,9 @@ class PendingCheckpoint:
     """Shards of this checkpoint admitted here and not yet durable or failed."""
     waiting: list[tuple[bytes, int, int]] = field(default_factory=list)
     """(client, request id, rank) of every rank owed a Done or Error."""
-    state: str = "writing"
+    state: CheckpointState = CheckpointState.PREPARING
+    owns_directory: bool = False
+    """Whether ``prepare`` made ``p.incomplete`` for this attempt: only then may a failure remove it."""
 
     @property
     def incomplete(self) -> Path:
@@ -104,8 +119,8 @@ class FailedCheckpoint:
     expires: float
 
 
-def resolve_path(raw: str, roots: tuple[Path, ...]) -> Path:
-    """The final checkpoint path for ``raw``, if it lies under an allowed root.
+def resolve_path(storage: Storage, raw: str, roots: tuple[Path, ...]) -> Path:
+    """The final checkpoint path for ``raw``, if it lies under an allowed root (I/O).
 
     Symlinks and ``..`` in the parent are resolved first, so neither can lead
     the write outside the roots.
@@ -116,11 +131,12 @@ def resolve_path(raw: str, roots: tuple[Path, ...]) -> Path:
     if path.name in ("", ".", "..") or path.name.endswith(INCOMPLETE_SUFFIX):
         raise PathNotAllowed(f"checkpoint path {raw!r} must end in a name that is not {INCOMPLETE_SUFFIX!r}")
     try:
-        final = Path(os.path.realpath(path.parent)) / path.name
+        final = storage.resolve(path.parent) / path.name
         if not any(final.is_relative_to(root) and final != root for root in roots):
             allowed = ", ".join(str(r) for r in roots)
             raise PathNotAllowed(f"checkpoint path {final} is not strictly below the daemon's allowed roots ({allowed})")
-        if final.is_symlink():
+        st = storage.stat(final)
+        if st is not None and st.kind is Kind.LINK:
             raise PathNotAllowed(f"checkpoint path {final} is a symbolic link")
     except OSError as exc:  # a name too long, a loop of links...
         raise PathNotAllowed(f"checkpoint path {raw!r:.200} cannot be used: {exc.strerror or exc}") from None
@@ -128,7 +144,7 @@ def resolve_path(raw: str, roots: tuple[Path, ...]) -> Path:
 
 
 class Commits:
-    """Checkpoints in progress on this daemon, by final path."""
+    """Checkpoints in progress on this daemon, by final path (bookkeeping on the loop; I/O where marked)."""
 
     def __init__(self, storage: Storage, roots: tuple[Path, ...]) -> None:
         self.storage = storage
@@ -136,17 +152,17 @@ class Commits:
         self.pending: dict[Path, PendingCheckpoint] = {}
         self.failed: dict[Path, FailedCheckpoint] = {}
 
-    def admit(self, commit: Commit, client: bytes) -> tuple[PendingCheckpoint, Path]:
-        """Register one rank's commit; returns its checkpoint and shard file path."""
-        final = resolve_path(commit.path, self.roots)
+    def admit(self, commit: Commit, client: bytes, final: Path) -> tuple[PendingCheckpoint, Path]:
+        """Register one rank's commit to ``final``; returns its checkpoint and shard file path.
+
+        A new checkpoint starts ``preparing``: its directory is made by
+        ``prepare`` on a worker before any of its shards is written.
+        """
         self._refuse_late_rank_of_failed(final, commit.rank)
         pending = self.pending.get(final)
         if pending is None:
-            if os.path.lexists(final):
-                self._refuse_existing(final, commit.overwrite)
             pending = PendingCheckpoint(final, commit.world_size, commit.step, commit.overwrite,
                                         commit.coordinated, commit.keep_last, commit.timeout)
-            self._prepare_directory(pending)
             self.pending[final] = pending
         elif (pending.world_size, pending.step, pending.coordinated) != (commit.world_size, commit.step, commit.coordinated):
             raise Conflict(
@@ -161,13 +177,12 @@ class Commits:
         pending.waiting.append((client, commit.id, commit.rank))
         return pending, pending.incomplete / shard_name(commit.rank, commit.world_size)
 
-    @staticmethod
-    def _refuse_existing(final: Path, overwrite: bool) -> None:
+    def _refuse_existing(self, final: Path, overwrite: bool) -> None:
         """Something is at ``final``: only a committed ckptd checkpoint, with ``overwrite``, may be replaced."""
         if overwrite:
-            check_replaceable(final)
+            check_replaceable(self.storage, final)
             return
-        reason = why_not_replaceable(final)
+        reason = why_not_replaceable(self.storage, final)
         if reason is None:
             raise CheckpointExists(f"checkpoint {final} already exists; pass overwrite=True to replace it")
         raise CheckpointExists(f"{final} already exists, and overwrite=True would not replace it either: "
@@ -184,39 +199,38 @@ class Commits:
         failed.ranks_seen.add(rank)
         raise type(failed.error)(failed.error.message)
 
-    def _prepare_directory(self, pending: PendingCheckpoint) -> None:
-        """Create ``p.incomplete``; a leftover from a dead save is removed first.
+    def prepare(self, pending: PendingCheckpoint) -> None:
+        """Refuse what is in the way, then create ``p.incomplete`` with this daemon's marker (I/O).
 
-        Only a leftover holding nothing but ckptd's files and written by no
-        live ckptd here is removed; anything else there is refused, untouched.
-        Coordinated checkpoints share the directory with other nodes' daemons,
-        so there it is created if missing and never removed.
+        A leftover ``.incomplete`` holding nothing but ckptd's files and
+        written by no live ckptd here is removed first; anything else there is
+        refused, untouched. Coordinated checkpoints share the directory with
+        other nodes' daemons, so there it is created if missing and never removed.
         """
-        parent = pending.path.parent
-        if os.path.lexists(parent) and not parent.is_dir():
+        storage, parent = self.storage, pending.path.parent
+        if storage.stat(pending.path) is not None:
+            self._refuse_existing(pending.path, pending.overwrite)
+        st = storage.stat(parent, follow=True)
+        if st is not None and st.kind is not Kind.DIR:
             raise WriteFailed(f"cannot create {pending.incomplete}: {parent} is not a directory")
-        leftover = os.path.lexists(pending.incomplete) and not pending.coordinated
-        reason = why_not_leftover(pending.incomplete) if leftover else None
+        leftover = storage.stat(pending.incomplete) is not None and not pending.coordinated
+        reason = why_not_leftover(storage, pending.incomplete) if leftover else None
         if reason is not None:
             raise CheckpointExists(f"{pending.incomplete} is in the way of this save and is not a dead save's "
                                    f"leftover ({reason}); move it away or save under another path")
         try:
-            os.makedirs(parent, exist_ok=True)
+            storage.mkdir(parent, parents=True, exist_ok=True)
             if leftover:
-                self.storage.remove_tree(pending.incomplete)
-            try:
-                self.storage.mkdir(pending.incomplete)
-            except FileExistsError:
-                if not pending.coordinated:
-                    raise
-            self.storage.touch(pending.incomplete / owner_marker())
+                storage.remove_tree(pending.incomplete)
+            storage.mkdir(pending.incomplete, exist_ok=pending.coordinated)
+            storage.touch(pending.incomplete / owner_marker())
         except OSError as exc:
             raise WriteFailed(f"cannot create {pending.incomplete}: {exc.strerror or exc}") from None
 
     def shard_done(self, pending: PendingCheckpoint, record: ShardRecord | None) -> bool:
         """Record a shard's end (None: it failed); True when the checkpoint can be finalized."""
         pending.writing -= 1
-        if pending.state == "failed":
+        if pending.state is CheckpointState.FAILED:
             return False
         if record is not None:
             pending.shards[record.rank] = record
@@ -225,7 +239,7 @@ class Commits:
                 self.forget(pending)
             return False
         if pending.complete:
-            pending.state = "committing"
+            pending.state = CheckpointState.COMMITTING
         return pending.complete
 
     def overdue(self, now: float) -> list[tuple[PendingCheckpoint, RanksMissing]]:
@@ -242,18 +256,17 @@ class Commits:
 
     def fail(self, pending: PendingCheckpoint, error: CkptdError) -> None:
         """Forget a failed checkpoint, remembering why for its late ranks."""
-        pending.state = "failed"
+        pending.state = CheckpointState.FAILED
         self.forget(pending)
         if not pending.coordinated:  # across nodes the ranks' own agreement tells late ranks
             self.failed[pending.path] = FailedCheckpoint(error, set(pending.ranks_seen),
                                                          time.monotonic() + pending.timeout)
 
-    def from_finalize(self, msg: Finalize, client: bytes) -> PendingCheckpoint:
-        """The checkpoint global rank 0 asks this daemon to commit."""
-        final = resolve_path(msg.path, self.roots)
+    def from_finalize(self, msg: Finalize, client: bytes, final: Path) -> PendingCheckpoint:
+        """The checkpoint global rank 0 asks this daemon to commit (at ``final``, resolved)."""
         pending = PendingCheckpoint(final, msg.world_size, msg.step, msg.overwrite, True, msg.keep_last,
                                     shards={f.rank: f for f in msg.files}, ranks_seen=set(range(msg.world_size)),
-                                    state="committing")
+                                    state=CheckpointState.COMMITTING, owns_directory=True)
         pending.waiting.append((client, msg.id, 0))
         return pending
 
@@ -268,52 +281,67 @@ class Commits:
         The owner markers stay until after the rename, so the start-up sweep
         can still recognise a crashed commit as ours; failing to remove them
         afterwards does not undo the commit (readers ignore markers).
+
+        If the parent's fsync fails after the rename, the checkpoint is
+        visible and whole but its name may not survive a power loss: that is
+        reported as ``WriteFailed`` whose message says it is committed and
+        visible (the future fails: durability was promised and is unknown), and the
+        checkpoint is left in place, never discarded.
         """
         storage, final = self.storage, pending.path
+        renamed = False
         try:
             self._check_shards(pending)
             index = pending.index(self._tensor_table(pending))
             storage.write_file(pending.incomplete / INDEX_NAME, index.to_json())
             storage.fsync_dir(pending.incomplete)
-            if os.path.lexists(final):
+            if storage.stat(final) is not None:
                 if not pending.overwrite:
                     raise CheckpointExists(f"checkpoint {final} appeared while this one was written")
-                check_replaceable(final)
+                check_replaceable(storage, final)
                 # Mark the old checkpoint as ours first: after the swap it sits at
                 # p.incomplete, and if we die there the start-up sweep removes it.
                 storage.touch(final / owner_marker())
                 storage.exchange(pending.incomplete, final)  # the old checkpoint is now at p.incomplete
+                renamed = True
                 storage.fsync_dir(final.parent)
                 storage.remove_tree(pending.incomplete)
             else:
                 storage.rename(pending.incomplete, final)
+                renamed = True
                 storage.fsync_dir(final.parent)
         except CkptdError:
             raise
         except OSError as exc:
+            if renamed:
+                remove_markers(storage, final)
+                raise WriteFailed(
+                    f"checkpoint {final} is committed and visible (its index and shards are durable), but "
+                    f"fsync of {final.parent} failed ({exc.strerror or exc}), so the new name may not survive "
+                    f"a power loss; it was not reported saved. Load it, or save again under another "
+                    f"path") from None
             raise WriteFailed(f"committing {final} failed: {exc.strerror or exc}") from None
         remove_markers(storage, final)
 
     def _check_shards(self, pending: PendingCheckpoint) -> None:
         """Every listed shard is there at its size; nothing else is left behind."""
         keep = {f.file for f in pending.shards.values()}
-        for entry in os.scandir(pending.incomplete):
+        for entry in self.storage.scandir(pending.incomplete):
             if entry.name not in keep and not is_owner_marker(entry.name):
-                (self.storage.remove_tree if entry.is_dir() else self.storage.unlink)(Path(entry.path))
+                (self.storage.remove_tree if entry.kind is Kind.DIR else self.storage.unlink)(entry.path)
         for f in pending.shards.values():
-            try:
-                size = os.stat(pending.incomplete / f.file).st_size
-            except FileNotFoundError:
-                raise WriteFailed(f"shard {f.file} of rank {f.rank} is missing from {pending.incomplete}") from None
-            if size != f.size:
-                raise WriteFailed(f"shard {f.file} of rank {f.rank} holds {size} bytes, not the {f.size} written")
+            st = self.storage.stat(pending.incomplete / f.file, follow=True)
+            if st is None:
+                raise WriteFailed(f"shard {f.file} of rank {f.rank} is missing from {pending.incomplete}")
+            if st.size != f.size:
+                raise WriteFailed(f"shard {f.file} of rank {f.rank} holds {st.size} bytes, not the {f.size} written")
 
     def _tensor_table(self, pending: PendingCheckpoint) -> dict[str, TensorRecord]:
         """The global tensors' chunks, from every shard's header (the ranks' chunk tables)."""
         headers = []
         for f in pending.shards.values():
             try:
-                entries, metadata, data_start = read_shard_header(pending.incomplete / f.file, f.size)
+                entries, metadata, data_start = read_shard_header(self.storage, pending.incomplete / f.file, f.size)
             except InvalidCheckpoint as exc:
                 raise WriteFailed(exc.message) from None
             headers.append((f.file, f.size, entries, metadata, data_start))
@@ -322,9 +350,26 @@ class Commits:
         except ValueError as exc:
             raise Conflict(f"checkpoint {pending.path}: the ranks' chunks of sharded tensors disagree: {exc}") from None
 
-    def discard(self, pending: PendingCheckpoint) -> None:
-        """Remove what a failed checkpoint left behind (I/O)."""
-        self.storage.remove_tree(pending.incomplete)
+    def set_aside(self, pending: PendingCheckpoint) -> Path | None:
+        """Rename a failed attempt's ``p.incomplete`` to a name of its own (I/O); returns it.
+
+        After this the path is free for a retry, and removing the returned
+        directory (later, on another thread) can only ever remove what this
+        attempt wrote (if the rename fails, it is removed in place here, still
+        before any retry). A crash before the removal leaves a ``.incomplete``
+        directory owned by a dead daemon, which the start-up sweep removes.
+        """
+        if not pending.owns_directory:
+            return None
+        aside = pending.path.with_name(f"{pending.path.name}.discarded-{uuid.uuid4().hex[:12]}{INCOMPLETE_SUFFIX}")
+        try:
+            self.storage.rename(pending.incomplete, aside)
+        except FileNotFoundError:
+            return None
+        except OSError:  # cannot rename: remove it in place, before any retry is admitted
+            self.storage.remove_tree(pending.incomplete)
+            return None
+        return aside
 
     def forget(self, pending: PendingCheckpoint) -> None:
         if self.pending.get(pending.path) is pending:

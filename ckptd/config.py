@@ -8,6 +8,8 @@ from pathlib import Path
 
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 
+from .storage import load_storage
+
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 
 
@@ -65,6 +67,9 @@ class DaemonConfig:
     missing ranks (their ranks may still commit); then they fail with
     ShuttingDown and their ``.incomplete`` directories are removed. Shards
     already being written are always finished."""
+    storage: str | None = None
+    """``module:Class`` of the checkpoint storage (``ckptd.storage.Storage``);
+    None: the local filesystem. Tests load their fault-injecting one here."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir).absolute()
@@ -94,6 +99,8 @@ class DaemonConfig:
             raise ValueError(f"metrics_port must be a TCP port between 1 and 65535, got {self.metrics_port}")
         if self.metrics_textfile is not None and not Path(self.metrics_textfile).absolute().parent.is_dir():
             raise ValueError(f"metrics_textfile {self.metrics_textfile}: its directory does not exist")
+        if self.storage is not None:
+            load_storage(self.storage)  # refuse a bad --storage here, before a detached start
         self.endpoint = endpoint_for(self.run_dir)
 
     def retention_for(self, checkpoint: Path) -> int | None:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import zmq
-
-from ckptd.protocol.endpoint import endpoint_for, no_daemon_at
-from ckptd.protocol.errors import DaemonUnavailable
-from ckptd.protocol.messages import Message, Ping, Pong, decode
+from ckptd.protocol.endpoint import endpoint_for
+from ckptd.protocol.messages import Message
+from ckptd.protocol.request import answers
+from ckptd.protocol.request import request as request_at
 
 
 def request(run_dir: Path, msg: Message, *, timeout: float) -> Message:
@@ -16,26 +15,9 @@ def request(run_dir: Path, msg: Message, *, timeout: float) -> Message:
 
     Raises ``DaemonUnavailable`` when no daemon answers within ``timeout``.
     """
-    endpoint = endpoint_for(run_dir)
-    why_not = no_daemon_at(endpoint)
-    if why_not:
-        raise DaemonUnavailable(f"no ckptd daemon is running on {run_dir}: {why_not}")
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(msg.to_wire())
-        if not sock.poll(int(timeout * 1000)):
-            raise DaemonUnavailable(f"the ckptd daemon at {endpoint} did not answer within {timeout:g} s")
-        return decode(sock.recv())
-    finally:
-        sock.close()
+    return request_at(endpoint_for(run_dir), msg, timeout=timeout, where=str(run_dir))
 
 
 def probe(run_dir: Path, *, timeout: float) -> bool:
     """Whether a daemon answers on ``run_dir``."""
-    try:
-        return isinstance(request(run_dir, Ping(1), timeout=timeout), Pong)
-    except DaemonUnavailable:
-        return False
+    return answers(endpoint_for(run_dir), timeout=timeout)

@@ -26,7 +26,7 @@ from ckptd.protocol.errors import CkptdError
 from .config import DaemonConfig
 from .control import probe
 from .server import Server
-from .storage import storage_from_env
+from .storage import load_storage
 
 log = logging.getLogger("ckptd")
 ERR_NAME = "ckptd.err"
@@ -90,7 +90,7 @@ def run_foreground(config: DaemonConfig) -> None:
     if sock.exists():  # we hold the lock, so it is a dead daemon's socket
         sock.unlink()
     try:  # a start that fails (metrics port in use...) leaves no socket or pid file behind
-        server = Server(config, storage_from_env())
+        server = Server(config, load_storage(config.storage))
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.request_stop())
         try:

@@ -47,12 +47,10 @@ class LoadLeases:
         self.holders.pop(client, None)
         return self._grant()
 
-    def drop_pid(self, pid: int) -> list[Grant]:
-        """The process is gone: its leases and queued requests go too."""
-        self.queue = deque(w for w in self.queue if w.pid != pid)
-        for client in [c for c, h in self.holders.items() if h.pid == pid]:
-            del self.holders[client]
-        return self._grant()
+    def drop_client(self, client: bytes) -> list[Grant]:
+        """The client is gone (Bye or death): its lease and queued requests go too."""
+        self.queue = deque(w for w in self.queue if w.client != client)
+        return self.release(client)
 
     def _grant(self) -> list[Grant]:
         grants = []

@@ -11,53 +11,56 @@ The check is cheap (no data read); ``ckptd verify`` reads every byte.
 
 from __future__ import annotations
 
-import os
+from enum import Enum
+
 import time
 from pathlib import Path
 from typing import Any
 
 from ckptd.protocol.errors import InvalidCheckpoint
-from ckptd.protocol.index import INCOMPLETE_SUFFIX, missing_or_truncated, read_index
+from ckptd.protocol.index import INCOMPLETE_SUFFIX
 
+from .catalog import missing_or_truncated, read_index, tree_bytes
 from .render import human_bytes, printable
+from .storage import Kind, LocalStorage, Storage
 
 
-def _dir_bytes(path: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-            except OSError:
-                pass
-    return total
+class EntryState(str, Enum):
+    """What ``ckptd list`` says an entry is (the order is the listing's order)."""
+
+    COMMITTED = "committed"
+    DAMAGED = "damaged"
+    INCOMPLETE = "incomplete"
+    FOREIGN = "foreign"
 
 
-def list_checkpoints(root: Path) -> list[dict[str, Any]]:
+def list_checkpoints(root: Path, storage: Storage | None = None) -> list[dict[str, Any]]:
     """One dict per entry under ``root``, committed ones ordered by step."""
+    storage = storage if storage is not None else LocalStorage()
     out = []
-    for entry in sorted(os.scandir(root), key=lambda e: e.name):
-        path = Path(entry.path)
+    for entry in sorted(storage.scandir(root), key=lambda e: e.name):
+        path = entry.path
         row: dict[str, Any] = {"name": entry.name, "path": str(path), "step": None, "bytes": None,
                                "ranks": None, "world_size": None, "time": None}
-        if entry.name.endswith(INCOMPLETE_SUFFIX) and entry.is_dir(follow_symlinks=False):
-            shards = [n for n in os.listdir(path) if n.endswith(".safetensors")]
-            row.update(state="incomplete", bytes=_dir_bytes(path), ranks=len(shards),
-                       time=entry.stat(follow_symlinks=False).st_mtime)
+        if entry.name.endswith(INCOMPLETE_SUFFIX) and entry.kind is Kind.DIR:
+            shards = [e for e in storage.scandir(path) if e.name.endswith(".safetensors")]
+            st = storage.stat(path)
+            row.update(state=EntryState.INCOMPLETE.value, bytes=tree_bytes(storage, path), ranks=len(shards),
+                       time=st.mtime if st else None)
         else:
             try:
-                index = read_index(path)
+                index = read_index(storage, path)
             except InvalidCheckpoint:
-                row.update(state="foreign")
+                row.update(state=EntryState.FOREIGN.value)
             else:
-                problem = missing_or_truncated(path, index)
-                row.update(state="damaged" if problem else "committed", step=index.step,
-                           bytes=index.total_bytes, ranks=len(index.files), world_size=index.world_size,
-                           time=index.created)
+                problem = missing_or_truncated(storage, path, index)
+                state = EntryState.DAMAGED if problem else EntryState.COMMITTED
+                row.update(state=state.value, step=index.step, bytes=index.total_bytes, ranks=len(index.files),
+                           world_size=index.world_size, time=index.created)
                 if problem:
                     row["problem"] = problem
         out.append(row)
-    order = {"committed": 0, "damaged": 1, "incomplete": 2, "foreign": 3}
+    order = {s.value: i for i, s in enumerate(EntryState)}
     return sorted(out, key=lambda r: (order[r["state"]], r["step"] if r["step"] is not None else -1, r["name"]))
 
 

@@ -1,8 +1,9 @@
 """Prometheus metrics, opt-in: an HTTP endpoint or a node-exporter textfile.
 
-The numbers are the ``ckptd status`` snapshot, taken on the daemon's own
-loop thread once a second and handed over whole, so a scrape never reads
-the server's state mid-change. Names follow Prometheus conventions: base
+The numbers are the ``ckptd status`` snapshot, taken from the node state on
+the daemon's loop thread once a second, completed with free space on the
+status worker and handed over whole, so a scrape never reads the state
+mid-change. Names follow Prometheus conventions: base
 units (bytes, seconds) and ``_total`` for counters.
 
 ``prometheus-client`` is only imported when metrics are asked for

@@ -22,15 +22,15 @@ import logging
 import os
 import re
 import socket
-import stat
 from pathlib import Path
 from typing import Callable
 
 from ckptd.protocol.errors import CheckpointExists, InvalidCheckpoint
-from ckptd.protocol.index import INDEX_NAME, read_index, shard_name
+from ckptd.protocol.index import INDEX_NAME, shard_name
 
+from .catalog import read_index
 from .slots import pid_alive
-from .storage import Storage
+from .storage import Kind, Storage
 
 log = logging.getLogger("ckptd")
 OWNER_PREFIX = ".ckptd-owner-"
@@ -54,9 +54,9 @@ def _owner(name: str) -> tuple[str, int | None]:
     return host, int(pid) if pid.isdigit() else None
 
 
-def marker_owners(directory: Path) -> list[tuple[str, int | None]]:
+def marker_owners(storage: Storage, directory: Path) -> list[tuple[str, int | None]]:
     """(host, pid) of every owner marker in ``directory`` (pid None: unreadable marker)."""
-    return [_owner(e.name) for e in os.scandir(directory) if is_owner_marker(e.name)]
+    return [_owner(e.name) for e in storage.scandir(directory) if is_owner_marker(e.name)]
 
 
 def dead_here(owner: tuple[str, int | None]) -> bool:
@@ -72,9 +72,9 @@ def remove_markers(storage: Storage, directory: Path, *, dead_only: bool = False
     logged, never raised: it must not turn a committed save into a failed one.
     """
     try:
-        for entry in os.scandir(directory):
+        for entry in storage.scandir(directory):
             if is_owner_marker(entry.name) and (not dead_only or dead_here(_owner(entry.name))):
-                storage.unlink(Path(entry.path))
+                storage.unlink(entry.path)
     except OSError as exc:
         log.warning("event=marker_left path=%s error=%s", directory, exc.strerror or exc)
 
@@ -84,10 +84,10 @@ def _is_shard_name(name: str) -> bool:
     return m is not None and shard_name(int(m[1]), int(m[2])) == name
 
 
-def _foreign(directory: Path, ours: Callable[[str], bool]) -> list[str]:
+def _foreign(storage: Storage, directory: Path, ours: Callable[[str], bool]) -> list[str]:
     """Entries of ``directory`` that are not regular files ckptd writes (``ours`` decides by name)."""
-    return sorted(e.name for e in os.scandir(directory)
-                  if not (e.is_file(follow_symlinks=False) and (ours(e.name) or is_owner_marker(e.name))))
+    return sorted(e.name for e in storage.scandir(directory)
+                  if not (e.kind is Kind.FILE and (ours(e.name) or is_owner_marker(e.name))))
 
 
 def _describe(names: list[str]) -> str:
@@ -95,29 +95,31 @@ def _describe(names: list[str]) -> str:
     return shown + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
 
 
-def _not_a_directory(path: Path) -> str | None:
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
+def _not_a_directory(storage: Storage, path: Path) -> str | None:
+    st = storage.stat(path)
+    if st is None:
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+    if st.kind is Kind.LINK:
         return "it is a symbolic link"
-    if not stat.S_ISDIR(st.st_mode):
+    if st.kind is not Kind.DIR:
         return "it is a file, not a checkpoint directory"
     return None
 
 
-def why_not_replaceable(path: Path) -> str | None:
+def why_not_replaceable(storage: Storage, path: Path) -> str | None:
     """Why the existing ``path`` is not a committed ckptd checkpoint ckptd may delete; None if it is."""
     try:
-        reason = _not_a_directory(path)
+        reason = _not_a_directory(storage, path)
         if reason is not None:
             return reason
-        if not os.path.lexists(path / INDEX_NAME):
+        if storage.stat(path / INDEX_NAME) is None:
             return f"it is not a committed ckptd checkpoint: it has no {INDEX_NAME}"
         try:
-            index = read_index(path)
+            index = read_index(storage, path)
         except InvalidCheckpoint:
             return f"it is not a committed ckptd checkpoint: its {INDEX_NAME} is not a valid ckptd index"
         listed = {INDEX_NAME, *(f.file for f in index.files)}
-        foreign = _foreign(path, listed.__contains__)
+        foreign = _foreign(storage, path, listed.__contains__)
     except OSError as exc:
         return f"it cannot be examined ({exc.strerror or exc})"
     if foreign:
@@ -125,26 +127,26 @@ def why_not_replaceable(path: Path) -> str | None:
     return None
 
 
-def check_replaceable(path: Path) -> None:
+def check_replaceable(storage: Storage, path: Path) -> None:
     """Refuse to delete ``path`` unless it is a committed checkpoint holding only ckptd's files."""
-    reason = why_not_replaceable(path)
+    reason = why_not_replaceable(storage, path)
     if reason is not None:
         raise CheckpointExists(
             f"refusing to replace {path}: {reason}. overwrite=True only ever replaces a committed ckptd "
             f"checkpoint; move {path.name!r} away or save under another path")
 
 
-def why_not_leftover(incomplete: Path) -> str | None:
+def why_not_leftover(storage: Storage, incomplete: Path) -> str | None:
     """Why ``incomplete`` is not a dead save's leftover that a new save may remove; None if it is."""
     try:
-        reason = _not_a_directory(incomplete)
+        reason = _not_a_directory(storage, incomplete)
         if reason is not None:
             return reason
-        foreign = _foreign(incomplete, lambda name: name == INDEX_NAME or _is_shard_name(name))
+        foreign = _foreign(storage, incomplete, lambda name: name == INDEX_NAME or _is_shard_name(name))
         if foreign:
             return f"it holds entries ckptd did not write: {_describe(foreign)}"
         host = socket.gethostname()
-        live = [pid for h, pid in marker_owners(incomplete)
+        live = [pid for h, pid in marker_owners(storage, incomplete)
                 if h == host and pid is not None and pid != os.getpid() and pid_alive(pid)]
     except OSError as exc:
         return f"it cannot be examined ({exc.strerror or exc})"

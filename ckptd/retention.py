@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ckptd.protocol.index import INCOMPLETE_SUFFIX, committed_in
+from ckptd.protocol.index import INCOMPLETE_SUFFIX
 
+from .catalog import committed_in
 from .ownership import owner_marker, remove_markers, why_not_replaceable
 from .storage import Storage
 
@@ -32,23 +33,52 @@ def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: s
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-    others = [path for _, path in committed_in(newest.parent) if path != newest]
+    others = [path for _, path in committed_in(storage, newest.parent) if path != newest]
     victims = [p for p in others[: max(0, len(others) - (keep_last - 1))] if p not in in_flight]
     deleted = []
     for victim in victims:
-        reason = why_not_replaceable(victim)
+        reason = why_not_replaceable(storage, victim)
         if reason is not None:
             log.warning("event=retention_skip path=%s reason=%s", victim, reason)
             continue
-        doomed = victim.with_name(f"{victim.name}.deleting{INCOMPLETE_SUFFIX}")
         try:
-            storage.touch(victim / owner_marker())
-            storage.rename(victim, doomed)
+            if not remove_checkpoint(storage, victim, marker=owner_marker()):
+                continue
         except OSError as exc:
             log.warning("event=retention_skip path=%s error=%s", victim, exc.strerror or exc)
-            remove_markers(storage, victim)
             continue
-        storage.remove_tree(doomed)
         deleted.append(victim)
         log.info("event=retention_deleted path=%s", victim)
     return deleted
+
+
+def deleting_path(path: Path) -> Path:
+    """Where a checkpoint being deleted waits for its removal (a ``.incomplete`` name: never loaded)."""
+    return path.with_name(f"{path.name}.deleting{INCOMPLETE_SUFFIX}")
+
+
+def remove_checkpoint(storage: Storage, path: Path, *, marker: str | None) -> bool:
+    """Delete a committed checkpoint in two phases; False if it was already gone.
+
+    The one two-phase delete (retention and the Lightning plugin): rename to
+    ``deleting_path`` first, so readers see it vanish at once and never half
+    removed, then remove the tree. With ``marker`` (the daemon's owner
+    marker), a crash between the two leaves a directory the start-up sweep
+    removes. A leftover of an interrupted removal is cleared first. On an
+    ``OSError`` before the rename, the marker is taken back and the error raised.
+    """
+    doomed = deleting_path(path)
+    if storage.stat(doomed) is not None:
+        storage.remove_tree(doomed)
+    try:
+        if marker is not None:
+            storage.touch(path / marker)
+        storage.rename(path, doomed)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        if marker is not None:
+            remove_markers(storage, path)
+        raise
+    storage.remove_tree(doomed)
+    return True

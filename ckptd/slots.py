@@ -11,17 +11,19 @@ to the daemon's own user.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
-import re
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.protocol.errors import BadSlot
 from ckptd.protocol.shm import shm_dir as default_shm_dir
+from ckptd.protocol.shm import slot_name, slot_owner
 
-SLOT_NAME = re.compile(r"ckptd-(\d+)-(\d+)-(\d+)")
+log = logging.getLogger("ckptd")
 
 
 @dataclass
@@ -45,24 +47,28 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def slot_owner(name: str) -> tuple[int, int] | None:
-    """``(uid, pid)`` encoded in a slot name, or None if it is not a slot name."""
-    m = SLOT_NAME.fullmatch(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
 class SlotMaps:
-    """Read-only mappings of client slots, cached by name."""
+    """Read-only mappings of client slots, cached by name.
+
+    ``acquire`` maps (``MAP_POPULATE``: slow for big slots) on the admission
+    worker while the loop releases and forgets, so every method holds one lock.
+    """
 
     def __init__(self, shm_dir: Path | None = None) -> None:
         self.shm_dir = shm_dir if shm_dir is not None else default_shm_dir()
         self._maps: dict[str, MappedSlot] = {}
+        self._lock = threading.RLock()
 
     def acquire(self, name: str, *, pid: int, nbytes: int) -> MappedSlot:
         """Map slot ``name`` of client ``pid`` holding at least ``nbytes``."""
+        with self._lock:
+            return self._acquire(name, pid=pid, nbytes=nbytes)
+
+    def _acquire(self, name: str, *, pid: int, nbytes: int) -> MappedSlot:
         owner = slot_owner(name)
         if owner != (os.getuid(), pid):
-            raise BadSlot(f"slot {name!r} is not named ckptd-{os.getuid()}-{pid}-<n> for this client (pid {pid})")
+            raise BadSlot(f"slot {name!r} is not named {slot_name(os.getuid(), pid, 0)[:-1]}<n> for this client "
+                          f"(pid {pid})")
         try:  # O_NONBLOCK: a FIFO planted under a slot's name must not block the daemon
             fd = os.open(self.shm_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
@@ -93,14 +99,16 @@ class SlotMaps:
         return slot
 
     def release(self, slot: MappedSlot) -> None:
-        slot.users -= 1
-        if slot.users == 0 and self._maps.get(slot.name) is not slot:
-            slot.map.close()
+        with self._lock:
+            slot.users -= 1
+            if slot.users == 0 and self._maps.get(slot.name) is not slot:
+                slot.map.close()
 
     def forget_pid(self, pid: int) -> None:
         """Drop cached mappings of a client that left (closed once idle)."""
-        for name in [n for n in self._maps if (slot_owner(n) or (0, 0))[1] == pid]:
-            self._drop(self._maps[name])
+        with self._lock:
+            for name in [n for n in self._maps if (slot_owner(n) or (0, 0))[1] == pid]:
+                self._drop(self._maps[name])
 
     def _drop_unlinked(self, pid: int) -> None:
         """Forget mappings of ``pid``'s slots that it has since unlinked (grown)."""
@@ -115,10 +123,9 @@ class SlotMaps:
         client committed before dying still completes.
         """
         self.forget_pid(pid)
-        prefix = f"ckptd-{os.getuid()}-{pid}-"
         removed = 0
         for entry in os.scandir(self.shm_dir):
-            if entry.name.startswith(prefix) and SLOT_NAME.fullmatch(entry.name):
+            if slot_owner(entry.name) == (os.getuid(), pid):
                 try:
                     os.unlink(entry.path)
                     removed += 1
@@ -127,15 +134,35 @@ class SlotMaps:
         return removed
 
     def _drop(self, slot: MappedSlot) -> None:
-        if self._maps.get(slot.name) is slot:
-            del self._maps[slot.name]
-        if slot.users == 0:
-            slot.map.close()
+        with self._lock:
+            if self._maps.get(slot.name) is slot:
+                del self._maps[slot.name]
+            if slot.users == 0:
+                slot.map.close()
 
     @property
     def mapped_bytes(self) -> int:
-        return sum(s.size for s in self._maps.values())
+        with self._lock:
+            return sum(s.size for s in self._maps.values())
 
     def close(self) -> None:
-        for slot in list(self._maps.values()):
-            self._drop(slot)
+        with self._lock:
+            for slot in list(self._maps.values()):
+                self._drop(slot)
+
+
+def reclaim_orphaned_slots(shm_dir: Path | None = None) -> list[str]:
+    """Unlink this user's ckptd slots whose owning process is gone (the start-up sweep)."""
+    removed = []
+    for entry in os.scandir(shm_dir if shm_dir is not None else default_shm_dir()):
+        owner = slot_owner(entry.name)
+        if owner is None or owner[0] != os.getuid() or pid_alive(owner[1]):
+            continue
+        try:
+            os.unlink(entry.path)
+            removed.append(entry.name)
+        except FileNotFoundError:
+            pass
+    if removed:
+        log.info("event=slots_reclaimed count=%d", len(removed))
+    return removed

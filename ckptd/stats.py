@@ -1,35 +1,55 @@
-"""What ``ckptd status`` reports: counters kept by the server, and the snapshot.
+"""What ``ckptd status`` reports: counters, and the snapshot of a narrow view of the node state.
 
 The snapshot is a plain dict (msgpack on the wire, JSON from the CLI). Its
 keys are documented in the README and frozen by a test; add keys, never
-rename them.
+rename them. ``snapshot`` reads only memory (on the loop thread);
+``add_filesystems`` adds the numbers that need a system call per
+filesystem and runs on a worker.
 """
 
 from __future__ import annotations
 
 import collections
 import os
-import shutil
 import time
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 
 import psutil
 
 from ckptd.protocol import __version__
-from ckptd.protocol.messages import StatusReply
 from ckptd.protocol.shm import shm_usage
 
 from .config import DaemonConfig
+from .storage import Storage
 
 if TYPE_CHECKING:
     from .commit import PendingCheckpoint
-    from .server import Server
+    from .writer import WriteJob
+
+
+class NodeView(Protocol):
+    """What status may read of the node state (``state.NodeState`` is one)."""
+
+    draining: bool
+
+    @property
+    def client_records(self) -> Iterable[Any]: ...
+    @property
+    def write_jobs(self) -> list["WriteJob"]: ...
+    @property
+    def checkpoints(self) -> Iterable["PendingCheckpoint"]: ...
+    @property
+    def shm_mapped_bytes(self) -> int: ...
+    @property
+    def shm_dir(self) -> Path: ...
+    def lease_snapshot(self) -> Mapping[str, Any]: ...
 
 RECENT_ERRORS = 20
 
 
 class Stats:
-    """Counters the server updates as saves finish or fail."""
+    """Counters the node state updates as saves finish or fail."""
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
@@ -58,21 +78,22 @@ class Stats:
         self.errors.append({"time": time.time(), "message": message})
         self.errors_total += 1
 
-    def reply(self, rid: int, server: "Server") -> StatusReply:
+    def snapshot(self, view: NodeView) -> dict[str, Any]:
+        """Everything but the filesystems' numbers, from memory (the loop thread)."""
         now = time.monotonic()
         saves = [
             {
                 "path": str(job.checkpoint),
                 "rank": job.commit.rank,
                 "world_size": job.commit.world_size,
-                "state": job.state,
+                "state": job.state.value,
                 "bytes": job.commit.nbytes,
                 "written": job.written,
                 "staged": job.progress.staged,
                 "waited_s": round((job.started_at or now) - job.queued_at, 6),
                 "elapsed_s": round(now - job.queued_at, 6),
             }
-            for job in server.jobs
+            for job in view.write_jobs
         ]
         checkpoints = [
             {
@@ -80,10 +101,10 @@ class Stats:
                 "step": p.step,
                 "world_size": p.world_size,
                 "ranks_durable": len(p.shards),
-                "state": p.state,
+                "state": p.state.value,
                 "elapsed_s": round(now - p.started_at, 6),
             }
-            for p in server.commits.pending.values()
+            for p in view.checkpoints
         ]
         info = {
             "daemon": {
@@ -92,20 +113,20 @@ class Stats:
                 "uptime_s": round(time.time() - self.started, 3),
                 "endpoint": self.config.endpoint,
                 "run_dir": str(self.config.run_dir),
-                "draining": server.draining,
+                "draining": view.draining,
                 "rss_bytes": self.process.memory_info().rss,
                 "cpu_percent": self.process.cpu_percent(None),
             },
             "clients": [
                 {"pid": c.pid, "since": c.since, "saves": c.saves, "waited_s": round(c.waited_s, 6),
                  "last_waited_s": round(c.last_waited_s, 6)}
-                for c in server.clients.values()
+                for c in view.client_records
             ],
             "writes": {
                 "max_concurrent": self.config.max_concurrent_writes,
-                "writing": sum(1 for j in server.jobs if j.state != "queued"),
-                "queued": sum(1 for j in server.jobs if j.state == "queued"),
-                "throughput_bps": _throughput(server.jobs, now),
+                "writing": sum(1 for j in view.write_jobs if j.state != "queued"),
+                "queued": sum(1 for j in view.write_jobs if j.state == "queued"),
+                "throughput_bps": _throughput(view.write_jobs, now),
             },
             "saves": saves,
             "checkpoints": checkpoints,
@@ -116,12 +137,19 @@ class Stats:
             },
             "errors": list(self.errors),
             "errors_total": self.errors_total,
-            "shm_mapped_bytes": server.slots.mapped_bytes,
-            "shm": shm_usage(server.slots.shm_dir),
-            "loads": server.leases.snapshot(),
-            "roots": [_root_usage(r) for r in self.config.roots],
+            "shm_mapped_bytes": view.shm_mapped_bytes,
+            "shm": {"dir": str(view.shm_dir), "total_bytes": None, "free_bytes": None},
+            "loads": dict(view.lease_snapshot()),
+            "roots": [{"path": str(r), "free_bytes": None, "total_bytes": None} for r in self.config.roots],
         }
-        return StatusReply(rid, info)
+        return info
+
+
+def add_filesystems(info: dict[str, Any], storage: Storage) -> dict[str, Any]:
+    """Fill in the roots' and the slot directory's free space (a system call each: off the loop)."""
+    info["shm"] = shm_usage(Path(info["shm"]["dir"]))
+    info["roots"] = [_root_usage(storage, Path(r["path"])) for r in info["roots"]]
+    return info
 
 
 def _throughput(jobs: list, now: float) -> float:
@@ -130,9 +158,9 @@ def _throughput(jobs: list, now: float) -> float:
     return round(sum(j.written / max(now - j.started_at, 1e-6) for j in active), 1)
 
 
-def _root_usage(root: os.PathLike) -> dict[str, Any]:
+def _root_usage(storage: Storage, root: Path) -> dict[str, Any]:
     try:
-        usage = shutil.disk_usage(root)
-        return {"path": str(root), "free_bytes": usage.free, "total_bytes": usage.total}
+        space = storage.space(root)
+        return {"path": str(root), "free_bytes": space.free, "total_bytes": space.total}
     except OSError:
         return {"path": str(root), "free_bytes": None, "total_bytes": None}

@@ -1,27 +1,22 @@
-"""Start-up cleaning: leftovers of saves whose writer died, and orphaned slots.
+"""Start-up cleaning: leftovers of saves whose writer died (orphaned slots: ``slots.py``).
 
 ``p.incomplete`` directories are never loaded, but they hold disk space. On
 start the daemon removes (or moves aside) the ones it can prove are dead: every
 owner marker inside names this host and a process that no longer runs.
 Directories written from another host, or without a marker, are left alone,
 because a daemon on another node may be writing them right now.
-
-Shared-memory slots whose owning client process is gone are unlinked too.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME
-from ckptd.protocol.shm import shm_dir as default_shm_dir
 
 from .ownership import dead_here, marker_owners, remove_markers
-from .slots import pid_alive, slot_owner
-from .storage import Storage
+from .storage import Kind, Storage
 
 log = logging.getLogger("ckptd")
 SWEPT_DIR = ".ckptd-swept"
@@ -34,13 +29,16 @@ class KnownDirs:
 
     Roots can be as wide as ``/``; scanning them whole is not an option, so the
     sweep looks at each root's own entries and at the directories saves went to.
+    ``remember`` writes a file: call it off the loop thread.
     """
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, storage: Storage, run_dir: Path) -> None:
+        self.storage = storage
         self.file = run_dir / KNOWN_DIRS_NAME
         try:
-            lines = self.file.read_text().splitlines()
-        except FileNotFoundError:
+            st = storage.stat(self.file)
+            lines = storage.read(self.file, 0, st.size).decode(errors="replace").splitlines() if st else []
+        except OSError:
             lines = []
         self.dirs = [Path(line) for line in lines if line.startswith("/")][-MAX_KNOWN_DIRS:]
 
@@ -49,14 +47,14 @@ class KnownDirs:
             return
         self.dirs = [*self.dirs, directory][-MAX_KNOWN_DIRS:]
         tmp = self.file.with_name(self.file.name + ".tmp")
-        tmp.write_text("".join(f"{d}\n" for d in self.dirs))
-        os.replace(tmp, self.file)
+        self.storage.write_file(tmp, "".join(f"{d}\n" for d in self.dirs).encode())
+        self.storage.rename(tmp, self.file)
 
 
-def is_orphaned(incomplete: Path) -> bool:
+def is_orphaned(storage: Storage, incomplete: Path) -> bool:
     """Whether every writer named in ``incomplete``'s markers is a dead process on this host."""
     try:
-        owners = marker_owners(incomplete)
+        owners = marker_owners(storage, incomplete)
     except OSError:
         return False
     return bool(owners) and all(dead_here(owner) for owner in owners)
@@ -75,40 +73,24 @@ def sweep_incomplete(storage: Storage, directories: list[Path], mode: str) -> li
     swept = []
     for directory in directories:
         try:
-            entries = [e for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
+            entries = [e for e in storage.scandir(directory) if e.kind is Kind.DIR]
         except OSError:
             continue
         for entry in entries:
-            path = Path(entry.path)
+            path = entry.path
             if not entry.name.endswith(INCOMPLETE_SUFFIX):
-                if os.path.isfile(path / INDEX_NAME):
+                st = storage.stat(path / INDEX_NAME, follow=True)
+                if st is not None and st.kind is Kind.FILE:
                     remove_markers(storage, path, dead_only=True)
                 continue
-            if not is_orphaned(path):
+            if not is_orphaned(storage, path):
                 continue
             if mode == "move":
                 aside = directory / SWEPT_DIR
-                aside.mkdir(exist_ok=True)
+                storage.mkdir(aside, exist_ok=True)
                 storage.rename(path, aside / f"{entry.name}-{int(time.time())}")
             else:
                 storage.remove_tree(path)
             swept.append(path)
             log.info("event=swept path=%s mode=%s", path, mode)
     return swept
-
-
-def reclaim_orphaned_slots(shm_dir: Path | None = None) -> list[str]:
-    """Unlink this user's ckptd slots whose owning process is gone."""
-    removed = []
-    for entry in os.scandir(shm_dir if shm_dir is not None else default_shm_dir()):
-        owner = slot_owner(entry.name)
-        if owner is None or owner[0] != os.getuid() or pid_alive(owner[1]):
-            continue
-        try:
-            os.unlink(entry.path)
-            removed.append(entry.name)
-        except FileNotFoundError:
-            pass
-    if removed:
-        log.info("event=slots_reclaimed count=%d", len(removed))
-    return removed

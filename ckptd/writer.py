@@ -20,12 +20,12 @@ A write goes through the states below; ``ckptd status`` shows them::
 from __future__ import annotations
 
 import errno
-import os
 import threading
 import time
 import zlib
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from ckptd.protocol.errors import CkptdError, WriteFailed
@@ -41,6 +41,18 @@ CRC_CHUNK = 16 * 1024 * 1024
 
 def round_up(n: int, to: int = PAGE) -> int:
     return -(-n // to) * to
+
+
+class WriteState(str, Enum):
+    """Where one shard's write is (``ckptd status`` shows the value)."""
+
+    QUEUED = "queued"
+    STAGING = "staging"
+    """Waiting for the client to finish copying the bytes it writes next."""
+    WRITING = "writing"
+    FSYNC = "fsync"
+    DURABLE = "durable"
+    FAILED = "failed"
 
 
 class Progress:
@@ -93,7 +105,7 @@ class WriteJob:
     progress: Progress
     device: int = 0
     """Filesystem the shard goes to (admission control sums bytes per device)."""
-    state: str = "queued"
+    state: WriteState = WriteState.QUEUED
     written: int = 0
     queued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
@@ -104,7 +116,7 @@ class WriteJob:
 
 def write_shard(job: WriteJob, storage: Storage, checksums: Executor, *, direct: bool, chunk: int) -> ShardRecord:
     """Write ``job``'s shard to ``job.dest``, fsync it, and return its record."""
-    job.state, job.started_at = "writing", time.monotonic()
+    job.state, job.started_at = WriteState.WRITING, time.monotonic()
     nbytes = job.commit.nbytes
     view = memoryview(job.slot.map)
     crc = checksums.submit(_checksum, view, nbytes, job.progress)
@@ -127,12 +139,12 @@ def write_shard(job: WriteJob, storage: Storage, checksums: Executor, *, direct:
                 # carry on buffered from the same offset.
                 storage.close(fd)
                 fd = -1
-                fd, direct = os.open(job.dest, os.O_WRONLY | os.O_CLOEXEC), False
+                fd, direct = storage.reopen(job.dest), False
                 end = nbytes
             job.written = min(offset, nbytes)
         if end != nbytes:
             storage.truncate(fd, nbytes)
-        job.state = "fsync"
+        job.state = WriteState.FSYNC
         storage.fsync(fd)
     except WriteFailed:
         job.progress.fail("the write failed")  # lets the checksum thread go
@@ -151,7 +163,7 @@ def write_shard(job: WriteJob, storage: Storage, checksums: Executor, *, direct:
         except WriteFailed:
             checksum = -1  # only when the write itself failed: the record is never used
         view.release()
-    job.state = "durable"
+    job.state = WriteState.DURABLE
     return ShardRecord(
         file=job.dest.name,
         rank=job.commit.rank,
@@ -163,9 +175,9 @@ def write_shard(job: WriteJob, storage: Storage, checksums: Executor, *, direct:
 
 def _await_bytes(job: WriteJob, upto: int) -> None:
     if job.progress.staged < upto:
-        job.state = "staging"
+        job.state = WriteState.STAGING
         job.progress.wait_for(upto)
-        job.state = "writing"
+        job.state = WriteState.WRITING
 
 
 def _checksum(view: memoryview, nbytes: int, progress: Progress) -> int:

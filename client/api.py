@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptd.protocol import __version__
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.errors import Busy, InternalError
 from ckptd.protocol.layout import ShardLayout
-from ckptd.protocol.messages import Bye, Commit, Done, Hello, Ping, Staged, Welcome
+from ckptd.protocol.messages import Bye, Commit, Done, Ping, Staged
 
 from .checks import check_bool, check_client_args, check_keep_last, check_path, check_step
 from .connection import Connection
@@ -117,14 +116,12 @@ class Client:
 
     def _connect(self) -> Connection:
         ensure_daemon(self.run_dir, self.endpoint, spawn=self.spawn, timeout=self._timeout)
-        hello = Hello(0, os.getpid(), os.getuid(), __version__)
-        conn = Connection(self.endpoint, hello, heartbeat=self._heartbeat, timeout=self._timeout)
+        conn = Connection(self.endpoint, heartbeat=self._heartbeat, timeout=self._timeout)
         try:
-            welcome = conn.call(Hello(conn.next_id(), hello.pid, hello.uid, hello.client_version))
+            conn.introduce()
         except BaseException:
             conn.close()
             raise
-        assert isinstance(welcome, Welcome)
         return conn
 
     def save_async(self, state_dict: Any, path: str | os.PathLike, *, step: int | None = None,

@@ -13,6 +13,7 @@ hello again and resends the request once.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from ckptd.protocol import __version__
 from ckptd.protocol.errors import DaemonUnavailable, ErrorCode, error_for_code
 from ckptd.protocol.messages import Accepted, Error, Hello, Message, Ping, Welcome, decode
 
@@ -42,11 +44,12 @@ class _Pending:
 class Connection:
     """A DEALER connection to the daemon, driven by a private thread."""
 
-    def __init__(self, endpoint: str, hello: Hello, *, heartbeat: float, timeout: float) -> None:
+    def __init__(self, endpoint: str, *, heartbeat: float, timeout: float) -> None:
         self.endpoint = endpoint
         self.heartbeat = heartbeat
         self.timeout = timeout
-        self._hello = hello
+        self._hello = Hello(0, os.getpid(), os.getuid(), __version__)
+        """The one hello of this connection: sent by ``introduce`` and again to a restarted daemon."""
         self._ids = itertools.count(1)
         self._outbox: queue.SimpleQueue[tuple[int, bytes, _Pending | None]] = queue.SimpleQueue()
         self._pending: dict[int, _Pending] = {}
@@ -59,6 +62,15 @@ class Connection:
 
     def next_id(self) -> int:
         return next(self._ids)
+
+    def _numbered_hello(self) -> Hello:
+        return dataclasses.replace(self._hello, id=self.next_id())
+
+    def introduce(self) -> Welcome:
+        """Say hello and wait for the daemon's Welcome."""
+        welcome = self.call(self._numbered_hello())
+        assert isinstance(welcome, Welcome)
+        return welcome
 
     def request(self, msg: Message, *, accepted: Future | None = None) -> Future:
         """Send ``msg``; the future resolves with the final reply or fails typed.
@@ -169,7 +181,7 @@ class Connection:
             return
         if isinstance(reply, Error) and reply.code == ErrorCode.UNKNOWN_CLIENT and not pending.retried:
             pending.retried = True  # the daemon restarted: introduce ourselves again
-            sock.send(Hello(self.next_id(), self._hello.pid, self._hello.uid, self._hello.client_version).to_wire())
+            sock.send(self._numbered_hello().to_wire())
             sock.send(pending.wire)
             return
         del self._pending[reply.id]

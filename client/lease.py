@@ -8,9 +8,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from ckptd.protocol import __version__
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
-from ckptd.protocol.messages import Bye, Granted, Hello, Lease, Release
+from ckptd.protocol.messages import Bye, Granted, Lease, Release
 
 from .connection import Connection
 from .spawn import answers, ensure_daemon
@@ -32,9 +31,9 @@ def load_lease(limit: int | None, *, run_dir: str | os.PathLike | None = None, s
         yield None
         return
     ensure_daemon(directory, endpoint, spawn=spawn)
-    conn = Connection(endpoint, Hello(0, os.getpid(), os.getuid(), __version__), heartbeat=1.0, timeout=30.0)
+    conn = Connection(endpoint, heartbeat=1.0, timeout=30.0)
     try:
-        conn.call(Hello(conn.next_id(), os.getpid(), os.getuid(), __version__))
+        conn.introduce()
         started = time.monotonic()
         granted = conn.call(Lease(conn.next_id(), limit), timeout=timeout)
         assert isinstance(granted, Granted)

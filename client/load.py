@@ -30,7 +30,7 @@ import torch
 
 from ckptd.protocol.errors import BadMessage, InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
-from ckptd.protocol.inspect import check_shard_structure, open_shard, read_header_from
+from ckptd.protocol.inspect import check_checksum, check_shard_size, check_shard_structure, open_shard, read_header_from
 from ckptd.protocol.layout import TensorEntry, parse_header
 
 from .checks import check_bool, check_limit, check_load_rank, check_path
@@ -161,7 +161,7 @@ def _read_tensors(shard: Path, record: ShardRecord, *, verify: bool,
                   algorithm: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """Read the shard front to back into one owned buffer per tensor, checksumming as it goes."""
     with open_shard(shard) as f:
-        _check_size(shard, os.fstat(f.fileno()).st_size, record)
+        check_shard_size(shard, os.fstat(f.fileno()).st_size, record)
         entries, metadata, data_start = read_header_from(f, record.size, shard)
         crc = zlib.crc32(os.pread(f.fileno(), data_start, 0)) if verify else 0
         f.seek(data_start)
@@ -175,7 +175,7 @@ def _read_tensors(shard: Path, record: ShardRecord, *, verify: bool,
                     crc = zlib.crc32(view, crc)
             tensors[e.name] = _typed(buf, e)
     if verify:
-        _check_crc(shard, crc, record, algorithm)
+        check_checksum(shard, crc, record, algorithm)
     return metadata, tensors
 
 
@@ -207,13 +207,13 @@ def _map_tensors(shard: Path, record: ShardRecord, *, verify: bool,
 def map_shard(shard: Path, record: ShardRecord, *, verify: bool, algorithm: str) -> _mmap.mmap:
     """The shard mapped copy-on-write, after checking that it is a regular file of the index's size (and its checksum)."""
     with open_shard(shard) as f:
-        _check_size(shard, os.fstat(f.fileno()).st_size, record)
+        check_shard_size(shard, os.fstat(f.fileno()).st_size, record)
         if record.size < 8:
             raise InvalidCheckpoint(f"shard {shard} of {record.size} bytes is too short for a safetensors header")
         mapping = _mmap.mmap(f.fileno(), record.size, _mmap.MAP_PRIVATE, _mmap.PROT_READ | _mmap.PROT_WRITE)
     if verify:
         try:
-            _check_crc(shard, zlib.crc32(mapping), record, algorithm)
+            check_checksum(shard, zlib.crc32(mapping), record, algorithm)
         except BaseException:
             mapping.close()
             raise
@@ -222,16 +222,3 @@ def map_shard(shard: Path, record: ShardRecord, *, verify: bool, algorithm: str)
 
 def _typed(raw: torch.Tensor, e: TensorEntry) -> torch.Tensor:
     return raw.view(TORCH_DTYPES[e.dtype]).view(e.shape)
-
-
-def _check_size(shard: Path, size: int, record: ShardRecord) -> None:
-    if size != record.size:
-        raise InvalidCheckpoint(f"shard {shard} holds {size} bytes; the index says {record.size} (truncated?)")
-
-
-def _check_crc(shard: Path, crc: int, record: ShardRecord, algorithm: str) -> None:
-    if crc != record.checksum:
-        raise InvalidCheckpoint(
-            f"shard {shard} fails its checksum ({algorithm} {crc:#010x}, index says "
-            f"{record.checksum:#010x}): the file is corrupt"
-        )

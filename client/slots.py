@@ -27,7 +27,7 @@ import weakref
 import torch
 
 from ckptd.protocol.errors import NoSpace
-from ckptd.protocol.shm import shm_dir, shm_shortage_message
+from ckptd.protocol.shm import shm_dir, shm_shortage_message, slot_name
 
 PAGE = 4096
 GROWTH_QUANTUM = 1 << 20
@@ -44,7 +44,7 @@ class Slot:
         self.size = max(PAGE, -(-size // GROWTH_QUANTUM) * GROWTH_QUANTUM)
         self.owner_pid = os.getpid()
         """Only this process unlinks the slot (not a forked child)."""
-        self.name = f"ckptd-{os.getuid()}-{self.owner_pid}-{next(_counter)}"
+        self.name = slot_name(os.getuid(), self.owner_pid, next(_counter))
         directory = shm_dir()
         self.path = directory / self.name
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)

@@ -16,27 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-import zmq
-
 from ckptd.protocol.endpoint import SOCKET_NAME, SPAWN_LOCK_NAME, no_daemon_at
 from ckptd.protocol.errors import DaemonUnavailable
-from ckptd.protocol.messages import Ping, Pong, decode
+from ckptd.protocol.request import answers
 
 SPAWNED_IDLE_EXIT_S = 120.0
-
-
-def answers(endpoint: str, timeout: float) -> bool:
-    """Whether a daemon replies to a ping at ``endpoint`` within ``timeout``."""
-    if no_daemon_at(endpoint):
-        return False
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(Ping(0).to_wire())
-        return bool(sock.poll(int(timeout * 1000))) and isinstance(decode(sock.recv()), Pong)
-    finally:
-        sock.close()
 
 
 def ensure_daemon(run_dir: Path, endpoint: str, *, spawn: bool, timeout: float = 30.0) -> None:

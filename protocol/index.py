@@ -37,6 +37,8 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 """Index versions this code reads; it always writes ``FORMAT_VERSION``."""
 CHECKSUM_ALGORITHM = "crc32"
+CHECKSUM_ALGORITHMS = (CHECKSUM_ALGORITHM,)
+"""Algorithms a reader can check; an index naming another is invalid, not checked as CRC32."""
 
 
 def shard_name(rank: int, world_size: int) -> str:
@@ -141,8 +143,9 @@ class CheckpointIndex:
                 raise ValueError(f"step {step!r} is not an integer")
             if type(created) not in (int, float) or not math.isfinite(created):
                 raise ValueError(f"created {created!r} is not a time")
-            if not isinstance(doc["checksum_algorithm"], str):
-                raise ValueError("checksum_algorithm is not a string")
+            if doc["checksum_algorithm"] not in CHECKSUM_ALGORITHMS:  # never checked as something else
+                raise ValueError(f"checksum_algorithm {doc['checksum_algorithm']!r} is not one ckptd can check "
+                                 f"({', '.join(CHECKSUM_ALGORITHMS)})")
             index = cls(world_size=world_size, step=step, created=float(created), files=files, tensors=tensors,
                         version=version,
                         checksum_algorithm=doc["checksum_algorithm"])

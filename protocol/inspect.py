@@ -159,20 +159,30 @@ def verify_checkpoint(path: Path | str) -> VerifyReport:
         shard = report.path / record.file
         try:
             size = _size_of(shard)
-            if size != record.size:
-                raise InvalidCheckpoint(f"shard {shard} holds {size} bytes; the index says {record.size} (truncated?)")
+            check_shard_size(shard, size, record)
             entries, metadata, _ = read_shard_header(shard, size)
             check_shard_structure([e.name for e in entries], metadata, record, index, shard)
             crc = file_crc32(shard)
             report.checked_bytes += size
-            if crc != record.checksum:
-                raise InvalidCheckpoint(
-                    f"shard {shard} fails its checksum ({index.checksum_algorithm} {crc:#010x}, index says "
-                    f"{record.checksum:#010x}): its bytes changed after it was written"
-                )
+            check_checksum(shard, crc, record, index.checksum_algorithm)
         except InvalidCheckpoint as exc:
             report.problems.append(exc.message)
     return report
+
+
+def check_shard_size(shard: Path, size: int, record: ShardRecord) -> None:
+    """A shard must hold exactly the bytes its index records (load and verify alike)."""
+    if size != record.size:
+        raise InvalidCheckpoint(f"shard {shard} holds {size} bytes; the index says {record.size} (truncated?)")
+
+
+def check_checksum(shard: Path, crc: int, record: ShardRecord, algorithm: str) -> None:
+    """A shard's checksum must be the one its index records (load and verify alike)."""
+    if crc != record.checksum:
+        raise InvalidCheckpoint(
+            f"shard {shard} fails its checksum ({algorithm} {crc:#010x}, index says "
+            f"{record.checksum:#010x}): its bytes changed after it was written"
+        )
 
 
 def file_crc32(path: Path) -> int:

@@ -38,11 +38,11 @@ from typing import Any, ClassVar
 import msgpack
 
 from .errors import BadMessage, PathNotAllowed, UnsupportedVersion
+from .shm import SLOT_PREFIX
 from .index import INCOMPLETE_SUFFIX, ShardRecord
 from .layout import DATA_ALIGNMENT, TensorEntry, validate_entries
 
 PROTOCOL_VERSION = 1
-SLOT_PREFIX = "ckptd-"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """The daemon's socket drops frames larger than this before decoding."""
 MAX_STRING = 64 * 1024

@@ -11,9 +11,13 @@ to get more.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
+SLOT_PREFIX = "ckptd-"
+SLOT_NAME = re.compile(r"ckptd-(\d+)-(\d+)-(\d+)")
+"""A slot's name: ``ckptd-<uid>-<pid>-<n>``, the uid and pid of the client that owns it."""
 SHM_DIR_ENV = "CKPTD_SHM_DIR"
 DEFAULT_SHM_DIR = Path("/dev/shm")
 
@@ -22,6 +26,16 @@ def shm_dir() -> Path:
     """``$CKPTD_SHM_DIR`` if set, else ``/dev/shm``."""
     explicit = os.environ.get(SHM_DIR_ENV)
     return Path(explicit) if explicit else DEFAULT_SHM_DIR
+
+
+def slot_name(uid: int, pid: int, n: int) -> str:
+    return f"{SLOT_PREFIX}{uid}-{pid}-{n}"
+
+
+def slot_owner(name: str) -> tuple[int, int] | None:
+    """``(uid, pid)`` encoded in a slot name, or None if it is not a slot name."""
+    m = SLOT_NAME.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def shm_usage(directory: Path | None = None) -> dict[str, object]:

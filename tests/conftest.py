@@ -19,6 +19,8 @@ import pytest
 from ckptd.protocol.endpoint import endpoint_for
 
 SHM = Path("/dev/shm")
+REPO = Path(__file__).resolve().parent.parent
+FAULTS_SPEC = "tests.faults:FaultyStorage"
 
 
 @dataclass
@@ -65,6 +67,8 @@ def start_daemon(run_dir: Path, root: Path, *extra: str, faults: list[dict] | No
     env.pop("CKPTD_FAULTS", None)
     if faults:
         env["CKPTD_FAULTS"] = json.dumps(faults)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        extra = ("--storage", FAULTS_SPEC, *extra)
     cmd = [sys.executable, "-m", "ckptd", "start", "--foreground", "--quiet",
            "--run-dir", str(run_dir), "--root", str(root), *extra]
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)

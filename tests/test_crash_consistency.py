@@ -1,7 +1,7 @@
 """A daemon that dies at any point of a save leaves nothing half-visible, and the node recovers.
 
-The daemon is started with a ``kill`` fault (``CKPTD_FAULTS``, the storage
-seam): it SIGKILLs itself at exactly one point of the commit sequence
+The daemon is started with a ``kill`` fault (``CKPTD_FAULTS``, read by
+``tests/faults.py``, the storage loaded with ``--storage``): it SIGKILLs itself at exactly one point of the commit sequence
 (shard write, shard fsync, index write, directory fsync, rename), of an
 overwrite (marking the old checkpoint, the exchange, removing the old one) or
 of retention (marking the victim, renaming it aside, removing it). Each test
@@ -355,6 +355,8 @@ def test_a_frozen_daemon_fails_pending_saves_after_the_timeout_and_save_async_re
 def test_with_spawn_a_save_after_the_daemon_died_respawns_one_and_succeeds(run_dir, root, monkeypatch) -> None:
     monkeypatch.setenv("CKPTD_ROOTS", str(root))
     monkeypatch.setenv("CKPTD_FAULTS", '[{"op": "write", "match": "/slow-", "errno": 0, "delay": 30}]')
+    monkeypatch.setenv("CKPTD_STORAGE", "tests.faults:FaultyStorage")  # the spawned daemon loads it
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent))
     client = ckptd.Client(run_dir=run_dir, spawn=True, heartbeat=0.2, timeout=2.0)
     try:
         first_pid = int((run_dir / "ckptd.pid").read_text())

@@ -70,8 +70,9 @@ NEVER_SENT = {"stop"}
 """The one request that may stop the daemon; the fuzzer does not send it."""
 SILENT_WHEN_VALID = {"staged"}
 """Notices: a valid one gets no reply at all (an invalid one gets its Error)."""
-LATE_FIRST_REPLY = {"finalize", "lease"}
-"""Requests whose one reply may come after later requests are answered (commit thread, lease queue)."""
+LATE_FIRST_REPLY = {"commit", "finalize", "abort", "status", "lease"}
+"""Requests whose one reply may come after later requests are answered (their I/O runs on the daemon's
+worker pools; the lease queue)."""
 COMMIT_FIELDS = {f.name for f in dataclasses.fields(Commit)} - {"id"}
 
 
@@ -589,6 +590,8 @@ class Fuzzer:
             return  # its outcome is the commit's one final reply
         if not answers and case.kind in LATE_FIRST_REPLY:
             answers = [self.expect(case.reply_id, repr(case))]
+            if answers[0].type == "accepted":
+                self.awaiting[case.reply_id] = 1  # its outcome follows later, like any accepted commit's
             answers += self.answers_before_pong(case)
         if not answers and case.kind in SILENT_WHEN_VALID:
             self.counts[f"silent {case.kind}"] += 1

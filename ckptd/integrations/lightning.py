@@ -92,7 +92,9 @@ except ImportError:  # only the older standalone package is installed
 
 from ckptd.client import Client, SaveFuture, load
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint
-from ckptd.protocol.index import INCOMPLETE_SUFFIX, incomplete_path, read_index
+from ckptd.protocol.index import incomplete_path, read_index
+from ckptd.retention import remove_checkpoint
+from ckptd.storage import LocalStorage
 
 __all__ = ["CkptdCheckpointIO", "to_plain"]
 
@@ -372,15 +374,8 @@ class CkptdCheckpointIO(CheckpointIO):
             except InvalidCheckpoint:
                 warnings.warn(f"CkptdCheckpointIO left {target} in place: it is not a committed ckptd checkpoint",
                               stacklevel=2)
-            else:
-                doomed = target.with_name(f"{target.name}.deleting{INCOMPLETE_SUFFIX}")
-                shutil.rmtree(doomed, ignore_errors=True)  # a leftover of an interrupted removal
-                try:
-                    os.rename(target, doomed)
-                except FileNotFoundError:
-                    pass  # removed meanwhile by someone else: the goal is reached
-                else:
-                    shutil.rmtree(doomed, ignore_errors=True)
+            else:  # gone meanwhile (False) is fine too: the goal is reached
+                if remove_checkpoint(LocalStorage(), target, marker=None):
                     log.debug("removed checkpoint %s", target)
         elif target.exists():
             warnings.warn(f"CkptdCheckpointIO left {target} in place: it is a file, not a ckptd checkpoint",

@@ -1,0 +1,267 @@
+"""The save pipeline: from a rank's Commit to its Done, one step per worker pool.
+
+::
+
+    Commit ──admit pool: examine (path, slot, header, free space)
+           ──loop: room check, bookkeeping ──admit pool: prepare p.incomplete (first rank)
+           ──loop: Accepted ──write pool: shard to disk, fsync ──loop: Durable / all ranks in?
+           ──commit pool: index, rename, fsync parent ──loop: Done
+           ──maintenance pool: retention, remembering the directory
+
+A failure at any step fails the whole checkpoint: every rank is told, and
+once no shard of it is being written its ``.incomplete`` directory is
+renamed aside on the admit pool (so a retry of the same path, admitted after
+that on the same FIFO thread, can never lose its directory to the cleanup)
+and removed on the maintenance pool. Until the rename, a retry of that path
+waits (``NodeState.deferred``).
+
+Every method runs on the loop thread; the work it hands to the pools is
+the only I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Callable
+
+from ckptd.protocol.errors import CkptdError, InternalError, RanksMissing, ShuttingDown
+from ckptd.protocol.index import ShardRecord
+from ckptd.protocol.messages import Abort, Accepted, Commit, Done, Durable, Error, Finalize, Message, Ok
+
+from .admission import Examined, check_room, examine
+from .commit import CheckpointState, PendingCheckpoint, resolve_path
+from .config import DaemonConfig
+from .retention import apply_retention
+from .state import NodeState
+from .storage import Storage
+from .sweep import KnownDirs
+from .workers import Workers
+from .writer import Progress, WriteJob, WriteState, write_shard
+
+log = logging.getLogger("ckptd")
+Send = Callable[[bytes, Message], None]
+
+
+def error_reply(state: NodeState, rid: int, exc: BaseException) -> Error:
+    """The one place an exception becomes an ``Error`` reply (and a recent error in status)."""
+    if not isinstance(exc, CkptdError):
+        log.error("event=internal_error error=%r", exc, exc_info=exc)
+        exc = InternalError(f"internal error in ckptd: {exc!r}")
+    state.stats.error(exc.message)
+    return Error(rid, exc.code, exc.message)
+
+
+class Saves:
+    """Moves saves through the pipeline above; replies through ``send``."""
+
+    def __init__(self, state: NodeState, workers: Workers, storage: Storage, config: DaemonConfig,
+                 send: Send, known_dirs: KnownDirs) -> None:
+        self.state, self.workers, self.storage, self.config = state, workers, storage, config
+        self.send = send
+        self.known_dirs = known_dirs
+
+    # -- admission ------------------------------------------------------------
+
+    def commit(self, ident: bytes, msg: Commit) -> None:
+        """Start admitting one rank's shard; Accepted (or Error) follows."""
+        client = self.state.client(ident)
+        progress = self.state.begin_save(ident, client, msg, deadline=time.monotonic() + msg.timeout)
+        pid, slots, roots = client.pid, self.state.slots, self.config.roots
+        self.workers.submit("admit", lambda: examine(self.storage, slots, msg, pid=pid, roots=roots),
+                            lambda fut: self._examined(ident, msg, progress, fut))
+
+    def staged(self, ident: bytes, upto: int, error: str | None, request_id: int) -> None:
+        progress = self.state.saves.get((ident, request_id))
+        if progress is None:
+            return  # that save already ended (refused or failed): the notice is moot
+        if error:
+            progress.fail(f"the client reported: {error}")
+        else:
+            progress.advance(upto)
+
+    def _examined(self, ident: bytes, msg: Commit, progress: Progress, fut: Future) -> None:
+        if fut.exception() is not None:
+            self._refuse(ident, msg, fut.exception())
+            return
+        self._admit(ident, msg, progress, fut.result())
+
+    def _refuse(self, ident: bytes, msg: Commit, exc: BaseException) -> None:
+        self.state.end_save(ident, msg.id)
+        self.send(ident, error_reply(self.state, msg.id, exc))
+
+    def _admit(self, ident: bytes, msg: Commit, progress: Progress, examined: Examined) -> None:
+        state, final = self.state, examined.final
+        if final in state.closing:  # a failed attempt's directory is still in the way: wait for it
+            state.deferred.setdefault(final, []).append((ident, msg, progress, examined))
+            return
+        try:
+            if state.draining and final not in state.commits.pending:
+                raise ShuttingDown("the daemon is draining and accepts no new saves (only missing ranks of "
+                                   "checkpoints already in progress)")
+            cfg = self.config
+            check_room(final, examined.space, msg.nbytes, state.reserved_on(examined.space.device),
+                       margin_fraction=cfg.space_margin_fraction, margin_min=cfg.space_margin_bytes,
+                       shm_min_free=cfg.shm_min_free, shm_free=examined.shm_free)
+            pending, dest = state.commits.admit(msg, ident, final)
+        except BaseException as exc:
+            state.slots.release(examined.slot)
+            self._refuse(ident, msg, exc)
+            return
+        job = WriteJob(ident, msg, examined.slot, dest, pending.path, progress, device=examined.space.device)
+        state.jobs.append(job)
+        log.info("event=admitted path=%s rank=%d bytes=%d", pending.path, msg.rank, msg.nbytes)
+        if pending.state is not CheckpointState.PREPARING:
+            self._start(job, pending)
+            return
+        if final not in state.held:
+            state.held[final] = []
+            self.workers.submit("admit", lambda: state.commits.prepare(pending),
+                                lambda fut: self._prepared(pending, fut))
+        state.held[final].append(job)
+
+    def _prepared(self, pending: PendingCheckpoint, fut: Future) -> None:
+        jobs = self.state.held.pop(pending.path, [])
+        pending.owns_directory = fut.exception() is None
+        if pending.state is CheckpointState.PREPARING:
+            if fut.exception() is None:
+                pending.state = CheckpointState.WRITING
+                for job in jobs:
+                    self._start(job, pending)
+                return
+            self.fail(pending, fut.exception())
+        for job in jobs:  # the checkpoint failed before its directory was ready: these never start
+            self._write_finished(job, pending, None)
+
+    def _start(self, job: WriteJob, pending: PendingCheckpoint) -> None:
+        cfg, storage, checksums = self.config, self.storage, self.workers.checksums
+        run = lambda: write_shard(job, storage, checksums, direct=cfg.direct_io, chunk=cfg.chunk_bytes)  # noqa: E731
+        self.workers.submit("write", run, lambda fut: self._write_finished(job, pending, fut))
+        self.send(job.client, Accepted(job.commit.id))
+
+    # -- writes and commits ---------------------------------------------------
+
+    def _write_finished(self, job: WriteJob, pending: PendingCheckpoint, fut: Future | None) -> None:
+        self.state.finish_job(job)
+        exc = fut.exception() if fut is not None else None
+        record: ShardRecord | None = fut.result() if fut is not None and exc is None else None
+        if record is None:
+            job.state = WriteState.FAILED
+            if exc is not None and pending.state is not CheckpointState.FAILED:
+                self.fail(pending, exc)
+        ready = self.state.commits.shard_done(pending, record)
+        if pending.state is CheckpointState.FAILED:
+            if pending.writing == 0:
+                self._discard(pending)
+            return
+        if pending.coordinated and record is not None:
+            self.send(job.client, Durable(job.commit.id, record.file, record.rank, record.size,
+                                          record.checksum, record.tensors))
+        if ready:
+            self._finalize(pending)
+
+    def finalize(self, ident: bytes, msg: Finalize) -> None:
+        """Global rank 0 asks this daemon to commit a multi-node checkpoint; Done or Error follows."""
+        self._resolve_then(ident, msg.id, msg.path,
+                           lambda final: self._finalize(self.state.commits.from_finalize(msg, ident, final)))
+
+    def _resolve_then(self, ident: bytes, rid: int, raw: str, then: Callable[[Path], None]) -> None:
+        """Resolve a client's checkpoint path on the admit pool, then ``then(final)`` (or an Error reply)."""
+        self.state.client(ident)
+        roots = self.config.roots
+
+        def resolved(fut: Future) -> None:
+            if fut.exception() is not None:
+                self.send(ident, error_reply(self.state, rid, fut.exception()))
+            else:
+                then(fut.result())
+
+        self.workers.submit("admit", lambda: resolve_path(self.storage, raw, roots), resolved)
+
+    def _finalize(self, pending: PendingCheckpoint) -> None:
+        self.workers.submit("commit", lambda: self.state.commits.finalize(pending),
+                            lambda fut: self._finalized(pending, fut))
+
+    def _finalized(self, pending: PendingCheckpoint, fut: Future) -> None:
+        if fut.exception() is not None:
+            self.fail(pending, fut.exception())
+            return
+        state = self.state
+        state.commits.forget(pending)
+        pending.state = CheckpointState.COMMITTED
+        seconds = time.monotonic() - pending.started_at
+        state.stats.committed(pending, seconds)
+        log.info("event=committed path=%s bytes=%d seconds=%.3f", pending.path, pending.index().total_bytes, seconds)
+        for ident, rid, rank in pending.waiting:
+            self.send(ident, Done(rid, str(pending.path), pending.shards[rank].size, seconds))
+        self.workers.submit("maintenance", lambda: self.known_dirs.remember(pending.path.parent))
+        keep = pending.keep_last or self.config.retention_for(pending.path)
+        if keep is not None:
+            in_flight = set(state.commits.pending)
+            self.workers.submit("maintenance", lambda: apply_retention(self.storage, pending.path, keep, in_flight),
+                                lambda f: self._retention_done(pending, f))
+
+    def _retention_done(self, pending: PendingCheckpoint, fut: Future) -> None:
+        if fut.exception() is not None:
+            log.error("event=retention_failed path=%s error=%r", pending.path, fut.exception())
+            self.state.stats.error(f"retention after {pending.path} failed: {fut.exception()!r}")
+
+    # -- failures -------------------------------------------------------------
+
+    def abort(self, ident: bytes, msg: Abort) -> None:
+        """A rank gave up on a checkpoint (multi-node); Ok follows once it is failed here."""
+
+        def abort(final: Path) -> None:
+            pending = self.state.commits.pending.get(final) or PendingCheckpoint(
+                final, 1, None, False, coordinated=True, state=CheckpointState.WRITING, owns_directory=True)
+            if pending.state is not CheckpointState.FAILED:
+                self.fail(pending, RanksMissing(f"checkpoint {final} was aborted: {msg.reason}"))
+            self.send(ident, Ok(msg.id))
+
+        self._resolve_then(ident, msg.id, msg.path, abort)
+
+    def fail(self, pending: PendingCheckpoint, exc: BaseException) -> None:
+        """Fail a checkpoint: tell every rank, remember why, clean up once no shard is being written."""
+        if not isinstance(exc, CkptdError):
+            log.error("event=internal_error path=%s error=%r", pending.path, exc)
+            exc = InternalError(f"internal error while saving {pending.path}: {exc!r}")
+        state = self.state
+        state.commits.fail(pending, exc)
+        state.stats.error(exc.message)
+        log.warning("event=failed path=%s error=%s", pending.path, exc.message)
+        for ident, rid, _ in pending.waiting:
+            self.send(ident, Error(rid, exc.code, exc.message))
+        state.closing.add(pending.path)
+        if pending.writing == 0:  # else the last shard to finish discards (_write_finished)
+            self._discard(pending)
+
+    def _discard(self, pending: PendingCheckpoint) -> None:
+        self.workers.submit("admit", lambda: self.state.commits.set_aside(pending),
+                            lambda fut: self._set_aside(pending, fut))
+
+    def _set_aside(self, pending: PendingCheckpoint, fut: Future) -> None:
+        state = self.state
+        state.closing.discard(pending.path)
+        if fut.exception() is not None:
+            log.warning("event=discard_failed path=%s error=%r", pending.incomplete, fut.exception())
+        elif fut.result() is not None:
+            aside: Path = fut.result()
+            self.workers.submit("maintenance", lambda: self.storage.remove_tree(aside))
+        for ident, msg, progress, examined in state.deferred.pop(pending.path, []):
+            self._admit(ident, msg, progress, examined)
+
+    def fail_overdue(self) -> None:
+        for pending, error in self.state.commits.overdue(time.monotonic()):
+            self.fail(pending, error)
+
+    def fail_waiting_for_ranks(self) -> None:
+        """At the end of a drain: checkpoints still missing ranks fail with ``ShuttingDown``."""
+        waiting = [p for p in self.state.commits.pending.values()
+                   if p.state is not CheckpointState.COMMITTING and not p.coordinated and p.missing]
+        for pending in waiting:
+            self.fail(pending, ShuttingDown(
+                f"the daemon was stopped while checkpoint {pending.path} waited for ranks {pending.missing} "
+                f"of {pending.world_size}; it waited {self.config.drain_timeout:g} s for them and "
+                f"committed nothing"))

@@ -1,0 +1,159 @@
+"""The node state: clients, shard writes, checkpoints in progress and load leases.
+
+Everything here is bookkeeping in memory, used only on the loop thread: no
+socket, no file, no thread. The loop (``server.py``) and the save pipeline
+(``saves.py``) decide what to do; this object remembers what is going on,
+so that there is one place to ask "who is connected", "what is being
+written", "what is promised on this filesystem", and one way for a client to
+go (``teardown``), whether it said ``Bye`` or died. Status and metrics read
+it through the narrow ``stats.NodeView``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from ckptd.protocol.errors import UnknownClient
+from ckptd.protocol.messages import Commit
+
+from .admission import Examined
+from .commit import Commits, PendingCheckpoint
+from .config import DaemonConfig
+from .leases import Grant, LoadLeases
+from .slots import SlotMaps, pid_alive
+from .stats import Stats
+from .storage import Storage
+from .writer import Progress, WriteJob
+
+MAX_PID = 1 << 22
+"""The kernel's largest possible pid_max."""
+
+
+@dataclass
+class ClientRecord:
+    pid: int
+    since: float = field(default_factory=time.time)
+    saves: int = 0
+    waited_s: float = 0.0
+    """Total seconds this client blocked on backpressure before its saves."""
+    last_waited_s: float = 0.0
+
+
+class NodeState:
+    """What one node's daemon is doing (loop thread only)."""
+
+    def __init__(self, config: DaemonConfig, storage: Storage, slots: SlotMaps | None = None) -> None:
+        self.config = config
+        self.clients: dict[bytes, ClientRecord] = {}
+        self.saves: dict[tuple[bytes, int], Progress] = {}
+        """Staging progress of every save from its Commit until its write ends (``Staged`` finds it here)."""
+        self.jobs: list[WriteJob] = []
+        """Admitted shard writes, queued or running, until they end."""
+        self.held: dict[Path, list[WriteJob]] = {}
+        """Admitted writes waiting for their checkpoint's directory (it is ``preparing``)."""
+        self.closing: set[Path] = set()
+        """Failed checkpoints whose ``.incomplete`` is not yet out of the way; a retry waits in ``deferred``."""
+        self.deferred: dict[Path, list[tuple[bytes, Commit, Progress, Examined]]] = {}
+        self.commits = Commits(storage, config.roots)
+        self.leases = LoadLeases(config.max_concurrent_loads)
+        self.slots = slots if slots is not None else SlotMaps()
+        self.stats = Stats(config)
+        self.draining = False
+
+    # -- the view status reads (stats.NodeView) ---------------------------------
+
+    @property
+    def client_records(self) -> Iterable[ClientRecord]:
+        return self.clients.values()
+
+    @property
+    def write_jobs(self) -> list[WriteJob]:
+        return self.jobs
+
+    @property
+    def checkpoints(self) -> Iterable[PendingCheckpoint]:
+        return self.commits.pending.values()
+
+    @property
+    def shm_mapped_bytes(self) -> int:
+        return self.slots.mapped_bytes
+
+    @property
+    def shm_dir(self) -> Path:
+        return self.slots.shm_dir
+
+    def lease_snapshot(self) -> Mapping[str, Any]:
+        return self.leases.snapshot()
+
+    # -- clients ------------------------------------------------------------------
+
+    def hello(self, ident: bytes, pid: int) -> ClientRecord:
+        self.clients[ident] = record = ClientRecord(pid=pid)
+        return record
+
+    def client(self, ident: bytes) -> ClientRecord:
+        client = self.clients.get(ident)
+        if client is None:
+            raise UnknownClient("this client has not said hello (or the daemon restarted); send hello first")
+        return client
+
+    def teardown(self, ident: bytes, reason: str) -> tuple[ClientRecord | None, list[Grant]]:
+        """The one way a client goes, whether it said Bye or died.
+
+        Its saves still staging fail with ``reason``, its leases and lease
+        requests go (returning the grants that frees), its slot mappings are
+        dropped once idle. Writes it committed in full still complete.
+        """
+        client = self.clients.pop(ident, None)
+        self.abandon_staging(ident, reason)
+        grants = self.leases.drop_client(ident)
+        if client is not None:
+            self.slots.forget_pid(client.pid)
+        return client, grants
+
+    def dead_clients(self) -> list[bytes]:
+        return [ident for ident, c in self.clients.items() if not pid_alive(c.pid)]
+
+    def pid_connected(self, pid: int) -> bool:
+        return any(c.pid == pid for c in self.clients.values())
+
+    # -- saves and writes ---------------------------------------------------------
+
+    def begin_save(self, ident: bytes, client: ClientRecord, msg: Commit, *, deadline: float) -> Progress:
+        """A Commit arrived: count it and track its staging until its write ends."""
+        client.saves += 1
+        client.waited_s += msg.waited
+        client.last_waited_s = msg.waited
+        progress = Progress(msg.staged, msg.nbytes, deadline=deadline)
+        self.saves[(ident, msg.id)] = progress
+        return progress
+
+    def end_save(self, ident: bytes, request_id: int) -> None:
+        self.saves.pop((ident, request_id), None)
+
+    def abandon_staging(self, ident: bytes | None, reason: str) -> None:
+        """Fail the saves still waiting for ``ident``'s staging (None: every client's)."""
+        for (client, _), progress in self.saves.items():
+            if ident in (None, client) and not progress.complete:
+                progress.fail(reason)
+
+    def reserved_on(self, device: int) -> int:
+        """Bytes admitted to ``device`` and not yet written (admission's promise)."""
+        return sum(j.commit.nbytes - j.written for j in self.jobs if j.device == device)
+
+    def finish_job(self, job: WriteJob) -> None:
+        self.jobs.remove(job)
+        self.slots.release(job.slot)
+        self.end_save(job.client, job.commit.id)
+        job.finished_at = time.monotonic()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.saves or self.jobs or self.closing)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.clients or self.busy or self.commits.pending)

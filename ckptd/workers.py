@@ -1,0 +1,85 @@
+"""The daemon's worker pools, and the one way their results get back to the loop thread.
+
+The loop thread never does file I/O. Everything that does runs here:
+
+- ``admit``: one thread, FIFO. Resolving paths, mapping slots
+  (``MAP_POPULATE``), creating ``.incomplete`` directories, setting a failed
+  attempt's directory aside. FIFO matters: a retry's directory is only
+  created after the failed attempt's directory was moved out of its way.
+- ``write``: the node's write slots (``max_concurrent_writes``), FIFO.
+- ``checksum``: one CRC thread per write slot, beside its write.
+- ``commit``: one thread; index, rename, fsync of the parent.
+- ``maintenance``: one thread for retention, tree removals, the start-up
+  sweep, reclaiming dead clients' slots, remembering directories. A slow
+  tree removal delays only other maintenance, never a commit.
+- ``status``: one thread for the free-space numbers of ``ckptd status`` and metrics.
+
+``submit(pool, work, then)`` runs ``work`` on a pool; ``then(future)`` runs
+back on the loop thread (a queue plus an eventfd that wakes its poll).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+log = logging.getLogger("ckptd")
+POOLS = ("admit", "write", "checksum", "commit", "maintenance", "status")
+
+
+class Workers:
+    """The pools and the completion queue; ``in_flight`` counts work not yet applied."""
+
+    def __init__(self, write_slots: int) -> None:
+        sizes = {"write": write_slots, "checksum": write_slots}
+        self.pools = {name: ThreadPoolExecutor(sizes.get(name, 1), thread_name_prefix=f"ckptd-{name}")
+                      for name in POOLS}
+        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._finished: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.in_flight = 0
+
+    @property
+    def checksums(self) -> ThreadPoolExecutor:
+        return self.pools["checksum"]
+
+    def submit(self, pool: str, work: Callable[[], object], then: Callable[[Future], None] | None = None) -> None:
+        """Run ``work`` on ``pool``; ``then(future)`` runs later on the loop thread (``apply_finished``)."""
+        self.in_flight += 1
+
+        def report(fut: Future) -> None:
+            self._finished.put(lambda: self._done(fut, then))
+            os.eventfd_write(self.wake_fd, 1)
+
+        self.pools[pool].submit(work).add_done_callback(report)
+
+    def _done(self, fut: Future, then: Callable[[Future], None] | None) -> None:
+        self.in_flight -= 1
+        try:
+            if then is not None:
+                then(fut)
+            elif fut.exception() is not None:
+                log.error("event=background_failed error=%r", fut.exception())
+        except Exception:  # a bug in a completion must not end the loop
+            log.exception("event=internal_error")
+
+    def woken(self) -> None:
+        """Clear the wake-up fd after the poll saw it."""
+        os.eventfd_read(self.wake_fd)
+
+    def apply_finished(self) -> None:
+        """Run the loop-thread halves of finished work (on the loop thread only)."""
+        while True:
+            try:
+                self._finished.get_nowait()()
+            except queue.Empty:
+                return
+
+    def close(self) -> None:
+        """Wait for every pool, apply what finished, release the wake-up fd."""
+        for name in POOLS:
+            self.pools[name].shutdown(wait=True)
+        self.apply_finished()
+        os.close(self.wake_fd)

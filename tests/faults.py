@@ -1,0 +1,121 @@
+"""A storage that fails, delays or kills the daemon on cue (tests only).
+
+Loaded by ``ckptd start --storage tests.faults:FaultyStorage`` with the
+faults as JSON in ``CKPTD_FAULTS``; production code knows nothing of it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptd.storage import LocalStorage
+
+log = logging.getLogger("ckptd")
+SPEC = "tests.faults:FaultyStorage"
+"""What ``--storage`` (or ``CKPTD_STORAGE``) names to load this class."""
+ENV = "CKPTD_FAULTS"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Fail, delay or kill the daemon at calls of ``op`` whose path contains ``match``.
+
+    ``op`` is one of open, write, fsync, write_file, fsync_dir, rename,
+    exchange (the swap of an overwrite; its path is the final name), touch
+    (owner markers), unlink, remove_tree. Each fault that acts logs
+    ``event=fault`` first, so a test can tell which call it hit.
+    """
+
+    op: str
+    match: str = ""
+    errno: int = errno.EIO
+    """Raise this OSError (0: do not raise)."""
+    delay: float = 0.0
+    """Seconds to sleep first."""
+    kill: bool = False
+    """SIGKILL the daemon itself: a crash at exactly this point."""
+    after: bool = False
+    """Act after the call succeeded instead of before it."""
+    wait_for: str = ""
+    """Block until this file exists (at most a minute): the test says when the call may go on."""
+    exact: bool = False
+    """Match only the path equal to ``match`` (a directory, not the names below it)."""
+
+    def hits(self, op: str, where: str, after: bool) -> bool:
+        matches = where == self.match if self.exact else self.match in where
+        return self.op == op and self.after == after and matches
+
+
+class FaultyStorage(LocalStorage):
+    """The local filesystem, with the faults listed in ``CKPTD_FAULTS`` injected."""
+
+    def __init__(self, faults: list[Fault] | None = None) -> None:
+        if faults is None:
+            faults = [Fault(**f) for f in json.loads(os.environ.get(ENV) or "[]")]
+        self.faults = faults
+        self._paths: dict[int, str] = {}
+
+    def _inject(self, op: str, where: str, *, after: bool = False) -> None:
+        for f in self.faults:
+            if f.hits(op, where, after):
+                action = "kill" if f.kill else (f"errno={f.errno}" if f.errno else f"delay={f.delay:g}")
+                log.warning("event=fault op=%s after=%s action=%s path=%s", op, after, action, where)
+                if f.delay:
+                    time.sleep(f.delay)
+                deadline = time.monotonic() + 60
+                while f.wait_for and not os.path.exists(f.wait_for) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if f.kill:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if f.errno:
+                    raise OSError(f.errno, f"{os.strerror(f.errno)} (injected)", where)
+
+    def _around(self, op: str, where: str, call, *args, **kwargs):
+        self._inject(op, where)
+        result = call(*args, **kwargs)
+        self._inject(op, where, after=True)
+        return result
+
+    def open_new(self, path: Path, *, direct: bool) -> tuple[int, bool]:
+        self._inject("open", str(path))
+        fd, is_direct = super().open_new(path, direct=direct)
+        self._paths[fd] = str(path)
+        return fd, is_direct
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        return self._around("write", self._paths.get(fd, ""), super().pwrite, fd, data, offset)
+
+    def fsync(self, fd: int) -> None:
+        self._around("fsync", self._paths.get(fd, ""), super().fsync, fd)
+
+    def close(self, fd: int) -> None:
+        self._paths.pop(fd, None)
+        super().close(fd)
+
+    def write_file(self, path: Path, data: bytes) -> None:
+        self._around("write_file", str(path), super().write_file, path, data)
+
+    def fsync_dir(self, path: Path) -> None:
+        self._around("fsync_dir", str(path), super().fsync_dir, path)
+
+    def rename(self, src: Path, dst: Path) -> None:
+        self._around("rename", str(dst), super().rename, src, dst)
+
+    def exchange(self, a: Path, b: Path) -> None:
+        self._around("exchange", str(b), super().exchange, a, b)
+
+    def touch(self, path: Path) -> None:
+        self._around("touch", str(path), super().touch, path)
+
+    def unlink(self, path: Path) -> None:
+        self._around("unlink", str(path), super().unlink, path)
+
+    def remove_tree(self, path: Path) -> None:
+        self._around("remove_tree", str(path), super().remove_tree, path)
