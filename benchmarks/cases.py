@@ -24,13 +24,16 @@ LOAD_METHODS = {"raw_read": "raw read, page cache (floor)", "raw_read_direct": "
                 "torch_load_mmap": "torch.load mmap=True", "dcp_load": "DCP load (in place)"}
 DCP_MODES = {"save": "DCP save", "thread": "DCP async_save THREAD", "process": "DCP async_save PROCESS",
              "process_stager": "DCP async_save PROCESS + reused DefaultStager"}
+SHARDED_MODES = {"memcpy": "memcpy of each rank's local bytes (limit)", "ckptd": "ckptd save_async, sync staging",
+                 "process": DCP_MODES["process"], "process_stager": DCP_MODES["process_stager"],
+                 "load_ckptd": "ckptd.load_into DTensors, {n} → {h} ranks", "load_dcp": "dcp.load, {n} → {h} ranks"}
 
 
 @dataclass
 class Case:
     name: str
     section: str
-    """``save``, ``multi``, ``scaling`` or ``load``: where the report puts it."""
+    """``save``, ``multi``, ``scaling``, ``load`` or ``sharded``: where the report puts it."""
     method: str
     label: str
     repeat: int
@@ -97,6 +100,9 @@ def registry(s: Settings) -> list[Case]:
         out += [Case(f"load_ranks_{'lease' if lease else 'nolimit'}", section="load", method="rank_loads",
                      label=f"max_concurrent_per_node={lease}" if lease else "no limit", repeat=s.repeat,
                      size_gib=s.rank_size_gib, params={"ranks": s.ranks, "limit": lease}) for lease in (None, 1)]
+        out += [Case(f"sharded_{m}", section="sharded", method="sharded", label=label.format(n=s.ranks, h=s.ranks // 2),
+                     repeat=s.repeat, size_gib=s.size_gib, params={"mode": m, "ranks": s.ranks})
+                for m, label in SHARDED_MODES.items()]
     return out
 
 

@@ -50,10 +50,11 @@ def copy_into(buf: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         torch.cuda.synchronize()
 
 
-def memcpy_reused(tensors: list[torch.Tensor], nbytes: int, repeat: int) -> list[float]:
+def memcpy_reused(tensors: list[torch.Tensor], nbytes: int, repeat: int,
+                  cleanup: Callable[[], None] | None = None) -> list[float]:
     buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=tensors[0].is_cuda)
     buf.fill_(0)
-    return timed(lambda: copy_into(buf, tensors), repeat)
+    return timed(lambda: copy_into(buf, tensors), repeat, cleanup)
 
 
 def memcpy_fresh_shm(tensors: list[torch.Tensor], nbytes: int, repeat: int) -> list[float]:

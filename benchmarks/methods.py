@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from . import limits, loads, ranks, saves
+from . import limits, loads, ranks, saves, sharded
 from .cases import Case
 from .probe import memory
 from .state import BYTES_PER_PARAM, build, param_count, pick_width
@@ -64,6 +64,7 @@ METHODS: dict[str, Callable[[Case, Path], dict]] = {
     "load_prepare": lambda c, d: loads.prepare(d, c.size_gib),
     "load": lambda c, d: loads.load(d, c.size_gib, c.params["method"], c.repeat),
     "rank_loads": lambda c, d: ranks.rank_loads(d, size_gib=c.size_gib, repeat=c.repeat, **c.params),
+    "sharded": lambda c, d: sharded.sharded(d, size_gib=c.size_gib, repeat=c.repeat, **c.params),
 }
 
 

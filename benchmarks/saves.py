@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from .probe import Sampler, cpu_seconds, peak_rss, reset_peak_rss
 
@@ -87,14 +88,14 @@ def measure_saves(save: Callable[[int], dict], repeat: int, rss_built: int,
     memory is its peak RSS during the timed saves over its RSS with the
     state built: for ckptd, the slot.
     """
-    first = save(0)
+    first = slowest(save(0))
     writer_pid = writer()
     reset_peak_rss()
     cpu0, wcpu0 = cpu_seconds(), cpu_seconds(writer_pid) if writer_pid else 0.0
     reps: dict[str, list] = defaultdict(list)
     with Sampler({"writer": [writer_pid] if writer_pid else []}) as sampler:
         for i in range(1, 1 + repeat):
-            for key, value in save(i).items():
+            for key, value in slowest(save(i)).items():
                 reps[key].append(value)
     out = {"first": first, "reps": dict(reps), "trainer_extra": peak_rss() - rss_built,
            "trainer_cpu": (cpu_seconds() - cpu0) / repeat}
@@ -104,39 +105,48 @@ def measure_saves(save: Callable[[int], dict], repeat: int, rss_built: int,
 
 
 def _rotate(scratch: Path, prefix: str) -> Callable[[int], Path]:
-    """A new path per save; the one before is removed (untimed, after its save was measured)."""
+    """A new path per save; the one before is removed (untimed, after its save was measured); ranks start at once."""
     def path(i: int) -> Path:
         shutil.rmtree(scratch / f"{prefix}-{i - 1}", ignore_errors=True)
         Path(scratch / f"{prefix}-{i - 1}.pt").unlink(missing_ok=True)
+        if dist.is_initialized():
+            dist.barrier()
         return scratch / f"{prefix}-{i}"
     return path
 
 
-def ckptd_saves(state: Any, scratch: Path, repeat: int, rss_built: int, **options: Any) -> dict:
-    """``ckptd.Client.save_async`` in steady state (slot made and mapped by the warm-up); ``options`` go to Client."""
+def ckptd_saves(state: Any, scratch: Path, repeat: int, rss_built: int, daemon: BenchDaemon | None = None,
+                **options: Any) -> dict:
+    """``ckptd.Client.save_async`` in steady state (slot made and mapped by the warm-up); ``options`` go to Client.
+
+    Without ``daemon``, through one of its own; ranks (``torch.distributed``) share the caller's.
+    """
     import ckptd
 
+    if daemon is None:
+        with BenchDaemon(scratch) as daemon:
+            return ckptd_saves(state, scratch, repeat, rss_built, daemon, **options)
     path = _rotate(scratch, "ckptd")
-    with BenchDaemon(scratch) as daemon:
-        client = ckptd.Client(run_dir=daemon.run_dir, spawn=False, max_inflight=1, rank=0, world_size=1, **options)
+    client = ckptd.Client(run_dir=daemon.run_dir, spawn=False, max_inflight=1, **options)
 
-        def save(i: int) -> dict:
-            t0 = time.perf_counter()
-            fut = client.save_async(state, path(i), step=i)
-            t1 = time.perf_counter()
-            fut.wait_staged()
-            t2 = time.perf_counter()
-            saved = fut.result()
-            t3 = time.perf_counter()
-            last = daemon.status()["completed"]["last"]
-            return {"blocking": t1 - t0, "staged": t2 - t0, "durable": t3 - t0, "daemon_s": last["seconds"],
-                    "bytes_written": saved.bytes_written}
+    def save(i: int) -> dict:
+        target = path(i)
+        t0 = time.perf_counter()
+        fut = client.save_async(state, target, step=i)
+        t1 = time.perf_counter()
+        fut.wait_staged()
+        t2 = time.perf_counter()
+        saved = fut.result()
+        t3 = time.perf_counter()
+        last = daemon.status()["completed"]["last"]
+        return {"blocking": t1 - t0, "staged": t2 - t0, "durable": t3 - t0, "daemon_s": last["seconds"],
+                "bytes_written": saved.bytes_written}
 
-        try:
-            return measure_saves(save, repeat, rss_built, writer=lambda: daemon.pid)
-        finally:
-            client.close()
-            path(repeat + 1)
+    try:
+        return measure_saves(save, repeat, rss_built, writer=lambda: daemon.pid)
+    finally:
+        client.close()
+        path(repeat + 1)
 
 
 def torch_saves(state: Any, scratch: Path, repeat: int, rss_built: int) -> dict:
@@ -159,15 +169,28 @@ def torch_saves(state: Any, scratch: Path, repeat: int, rss_built: int) -> dict:
         path(repeat + 1)
 
 
-def init_gloo() -> None:
-    """A one-process gloo group on 127.0.0.1, as DCP needs one."""
-    import torch.distributed as dist
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
+
+def init_gloo(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
+    """A gloo group on 127.0.0.1 (DCP needs one, even for one process); DCP's checkpoint processes meet there too."""
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port or free_port()}", rank=rank,
+                                world_size=world_size)
+
+
+def slowest(values: Any) -> Any:
+    """A dict (or list) of figures, each the highest over the ranks: a sharded save is as fast as its slowest rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    keys = list(values) if isinstance(values, dict) else range(len(values))
+    highest = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, highest.tolist())) if isinstance(values, dict) else highest.tolist()
 
 
 def _dcp_process_pid() -> int | None:
