@@ -1,13 +1,8 @@
 """``python -m benchmarks``: every case of the registry, each in its own process, then the report.
 
-Each case's JSON line goes to stdout as it arrives and to
-``<scratch>/results.jsonl`` (after a first ``{"meta": ...}`` line); progress
-goes to stderr. The report is written to ``benchmarks/RESULTS.md`` by a
-full default run, otherwise to ``<scratch>/RESULTS-<kind>.md`` unless
-``--out`` says where. ``--report FILE`` renders a report from an earlier
-run's ``results.jsonl`` without measuring. ``--smoke`` runs the whole
-registry at tiny sizes in seconds (``make test`` does, so it cannot rot).
-``--device cuda`` measures the same cases from CUDA tensors.
+Each case's JSON line goes to stdout and to ``<scratch>/run/results.jsonl``
+(after a ``{"meta": ...}`` line), progress to stderr; ``--report FILE``
+renders a report from such a file without measuring.
 """
 
 from __future__ import annotations
@@ -43,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=None, help="timed repetitions after one warm-up (default 3)")
     p.add_argument("--scratch", type=Path, default=HERE / "out",
                    help="directory on the disk under test; the run uses (and first empties) its run/ subdirectory")
-    p.add_argument("--out", type=Path, default=None, help="where the report goes")
+    p.add_argument("--out", type=Path, default=None, help="where the report goes (default: benchmarks/RESULTS.md "
+                                                          "for a full run, else <scratch>/run/RESULTS-<kind>.md)")
     p.add_argument("--report", type=Path, default=None, metavar="JSONL", help="render only, from a results.jsonl")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one case may take (default 1800)")
     return p

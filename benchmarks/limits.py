@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import mmap
 import os
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -28,14 +28,13 @@ PAGE = 4096
 def timed(fn: Callable[[], object], repeat: int, cleanup: Callable[[], None] | None = None) -> list[float]:
     """Seconds of ``repeat`` calls of ``fn`` after one warm-up; ``cleanup`` runs untimed after each."""
     out = []
-    for i in range(1 + repeat):
+    for _ in range(1 + repeat):
         t0 = time.perf_counter()
         fn()
-        if i:
-            out.append(time.perf_counter() - t0)
+        out.append(time.perf_counter() - t0)
         if cleanup is not None:
             cleanup()
-    return out
+    return out[1:]
 
 
 def copy_into(buf: torch.Tensor, tensors: list[torch.Tensor]) -> None:
@@ -61,15 +60,10 @@ def memcpy_fresh_shm(tensors: list[torch.Tensor], nbytes: int, repeat: int) -> l
     path = Path(f"/dev/shm/ckbench-{os.getpid()}")
 
     def once() -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            with mmap.mmap(fd, nbytes) as m:
-                buf = torch.frombuffer(m, dtype=torch.uint8)
-                copy_into(buf, tensors)
-                del buf
-        finally:
-            os.close(fd)
+        with open(path, "w+b") as f:
+            f.truncate(nbytes)
+            with mmap.mmap(f.fileno(), nbytes) as m:
+                copy_into(torch.frombuffer(m, dtype=torch.uint8), tensors)
 
     return timed(once, repeat, cleanup=lambda: path.unlink(missing_ok=True))
 
@@ -103,12 +97,8 @@ def parallel_writes(scratch: Path, nbytes: int, writers: int, repeat: int, *, di
     targets = [scratch / f"raw-{direct}-{i}.bin" for i in range(writers)]
 
     def once() -> None:
-        threads = [threading.Thread(target=write_file, args=(t, view, each), kwargs={"direct": direct})
-                   for t in targets]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(writers) as pool:
+            list(pool.map(lambda t: write_file(t, view, each, direct=direct), targets))
 
     def cleanup() -> None:  # evicted and removed: the next write starts alike
         evict(targets)

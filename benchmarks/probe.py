@@ -18,23 +18,18 @@ FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
 
 def memory(pid: int | str = "self") -> dict[str, int]:
     """``FIELDS`` of ``pid`` in bytes (empty if the process is gone)."""
-    out: dict[str, int] = {}
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                key, _, rest = line.partition(b":")
-                if key.decode() in FIELDS:
-                    out[key.decode()] = int(rest.split()[0]) * 1024
+        with open(f"/proc/{pid}/status") as f:
+            fields = [line.split(":", 1) for line in f]
     except (FileNotFoundError, ProcessLookupError):
         return {}
-    return out
+    return {k: int(v.split()[0]) * 1024 for k, v in fields if k in FIELDS}
 
 
 def cpu_seconds(pid: int | str = "self") -> float:
     """User + system CPU seconds of ``pid``, all its threads (0 if it is gone)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
+        data = Path(f"/proc/{pid}/stat").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
         return 0.0
     fields = data[data.rindex(b")") + 2:].split()
@@ -43,14 +38,13 @@ def cpu_seconds(pid: int | str = "self") -> float:
 
 def reset_peak_rss() -> None:
     """Reset this process's ``VmHWM`` to its current RSS (``clear_refs`` 5)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def peak_rss() -> int:
     """This process's ``VmHWM`` in bytes: its peak RSS since start or the last reset."""
-    with open("/proc/self/status", "rb") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"VmHWM:"))
+    return next(int(ln.split()[1]) * 1024 for ln in Path("/proc/self/status").read_text().splitlines()
+                if ln.startswith("VmHWM:"))
 
 
 class Sampler:
@@ -66,10 +60,8 @@ class Sampler:
 
     def sample(self) -> None:
         for name, pids in self.groups.items():
-            total = dict.fromkeys(FIELDS, 0)
-            for pid in pids:
-                for k, v in memory(pid).items():
-                    total[k] += v
+            each = [memory(pid) for pid in pids]
+            total = {k: sum(m.get(k, 0) for m in each) for k in FIELDS}
             self.first.setdefault(name, total)
             self.peaks[name] = {k: max(v, total[k]) for k, v in self.peaks[name].items()}
 

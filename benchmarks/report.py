@@ -49,62 +49,55 @@ FIELDS: dict[str, Callable[[dict], float | None]] = {  # any other field: the me
 
 @dataclass(frozen=True)
 class Target:
-    """``measured`` (case, field) over ``reference`` (the value itself where None) must be ``op`` ``bound``.
+    """``measured`` ("case.field") over ``reference`` (the value itself where None) must be ``op`` ``bound``.
 
     A case named ``*`` means the highest value of the field over every case;
     ``scaling:base`` / ``scaling:top`` the scaling sizes nearest 1 GiB and the largest.
     """
 
     text: str
-    measured: tuple[str, str]
-    reference: tuple[str, str] | None
-    op: str
+    measured: str
+    reference: str | None
     bound: float
     issue: int
+    op: str = "≤"
 
 
 TARGETS = [
-    Target("blocking with sync staging ≤ 1.2 × memcpy into a reused buffer", ("ckptd_sync", "blocking"),
-           ("memcpy", "seconds"), "≤", 1.2, 5),
-    Target("background staging: blocking ≤ 10 ms", ("ckptd_bg", "blocking"), None, "≤", 0.010, 5),
-    Target("background staging: staged ≤ 1.5 × memcpy", ("ckptd_bg", "staged"), ("memcpy", "seconds"), "≤", 1.5,
-           5),
-    Target("time to durable ≤ 1.15 × raw O_DIRECT write + fsync (sync staging)", ("ckptd_sync", "durable"),
-           ("write_direct", "seconds"), "≤", 1.15, 5),
-    Target("time to durable ≤ 0.5 × DCP async_save PROCESS", ("ckptd_sync", "durable"), ("dcp_process", "durable"),
-           "≤", 0.5, 5),
-    Target("trainer extra memory ≤ 1.05 × state (background staging)", ("ckptd_bg", "extra_per_state"), None, "≤",
-           1.05, 5),
-    Target("daemon RssAnon ≤ 100 MB (highest of every case)", ("*", "daemon_anon"), None, "≤", 100e6, 5),
-    Target("clients at once, separate checkpoints: aggregate ≥ 85% of raw O_DIRECT bandwidth",
-           ("multi_separate", "gbps"), ("multi_raw", "raw_gbps"), "≥", 0.85, 5),
-    Target("clients at once, one checkpoint: aggregate ≥ 85% of raw O_DIRECT bandwidth", ("multi_one", "gbps"),
-           ("multi_raw", "raw_gbps"), "≥", 0.85, 5),
-    Target("scaling, blocking s/GiB at the largest size ≤ 1.25 × at 1 GiB", ("scaling:top", "blocking_per_gib"),
-           ("scaling:base", "blocking_per_gib"), "≤", 1.25, 5),
-    Target("scaling, durable s/GiB at the largest size ≤ 1.25 × at 1 GiB", ("scaling:top", "durable_per_gib"),
-           ("scaling:base", "durable_per_gib"), "≤", 1.25, 5),
-    Target("daemon CPU-seconds per GB written ≤ 0.1 (sync staging)", ("ckptd_sync", "daemon_cpu_per_gb"), None, "≤",
-           0.1, 15),
-    Target("time to durable ≤ 1.1 × raw O_DIRECT write + fsync (sync staging)", ("ckptd_sync", "durable"),
-           ("write_direct", "seconds"), "≤", 1.1, 15),
-    Target("blocking with sync staging ≤ 1.15 × memcpy", ("ckptd_sync", "blocking"), ("memcpy", "seconds"), "≤",
+    Target("blocking with sync staging ≤ 1.2 × memcpy into a reused buffer", "ckptd_sync.blocking", "memcpy.seconds",
+           1.2, 5),
+    Target("background staging: blocking ≤ 10 ms", "ckptd_bg.blocking", None, 0.010, 5),
+    Target("background staging: staged ≤ 1.5 × memcpy", "ckptd_bg.staged", "memcpy.seconds", 1.5, 5),
+    Target("time to durable ≤ 1.15 × raw O_DIRECT write + fsync (sync staging)", "ckptd_sync.durable",
+           "write_direct.seconds", 1.15, 5),
+    Target("time to durable ≤ 0.5 × DCP async_save PROCESS", "ckptd_sync.durable", "dcp_process.durable", 0.5, 5),
+    Target("trainer extra memory ≤ 1.05 × state (background staging)", "ckptd_bg.extra_per_state", None, 1.05, 5),
+    Target("daemon RssAnon ≤ 100 MB (highest of every case)", "*.daemon_anon", None, 100e6, 5),
+    Target("clients at once, separate checkpoints: aggregate ≥ 85% of raw O_DIRECT bandwidth", "multi_separate.gbps",
+           "multi_raw.raw_gbps", 0.85, 5, "≥"),
+    Target("clients at once, one checkpoint: aggregate ≥ 85% of raw O_DIRECT bandwidth", "multi_one.gbps",
+           "multi_raw.raw_gbps", 0.85, 5, "≥"),
+    Target("scaling, blocking s/GiB at the largest size ≤ 1.25 × at 1 GiB", "scaling:top.blocking_per_gib",
+           "scaling:base.blocking_per_gib", 1.25, 5),
+    Target("scaling, durable s/GiB at the largest size ≤ 1.25 × at 1 GiB", "scaling:top.durable_per_gib",
+           "scaling:base.durable_per_gib", 1.25, 5),
+    Target("daemon CPU-seconds per GB written ≤ 0.1 (sync staging)", "ckptd_sync.daemon_cpu_per_gb", None, 0.1, 15),
+    Target("time to durable ≤ 1.1 × raw O_DIRECT write + fsync (sync staging)", "ckptd_sync.durable",
+           "write_direct.seconds", 1.1, 15),
+    Target("blocking with sync staging ≤ 1.15 × memcpy", "ckptd_sync.blocking", "memcpy.seconds", 1.15, 15),
+    Target("1,000 tensors of 256 B: blocking ≤ 5 ms", "ckptd_sync_small.blocking", None, 0.005, 15),
+    Target("first save blocking ≤ 2 × a steady one", "ckptd_sync.first_blocking", "ckptd_sync.blocking", 2.0, 15),
+    Target("load_into one state dict, cold ≤ 1.15 × raw read", "load_ckptd_load_into_sd.cold", "load_raw_read.cold",
            1.15, 15),
-    Target("1,000 tensors of 256 B: blocking ≤ 5 ms", ("ckptd_sync_small", "blocking"), None, "≤", 0.005, 15),
-    Target("first save blocking ≤ 2 × a steady one", ("ckptd_sync", "first_blocking"), ("ckptd_sync", "blocking"),
-           "≤", 2.0, 15),
-    Target("load_into one state dict, cold ≤ 1.15 × raw read", ("load_ckptd_load_into_sd", "cold"),
-           ("load_raw_read", "cold"), "≤", 1.15, 15),
-    Target("ckptd.load (owning copy), cold ≤ 1.2 × raw read", ("load_ckptd_load_cpu", "cold"),
-           ("load_raw_read", "cold"), "≤", 1.2, 15),
-    Target("FSDP2: blocking ≤ 1.2 × memcpy of the rank's local bytes", ("sharded_ckptd", "blocking"),
-           ("sharded_memcpy", "seconds"), "≤", 1.2, 10),
-    Target("FSDP2: time to durable ≤ 0.5 × DCP async_save PROCESS", ("sharded_ckptd", "durable"),
-           ("sharded_process", "durable"), "≤", 0.5, 10),
-    Target("FSDP2: time to durable ≤ 0.5 × DCP async_save PROCESS, reused stager", ("sharded_ckptd", "durable"),
-           ("sharded_process_stager", "durable"), "≤", 0.5, 10),
-    Target("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", ("sharded_load_ckptd", "cold"), ("sharded_load_dcp", "cold"),
-           "≤", 0.8, 10),
+    Target("ckptd.load (owning copy), cold ≤ 1.2 × raw read", "load_ckptd_load_cpu.cold", "load_raw_read.cold", 1.2,
+           15),
+    Target("FSDP2: blocking ≤ 1.2 × memcpy of the rank's local bytes", "sharded_ckptd.blocking",
+           "sharded_memcpy.seconds", 1.2, 10),
+    Target("FSDP2: time to durable ≤ 0.5 × DCP async_save PROCESS", "sharded_ckptd.durable", "sharded_process.durable",
+           0.5, 10),
+    Target("FSDP2: time to durable ≤ 0.5 × DCP async_save PROCESS, reused stager", "sharded_ckptd.durable",
+           "sharded_process_stager.durable", 0.5, 10),
+    Target("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", "sharded_load_ckptd.cold", "sharded_load_dcp.cold", 0.8, 10),
 ]
 
 
@@ -112,7 +105,11 @@ def field(rec: dict, name: str) -> float | None:
     return FIELDS[name](rec) if name in FIELDS else med(rec, name)
 
 
-def _resolve(recs: Records, case: str, name: str) -> float | None:
+def _resolve(recs: Records, where: str | None) -> float | None:
+    """The value ``where`` ("case.field") names in ``recs`` (None where it was not measured)."""
+    if where is None:
+        return None
+    case, name = where.split(".")
     if case == "*":
         values = [v for r in recs.values() if (v := field(r, name)) is not None]
         return max(values) if values else None
@@ -128,13 +125,12 @@ def _resolve(recs: Records, case: str, name: str) -> float | None:
 def targets_table(recs: Records) -> str:
     rows = []
     for t in TARGETS:
-        value = _resolve(recs, *t.measured)
-        ref = _resolve(recs, *t.reference) if t.reference else None
+        value, ref = _resolve(recs, t.measured), _resolve(recs, t.reference)
         ratio = div(value, ref)
         compared = ratio if t.reference else value
         met = "–" if compared is None else ("met" if (compared <= t.bound if t.op == "≤" else compared >= t.bound)
                                             else "missed")
-        mb = t.measured[1] == "daemon_anon"
+        mb = t.measured.endswith("daemon_anon")
         shown = "–" if value is None else (f"{value / 1e6:.1f} MB" if mb else f"{value:.4g}")
         against = f" vs {ref:.4g}" if ref is not None else ""
         bound = f"{t.bound / 1e6:g} MB" if mb else f"{t.bound:g}"

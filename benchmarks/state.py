@@ -53,12 +53,8 @@ def param_count(d: int) -> int:
 
 def pick_width(target_bytes: int) -> int:
     """The width (a multiple of ``WIDTH_STEP``) whose state comes closest to ``target_bytes``."""
-    d = WIDTH_STEP
-    while param_count(d + WIDTH_STEP) * BYTES_PER_PARAM <= target_bytes:
-        d += WIDTH_STEP
-    above = d + WIDTH_STEP
-    gap = abs(param_count(above) * BYTES_PER_PARAM - target_bytes)
-    return above if gap < abs(param_count(d) * BYTES_PER_PARAM - target_bytes) else d
+    return min(range(WIDTH_STEP, 1 << 16, WIDTH_STEP),
+               key=lambda d: abs(param_count(d) * BYTES_PER_PARAM - target_bytes))
 
 
 @dataclass
@@ -93,9 +89,13 @@ def iter_tensors(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tenso
             yield from iter_tensors(v, seen)
 
 
-def transformer(size_gib: float, *, device: str = "cpu", seed: int = 0) -> BenchState:
-    """A ``{"model", "optimizer", "step"}`` state of about ``size_gib`` GiB on ``device``."""
+def build(name: str, size_gib: float, *, device: str = "cpu", seed: int = 0) -> BenchState:
+    """``transformer``: a ``{"model", "optimizer", "step"}`` state of about ``size_gib`` GiB on ``device``; or
+    ``small``: 1,000 float32 tensors of 256 B (fixed costs dominate)."""
     torch.manual_seed(seed)
+    if name == "small":
+        state = {f"t{i:05d}": torch.randn(64, device=device) for i in range(1000)}
+        return BenchState(state, list(state.values()))
     model = TinyTransformer(pick_width(int(size_gib * (1 << 30)))).to(device)
     # foreach: the default single-tensor CPU step takes ~7 s for 1 GiB on two cores.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
@@ -106,15 +106,6 @@ def transformer(size_gib: float, *, device: str = "cpu", seed: int = 0) -> Bench
     opt.zero_grad(set_to_none=True)
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1000}
     return BenchState(state, list(iter_tensors(state)), model, opt)
-
-
-def build(name: str, size_gib: float, *, device: str = "cpu", seed: int = 0) -> BenchState:
-    """``transformer`` of ``size_gib``, or ``small``: 1,000 float32 tensors of 256 B (fixed costs dominate)."""
-    if name == "small":
-        torch.manual_seed(seed)
-        state = {f"t{i:05d}": torch.randn(64, device=device) for i in range(1000)}
-        return BenchState(state, list(state.values()))
-    return transformer(size_gib, device=device, seed=seed)
 
 
 def tensor_sum(tensors: Any) -> float:
