@@ -1,11 +1,9 @@
-"""The registry of cases, and running each case in a process of its own.
+"""The registry of cases (to measure something new, add a row), each run in a process of its own.
 
-A case is a row: a name, its report section, a method (a key of
-``methods.METHODS``), its state (builder, size, device) and parameters; to
-measure something new, add a row. Each case runs in a fresh process forked
-from a server that has only imported torch and ckptd, so no case inherits
-another's memory or threads, and none pays a torch import. A case sends
-back exactly one JSON line: its measurements, or ``{"case", "error"}``.
+Each case runs in a fresh process forked from a server that has only
+imported torch and ckptd: no case inherits another's memory or threads,
+none pays a torch import. It sends back one JSON line: its measurements,
+or ``{"case", "error"}``.
 """
 
 from __future__ import annotations

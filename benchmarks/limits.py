@@ -1,11 +1,9 @@
 """What this machine can do at best with the state's bytes: the floors ckptd is measured against.
 
-A ``copy_`` per tensor into a buffer touched before (pinned for CUDA
-tensors) is the floor for blocking, since staging does exactly that; into a
-new ``/dev/shm`` file it is staging without reused, pre-faulted slots. An
-O_DIRECT write in 8 MiB ``pwrite`` calls + ``fsync`` is the floor for time
-to durable, and a sequential read into one reused buffer that for loading.
-Timed functions return the repetitions after one untimed warm-up.
+Blocking: a ``copy_`` per tensor into a buffer touched before (pinned for
+CUDA), as staging does (into a new ``/dev/shm`` file: without reused
+slots). Durable: an O_DIRECT write in 8 MiB ``pwrite`` calls + ``fsync``.
+Loading: a sequential read into one reused buffer.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The methods a case can run, each inside the case's own process, and that process's entry point.
 
-Every method takes the case and the scratch directory and returns a dict
-of measurements; repetitions go under ``reps`` as lists of seconds (or
-bytes), so the report can take medians and list every value.
+A method takes the case and the scratch directory and returns its
+measurements, repetitions under ``reps`` as lists (medians, every value).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from . import limits, loads, ranks, saves, sharded
+from . import limits, loads, ranks, saves
 from .cases import Case
 from .probe import memory
 from .state import BYTES_PER_PARAM, build, param_count, pick_width
@@ -64,7 +63,7 @@ METHODS: dict[str, Callable[[Case, Path], dict]] = {
     "load_prepare": lambda c, d: loads.prepare(d, c.size_gib),
     "load": lambda c, d: loads.load(d, c.size_gib, c.params["method"], c.repeat),
     "rank_loads": lambda c, d: ranks.rank_loads(d, size_gib=c.size_gib, repeat=c.repeat, **c.params),
-    "sharded": lambda c, d: sharded.sharded(d, size_gib=c.size_gib, repeat=c.repeat, **c.params),
+    "sharded": lambda c, d: ranks.sharded(d, size_gib=c.size_gib, repeat=c.repeat, **c.params),
 }
 
 

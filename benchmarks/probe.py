@@ -1,9 +1,8 @@
 """What a case reads about processes and files: memory, CPU time, peaks, eviction, all from ``/proc``.
 
-``Sampler`` polls the memory of named groups of processes (the case, the
-daemon, DCP's checkpoint process, the ranks) every 20 ms on a thread and
-keeps each field's peak: RSS, ``RssAnon`` (private memory), ``RssFile``
-(mapped files) and ``RssShmem`` (shared memory: slots, staging copies).
+``Sampler`` keeps the peaks of groups of processes (the case, the daemon,
+DCP's writer, the ranks): RSS, ``RssAnon`` (private), ``RssFile`` (mapped
+files), ``RssShmem`` (slots, staging copies).
 """
 
 from __future__ import annotations

@@ -1,26 +1,40 @@
-"""Several ranks on one node: clients saving at once, and ranks loading at once under a load lease.
+"""Several ranks on one node: clients saving at once, ranks loading at once under a load lease, and FSDP2.
 
-The case process forks the ranks before it touches a tensor, so each rank
-is a fresh process with its own state; every round starts on a barrier, and
-the case samples the ranks' and the daemon's memory meanwhile. Saving: each
-client its own state, into separate checkpoints or one (rank r of N); the
-aggregate runs from the first call to the last future resolved. Loading:
-fresh processes load their shard with ``map_location="cpu"``, hold it,
-drop it, with no limit or with ``max_concurrent_per_node``.
+The case process forks the ranks before it touches a tensor: each is a
+fresh process with its own state, and every round starts on a barrier.
+Saving: each client its own state, into separate checkpoints or one (rank
+r of N), aggregate from the first call to the last future resolved.
+Loading: fresh processes load their shard, hold it, drop it. FSDP2 ranks
+(one gloo group) build their shards on the meta device (none holds the
+full model) and run the dense cases' save loops (``saves.py``); the
+reshard load saves with ckptd and ``dcp.save`` on N ranks and loads on N/2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import json
 import multiprocessing as mp
+import queue
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import ckptd
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from . import limits, saves
 from .probe import Sampler, cpu_seconds, evict, files_under, memory
 from .saves import BenchDaemon
-from .state import build
+from .state import BenchState, TinyTransformer, build, iter_tensors, pick_width
 
 BARRIER_TIMEOUT_S = 600.0
 HOLD_S = 0.5
@@ -29,8 +43,6 @@ _fork = mp.get_context("fork")
 
 def _saver(rank: int, ranks: int, shared: bool, size_gib: float, device: str, paths: list[str], run_dir: str,
            go: Any, out: Any) -> None:
-    import ckptd
-
     bench = build("transformer", size_gib, device=device, seed=rank)
     with ckptd.Client(run_dir=run_dir, spawn=False, max_inflight=1, rank=rank if shared else 0,
                       world_size=ranks if shared else 1, commit_timeout=300.0) as client:
@@ -45,8 +57,8 @@ def _saver(rank: int, ranks: int, shared: bool, size_gib: float, device: str, pa
             go.wait()  # the parent removes the round's checkpoints
 
 
-def _start(target: Any, args_of: list[tuple]) -> list[mp.Process]:
-    procs = [_fork.Process(target=target, args=a, daemon=True) for a in args_of]
+def _start(target: Any, args_of: list[tuple], daemon: bool = True) -> list[mp.Process]:
+    procs = [_fork.Process(target=target, args=a, daemon=daemon) for a in args_of]
     for p in procs:
         p.start()
     return procs
@@ -96,8 +108,6 @@ def multi_saves(scratch: Path, *, ranks: int, shared: bool, size_gib: float, dev
 
 
 def _loader(rank: int, path: str, run_dir: str, limit: int | None, go: Any, out: Any) -> None:
-    import ckptd
-
     go.wait()
     t0 = time.monotonic()
     state = ckptd.load(path, rank=rank, map_location="cpu", run_dir=run_dir, max_concurrent_per_node=limit)
@@ -135,3 +145,115 @@ def rank_loads(scratch: Path, *, ranks: int, size_gib: float, limit: int | None,
                 reps[f"idle_{key}"].append(sampler.first["ranks"][field])
         shutil.rmtree(path, ignore_errors=True)
     return {"reps": reps, "shard_bytes": shard_bytes}
+
+
+def fsdp_state(size_gib: float, seed: int) -> BenchState:
+    """A ``fully_shard`` transformer of about ``size_gib`` GiB of state over every rank; this rank's local tensors."""
+    with torch.device("meta"):
+        model = TinyTransformer(pick_width(int(size_gib * (1 << 30))))
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed + dist.get_rank())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=False)  # foreach: 4× slower here
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(0, 0.02)
+            p.grad = p.detach() * 1e-3
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optimizer": osd, "step": 1000}
+    return BenchState(state, [t.to_local() if isinstance(t, DTensor) else t for t in iter_tensors(state)])
+
+
+def summed(values: list[float]) -> list[float]:
+    """Each value summed over every rank (float64)."""
+    out = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(out)
+    return out.tolist()
+
+
+def dtensor_sums(state: Any) -> list[float]:
+    """Each DTensor's sum over every rank: the same for the same state on any number of ranks."""
+    return summed([float(t.to_local().double().sum()) for t in iter_tensors(state) if isinstance(t, DTensor)])
+
+
+def _saves(rank: int, scratch: Path, mode: str, size_gib: float, repeat: int, daemon: Any) -> dict:
+    bench = fsdp_state(size_gib, seed=0)
+    rss = memory()["VmRSS"]
+    if mode == "memcpy":
+        seconds = limits.memcpy_reused(bench.tensors, bench.nbytes, repeat, cleanup=dist.barrier)
+        out = {"reps": {"seconds": saves.slowest(seconds)}}
+    elif mode == "ckptd":
+        out = saves.ckptd_saves(bench.state, scratch, repeat, rss, daemon)
+    else:
+        out = saves.dcp_saves(bench.state, scratch, repeat, rss, mode=mode)
+    return {"state": {**bench.describe(), "global_nbytes": int(summed([bench.nbytes])[0])}, **out}
+
+
+def _prepare(rank: int, scratch: Path, size_gib: float, daemon: Any) -> dict:
+    """The state saved by ckptd and by ``dcp.save``, and its per-tensor sums."""
+    bench = fsdp_state(size_gib, seed=0)
+    paths = {"ckptd": str(scratch / "sharded" / "ckptd"), "dcp": str(scratch / "sharded" / "dcp")}
+    with ckptd.Client(run_dir=daemon.run_dir, spawn=False, commit_timeout=600.0) as client:
+        client.save_async(bench.state, paths["ckptd"], step=1, overwrite=True).result()
+    dcp.save(bench.state, checkpoint_id=paths["dcp"])
+    return {"sums": dtensor_sums(bench.state), **paths}
+
+
+def _loads(rank: int, scratch: Path, method: str, size_gib: float, repeat: int, ref: dict) -> dict:
+    """Cold and warm loads of the saved state into a fresh model's and optimizer's DTensors, in place."""
+    bench, path = fsdp_state(size_gib, seed=1000), ref[method]
+    load: Callable[[], Any] = ((lambda: ckptd.load_into(bench.state, path)) if method == "ckptd" else
+                               (lambda: dcp.load(bench.state, checkpoint_id=path)))
+    reps = {}
+    for cache in ("cold", "warm"):
+        def between() -> None:  # untimed: the next load starts cold (or not) on every rank at once
+            if cache == "cold" and rank == 0:
+                evict(files_under(Path(path)))
+            dist.barrier()
+        reps[cache] = saves.slowest(limits.timed(load, repeat, cleanup=between))
+    got, saved = (torch.tensor(x, dtype=torch.float64) for x in (dtensor_sums(bench.state), ref["sums"]))
+    if not torch.allclose(got, saved, rtol=1e-6, atol=1e-12):
+        raise AssertionError(f"{method} loaded tensors whose sums differ from the saved ones")
+    return {"reps": reps, "nbytes": bench.nbytes, "state": bench.describe()}
+
+
+def _rank(rank: int, world: int, port: int, body: Callable[..., dict], args: tuple, out: Any) -> None:
+    saves.init_gloo(rank, world, port)
+    result = body(rank, *args)
+    if rank == 0:
+        out.put(result)
+    dist.destroy_process_group()
+
+
+def run_ranks(world: int, body: Callable[..., dict], *args: Any) -> dict:
+    """``body(rank, *args)`` on ``world`` fresh ranks of one gloo group; rank 0's result (any rank failing raises)."""
+    out, port = _fork.Queue(), saves.free_port()
+    procs = _start(_rank, [(r, world, port, body, args, out) for r in range(world)], daemon=False)  # DCP forks
+    result = None
+    try:
+        while result is None:
+            with contextlib.suppress(queue.Empty):
+                result = out.get(timeout=1.0)
+            if failed := [f"rank {r} exited with {p.exitcode}" for r, p in enumerate(procs) if p.exitcode]:
+                raise RuntimeError(", ".join(failed) + " (its traceback is in the case's log)")
+        return result
+    finally:  # the others of a failed rank wait in a collective forever: killed at once
+        for p in procs:
+            p.join(saves.START_TIMEOUT_S if result is not None else 0)
+            if p.is_alive():
+                p.kill()
+
+
+def sharded(scratch: Path, *, mode: str, ranks: int, size_gib: float, repeat: int) -> dict:
+    """One sharded case: saves by ``mode`` on ``ranks`` ranks, or (``load_*``) loads on half as many."""
+    if not mode.startswith("load_"):
+        with BenchDaemon(scratch) if mode == "ckptd" else contextlib.nullcontext() as daemon:
+            return run_ranks(ranks, _saves, scratch, mode, size_gib, repeat, daemon)
+    ref = scratch / "sharded" / "ref.json"
+    if not ref.exists():
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        with BenchDaemon(scratch) as daemon:
+            ref.write_text(json.dumps(run_ranks(ranks, _prepare, scratch, size_gib, daemon)))
+    return run_ranks(ranks // 2, _loads, scratch, mode[len("load_"):], size_gib, repeat, json.loads(ref.read_text()))

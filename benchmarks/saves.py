@@ -1,8 +1,5 @@
 """Saving: ckptd through a daemon of the case's own, and the peers a trainer would use instead.
 
-One warm-up save, then ``repeat`` timed ones back to back, each to a new
-path: *blocking* (the call returned), *staged* (the tensors may change),
-*durable* (``torch.save`` + fsync returned, DCP's future, ckptd's future).
 The daemon's own accepted-to-committed time comes from ``ckptd status
 --json`` after each save. DCP fsyncs its files (``sync_files=True``), not
 the directory, and writes under the final names.
@@ -68,16 +65,14 @@ class BenchDaemon:
 
 def measure_saves(save: Callable[[Path, int], dict], prefix: Path, repeat: int, rss_built: int,
                   writer: Callable[[], int | None] = lambda: None) -> dict:
-    """One warm-up ``save(target, 0)``, then ``repeat`` timed ones; memory and CPU of the trainer and of the writer.
+    """One warm-up ``save(target, 0)``, then ``repeat`` timed ones, each to a new path (the last one removed).
 
     ``save`` returns the ``perf_counter()`` times its call returned
-    (``blocking``), the tensors were free to change (``staged``) and the
-    save was durable (``durable``), and any other figures. Each save gets
-    a new path (the one before removed, untimed), every rank starting at
-    once; each figure is the slowest rank's. ``writer`` names the writing
-    process once the warm-up has run (DCP starts its checkpoint process on
-    the first save). The trainer's extra memory is its peak RSS during the
-    timed saves over its RSS with the state built: for ckptd, the slot.
+    (``blocking``), the tensors could change (``staged``), the save was
+    durable (``durable``), and other figures; ranks start each save at once
+    and report their slowest. ``writer`` names the writing process after
+    the warm-up (DCP starts its own then). Trainer extra memory: peak RSS
+    over the RSS with the state built (for ckptd, the slot).
     """
     def remove(i: int) -> None:
         shutil.rmtree(f"{prefix}-{i}", ignore_errors=True)
@@ -111,10 +106,7 @@ def measure_saves(save: Callable[[Path, int], dict], prefix: Path, repeat: int, 
 
 def ckptd_saves(state: Any, scratch: Path, repeat: int, rss_built: int, daemon: BenchDaemon | None = None,
                 **options: Any) -> dict:
-    """``ckptd.Client.save_async`` in steady state (slot made and mapped by the warm-up); ``options`` go to Client.
-
-    Without ``daemon``, through one of its own; ranks (``torch.distributed``) share the caller's.
-    """
+    """``Client.save_async`` in steady state (the warm-up made the slot); ranks share the caller's ``daemon``."""
     import ckptd
 
     if daemon is None:
@@ -134,15 +126,21 @@ def ckptd_saves(state: Any, scratch: Path, repeat: int, rss_built: int, daemon: 
         return measure_saves(save, scratch / "ckptd", repeat, rss_built, writer=lambda: daemon.pid)
 
 
+def torch_save_synced(state: Any, path: Path) -> int:
+    """``torch.save`` + flush + fsync; the bytes written."""
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
+
+
 def torch_saves(state: Any, scratch: Path, repeat: int, rss_built: int) -> dict:
     """``torch.save`` + flush + fsync: the caller is blocked for all of it."""
     def save(target: Path, i: int) -> dict:
-        with open(target.with_suffix(".pt"), "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        written = torch_save_synced(state, target.with_suffix(".pt"))
         t = time.perf_counter()
-        return {"blocking": t, "staged": t, "durable": t, "bytes_written": target.with_suffix(".pt").stat().st_size}
+        return {"blocking": t, "staged": t, "durable": t, "bytes_written": written}
 
     return measure_saves(save, scratch / "torch", repeat, rss_built)
 

@@ -1,12 +1,9 @@
 """The states the benchmark saves: a transformer plus its real AdamW state, or many small tensors.
 
-Checkpoint cost depends on the number of bytes *and* on the number of
-tensors (flattening, header layout, one ``copy_`` per tensor), so the main
-state looks like a real training state: hundreds of tensors, from 0-dim
-AdamW ``step`` scalars to a large embedding, shaped as ``{"model",
-"optimizer", "step"}``. Gradients are set with ``randn_like`` instead of a
-forward/backward pass: the optimizer holds exactly the tensors a real step
-makes, and 1 GiB of state takes seconds to build instead of a minute.
+Cost depends on the number of tensors as well as bytes, so the main state
+looks like a real one: hundreds of tensors, from 0-dim AdamW ``step``
+scalars to a large embedding. Gradients come from ``randn_like``, not a
+backward pass: the same optimizer tensors, built in seconds, not a minute.
 """
 
 from __future__ import annotations
@@ -72,9 +69,8 @@ class BenchState:
 
     def describe(self) -> dict:
         """What the report says about the state."""
-        return {"nbytes": self.nbytes, "tensors": len(self.tensors),
+        return {"nbytes": self.nbytes, "tensors": len(self.tensors), "device": str(self.tensors[0].device),
                 "largest": max(t.numel() * t.element_size() for t in self.tensors),
-                "device": str(self.tensors[0].device),
                 **({"gpu": torch.cuda.get_device_name(self.tensors[0].device)} if self.tensors[0].is_cuda else {})}
 
 
