@@ -62,7 +62,6 @@ def machine(scratch: Path) -> dict[str, str]:
         return subprocess.run(["git", "-C", str(HERE.parent), *a], capture_output=True, text=True).stdout.strip()
 
     import psutil
-
     mounts = [p for p in psutil.disk_partitions(all=True) if str(scratch).startswith(p.mountpoint)]
     fs = max(mounts, key=lambda p: len(p.mountpoint)) if mounts else None
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()

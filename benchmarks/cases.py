@@ -111,7 +111,6 @@ def size_label(gib: float) -> str:
 def _child(case: Case, scratch: str, conn: Any, log: str) -> None:
     """The case process's entry point (the server has imported ``methods`` already)."""
     from .methods import child
-
     child(case, scratch, conn, log)
 
 

@@ -75,23 +75,18 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
 
 def write_file(path: Path, data: memoryview, nbytes: int, *, direct: bool = True) -> None:
     """Create ``path``, write ``nbytes`` of ``data`` in ``CHUNK`` pieces, fsync."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (os.O_DIRECT if direct else 0), 0o644)
-    try:
-        end = len(data) if direct else nbytes
-        offset = 0
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    with open(path, "wb", buffering=0, opener=lambda p, _: os.open(p, flags, 0o644)) as f:
+        end, offset = len(data) if direct else nbytes, 0
         while offset < end:
-            offset += os.pwrite(fd, data[offset:min(offset + CHUNK, end)], offset)
-        os.ftruncate(fd, nbytes)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            offset += os.pwrite(f.fileno(), data[offset:min(offset + CHUNK, end)], offset)
+        os.ftruncate(f.fileno(), nbytes)
+        os.fsync(f.fileno())
 
 
 def parallel_writes(scratch: Path, nbytes: int, writers: int, repeat: int, *, direct: bool = True) -> list[float]:
     """``writers`` threads each writing ``nbytes // writers`` to its own file at once (one writer: a plain write)."""
     each = nbytes // writers
-    buf = aligned_buffer(each)
-    view = memoryview(buf)
     targets = [scratch / f"raw-{direct}-{i}.bin" for i in range(writers)]
 
     def once() -> None:
@@ -103,27 +98,16 @@ def parallel_writes(scratch: Path, nbytes: int, writers: int, repeat: int, *, di
         for t in targets:
             t.unlink()
 
-    try:
+    with aligned_buffer(each) as buf, memoryview(buf) as view:
         return timed(once, repeat, cleanup)
-    finally:
-        view.release()
-        buf.close()
 
 
 def read_files(paths: list[Path], *, direct: bool = False) -> int:
     """Read ``paths`` sequentially in ``CHUNK`` pieces into one reused buffer; returns the bytes read."""
-    buf = aligned_buffer(CHUNK)
-    view = memoryview(buf)
     total = 0
-    try:
+    with aligned_buffer(CHUNK) as buf, memoryview(buf) as view:
         for path in paths:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
-            try:
-                while (n := os.readv(fd, [view])) > 0:
+            with open(path, "rb", buffering=0, opener=lambda p, f: os.open(p, f | (os.O_DIRECT if direct else 0))) as f:
+                while (n := os.readv(f.fileno(), [view])) > 0:
                     total += n
-            finally:
-                os.close(fd)
-    finally:
-        view.release()
-        buf.close()
     return total

@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import ckptd
 import torch
+import torch.distributed.checkpoint as dcp
 
 from .limits import read_files
 from .probe import Sampler, evict, files_under, memory
@@ -34,9 +36,6 @@ REF = Path("load", "ref.json")
 
 def prepare(scratch: Path, size_gib: float) -> dict:
     """Save one state with ckptd, ``torch.save`` and DCP; record its sum and the paths."""
-    import ckptd
-    import torch.distributed.checkpoint as dcp
-
     bench = build("transformer", size_gib)
     root = scratch / "load"
     root.mkdir(parents=True, exist_ok=True)
@@ -53,9 +52,6 @@ def prepare(scratch: Path, size_gib: float) -> dict:
 
 def _loader(method: str, ref: dict, target: Any) -> tuple[Callable[[], Any], Callable[[Any], float], list[Path]]:
     """(load, the sum of what was loaded, the files read) for ``method``."""
-    import ckptd
-    import torch.distributed.checkpoint as dcp
-
     ck, tf = Path(ref["ckptd"]), Path(ref["torch"])
     shards = [p for p in files_under(ck) if p.suffix == ".safetensors"]
 

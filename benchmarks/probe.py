@@ -82,12 +82,9 @@ class Sampler:
 def evict(paths: list[Path]) -> None:
     """Drop the page-cache pages of ``paths`` (``POSIX_FADV_DONTNEED``): the next read is cold."""
     for path in paths:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        with open(path, "rb") as f:
+            os.fdatasync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def files_under(path: Path) -> list[Path]:

@@ -21,8 +21,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
+import ckptd
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import _async_process_executor
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from .probe import Sampler, cpu_seconds, peak_rss, reset_peak_rss
 
@@ -107,8 +112,6 @@ def measure_saves(save: Callable[[Path, int], dict], prefix: Path, repeat: int, 
 def ckptd_saves(state: Any, scratch: Path, repeat: int, rss_built: int, daemon: BenchDaemon | None = None,
                 **options: Any) -> dict:
     """``Client.save_async`` in steady state (the warm-up made the slot); ranks share the caller's ``daemon``."""
-    import ckptd
-
     if daemon is None:
         with BenchDaemon(scratch) as daemon:
             return ckptd_saves(state, scratch, repeat, rss_built, daemon, **options)
@@ -171,22 +174,15 @@ def slowest(values: Any) -> Any:
 
 def _dcp_process_pid() -> int | None:
     """Pid of DCP's checkpoint process (PROCESS checkpointer), if one runs (a private torch name)."""
-    from torch.distributed.checkpoint import _async_process_executor as ape
-
-    proc = getattr(ape, "_CHECKPOINT_PROCESS", None)
+    proc = getattr(_async_process_executor, "_CHECKPOINT_PROCESS", None)
     return proc._save_process.pid if proc is not None else None
 
 
 def dcp_saves(state: Any, scratch: Path, repeat: int, rss_built: int, *, mode: str) -> dict:
     """DCP ``save`` or ``async_save`` with the THREAD or PROCESS checkpointer (``process_stager``: a reused stager)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
-
     init_gloo()
     stager = None
     if mode == "process_stager":
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
         cuda = torch.cuda.is_available()
         stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
                                               use_non_blocking_copy=cuda))
