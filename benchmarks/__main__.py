@@ -1,8 +1,7 @@
 """``python -m benchmarks``: every case of the registry, each in its own process, then the report.
 
-Each case's JSON line goes to stdout and to ``<scratch>/run/results.jsonl``
-(after a ``{"meta": ...}`` line), progress to stderr; ``--report FILE``
-renders a report from such a file without measuring.
+Each case's JSON line goes to stdout and to ``<scratch>/run/results.jsonl`` (after a ``{"meta": ...}`` line), progress
+to stderr; ``--report FILE`` renders a report from such a file without measuring.
 """
 
 from __future__ import annotations
@@ -60,7 +59,6 @@ def machine(scratch: Path) -> dict[str, str]:
     """What the numbers were measured on, and which library commit."""
     def git(*a: str) -> str:
         return subprocess.run(["git", "-C", str(HERE.parent), *a], capture_output=True, text=True).stdout.strip()
-
     import psutil
     mounts = [p for p in psutil.disk_partitions(all=True) if str(scratch).startswith(p.mountpoint)]
     fs = max(mounts, key=lambda p: len(p.mountpoint)) if mounts else None
@@ -89,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(render([x for x in lines if "meta" not in x], meta))
         print(f"wrote {out}", file=sys.stderr)
         return 0
-    settings = _settings(args)
-    cases = registry(settings)
+    cases = registry(_settings(args))
     patterns = [p.strip() for p in args.only.split(",") if p.strip()]
     if patterns:
         cases = [c for c in cases if any(fnmatch.fnmatch(c.name, p) or c.section == p for p in patterns)]

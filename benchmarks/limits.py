@@ -1,9 +1,8 @@
 """What this machine can do at best with the state's bytes: the floors ckptd is measured against.
 
-Blocking: a ``copy_`` per tensor into a buffer touched before (pinned for
-CUDA), as staging does (into a new ``/dev/shm`` file: without reused
-slots). Durable: an O_DIRECT write in 8 MiB ``pwrite`` calls + ``fsync``.
-Loading: a sequential read into one reused buffer.
+Blocking: a ``copy_`` per tensor into a buffer touched before (pinned for CUDA), as staging does (into a new
+``/dev/shm`` file: without reused slots). Durable: an O_DIRECT write in 8 MiB ``pwrite`` calls + ``fsync``. Loading: a
+sequential read into one reused buffer.
 """
 
 from __future__ import annotations
@@ -62,7 +61,6 @@ def memcpy_fresh_shm(tensors: list[torch.Tensor], nbytes: int, repeat: int) -> l
             f.truncate(nbytes)
             with mmap.mmap(f.fileno(), nbytes) as m:
                 copy_into(torch.frombuffer(m, dtype=torch.uint8), tensors)
-
     return timed(once, repeat, cleanup=lambda: path.unlink(missing_ok=True))
 
 
@@ -97,7 +95,6 @@ def parallel_writes(scratch: Path, nbytes: int, writers: int, repeat: int, *, di
         evict(targets)
         for t in targets:
             t.unlink()
-
     with aligned_buffer(each) as buf, memoryview(buf) as view:
         return timed(once, repeat, cleanup)
 

@@ -1,10 +1,9 @@
 """Loading the same state back every way, cold and warm, against a raw read of the same file.
 
-``prepare`` saves one state with ckptd, ``torch.save`` + fsync and DCP,
-and records its sum; each load method is a case of its own, checked
-against that sum. Cold: the files evicted (``POSIX_FADV_DONTNEED``) before
-each repetition. Zero-copy results are also timed until a sum has touched
-every byte. The floor: a sequential read of the ckptd shard, same cache.
+``prepare`` saves one state with ckptd, ``torch.save`` + fsync and DCP, and records its sum; each load method is a
+case of its own, checked against that sum. Cold: the files evicted (``POSIX_FADV_DONTNEED``) before each repetition.
+Zero-copy results are also timed until a sum has touched every byte. The floor: a sequential read of the ckptd shard,
+same cache.
 """
 
 from __future__ import annotations
@@ -57,7 +56,6 @@ def _loader(method: str, ref: dict, target: Any) -> tuple[Callable[[], Any], Cal
 
     def loaded(obj: Any) -> float:
         return tensor_sum(iter_tensors(obj))
-
     if method in ("raw_read", "raw_read_direct"):
         return (lambda: read_files(shards, direct=method.endswith("direct"))), (lambda _: ref["sum"]), shards
     if method.startswith("ckptd_load_into"):
@@ -84,8 +82,7 @@ def load(scratch: Path, size_gib: float, method: str, repeat: int) -> dict:
     if not (scratch / REF).exists():
         prepare(scratch, size_gib)
     ref = json.loads((scratch / REF).read_text())
-    needs_target = method.startswith("ckptd_load_into") or method == "dcp_load"
-    target = build("transformer", ref["size_gib"], seed=1) if needs_target else None
+    target = build("transformer", ref["size_gib"], seed=1) if "load_into" in method or method == "dcp_load" else None
     gc.collect()
     fn, check, files = _loader(method, ref, target)
     reps: dict[str, list[float]] = {}

@@ -1,8 +1,7 @@
 """What a case reads about processes and files: memory, CPU time, peaks, eviction, all from ``/proc``.
 
-``Sampler`` keeps the peaks of groups of processes (the case, the daemon,
-DCP's writer, the ranks): RSS, ``RssAnon`` (private), ``RssFile`` (mapped
-files), ``RssShmem`` (slots, staging copies).
+``Sampler`` keeps the peaks of groups of processes (the case, the daemon, DCP's writer, the ranks): RSS, ``RssAnon``
+(private), ``RssFile`` (mapped files), ``RssShmem`` (slots, staging copies).
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from pathlib import Path
 
 TICK = 1.0 / os.sysconf("SC_CLK_TCK")
 FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+INTERVAL_S = 0.02
 
 
 def memory(pid: int | str = "self") -> dict[str, int]:
@@ -49,9 +49,8 @@ def peak_rss() -> int:
 class Sampler:
     """Peaks of each group's summed memory fields while it runs (a context manager)."""
 
-    def __init__(self, groups: dict[str, list[int]], interval: float = 0.02) -> None:
+    def __init__(self, groups: dict[str, list[int]]) -> None:
         self.groups = {name: list(pids) for name, pids in groups.items() if pids}
-        self.interval = interval
         self.peaks: dict[str, dict[str, int]] = {name: dict.fromkeys(FIELDS, 0) for name in self.groups}
         self.first: dict[str, dict[str, int]] = {}
         self._stop = threading.Event()
@@ -65,7 +64,7 @@ class Sampler:
             self.peaks[name] = {k: max(v, total[k]) for k, v in self.peaks[name].items()}
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.wait(INTERVAL_S):
             self.sample()
 
     def __enter__(self) -> "Sampler":

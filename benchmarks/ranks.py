@@ -1,13 +1,10 @@
 """Several ranks on one node: clients saving at once, ranks loading at once under a load lease, and FSDP2.
 
-The case process forks the ranks before it touches a tensor: each is a
-fresh process with its own state, and every round starts on a barrier.
-Saving: each client its own state, into separate checkpoints or one (rank
-r of N), aggregate from the first call to the last future resolved.
-Loading: fresh processes load their shard, hold it, drop it. FSDP2 ranks
-(one gloo group) build their shards on the meta device (none holds the
-full model) and run the dense cases' save loops (``saves.py``); the
-reshard load saves with ckptd and ``dcp.save`` on N ranks and loads on N/2.
+The case process forks the ranks before it touches a tensor: each is a fresh process with its own state, and every
+round starts on a barrier. Saving: each client its own state, into separate checkpoints or one (rank r of N),
+aggregate from the first call to the last future resolved. Loading: fresh processes load their shard, hold it, drop
+it. FSDP2 ranks (one gloo group) build their shards on the meta device (none holds the full model) and run the dense
+cases' save loops (``saves.py``); the reshard load saves with ckptd and ``dcp.save`` on N ranks and loads on N/2.
 """
 
 from __future__ import annotations
@@ -26,15 +23,12 @@ import ckptd
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from . import limits, saves
 from .probe import Sampler, cpu_seconds, evict, files_under, memory
 from .saves import BenchDaemon
-from .state import BenchState, TinyTransformer, build, iter_tensors, pick_width
+from .state import build, iter_tensors
 
 BARRIER_TIMEOUT_S = 600.0
 HOLD_S = 0.5
@@ -103,8 +97,7 @@ def save_rounds(daemon: BenchDaemon, scratch: Path, *, ranks: int, shared: bool,
 
 def multi_saves(scratch: Path, *, ranks: int, shared: bool, size_gib: float, device: str, repeat: int) -> dict:
     with BenchDaemon(scratch) as daemon:
-        return save_rounds(daemon, scratch, ranks=ranks, shared=shared, size_gib=size_gib, device=device,
-                           rounds=repeat)
+        return save_rounds(daemon, scratch, ranks=ranks, shared=shared, size_gib=size_gib, device=device, rounds=repeat)
 
 
 def _loader(rank: int, path: str, run_dir: str, limit: int | None, go: Any, out: Any) -> None:
@@ -147,53 +140,28 @@ def rank_loads(scratch: Path, *, ranks: int, size_gib: float, limit: int | None,
     return {"reps": reps, "shard_bytes": shard_bytes}
 
 
-def fsdp_state(size_gib: float, seed: int) -> BenchState:
-    """A ``fully_shard`` transformer of about ``size_gib`` GiB of state over every rank; this rank's local tensors."""
-    with torch.device("meta"):
-        model = TinyTransformer(pick_width(int(size_gib * (1 << 30))))
-    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed + dist.get_rank())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=False)  # foreach: 4× slower here
-    with torch.no_grad():
-        for p in model.parameters():
-            p.to_local().normal_(0, 0.02)
-            p.grad = p.detach() * 1e-3
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optimizer": osd, "step": 1000}
-    return BenchState(state, [t.to_local() if isinstance(t, DTensor) else t for t in iter_tensors(state)])
-
-
-def summed(values: list[float]) -> list[float]:
-    """Each value summed over every rank (float64)."""
-    out = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(out)
-    return out.tolist()
-
-
 def dtensor_sums(state: Any) -> list[float]:
     """Each DTensor's sum over every rank: the same for the same state on any number of ranks."""
-    return summed([float(t.to_local().double().sum()) for t in iter_tensors(state) if isinstance(t, DTensor)])
+    return saves.across_ranks([float(t.to_local().double().sum()) for t in iter_tensors(state)
+                               if isinstance(t, DTensor)], dist.ReduceOp.SUM)
 
 
 def _saves(rank: int, scratch: Path, mode: str, size_gib: float, repeat: int, daemon: Any) -> dict:
-    bench = fsdp_state(size_gib, seed=0)
-    rss = memory()["VmRSS"]
+    bench = build("transformer", size_gib, seed=dist.get_rank(), fsdp=True)
     if mode == "memcpy":
         seconds = limits.memcpy_reused(bench.tensors, bench.nbytes, repeat, cleanup=dist.barrier)
-        out = {"reps": {"seconds": saves.slowest(seconds)}}
+        out = {"reps": {"seconds": saves.across_ranks(seconds)}}
     elif mode == "ckptd":
-        out = saves.ckptd_saves(bench.state, scratch, repeat, rss, daemon)
+        out = saves.ckptd_saves(bench.state, scratch, repeat, memory()["VmRSS"], daemon)
     else:
-        out = saves.dcp_saves(bench.state, scratch, repeat, rss, mode=mode)
-    return {"state": {**bench.describe(), "global_nbytes": int(summed([bench.nbytes])[0])}, **out}
+        out = saves.dcp_saves(bench.state, scratch, repeat, memory()["VmRSS"], mode=mode)
+    everyone = saves.across_ranks([bench.nbytes], dist.ReduceOp.SUM)[0]
+    return {"state": {**bench.describe(), "global_nbytes": int(everyone)}, **out}
 
 
 def _prepare(rank: int, scratch: Path, size_gib: float, daemon: Any) -> dict:
     """The state saved by ckptd and by ``dcp.save``, and its per-tensor sums."""
-    bench = fsdp_state(size_gib, seed=0)
+    bench = build("transformer", size_gib, seed=dist.get_rank(), fsdp=True)
     paths = {"ckptd": str(scratch / "sharded" / "ckptd"), "dcp": str(scratch / "sharded" / "dcp")}
     with ckptd.Client(run_dir=daemon.run_dir, spawn=False, commit_timeout=600.0) as client:
         client.save_async(bench.state, paths["ckptd"], step=1, overwrite=True).result()
@@ -203,7 +171,7 @@ def _prepare(rank: int, scratch: Path, size_gib: float, daemon: Any) -> dict:
 
 def _loads(rank: int, scratch: Path, method: str, size_gib: float, repeat: int, ref: dict) -> dict:
     """Cold and warm loads of the saved state into a fresh model's and optimizer's DTensors, in place."""
-    bench, path = fsdp_state(size_gib, seed=1000), ref[method]
+    bench, path = build("transformer", size_gib, seed=1000 + dist.get_rank(), fsdp=True), ref[method]
     load: Callable[[], Any] = ((lambda: ckptd.load_into(bench.state, path)) if method == "ckptd" else
                                (lambda: dcp.load(bench.state, checkpoint_id=path)))
     reps = {}
@@ -212,7 +180,7 @@ def _loads(rank: int, scratch: Path, method: str, size_gib: float, repeat: int, 
             if cache == "cold" and rank == 0:
                 evict(files_under(Path(path)))
             dist.barrier()
-        reps[cache] = saves.slowest(limits.timed(load, repeat, cleanup=between))
+        reps[cache] = saves.across_ranks(limits.timed(load, repeat, cleanup=between))
     got, saved = (torch.tensor(x, dtype=torch.float64) for x in (dtensor_sums(bench.state), ref["sums"]))
     if not torch.allclose(got, saved, rtol=1e-6, atol=1e-12):
         raise AssertionError(f"{method} loaded tensors whose sums differ from the saved ones")
@@ -251,9 +219,8 @@ def sharded(scratch: Path, *, mode: str, ranks: int, size_gib: float, repeat: in
     if not mode.startswith("load_"):
         with BenchDaemon(scratch) if mode == "ckptd" else contextlib.nullcontext() as daemon:
             return run_ranks(ranks, _saves, scratch, mode, size_gib, repeat, daemon)
-    ref = scratch / "sharded" / "ref.json"
+    (ref := scratch / "sharded" / "ref.json").parent.mkdir(parents=True, exist_ok=True)
     if not ref.exists():
-        ref.parent.mkdir(parents=True, exist_ok=True)
         with BenchDaemon(scratch) as daemon:
             ref.write_text(json.dumps(run_ranks(ranks, _prepare, scratch, size_gib, daemon)))
     return run_ranks(ranks // 2, _loads, scratch, mode[len("load_"):], size_gib, repeat, json.loads(ref.read_text()))

@@ -1,8 +1,7 @@
 """From the cases' JSON lines to ``RESULTS.md``: targets as data rows, tables side by side, every repetition.
 
-Nothing here measures, so a changed report renders again from a run's
-``results.jsonl``. Every ratio is against a limit measured in the same run.
-A failed case is listed, and whatever depends on it shows as "–".
+Nothing here measures, so a changed report renders again from a run's ``results.jsonl``. Every ratio is against a
+limit measured in the same run. A failed case is listed, and whatever depends on it shows as "–".
 """
 
 from __future__ import annotations
@@ -32,13 +31,11 @@ def nbytes(rec: dict) -> int:
     return rec.get("nbytes") or rec["state"]["nbytes"]
 
 
-# --- targets: each a data row ------------------------------------------------------------------------------------
-
 FIELDS: dict[str, Callable[[dict], float | None]] = {  # any other field: the median of that repetition list
     "first_blocking": lambda r: r.get("first", {}).get("blocking"),
     "extra_per_state": lambda r: div(r.get("trainer_extra"), r["state"]["nbytes"]),
-    "daemon_anon": lambda r: ((r.get("writer") if r["method"] in ("ckptd", "scaling") else r.get("daemon")) or {}
-                              ).get("RssAnon"),
+    "daemon_anon": lambda r: ((r.get("writer") if "ckptd" in r["name"] or r["method"] == "scaling" else r.get("daemon"))
+                              or {}).get("RssAnon"),
     "daemon_cpu_per_gb": lambda r: div((r.get("writer") or {}).get("cpu"), nbytes(r) / GB),
     "gbps": lambda r: div(nbytes(r) / GB, med(r, "aggregate")),
     "raw_gbps": lambda r: div(nbytes(r) / GB, med(r, "single")),
@@ -51,8 +48,7 @@ FIELDS: dict[str, Callable[[dict], float | None]] = {  # any other field: the me
 class Target:
     """``measured`` ("case.field") over ``reference`` (the value itself where None) must be ``op`` ``bound``.
 
-    A case named ``*`` means the highest value of the field over every case;
-    ``scaling:base`` / ``scaling:top`` the scaling sizes nearest 1 GiB and the largest.
+    Case ``*``: the highest over every case; ``scaling:base`` / ``scaling:top``: the sizes nearest 1 GiB, largest.
     """
 
     text: str
@@ -105,10 +101,8 @@ def field(rec: dict, name: str) -> float | None:
     return FIELDS[name](rec) if name in FIELDS else med(rec, name)
 
 
-def _resolve(recs: Records, where: str | None) -> float | None:
+def _resolve(recs: Records, where: str) -> float | None:
     """The value ``where`` ("case.field") names in ``recs`` (None where it was not measured)."""
-    if where is None:
-        return None
     case, name = where.split(".")
     if case == "*":
         values = [v for r in recs.values() if (v := field(r, name)) is not None]
@@ -117,17 +111,15 @@ def _resolve(recs: Records, where: str | None) -> float | None:
         points = sorted((r for r in recs.values() if r["section"] == "scaling"), key=lambda r: r["size_gib"])
         if len(points) < 2:
             return None
-        rec = points[-1] if case.endswith("top") else min(points, key=lambda r: abs(r["size_gib"] - 1))
-        return field(rec, name)
+        return field(points[-1] if case.endswith("top") else min(points, key=lambda r: abs(r["size_gib"] - 1)), name)
     return field(recs[case], name) if case in recs else None
 
 
 def targets_table(recs: Records) -> str:
     rows = []
     for t in TARGETS:
-        value, ref = _resolve(recs, t.measured), _resolve(recs, t.reference)
-        ratio = div(value, ref)
-        compared = ratio if t.reference else value
+        value, ref = _resolve(recs, t.measured), t.reference and _resolve(recs, t.reference)
+        compared = (ratio := div(value, ref)) if t.reference else value
         met = "–" if compared is None else ("met" if (compared <= t.bound if t.op == "≤" else compared >= t.bound)
                                             else "missed")
         mb = t.measured.endswith("daemon_anon")
@@ -137,8 +129,6 @@ def targets_table(recs: Records) -> str:
         rows.append([t.text, f"#{t.issue}", shown + against, fmt(ratio, 2), f"{t.op} {bound}", met])
     return table(["target", "issue", "measured (s, or as named)", "ratio", "bound", "met"], rows)
 
-
-# --- tables ------------------------------------------------------------------------------------------------------
 
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|:---|" + "---:|" * (len(header) - 1)]
@@ -190,8 +180,7 @@ def multi_table(recs: Records) -> str:
 def scaling_table(recs: Records) -> str:
     rows = []
     for r in sorted((r for r in recs.values() if r["section"] == "scaling"), key=lambda r: r["size_gib"]):
-        gib = nbytes(r) / GIB
-        rows.append([r["label"], fmt(gib), fmt(med(r, "blocking")), fmt(med(r, "durable")),
+        rows.append([r["label"], fmt(nbytes(r) / GIB), fmt(med(r, "blocking")), fmt(med(r, "durable")),
                      fmt(FIELDS["blocking_per_gib"](r)), fmt(FIELDS["durable_per_gib"](r)),
                      fmt(div(med(r, "blocking"), med(r, "memcpy")), 2),
                      fmt(div(med(r, "durable"), med(r, "direct")), 2),
@@ -233,23 +222,20 @@ def sharded_table(recs: Records) -> str:
     rows = []
     for r in (r for r in recs.values() if r["section"] == "sharded"):
         blocking, cold, warm = med(r, "seconds") or med(r, "blocking"), med(r, "cold"), med(r, "warm")
-        ranks = r["params"]["ranks"] // (2 if cold is not None else 1)
-        rows.append([r["label"], str(ranks), fmt(div(r["state"].get("global_nbytes"), GIB)),
+        rows.append([r["label"], fmt(div(r["state"].get("global_nbytes"), GIB)),
                      fmt(r["state"]["nbytes"] / GIB), fmt(blocking), fmt(med(r, "staged")), fmt(med(r, "durable")),
                      fmt(div(blocking, memcpy), 2), fmt(div(med(r, "durable"), dcp), 2), fmt(cold), fmt(warm),
                      fmt(div(cold, med(load, "cold")), 2), fmt(div(warm, med(load, "warm")), 2)])
-    return table(["what", "ranks", "GiB, all ranks", "GiB per rank", "blocking s", "staged s", "durable s",
+    return table(["what", "GiB, all ranks", "GiB per rank", "blocking s", "staged s", "durable s",
                   "blocking ÷ memcpy", "durable ÷ DCP PROCESS", "load cold s", "load warm s", "cold ÷ dcp.load",
                   "warm ÷ dcp.load"], rows)
 
 
 def details(recs: Records) -> list[str]:
-    out = []
-    for r in (r for r in recs.values() if r.get("reps")):
-        reps = "; ".join(f"{k} " + ", ".join(f"{v:.3f}" if v < 1e4 else f"{v / GIB:.2f} GiB" for v in vs)
-                         for k, vs in r["reps"].items() if vs)
-        out.append(f"- {r['name']} ({r['label']}): {reps}")
-    return out
+    def values(vs: list) -> str:
+        return ", ".join(f"{v:.3f}" if v < 1e4 else f"{v / GIB:.2f} GiB" for v in vs)
+    return [f"- {r['name']} ({r['label']}): " + "; ".join(f"{k} {values(vs)}" for k, vs in r["reps"].items() if vs)
+            for r in recs.values() if r.get("reps")]
 
 
 def render(records: list[dict], meta: dict[str, Any]) -> str:
@@ -291,11 +277,9 @@ def render(records: list[dict], meta: dict[str, Any]) -> str:
                "Fresh processes load their shard with map_location=\"cpu\" at the same moment, hold it 0.5 s, drop "
                "it; their memory summed every 20 ms."),
               ("sharded", "Sharded state: FSDP2 on several ranks", sharded_table,
-               "FSDP2 (`fully_shard`, gloo on CPU): a transformer and its AdamW state as DTensors. Every save starts "
-               "on a barrier and every figure is the slowest rank's; the limit is a memcpy of each rank's local bytes, "
-               "all ranks at once. The reshard load reads the state saved by ckptd (or by `dcp.save`) on N ranks "
-               "into a fresh model's and optimizer's DTensors on N/2, in place, cold (files evicted) and warm, "
-               "checked per tensor against the saved sums.")]
+               "FSDP2 (`fully_shard`, gloo on CPU): the transformer and its AdamW state as DTensors; each save starts "
+               "on a barrier, each figure is the slowest rank's. Reshard load: the state saved on N ranks (by ckptd, "
+               "by `dcp.save`) into a fresh model's and optimizer's DTensors on N/2, checked per tensor.")]
     for section, title, make, text in blocks:
         if section in sections:
             parts += ["", f"## {title}", "", text, "", make(recs)]

@@ -1,8 +1,7 @@
 """Saving: ckptd through a daemon of the case's own, and the peers a trainer would use instead.
 
-The daemon's own accepted-to-committed time comes from ``ckptd status
---json`` after each save. DCP fsyncs its files (``sync_files=True``), not
-the directory, and writes under the final names.
+The daemon's own accepted-to-committed time comes from ``ckptd status --json`` after each save. DCP fsyncs its files
+(``sync_files=True``), not the directory, and writes under the final names.
 """
 
 from __future__ import annotations
@@ -72,13 +71,10 @@ def measure_saves(save: Callable[[Path, int], dict], prefix: Path, repeat: int, 
                   writer: Callable[[], int | None] = lambda: None) -> dict:
     """One warm-up ``save(target, 0)``, then ``repeat`` timed ones, each to a new path (the last one removed).
 
-    ``save`` returns the ``perf_counter()`` times its call returned
-    (``blocking``), the tensors could change (``staged``), the save was
-    durable (``durable``), and other figures; ranks start each save at once
-    and report their slowest. ``writer`` names the writing process after
-    the warm-up (DCP starts its own then). Trainer extra memory: peak RSS
-    over the RSS with the state built (for ckptd, the slot).
-    """
+    ``save`` returns the ``perf_counter()`` times its call returned (``blocking``), the tensors could change
+    (``staged``), the save was durable (``durable``), and other figures; ranks start each save at once and report
+    their slowest. ``writer``: the writing process, after the warm-up (DCP starts its own then). Trainer extra memory:
+    peak RSS over the RSS with the state built (for ckptd, the slot)."""
     def remove(i: int) -> None:
         shutil.rmtree(f"{prefix}-{i}", ignore_errors=True)
         Path(f"{prefix}-{i}.pt").unlink(missing_ok=True)
@@ -89,8 +85,8 @@ def measure_saves(save: Callable[[Path, int], dict], prefix: Path, repeat: int, 
             dist.barrier()
         t0 = time.perf_counter()
         out = save(Path(f"{prefix}-{i}"), i)
-        return slowest({k: v - t0 if k in ("blocking", "staged", "durable") else v for k, v in out.items()})
-
+        return dict(zip(out, across_ranks([v - t0 if k in ("blocking", "staged", "durable") else v
+                                           for k, v in out.items()])))
     try:
         first, writer_pid = one(0), writer()
         reset_peak_rss()
@@ -124,7 +120,6 @@ def ckptd_saves(state: Any, scratch: Path, repeat: int, rss_built: int, daemon: 
         saved = fut.result()
         return {"blocking": t1, "staged": t2, "durable": time.perf_counter(), "bytes_written": saved.bytes_written,
                 "daemon_s": daemon.status()["completed"]["last"]["seconds"]}
-
     with ckptd.Client(run_dir=daemon.run_dir, spawn=False, max_inflight=1, **options) as client:
         return measure_saves(save, scratch / "ckptd", repeat, rss_built, writer=lambda: daemon.pid)
 
@@ -144,7 +139,6 @@ def torch_saves(state: Any, scratch: Path, repeat: int, rss_built: int) -> dict:
         written = torch_save_synced(state, target.with_suffix(".pt"))
         t = time.perf_counter()
         return {"blocking": t, "staged": t, "durable": t, "bytes_written": written}
-
     return measure_saves(save, scratch / "torch", repeat, rss_built)
 
 
@@ -162,14 +156,13 @@ def init_gloo(rank: int = 0, world_size: int = 1, port: int | None = None) -> No
                                 world_size=world_size)
 
 
-def slowest(values: Any) -> Any:
-    """A dict (or list) of figures, each the highest over the ranks: a sharded save is as fast as its slowest rank."""
+def across_ranks(values: list[float], op: Any = dist.ReduceOp.MAX) -> list[float]:
+    """Each value reduced over the ranks (float64); by default the highest: a sharded save is its slowest rank's."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return values
-    keys = list(values) if isinstance(values, dict) else range(len(values))
-    highest = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-    return dict(zip(keys, highest.tolist())) if isinstance(values, dict) else highest.tolist()
+    out = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(out, op=op)
+    return out.tolist()
 
 
 def _dcp_process_pid() -> int | None:
@@ -181,11 +174,9 @@ def _dcp_process_pid() -> int | None:
 def dcp_saves(state: Any, scratch: Path, repeat: int, rss_built: int, *, mode: str) -> dict:
     """DCP ``save`` or ``async_save`` with the THREAD or PROCESS checkpointer (``process_stager``: a reused stager)."""
     init_gloo()
-    stager = None
-    if mode == "process_stager":
-        cuda = torch.cuda.is_available()
-        stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
-                                              use_non_blocking_copy=cuda))
+    cuda = torch.cuda.is_available()
+    stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
+                                          use_non_blocking_copy=cuda)) if mode == "process_stager" else None
     kind = AsyncCheckpointerType.PROCESS if mode.startswith("process") else AsyncCheckpointerType.THREAD
 
     def save(target: Path, i: int) -> dict:
@@ -204,7 +195,6 @@ def dcp_saves(state: Any, scratch: Path, repeat: int, rss_built: int, *, mode: s
                 response.result()
         return {"blocking": t1, "staged": t2, "durable": time.perf_counter(),
                 "bytes_written": sum(p.stat().st_size for p in target.rglob("*") if p.is_file())}
-
     try:
         return measure_saves(save, scratch / f"dcp-{mode}", repeat, rss_built,
                              writer=_dcp_process_pid if mode.startswith("process") else lambda: None)

@@ -1,9 +1,8 @@
 """The states the benchmark saves: a transformer plus its real AdamW state, or many small tensors.
 
-Cost depends on the number of tensors as well as bytes, so the main state
-looks like a real one: hundreds of tensors, from 0-dim AdamW ``step``
-scalars to a large embedding. Gradients come from ``randn_like``, not a
-backward pass: the same optimizer tensors, built in seconds, not a minute.
+Cost depends on the number of tensors as well as bytes, so the main state looks like a real one: hundreds of tensors,
+from 0-dim AdamW ``step`` scalars to a large embedding. Gradients are a thousandth of the weights, not from a backward
+pass: the same optimizer tensors, in seconds, not a minute.
 """
 
 from __future__ import annotations
@@ -12,7 +11,12 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 VOCAB = 32000
 LAYERS = 12
@@ -85,23 +89,31 @@ def iter_tensors(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tenso
             yield from iter_tensors(v, seen)
 
 
-def build(name: str, size_gib: float, *, device: str = "cpu", seed: int = 0) -> BenchState:
+def build(name: str, size_gib: float, *, device: str = "cpu", seed: int = 0, fsdp: bool = False) -> BenchState:
     """``transformer``: a ``{"model", "optimizer", "step"}`` state of about ``size_gib`` GiB on ``device``; or
-    ``small``: 1,000 float32 tensors of 256 B (fixed costs dominate)."""
+    ``small``: 1,000 float32 tensors of 256 B (fixed costs dominate). ``fsdp``: the transformer sharded over every
+    rank (``fully_shard``, built on the meta device: no rank holds it all), ``tensors`` this rank's shards."""
     torch.manual_seed(seed)
     if name == "small":
         state = {f"t{i:05d}": torch.randn(64, device=device) for i in range(1000)}
         return BenchState(state, list(state.values()))
-    model = TinyTransformer(pick_width(int(size_gib * (1 << 30)))).to(device)
-    # foreach: the default single-tensor CPU step takes ~7 s for 1 GiB on two cores.
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
+    with torch.device("meta" if fsdp else device):
+        model = TinyTransformer(pick_width(int(size_gib * (1 << 30))))
+    if fsdp:
+        fully_shard(model, mesh=init_device_mesh(device, (dist.get_world_size(),)))
+        model.to_empty(device=device)
+    # foreach: the single-tensor CPU step takes ~7 s for 1 GiB on two cores; over DTensors, foreach is 4× slower.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=not fsdp)
     with torch.no_grad():
         for p in model.parameters():
-            p.grad = torch.randn_like(p).mul_(1e-3)
+            if fsdp:
+                p.to_local().normal_(0, 0.02)  # to_empty left it as it found the memory
+            p.grad = p.detach() * 1e-3
     opt.step()
     opt.zero_grad(set_to_none=True)
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1000}
-    return BenchState(state, list(iter_tensors(state)), model, opt)
+    msd, osd = get_state_dict(model, opt) if fsdp else (model.state_dict(), opt.state_dict())
+    state = {"model": msd, "optimizer": osd, "step": 1000}
+    return BenchState(state, [t.to_local() if isinstance(t, DTensor) else t for t in iter_tensors(state)], model, opt)
 
 
 def tensor_sum(tensors: Any) -> float:
