@@ -147,7 +147,7 @@ def dtensor_sums(state: Any) -> list[float]:
 
 
 def _saves(rank: int, scratch: Path, mode: str, size_gib: float, repeat: int, daemon: Any) -> dict:
-    bench = build("transformer", size_gib, seed=dist.get_rank(), fsdp=True)
+    bench = build("transformer", size_gib, seed=rank, fsdp=True)
     if mode == "memcpy":
         seconds = limits.memcpy_reused(bench.tensors, bench.nbytes, repeat, cleanup=dist.barrier)
         out = {"reps": {"seconds": saves.across_ranks(seconds)}}
@@ -161,7 +161,7 @@ def _saves(rank: int, scratch: Path, mode: str, size_gib: float, repeat: int, da
 
 def _prepare(rank: int, scratch: Path, size_gib: float, daemon: Any) -> dict:
     """The state saved by ckptd and by ``dcp.save``, and its per-tensor sums."""
-    bench = build("transformer", size_gib, seed=dist.get_rank(), fsdp=True)
+    bench = build("transformer", size_gib, seed=rank, fsdp=True)
     paths = {"ckptd": str(scratch / "sharded" / "ckptd"), "dcp": str(scratch / "sharded" / "dcp")}
     with ckptd.Client(run_dir=daemon.run_dir, spawn=False, commit_timeout=600.0) as client:
         client.save_async(bench.state, paths["ckptd"], step=1, overwrite=True).result()
@@ -171,7 +171,7 @@ def _prepare(rank: int, scratch: Path, size_gib: float, daemon: Any) -> dict:
 
 def _loads(rank: int, scratch: Path, method: str, size_gib: float, repeat: int, ref: dict) -> dict:
     """Cold and warm loads of the saved state into a fresh model's and optimizer's DTensors, in place."""
-    bench, path = build("transformer", size_gib, seed=1000 + dist.get_rank(), fsdp=True), ref[method]
+    bench, path = build("transformer", size_gib, seed=1000 + rank, fsdp=True), ref[method]
     load: Callable[[], Any] = ((lambda: ckptd.load_into(bench.state, path)) if method == "ckptd" else
                                (lambda: dcp.load(bench.state, checkpoint_id=path)))
     reps = {}
