@@ -1,13 +1,7 @@
 """``python -m benchmarks``: every case of the registry, each in its own process, then the report.
 
-Each case's JSON line goes to stdout as it arrives and to
-``<scratch>/results.jsonl`` (after a first ``{"meta": ...}`` line); progress
-goes to stderr. The report is written to ``benchmarks/RESULTS.md`` by a
-full default run, otherwise to ``<scratch>/RESULTS-<kind>.md`` unless
-``--out`` says where. ``--report FILE`` renders a report from an earlier
-run's ``results.jsonl`` without measuring. ``--smoke`` runs the whole
-registry at tiny sizes in seconds (``make test`` does, so it cannot rot).
-``--device cuda`` measures the same cases from CUDA tensors.
+Each case's JSON line goes to stdout and to ``<scratch>/run/results.jsonl`` (after a ``{"meta": ...}`` line), progress
+to stderr; ``--report FILE`` renders a report from such a file without measuring.
 """
 
 from __future__ import annotations
@@ -43,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=None, help="timed repetitions after one warm-up (default 3)")
     p.add_argument("--scratch", type=Path, default=HERE / "out",
                    help="directory on the disk under test; the run uses (and first empties) its run/ subdirectory")
-    p.add_argument("--out", type=Path, default=None, help="where the report goes")
+    p.add_argument("--out", type=Path, default=None, help="where the report goes (default: benchmarks/RESULTS.md "
+                                                          "for a full run, else <scratch>/run/RESULTS-<kind>.md)")
     p.add_argument("--report", type=Path, default=None, metavar="JSONL", help="render only, from a results.jsonl")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one case may take (default 1800)")
     return p
@@ -64,9 +59,7 @@ def machine(scratch: Path) -> dict[str, str]:
     """What the numbers were measured on, and which library commit."""
     def git(*a: str) -> str:
         return subprocess.run(["git", "-C", str(HERE.parent), *a], capture_output=True, text=True).stdout.strip()
-
     import psutil
-
     mounts = [p for p in psutil.disk_partitions(all=True) if str(scratch).startswith(p.mountpoint)]
     fs = max(mounts, key=lambda p: len(p.mountpoint)) if mounts else None
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
@@ -94,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(render([x for x in lines if "meta" not in x], meta))
         print(f"wrote {out}", file=sys.stderr)
         return 0
-    settings = _settings(args)
-    cases = registry(settings)
+    cases = registry(_settings(args))
     patterns = [p.strip() for p in args.only.split(",") if p.strip()]
     if patterns:
         cases = [c for c in cases if any(fnmatch.fnmatch(c.name, p) or c.section == p for p in patterns)]

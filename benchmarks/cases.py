@@ -1,11 +1,7 @@
-"""The registry of cases, and running each case in a process of its own.
+"""The registry of cases (to measure something new, add a row), each run in a process of its own.
 
-A case is a row: a name, its report section, a method (a key of
-``methods.METHODS``), its state (builder, size, device) and parameters; to
-measure something new, add a row. Each case runs in a fresh process forked
-from a server that has only imported torch and ckptd, so no case inherits
-another's memory or threads, and none pays a torch import. A case sends
-back exactly one JSON line: its measurements, or ``{"case", "error"}``.
+Each case runs in a fresh process forked from a server that has only imported torch and ckptd: no case inherits
+another's memory or threads, none pays a torch import. It sends back one JSON line: its measurements, or an error.
 """
 
 from __future__ import annotations
@@ -24,13 +20,16 @@ LOAD_METHODS = {"raw_read": "raw read, page cache (floor)", "raw_read_direct": "
                 "torch_load_mmap": "torch.load mmap=True", "dcp_load": "DCP load (in place)"}
 DCP_MODES = {"save": "DCP save", "thread": "DCP async_save THREAD", "process": "DCP async_save PROCESS",
              "process_stager": "DCP async_save PROCESS + reused DefaultStager"}
+SHARDED_MODES = {"memcpy": "memcpy of each rank's local bytes (limit)", "ckptd": "ckptd save_async, sync staging",
+                 "process": DCP_MODES["process"], "process_stager": DCP_MODES["process_stager"],
+                 "load_ckptd": "ckptd.load_into DTensors", "load_dcp": "dcp.load"}
 
 
 @dataclass
 class Case:
     name: str
     section: str
-    """``save``, ``multi``, ``scaling`` or ``load``: where the report puts it."""
+    """``save``, ``multi``, ``scaling``, ``load`` or ``sharded``: where the report puts it."""
     method: str
     label: str
     repeat: int
@@ -97,6 +96,9 @@ def registry(s: Settings) -> list[Case]:
         out += [Case(f"load_ranks_{'lease' if lease else 'nolimit'}", section="load", method="rank_loads",
                      label=f"max_concurrent_per_node={lease}" if lease else "no limit", repeat=s.repeat,
                      size_gib=s.rank_size_gib, params={"ranks": s.ranks, "limit": lease}) for lease in (None, 1)]
+        out += [Case(f"sharded_{m}", section="sharded", method="sharded", repeat=s.repeat, size_gib=s.size_gib,
+                     label=f"{s.ranks}{f' → {s.ranks // 2}' if m.startswith('load') else ''} ranks: {label}",
+                     params={"mode": m, "ranks": s.ranks}) for m, label in SHARDED_MODES.items()]
     return out
 
 
@@ -107,7 +109,6 @@ def size_label(gib: float) -> str:
 def _child(case: Case, scratch: str, conn: Any, log: str) -> None:
     """The case process's entry point (the server has imported ``methods`` already)."""
     from .methods import child
-
     child(case, scratch, conn, log)
 
 
@@ -115,8 +116,7 @@ def run_all(cases: list[Case], scratch: Path, *, timeout: float) -> Iterator[dic
     """Run each case in a fresh process, one after the other; yields each one's JSON record."""
     ctx = mp.get_context("forkserver")
     # Imported once by the server, never run: a case starts in milliseconds, without a torch import of its own.
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed.checkpoint", "ckptd.client",
-                                "benchmarks.methods"])
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "benchmarks.methods"])  # methods: ckptd, torch, DCP
     (scratch / "logs").mkdir(parents=True, exist_ok=True)
     for case in cases:
         log = scratch / "logs" / f"{case.name}.log"

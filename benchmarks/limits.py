@@ -1,19 +1,16 @@
 """What this machine can do at best with the state's bytes: the floors ckptd is measured against.
 
-A ``copy_`` per tensor into a buffer touched before (pinned for CUDA
-tensors) is the floor for blocking, since staging does exactly that; into a
-new ``/dev/shm`` file it is staging without reused, pre-faulted slots. An
-O_DIRECT write in 8 MiB ``pwrite`` calls + ``fsync`` is the floor for time
-to durable, and a sequential read into one reused buffer that for loading.
-Timed functions return the repetitions after one untimed warm-up.
+Blocking: a ``copy_`` per tensor into a buffer touched before (pinned for CUDA), as staging does (into a new
+``/dev/shm`` file: without reused slots). Durable: an O_DIRECT write in 8 MiB ``pwrite`` calls + ``fsync``. Loading: a
+sequential read into one reused buffer.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -28,14 +25,13 @@ PAGE = 4096
 def timed(fn: Callable[[], object], repeat: int, cleanup: Callable[[], None] | None = None) -> list[float]:
     """Seconds of ``repeat`` calls of ``fn`` after one warm-up; ``cleanup`` runs untimed after each."""
     out = []
-    for i in range(1 + repeat):
+    for _ in range(1 + repeat):
         t0 = time.perf_counter()
         fn()
-        if i:
-            out.append(time.perf_counter() - t0)
+        out.append(time.perf_counter() - t0)
         if cleanup is not None:
             cleanup()
-    return out
+    return out[1:]
 
 
 def copy_into(buf: torch.Tensor, tensors: list[torch.Tensor]) -> None:
@@ -50,26 +46,21 @@ def copy_into(buf: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         torch.cuda.synchronize()
 
 
-def memcpy_reused(tensors: list[torch.Tensor], nbytes: int, repeat: int) -> list[float]:
+def memcpy_reused(tensors: list[torch.Tensor], nbytes: int, repeat: int,
+                  cleanup: Callable[[], None] | None = None) -> list[float]:
     buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=tensors[0].is_cuda)
     buf.fill_(0)
-    return timed(lambda: copy_into(buf, tensors), repeat)
+    return timed(lambda: copy_into(buf, tensors), repeat, cleanup)
 
 
 def memcpy_fresh_shm(tensors: list[torch.Tensor], nbytes: int, repeat: int) -> list[float]:
     path = Path(f"/dev/shm/ckbench-{os.getpid()}")
 
     def once() -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            with mmap.mmap(fd, nbytes) as m:
-                buf = torch.frombuffer(m, dtype=torch.uint8)
-                copy_into(buf, tensors)
-                del buf
-        finally:
-            os.close(fd)
-
+        with open(path, "w+b") as f:
+            f.truncate(nbytes)
+            with mmap.mmap(f.fileno(), nbytes) as m:
+                copy_into(torch.frombuffer(m, dtype=torch.uint8), tensors)
     return timed(once, repeat, cleanup=lambda: path.unlink(missing_ok=True))
 
 
@@ -82,59 +73,38 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
 
 def write_file(path: Path, data: memoryview, nbytes: int, *, direct: bool = True) -> None:
     """Create ``path``, write ``nbytes`` of ``data`` in ``CHUNK`` pieces, fsync."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (os.O_DIRECT if direct else 0), 0o644)
-    try:
-        end = len(data) if direct else nbytes
-        offset = 0
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    with open(path, "wb", buffering=0, opener=lambda p, _: os.open(p, flags, 0o644)) as f:
+        end, offset = len(data) if direct else nbytes, 0
         while offset < end:
-            offset += os.pwrite(fd, data[offset:min(offset + CHUNK, end)], offset)
-        os.ftruncate(fd, nbytes)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            offset += os.pwrite(f.fileno(), data[offset:min(offset + CHUNK, end)], offset)
+        os.ftruncate(f.fileno(), nbytes)
+        os.fsync(f.fileno())
 
 
 def parallel_writes(scratch: Path, nbytes: int, writers: int, repeat: int, *, direct: bool = True) -> list[float]:
     """``writers`` threads each writing ``nbytes // writers`` to its own file at once (one writer: a plain write)."""
     each = nbytes // writers
-    buf = aligned_buffer(each)
-    view = memoryview(buf)
     targets = [scratch / f"raw-{direct}-{i}.bin" for i in range(writers)]
 
     def once() -> None:
-        threads = [threading.Thread(target=write_file, args=(t, view, each), kwargs={"direct": direct})
-                   for t in targets]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(writers) as pool:
+            list(pool.map(lambda t: write_file(t, view, each, direct=direct), targets))
 
     def cleanup() -> None:  # evicted and removed: the next write starts alike
         evict(targets)
         for t in targets:
             t.unlink()
-
-    try:
+    with aligned_buffer(each) as buf, memoryview(buf) as view:
         return timed(once, repeat, cleanup)
-    finally:
-        view.release()
-        buf.close()
 
 
 def read_files(paths: list[Path], *, direct: bool = False) -> int:
     """Read ``paths`` sequentially in ``CHUNK`` pieces into one reused buffer; returns the bytes read."""
-    buf = aligned_buffer(CHUNK)
-    view = memoryview(buf)
     total = 0
-    try:
+    with aligned_buffer(CHUNK) as buf, memoryview(buf) as view:
         for path in paths:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
-            try:
-                while (n := os.readv(fd, [view])) > 0:
+            with open(path, "rb", buffering=0, opener=lambda p, f: os.open(p, f | (os.O_DIRECT if direct else 0))) as f:
+                while (n := os.readv(f.fileno(), [view])) > 0:
                     total += n
-            finally:
-                os.close(fd)
-    finally:
-        view.release()
-        buf.close()
     return total

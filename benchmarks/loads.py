@@ -1,13 +1,9 @@
 """Loading the same state back every way, cold and warm, against a raw read of the same file.
 
-``prepare`` writes one state three ways (ckptd, ``torch.save`` + fsync, DCP
-``save``) into the scratch directory and records the sum of its tensors;
-each load method then runs as its own case. Cold: the checkpoint's files
-are evicted (``POSIX_FADV_DONTNEED``) before every repetition; warm: right
-after a read. Every load is checked against the saved sum. Zero-copy
-results (views of a mapped file) are also timed until a sum has touched
-every byte. The floor is a sequential 8 MiB read of the ckptd shard into
-one reused buffer, in the same cache state.
+``prepare`` saves one state with ckptd, ``torch.save`` + fsync and DCP, and records its sum; each load method is a
+case of its own, checked against that sum. Cold: the files evicted (``POSIX_FADV_DONTNEED``) before each repetition.
+Zero-copy results are also timed until a sum has touched every byte. The floor: a sequential read of the ckptd shard,
+same cache.
 """
 
 from __future__ import annotations
@@ -19,11 +15,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import ckptd
 import torch
+import torch.distributed.checkpoint as dcp
 
 from .limits import read_files
 from .probe import Sampler, evict, files_under, memory
-from .saves import BenchDaemon, init_gloo
+from .saves import BenchDaemon, init_gloo, torch_save_synced
 from .state import build, iter_tensors, tensor_sum
 
 TOUCHING = {"ckptd_load", "ckptd_load_noverify", "torch_load_mmap"}
@@ -31,44 +29,33 @@ TOUCHING = {"ckptd_load", "ckptd_load_noverify", "torch_load_mmap"}
 TOLERANCE = 1e-6
 
 
-def _ref_file(scratch: Path) -> Path:
-    return scratch / "load" / "ref.json"
+REF = Path("load", "ref.json")
+"""Under the scratch directory: what ``prepare`` saved, where, and its sum."""
 
 
 def prepare(scratch: Path, size_gib: float) -> dict:
     """Save one state with ckptd, ``torch.save`` and DCP; record its sum and the paths."""
-    import ckptd
-    import torch.distributed.checkpoint as dcp
-
     bench = build("transformer", size_gib)
     root = scratch / "load"
     root.mkdir(parents=True, exist_ok=True)
-    with BenchDaemon(scratch) as daemon, ckptd.Client(run_dir=daemon.run_dir, spawn=False, rank=0,
-                                                       world_size=1) as client:
+    with BenchDaemon(scratch) as daemon, ckptd.Client(run_dir=daemon.run_dir, spawn=False) as client:
         client.save_async(bench.state, root / "ckptd", step=1, overwrite=True).result()
-    with open(root / "torch.pt", "wb") as f:
-        torch.save(bench.state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    torch_save_synced(bench.state, root / "torch.pt")
     init_gloo()
     dcp.save(bench.state, checkpoint_id=root / "dcp")
     ref = {"nbytes": bench.nbytes, "sum": tensor_sum(bench.tensors), "ckptd": str(root / "ckptd"),
            "torch": str(root / "torch.pt"), "dcp": str(root / "dcp"), "size_gib": size_gib}
-    _ref_file(scratch).write_text(json.dumps(ref))
+    (scratch / REF).write_text(json.dumps(ref))
     return {"nbytes": bench.nbytes}
 
 
 def _loader(method: str, ref: dict, target: Any) -> tuple[Callable[[], Any], Callable[[Any], float], list[Path]]:
     """(load, the sum of what was loaded, the files read) for ``method``."""
-    import ckptd
-    import torch.distributed.checkpoint as dcp
-
     ck, tf = Path(ref["ckptd"]), Path(ref["torch"])
     shards = [p for p in files_under(ck) if p.suffix == ".safetensors"]
 
     def loaded(obj: Any) -> float:
         return tensor_sum(iter_tensors(obj))
-
     if method in ("raw_read", "raw_read_direct"):
         return (lambda: read_files(shards, direct=method.endswith("direct"))), (lambda _: ref["sum"]), shards
     if method.startswith("ckptd_load_into"):
@@ -92,11 +79,10 @@ def _loader(method: str, ref: dict, target: Any) -> tuple[Callable[[], Any], Cal
 
 def load(scratch: Path, size_gib: float, method: str, repeat: int) -> dict:
     """``repeat`` cold and ``repeat`` warm loads by ``method`` (after one warm-up each)."""
-    if not _ref_file(scratch).exists():
+    if not (scratch / REF).exists():
         prepare(scratch, size_gib)
-    ref = json.loads(_ref_file(scratch).read_text())
-    needs_target = method.startswith("ckptd_load_into") or method == "dcp_load"
-    target = build("transformer", ref["size_gib"], seed=1) if needs_target else None
+    ref = json.loads((scratch / REF).read_text())
+    target = build("transformer", ref["size_gib"], seed=1) if "load_into" in method or method == "dcp_load" else None
     gc.collect()
     fn, check, files = _loader(method, ref, target)
     reps: dict[str, list[float]] = {}
@@ -113,16 +99,14 @@ def load(scratch: Path, size_gib: float, method: str, repeat: int) -> dict:
                 if method in TOUCHING:
                     tensor_sum(iter_tensors(result))
                 t2 = time.perf_counter()
-                if i == 0 and cache == "cold":
-                    got = check(result)
-                    if abs(got - ref["sum"]) > TOLERANCE * max(1.0, abs(ref["sum"])):
-                        raise AssertionError(f"{method} loaded tensors summing to {got}, saved {ref['sum']}")
+                got = check(result) if i == 0 and cache == "cold" else ref["sum"]
+                if abs(got - ref["sum"]) > TOLERANCE * max(1.0, abs(ref["sum"])):
+                    raise AssertionError(f"{method} loaded tensors summing to {got}, saved {ref['sum']}")
                 del result
                 gc.collect()
                 if i:
                     reps[cache].append(t1 - t0)
-                    if method in TOUCHING:
-                        reps[f"{cache}_touch"].append(t2 - t0)
+                    reps[f"{cache}_touch"] += [t2 - t0] if method in TOUCHING else []
     peak = sampler.peaks["self"]
     return {"reps": {k: v for k, v in reps.items() if v}, "nbytes": ref["nbytes"],
             "extra": {k: peak[k] - base[k] for k in ("VmRSS", "RssAnon", "RssFile")}}

@@ -1,8 +1,7 @@
 """The methods a case can run, each inside the case's own process, and that process's entry point.
 
-Every method takes the case and the scratch directory and returns a dict
-of measurements; repetitions go under ``reps`` as lists of seconds (or
-bytes), so the report can take medians and list every value.
+A method takes the case and the scratch directory and returns its measurements, repetitions under ``reps`` as lists
+(medians, every value).
 """
 
 from __future__ import annotations
@@ -59,29 +58,25 @@ METHODS: dict[str, Callable[[Case, Path], dict]] = {
     "ckptd": _with_state(lambda c, d, b, rss: saves.ckptd_saves(b.state, d, c.repeat, rss, **c.params)),
     "scaling": _with_state(_scaling),
     "raw_write": _raw_writes,
-    "multi_saves": lambda c, d: ranks.multi_saves(d, size_gib=c.size_gib, device=c.device, repeat=c.repeat,
-                                                  **c.params),
+    "multi_saves": lambda c, d: ranks.multi_saves(d, size_gib=c.size_gib, device=c.device, repeat=c.repeat, **c.params),
     "load_prepare": lambda c, d: loads.prepare(d, c.size_gib),
     "load": lambda c, d: loads.load(d, c.size_gib, c.params["method"], c.repeat),
     "rank_loads": lambda c, d: ranks.rank_loads(d, size_gib=c.size_gib, repeat=c.repeat, **c.params),
+    "sharded": lambda c, d: ranks.sharded(d, size_gib=c.size_gib, repeat=c.repeat, **c.params),
 }
 
 
-def run_case(case: Case, scratch: Path) -> dict:
-    """The case's JSON record: what it is, how long it took, and its method's measurements."""
-    t0 = time.monotonic()
-    out = METHODS[case.method](case, scratch)
-    return {"case": case.name, **asdict(case), **out, "wall_s": time.monotonic() - t0}
-
-
 def child(case: Case, scratch: str, conn: Any, log: str) -> None:
-    """Run ``case`` with stdout and stderr in its log; send its one JSON line through ``conn``."""
+    """Run ``case`` with stdout and stderr in its log; send its one JSON line (what it is, how long it took and
+    its method's measurements, or its error) through ``conn``."""
     gc.freeze()  # the server's imports are never garbage: a collect neither walks nor copies their pages
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)  # library and daemon output goes to the case's log, never into the result
     os.dup2(fd, 2)
+    t0 = time.monotonic()
     try:
-        line = json.dumps(run_case(case, Path(scratch)))
+        out = METHODS[case.method](case, Path(scratch))
+        line = json.dumps({"case": case.name, **asdict(case), **out, "wall_s": time.monotonic() - t0})
     except BaseException as exc:
         traceback.print_exc()
         line = json.dumps({"case": case.name, "error": f"{type(exc).__name__}: {exc} (log: {log})"})

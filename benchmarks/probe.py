@@ -1,9 +1,7 @@
 """What a case reads about processes and files: memory, CPU time, peaks, eviction, all from ``/proc``.
 
-``Sampler`` polls the memory of named groups of processes (the case, the
-daemon, DCP's checkpoint process, the ranks) every 20 ms on a thread and
-keeps each field's peak: RSS, ``RssAnon`` (private memory), ``RssFile``
-(mapped files) and ``RssShmem`` (shared memory: slots, staging copies).
+``Sampler`` keeps the peaks of groups of processes (the case, the daemon, DCP's writer, the ranks): RSS, ``RssAnon``
+(private), ``RssFile`` (mapped files), ``RssShmem`` (slots, staging copies).
 """
 
 from __future__ import annotations
@@ -14,27 +12,23 @@ from pathlib import Path
 
 TICK = 1.0 / os.sysconf("SC_CLK_TCK")
 FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+INTERVAL_S = 0.02
 
 
 def memory(pid: int | str = "self") -> dict[str, int]:
     """``FIELDS`` of ``pid`` in bytes (empty if the process is gone)."""
-    out: dict[str, int] = {}
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                key, _, rest = line.partition(b":")
-                if key.decode() in FIELDS:
-                    out[key.decode()] = int(rest.split()[0]) * 1024
+        with open(f"/proc/{pid}/status") as f:
+            fields = [line.split(":", 1) for line in f]
     except (FileNotFoundError, ProcessLookupError):
         return {}
-    return out
+    return {k: int(v.split()[0]) * 1024 for k, v in fields if k in FIELDS}
 
 
 def cpu_seconds(pid: int | str = "self") -> float:
     """User + system CPU seconds of ``pid``, all its threads (0 if it is gone)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
+        data = Path(f"/proc/{pid}/stat").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
         return 0.0
     fields = data[data.rindex(b")") + 2:].split()
@@ -43,22 +37,20 @@ def cpu_seconds(pid: int | str = "self") -> float:
 
 def reset_peak_rss() -> None:
     """Reset this process's ``VmHWM`` to its current RSS (``clear_refs`` 5)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def peak_rss() -> int:
     """This process's ``VmHWM`` in bytes: its peak RSS since start or the last reset."""
-    with open("/proc/self/status", "rb") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"VmHWM:"))
+    return next(int(ln.split()[1]) * 1024 for ln in Path("/proc/self/status").read_text().splitlines()
+                if ln.startswith("VmHWM:"))
 
 
 class Sampler:
     """Peaks of each group's summed memory fields while it runs (a context manager)."""
 
-    def __init__(self, groups: dict[str, list[int]], interval: float = 0.02) -> None:
+    def __init__(self, groups: dict[str, list[int]]) -> None:
         self.groups = {name: list(pids) for name, pids in groups.items() if pids}
-        self.interval = interval
         self.peaks: dict[str, dict[str, int]] = {name: dict.fromkeys(FIELDS, 0) for name in self.groups}
         self.first: dict[str, dict[str, int]] = {}
         self._stop = threading.Event()
@@ -66,15 +58,13 @@ class Sampler:
 
     def sample(self) -> None:
         for name, pids in self.groups.items():
-            total = dict.fromkeys(FIELDS, 0)
-            for pid in pids:
-                for k, v in memory(pid).items():
-                    total[k] += v
+            each = [memory(pid) for pid in pids]
+            total = {k: sum(m.get(k, 0) for m in each) for k in FIELDS}
             self.first.setdefault(name, total)
             self.peaks[name] = {k: max(v, total[k]) for k, v in self.peaks[name].items()}
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.wait(INTERVAL_S):
             self.sample()
 
     def __enter__(self) -> "Sampler":
@@ -91,12 +81,9 @@ class Sampler:
 def evict(paths: list[Path]) -> None:
     """Drop the page-cache pages of ``paths`` (``POSIX_FADV_DONTNEED``): the next read is cold."""
     for path in paths:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        with open(path, "rb") as f:
+            os.fdatasync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def files_under(path: Path) -> list[Path]:

@@ -1,8 +1,7 @@
 """From the cases' JSON lines to ``RESULTS.md``: targets as data rows, tables side by side, every repetition.
 
-Nothing here measures, so a changed report renders again from a run's
-``results.jsonl``. Every ratio is against a limit measured in the same run.
-A failed case is listed, and whatever depends on it shows as "–".
+Nothing here measures, so a changed report renders again from a run's ``results.jsonl``. Every ratio is against a
+limit measured in the same run. A failed case is listed, and whatever depends on it shows as "–".
 """
 
 from __future__ import annotations
@@ -32,13 +31,11 @@ def nbytes(rec: dict) -> int:
     return rec.get("nbytes") or rec["state"]["nbytes"]
 
 
-# --- targets: each a data row ------------------------------------------------------------------------------------
-
 FIELDS: dict[str, Callable[[dict], float | None]] = {  # any other field: the median of that repetition list
     "first_blocking": lambda r: r.get("first", {}).get("blocking"),
     "extra_per_state": lambda r: div(r.get("trainer_extra"), r["state"]["nbytes"]),
-    "daemon_anon": lambda r: ((r.get("writer") if r["method"] in ("ckptd", "scaling") else r.get("daemon")) or {}
-                              ).get("RssAnon"),
+    "daemon_anon": lambda r: ((r.get("writer") if "ckptd" in r["name"] or r["method"] == "scaling" else r.get("daemon"))
+                              or {}).get("RssAnon"),
     "daemon_cpu_per_gb": lambda r: div((r.get("writer") or {}).get("cpu"), nbytes(r) / GB),
     "gbps": lambda r: div(nbytes(r) / GB, med(r, "aggregate")),
     "raw_gbps": lambda r: div(nbytes(r) / GB, med(r, "single")),
@@ -49,54 +46,54 @@ FIELDS: dict[str, Callable[[dict], float | None]] = {  # any other field: the me
 
 @dataclass(frozen=True)
 class Target:
-    """``measured`` (case, field) over ``reference`` (the value itself where None) must be ``op`` ``bound``.
+    """``measured`` ("case.field") over ``reference`` (the value itself where None) must be ``op`` ``bound``.
 
-    A case named ``*`` means the highest value of the field over every case;
-    ``scaling:base`` / ``scaling:top`` the scaling sizes nearest 1 GiB and the largest.
+    Case ``*``: the highest over every case; ``scaling:base`` / ``scaling:top``: the sizes nearest 1 GiB, largest.
     """
 
     text: str
-    measured: tuple[str, str]
-    reference: tuple[str, str] | None
-    op: str
+    measured: str
+    reference: str | None
     bound: float
     issue: int
+    op: str = "≤"
 
 
 TARGETS = [
-    Target("blocking with sync staging ≤ 1.2 × memcpy into a reused buffer", ("ckptd_sync", "blocking"),
-           ("memcpy", "seconds"), "≤", 1.2, 5),
-    Target("background staging: blocking ≤ 10 ms", ("ckptd_bg", "blocking"), None, "≤", 0.010, 5),
-    Target("background staging: staged ≤ 1.5 × memcpy", ("ckptd_bg", "staged"), ("memcpy", "seconds"), "≤", 1.5,
-           5),
-    Target("time to durable ≤ 1.15 × raw O_DIRECT write + fsync (sync staging)", ("ckptd_sync", "durable"),
-           ("write_direct", "seconds"), "≤", 1.15, 5),
-    Target("time to durable ≤ 0.5 × DCP async_save PROCESS", ("ckptd_sync", "durable"), ("dcp_process", "durable"),
-           "≤", 0.5, 5),
-    Target("trainer extra memory ≤ 1.05 × state (background staging)", ("ckptd_bg", "extra_per_state"), None, "≤",
-           1.05, 5),
-    Target("daemon RssAnon ≤ 100 MB (highest of every case)", ("*", "daemon_anon"), None, "≤", 100e6, 5),
-    Target("clients at once, separate checkpoints: aggregate ≥ 85% of raw O_DIRECT bandwidth",
-           ("multi_separate", "gbps"), ("multi_raw", "raw_gbps"), "≥", 0.85, 5),
-    Target("clients at once, one checkpoint: aggregate ≥ 85% of raw O_DIRECT bandwidth", ("multi_one", "gbps"),
-           ("multi_raw", "raw_gbps"), "≥", 0.85, 5),
-    Target("scaling, blocking s/GiB at the largest size ≤ 1.25 × at 1 GiB", ("scaling:top", "blocking_per_gib"),
-           ("scaling:base", "blocking_per_gib"), "≤", 1.25, 5),
-    Target("scaling, durable s/GiB at the largest size ≤ 1.25 × at 1 GiB", ("scaling:top", "durable_per_gib"),
-           ("scaling:base", "durable_per_gib"), "≤", 1.25, 5),
-    Target("daemon CPU-seconds per GB written ≤ 0.1 (sync staging)", ("ckptd_sync", "daemon_cpu_per_gb"), None, "≤",
-           0.1, 15),
-    Target("time to durable ≤ 1.1 × raw O_DIRECT write + fsync (sync staging)", ("ckptd_sync", "durable"),
-           ("write_direct", "seconds"), "≤", 1.1, 15),
-    Target("blocking with sync staging ≤ 1.15 × memcpy", ("ckptd_sync", "blocking"), ("memcpy", "seconds"), "≤",
+    Target("blocking with sync staging ≤ 1.2 × memcpy into a reused buffer", "ckptd_sync.blocking", "memcpy.seconds",
+           1.2, 5),
+    Target("background staging: blocking ≤ 10 ms", "ckptd_bg.blocking", None, 0.010, 5),
+    Target("background staging: staged ≤ 1.5 × memcpy", "ckptd_bg.staged", "memcpy.seconds", 1.5, 5),
+    Target("time to durable ≤ 1.15 × raw O_DIRECT write + fsync (sync staging)", "ckptd_sync.durable",
+           "write_direct.seconds", 1.15, 5),
+    Target("time to durable ≤ 0.5 × DCP async_save PROCESS", "ckptd_sync.durable", "dcp_process.durable", 0.5, 5),
+    Target("trainer extra memory ≤ 1.05 × state (background staging)", "ckptd_bg.extra_per_state", None, 1.05, 5),
+    Target("daemon RssAnon ≤ 100 MB (highest of every case)", "*.daemon_anon", None, 100e6, 5),
+    Target("clients at once, separate checkpoints: aggregate ≥ 85% of raw O_DIRECT bandwidth", "multi_separate.gbps",
+           "multi_raw.raw_gbps", 0.85, 5, "≥"),
+    Target("clients at once, one checkpoint: aggregate ≥ 85% of raw O_DIRECT bandwidth", "multi_one.gbps",
+           "multi_raw.raw_gbps", 0.85, 5, "≥"),
+    Target("scaling, blocking s/GiB at the largest size ≤ 1.25 × at 1 GiB", "scaling:top.blocking_per_gib",
+           "scaling:base.blocking_per_gib", 1.25, 5),
+    Target("scaling, durable s/GiB at the largest size ≤ 1.25 × at 1 GiB", "scaling:top.durable_per_gib",
+           "scaling:base.durable_per_gib", 1.25, 5),
+    Target("daemon CPU-seconds per GB written ≤ 0.1 (sync staging)", "ckptd_sync.daemon_cpu_per_gb", None, 0.1, 15),
+    Target("time to durable ≤ 1.1 × raw O_DIRECT write + fsync (sync staging)", "ckptd_sync.durable",
+           "write_direct.seconds", 1.1, 15),
+    Target("blocking with sync staging ≤ 1.15 × memcpy", "ckptd_sync.blocking", "memcpy.seconds", 1.15, 15),
+    Target("1,000 tensors of 256 B: blocking ≤ 5 ms", "ckptd_sync_small.blocking", None, 0.005, 15),
+    Target("first save blocking ≤ 2 × a steady one", "ckptd_sync.first_blocking", "ckptd_sync.blocking", 2.0, 15),
+    Target("load_into one state dict, cold ≤ 1.15 × raw read", "load_ckptd_load_into_sd.cold", "load_raw_read.cold",
            1.15, 15),
-    Target("1,000 tensors of 256 B: blocking ≤ 5 ms", ("ckptd_sync_small", "blocking"), None, "≤", 0.005, 15),
-    Target("first save blocking ≤ 2 × a steady one", ("ckptd_sync", "first_blocking"), ("ckptd_sync", "blocking"),
-           "≤", 2.0, 15),
-    Target("load_into one state dict, cold ≤ 1.15 × raw read", ("load_ckptd_load_into_sd", "cold"),
-           ("load_raw_read", "cold"), "≤", 1.15, 15),
-    Target("ckptd.load (owning copy), cold ≤ 1.2 × raw read", ("load_ckptd_load_cpu", "cold"),
-           ("load_raw_read", "cold"), "≤", 1.2, 15),
+    Target("ckptd.load (owning copy), cold ≤ 1.2 × raw read", "load_ckptd_load_cpu.cold", "load_raw_read.cold", 1.2,
+           15),
+    Target("FSDP2: blocking ≤ 1.2 × memcpy of the rank's local bytes", "sharded_ckptd.blocking",
+           "sharded_memcpy.seconds", 1.2, 10),
+    Target("FSDP2: time to durable ≤ 0.5 × DCP async_save PROCESS", "sharded_ckptd.durable", "sharded_process.durable",
+           0.5, 10),
+    Target("FSDP2: time to durable ≤ 0.5 × DCP async_save PROCESS, reused stager", "sharded_ckptd.durable",
+           "sharded_process_stager.durable", 0.5, 10),
+    Target("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", "sharded_load_ckptd.cold", "sharded_load_dcp.cold", 0.8, 10),
 ]
 
 
@@ -104,7 +101,9 @@ def field(rec: dict, name: str) -> float | None:
     return FIELDS[name](rec) if name in FIELDS else med(rec, name)
 
 
-def _resolve(recs: Records, case: str, name: str) -> float | None:
+def _resolve(recs: Records, where: str) -> float | None:
+    """The value ``where`` ("case.field") names in ``recs`` (None where it was not measured)."""
+    case, name = where.split(".")
     if case == "*":
         values = [v for r in recs.values() if (v := field(r, name)) is not None]
         return max(values) if values else None
@@ -112,29 +111,24 @@ def _resolve(recs: Records, case: str, name: str) -> float | None:
         points = sorted((r for r in recs.values() if r["section"] == "scaling"), key=lambda r: r["size_gib"])
         if len(points) < 2:
             return None
-        rec = points[-1] if case.endswith("top") else min(points, key=lambda r: abs(r["size_gib"] - 1))
-        return field(rec, name)
+        return field(points[-1] if case.endswith("top") else min(points, key=lambda r: abs(r["size_gib"] - 1)), name)
     return field(recs[case], name) if case in recs else None
 
 
 def targets_table(recs: Records) -> str:
     rows = []
     for t in TARGETS:
-        value = _resolve(recs, *t.measured)
-        ref = _resolve(recs, *t.reference) if t.reference else None
-        ratio = div(value, ref)
-        compared = ratio if t.reference else value
+        value, ref = _resolve(recs, t.measured), t.reference and _resolve(recs, t.reference)
+        compared = (ratio := div(value, ref)) if t.reference else value
         met = "–" if compared is None else ("met" if (compared <= t.bound if t.op == "≤" else compared >= t.bound)
                                             else "missed")
-        mb = t.measured[1] == "daemon_anon"
+        mb = t.measured.endswith("daemon_anon")
         shown = "–" if value is None else (f"{value / 1e6:.1f} MB" if mb else f"{value:.4g}")
         against = f" vs {ref:.4g}" if ref is not None else ""
         bound = f"{t.bound / 1e6:g} MB" if mb else f"{t.bound:g}"
         rows.append([t.text, f"#{t.issue}", shown + against, fmt(ratio, 2), f"{t.op} {bound}", met])
     return table(["target", "issue", "measured (s, or as named)", "ratio", "bound", "met"], rows)
 
-
-# --- tables ------------------------------------------------------------------------------------------------------
 
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|:---|" + "---:|" * (len(header) - 1)]
@@ -186,8 +180,7 @@ def multi_table(recs: Records) -> str:
 def scaling_table(recs: Records) -> str:
     rows = []
     for r in sorted((r for r in recs.values() if r["section"] == "scaling"), key=lambda r: r["size_gib"]):
-        gib = nbytes(r) / GIB
-        rows.append([r["label"], fmt(gib), fmt(med(r, "blocking")), fmt(med(r, "durable")),
+        rows.append([r["label"], fmt(nbytes(r) / GIB), fmt(med(r, "blocking")), fmt(med(r, "durable")),
                      fmt(FIELDS["blocking_per_gib"](r)), fmt(FIELDS["durable_per_gib"](r)),
                      fmt(div(med(r, "blocking"), med(r, "memcpy")), 2),
                      fmt(div(med(r, "durable"), med(r, "direct")), 2),
@@ -223,13 +216,26 @@ def ranks_table(recs: Records) -> str:
                   "idle RSS sum GiB", "RssAnon growth ÷ shard", "RSS sum after del + gc GiB"], rows)
 
 
+def sharded_table(recs: Records) -> str:
+    memcpy, dcp = med(recs.get("sharded_memcpy"), "seconds"), med(recs.get("sharded_process"), "durable")
+    load = recs.get("sharded_load_dcp")
+    rows = []
+    for r in (r for r in recs.values() if r["section"] == "sharded"):
+        blocking, cold, warm = med(r, "seconds") or med(r, "blocking"), med(r, "cold"), med(r, "warm")
+        rows.append([r["label"], fmt(div(r["state"].get("global_nbytes"), GIB)),
+                     fmt(r["state"]["nbytes"] / GIB), fmt(blocking), fmt(med(r, "staged")), fmt(med(r, "durable")),
+                     fmt(div(blocking, memcpy), 2), fmt(div(med(r, "durable"), dcp), 2), fmt(cold), fmt(warm),
+                     fmt(div(cold, med(load, "cold")), 2), fmt(div(warm, med(load, "warm")), 2)])
+    return table(["what", "GiB, all ranks", "GiB per rank", "blocking s", "staged s", "durable s",
+                  "blocking ÷ memcpy", "durable ÷ DCP PROCESS", "load cold s", "load warm s", "cold ÷ dcp.load",
+                  "warm ÷ dcp.load"], rows)
+
+
 def details(recs: Records) -> list[str]:
-    out = []
-    for r in (r for r in recs.values() if r.get("reps")):
-        reps = "; ".join(f"{k} " + ", ".join(f"{v:.3f}" if v < 1e4 else f"{v / GIB:.2f} GiB" for v in vs)
-                         for k, vs in r["reps"].items() if vs)
-        out.append(f"- {r['name']} ({r['label']}): {reps}")
-    return out
+    def values(vs: list) -> str:
+        return ", ".join(f"{v:.3f}" if v < 1e4 else f"{v / GIB:.2f} GiB" for v in vs)
+    return [f"- {r['name']} ({r['label']}): " + "; ".join(f"{k} {values(vs)}" for k, vs in r["reps"].items() if vs)
+            for r in recs.values() if r.get("reps")]
 
 
 def render(records: list[dict], meta: dict[str, Any]) -> str:
@@ -269,7 +275,11 @@ def render(records: list[dict], meta: dict[str, Any]) -> str:
                "saved sum."),
               ("load", "Ranks loading at once: node memory", ranks_table,
                "Fresh processes load their shard with map_location=\"cpu\" at the same moment, hold it 0.5 s, drop "
-               "it; their memory summed every 20 ms.")]
+               "it; their memory summed every 20 ms."),
+              ("sharded", "Sharded state: FSDP2 on several ranks", sharded_table,
+               "FSDP2 (`fully_shard`, gloo on CPU): the transformer and its AdamW state as DTensors; each save starts "
+               "on a barrier, each figure is the slowest rank's. Reshard load: the state saved on N ranks (by ckptd, "
+               "by `dcp.save`) into a fresh model's and optimizer's DTensors on N/2, checked per tensor.")]
     for section, title, make, text in blocks:
         if section in sections:
             parts += ["", f"## {title}", "", text, "", make(recs)]

@@ -1,15 +1,12 @@
 """Saving: ckptd through a daemon of the case's own, and the peers a trainer would use instead.
 
-One warm-up save, then ``repeat`` timed ones back to back, each to a new
-path: *blocking* (the call returned), *staged* (the tensors may change),
-*durable* (``torch.save`` + fsync returned, DCP's future, ckptd's future).
-The daemon's own accepted-to-committed time comes from ``ckptd status
---json`` after each save. DCP fsyncs its files (``sync_files=True``), not
-the directory, and writes under the final names.
+The daemon's own accepted-to-committed time comes from ``ckptd status --json`` after each save. DCP fsyncs its files
+(``sync_files=True``), not the directory, and writes under the final names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,7 +20,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
+import ckptd
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import _async_process_executor
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from .probe import Sampler, cpu_seconds, peak_rss, reset_peak_rss
 
@@ -31,71 +34,70 @@ START_TIMEOUT_S = 60.0
 
 
 class BenchDaemon:
-    """``ckptd start --foreground`` on a private run directory, for one case (a context manager)."""
+    """A daemon of the case's own (``ckptd start``, ``ckptd stop``: it drains) on a private run directory."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        # Short and under /tmp: a socket path must fit in 107 bytes.
-        self.run_dir = Path(tempfile.mkdtemp(prefix="ckbench-", dir="/tmp"))
-        self.proc: subprocess.Popen | None = None
+        self.run_dir = Path(tempfile.mkdtemp(prefix="ckbench-", dir="/tmp"))  # a socket path fits in 107 bytes
         self.pid = 0
 
-    def _cmd(self, command: str, *args: str) -> list[str]:
-        return [sys.executable, "-m", "ckptd", command, "--run-dir", str(self.run_dir), *args]
+    def _ckptd(self, command: str, *args: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "ckptd", command, "--run-dir", str(self.run_dir), *args],
+                             capture_output=True, text=True, timeout=START_TIMEOUT_S)
+        if out.returncode:
+            raise RuntimeError(f"ckptd {command} failed: {out.stderr.strip()}")
+        return out.stdout
 
     def status(self) -> dict:
         """The daemon's ``ckptd status --json`` snapshot."""
-        out = subprocess.run(self._cmd("status", "--json"), capture_output=True, text=True, timeout=START_TIMEOUT_S)
-        if out.returncode:
-            raise RuntimeError(f"ckptd status failed: {out.stderr.strip()}")
-        return json.loads(out.stdout)
+        return json.loads(self._ckptd("status", "--json"))
 
     def __enter__(self) -> "BenchDaemon":
-        self.proc = subprocess.Popen(self._cmd("start", "--foreground", "--quiet", "--root", str(self.root)),
-                                     stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.pid:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                raise RuntimeError(f"the ckptd daemon did not start (exit code {self.proc.returncode})")
-            if (self.run_dir / "ckptd.sock").exists():
-                try:
-                    self.pid = self.status()["daemon"]["pid"]
-                except RuntimeError:
-                    pass
-            time.sleep(0.05)
+        self._ckptd("start", "--root", str(self.root))  # returns once the daemon answers
+        self.pid = self.status()["daemon"]["pid"]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        """SIGTERM (the daemon drains, then exits); SIGKILL only if it hangs."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(START_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        try:
+            self._ckptd("stop", "--timeout", str(START_TIMEOUT_S))
+        except (RuntimeError, subprocess.TimeoutExpired):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)  # it hangs
+        finally:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def measure_saves(save: Callable[[int], dict], repeat: int, rss_built: int,
+def measure_saves(save: Callable[[Path, int], dict], prefix: Path, repeat: int, rss_built: int,
                   writer: Callable[[], int | None] = lambda: None) -> dict:
-    """One warm-up ``save(0)``, then ``repeat`` timed ones; memory and CPU of the trainer and of the writer.
+    """One warm-up ``save(target, 0)``, then ``repeat`` timed ones, each to a new path (the last one removed).
 
-    ``writer`` names the writing process once the warm-up has run (DCP
-    starts its checkpoint process on the first save). The trainer's extra
-    memory is its peak RSS during the timed saves over its RSS with the
-    state built: for ckptd, the slot.
-    """
-    first = save(0)
-    writer_pid = writer()
-    reset_peak_rss()
-    cpu0, wcpu0 = cpu_seconds(), cpu_seconds(writer_pid) if writer_pid else 0.0
-    reps: dict[str, list] = defaultdict(list)
-    with Sampler({"writer": [writer_pid] if writer_pid else []}) as sampler:
-        for i in range(1, 1 + repeat):
-            for key, value in save(i).items():
-                reps[key].append(value)
+    ``save`` returns the ``perf_counter()`` times its call returned (``blocking``), the tensors could change
+    (``staged``), the save was durable (``durable``), and other figures; ranks start each save at once and report
+    their slowest. ``writer``: the writing process, after the warm-up (DCP starts its own then). Trainer extra memory:
+    peak RSS over the RSS with the state built (for ckptd, the slot)."""
+    def remove(i: int) -> None:
+        shutil.rmtree(f"{prefix}-{i}", ignore_errors=True)
+        Path(f"{prefix}-{i}.pt").unlink(missing_ok=True)
+
+    def one(i: int) -> dict:
+        remove(i - 1)
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        out = save(Path(f"{prefix}-{i}"), i)
+        return dict(zip(out, across_ranks([v - t0 if k in ("blocking", "staged", "durable") else v
+                                           for k, v in out.items()])))
+    try:
+        first, writer_pid = one(0), writer()
+        reset_peak_rss()
+        cpu0, wcpu0 = cpu_seconds(), cpu_seconds(writer_pid) if writer_pid else 0.0
+        reps: dict[str, list] = defaultdict(list)
+        with Sampler({"writer": [writer_pid] if writer_pid else []}) as sampler:
+            for i in range(1, 1 + repeat):
+                for key, value in one(i).items():
+                    reps[key].append(value)
+    finally:
+        remove(repeat)
     out = {"first": first, "reps": dict(reps), "trainer_extra": peak_rss() - rss_built,
            "trainer_cpu": (cpu_seconds() - cpu0) / repeat}
     if writer_pid:
@@ -103,100 +105,81 @@ def measure_saves(save: Callable[[int], dict], repeat: int, rss_built: int,
     return out
 
 
-def _rotate(scratch: Path, prefix: str) -> Callable[[int], Path]:
-    """A new path per save; the one before is removed (untimed, after its save was measured)."""
-    def path(i: int) -> Path:
-        shutil.rmtree(scratch / f"{prefix}-{i - 1}", ignore_errors=True)
-        Path(scratch / f"{prefix}-{i - 1}.pt").unlink(missing_ok=True)
-        return scratch / f"{prefix}-{i}"
-    return path
+def ckptd_saves(state: Any, scratch: Path, repeat: int, rss_built: int, daemon: BenchDaemon | None = None,
+                **options: Any) -> dict:
+    """``Client.save_async`` in steady state (the warm-up made the slot); ranks share the caller's ``daemon``."""
+    if daemon is None:
+        with BenchDaemon(scratch) as daemon:
+            return ckptd_saves(state, scratch, repeat, rss_built, daemon, **options)
+
+    def save(target: Path, i: int) -> dict:
+        fut = client.save_async(state, target, step=i)
+        t1 = time.perf_counter()
+        fut.wait_staged()
+        t2 = time.perf_counter()
+        saved = fut.result()
+        return {"blocking": t1, "staged": t2, "durable": time.perf_counter(), "bytes_written": saved.bytes_written,
+                "daemon_s": daemon.status()["completed"]["last"]["seconds"]}
+    with ckptd.Client(run_dir=daemon.run_dir, spawn=False, max_inflight=1, **options) as client:
+        return measure_saves(save, scratch / "ckptd", repeat, rss_built, writer=lambda: daemon.pid)
 
 
-def ckptd_saves(state: Any, scratch: Path, repeat: int, rss_built: int, **options: Any) -> dict:
-    """``ckptd.Client.save_async`` in steady state (slot made and mapped by the warm-up); ``options`` go to Client."""
-    import ckptd
-
-    path = _rotate(scratch, "ckptd")
-    with BenchDaemon(scratch) as daemon:
-        client = ckptd.Client(run_dir=daemon.run_dir, spawn=False, max_inflight=1, rank=0, world_size=1, **options)
-
-        def save(i: int) -> dict:
-            t0 = time.perf_counter()
-            fut = client.save_async(state, path(i), step=i)
-            t1 = time.perf_counter()
-            fut.wait_staged()
-            t2 = time.perf_counter()
-            saved = fut.result()
-            t3 = time.perf_counter()
-            last = daemon.status()["completed"]["last"]
-            return {"blocking": t1 - t0, "staged": t2 - t0, "durable": t3 - t0, "daemon_s": last["seconds"],
-                    "bytes_written": saved.bytes_written}
-
-        try:
-            return measure_saves(save, repeat, rss_built, writer=lambda: daemon.pid)
-        finally:
-            client.close()
-            path(repeat + 1)
+def torch_save_synced(state: Any, path: Path) -> int:
+    """``torch.save`` + flush + fsync; the bytes written."""
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
 
 
 def torch_saves(state: Any, scratch: Path, repeat: int, rss_built: int) -> dict:
     """``torch.save`` + flush + fsync: the caller is blocked for all of it."""
-    path = _rotate(scratch, "torch")
-
-    def save(i: int) -> dict:
-        target = path(i).with_suffix(".pt")
-        t0 = time.perf_counter()
-        with open(target, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        t = time.perf_counter() - t0
-        return {"blocking": t, "staged": t, "durable": t, "bytes_written": target.stat().st_size}
-
-    try:
-        return measure_saves(save, repeat, rss_built)
-    finally:
-        path(repeat + 1)
+    def save(target: Path, i: int) -> dict:
+        written = torch_save_synced(state, target.with_suffix(".pt"))
+        t = time.perf_counter()
+        return {"blocking": t, "staged": t, "durable": t, "bytes_written": written}
+    return measure_saves(save, scratch / "torch", repeat, rss_built)
 
 
-def init_gloo() -> None:
-    """A one-process gloo group on 127.0.0.1, as DCP needs one."""
-    import torch.distributed as dist
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
+
+def init_gloo(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
+    """A gloo group on 127.0.0.1 (DCP needs one, even for one process); DCP's checkpoint processes meet there too."""
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port or free_port()}", rank=rank,
+                                world_size=world_size)
+
+
+def across_ranks(values: list[float], op: Any = dist.ReduceOp.MAX) -> list[float]:
+    """Each value reduced over the ranks (float64); by default the highest: a sharded save is its slowest rank's."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    out = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(out, op=op)
+    return out.tolist()
 
 
 def _dcp_process_pid() -> int | None:
     """Pid of DCP's checkpoint process (PROCESS checkpointer), if one runs (a private torch name)."""
-    from torch.distributed.checkpoint import _async_process_executor as ape
-
-    proc = getattr(ape, "_CHECKPOINT_PROCESS", None)
+    proc = getattr(_async_process_executor, "_CHECKPOINT_PROCESS", None)
     return proc._save_process.pid if proc is not None else None
 
 
 def dcp_saves(state: Any, scratch: Path, repeat: int, rss_built: int, *, mode: str) -> dict:
     """DCP ``save`` or ``async_save`` with the THREAD or PROCESS checkpointer (``process_stager``: a reused stager)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
-
     init_gloo()
-    stager = None
-    if mode == "process_stager":
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        cuda = torch.cuda.is_available()
-        stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
-                                              use_non_blocking_copy=cuda))
+    cuda = torch.cuda.is_available()
+    stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
+                                          use_non_blocking_copy=cuda)) if mode == "process_stager" else None
     kind = AsyncCheckpointerType.PROCESS if mode.startswith("process") else AsyncCheckpointerType.THREAD
-    path = _rotate(scratch, f"dcp-{mode}")
 
-    def save(i: int) -> dict:
-        target = path(i)
-        t0 = time.perf_counter()
+    def save(target: Path, i: int) -> dict:
         if mode == "save":
             dcp.save(state, checkpoint_id=target)
             t1 = t2 = time.perf_counter()
@@ -210,14 +193,11 @@ def dcp_saves(state: Any, scratch: Path, repeat: int, rss_built: int, *, mode: s
             else:  # the default stager copies inside the call
                 t2 = t1
                 response.result()
-        t3 = time.perf_counter()
-        return {"blocking": t1 - t0, "staged": t2 - t0, "durable": t3 - t0,
+        return {"blocking": t1, "staged": t2, "durable": time.perf_counter(),
                 "bytes_written": sum(p.stat().st_size for p in target.rglob("*") if p.is_file())}
-
     try:
-        return measure_saves(save, repeat, rss_built, writer=_dcp_process_pid if mode.startswith("process")
-                             else lambda: None)
+        return measure_saves(save, scratch / f"dcp-{mode}", repeat, rss_built,
+                             writer=_dcp_process_pid if mode.startswith("process") else lambda: None)
     finally:
         if stager is not None:
             stager.close()
-        path(repeat + 1)

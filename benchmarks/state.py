@@ -1,12 +1,8 @@
 """The states the benchmark saves: a transformer plus its real AdamW state, or many small tensors.
 
-Checkpoint cost depends on the number of bytes *and* on the number of
-tensors (flattening, header layout, one ``copy_`` per tensor), so the main
-state looks like a real training state: hundreds of tensors, from 0-dim
-AdamW ``step`` scalars to a large embedding, shaped as ``{"model",
-"optimizer", "step"}``. Gradients are set with ``randn_like`` instead of a
-forward/backward pass: the optimizer holds exactly the tensors a real step
-makes, and 1 GiB of state takes seconds to build instead of a minute.
+Cost depends on the number of tensors as well as bytes, so the main state looks like a real one: hundreds of tensors,
+from 0-dim AdamW ``step`` scalars to a large embedding. Gradients are a thousandth of the weights, not from a backward
+pass: the same optimizer tensors, in seconds, not a minute.
 """
 
 from __future__ import annotations
@@ -15,7 +11,12 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 VOCAB = 32000
 LAYERS = 12
@@ -53,12 +54,8 @@ def param_count(d: int) -> int:
 
 def pick_width(target_bytes: int) -> int:
     """The width (a multiple of ``WIDTH_STEP``) whose state comes closest to ``target_bytes``."""
-    d = WIDTH_STEP
-    while param_count(d + WIDTH_STEP) * BYTES_PER_PARAM <= target_bytes:
-        d += WIDTH_STEP
-    above = d + WIDTH_STEP
-    gap = abs(param_count(above) * BYTES_PER_PARAM - target_bytes)
-    return above if gap < abs(param_count(d) * BYTES_PER_PARAM - target_bytes) else d
+    return min(range(WIDTH_STEP, 1 << 16, WIDTH_STEP),
+               key=lambda d: abs(param_count(d) * BYTES_PER_PARAM - target_bytes))
 
 
 @dataclass
@@ -76,9 +73,8 @@ class BenchState:
 
     def describe(self) -> dict:
         """What the report says about the state."""
-        return {"nbytes": self.nbytes, "tensors": len(self.tensors),
+        return {"nbytes": self.nbytes, "tensors": len(self.tensors), "device": str(self.tensors[0].device),
                 "largest": max(t.numel() * t.element_size() for t in self.tensors),
-                "device": str(self.tensors[0].device),
                 **({"gpu": torch.cuda.get_device_name(self.tensors[0].device)} if self.tensors[0].is_cuda else {})}
 
 
@@ -93,28 +89,31 @@ def iter_tensors(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tenso
             yield from iter_tensors(v, seen)
 
 
-def transformer(size_gib: float, *, device: str = "cpu", seed: int = 0) -> BenchState:
-    """A ``{"model", "optimizer", "step"}`` state of about ``size_gib`` GiB on ``device``."""
+def build(name: str, size_gib: float, *, device: str = "cpu", seed: int = 0, fsdp: bool = False) -> BenchState:
+    """``transformer``: a ``{"model", "optimizer", "step"}`` state of about ``size_gib`` GiB on ``device``; or
+    ``small``: 1,000 float32 tensors of 256 B (fixed costs dominate). ``fsdp``: the transformer sharded over every
+    rank (``fully_shard``, built on the meta device: no rank holds it all), ``tensors`` this rank's shards."""
     torch.manual_seed(seed)
-    model = TinyTransformer(pick_width(int(size_gib * (1 << 30)))).to(device)
-    # foreach: the default single-tensor CPU step takes ~7 s for 1 GiB on two cores.
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.grad = torch.randn_like(p).mul_(1e-3)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1000}
-    return BenchState(state, list(iter_tensors(state)), model, opt)
-
-
-def build(name: str, size_gib: float, *, device: str = "cpu", seed: int = 0) -> BenchState:
-    """``transformer`` of ``size_gib``, or ``small``: 1,000 float32 tensors of 256 B (fixed costs dominate)."""
     if name == "small":
-        torch.manual_seed(seed)
         state = {f"t{i:05d}": torch.randn(64, device=device) for i in range(1000)}
         return BenchState(state, list(state.values()))
-    return transformer(size_gib, device=device, seed=seed)
+    with torch.device("meta" if fsdp else device):
+        model = TinyTransformer(pick_width(int(size_gib * (1 << 30))))
+    if fsdp:
+        fully_shard(model, mesh=init_device_mesh(device, (dist.get_world_size(),)))
+        model.to_empty(device=device)
+    # foreach: the single-tensor CPU step takes ~7 s for 1 GiB on two cores; over DTensors, foreach is 4× slower.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=not fsdp)
+    with torch.no_grad():
+        for p in model.parameters():
+            if fsdp:
+                p.to_local().normal_(0, 0.02)  # to_empty left it as it found the memory
+            p.grad = p.detach() * 1e-3
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    msd, osd = get_state_dict(model, opt) if fsdp else (model.state_dict(), opt.state_dict())
+    state = {"model": msd, "optimizer": osd, "step": 1000}
+    return BenchState(state, [t.to_local() if isinstance(t, DTensor) else t for t in iter_tensors(state)], model, opt)
 
 
 def tensor_sum(tensors: Any) -> float:

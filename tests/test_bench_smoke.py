@@ -37,7 +37,10 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
     listed = _bench("--smoke", "--list", timeout=120)
     assert listed.returncode == 0, listed.stderr
     names = [line.split()[0] for line in listed.stdout.splitlines()]
-    assert len(names) >= 30 and "ckptd_sync" in names and "load_ranks_lease" in names
+    assert len(names) >= 36 and "ckptd_sync" in names and "load_ranks_lease" in names
+    sharded = ["sharded_memcpy", "sharded_ckptd", "sharded_process", "sharded_process_stager", "sharded_load_ckptd",
+               "sharded_load_dcp"]
+    assert set(sharded) <= set(names), names
 
     out = tmp_path / "RESULTS.md"
     run = _bench("--smoke", "--scratch", str(tmp_path), "--out", str(out), timeout=840)
@@ -54,8 +57,17 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
             values = _numbers(reps)
             assert all(math.isfinite(v) and v >= 0 for v in values), r["case"]
             assert any(v > 0 for v in values), r["case"]
-    saved = [r for r in records if r["method"] == "ckptd"]
+    saved = [r for r in records if r["method"] == "ckptd" or r["case"] == "sharded_ckptd"]
     assert all(r["writer"]["RssAnon"] > 0 and r["reps"]["daemon_s"][0] > 0 for r in saved), "daemon figures missing"
+    by_name = {r["case"]: r for r in records}
+    for name in sharded[:4]:  # every rank of the save held a shard: its own bytes are a part of the whole
+        state = by_name[name]["state"]
+        assert 0 < state["nbytes"] < state["global_nbytes"], (name, state)
+    for name in sharded[1:4]:
+        assert set(by_name[name]["reps"]) >= {"blocking", "staged", "durable"}, name
+    for name in sharded[4:]:  # loaded on half the ranks: each holds a larger shard than a saving rank did
+        assert set(by_name[name]["reps"]) == {"cold", "warm"}, name
+        assert by_name[name]["state"]["nbytes"] > by_name["sharded_memcpy"]["state"]["nbytes"], name
 
     jsonl = [json.loads(x) for x in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
     assert "meta" in jsonl[0] and [x["case"] for x in jsonl if "meta" not in x] == names
@@ -66,11 +78,13 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
     report = out.read_text()
     assert rendered.read_text() == report  # the report is made of the lines alone
     for heading in ("## Targets", "## Saving", "## Clients on one node", "## Scaling", "## Loading",
-                    "## Ranks loading at once", "## Every repetition"):
+                    "## Ranks loading at once", "## Sharded state: FSDP2", "## Every repetition"):
         assert heading in report
     assert "## Failed cases" not in report
     for r in records:
         if r.get("reps"):
             assert f"- {r['case']} (" in report
     targets = report.split("## Targets")[1].split("## ")[0]
-    assert targets.count("| met |") + targets.count("| missed |") >= 15
+    assert targets.count("| met |") + targets.count("| missed |") >= 19
+    fsdp2 = [line for line in targets.splitlines() if "FSDP2" in line]
+    assert len(fsdp2) == 4 and all(line.endswith(("| met |", "| missed |")) for line in fsdp2), fsdp2
