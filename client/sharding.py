@@ -16,10 +16,12 @@ part of the global tensor a target DTensor's local shard is.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 try:  # torch builds without distributed support have no DTensor
     from torch.distributed.tensor import DTensor
@@ -51,16 +53,36 @@ def is_dtensor(obj: object) -> bool:
 
 def dtensor_chunk(t: "DTensor", where: str) -> LocalChunk:
     """This rank's chunk of ``t``; ``where`` names its key path in errors."""
-    offsets = target_region(t, where)[0]
-    coordinate = t.device_mesh.get_coordinate()
-    local = t.to_local()
+    offsets, sizes = target_region(t, where)
+    local = _local(t)
+    if tuple(local.shape) != sizes:
+        raise ValueError(f"{where}: the DTensor's local shape {tuple(local.shape)} disagrees with the {sizes} "
+                         "its mesh and placements give")
+    return LocalChunk(local, offsets, tuple(t.shape),
+                      _owned(t.device_mesh, tuple(t.placements), tuple(t.shape), _global_rank()))
+
+
+def _global_rank() -> int:
+    """Part of every cache key: a process that joins a new group under another rank must not reuse layouts."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+
+
+def _local(t: "DTensor") -> torch.Tensor:
+    """The local shard without the autograd round trip of ``to_local()`` (a save reads, never differentiates)."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t.to_local()
+
+
+@functools.lru_cache(maxsize=65536)
+def _owned(mesh: object, placements: tuple, shape: tuple[int, ...], rank: int) -> bool:
+    """Whether this rank writes its chunk: decided by arithmetic alone, so it is cached per layout."""
+    coordinate = mesh.get_coordinate()
     if coordinate is None:  # this rank is not on the tensor's mesh: it holds nothing
-        return LocalChunk(local, offsets, tuple(t.shape), owned=False)
-    replicated = [c for c, p in zip(coordinate, t.placements) if isinstance(p, Replicate)]
-    owned = all(c == 0 for c in replicated)
-    if local.numel() == 0:  # uneven sharding leaves some ranks nothing; an empty tensor still needs one chunk
-        owned = math.prod(t.shape) == 0 and all(c == 0 for c in coordinate)
-    return LocalChunk(local, offsets, tuple(t.shape), owned)
+        return False
+    sizes, _ = _region(mesh, placements, shape, rank)
+    if math.prod(sizes) == 0:  # uneven sharding leaves some ranks nothing; an empty tensor still needs one chunk
+        return math.prod(shape) == 0 and all(c == 0 for c in coordinate)
+    return all(c == 0 for c, p in zip(coordinate, placements) if isinstance(p, Replicate))
 
 
 def whole_chunk(t: torch.Tensor, rank: int) -> LocalChunk:
@@ -75,14 +97,23 @@ def target_region(t: "DTensor", where: str) -> tuple[tuple[int, ...], tuple[int,
     rectangular chunk; ``Partial`` (pending reduction) holds no saved value
     yet, and strided shards are not supported; both are refused naming the key.
     """
-    for p in t.placements:
+    placements = tuple(t.placements)
+    for p in placements:
         if p.is_partial():
             raise ValueError(f"{where} is a DTensor with a Partial placement ({p}): its value is a pending "
                              "reduction; redistribute it to Shard or Replicate before saving or loading")
         if type(p) not in (Shard, Replicate):
             raise TypeError(f"{where} is a DTensor with placement {p!r}; ckptd handles Shard(d) and Replicate()")
-    if t.device_mesh.get_coordinate() is None:
-        return (0,) * t.dim(), (0,) * t.dim()
-    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    assert tuple(sizes) == tuple(t.to_local().shape), f"{where}: local shape disagrees with its placements"
-    return tuple(offsets), tuple(sizes)
+    sizes, offsets = _region(t.device_mesh, placements, tuple(t.shape), _global_rank())
+    return offsets, sizes
+
+
+@functools.lru_cache(maxsize=65536)
+def _region(mesh: object, placements: tuple, shape: tuple[int, ...],
+            rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(sizes, offsets) of this rank's chunk: a pure function of the layout and this process's global rank,
+    cached so a save of hundreds of DTensors pays torch's arithmetic once per layout, not per tensor per save."""
+    if mesh.get_coordinate() is None:
+        return (0,) * len(shape), (0,) * len(shape)
+    sizes, offsets = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
+    return tuple(sizes), tuple(offsets)
