@@ -76,7 +76,6 @@ log = logging.getLogger("ckptd")
 POLL_MS = 200
 MAX_PID = 1 << 22
 """The kernel's largest possible pid_max."""
-HOUSEKEEPING_S = 1.0
 
 
 
@@ -157,7 +156,7 @@ class Server:
                 os.eventfd_read(self.wake_fd)
             self._apply_finished()
             if time.monotonic() >= next_housekeeping:
-                next_housekeeping = time.monotonic() + HOUSEKEEPING_S
+                next_housekeeping = time.monotonic() + self.config.housekeeping_interval
                 self._housekeeping()
             if self._should_exit():
                 break
