@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-
-def ckptd_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, timeout=60)
+from helpers import ckptd_cli
 
 
 def test_status_exits_zero_and_prints_a_readable_table(daemon) -> None:

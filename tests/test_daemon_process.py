@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -17,19 +16,12 @@ import zmq
 
 import ckptd
 from ckptd.protocol.errors import ErrorCode
-from ckptd.protocol.messages import Commit, Error, Hello, Ok, Status, StatusReply, Welcome, decode
+from ckptd.protocol.messages import Commit, Error, Hello, Status, StatusReply, Welcome, decode
 from ckptd.protocol.layout import plan_layout
 
-from conftest import short_tempdir, start_daemon
+from helpers import start_daemon, wait_until
 
 SLOW = [{"op": "write", "match": "slow", "errno": 0, "delay": 1.5}]
-
-
-def wait_until(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def test_status_shows_a_save_in_flight(daemon_factory, client_factory, root) -> None:

@@ -14,7 +14,7 @@ import torch
 
 import ckptd
 
-from conftest import SHM
+from helpers import SHM
 
 
 def dead_pid() -> int:
@@ -92,7 +92,7 @@ def small_fs(tmp_path: Path):
 
 
 def test_a_save_that_cannot_fit_is_refused_up_front_and_the_daemon_serves_on(run_dir, small_fs, client_factory) -> None:
-    from conftest import start_daemon
+    from helpers import start_daemon
 
     daemon = start_daemon(run_dir, small_fs, faults=[{"op": "fsync", "match": "slow", "errno": 0, "delay": 2.0}])
     try:
