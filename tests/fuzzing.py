@@ -15,7 +15,6 @@ import os
 import resource
 import stat
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ from ckptd.protocol.errors import ErrorCode
 from ckptd.protocol.layout import plan_layout
 from ckptd.protocol.messages import MAX_INT, MESSAGE_TYPES, Bye, Commit, Error, Hello, Ping, decode
 
-from helpers import SHM
+from helpers import SHM, dead_pid
 
 UID, PID = os.getuid(), os.getpid()
 SLOT_BASE = 900_000
@@ -65,12 +64,6 @@ def cap_memory(daemon, limit: int = 3 * 2**30) -> None:
     """Limit the daemon's address space: a request that makes it allocate without bound then ends
     in a MemoryError in the daemon, not in the machine running out of memory."""
     resource.prlimit(daemon.proc.pid, resource.RLIMIT_AS, (limit, limit))
-
-
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
 
 
 # -- the arena: slots and paths the fuzzer aims at ------------------------------

@@ -98,6 +98,15 @@ class Daemon:
         self.proc.wait(10)
 
 
+def raw_socket(daemon: Daemon) -> zmq.Socket:
+    """A DEALER on the daemon's endpoint that waits at most 5 s for a reply (for hand-made requests)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(daemon.endpoint)
+    return sock
+
+
 def short_tempdir(prefix: str) -> Path:
     """Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer."""
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
@@ -130,6 +139,13 @@ def start_daemon(run_dir: Path, root: Path, *extra: str, faults: list[dict] | No
         time.sleep(0.02)
     proc.kill()
     raise RuntimeError("daemon did not come up")
+
+
+def dead_pid() -> int:
+    """A pid that named a process of this host which has exited (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
 
 
 def segments_of(pid: int) -> list[str]:

@@ -123,6 +123,8 @@ def test_stop_timeout_bounds_the_wait_for_an_unresponsive_daemon(daemon) -> None
     (("stop", "--timeout", "inf"), "--timeout"),
     (("start", "--exit-when-idle", "0"), "--exit-when-idle"),
     (("start", "--max-concurrent-loads", "0"), "--max-concurrent-loads"),
+    (("start", "--housekeeping-interval", "0"), "--housekeeping-interval"),
+    (("start", "--housekeeping-interval", "nan"), "--housekeeping-interval"),
 ])
 def test_a_bad_number_is_a_usage_error_naming_the_option(run_dir, args, option) -> None:
     out = ckptd_cli(args[0], "--run-dir", str(run_dir), *args[1:])

@@ -39,7 +39,7 @@ from ckptd.protocol.layout import TensorEntry
 from ckptd.protocol.messages import Error, Hello, Status, StatusReply, decode
 
 from fuzzing import PID, SLOT_BASE, UID, cap_memory, commit_fields, make_arena, make_commit, run_fuzz, slot_name, staged_slot
-from helpers import SHM, short_tempdir, start_daemon
+from helpers import SHM, raw_socket, short_tempdir, start_daemon
 
 
 @pytest.mark.timeout(300)
@@ -52,14 +52,6 @@ def test_every_malformed_or_adversarial_request_gets_one_error_and_a_legitimate_
 
 
 # -- bugs the fuzzing found: one sentence each -------------------------------------
-
-
-def raw_socket(daemon) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.connect(daemon.endpoint)
-    return sock
 
 
 def ask(sock: zmq.Socket, msg) -> Any:

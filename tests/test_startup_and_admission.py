@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,13 +13,7 @@ import torch
 
 import ckptd
 
-from helpers import SHM
-
-
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
+from helpers import SHM, dead_pid
 
 
 def leftover(root: Path, name: str, host: str, pid: int | None) -> Path:
