@@ -11,8 +11,13 @@ $(STAMP): setup.cfg pyproject.toml requirements-dev.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt -e .
 	touch $(STAMP)
 
+# Worker processes for `make test`: the tests mostly wait on daemon and trainer subprocesses, so
+# more workers than cores pays; PYTEST_WORKERS=0 runs in this process. A module whose tests share
+# an expensive fixture keeps them on one worker (pytest.mark.xdist_group, --dist loadgroup).
+PYTEST_WORKERS ?= 4
+
 test: $(STAMP)
-	$(PY) -m pytest -q --timeout=180 $(PYTEST_ARGS)
+	$(PY) -m pytest -q --timeout=180 -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Long fuzzing, load and leak runs (tests/soak is skipped by `make test`).
 soak: $(STAMP)
