@@ -19,8 +19,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ckptd
 from sharded_ranks import fsdp, full, run_rank, run_ranks, sharded_checkpoint
 
-pytestmark = pytest.mark.xdist_group("test_dcp_reader")  # its tests share one module fixture: one worker
-
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, dict]:

@@ -22,8 +22,6 @@ import ckptd
 from ckptd.export import export_checkpoint, parse_size
 from sharded_ranks import model, sharded_checkpoint
 
-pytestmark = pytest.mark.xdist_group("test_export")  # its tests share one module fixture: one worker
-
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, dict]:

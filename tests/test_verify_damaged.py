@@ -29,8 +29,6 @@ from ckptd.protocol.structure import EXT_DTYPE, EXT_GLOBAL, EXT_TENSOR, STRUCTUR
 
 from helpers import ckptd_cli, short_tempdir, start_daemon
 
-pytestmark = pytest.mark.xdist_group("test_verify_damaged")  # its tests share one module fixture: one worker
-
 STATE = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(3, dtype=torch.int64)},
          "dtype": torch.bfloat16, "pair": (1, "two"), "step": 7}
 
