@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ckptd
+from ckptd.config import DaemonConfig
 from ckptd.protocol.errors import ErrorCode
 from ckptd.protocol.messages import Commit, Error, Hello, Status, StatusReply, Welcome, decode
 from ckptd.protocol.layout import plan_layout
@@ -160,6 +161,12 @@ def test_the_daemon_looks_for_dead_clients_at_its_housekeeping_interval(daemon_f
             assert gone in pids(), "a housekeeping round ran before the hour-long interval was up"
         sock.close()
         daemon.stop()
+
+
+@pytest.mark.parametrize("interval", [0, -1.0, float("inf"), float("nan")])
+def test_a_housekeeping_interval_that_is_not_positive_finite_seconds_is_refused_naming_it(tmp_path, interval) -> None:
+    with pytest.raises(ValueError, match="housekeeping_interval must be positive finite seconds"):
+        DaemonConfig(run_dir=tmp_path / "run", roots=(tmp_path,), housekeeping_interval=interval)
 
 
 def test_garbage_and_rule_breaking_requests_get_error_replies_and_the_daemon_serves_on(daemon, root) -> None:
