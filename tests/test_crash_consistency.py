@@ -267,7 +267,10 @@ def test_a_frozen_daemon_fails_pending_saves_after_the_timeout_and_save_async_re
         assert returned < 2.0 + 3, f"save_async blocked {returned:.1f} s on a frozen daemon"
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)
-    # thawed, it answers again and the client reconnects; what it did meanwhile is all or nothing
+    # thawed, it answers again and the client reconnects; what it did meanwhile is all or nothing.
+    # The client's reconnect probe waits 1 s; the thawed daemon first works off the two commits
+    # sent while it was frozen, which on a loaded machine takes longer: wait for its answer.
+    assert daemon.status()["daemon"]["pid"] == daemon.proc.pid
     state = make_state(4)
     client.save_async(state, root / "thawed", step=4).result(30)
     assert_whole(root / "thawed", {0: state})
