@@ -11,8 +11,13 @@ $(STAMP): setup.cfg pyproject.toml requirements-dev.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt -e .
 	touch $(STAMP)
 
+# Worker processes for `make test`: the tests mostly wait on daemon and trainer subprocesses, so
+# more workers than cores pays; PYTEST_WORKERS=0 runs in this process. Each module runs on one
+# worker (--dist loadscope), so a module fixture (a four-rank sharded save) is built once.
+PYTEST_WORKERS ?= 4
+
 test: $(STAMP)
-	$(PY) -m pytest -q --timeout=180 $(PYTEST_ARGS)
+	$(PY) -m pytest -q --timeout=180 -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 # Long fuzzing, load and leak runs (tests/soak is skipped by `make test`).
 soak: $(STAMP)

@@ -63,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="on stop, wait this long for checkpoints still missing ranks (default 60)")
     start.add_argument("--storage", default=os.environ.get("CKPTD_STORAGE") or None, metavar="MODULE:CLASS",
                        help="checkpoint storage implementation (default $CKPTD_STORAGE, else the local filesystem)")
+    start.add_argument("--housekeeping-interval", type=_seconds, default=1.0, metavar="SECONDS",
+                       help="how often to look for dead clients and overdue checkpoints (default 1)")
     start.add_argument("--quiet", action="store_true", help="with --foreground: log to the log file only")
 
     status = with_run_dir(sub.add_parser("status", help="show what the daemon is doing"))
@@ -122,7 +124,8 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
               "keep_last": dict(args.keep or []), "sweep": args.sweep,
               "max_concurrent_loads": args.max_concurrent_loads, "metrics_port": args.metrics_port,
               "metrics_addr": args.metrics_addr, "metrics_textfile": args.metrics_textfile,
-              "drain_timeout": args.drain_timeout, "storage": args.storage}
+              "drain_timeout": args.drain_timeout, "storage": args.storage,
+              "housekeeping_interval": args.housekeeping_interval}
     if args.root:
         kwargs["roots"] = tuple(args.root)
     config = DaemonConfig(**kwargs, log_to_stderr=args.foreground and not args.quiet)
@@ -136,7 +139,8 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
     if args.buffered_io:
         argv.append("--buffered-io")
     argv += [a for d, k in config.keep_last.items() for a in ("--keep", f"{d}={k}")]
-    argv += ["--sweep", config.sweep, "--drain-timeout", str(config.drain_timeout)]
+    argv += ["--sweep", config.sweep, "--drain-timeout", str(config.drain_timeout),
+             "--housekeeping-interval", str(config.housekeeping_interval)]
     if config.max_concurrent_loads is not None:
         argv += ["--max-concurrent-loads", str(config.max_concurrent_loads)]
     if config.metrics_port is not None:

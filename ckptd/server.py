@@ -37,7 +37,6 @@ from .workers import Workers
 
 log = logging.getLogger("ckptd")
 POLL_MS = 200
-HOUSEKEEPING_S = 1.0
 
 
 class Server:
@@ -96,7 +95,7 @@ class Server:
                 self.workers.woken()
             self.workers.apply_finished()
             if time.monotonic() >= next_housekeeping:
-                next_housekeeping = time.monotonic() + HOUSEKEEPING_S
+                next_housekeeping = time.monotonic() + self.config.housekeeping_interval
                 self._housekeeping()
             if self._should_exit():
                 break

@@ -47,7 +47,6 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from ckptd.protocol.chunks import GLOBAL_KEY
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import ChunkRecord, TensorRecord, read_index
 from ckptd.protocol.inspect import check_shard_structure, read_shard_header

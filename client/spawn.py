@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from ckptd.protocol.endpoint import SOCKET_NAME, SPAWN_LOCK_NAME, no_daemon_at
+from ckptd.protocol.endpoint import SOCKET_NAME, SPAWN_LOCK_NAME
 from ckptd.protocol.errors import DaemonUnavailable
 from ckptd.protocol.request import answers
 

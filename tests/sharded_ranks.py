@@ -105,7 +105,7 @@ def run_ranks(fn: Callable, world: int, tmp: Path, name: str, *args: Any) -> lis
 
 def sharded_checkpoint(tmp: Path) -> Iterator[tuple[Path, dict]]:
     """A module fixture's body: a daemon, the four-rank save, (checkpoint, reference); the daemon goes after."""
-    from conftest import short_tempdir, start_daemon
+    from helpers import short_tempdir, start_daemon
 
     root, run_dir = tmp / "ckpts", short_tempdir("ckshd-")
     root.mkdir()

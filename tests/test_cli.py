@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-
-def ckptd_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, timeout=60)
+from helpers import ckptd_cli
 
 
 def test_status_exits_zero_and_prints_a_readable_table(daemon) -> None:
@@ -25,6 +21,13 @@ def test_status_json_has_the_documented_top_level_keys(daemon) -> None:
                          "shm_mapped_bytes", "shm", "roots", "loads", "errors_total"}
     assert info["daemon"]["pid"] == daemon.proc.pid
     assert info["roots"][0]["path"] == str(daemon.root)
+    # the tests' in-process status (helpers.status) reads the same document, field for field
+    def keys(doc):
+        return {k: keys(v) for k, v in doc.items()} if isinstance(doc, dict) else None
+    in_process = daemon.status()
+    assert keys(in_process) == keys(info)
+    assert in_process["daemon"]["pid"] == info["daemon"]["pid"]
+    assert [r["path"] for r in in_process["roots"]] == [r["path"] for r in info["roots"]]
 
 
 def test_status_and_stop_exit_one_when_no_daemon_runs(run_dir) -> None:

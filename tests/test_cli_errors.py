@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,12 +22,7 @@ import ckptd
 from ckptd.protocol.errors import PathNotAllowed
 from ckptd.protocol.messages import MAX_NAME_BYTES
 
-from conftest import start_daemon
-from test_decode_validation import commit, refused
-
-
-def ckptd_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, timeout=timeout)
+from helpers import ckptd_cli, start_daemon
 
 
 def assert_clear(out: subprocess.CompletedProcess, code: int, *phrases: str) -> None:
@@ -129,6 +123,8 @@ def test_stop_timeout_bounds_the_wait_for_an_unresponsive_daemon(daemon) -> None
     (("stop", "--timeout", "inf"), "--timeout"),
     (("start", "--exit-when-idle", "0"), "--exit-when-idle"),
     (("start", "--max-concurrent-loads", "0"), "--max-concurrent-loads"),
+    (("start", "--housekeeping-interval", "0"), "--housekeeping-interval"),
+    (("start", "--housekeeping-interval", "nan"), "--housekeeping-interval"),
 ])
 def test_a_bad_number_is_a_usage_error_naming_the_option(run_dir, args, option) -> None:
     out = ckptd_cli(args[0], "--run-dir", str(run_dir), *args[1:])
@@ -168,11 +164,6 @@ def test_a_name_whose_incomplete_form_is_too_long_is_refused_naming_the_limit(cl
     longest = root / ("y" * limit)
     client.save_async({"w": torch.ones(4)}, longest).result(30)
     assert ckptd.load(longest)["w"].tolist() == [1.0] * 4
-
-
-def test_the_daemon_refuses_an_overlong_name_at_decode() -> None:
-    message = refused(commit(path="/ckpts/" + "z" * (MAX_NAME_BYTES - len(".incomplete") + 1)), PathNotAllowed)
-    assert "names may be at most" in message
 
 
 # --------------------------------------------------------------------------- list

@@ -15,10 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptd.protocol.errors import BadMessage, CkptdError, UnsupportedVersion
+from ckptd.protocol.errors import BadMessage, CkptdError, PathNotAllowed, UnsupportedVersion
 from ckptd.protocol.layout import DTYPE_SIZES, TensorEntry, validate_entries
 from ckptd.protocol.messages import (
     MAX_INT,
+    MAX_NAME_BYTES,
     MAX_STRING,
     MESSAGE_TYPES,
     Commit,
@@ -315,6 +316,11 @@ def test_a_non_map_for_a_map_field_is_refused():
 def test_a_commit_with_a_bad_slot_name_is_refused_naming_the_slot(slot):
     message = refused(commit(slot=slot))
     assert f"slot name {slot!r} must start with 'ckptd-' and hold no '/'" in message
+
+
+def test_the_daemon_refuses_an_overlong_name_at_decode() -> None:
+    message = refused(commit(path="/ckpts/" + "z" * (MAX_NAME_BYTES - len(".incomplete") + 1)), PathNotAllowed)
+    assert "names may be at most" in message
 
 
 def test_a_commit_with_an_empty_path_is_refused():

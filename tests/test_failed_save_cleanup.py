@@ -7,19 +7,12 @@ from __future__ import annotations
 
 import errno
 import os
-import time
 
 import pytest
 import torch
 
 import ckptd
-
-
-def wait_until(cond, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
+from helpers import wait_until
 
 
 @pytest.mark.timeout(120)
@@ -33,18 +26,19 @@ def test_a_retry_right_after_a_failed_save_keeps_its_directory(daemon_factory, c
     log = daemon.run_dir / "ckptd.log"
     client = client_factory()
     busy = client.save_async({"w": torch.ones(10)}, root / "busy")
-    wait_until(lambda: "event=fault op=write_file" in log.read_text())
+    wait_until(lambda: "event=fault op=write_file" in log.read_text(), 20, "the write fault fired")
     lonely = client_factory(rank=0, world_size=2, commit_timeout=0.5)
     with pytest.raises(ckptd.RanksMissing):
         lonely.save_async({"w": torch.ones(100)}, root / "racy", step=1).result(30)
     retry = client_factory().save_async({"w": torch.full((100,), 2.0)}, root / "racy", step=1)
-    wait_until(lambda: log.read_text().count(f"event=admitted path={root.resolve() / 'racy'} ") == 2)
+    wait_until(lambda: log.read_text().count(f"event=admitted path={root.resolve() / 'racy'} ") == 2, 20,
+               "the retry was admitted")
     assert not busy.done(), "the commit thread must still be held for this test to mean anything"
     go.touch()
     assert retry.result(30).path == root / "racy"
     assert torch.equal(ckptd.load(root / "racy")["w"], torch.full((100,), 2.0))
     busy.result(30)
-    wait_until(lambda: sorted(os.listdir(root)) == ["busy", "racy"])  # the failed attempt's files are gone
+    wait_until(lambda: sorted(os.listdir(root)) == ["busy", "racy"], 20, "the failed attempt's files went")
 
 
 def test_a_failed_parent_fsync_after_the_rename_reports_the_checkpoint_as_visible(
@@ -70,12 +64,13 @@ def test_a_slow_retention_removal_does_not_hold_up_the_next_commit(daemon_factor
     client = client_factory()
     client.save_async({"w": torch.ones(10)}, root / "old", step=1).result(30)
     client.save_async({"w": torch.ones(10)}, root / "new", step=2, keep_last=1).result(30)
-    wait_until(lambda: "event=fault op=remove_tree" in (daemon.run_dir / "ckptd.log").read_text())
+    wait_until(lambda: "event=fault op=remove_tree" in (daemon.run_dir / "ckptd.log").read_text(), 20,
+               "the removal fault fired")
     # the removal is held; a commit must not wait for it
     assert client.save_async({"w": torch.ones(10)}, root / "other", step=3).result(30).path == root / "other"
     assert (root / "old.deleting.incomplete").exists(), "the removal must still be held"
     go.touch()
-    wait_until(lambda: sorted(os.listdir(root)) == ["new", "other"])
+    wait_until(lambda: sorted(os.listdir(root)) == ["new", "other"], 20, "retention removed the old one")
 
 
 @pytest.mark.timeout(120)
@@ -84,7 +79,8 @@ def test_the_daemon_answers_while_a_checkpoint_directory_is_being_created(daemon
     go = tmp_path / "go"
     daemon = daemon_factory(faults=[{"op": "touch", "match": "/held.incomplete/", "errno": 0, "wait_for": str(go)}])
     fut = client_factory().save_async({"w": torch.ones(10)}, root / "held")
-    wait_until(lambda: "event=fault op=touch" in (daemon.run_dir / "ckptd.log").read_text())
+    wait_until(lambda: "event=fault op=touch" in (daemon.run_dir / "ckptd.log").read_text(), 20,
+               "the touch fault fired")
     status = daemon.status()  # the loop answers while admission's I/O is held on its worker
     assert [c["state"] for c in status["checkpoints"]] == ["preparing"]
     assert not fut.done()

@@ -16,7 +16,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -29,6 +29,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import ckptd  # noqa: E402
 from ckptd.integrations.lightning import CkptdCheckpointIO  # noqa: E402
+
+from helpers import wait_until
 
 SCORES = [0.9, 0.5, 0.2, 0.1]
 """The monitored score of epochs 0-3 (lower is better): after three epochs the best two are
@@ -99,13 +101,6 @@ def make_trainer(root: Path, run_dir: Path, max_epochs: int, recorder: Recorder)
         plugins=[CkptdCheckpointIO(run_dir=run_dir, spawn=False, max_inflight=2, timeout=10.0)],
     )
     return trainer, checkpoints
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.01)
 
 
 def entries(root: Path) -> list[str]:

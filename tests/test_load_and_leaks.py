@@ -1,7 +1,7 @@
-"""Many clients saving at once all commit, ``ckptd status`` answers throughout, and nothing leaks.
+"""Many clients saving at once all commit, the daemon's status answers throughout, and nothing leaks.
 
 Eight clients save fifty checkpoints each, of random sizes, at the same
-time, while another thread polls ``ckptd status`` the whole while. Every
+time, while another thread asks the daemon for its status the whole while. Every
 checkpoint must load back bitwise (CRC checked), and once the clients have
 closed, the daemon's open file descriptors, its resident memory and the
 node's ``/dev/shm`` segments return to what they were before the load.
@@ -11,8 +11,6 @@ The bigger variant (trainer subprocesses, more and larger saves) is in
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import threading
 import time
@@ -24,65 +22,8 @@ import torch
 
 import ckptd
 
-SHM = Path("/dev/shm")
-RSS_TOLERANCE = 32 * 2**20
+from helpers import RSS_TOLERANCE, Footprint, StatusPoller, wait_until
 
-
-def wait_until(cond, timeout: float, what) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what() if callable(what) else what}")
-        time.sleep(0.1)
-
-
-@dataclass
-class Footprint:
-    """What a daemon holds (open fds, resident memory) and the clients' /dev/shm segments."""
-
-    fds: int
-    rss: int
-    segments: int
-
-    @classmethod
-    def of(cls, pid: int, client_pids: tuple[int, ...] = (os.getpid(),)) -> "Footprint":
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-        status = Path(f"/proc/{pid}/status").read_text()
-        rss = int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) * 1024
-        prefixes = tuple(f"ckptd-{os.getuid()}-{p}-" for p in client_pids)
-        segments = sum(1 for p in SHM.iterdir() if p.name.startswith(prefixes))
-        return cls(fds, rss, segments)
-
-    def back_to(self, baseline: "Footprint") -> bool:
-        return (self.fds <= baseline.fds and self.segments <= baseline.segments
-                and self.rss <= baseline.rss + RSS_TOLERANCE)
-
-
-class StatusPoller(threading.Thread):
-    """Runs ``ckptd status --json`` in a loop; every call must answer, and quickly."""
-
-    def __init__(self, daemon) -> None:
-        super().__init__(name="status-poller", daemon=True)
-        self.daemon_ = daemon
-        self.halt = threading.Event()
-        self.latencies: list[float] = []
-        self.failures: list[str] = []
-        self.busiest = 0
-
-    def run(self) -> None:
-        while not self.halt.is_set():
-            t = time.monotonic()
-            out = self.daemon_.cli("status", "--json", timeout=30)
-            self.latencies.append(time.monotonic() - t)
-            if out.returncode != 0:
-                self.failures.append(out.stderr.strip())
-                continue
-            info = json.loads(out.stdout)
-            self.busiest = max(self.busiest, len(info["saves"]))
-
-    def stop(self) -> None:
-        self.halt.set()
-        self.join(60)
 
 
 def sizes_for(client: int, saves: int, max_bytes: int) -> list[int]:

@@ -28,7 +28,7 @@ import ckptd
 from ckptd.protocol.messages import Ping
 from ckptd.protocol.shm import SHM_DIR_ENV
 
-from conftest import short_tempdir
+from helpers import short_tempdir
 
 
 def small_state(seed: int = 0) -> dict:

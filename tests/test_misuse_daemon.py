@@ -13,7 +13,6 @@ import hashlib
 import os
 import signal
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -21,15 +20,10 @@ import torch
 
 import ckptd
 
+from helpers import wait_until
+
 DEAD_PID = 4_194_304
 """Above any pid_max: a marker naming it names a process that cannot be running."""
-
-
-def wait_until(cond, what: str, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
-        time.sleep(0.05)
 
 
 def tree(path: Path) -> dict[str, str]:
@@ -121,7 +115,7 @@ def test_overwrite_refuses_anything_but_a_committed_ckptd_checkpoint_and_leaves_
     with pytest.raises(ckptd.CheckpointExists, match="would not replace it either") as info:
         client.save_async(state(9), path, step=9).result(30)
     assert why in str(info.value)
-    wait_until(lambda: not (root / f"{path.name}.incomplete").exists(), "the refused save leaves nothing")
+    wait_until(lambda: not (root / f"{path.name}.incomplete").exists(), 15, "the refused save leaves nothing")
     assert tree(path) == before, f"{case}: the refused overwrite changed what was at {path}"
     if case == "run-folder-with-checkpoints-and-notes":
         assert ckptd.load(path / "step-2")["step"] == 2
@@ -152,7 +146,7 @@ def test_a_foreign_file_added_while_the_new_checkpoint_is_written_stops_the_over
     before = tree(root / "ckpt")
     with pytest.raises(ckptd.CheckpointExists, match="holds entries ckptd did not write: 'notes.txt'"):
         fut.result(30)
-    wait_until(lambda: not (root / "ckpt.incomplete").exists(), "the new checkpoint's directory is removed")
+    wait_until(lambda: not (root / "ckpt.incomplete").exists(), 15, "the new checkpoint's directory is removed")
     assert tree(root / "ckpt") == before
     assert ckptd.load(root / "ckpt")["step"] == 1
 
@@ -200,8 +194,9 @@ def test_retention_keeps_a_checkpoint_that_holds_the_users_files(daemon, client,
     before = tree(root / "step-1")
     client.save_async(state(2), root / "step-2", step=2).result(30)
     client.save_async(state(3), root / "step-3", step=3, keep_last=1).result(30)
-    wait_until(lambda: sorted(os.listdir(root)) == ["step-1", "step-3"], "retention deletes step-2 (and its aside name)")
-    wait_until(lambda: "event=retention_skip" in (daemon.run_dir / "ckptd.log").read_text(),
+    wait_until(lambda: sorted(os.listdir(root)) == ["step-1", "step-3"], 15,
+               "retention deletes step-2 (and its aside name)")
+    wait_until(lambda: "event=retention_skip" in (daemon.run_dir / "ckptd.log").read_text(), 15,
                "retention logs why it kept step-1")
     assert sorted(os.listdir(root)) == ["step-1", "step-3"]
     assert tree(root / "step-1") == before
@@ -226,7 +221,7 @@ def test_a_committed_save_whose_owner_marker_cannot_be_removed_succeeds_and_the_
     assert daemon.status()["errors_total"] == 0
     daemon.stop()  # the marker's owner is now dead: the next daemon's sweep removes it
     daemon_factory()
-    wait_until(lambda: marker not in os.listdir(root / "ckpt"), "the start-up sweep removes the dead marker")
+    wait_until(lambda: marker not in os.listdir(root / "ckpt"), 15, "the start-up sweep removes the dead marker")
     assert ckptd.load(root / "ckpt")["step"] == 1
 
 
@@ -263,7 +258,7 @@ def test_a_drain_lets_the_missing_rank_commit_and_refuses_new_checkpoints(daemon
     rank1 = client_factory(rank=1, world_size=2, heartbeat=0.2, timeout=5.0)
     first = rank0.save_async(state(1), root / "both", step=1)
     daemon.proc.send_signal(signal.SIGTERM)
-    wait_until(lambda: daemon.status()["daemon"]["draining"], "the daemon drains")
+    wait_until(lambda: daemon.status()["daemon"]["draining"], 15, "the daemon drains")
     with pytest.raises(ckptd.ShuttingDown, match="accepts no new saves"):
         rank1.save_async(state(5), root / "new", step=5).result(30)
     second = rank1.save_async(state(2), root / "both", step=1)

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 import ckptd
 
-from conftest import short_tempdir, start_daemon
+from helpers import short_tempdir, start_daemon
 
 WORLD = 4
 SLOW_B = [{"op": "write", "match": "doomed", "errno": 0, "delay": 5.0}]

@@ -4,24 +4,16 @@ from __future__ import annotations
 
 import errno
 import json
-import os
-import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 import ckptd
 
+from helpers import wait_until
+
 SLOW = [{"op": "write", "match": "slow", "errno": 0, "delay": 1.0}]
-
-
-def wait_until(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def test_four_ranks_on_one_node_commit_once_after_all_are_durable(daemon, client_factory, root) -> None:

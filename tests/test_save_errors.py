@@ -5,12 +5,13 @@ from __future__ import annotations
 import errno
 import os
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 import ckptd
+
+from helpers import wait_until
 
 
 def test_path_outside_the_allowed_roots_fails_with_path_not_allowed(client, root, tmp_path) -> None:
@@ -44,13 +45,6 @@ def test_unwritable_path_fails_with_write_failed(client, root) -> None:
     (root / "file").write_text("not a directory")
     with pytest.raises(ckptd.WriteFailed, match="is not a directory"):
         client.save_async({"x": 1}, root / "file" / "ckpt").result(30)
-
-
-def wait_until(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,6 @@ reference.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 import traceback
@@ -27,7 +26,7 @@ from torch import nn
 
 import ckptd
 
-from conftest import short_tempdir, start_daemon
+from helpers import short_tempdir, start_daemon
 
 
 def _model() -> nn.Module:

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from conftest import SHM, own_segments
+from helpers import SHM, own_segments
 
 
 def test_second_save_of_the_same_size_creates_no_new_segment(client, root) -> None:

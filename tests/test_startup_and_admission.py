@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,13 +13,7 @@ import torch
 
 import ckptd
 
-from conftest import SHM
-
-
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
+from helpers import SHM, dead_pid
 
 
 def leftover(root: Path, name: str, host: str, pid: int | None) -> Path:
@@ -92,7 +85,7 @@ def small_fs(tmp_path: Path):
 
 
 def test_a_save_that_cannot_fit_is_refused_up_front_and_the_daemon_serves_on(run_dir, small_fs, client_factory) -> None:
-    from conftest import start_daemon
+    from helpers import start_daemon
 
     daemon = start_daemon(run_dir, small_fs, faults=[{"op": "fsync", "match": "slow", "errno": 0, "delay": 2.0}])
     try:

@@ -13,8 +13,6 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 from typing import Callable, Iterator
@@ -29,14 +27,10 @@ from ckptd.protocol.index import INDEX_NAME, read_index
 from ckptd.protocol.layout import encode_header, parse_header
 from ckptd.protocol.structure import EXT_DTYPE, EXT_GLOBAL, EXT_TENSOR, STRUCTURE_KEY, TORCH_DTYPE_NAMES
 
-from conftest import short_tempdir, start_daemon
+from helpers import ckptd_cli, short_tempdir, start_daemon
 
 STATE = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(3, dtype=torch.int64)},
          "dtype": torch.bfloat16, "pair": (1, "two"), "step": 7}
-
-
-def ckptd_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import signal
 
 import pytest
 
-from test_client_death import Trainer, assert_loads_as, expected_state, segments_of, wait_until
+from helpers import segments_of, wait_until
+from trainers import Trainer, assert_loads_as, expected_state
 
 pytestmark = pytest.mark.skipif(os.environ.get("CKPTD_SOAK") != "1",
                                 reason="soak test: run with `make soak` (CKPTD_SOAK=1)")

@@ -11,8 +11,8 @@ import pytest
 
 import ckptd
 
-from conftest import start_daemon
-from test_crash_consistency import KILL_POINTS, NAME, assert_whole, digests, leftovers, make_state, wait_until
+from helpers import start_daemon, wait_until
+from crashes import KILL_POINTS, NAME, assert_whole, digests, leftovers, make_state
 
 pytestmark = pytest.mark.skipif(os.environ.get("CKPTD_SOAK") != "1",
                                 reason="soak test: run with `make soak` (CKPTD_SOAK=1)")

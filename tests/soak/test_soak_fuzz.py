@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from test_fuzz_daemon import run_fuzz
+from fuzzing import run_fuzz
 
 pytestmark = pytest.mark.skipif(os.environ.get("CKPTD_SOAK") != "1",
                                 reason="soak test: run with `make soak` (CKPTD_SOAK=1)")

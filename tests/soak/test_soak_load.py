@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from test_load_and_leaks import Footprint, StatusPoller, wait_until
+from helpers import Footprint, StatusPoller, wait_until
 
 pytestmark = pytest.mark.skipif(os.environ.get("CKPTD_SOAK") != "1",
                                 reason="soak test: run with `make soak` (CKPTD_SOAK=1)")

@@ -1,0 +1,214 @@
+"""What every test shares: real daemon subprocesses, status over the protocol, polling, /dev/shm.
+
+Test modules import from here (``from helpers import ...``), never from
+``conftest`` or from one another; ``conftest.py`` holds only fixtures built on
+these. Daemons run on ``ipc://`` endpoints in private directories under
+``/tmp`` and clients name their slots by pid, so tests are safe to run in
+parallel processes (``pytest -n``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import zmq
+
+from ckptd.protocol.endpoint import endpoint_for
+from ckptd.protocol.messages import Status, StatusReply, decode
+
+SHM = Path("/dev/shm")
+REPO = Path(__file__).resolve().parent.parent
+FAULTS_SPEC = "tests.faults:FaultyStorage"
+"""The fault-injecting storage (tests/faults.py), loaded by ``ckptd start --storage``."""
+RSS_TOLERANCE = 32 * 2**20
+"""How much more resident memory than before a load a daemon may keep (allocator caches)."""
+HOUSEKEEPING_S = 0.1
+"""Test daemons look for dead clients and overdue checkpoints this often (the
+default is 1 s), so a test waiting on housekeeping does not sleep through it."""
+
+
+def wait_until(cond: Callable[[], object], timeout: float = 10.0,
+               what: str | Callable[[], str] = "the condition") -> None:
+    """Poll ``cond`` until it is true; fail after ``timeout`` s saying ``what`` (a string, or a
+    callable describing the state at the end) did not happen."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what() if callable(what) else what}")
+        time.sleep(0.05)
+
+
+def ckptd_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the real ``ckptd`` CLI in its own interpreter, capturing its output."""
+    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def status(run_dir: Path, *, timeout: float = 10.0) -> dict:
+    """The daemon's status, exactly as ``ckptd status --json`` prints it, asked in this process
+    (spawning the CLI costs a Python start-up per poll)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint_for(run_dir))
+        sock.send(Status(1).to_wire())
+        if not sock.poll(int(timeout * 1000)):
+            raise AssertionError(f"the daemon on {run_dir} did not answer Status within {timeout:g} s")
+        reply = decode(sock.recv())
+    finally:
+        sock.close()
+    assert isinstance(reply, StatusReply), f"Status got {reply!r}"
+    return json.loads(json.dumps(reply.info))
+
+
+@dataclass
+class Daemon:
+    """A ``ckptd start --foreground`` subprocess and where it lives."""
+
+    run_dir: Path
+    root: Path
+    proc: subprocess.Popen
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def endpoint(self) -> str:
+        return endpoint_for(self.run_dir)
+
+    def cli(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        """Run the real ``ckptd`` CLI against this daemon."""
+        return ckptd_cli(*args[:1], "--run-dir", str(self.run_dir), *args[1:], timeout=timeout, env=self.env)
+
+    def status(self) -> dict:
+        return status(self.run_dir)
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def raw_socket(daemon: Daemon) -> zmq.Socket:
+    """A DEALER on the daemon's endpoint that waits at most 5 s for a reply (for hand-made requests)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(daemon.endpoint)
+    return sock
+
+
+def short_tempdir(prefix: str) -> Path:
+    """Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def start_daemon(run_dir: Path, root: Path, *extra: str, faults: list[dict] | None = None,
+                 timeout: float = 20) -> Daemon:
+    """Start a daemon and return once it answers Status from the pid it wrote."""
+    env = dict(os.environ)
+    env.pop("CKPTD_FAULTS", None)
+    if faults:
+        env["CKPTD_FAULTS"] = json.dumps(faults)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        extra = ("--storage", FAULTS_SPEC, *extra)
+    if not any(a.startswith("--housekeeping-interval") for a in extra):
+        extra = ("--housekeeping-interval", str(HOUSEKEEPING_S), *extra)
+    cmd = [sys.executable, "-m", "ckptd", "start", "--foreground", "--quiet",
+           "--run-dir", str(run_dir), "--root", str(root), *extra]
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    daemon = Daemon(run_dir, root, proc, env)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited at start: {proc.stderr.read().decode()}")
+        if (run_dir / "ckptd.sock").exists():
+            try:
+                info = status(run_dir, timeout=5)
+            except AssertionError:
+                continue
+            if info["daemon"]["pid"] == proc.pid:
+                return daemon
+        time.sleep(0.02)
+    proc.kill()
+    raise RuntimeError("daemon did not come up")
+
+
+def dead_pid() -> int:
+    """A pid that named a process of this host which has exited (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def segments_of(pid: int) -> list[str]:
+    """The ckptd shared-memory segments a process (alive or dead) named, in /dev/shm."""
+    prefix = f"ckptd-{os.getuid()}-{pid}-"
+    return sorted(p.name for p in SHM.iterdir() if p.name.startswith(prefix))
+
+
+def own_segments() -> set[str]:
+    """This process's ckptd segments in /dev/shm."""
+    return set(segments_of(os.getpid()))
+
+
+@dataclass
+class Footprint:
+    """What a daemon holds (open fds, resident memory) and the clients' /dev/shm segments."""
+
+    fds: int
+    rss: int
+    segments: int
+
+    @classmethod
+    def of(cls, pid: int, client_pids: tuple[int, ...] = (os.getpid(),)) -> "Footprint":
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        status = Path(f"/proc/{pid}/status").read_text()
+        rss = int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) * 1024
+        prefixes = tuple(f"ckptd-{os.getuid()}-{p}-" for p in client_pids)
+        segments = sum(1 for p in SHM.iterdir() if p.name.startswith(prefixes))
+        return cls(fds, rss, segments)
+
+    def back_to(self, baseline: "Footprint") -> bool:
+        return (self.fds <= baseline.fds and self.segments <= baseline.segments
+                and self.rss <= baseline.rss + RSS_TOLERANCE)
+
+
+class StatusPoller(threading.Thread):
+    """Asks the daemon for its status in a loop while a load runs; every call must answer, and quickly."""
+
+    def __init__(self, daemon) -> None:
+        super().__init__(name="status-poller", daemon=True)
+        self.daemon_ = daemon
+        self.halt = threading.Event()
+        self.latencies: list[float] = []
+        self.failures: list[str] = []
+        self.busiest = 0
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            t = time.monotonic()
+            try:
+                info = status(self.daemon_.run_dir, timeout=30)
+            except AssertionError as exc:
+                self.failures.append(str(exc))
+                continue
+            finally:
+                self.latencies.append(time.monotonic() - t)
+            self.busiest = max(self.busiest, len(info["saves"]))
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(60)

@@ -1,0 +1,168 @@
+"""Retention and the start-up sweep on their own: real directories, no daemon.
+
+Checkpoints here are written by hand (an index and the shard it lists), owner
+markers name this host and a live or a dead pid, and a storage that fails one
+call stands in for a disk error, through the storage seam.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from ckptd.ownership import OWNER_PREFIX, owner_marker
+from ckptd.protocol.index import INDEX_NAME, CheckpointIndex, ShardRecord, shard_name
+from ckptd.retention import apply_retention
+from ckptd.storage import Storage
+from ckptd.sweep import SWEPT_DIR, KnownDirs, MAX_KNOWN_DIRS, is_orphaned, reclaim_orphaned_slots, sweep_incomplete
+
+from helpers import dead_pid
+
+HOST = socket.gethostname()
+
+
+def checkpoint(directory: Path, name: str, step: int | None, *, created: float = 1.0) -> Path:
+    """A committed one-rank checkpoint: a 16-byte shard and the index that lists it."""
+    path = directory / name
+    path.mkdir(parents=True)
+    shard = shard_name(0, 1)
+    (path / shard).write_bytes(b"\0" * 16)
+    index = CheckpointIndex(world_size=1, step=step, created=created,
+                            files=(ShardRecord(file=shard, rank=0, size=16, checksum=0, tensors=1),))
+    (path / INDEX_NAME).write_bytes(index.to_json())
+    return path
+
+
+def marker(directory: Path, pid: int, host: str = HOST) -> Path:
+    m = directory / f"{OWNER_PREFIX}{host}-{pid}"
+    m.touch()
+    return m
+
+
+class FailingRename(Storage):
+    """Local storage whose renames of paths containing ``match`` fail with EIO."""
+
+    def __init__(self, match: str) -> None:
+        self.match = match
+
+    def rename(self, src: Path, dst: Path) -> None:
+        if self.match in str(src):
+            raise OSError(5, "Input/output error", str(src))
+        super().rename(src, dst)
+
+
+# -- retention -----------------------------------------------------------------
+
+
+def test_retention_keeps_the_newest_by_step_and_never_the_one_just_committed(tmp_path: Path) -> None:
+    for step in (1, 2, 3, 4):
+        checkpoint(tmp_path, f"step-{step}", step)
+    newest = checkpoint(tmp_path, "rerun", 0)  # just committed with a lower step: kept all the same
+    deleted = apply_retention(Storage(), newest, 2, set())
+    assert sorted(p.name for p in deleted) == ["step-1", "step-2", "step-3"]
+    assert sorted(os.listdir(tmp_path)) == ["rerun", "step-4"]
+
+
+def test_retention_passes_over_saves_in_flight_and_directories_that_are_not_checkpoints(tmp_path: Path) -> None:
+    old = checkpoint(tmp_path, "step-1", 1)
+    busy = checkpoint(tmp_path, "step-2", 2)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "step-0.incomplete").mkdir()
+    newest = checkpoint(tmp_path, "step-3", 3)
+    assert apply_retention(Storage(), newest, 1, {busy}) == [old]
+    assert sorted(os.listdir(tmp_path)) == ["notes", "step-0.incomplete", "step-2", "step-3"]
+
+
+def test_retention_keeps_a_checkpoint_holding_a_file_ckptd_did_not_write(tmp_path: Path, caplog) -> None:
+    kept = checkpoint(tmp_path, "step-1", 1)
+    (kept / "README").write_text("the good run")
+    newest = checkpoint(tmp_path, "step-2", 2)
+    with caplog.at_level("WARNING", logger="ckptd"):
+        assert apply_retention(Storage(), newest, 1, set()) == []
+    assert (kept / "README").read_text() == "the good run"
+    assert "event=retention_skip" in caplog.text and "'README'" in caplog.text
+
+
+def test_a_failed_rename_keeps_the_victim_whole_and_takes_its_owner_marker_back(tmp_path: Path, caplog) -> None:
+    victim = checkpoint(tmp_path, "step-1", 1)
+    newest = checkpoint(tmp_path, "step-2", 2)
+    with caplog.at_level("WARNING", logger="ckptd"):
+        assert apply_retention(FailingRename("step-1"), newest, 1, set()) == []
+    assert sorted(os.listdir(victim)) == [INDEX_NAME, shard_name(0, 1)]
+    assert "event=retention_skip" in caplog.text and "Input/output error" in caplog.text
+
+
+def test_retention_refuses_to_keep_fewer_than_one() -> None:
+    with pytest.raises(ValueError, match="keep_last must be at least 1, got 0"):
+        apply_retention(Storage(), Path("/nonexistent/step-1"), 0, set())
+
+
+# -- sweep ---------------------------------------------------------------------
+
+
+def test_an_incomplete_directory_is_orphaned_only_when_every_marker_names_a_dead_process_here(tmp_path: Path) -> None:
+    dead, alive = tmp_path / "a.incomplete", tmp_path / "b.incomplete"
+    foreign, unmarked = tmp_path / "c.incomplete", tmp_path / "d.incomplete"
+    for d in (dead, alive, foreign, unmarked):
+        d.mkdir()
+    marker(dead, dead_pid())
+    marker(alive, dead_pid())
+    marker(alive, os.getpid())
+    marker(foreign, dead_pid(), host=HOST + "-elsewhere")
+    assert [is_orphaned(d) for d in (dead, alive, foreign, unmarked)] == [True, False, False, False]
+    assert not is_orphaned(tmp_path / "missing.incomplete")
+
+
+def test_the_sweep_removes_dead_leftovers_and_dead_markers_and_leaves_everything_else(tmp_path: Path) -> None:
+    leftover = tmp_path / "step-1.incomplete"
+    leftover.mkdir()
+    marker(leftover, dead_pid())
+    (leftover / shard_name(0, 1)).write_bytes(b"half")
+    writing = tmp_path / "step-2.incomplete"
+    writing.mkdir()
+    live_marker = marker(writing, os.getpid())
+    committed = checkpoint(tmp_path, "step-0", 0)
+    stale = marker(committed, dead_pid())
+    mine = committed / owner_marker()
+    mine.touch()
+    assert sweep_incomplete(Storage(), [tmp_path, tmp_path / "missing"], "remove") == [leftover]
+    assert sorted(os.listdir(tmp_path)) == ["step-0", "step-2.incomplete"]
+    assert live_marker.exists() and mine.exists() and not stale.exists()
+
+
+def test_the_sweep_moves_leftovers_aside_when_asked_and_does_nothing_when_off(tmp_path: Path) -> None:
+    leftover = tmp_path / "step-1.incomplete"
+    leftover.mkdir()
+    marker(leftover, dead_pid())
+    assert sweep_incomplete(Storage(), [tmp_path], "off") == []
+    assert leftover.exists()
+    assert sweep_incomplete(Storage(), [tmp_path], "move") == [leftover]
+    (moved,) = os.listdir(tmp_path / SWEPT_DIR)
+    assert moved.startswith("step-1.incomplete-") and not leftover.exists()
+
+
+def test_orphaned_slots_of_dead_processes_are_unlinked_and_others_kept(tmp_path: Path) -> None:
+    uid = os.getuid()
+    dead = f"ckptd-{uid}-{dead_pid()}-0"
+    live = f"ckptd-{uid}-{os.getpid()}-0"
+    other_user = f"ckptd-{uid + 1}-{dead_pid()}-0"
+    for name in (dead, live, other_user, "not-a-slot"):
+        (tmp_path / name).write_bytes(b"x")
+    assert reclaim_orphaned_slots(tmp_path) == [dead]
+    assert sorted(os.listdir(tmp_path)) == sorted([live, other_user, "not-a-slot"])
+
+
+def test_known_directories_survive_a_restart_once_each_and_only_the_newest_are_kept(tmp_path: Path) -> None:
+    known = KnownDirs(tmp_path)
+    assert known.dirs == []
+    known.remember(Path("/ckpts/a"))
+    known.remember(Path("/ckpts/a"))
+    known.remember(Path("/ckpts/b"))
+    assert KnownDirs(tmp_path).dirs == [Path("/ckpts/a"), Path("/ckpts/b")]
+    for n in range(MAX_KNOWN_DIRS - 1):  # one more than fits: the oldest, /ckpts/a, goes
+        known.remember(Path(f"/ckpts/run-{n}"))
+    again = KnownDirs(tmp_path)
+    assert len(again.dirs) == MAX_KNOWN_DIRS and again.dirs[0] == Path("/ckpts/b")
