@@ -270,7 +270,13 @@ def load_storage(spec: str | None) -> Storage:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"--storage {spec!r} cannot be loaded: {exc}") from None
-    storage = cls()
+    if not isinstance(cls, type):
+        raise ValueError(f"--storage {spec!r} names a {type(cls).__name__}, not a class implementing "
+                         "ckptd.storage.Storage")
+    try:
+        storage = cls()
+    except Exception as exc:
+        raise ValueError(f"--storage {spec!r} could not be created without arguments: {exc!r}") from None
     if not isinstance(storage, Storage):
-        raise TypeError(f"--storage {spec!r} does not implement ckptd.storage.Storage")
+        raise ValueError(f"--storage {spec!r} does not implement ckptd.storage.Storage")
     return storage

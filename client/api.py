@@ -16,7 +16,7 @@ from ckptd.protocol.errors import Busy, InternalError
 from ckptd.protocol.layout import ShardLayout
 from ckptd.protocol.messages import Bye, Commit, Done, Ping, Staged
 
-from .checks import check_bool, check_client_args, check_keep_last, check_path, check_step
+from .checks import check_bool, check_client_args, check_keep_last, check_path, check_seconds, check_step
 from .connection import Connection
 from .coordinate import Coordinator, SaveSpec, spans_several_daemons
 from .flatten import Flat, flatten
@@ -284,8 +284,10 @@ class Client:
         self._conn = self._connect()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending save has finished (successfully or not)."""
+        """Block until every pending save has finished (successfully or not), or ``timeout`` seconds pass."""
         self._check_process()
+        if timeout is not None:
+            check_seconds("timeout", timeout)
         with self._lock:
             pending = list(self._futures)
         concurrent.futures.wait(pending, timeout)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.admission import check_room, existing_ancestor, filesystem_of, filesystem_type
+from ckptd.admission import check_room
+from ckptd.storage import LocalStorage, filesystem_type
 from ckptd.leases import LoadLeases
 from ckptd.protocol.errors import NoSpace, PathNotAllowed
 
@@ -87,45 +88,51 @@ def free_of(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def room(target: Path, nbytes: int, reserved: int = 0, *, margin_fraction: float = 0.0, margin_min: int = 0,
+         shm_min_free: int = 0, shm_free: int | None = None) -> None:
+    """Admission's check over what the local storage measures at ``target``."""
+    check_room(target, LocalStorage().space(target), nbytes, reserved, margin_fraction=margin_fraction,
+               margin_min=margin_min, shm_min_free=shm_min_free, shm_free=shm_free)
+
+
 def test_a_save_that_fits_with_the_margin_is_admitted_even_into_directories_not_made_yet(tmp_path: Path) -> None:
     target = tmp_path / "run1" / "step-1"
-    assert existing_ancestor(target) == tmp_path
-    assert filesystem_of(target) == os.stat(tmp_path).st_dev
-    check_room(target, 4096, 0, margin_fraction=0.0, margin_min=0, shm_min_free=0)
+    assert LocalStorage().space(target).device == os.stat(tmp_path).st_dev  # measured at the nearest ancestor
+    room(target, 4096)
 
 
 def test_a_save_beyond_the_free_space_is_refused_naming_the_shard_and_the_free_space(tmp_path: Path) -> None:
     too_big = free_of(tmp_path) + 2**30
     with pytest.raises(NoSpace, match=rf"not enough space for {tmp_path}/x: the shard needs .* only .* is free"):
-        check_room(tmp_path / "x", too_big, 0, margin_fraction=0.0, margin_min=0, shm_min_free=0)
+        room(tmp_path / "x", too_big)
 
 
 def test_saves_already_in_flight_to_the_filesystem_count_against_a_new_one(tmp_path: Path) -> None:
     free = free_of(tmp_path)
-    check_room(tmp_path / "x", free // 4, 0, margin_fraction=0.0, margin_min=0, shm_min_free=0)
+    room(tmp_path / "x", free // 4)
     with pytest.raises(NoSpace, match="saves in flight to the same filesystem need"):
-        check_room(tmp_path / "x", free // 4, free, margin_fraction=0.0, margin_min=0, shm_min_free=0)
+        room(tmp_path / "x", free // 4, free)
 
 
 def test_the_margin_is_kept_free_whether_given_in_bytes_or_as_a_fraction(tmp_path: Path) -> None:
     free = free_of(tmp_path)
     with pytest.raises(NoSpace, match="is kept free"):
-        check_room(tmp_path / "x", 4096, 0, margin_fraction=0.0, margin_min=free, shm_min_free=0)
+        room(tmp_path / "x", 4096, margin_min=free)
     with pytest.raises(NoSpace, match="is kept free"):
-        check_room(tmp_path / "x", 4096, 0, margin_fraction=1.0, margin_min=0, shm_min_free=0)
+        room(tmp_path / "x", 4096, margin_fraction=1.0)
 
 
-def test_a_shared_memory_directory_short_of_headroom_refuses_the_save_naming_it(tmp_path: Path) -> None:
+def test_a_shared_memory_directory_short_of_headroom_refuses_the_save_naming_it(tmp_path: Path, monkeypatch) -> None:
     shm = tmp_path / "shm"
     shm.mkdir()
+    monkeypatch.setenv("CKPTD_SHM_DIR", str(shm))
     with pytest.raises(NoSpace, match=f"{shm} is nearly full"):
-        check_room(tmp_path / "x", 4096, 0, margin_fraction=0.0, margin_min=0,
-                   shm_min_free=free_of(shm) + 2**30, shm_dir=shm)
+        room(tmp_path / "x", 4096, shm_min_free=free_of(shm) + 2**30, shm_free=free_of(shm))
 
 
 def test_a_target_on_a_pseudo_filesystem_is_refused_as_such_not_as_short_of_space() -> None:
     with pytest.raises(PathNotAllowed, match="lies on a proc filesystem, which has no storage"):
-        check_room(Path("/proc/ckptd-test/step-1"), 4096, 0, margin_fraction=0.0, margin_min=0, shm_min_free=0)
+        room(Path("/proc/ckptd-test/step-1"), 4096)
 
 
 def test_the_filesystem_type_comes_from_the_deepest_mount_above_the_path(tmp_path: Path, monkeypatch) -> None:
@@ -137,8 +144,8 @@ def test_the_filesystem_type_comes_from_the_deepest_mount_above_the_path(tmp_pat
         f"30 22 0:50 / {str(inner).replace(' ', chr(92) + '040')} rw - tmpfs tmpfs rw\n"
         "broken line without a separator\n"
     )
-    monkeypatch.setattr("ckptd.admission.MOUNTINFO", table)
+    monkeypatch.setattr("ckptd.storage.MOUNTINFO", table)
     assert filesystem_type(inner / "ckpt") == "tmpfs"
     assert filesystem_type(tmp_path) == "ext4"
-    monkeypatch.setattr("ckptd.admission.MOUNTINFO", tmp_path / "missing")
+    monkeypatch.setattr("ckptd.storage.MOUNTINFO", tmp_path / "missing")
     assert filesystem_type(tmp_path) == "unknown"

@@ -112,8 +112,12 @@ def test_load_storage_names_what_is_wrong_with_the_option() -> None:
         load_storage("ckptd.storage")
     with pytest.raises(ValueError, match="cannot be loaded"):
         load_storage("ckptd.storage:NoSuchClass")
-    with pytest.raises(TypeError, match="does not implement"):
+    with pytest.raises(ValueError, match="does not implement"):
         load_storage("pathlib:PurePath")
+    with pytest.raises(ValueError, match="names a module, not a class"):
+        load_storage("os:path")
+    with pytest.raises(ValueError, match="could not be created without arguments"):
+        load_storage("datetime:date")
 
 
 def test_a_daemon_config_refuses_a_storage_that_cannot_be_loaded(tmp_path) -> None:

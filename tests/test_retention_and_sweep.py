@@ -16,8 +16,9 @@ import pytest
 from ckptd.ownership import OWNER_PREFIX, owner_marker
 from ckptd.protocol.index import INDEX_NAME, CheckpointIndex, ShardRecord, shard_name
 from ckptd.retention import apply_retention
-from ckptd.storage import Storage
-from ckptd.sweep import SWEPT_DIR, KnownDirs, MAX_KNOWN_DIRS, is_orphaned, reclaim_orphaned_slots, sweep_incomplete
+from ckptd.storage import LocalStorage
+from ckptd.slots import reclaim_orphaned_slots
+from ckptd.sweep import SWEPT_DIR, KnownDirs, MAX_KNOWN_DIRS, is_orphaned, sweep_incomplete
 
 from helpers import dead_pid
 
@@ -42,7 +43,7 @@ def marker(directory: Path, pid: int, host: str = HOST) -> Path:
     return m
 
 
-class FailingRename(Storage):
+class FailingRename(LocalStorage):
     """Local storage whose renames of paths containing ``match`` fail with EIO."""
 
     def __init__(self, match: str) -> None:
@@ -61,7 +62,7 @@ def test_retention_keeps_the_newest_by_step_and_never_the_one_just_committed(tmp
     for step in (1, 2, 3, 4):
         checkpoint(tmp_path, f"step-{step}", step)
     newest = checkpoint(tmp_path, "rerun", 0)  # just committed with a lower step: kept all the same
-    deleted = apply_retention(Storage(), newest, 2, set())
+    deleted = apply_retention(LocalStorage(), newest, 2, set())
     assert sorted(p.name for p in deleted) == ["step-1", "step-2", "step-3"]
     assert sorted(os.listdir(tmp_path)) == ["rerun", "step-4"]
 
@@ -72,7 +73,7 @@ def test_retention_passes_over_saves_in_flight_and_directories_that_are_not_chec
     (tmp_path / "notes").mkdir()
     (tmp_path / "step-0.incomplete").mkdir()
     newest = checkpoint(tmp_path, "step-3", 3)
-    assert apply_retention(Storage(), newest, 1, {busy}) == [old]
+    assert apply_retention(LocalStorage(), newest, 1, {busy}) == [old]
     assert sorted(os.listdir(tmp_path)) == ["notes", "step-0.incomplete", "step-2", "step-3"]
 
 
@@ -81,7 +82,7 @@ def test_retention_keeps_a_checkpoint_holding_a_file_ckptd_did_not_write(tmp_pat
     (kept / "README").write_text("the good run")
     newest = checkpoint(tmp_path, "step-2", 2)
     with caplog.at_level("WARNING", logger="ckptd"):
-        assert apply_retention(Storage(), newest, 1, set()) == []
+        assert apply_retention(LocalStorage(), newest, 1, set()) == []
     assert (kept / "README").read_text() == "the good run"
     assert "event=retention_skip" in caplog.text and "'README'" in caplog.text
 
@@ -97,7 +98,7 @@ def test_a_failed_rename_keeps_the_victim_whole_and_takes_its_owner_marker_back(
 
 def test_retention_refuses_to_keep_fewer_than_one() -> None:
     with pytest.raises(ValueError, match="keep_last must be at least 1, got 0"):
-        apply_retention(Storage(), Path("/nonexistent/step-1"), 0, set())
+        apply_retention(LocalStorage(), Path("/nonexistent/step-1"), 0, set())
 
 
 # -- sweep ---------------------------------------------------------------------
@@ -112,8 +113,8 @@ def test_an_incomplete_directory_is_orphaned_only_when_every_marker_names_a_dead
     marker(alive, dead_pid())
     marker(alive, os.getpid())
     marker(foreign, dead_pid(), host=HOST + "-elsewhere")
-    assert [is_orphaned(d) for d in (dead, alive, foreign, unmarked)] == [True, False, False, False]
-    assert not is_orphaned(tmp_path / "missing.incomplete")
+    assert [is_orphaned(LocalStorage(), d) for d in (dead, alive, foreign, unmarked)] == [True, False, False, False]
+    assert not is_orphaned(LocalStorage(), tmp_path / "missing.incomplete")
 
 
 def test_the_sweep_removes_dead_leftovers_and_dead_markers_and_leaves_everything_else(tmp_path: Path) -> None:
@@ -128,7 +129,7 @@ def test_the_sweep_removes_dead_leftovers_and_dead_markers_and_leaves_everything
     stale = marker(committed, dead_pid())
     mine = committed / owner_marker()
     mine.touch()
-    assert sweep_incomplete(Storage(), [tmp_path, tmp_path / "missing"], "remove") == [leftover]
+    assert sweep_incomplete(LocalStorage(), [tmp_path, tmp_path / "missing"], "remove") == [leftover]
     assert sorted(os.listdir(tmp_path)) == ["step-0", "step-2.incomplete"]
     assert live_marker.exists() and mine.exists() and not stale.exists()
 
@@ -137,9 +138,9 @@ def test_the_sweep_moves_leftovers_aside_when_asked_and_does_nothing_when_off(tm
     leftover = tmp_path / "step-1.incomplete"
     leftover.mkdir()
     marker(leftover, dead_pid())
-    assert sweep_incomplete(Storage(), [tmp_path], "off") == []
+    assert sweep_incomplete(LocalStorage(), [tmp_path], "off") == []
     assert leftover.exists()
-    assert sweep_incomplete(Storage(), [tmp_path], "move") == [leftover]
+    assert sweep_incomplete(LocalStorage(), [tmp_path], "move") == [leftover]
     (moved,) = os.listdir(tmp_path / SWEPT_DIR)
     assert moved.startswith("step-1.incomplete-") and not leftover.exists()
 
@@ -156,13 +157,13 @@ def test_orphaned_slots_of_dead_processes_are_unlinked_and_others_kept(tmp_path:
 
 
 def test_known_directories_survive_a_restart_once_each_and_only_the_newest_are_kept(tmp_path: Path) -> None:
-    known = KnownDirs(tmp_path)
+    known = KnownDirs(LocalStorage(), tmp_path)
     assert known.dirs == []
     known.remember(Path("/ckpts/a"))
     known.remember(Path("/ckpts/a"))
     known.remember(Path("/ckpts/b"))
-    assert KnownDirs(tmp_path).dirs == [Path("/ckpts/a"), Path("/ckpts/b")]
+    assert KnownDirs(LocalStorage(), tmp_path).dirs == [Path("/ckpts/a"), Path("/ckpts/b")]
     for n in range(MAX_KNOWN_DIRS - 1):  # one more than fits: the oldest, /ckpts/a, goes
         known.remember(Path(f"/ckpts/run-{n}"))
-    again = KnownDirs(tmp_path)
+    again = KnownDirs(LocalStorage(), tmp_path)
     assert len(again.dirs) == MAX_KNOWN_DIRS and again.dirs[0] == Path("/ckpts/b")
