@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from ckptd.protocol.errors import BadMessage, BadSlot, NoSpace, PathNotAllowed
 from ckptd.protocol.layout import parse_header
 from ckptd.protocol.messages import Commit
-from ckptd.protocol.shm import shm_usage
+from ckptd.protocol.shm import SHM_REMEDIES, shm_usage
 
-from .commit import resolve_path
+from .commit import refuse_existing, resolve_path
 from .render import human_bytes
 from .slots import MappedSlot, SlotMaps
 from .storage import Space, Storage
@@ -43,6 +43,7 @@ class Examined:
     slot: MappedSlot
     space: Space
     shm_free: int | None
+    """Free bytes in the slot directory counting this save's own slot as free (it exists already)."""
 
 
 def examine(storage: Storage, slots: SlotMaps, msg: Commit, *, pid: int, roots: tuple[Path, ...]) -> Examined:
@@ -57,7 +58,10 @@ def examine(storage: Storage, slots: SlotMaps, msg: Commit, *, pid: int, roots: 
         if data_start != msg.header_len or sorted(entries, key=by_offset) != sorted(msg.tensors, key=by_offset):
             raise BadSlot(f"slot {msg.slot!r} holds a header that does not match the commit's tensor table")
         final = resolve_path(storage, msg.path, roots)
-        return Examined(final, slot, storage.space(final.parent), shm_free_bytes())
+        if storage.stat(final) is not None:  # before the room check: "exists" is the answer that helps
+            refuse_existing(storage, final, msg.overwrite)
+        shm_free = shm_free_bytes()
+        return Examined(final, slot, storage.space(final.parent), None if shm_free is None else shm_free + slot.size)
     except BadMessage as exc:
         slots.release(slot)
         raise BadSlot(f"slot {msg.slot!r}: {exc.message}") from None
@@ -86,8 +90,9 @@ def check_room(target: Path, space: Space, nbytes: int, reserved: int, *, margin
             f"{human_bytes(space.free)} is free"
         )
     if shm_free is not None and shm_free < shm_min_free:
-        raise NoSpace(f"{shm_usage()['dir']} is nearly full ({human_bytes(shm_free)} free, "
-                      f"{human_bytes(shm_min_free)} needed as headroom)")
+        raise NoSpace(f"{shm_usage()['dir']} is nearly full: {human_bytes(shm_free)} free counting this save's "
+                      f"own slot, but the daemon keeps {human_bytes(shm_min_free)} free as headroom for everything "
+                      f"else on the node that uses shared memory. {SHM_REMEDIES}")
 
 
 def shm_free_bytes() -> int | None:

@@ -110,6 +110,14 @@ class PendingCheckpoint:
                                tensors=tensors or {})
 
 
+FAILED_MEMORY_S = 600.0
+"""How long a failed checkpoint's error waits for its late ranks (at least; its commit timeout if longer).
+
+A late rank is by definition late by more than the timeout that failed its
+checkpoint, so remembering the failure only that long would make it start a
+fresh checkpoint and blame the ranks that did commit."""
+
+
 @dataclass
 class FailedCheckpoint:
     """Why a checkpoint failed, kept so its late ranks fail the same way."""
@@ -141,6 +149,18 @@ def resolve_path(storage: Storage, raw: str, roots: tuple[Path, ...]) -> Path:
     except OSError as exc:  # a name too long, a loop of links...
         raise PathNotAllowed(f"checkpoint path {raw!r:.200} cannot be used: {exc.strerror or exc}") from None
     return final
+
+
+def refuse_existing(storage: Storage, final: Path, overwrite: bool) -> None:
+    """Something is at ``final``: only a committed ckptd checkpoint, with ``overwrite``, may be replaced (I/O)."""
+    if overwrite:
+        check_replaceable(storage, final)
+        return
+    reason = why_not_replaceable(storage, final)
+    if reason is None:
+        raise CheckpointExists(f"checkpoint {final} already exists; pass overwrite=True to replace it")
+    raise CheckpointExists(f"{final} already exists, and overwrite=True would not replace it either: "
+                           f"{reason}; save under another path")
 
 
 class Commits:
@@ -177,17 +197,6 @@ class Commits:
         pending.waiting.append((client, commit.id, commit.rank))
         return pending, pending.incomplete / shard_name(commit.rank, commit.world_size)
 
-    def _refuse_existing(self, final: Path, overwrite: bool) -> None:
-        """Something is at ``final``: only a committed ckptd checkpoint, with ``overwrite``, may be replaced."""
-        if overwrite:
-            check_replaceable(self.storage, final)
-            return
-        reason = why_not_replaceable(self.storage, final)
-        if reason is None:
-            raise CheckpointExists(f"checkpoint {final} already exists; pass overwrite=True to replace it")
-        raise CheckpointExists(f"{final} already exists, and overwrite=True would not replace it either: "
-                               f"{reason}; save under another path")
-
     def _refuse_late_rank_of_failed(self, final: Path, rank: int) -> None:
         """A rank arriving after its checkpoint failed gets the same error; its retry starts afresh."""
         failed = self.failed.get(final)
@@ -209,7 +218,7 @@ class Commits:
         """
         storage, parent = self.storage, pending.path.parent
         if storage.stat(pending.path) is not None:
-            self._refuse_existing(pending.path, pending.overwrite)
+            refuse_existing(storage, pending.path, pending.overwrite)
         st = storage.stat(parent, follow=True)
         if st is not None and st.kind is not Kind.DIR:
             raise WriteFailed(f"cannot create {pending.incomplete}: {parent} is not a directory")
@@ -259,8 +268,9 @@ class Commits:
         pending.state = CheckpointState.FAILED
         self.forget(pending)
         if not pending.coordinated:  # across nodes the ranks' own agreement tells late ranks
-            self.failed[pending.path] = FailedCheckpoint(error, set(pending.ranks_seen),
-                                                         time.monotonic() + pending.timeout)
+            remembered = max(pending.timeout, FAILED_MEMORY_S)  # a bare copy: no traceback pins frames
+            self.failed[pending.path] = FailedCheckpoint(type(error)(error.message), set(pending.ranks_seen),
+                                                         time.monotonic() + remembered)
 
     def from_finalize(self, msg: Finalize, client: bytes, final: Path) -> PendingCheckpoint:
         """The checkpoint global rank 0 asks this daemon to commit (at ``final``, resolved)."""

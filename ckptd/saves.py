@@ -3,10 +3,10 @@
 ::
 
     Commit ──admit pool: examine (path, slot, header, free space)
-           ──loop: room check, bookkeeping ──admit pool: prepare p.incomplete (first rank)
+           ──loop: room check, bookkeeping ──admit pool: remember the parent, prepare p.incomplete (first rank)
            ──loop: Accepted ──write pool: shard to disk, fsync ──loop: Durable / all ranks in?
            ──commit pool: index, rename, fsync parent ──loop: Done
-           ──maintenance pool: retention, remembering the directory
+           ──maintenance pool: retention
 
 A failure at any step fails the whole checkpoint: every rank is told, and
 once no shard of it is being written its ``.incomplete`` directory is
@@ -118,9 +118,20 @@ class Saves:
             return
         if final not in state.held:
             state.held[final] = []
-            self.workers.submit("admit", lambda: state.commits.prepare(pending),
-                                lambda fut: self._prepared(pending, fut))
+            self.workers.submit("admit", lambda: self._prepare(pending), lambda fut: self._prepared(pending, fut))
         state.held[final].append(job)
+
+    def _prepare(self, pending: PendingCheckpoint) -> None:
+        """Remember the parent for the start-up sweep, then create ``p.incomplete`` (admit pool).
+
+        Remembered first, so a daemon killed at any point after this leaves no
+        ``.incomplete`` directory that its restart does not look at.
+        """
+        try:
+            self.known_dirs.remember(pending.path.parent)
+        except OSError as exc:  # the save itself can go on; only a crash's leftovers would be missed
+            log.warning("event=remember_failed dir=%s error=%r", pending.path.parent, exc)
+        self.state.commits.prepare(pending)
 
     def _prepared(self, pending: PendingCheckpoint, fut: Future) -> None:
         jobs = self.state.held.pop(pending.path, [])
@@ -196,7 +207,6 @@ class Saves:
         log.info("event=committed path=%s bytes=%d seconds=%.3f", pending.path, pending.index().total_bytes, seconds)
         for ident, rid, rank in pending.waiting:
             self.send(ident, Done(rid, str(pending.path), pending.shards[rank].size, seconds))
-        self.workers.submit("maintenance", lambda: self.known_dirs.remember(pending.path.parent))
         keep = pending.keep_last or self.config.retention_for(pending.path)
         if keep is not None:
             in_flight = set(state.commits.pending)

@@ -2,7 +2,8 @@
 
 Each turn polls the socket and the workers' wake-up fd with a timeout,
 decodes and dispatches requests, replies, applies finished work, and does
-housekeeping (dead clients, overdue checkpoints, metrics, idle exit). What
+housekeeping (dead clients, overdue checkpoints, slots clients unlinked,
+metrics, idle exit). What
 the node is doing lives in ``NodeState``; saves move through ``Saves``; all
 file I/O runs on ``Workers``' pools. ``_handle`` is the one place where an
 exception becomes an ``Error`` reply, so no request, however malformed, can
@@ -196,6 +197,7 @@ class Server:
             metrics, info = self.metrics, self.state.stats.snapshot(self.state)
             self.workers.submit("status", lambda: metrics.update(add_filesystems(info, self.storage)))
         self.saves.fail_overdue()
+        self.workers.submit("maintenance", self.state.slots.drop_unlinked)  # slots clients replaced
         for ident in self.state.dead_clients():
             pid = self.state.clients[ident].pid
             self._teardown(ident, f"the client (pid {pid}) died before it finished staging")

@@ -7,6 +7,13 @@ mapping while the slot keeps its identity (inode and size), so a steady
 stream of saves costs no page-table set-up after the first. A slot is only
 accepted from the process whose pid is in its name, and only if it belongs
 to the daemon's own user.
+
+A mapping pins the slot's memory even after the client unlinks the file (a
+client replaces a slot that became too small), so the daemon keeps each
+slot's fd and drops a mapping whose file has no name left (``st_nlink == 0``)
+as soon as it notices: when the same client commits again, and in
+housekeeping. Closing a mapping never raises: if something still holds a view
+of it, that is logged and the memory goes when the view does.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.protocol.errors import BadSlot
+from ckptd.protocol.shm import DEFAULT_SHM_DIR, SHM_DIR_ENV
 from ckptd.protocol.shm import shm_dir as default_shm_dir
 from ckptd.protocol.shm import slot_name, slot_owner
 
@@ -32,8 +40,25 @@ class MappedSlot:
     inode: int
     size: int
     map: mmap.mmap
+    fd: int
+    """Kept open so that ``fstat`` tells whether the client has unlinked the slot."""
     users: int = 0
     """Writes in flight over this mapping; it is only closed at zero."""
+
+    @property
+    def unlinked(self) -> bool:
+        return os.fstat(self.fd).st_nlink == 0
+
+    def close(self) -> None:
+        """Unmap and close the fd; never raises (a view still held keeps the memory until it goes)."""
+        try:
+            self.map.close()
+        except BufferError:
+            log.error("event=slot_view_leak slot=%s bytes=%d: a view of the mapping is still held; it is "
+                      "unmapped when that view goes", self.name, self.size)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def pid_alive(pid: int) -> bool:
@@ -71,8 +96,12 @@ class SlotMaps:
                           f"(pid {pid})")
         try:  # O_NONBLOCK: a FIFO planted under a slot's name must not block the daemon
             fd = os.open(self.shm_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise BadSlot(f"cannot open slot {name!r}: the daemon looked in {self.shm_dir} and it is not there; "
+                          f"the client and the daemon must share the same {SHM_DIR_ENV} (unset for both means "
+                          f"{DEFAULT_SHM_DIR})") from None
         except OSError as exc:
-            raise BadSlot(f"cannot open slot {name!r}: {exc.strerror}") from None
+            raise BadSlot(f"cannot open slot {name!r} in {self.shm_dir}: {exc.strerror}") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -81,20 +110,22 @@ class SlotMaps:
                 raise BadSlot(f"slot {name!r} belongs to uid {st.st_uid}, not to this daemon's user")
             if st.st_size < nbytes:
                 raise BadSlot(f"slot {name!r} holds {st.st_size} bytes but the commit claims {nbytes}")
+            self.drop_unlinked(pid)
             cached = self._maps.get(name)
             if cached and (cached.inode, cached.size) == (st.st_ino, st.st_size):
                 cached.users += 1
+                os.close(fd)
                 return cached
             # MAP_POPULATE builds the page tables in one pass instead of a
             # fault per page during the first write from this slot.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             mapping = mmap.mmap(fd, st.st_size, flags, mmap.PROT_READ)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         if cached:
             self._drop(cached)
-        self._drop_unlinked(pid)
-        slot = MappedSlot(name, st.st_ino, st.st_size, mapping, users=1)
+        slot = MappedSlot(name, st.st_ino, st.st_size, mapping, fd, users=1)
         self._maps[name] = slot
         return slot
 
@@ -102,7 +133,7 @@ class SlotMaps:
         with self._lock:
             slot.users -= 1
             if slot.users == 0 and self._maps.get(slot.name) is not slot:
-                slot.map.close()
+                slot.close()
 
     def forget_pid(self, pid: int) -> None:
         """Drop cached mappings of a client that left (closed once idle)."""
@@ -110,11 +141,16 @@ class SlotMaps:
             for name in [n for n in self._maps if (slot_owner(n) or (0, 0))[1] == pid]:
                 self._drop(self._maps[name])
 
-    def _drop_unlinked(self, pid: int) -> None:
-        """Forget mappings of ``pid``'s slots that it has since unlinked (grown)."""
-        for name, slot in list(self._maps.items()):
-            if (slot_owner(name) or (0, 0))[1] == pid and not (self.shm_dir / name).exists():
+    def drop_unlinked(self, pid: int | None = None) -> int:
+        """Drop mappings of slots their client has unlinked (of ``pid``; None: every client's); returns how many.
+
+        One still being written from is closed when its last write ends (``release``).
+        """
+        with self._lock:
+            gone = [s for n, s in self._maps.items() if pid in (None, (slot_owner(n) or (0, 0))[1]) and s.unlinked]
+            for slot in gone:
                 self._drop(slot)
+            return len(gone)
 
     def reclaim(self, pid: int) -> int:
         """Unlink the slots of dead client ``pid``; returns how many.
@@ -138,7 +174,7 @@ class SlotMaps:
             if self._maps.get(slot.name) is slot:
                 del self._maps[slot.name]
             if slot.users == 0:
-                slot.map.close()
+                slot.close()
 
     @property
     def mapped_bytes(self) -> int:

@@ -25,7 +25,10 @@ MAX_KNOWN_DIRS = 1000
 
 
 class KnownDirs:
-    """Directories this daemon committed into, kept in the run dir so the next start sweeps them too.
+    """Directories this daemon saved into, kept in the run dir so the next start sweeps them too.
+
+    A directory is remembered when a save into it is admitted, before its
+    ``.incomplete`` is created, so a crash mid-save leaves nothing unswept.
 
     Roots can be as wide as ``/``; scanning them whole is not an option, so the
     sweep looks at each root's own entries and at the directories saves went to.

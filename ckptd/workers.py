@@ -3,14 +3,15 @@
 The loop thread never does file I/O. Everything that does runs here:
 
 - ``admit``: one thread, FIFO. Resolving paths, mapping slots
-  (``MAP_POPULATE``), creating ``.incomplete`` directories, setting a failed
+  (``MAP_POPULATE``), remembering checkpoint directories for the start-up
+  sweep, creating ``.incomplete`` directories, setting a failed
   attempt's directory aside. FIFO matters: a retry's directory is only
   created after the failed attempt's directory was moved out of its way.
 - ``write``: the node's write slots (``max_concurrent_writes``), FIFO.
 - ``checksum``: one CRC thread per write slot, beside its write.
 - ``commit``: one thread; index, rename, fsync of the parent.
 - ``maintenance``: one thread for retention, tree removals, the start-up
-  sweep, reclaiming dead clients' slots, remembering directories. A slow
+  sweep, reclaiming dead clients' slots, dropping mappings of unlinked slots. A slow
   tree removal delays only other maintenance, never a commit.
 - ``status``: one thread for the free-space numbers of ``ckptd status`` and metrics.
 

@@ -131,7 +131,8 @@ def write_shard(job: WriteJob, storage: Storage, checksums: Executor, *, direct:
             n = min(chunk, end - offset)
             _await_bytes(job, min(offset + n, nbytes))
             try:
-                offset += storage.pwrite(fd, view[offset : offset + n], offset)
+                with view[offset : offset + n] as part:  # released even if a traceback keeps the frame
+                    offset += storage.pwrite(fd, part, offset)
             except OSError as exc:
                 if not (direct and exc.errno == errno.EINVAL):
                     raise
@@ -186,6 +187,7 @@ def _checksum(view: memoryview, nbytes: int, progress: Progress) -> int:
     while offset < nbytes:
         end = min(offset + CRC_CHUNK, nbytes)
         progress.wait_for(end)
-        crc = zlib.crc32(view[offset:end], crc)
+        with view[offset:end] as part:
+            crc = zlib.crc32(part, crc)
         offset = end
     return crc

@@ -54,12 +54,15 @@ def shm_shortage_message(needed: int, directory: Path, reason: str) -> str:
     free, total = usage["free_bytes"], usage["total_bytes"]
     there = (f"only {_amount(free)} are free of {_amount(total)}" if free is not None
              else "its free space cannot be read")
-    return (
-        f"this save needs {_amount(needed)} of shared memory in {directory}, but {there} "
-        f"({reason}). Give the node or container more shared memory: `docker run --shm-size=<size>` "
-        f"(Docker's default is 64 MiB), in Kubernetes a memory-backed emptyDir (medium: Memory) mounted at "
-        f"/dev/shm, or point {SHM_DIR_ENV} at a larger tmpfs for both the trainer and the daemon."
-    )
+    return f"this save needs {_amount(needed)} of shared memory in {directory}, but {there} ({reason}). {SHM_REMEDIES}"
+
+
+SHM_REMEDIES = (
+    "Give the node or container more shared memory: `docker run --shm-size=<size>` "
+    "(Docker's default is 64 MiB), in Kubernetes a memory-backed emptyDir (medium: Memory) mounted at "
+    f"/dev/shm, or point {SHM_DIR_ENV} at a larger tmpfs for both the trainer and the daemon."
+)
+"""How to get more shared memory (the client's and the daemon's shortage messages both end with it)."""
 
 
 def _amount(n: object) -> str:
