@@ -63,12 +63,13 @@ def test_a_second_request_from_the_same_client_gives_back_its_first_lease() -> N
     assert len(leases.snapshot()["held"]) == 1
 
 
-def test_a_dead_process_loses_its_leases_and_its_queued_requests_and_the_next_waiter_is_granted() -> None:
+def test_a_gone_client_loses_its_lease_and_its_queued_requests_and_the_next_waiter_is_granted() -> None:
     leases = LoadLeases(default_limit=1)
     leases.request(A, 1, pid=10, limit=None)
     leases.request(B, 2, pid=10, limit=None)  # the same process, a second connection: queued
     leases.request(C, 3, pid=12, limit=None)
-    assert granted(leases.drop_pid(10)) == [(C, 3)]
+    assert granted(leases.drop_client(B)) == []  # the daemon tears down each connection of a dead process
+    assert granted(leases.drop_client(A)) == [(C, 3)]
     snap = leases.snapshot()
     assert [h["pid"] for h in snap["held"]] == [12] and snap["waiting"] == []
 
