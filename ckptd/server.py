@@ -197,7 +197,8 @@ class Server:
             metrics, info = self.metrics, self.state.stats.snapshot(self.state)
             self.workers.submit("status", lambda: metrics.update(add_filesystems(info, self.storage)))
         self.saves.fail_overdue()
-        self.workers.submit("maintenance", self.state.slots.drop_unlinked)  # slots clients replaced
+        if self.state.slots.mapped_bytes:  # slots clients replaced; nothing to do (nor to keep busy) when none
+            self.workers.submit("maintenance", self.state.slots.drop_unlinked)
         for ident in self.state.dead_clients():
             pid = self.state.clients[ident].pid
             self._teardown(ident, f"the client (pid {pid}) died before it finished staging")
