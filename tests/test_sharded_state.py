@@ -14,19 +14,18 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import ckptd
 
 from helpers import short_tempdir, start_daemon
+from sharded_ranks import run_ranks
 
 
 def _model() -> nn.Module:
@@ -184,21 +183,7 @@ def _same(a, b) -> bool | str:
 
 
 def _run(fn, world: int, tmp: Path, run_dirs: list[Path], root: Path, out: Path, name: str) -> list[dict]:
-    init = tmp / f"init-{name}"
-    ctx = mp.start_processes(fn, args=(world, str(init), [str(d) for d in run_dirs], str(root), str(out)),
-                             nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + 300
-    try:
-        while not ctx.join(5):  # returns after each rank's exit; raises if one failed
-            assert time.monotonic() < deadline, "the ranks did not finish"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    logs = [json.loads((out / f"{name}-{r}.json").read_text()) for r in range(world)]
-    for r, log in enumerate(logs):
-        assert "crash" not in log, f"rank {r}: {log['crash']}"
-    return logs
+    return run_ranks(fn, world, tmp, name, [str(d) for d in run_dirs], str(root), str(out))
 
 
 def _unique_bytes(reference) -> int:
