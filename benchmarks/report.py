@@ -119,14 +119,14 @@ def targets_table(recs: Records) -> str:
     rows = []
     for t in TARGETS:
         value, ref = _resolve(recs, t.measured), t.reference and _resolve(recs, t.reference)
-        compared = (ratio := div(value, ref)) if t.reference else value
+        compared = div(value, ref) if t.reference else value
         met = "–" if compared is None else ("met" if (compared <= t.bound if t.op == "≤" else compared >= t.bound)
                                             else "missed")
         mb = t.measured.endswith("daemon_anon")
         shown = "–" if value is None else (f"{value / 1e6:.1f} MB" if mb else f"{value:.4g}")
         against = f" vs {ref:.4g}" if ref is not None else ""
         bound = f"{t.bound / 1e6:g} MB" if mb else f"{t.bound:g}"
-        rows.append([t.text, f"#{t.issue}", shown + against, fmt(ratio, 2), f"{t.op} {bound}", met])
+        rows.append([t.text, f"#{t.issue}", shown + against, fmt(compared if t.reference else None, 2), f"{t.op} {bound}", met])
     return table(["target", "issue", "measured (s, or as named)", "ratio", "bound", "met"], rows)
 
 
