@@ -3,9 +3,8 @@
 Each turn polls the socket and the workers' wake-up fd with a timeout,
 decodes and dispatches requests, replies, applies finished work, and does
 housekeeping (dead clients, overdue checkpoints, slots clients unlinked,
-metrics, idle exit). What
-the node is doing lives in ``NodeState``; saves move through ``Saves``; all
-file I/O runs on ``Workers``' pools. ``_handle`` is the one place where an
+metrics, idle exit). What the node is doing lives in ``NodeState``; saves
+move through ``Saves``; all file I/O runs on ``Workers``' pools. ``_handle`` is the one place where an
 exception becomes an ``Error`` reply, so no request, however malformed, can
 take the daemon down.
 """
