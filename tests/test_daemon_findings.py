@@ -10,27 +10,19 @@ as root); write failures and crashes are injected through the storage seam
 from __future__ import annotations
 
 import errno
-import os
 import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 import torch
 
 import ckptd
+from helpers import wait_until
 
 MiB = 1 << 20
-
-
-def wait_until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    """Poll ``cond`` (a generous deadline on a shared machine: this bounds a hang, it times nothing)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 @contextmanager
@@ -91,7 +83,7 @@ def test_a_slot_the_client_unlinked_is_unmapped_so_a_bigger_state_fits(daemon_fa
         try:  # the client gives its 30 MiB slot back and asks for 40 MiB; the daemon may still map the old one
             client.save_async({"w": floats(40)}, daemon.root / "big").result(30)
         except ckptd.NoSpace:
-            wait_until(lambda: not any("(deleted)" in m for m in slot_mappings(daemon.proc.pid)),
+            wait_until(lambda: not any("(deleted)" in m for m in slot_mappings(daemon.proc.pid)), 30,
                        "the daemon keeps mapping a slot its client unlinked")
             client.save_async({"w": floats(40)}, daemon.root / "big").result(30)
         assert torch.equal(ckptd.load(daemon.root / "big")["w"], floats(40))
@@ -156,7 +148,7 @@ def test_a_daemon_killed_mid_save_in_a_new_directory_leaves_nothing_a_restart_do
     leftover = root / "deep" / "ckpt.incomplete"
     assert leftover.is_dir()
     daemon_factory()  # same run dir: the restart sweeps
-    wait_until(lambda: not leftover.exists(), f"the restarted daemon never swept {leftover}")
+    wait_until(lambda: not leftover.exists(), 30, f"the restarted daemon never swept {leftover}")
 
 
 # 6 ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from torch import nn
 import ckptd
 
 from helpers import short_tempdir, start_daemon
-from sharded_ranks import run_ranks
+from sharded_ranks import full, run_ranks
 
 
 def _model() -> nn.Module:
@@ -56,23 +56,13 @@ def _hsdp():
 def _mesh_state(mesh, placements_2d: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    full = torch.arange(6 * 5, dtype=torch.float64).reshape(6, 5)
+    values = torch.arange(6 * 5, dtype=torch.float64).reshape(6, 5)
     ints = torch.arange(9, dtype=torch.int32)
     if placements_2d:
-        return {"grid": distribute_tensor(full, mesh, [Shard(0), Shard(1)]),
+        return {"grid": distribute_tensor(values, mesh, [Shard(0), Shard(1)]),
                 "mixed": distribute_tensor(ints, mesh, [Replicate(), Shard(0)])}
-    return {"grid": distribute_tensor(torch.zeros_like(full), mesh, [Shard(1)]),
+    return {"grid": distribute_tensor(torch.zeros_like(values), mesh, [Shard(1)]),
             "mixed": distribute_tensor(torch.zeros_like(ints), mesh, [Shard(0)])}
-
-
-def _full(state):
-    if isinstance(state, dict):
-        return {k: _full(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_full(v) for v in state)
-    if hasattr(state, "full_tensor"):
-        return state.full_tensor().clone()
-    return state.clone() if isinstance(state, torch.Tensor) else state
 
 
 def _save_on_four(rank: int, world: int, init: str, run_dirs: list[str], root: str, out: str) -> None:
@@ -93,7 +83,7 @@ def _save_on_four(rank: int, world: int, init: str, run_dirs: list[str], root: s
         fsdp_state = {"model": msd, "optim": osd, "epoch": 3}
         mesh_state = _mesh_state(init_device_mesh("cpu", (2, 2)), True)
         hsdp_state = {"model": _hsdp().state_dict()}
-        reference = {"fsdp": _full(fsdp_state), "mesh": _full(mesh_state), "hsdp": _full(hsdp_state)}
+        reference = {"fsdp": full(fsdp_state), "mesh": full(mesh_state), "hsdp": full(hsdp_state)}
         if rank == 0:
             torch.save(reference, Path(out) / "reference.pt")
         for name, state in (("fsdp", fsdp_state), ("mesh", mesh_state), ("hsdp", hsdp_state)):
@@ -128,7 +118,7 @@ def _load_on_three(rank: int, world: int, init: str, run_dirs: list[str], root: 
         model, optim, get_state_dict = _fsdp(world)
         msd, osd = get_state_dict(model, optim)  # initializes AdamW's state, as DCP does
         target = {"model": msd, "optim": osd, "epoch": 0}
-        before = _full(target)
+        before = full(target)
         # errors first: one report naming every problem, and the target untouched
         bad = {"model": dict(msd), "optim": osd, "epoch": 0, "extra": torch.zeros(1)}
         bad["model"]["0.weight"] = torch.zeros(7, 5)
@@ -136,15 +126,15 @@ def _load_on_three(rank: int, world: int, init: str, run_dirs: list[str], root: 
             ckptd.load_into(bad, Path(root) / "fsdp")
         except ckptd.InvalidCheckpoint as exc:
             log["bad"] = exc.message
-        log["untouched"] = _same(_full(target), before)
+        log["untouched"] = _same(full(target), before)
         report = ckptd.load_into(target, Path(root) / "fsdp")
         set_state_dict(model, optim, model_state_dict=target["model"], optim_state_dict=target["optim"])
-        restored = _full(get_state_dict(model, optim))
+        restored = full(get_state_dict(model, optim))
         log["fsdp"] = _same({"model": restored[0], "optim": restored[1], "epoch": target["epoch"]}, reference["fsdp"])
         log["copied"] = report.copied
         mesh_target = _mesh_state(init_device_mesh("cpu", (world,)), False)  # 2-D -> 1-D, other placements
         ckptd.load_into(mesh_target, Path(root) / "mesh")
-        log["mesh"] = _same(_full(mesh_target), reference["mesh"])
+        log["mesh"] = _same(full(mesh_target), reference["mesh"])
         replicated = ckptd.load(Path(root) / "replicated")
         log["replicated"] = [replicated["model"]["w"][0].item(), replicated["mine"][0].item()]
         from torch.distributed.tensor import Shard, distribute_tensor
