@@ -101,7 +101,7 @@ def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0) -> F
             if id(obj) in by_identity:  # the same tensor object twice: stored once
                 return by_identity[id(obj)]
             if is_dtensor(obj):
-                ref = global_ref(dtensor_chunk(obj, _describe(path)), path)
+                ref = global_ref(dtensor_chunk(obj, lambda: _describe(path)), path)
             elif path and path[0] in replicated:
                 ref = global_ref(whole_chunk(obj, rank), path)
             else:

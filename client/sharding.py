@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,12 +52,20 @@ def is_dtensor(obj: object) -> bool:
     return DTensor is not None and isinstance(obj, DTensor)
 
 
-def dtensor_chunk(t: "DTensor", where: str) -> LocalChunk:
+Where = str | Callable[[], str]
+"""A key path for error messages, or what makes it (a save builds it only when it reports an error)."""
+
+
+def _named(where: Where) -> str:
+    return where() if callable(where) else where
+
+
+def dtensor_chunk(t: "DTensor", where: Where) -> LocalChunk:
     """This rank's chunk of ``t``; ``where`` names its key path in errors."""
     offsets, sizes = target_region(t, where)
     local = _local(t)
     if tuple(local.shape) != sizes:
-        raise ValueError(f"{where}: the DTensor's local shape {tuple(local.shape)} disagrees with the {sizes} "
+        raise ValueError(f"{_named(where)}: the DTensor's local shape {tuple(local.shape)} disagrees with the {sizes} "
                          "its mesh and placements give")
     return LocalChunk(local, offsets, tuple(t.shape),
                       _owned(t.device_mesh, tuple(t.placements), tuple(t.shape), _global_rank()))
@@ -90,7 +99,7 @@ def whole_chunk(t: torch.Tensor, rank: int) -> LocalChunk:
     return LocalChunk(t, (0,) * t.dim(), tuple(t.shape), owned=rank == 0)
 
 
-def target_region(t: "DTensor", where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def target_region(t: "DTensor", where: Where) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offsets, sizes) of ``t``'s local shard in its global tensor.
 
     Only ``Shard(d)`` and ``Replicate()`` placements describe a plain
@@ -100,10 +109,10 @@ def target_region(t: "DTensor", where: str) -> tuple[tuple[int, ...], tuple[int,
     placements = tuple(t.placements)
     for p in placements:
         if p.is_partial():
-            raise ValueError(f"{where} is a DTensor with a Partial placement ({p}): its value is a pending "
+            raise ValueError(f"{_named(where)} is a DTensor with a Partial placement ({p}): its value is a pending "
                              "reduction; redistribute it to Shard or Replicate before saving or loading")
         if type(p) not in (Shard, Replicate):
-            raise TypeError(f"{where} is a DTensor with placement {p!r}; ckptd handles Shard(d) and Replicate()")
+            raise TypeError(f"{_named(where)} is a DTensor with placement {p!r}; ckptd handles Shard(d) and Replicate()")
     sizes, offsets = _region(t.device_mesh, placements, tuple(t.shape), _global_rank())
     return offsets, sizes
 
