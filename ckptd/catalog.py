@@ -8,10 +8,13 @@ implementation). The parsing itself is the protocol's, in one place.
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 from ckptd.protocol.errors import BadMessage, InvalidCheckpoint
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME, CheckpointIndex
+from ckptd.protocol.index import missing_or_truncated as shard_problem
 from ckptd.protocol.layout import MAX_HEADER_BYTES, TensorEntry, parse_header
 
 from .storage import Kind, Storage
@@ -60,19 +63,14 @@ def committed_in(storage: Storage, directory: Path) -> list[tuple[tuple[int, flo
 
 def missing_or_truncated(storage: Storage, path: Path, index: CheckpointIndex) -> str | None:
     """What is wrong with the shard files of ``path`` at a glance (one stat per shard), or None."""
-    for record in index.files:
-        shard = path / record.file
-        try:
-            st = storage.stat(shard, follow=True)
-        except OSError as exc:
-            return f"shard {shard} is missing or unreadable: {exc.strerror}"
+
+    def file_stat(shard: Path) -> tuple[bool, int]:
+        st = storage.stat(shard, follow=True)
         if st is None:
-            return f"shard {shard} is missing or unreadable: No such file or directory"
-        if st.kind is not Kind.FILE:
-            return f"shard {shard} is not a regular file"
-        if st.size != record.size:
-            return f"shard {shard} holds {st.size} bytes; the index says {record.size} (truncated?)"
-    return None
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(shard))
+        return st.kind is Kind.FILE, st.size
+
+    return shard_problem(path, index, file_stat)
 
 
 def read_shard_header(storage: Storage, path: Path, size: int) -> tuple[list[TensorEntry], dict[str, str], int]:

@@ -37,9 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.protocol.chunks import GLOBAL_KEY
-from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ChunkRecord, TensorRecord, read_index
-from ckptd.protocol.inspect import open_shard, read_shard_header
+from ckptd.protocol.inspect import check_checksum, check_shard_size, open_shard, read_shard_header
 from ckptd.protocol.layout import DTYPE_SIZES, plan_layout
 
 SINGLE_FILE = "model.safetensors"
@@ -170,13 +169,9 @@ class _Sources:
             path = self.checkpoint / file
             with open_shard(path) as f:
                 size = os.fstat(f.fileno()).st_size
-                if size != record.size:
-                    raise InvalidCheckpoint(f"shard {path} holds {size} bytes; the index says {record.size} (truncated?)")
+                check_shard_size(path, size, record)
                 mapped = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ) if size else None
-            crc = zlib.crc32(mapped) if mapped is not None else 0
-            if crc != record.checksum:
-                raise InvalidCheckpoint(f"shard {path} fails its checksum ({self.index.checksum_algorithm} "
-                                        f"{crc:#010x}, index says {record.checksum:#010x}): the file is corrupt")
+            check_checksum(path, zlib.crc32(mapped) if mapped is not None else 0, record, self.index.checksum_algorithm)
             self.maps[file] = mapped
             self.views[file] = memoryview(mapped) if mapped is not None else memoryview(b"")
         return self.views[file]

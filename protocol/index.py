@@ -24,7 +24,7 @@ import os
 import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .errors import InvalidCheckpoint
 from .files import read_regular
@@ -265,23 +265,34 @@ def committed_in(directory: Path | str) -> list[tuple[tuple[int, float], Path]]:
     return sorted(found)
 
 
-def missing_or_truncated(path: Path | str, index: CheckpointIndex) -> str | None:
+FileStat = Callable[[Path], tuple[bool, int]]
+"""(a regular file?, size) of a path, links followed; ``OSError`` when it is missing or unreadable."""
+
+
+def _os_file_stat(path: Path) -> tuple[bool, int]:
+    st = os.stat(path)
+    return stat.S_ISREG(st.st_mode), st.st_size
+
+
+def missing_or_truncated(path: Path | str, index: CheckpointIndex,
+                         file_stat: FileStat = _os_file_stat) -> str | None:
     """What is wrong with the shard files of ``path`` at a glance, or None.
 
     Cheap (one ``stat`` per shard, no data read): each file the index lists
     must be a regular file (after links, as load opens it) of the size the
     index records. A checksum or header problem needs ``verify_checkpoint``.
+    The daemon passes ``file_stat`` reading through its storage seam.
     """
     for record in index.files:
         shard = Path(path) / record.file
         try:
-            st = os.stat(shard)
+            regular, size = file_stat(shard)
         except OSError as exc:
             return f"shard {shard} is missing or unreadable: {exc.strerror}"
-        if not stat.S_ISREG(st.st_mode):
+        if not regular:
             return f"shard {shard} is not a regular file"
-        if st.st_size != record.size:
-            return f"shard {shard} holds {st.st_size} bytes; the index says {record.size} (truncated?)"
+        if size != record.size:
+            return f"shard {shard} holds {size} bytes; the index says {record.size} (truncated?)"
     return None
 
 
