@@ -20,6 +20,7 @@ from pathlib import Path
 from ckptd.protocol.endpoint import default_run_dir
 from ckptd.protocol.errors import CkptdError, DaemonUnavailable
 from ckptd.protocol.messages import Error, Status, StatusReply, Stop
+from ckptd.protocol.objects import is_object_path
 
 from .config import DaemonConfig
 from .control import request
@@ -186,7 +187,7 @@ def _keep_arg(text: str) -> tuple[Path, int]:
 def _list(args: argparse.Namespace, run_dir: Path) -> int:
     from .listing import list_checkpoints, render_listing
 
-    if not args.root.is_dir():
+    if not is_object_path(args.root) and not args.root.is_dir():
         raise ValueError(f"{args.root} is not a directory: give the directory that holds the checkpoints")
     rows = list_checkpoints(args.root)
     print(json.dumps(rows, indent=2) if args.json else render_listing(rows))

@@ -1,0 +1,144 @@
+"""Checkpoints on an object store: a real daemon saving to, and clients reading from, a real S3
+HTTP endpoint on localhost (moto's server, ``tests/s3server.py``), through the same client library
+as against AWS."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import wait_until
+from s3server import S3Server
+
+import ckptd
+from ckptd.protocol.errors import InvalidCheckpoint, WriteFailed
+from ckptd.protocol.index import INDEX_NAME
+
+
+@pytest.fixture(scope="module")
+def s3() -> S3Server:
+    server = S3Server()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket, with this process and the daemons it starts pointed at the endpoint."""
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    return s3.new_bucket()
+
+
+def keys(s3: S3Server, bucket: str, prefix: str = "") -> list[str]:
+    listed = s3.client().list_objects_v2(Bucket=bucket, Prefix=prefix)
+    return sorted(o["Key"] for o in listed.get("Contents", []))
+
+
+def state(n: int = 1000, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(n, generator=g), "b": torch.arange(7, dtype=torch.int64), "step": seed}
+
+
+def test_a_save_to_s3_round_trips_through_the_bucket(s3, bucket, daemon_factory, client_factory, root) -> None:
+    daemon_factory("--root", f"s3://{bucket}")
+    client = client_factory()
+    url = f"s3://{bucket}/run/step-1"
+    result = client.save_async(state(200_000, 1), url, step=1).result(30)
+    assert result.path == Path(url)
+    assert keys(s3, bucket) == ["run/step-1/ckptd.json", "run/step-1/rank-00000-of-00001.safetensors"]
+    loaded = ckptd.load(url)
+    assert torch.equal(loaded["w"], state(200_000, 1)["w"]) and loaded["step"] == 1
+    target = {"w": torch.zeros(200_000), "b": torch.zeros(7, dtype=torch.int64), "step": 0}
+    ckptd.load_into(target, url)
+    assert torch.equal(target["w"], state(200_000, 1)["w"])
+    assert not s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
+def test_latest_and_list_read_a_prefix_and_retention_keeps_the_newest(s3, bucket, daemon_factory, client_factory,
+                                                                      root) -> None:
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    client = client_factory()
+    for step in (1, 2, 3):
+        client.save_async(state(seed=step), f"s3://{bucket}/run/step-{step}", step=step, keep_last=2).result(30)
+    wait_until(lambda: not any(k.startswith("run/step-1/") for k in keys(s3, bucket)), what="step-1 deleted by retention")
+    assert str(ckptd.latest(f"s3://{bucket}/run")) == str(Path(f"s3://{bucket}/run/step-3"))
+    assert ckptd.load(ckptd.latest(f"s3://{bucket}/run"))["step"] == 3
+    listed = daemon.cli("list", f"s3://{bucket}/run", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [(r["name"], r["state"], r["step"]) for r in __import__("json").loads(listed.stdout)] == [
+        ("step-2", "committed", 2), ("step-3", "committed", 3)]
+
+
+def test_a_checkpoint_is_invisible_until_its_index_is_written(s3, bucket, daemon_factory, client_factory, root) -> None:
+    """Rank 0's shard is whole on the store while rank 1 has not committed: readers see no checkpoint."""
+    daemon_factory("--root", f"s3://{bucket}")
+    ranks = [client_factory(rank=r, world_size=2) for r in range(2)]
+    url = f"s3://{bucket}/run/step-5"
+    first = ranks[0].save_async(state(seed=5), url, step=5)
+    wait_until(lambda: "run/step-5/rank-00000-of-00002.safetensors" in keys(s3, bucket), what="rank 0's shard uploaded")
+    assert not first.done()
+    assert ckptd.latest(f"s3://{bucket}/run") is None
+    with pytest.raises(InvalidCheckpoint, match="no checkpoint at s3://"):
+        ckptd.load(url, rank=0)
+    assert f"run/step-5/{INDEX_NAME}" not in keys(s3, bucket)
+    ranks[1].save_async(state(seed=6), url, step=5).result(30)
+    first.result(30)
+    assert ckptd.load(url, rank=1)["step"] == 6
+
+
+def test_an_endpoint_that_stops_mid_upload_fails_the_save_and_a_later_save_works(s3, bucket, daemon_factory,
+                                                                                 client_factory, root) -> None:
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    client = client_factory()
+    url = f"s3://{bucket}/run/big"
+    fut = client.save_async({"w": torch.ones(96 * 2**20 // 4)}, url, step=1)  # 96 MiB: many parts
+    wait_until(lambda: any(s.get("written", 0) > 0 for s in daemon.status()["saves"]), what="the upload under way")
+    s3.stop()
+    try:
+        with pytest.raises(WriteFailed, match=f"object store request failed: .*{bucket}") as failure:
+            fut.result(120)
+        assert "rank-00000-of-00001.safetensors" in str(failure.value)
+        assert daemon.status()["daemon"]["pid"] == daemon.proc.pid  # still serving
+    finally:
+        s3.start()
+    assert f"run/big/{INDEX_NAME}" not in keys(s3, bucket)
+    assert ckptd.latest(f"s3://{bucket}/run") is None
+    client.save_async(state(seed=2), f"s3://{bucket}/run/after", step=2).result(30)
+    assert ckptd.load(f"s3://{bucket}/run/after")["step"] == 2
+
+
+def test_a_bucket_that_does_not_exist_is_named_in_the_error(s3, bucket, daemon_factory, client_factory, root) -> None:
+    missing = f"{bucket}-missing"
+    daemon_factory("--root", f"s3://{missing}")
+    client = client_factory()
+    with pytest.raises(ckptd.CkptdError, match=f"bucket '{missing}' does not exist"):
+        client.save_async(state(), f"s3://{missing}/run/a", step=1).result(30)
+    with pytest.raises(InvalidCheckpoint, match=f"bucket '{missing}' does not exist"):
+        ckptd.load(f"s3://{missing}/run/a")
+
+
+def test_an_s3_checkpoint_is_never_replaced_in_place(s3, bucket, daemon_factory, client_factory, root) -> None:
+    daemon_factory("--root", f"s3://{bucket}")
+    client = client_factory()
+    url = f"s3://{bucket}/run/step-1"
+    client.save_async(state(seed=1), url, step=1).result(30)
+    with pytest.raises(ckptd.CheckpointExists, match="never replaced in place"):
+        client.save_async(state(seed=2), url, step=1, overwrite=True).result(30)
+    assert ckptd.load(url)["step"] == 1
+
+
+def test_verify_and_inspect_read_an_s3_checkpoint(s3, bucket, daemon_factory, client_factory, root) -> None:
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    url = f"s3://{bucket}/run/step-1"
+    client_factory().save_async(state(seed=1), url, step=1).result(30)
+    verified = daemon.cli("verify", url)
+    assert verified.returncode == 0 and "ok" in verified.stdout, verified.stderr
+    inspected = daemon.cli("inspect", url, "--json")
+    assert inspected.returncode == 0, inspected.stderr
+    assert {t["name"] for t in __import__("json").loads(inspected.stdout)["shards"][0]["tensors"]} == {"w", "b"}
+    s3.client().put_object(Bucket=bucket, Key="run/step-1/rank-00000-of-00001.safetensors", Body=b"x" * 10)
+    damaged = daemon.cli("verify", url)
+    assert damaged.returncode != 0 and "holds 10 bytes" in damaged.stderr
