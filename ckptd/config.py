@@ -47,6 +47,11 @@ class DaemonConfig:
     """Bytes per write call; a multiple of 4096 for O_DIRECT."""
     log_to_stderr: bool = False
     """Also log to stderr (``ckptd start --foreground``)."""
+    mirrors: dict[Path, Path] = field(default_factory=dict)
+    """``--mirror LOCAL_DIR=s3://bucket/prefix``: checkpoints committed under the
+    directory are uploaded there after their commit (``ckptd/mirror.py``)."""
+    mirror_keep: int | None = None
+    """Keep only this many newest checkpoints beside each mirrored one on the store (None: all)."""
     keep_last: dict[Path, int] = field(default_factory=dict)
     """Retention per directory: after a commit under one of these directories
     (the longest match wins), keep only that many newest checkpoints beside it.
@@ -109,6 +114,12 @@ class DaemonConfig:
         if any(k < 1 for k in self.keep_last.values()):
             raise ValueError(f"keep_last values must be at least 1, got {self.keep_last}")
         self.keep_last = {_real(d): k for d, k in self.keep_last.items()}
+        for local, remote in self.mirrors.items():
+            if is_object_path(local) or not is_object_path(remote):
+                raise ValueError(f"--mirror {local}={remote}: mirror a local directory to an s3:// prefix")
+        self.mirrors = {_real(d): Path(r) for d, r in self.mirrors.items()}
+        if self.mirror_keep is not None and self.mirror_keep < 1:
+            raise ValueError(f"mirror_keep must be at least 1, got {self.mirror_keep}")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a TCP port between 1 and 65535, got {self.metrics_port}")
         if self.metrics_textfile is not None and not Path(self.metrics_textfile).absolute().parent.is_dir():

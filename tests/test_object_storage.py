@@ -142,3 +142,58 @@ def test_verify_and_inspect_read_an_s3_checkpoint(s3, bucket, daemon_factory, cl
     s3.client().put_object(Bucket=bucket, Key="run/step-1/rank-00000-of-00001.safetensors", Body=b"x" * 10)
     damaged = daemon.cli("verify", url)
     assert damaged.returncode != 0 and "holds 10 bytes" in damaged.stderr
+
+
+def test_a_mirror_uploads_committed_checkpoints_index_last_and_keeps_its_own_retention(s3, bucket, daemon_factory,
+                                                                                      client_factory, root) -> None:
+    daemon = daemon_factory("--mirror", f"{root}=s3://{bucket}/mirror", "--mirror-keep", "2", "--keep", f"{root}=3")
+    client = client_factory()
+    for step in (1, 2, 3):
+        client.save_async(state(seed=step), root / f"step-{step}", step=step).result(30)
+    wait_until(lambda: daemon.status()["mirror"]["uploaded"] == 3, timeout=60,
+               what=lambda: f"three uploads (status: {daemon.status()['mirror']})")
+    assert ckptd.load(ckptd.latest(f"s3://{bucket}/mirror"))["step"] == 3
+    assert sorted({k.split("/")[1] for k in keys(s3, bucket, "mirror/")}) == ["step-2", "step-3"]  # --mirror-keep 2
+    assert sorted(p.name for p in root.iterdir()) == ["step-1", "step-2", "step-3"]  # local retention is its own
+    recent = daemon.status()["mirror"]["recent"][-1]
+    assert recent["state"] == "uploaded" and recent["sent"] == recent["total"] > 0
+
+
+def test_a_mirror_upload_retries_while_the_endpoint_is_down_and_shows_it(s3, bucket, daemon_factory, client_factory,
+                                                                         root) -> None:
+    daemon = daemon_factory("--mirror", f"{root}=s3://{bucket}/mirror")
+    client = client_factory()
+    s3.stop()
+    try:
+        client.save_async(state(seed=1), root / "step-1", step=1).result(30)  # the local save does not wait
+        wait_until(lambda: daemon.status()["mirror"]["retries"] >= 1, timeout=60, what="a failed attempt")
+        upload = daemon.status()["mirror"]["uploads"][0]
+        assert upload["state"] in ("retrying", "uploading") and "object store request failed" in upload["error"]
+        assert ckptd.load(root / "step-1")["step"] == 1
+    finally:
+        s3.start()
+    wait_until(lambda: daemon.status()["mirror"]["uploaded"] == 1, timeout=90, what="the upload after the retries")
+    assert ckptd.load(f"s3://{bucket}/mirror/step-1")["step"] == 1
+    assert "mirror: 1 uploaded, 0 failed" in daemon.cli("status").stdout
+
+
+def test_local_retention_keeps_a_checkpoint_whose_upload_has_not_finished(s3, bucket, daemon_factory, client_factory,
+                                                                          root) -> None:
+    (root / "run").mkdir()
+    daemon = daemon_factory("--mirror", f"{root}/run=s3://{bucket}/mirror")
+    client = client_factory()
+    s3.stop()
+    try:
+        client.save_async(state(seed=1), root / "run" / "step-1", step=1).result(30)
+        client.save_async(state(seed=2), root / "run" / "step-2", step=2, keep_last=1).result(30)
+        # Retention runs in order on one maintenance thread: once this later pair's retention (not mirrored)
+        # has deleted other/a, step-2's retention has run too, and it had to keep step-1 (upload retrying).
+        (root / "other").mkdir()
+        client.save_async(state(), root / "other" / "a", step=1).result(30)
+        client.save_async(state(), root / "other" / "b", step=2, keep_last=1).result(30)
+        wait_until(lambda: not (root / "other" / "a").exists(), what="retention in other/")
+        assert (root / "run" / "step-1").exists()
+    finally:
+        s3.start()
+    wait_until(lambda: daemon.status()["mirror"]["uploaded"] >= 2, timeout=90, what="step-1 and step-2 uploaded")
+    assert ckptd.load(f"s3://{bucket}/mirror/step-1")["step"] == 1
