@@ -28,7 +28,6 @@ import errno
 import io
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterable
@@ -171,21 +170,22 @@ def read_all(path: Path | str) -> bytes:
 
 
 def read_into(path: Path | str, buffer: memoryview, *, offset: int = 0) -> None:
-    """Fill ``buffer`` with the object's bytes from ``offset``, ``PARALLEL_READS`` ranged GETs at a time."""
+    """Fill ``buffer`` with the object's bytes from ``offset``: ranged GETs, ``PARALLEL_READS`` at a time.
+
+    Each batch is one ``get_ranges`` call, whose requests run in parallel in
+    the library (without the GIL); at most one batch is held beside ``buffer``.
+    """
     import obstore
     total = len(buffer)
     starts = list(range(0, total, READ_PART))
-
-    def one(start: int) -> None:
-        end = min(start + READ_PART, total)
-        data = call(path, obstore.get_range, start=offset + start, end=offset + end)
-        if len(data) != end - start:
-            raise OSError(errno.EIO, f"object ended early ({len(data)} of {end - start} bytes)", object_url(path))
-        buffer[start:end] = memoryview(data)
-
-    with ThreadPoolExecutor(min(PARALLEL_READS, max(1, len(starts))), thread_name_prefix="ckptd-get") as pool:
-        for future in [pool.submit(one, s) for s in starts]:
-            future.result()
+    for first in range(0, len(starts), PARALLEL_READS):
+        batch = starts[first : first + PARALLEL_READS]
+        ends = [min(s + READ_PART, total) for s in batch]
+        parts = call(path, obstore.get_ranges, starts=[offset + s for s in batch], ends=[offset + e for e in ends])
+        for start, end, data in zip(batch, ends, parts):
+            if len(data) != end - start:
+                raise OSError(errno.EIO, f"object ended early ({len(data)} of {end - start} bytes)", object_url(path))
+            buffer[start:end] = memoryview(data)
 
 
 class ObjectFile(io.RawIOBase):

@@ -197,3 +197,18 @@ def test_local_retention_keeps_a_checkpoint_whose_upload_has_not_finished(s3, bu
         s3.start()
     wait_until(lambda: daemon.status()["mirror"]["uploaded"] >= 2, timeout=90, what="step-1 and step-2 uploaded")
     assert ckptd.load(f"s3://{bucket}/mirror/step-1")["step"] == 1
+
+
+def test_a_failed_save_removes_what_it_wrote_to_the_bucket(s3, bucket, daemon_factory, client_factory, root) -> None:
+    daemon_factory("--root", f"s3://{bucket}")
+    rank0 = client_factory(rank=0, world_size=2, commit_timeout=1.0)
+    url = f"s3://{bucket}/run/step-1"
+    fut = rank0.save_async(state(seed=1), url, step=1)
+    wait_until(lambda: "run/step-1/rank-00000-of-00002.safetensors" in keys(s3, bucket), what="rank 0's shard uploaded")
+    with pytest.raises(ckptd.RanksMissing):
+        fut.result(30)  # rank 1 never commits
+    wait_until(lambda: keys(s3, bucket, "run/") == [], what=lambda: f"run/ emptied, holds {keys(s3, bucket, 'run/')}")
+    assert not s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
+    rank0.close()
+    client_factory().save_async(state(seed=2), url, step=2).result(30)  # the path is free again
+    assert ckptd.load(url)["step"] == 2
