@@ -212,3 +212,19 @@ def test_a_failed_save_removes_what_it_wrote_to_the_bucket(s3, bucket, daemon_fa
     rank0.close()
     client_factory().save_async(state(seed=2), url, step=2).result(30)  # the path is free again
     assert ckptd.load(url)["step"] == 2
+
+
+def test_aws_config_files_fill_in_what_the_environment_leaves_unset(tmp_path, monkeypatch) -> None:
+    from ckptd.protocol import objects
+
+    (tmp_path / "config").write_text("[profile dev]\nregion = eu-west-1\nendpoint_url = http://127.0.0.1:9\n")
+    (tmp_path / "credentials").write_text("[dev]\naws_access_key_id = AK\naws_secret_access_key = SK\n")
+    for key in ("AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_PROFILE", "dev")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "from-env")
+    config = objects.store(f"cfg-{tmp_path.name}".lower()[:60]).config
+    assert (config["region"], config["endpoint"], config["access_key_id"]) == ("eu-west-1", "http://127.0.0.1:9", "AK")
+    assert "secret_access_key" not in config  # the environment's wins (obstore reads it there)
