@@ -260,7 +260,9 @@ def committed_in(directory: Path | str) -> list[tuple[tuple[int, float], Path]]:
             paths = [Path(directory) / name for name in objects.listing(directory)[0]]
         else:
             paths = [Path(e.path) for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
-    except OSError:
+    except OSError as exc:
+        if objects.is_object_path(directory) and "bucket" in str(exc.strerror):  # a typo must not read as "none yet"
+            raise InvalidCheckpoint(f"cannot list {objects.display(directory)}: {exc.strerror}") from None
         return []
     found = []
     for path in paths:

@@ -118,6 +118,8 @@ def test_a_bucket_that_does_not_exist_is_named_in_the_error(s3, bucket, daemon_f
         client.save_async(state(), f"s3://{missing}/run/a", step=1).result(30)
     with pytest.raises(InvalidCheckpoint, match=f"bucket '{missing}' does not exist"):
         ckptd.load(f"s3://{missing}/run/a")
+    with pytest.raises(InvalidCheckpoint, match=f"bucket '{missing}' does not exist"):
+        ckptd.latest(f"s3://{missing}/run")  # a misspelt bucket is not "no checkpoint yet"
 
 
 def test_an_s3_checkpoint_is_never_replaced_in_place(s3, bucket, daemon_factory, client_factory, root) -> None:
