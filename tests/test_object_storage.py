@@ -163,7 +163,8 @@ def test_a_mirror_uploads_committed_checkpoints_index_last_and_keeps_its_own_ret
 
 def test_a_mirror_upload_retries_while_the_endpoint_is_down_and_shows_it(s3, bucket, daemon_factory, client_factory,
                                                                          root) -> None:
-    daemon = daemon_factory("--mirror", f"{root}=s3://{bucket}/mirror")
+    metrics = root.parent / "metrics.prom"
+    daemon = daemon_factory("--mirror", f"{root}=s3://{bucket}/mirror", "--metrics-textfile", str(metrics))
     client = client_factory()
     s3.stop()
     try:
@@ -177,6 +178,9 @@ def test_a_mirror_upload_retries_while_the_endpoint_is_down_and_shows_it(s3, buc
     wait_until(lambda: daemon.status()["mirror"]["uploaded"] == 1, timeout=90, what="the upload after the retries")
     assert ckptd.load(f"s3://{bucket}/mirror/step-1")["step"] == 1
     assert "mirror: 1 uploaded, 0 failed" in daemon.cli("status").stdout
+    wait_until(lambda: "ckptd_mirror_uploaded_total 1.0" in metrics.read_text(), what="the upload in the metrics")
+    retries = next(line for line in metrics.read_text().splitlines() if line.startswith("ckptd_mirror_retries_total"))
+    assert float(retries.split()[-1]) >= 1
 
 
 def test_local_retention_keeps_a_checkpoint_whose_upload_has_not_finished(s3, bucket, daemon_factory, client_factory,
