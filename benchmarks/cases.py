@@ -99,6 +99,8 @@ def registry(s: Settings) -> list[Case]:
         out += [Case(f"sharded_{m}", section="sharded", method="sharded", repeat=s.repeat, size_gib=s.size_gib,
                      label=f"{s.ranks}{f' → {s.ranks // 2}' if m.startswith('load') else ''} ranks: {label}",
                      params={"mode": m, "ranks": s.ranks}) for m, label in SHARDED_MODES.items()]
+        out.append(Case("objects", section="objects", method="objects", label="s3:// on moto's server",
+                        repeat=s.repeat, size_gib=min(s.size_gib, 1 / 4)))
     return out
 
 

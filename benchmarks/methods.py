@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from . import limits, loads, ranks, saves
+from . import limits, loads, objects, ranks, saves
 from .cases import Case
 from .probe import memory
 from .state import BYTES_PER_PARAM, build, param_count, pick_width
@@ -63,6 +63,7 @@ METHODS: dict[str, Callable[[Case, Path], dict]] = {
     "load": lambda c, d: loads.load(d, c.size_gib, c.params["method"], c.repeat),
     "rank_loads": lambda c, d: ranks.rank_loads(d, size_gib=c.size_gib, repeat=c.repeat, **c.params),
     "sharded": lambda c, d: ranks.sharded(d, size_gib=c.size_gib, repeat=c.repeat, **c.params),
+    "objects": objects.objects_case,
 }
 
 

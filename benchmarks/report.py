@@ -93,6 +93,10 @@ TARGETS = [
            0.5, 10),
     Target("FSDP2: time to durable ≤ 0.5 × DCP async_save PROCESS, reused stager", "sharded_ckptd.durable",
            "sharded_process_stager.durable", 0.5, 10),
+    Target("s3:// save, time to durable ≤ 1.11 × obstore put (upload ≥ 0.9 × raw)", "objects.durable",
+           "objects.raw_up", 1.11, 14),
+    Target("s3:// load ≤ 1.11 × obstore ranged gets (download ≥ 0.9 × raw)", "objects.load", "objects.raw_down", 1.11, 14),
+    Target("s3:// save blocking ≤ 1.1 × a local save's", "objects.blocking", "objects.local_blocking", 1.1, 14),
     Target("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", "sharded_load_ckptd.cold", "sharded_load_dcp.cold", 0.8, 10),
 ]
 

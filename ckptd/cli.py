@@ -20,6 +20,7 @@ from pathlib import Path
 from ckptd.protocol.endpoint import default_run_dir
 from ckptd.protocol.errors import CkptdError, DaemonUnavailable
 from ckptd.protocol.messages import Error, Status, StatusReply, Stop
+from ckptd.protocol.objects import is_object_path, object_url
 
 from .config import DaemonConfig
 from .control import request
@@ -49,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--buffered-io", action="store_true", help="do not use O_DIRECT")
     start.add_argument("--keep", action="append", default=None, metavar="DIR=K", type=_keep_arg,
                        help="retention: keep only the K newest checkpoints in DIR and below (repeatable)")
+    start.add_argument("--mirror", action="append", default=None, metavar="DIR=s3://BUCKET/PREFIX", type=_mirror_arg,
+                       help="upload every checkpoint committed under DIR to the prefix after its commit (repeatable)")
+    start.add_argument("--mirror-keep", type=_positive_int, default=None, metavar="N",
+                       help="keep only the N newest mirrored checkpoints beside each upload on the store")
     start.add_argument("--max-concurrent-loads", type=_positive_int, default=None, metavar="N",
                        help="default cap on ranks of this node loading at once (loads that ask for it)")
     start.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
@@ -122,6 +127,7 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
     kwargs = {"run_dir": run_dir, "max_concurrent_writes": args.max_concurrent_writes,
               "exit_when_idle": args.exit_when_idle, "direct_io": not args.buffered_io,
               "keep_last": dict(args.keep or []), "sweep": args.sweep,
+              "mirrors": dict(args.mirror or []), "mirror_keep": args.mirror_keep,
               "max_concurrent_loads": args.max_concurrent_loads, "metrics_port": args.metrics_port,
               "metrics_addr": args.metrics_addr, "metrics_textfile": args.metrics_textfile,
               "drain_timeout": args.drain_timeout, "storage": args.storage,
@@ -139,6 +145,9 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
     if args.buffered_io:
         argv.append("--buffered-io")
     argv += [a for d, k in config.keep_last.items() for a in ("--keep", f"{d}={k}")]
+    argv += [a for d, r in config.mirrors.items() for a in ("--mirror", f"{d}={object_url(r)}")]
+    if config.mirror_keep is not None:
+        argv += ["--mirror-keep", str(config.mirror_keep)]
     argv += ["--sweep", config.sweep, "--drain-timeout", str(config.drain_timeout),
              "--housekeeping-interval", str(config.housekeeping_interval)]
     if config.max_concurrent_loads is not None:
@@ -183,10 +192,17 @@ def _keep_arg(text: str) -> tuple[Path, int]:
     return Path(directory), int(count)
 
 
+def _mirror_arg(text: str) -> tuple[Path, Path]:
+    local, sep, remote = text.partition("=")
+    if not sep or not local or not is_object_path(remote):
+        raise argparse.ArgumentTypeError(f"expected DIR=s3://BUCKET/PREFIX, got {text!r}")
+    return Path(local), Path(remote)
+
+
 def _list(args: argparse.Namespace, run_dir: Path) -> int:
     from .listing import list_checkpoints, render_listing
 
-    if not args.root.is_dir():
+    if not is_object_path(args.root) and not args.root.is_dir():
         raise ValueError(f"{args.root} is not a directory: give the directory that holds the checkpoints")
     rows = list_checkpoints(args.root)
     print(json.dumps(rows, indent=2) if args.json else render_listing(rows))

@@ -48,6 +48,7 @@ from ckptd.protocol.index import (
     shard_name,
 )
 from ckptd.protocol.messages import Commit, Finalize
+from ckptd.protocol.objects import display, is_object_path
 
 from .catalog import read_shard_header
 from .ownership import (
@@ -134,8 +135,8 @@ def resolve_path(storage: Storage, raw: str, roots: tuple[Path, ...]) -> Path:
     the write outside the roots.
     """
     path = Path(raw)
-    if not path.is_absolute():
-        raise PathNotAllowed(f"checkpoint path {raw!r} must be absolute")
+    if not path.is_absolute() and not is_object_path(path):
+        raise PathNotAllowed(f"checkpoint path {raw!r} must be absolute (or an s3:// URL)")
     if path.name in ("", ".", "..") or path.name.endswith(INCOMPLETE_SUFFIX):
         raise PathNotAllowed(f"checkpoint path {raw!r} must end in a name that is not {INCOMPLETE_SUFFIX!r}")
     try:
@@ -152,7 +153,14 @@ def resolve_path(storage: Storage, raw: str, roots: tuple[Path, ...]) -> Path:
 
 
 def refuse_existing(storage: Storage, final: Path, overwrite: bool) -> None:
-    """Something is at ``final``: only a committed ckptd checkpoint, with ``overwrite``, may be replaced (I/O)."""
+    """Something is at ``final``: only a committed ckptd checkpoint, with ``overwrite``, may be replaced (I/O).
+
+    On a store without rename nothing is replaced: the new shards would land
+    on the old checkpoint's before its index could change.
+    """
+    if not storage.can_rename(final):
+        raise CheckpointExists(f"{display(final)} already exists on the object store, where a checkpoint is never "
+                               f"replaced in place (no atomic rename); save under another path, or delete it first")
     if overwrite:
         check_replaceable(storage, final)
         return
@@ -303,6 +311,9 @@ class Commits:
         try:
             self._check_shards(pending)
             index = pending.index(self._tensor_table(pending))
+            if not storage.can_rename(final):
+                self._publish(pending, index)
+                return
             storage.write_file(pending.incomplete / INDEX_NAME, index.to_json())
             storage.fsync_dir(pending.incomplete)
             if storage.stat(final) is not None:
@@ -332,6 +343,14 @@ class Commits:
                     f"path") from None
             raise WriteFailed(f"committing {final} failed: {exc.strerror or exc}") from None
         remove_markers(storage, final)
+
+    def _publish(self, pending: PendingCheckpoint, index: CheckpointIndex) -> None:
+        """On a store without rename, the index written last (create-only) is the commit."""
+        try:
+            self.storage.write_file(pending.incomplete / INDEX_NAME, index.to_json())
+        except FileExistsError:
+            raise CheckpointExists(f"checkpoint {display(pending.path)} appeared while this one was written") from None
+        remove_markers(self.storage, pending.path)
 
     def _check_shards(self, pending: PendingCheckpoint) -> None:
         """Every listed shard is there at its size; nothing else is left behind."""

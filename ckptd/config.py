@@ -8,6 +8,8 @@ from pathlib import Path
 
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 
+from ckptd.protocol.objects import is_object_path
+
 from .storage import load_storage
 
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
@@ -16,6 +18,11 @@ DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 def _roots_from_env() -> tuple[Path, ...]:
     raw = os.environ.get("CKPTD_ROOTS", "")
     return tuple(Path(p) for p in raw.split(os.pathsep) if p) or (Path("/"),)
+
+
+def _real(path: Path | str) -> Path:
+    """A local directory with its links resolved; an ``s3://`` prefix as it is (a store has no links)."""
+    return Path(path) if is_object_path(path) else Path(os.path.realpath(path))
 
 
 @dataclass
@@ -40,6 +47,11 @@ class DaemonConfig:
     """Bytes per write call; a multiple of 4096 for O_DIRECT."""
     log_to_stderr: bool = False
     """Also log to stderr (``ckptd start --foreground``)."""
+    mirrors: dict[Path, Path] = field(default_factory=dict)
+    """``--mirror LOCAL_DIR=s3://bucket/prefix``: checkpoints committed under the
+    directory are uploaded there after their commit (``ckptd/mirror.py``)."""
+    mirror_keep: int | None = None
+    """Keep only this many newest checkpoints beside each mirrored one on the store (None: all)."""
     keep_last: dict[Path, int] = field(default_factory=dict)
     """Retention per directory: after a commit under one of these directories
     (the longest match wins), keep only that many newest checkpoints beside it.
@@ -81,10 +93,10 @@ class DaemonConfig:
         if not self.roots:
             raise ValueError("at least one root is needed")
         for root in self.roots:
-            if not os.path.isdir(root):
+            if not is_object_path(root) and not os.path.isdir(root):
                 raise ValueError(f"root {root} does not exist or is not a directory; create it first "
                                  f"(mkdir -p {root}) or give another --root / CKPTD_ROOTS")
-        self.roots = tuple(Path(os.path.realpath(r)) for r in self.roots)
+        self.roots = tuple(_real(r) for r in self.roots)
         if self.max_concurrent_writes < 1:
             raise ValueError(f"max_concurrent_writes must be at least 1, got {self.max_concurrent_writes}")
         if self.chunk_bytes < 4096 or self.chunk_bytes % 4096:
@@ -101,7 +113,13 @@ class DaemonConfig:
             raise ValueError(f"sweep must be remove, move or off, got {self.sweep!r}")
         if any(k < 1 for k in self.keep_last.values()):
             raise ValueError(f"keep_last values must be at least 1, got {self.keep_last}")
-        self.keep_last = {Path(os.path.realpath(d)): k for d, k in self.keep_last.items()}
+        self.keep_last = {_real(d): k for d, k in self.keep_last.items()}
+        for local, remote in self.mirrors.items():
+            if is_object_path(local) or not is_object_path(remote):
+                raise ValueError(f"--mirror {local}={remote}: mirror a local directory to an s3:// prefix")
+        self.mirrors = {_real(d): Path(r) for d, r in self.mirrors.items()}
+        if self.mirror_keep is not None and self.mirror_keep < 1:
+            raise ValueError(f"mirror_keep must be at least 1, got {self.mirror_keep}")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a TCP port between 1 and 65535, got {self.metrics_port}")
         if self.metrics_textfile is not None and not Path(self.metrics_textfile).absolute().parent.is_dir():

@@ -22,7 +22,7 @@ from ckptd.protocol.index import INCOMPLETE_SUFFIX
 
 from .catalog import missing_or_truncated, read_index, tree_bytes
 from .render import human_bytes, printable
-from .storage import Kind, LocalStorage, Storage
+from .storage import Kind, Storage, load_storage
 
 
 class EntryState(str, Enum):
@@ -36,7 +36,7 @@ class EntryState(str, Enum):
 
 def list_checkpoints(root: Path, storage: Storage | None = None) -> list[dict[str, Any]]:
     """One dict per entry under ``root``, committed ones ordered by step."""
-    storage = storage if storage is not None else LocalStorage()
+    storage = storage if storage is not None else load_storage(None)
     out = []
     for entry in sorted(storage.scandir(root), key=lambda e: e.name):
         path = entry.path

@@ -42,6 +42,11 @@ COUNTERS = [
     ("ckptd_checkpoints_committed", "Checkpoints committed since start.", lambda s: s["completed"]["count"]),
     ("ckptd_written_bytes", "Bytes of committed checkpoints since start.", lambda s: s["completed"]["bytes"]),
     ("ckptd_errors", "Errors reported to clients since start.", lambda s: s["errors_total"]),
+    ("ckptd_mirror_uploaded", "Checkpoints uploaded to their --mirror since start.",
+     lambda s: s.get("mirror", {}).get("uploaded", 0)),
+    ("ckptd_mirror_failed", "Mirror uploads that failed after every retry.", lambda s: s.get("mirror", {}).get("failed", 0)),
+    ("ckptd_mirror_retries", "Mirror upload attempts that failed and were retried.",
+     lambda s: s.get("mirror", {}).get("retries", 0)),
     ("ckptd_client_wait_seconds", "Seconds connected clients blocked on backpressure.",
      lambda s: sum(c["waited_s"] for c in s["clients"])),
 ]

@@ -61,6 +61,14 @@ def render_status(info: dict[str, Any]) -> str:
             lines.append(f"  writing at {rate / 1e9:.2f} GB/s")
     else:
         lines.append("in progress: nothing")
+    mirror = info.get("mirror")
+    if mirror:
+        lines.append(f"mirror: {mirror['uploaded']} uploaded, {mirror['failed']} failed, {mirror['retries']} retries")
+        for u in mirror["uploads"]:
+            frac = u["sent"] / u["total"] if u["total"] else 0.0
+            lines.append(f"  {printable(u['source'])} -> {printable(u['dest'])}  {u['state']} (attempt {u['attempts']})  "
+                         f"{progress_bar(frac)} {100 * frac:5.1f}%  {u['throughput_bps'] / 1e6:.0f} MB/s"
+                         + (f"  last error: {printable(u['error'])}" if u["error"] else ""))
     loads = info.get("loads") or {}
     if loads.get("held") or loads.get("waiting"):
         lines.append(f"loads: {len(loads['held'])} holding a lease, {len(loads['waiting'])} waiting"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ckptd.protocol.index import INCOMPLETE_SUFFIX
+from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME
 
 from .catalog import committed_in
 from .ownership import owner_marker, remove_markers, why_not_replaceable
@@ -67,6 +67,12 @@ def remove_checkpoint(storage: Storage, path: Path, *, marker: str | None) -> bo
     removes. A leftover of an interrupted removal is cleared first. On an
     ``OSError`` before the rename, the marker is taken back and the error raised.
     """
+    if not storage.can_rename(path):  # an object store: without its index it is gone for readers
+        if storage.stat(path / INDEX_NAME) is None:
+            return False
+        storage.unlink(path / INDEX_NAME)
+        storage.remove_tree(path)
+        return True
     doomed = deleting_path(path)
     if storage.stat(doomed) is not None:
         storage.remove_tree(doomed)

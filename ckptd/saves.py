@@ -34,6 +34,7 @@ from ckptd.protocol.messages import Abort, Accepted, Commit, Done, Durable, Erro
 from .admission import Examined, check_room, examine
 from .commit import CheckpointState, PendingCheckpoint, resolve_path
 from .config import DaemonConfig
+from .mirror import Mirrors
 from .retention import apply_retention
 from .state import NodeState
 from .storage import Storage
@@ -58,8 +59,9 @@ class Saves:
     """Moves saves through the pipeline above; replies through ``send``."""
 
     def __init__(self, state: NodeState, workers: Workers, storage: Storage, config: DaemonConfig,
-                 send: Send, known_dirs: KnownDirs) -> None:
+                 send: Send, known_dirs: KnownDirs, mirrors: Mirrors | None = None) -> None:
         self.state, self.workers, self.storage, self.config = state, workers, storage, config
+        self.mirrors = mirrors
         self.send = send
         self.known_dirs = known_dirs
 
@@ -207,9 +209,11 @@ class Saves:
         log.info("event=committed path=%s bytes=%d seconds=%.3f", pending.path, pending.index().total_bytes, seconds)
         for ident, rid, rank in pending.waiting:
             self.send(ident, Done(rid, str(pending.path), pending.shards[rank].size, seconds))
+        if self.mirrors is not None:
+            self.mirrors.submit(pending.path)
         keep = pending.keep_last or self.config.retention_for(pending.path)
         if keep is not None:
-            in_flight = set(state.commits.pending)
+            in_flight = set(state.commits.pending) | (self.mirrors.busy() if self.mirrors is not None else set())
             self.workers.submit("maintenance", lambda: apply_retention(self.storage, pending.path, keep, in_flight),
                                 lambda f: self._retention_done(pending, f))
 

@@ -27,6 +27,7 @@ from ckptd.protocol.messages import (
 
 from .config import DaemonConfig
 from .leases import Grant
+from .mirror import Mirrors
 from .saves import Saves, error_reply
 from .slots import reclaim_orphaned_slots
 from .state import MAX_PID, NodeState
@@ -52,7 +53,8 @@ class Server:
         self.workers = Workers(config.max_concurrent_writes)
         self.state = NodeState(config, storage)
         self.known_dirs = KnownDirs(storage, config.run_dir)
-        self.saves = Saves(self.state, self.workers, storage, config, self._send, self.known_dirs)
+        self.mirrors = Mirrors(storage, config.mirrors, config.mirror_keep) if config.mirrors else None
+        self.saves = Saves(self.state, self.workers, storage, config, self._send, self.known_dirs, self.mirrors)
         self.metrics = None
         if config.metrics_port is not None or config.metrics_textfile is not None:
             from .metrics import Metrics
@@ -106,6 +108,8 @@ class Server:
         self.state.draining = True
 
     def close(self) -> None:
+        if self.mirrors is not None:
+            self.mirrors.close()  # queued uploads are dropped; the one running finishes before the process exits
         self.workers.close()
         self.router.close()
         self.ctx.term()
@@ -159,8 +163,14 @@ class Server:
         log.info("event=hello pid=%d version=%s", msg.pid, msg.client_version)
         return Welcome(msg.id, os.getpid(), __version__, tuple(str(r) for r in self.config.roots))
 
-    def _on_status(self, ident: bytes, msg: Status) -> None:
+    def _snapshot(self) -> dict:
         info = self.state.stats.snapshot(self.state)
+        if self.mirrors is not None:
+            info["mirror"] = self.mirrors.snapshot()
+        return info
+
+    def _on_status(self, ident: bytes, msg: Status) -> None:
+        info = self._snapshot()
         self.workers.submit("status", lambda: add_filesystems(info, self.storage),
                             lambda fut: self._send(ident, StatusReply(msg.id, fut.result())))
         return None  # the reply follows once the filesystems' numbers are in
@@ -193,7 +203,7 @@ class Server:
 
     def _housekeeping(self) -> None:
         if self.metrics is not None:
-            metrics, info = self.metrics, self.state.stats.snapshot(self.state)
+            metrics, info = self.metrics, self._snapshot()
             self.workers.submit("status", lambda: metrics.update(add_filesystems(info, self.storage)))
         self.saves.fail_overdue()
         if self.state.slots.mapped_bytes:  # slots clients replaced; nothing to do (nor to keep busy) when none

@@ -17,9 +17,10 @@ The contract, for whoever writes the next implementation (an object store):
   small file durably in one call (the index).
 - ``rename(src, dst)`` makes a whole checkpoint visible at once, and
   ``exchange`` swaps two names at once; ``fsync_dir`` makes a name durable.
-  A store without rename commits by writing the index last (``write_file``
-  of ``ckptd.json``) and implements ``rename`` as that publication; readers
-  never see a name without a valid index as a checkpoint.
+  A store without rename (``can_rename`` False: ``ckptd/objects.py``)
+  commits by writing the index last (``write_file`` of ``ckptd.json``,
+  create-only), and its ``p.incomplete`` names the same prefix as ``p``;
+  readers never see a name without a valid index as a checkpoint.
 - ``remove_tree`` removes what is there and ignores what is not.
 - ``scandir``/``stat`` describe entries without following links unless
   asked (``follow=True``); ``stat`` returns None for a missing name.
@@ -93,6 +94,7 @@ class Space:
 class Storage(Protocol):
     """Every checkpoint file operation the daemon makes (see the module docstring)."""
 
+    def can_rename(self, path: Path) -> bool: ...
     def open_new(self, path: Path, *, direct: bool) -> tuple[int, bool]: ...
     def reopen(self, path: Path) -> int: ...
     def pwrite(self, fd: int, data: memoryview, offset: int) -> int: ...
@@ -126,6 +128,10 @@ def _kind(mode: int) -> Kind:
 
 class LocalStorage:
     """Plain POSIX I/O on the local filesystem, with O_DIRECT where it is allowed."""
+
+    def can_rename(self, path: Path) -> bool:
+        """Whether ``rename`` publishes a checkpoint (False on an object store: the index written last does)."""
+        return True
 
     def open_new(self, path: Path, *, direct: bool) -> tuple[int, bool]:
         """Create ``path`` for writing; returns the fd and whether it is O_DIRECT."""
@@ -256,11 +262,18 @@ def filesystem_type(path: Path) -> str:
 
 
 def load_storage(spec: str | None) -> Storage:
-    """The storage named ``module:Class`` (None: the local filesystem), created without arguments.
+    """The storage for ``s3://`` names and, for all others, the one named ``module:Class`` (None: the local filesystem).
 
     A class that needs settings reads them itself (``tests/faults.py`` reads
     ``CKPTD_FAULTS``), so the daemon's options stay free of them.
     """
+    from .objects import Routed  # it builds on this module
+
+    return Routed(_local_storage(spec))
+
+
+def _local_storage(spec: str | None) -> Storage:
+    """The storage named ``module:Class`` (None: the local filesystem), created without arguments."""
     if not spec:
         return LocalStorage()
     module_name, sep, class_name = spec.partition(":")

@@ -15,6 +15,7 @@ from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.errors import Busy, InternalError
 from ckptd.protocol.layout import ShardLayout
 from ckptd.protocol.messages import Bye, Commit, Done, Ping, Staged
+from ckptd.protocol.objects import is_object_path
 
 from .checks import check_bool, check_client_args, check_keep_last, check_path, check_seconds, check_step
 from .connection import Connection
@@ -145,7 +146,8 @@ class Client:
         self._check_process()
         if self._closed:
             raise RuntimeError("this ckptd client is closed")
-        target = os.path.abspath(check_path("path", path))
+        raw = check_path("path", path)
+        target = raw if is_object_path(raw) else os.path.abspath(raw)
         step, keep_last = check_step(step), check_keep_last(keep_last)
         check_bool("overwrite", overwrite)
         check_bool("block", block)

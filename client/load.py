@@ -28,10 +28,12 @@ from typing import Any, BinaryIO, Callable, Literal
 
 import torch
 
+from ckptd.protocol import objects
 from ckptd.protocol.errors import BadMessage, InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
 from ckptd.protocol.inspect import check_checksum, check_shard_size, check_shard_structure, open_shard, read_header_from
 from ckptd.protocol.layout import TensorEntry, parse_header
+from ckptd.protocol.objects import is_object_path
 
 from .checks import check_bool, check_limit, check_load_rank, check_path
 from .dtypes import TORCH_DTYPES
@@ -135,7 +137,7 @@ def _load_rank(path: Path, index: CheckpointIndex, rank: int, device: torch.devi
                global_for: Callable[[str], Any] | None = None, *, mmap: bool) -> Any:
     record = index.shard(rank)
     shard = path / record.file
-    if mmap:
+    if mmap or is_object_path(shard):  # an object is read whole into memory the tensors then view
         metadata, tensors = _map_tensors(shard, record, verify=verify, algorithm=index.checksum_algorithm)
     else:
         metadata, tensors = _read_tensors(shard, record, verify=verify, algorithm=index.checksum_algorithm)
@@ -205,18 +207,41 @@ def _map_tensors(shard: Path, record: ShardRecord, *, verify: bool,
 
 
 def map_shard(shard: Path, record: ShardRecord, *, verify: bool, algorithm: str) -> _mmap.mmap:
-    """The shard mapped copy-on-write, after checking that it is a regular file of the index's size (and its checksum)."""
-    with open_shard(shard) as f:
-        check_shard_size(shard, os.fstat(f.fileno()).st_size, record)
-        if record.size < 8:
-            raise InvalidCheckpoint(f"shard {shard} of {record.size} bytes is too short for a safetensors header")
-        mapping = _mmap.mmap(f.fileno(), record.size, _mmap.MAP_PRIVATE, _mmap.PROT_READ | _mmap.PROT_WRITE)
+    """The shard mapped copy-on-write, after checking that it is a regular file of the index's size (and its checksum).
+
+    An object (``s3://``) is read instead, with parallel ranged reads, into
+    anonymous memory of its size (which the tensors then view).
+    """
+    if record.size < 8:
+        raise InvalidCheckpoint(f"shard {shard} of {record.size} bytes is too short for a safetensors header")
+    if is_object_path(shard):
+        mapping = fetch_object(shard, record)
+    else:
+        with open_shard(shard) as f:
+            check_shard_size(shard, os.fstat(f.fileno()).st_size, record)
+            mapping = _mmap.mmap(f.fileno(), record.size, _mmap.MAP_PRIVATE, _mmap.PROT_READ | _mmap.PROT_WRITE)
     if verify:
         try:
             check_checksum(shard, zlib.crc32(mapping), record, algorithm)
         except BaseException:
             mapping.close()
             raise
+    return mapping
+
+
+def fetch_object(shard: Path, record: ShardRecord) -> _mmap.mmap:
+    """The object ``shard`` in anonymous memory, ``objects.PARALLEL_READS`` ranged reads at a time."""
+    try:
+        meta = objects.head(shard)
+        check_shard_size(objects.display(shard), meta["size"] if meta else -1, record)
+        mapping = _mmap.mmap(-1, record.size)
+        try:
+            objects.read_into(shard, memoryview(mapping))
+        except BaseException:
+            mapping.close()
+            raise
+    except OSError as exc:
+        raise InvalidCheckpoint(f"cannot read shard {objects.display(shard)}: {exc.strerror or exc}") from None
     return mapping
 
 

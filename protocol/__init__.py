@@ -1,7 +1,8 @@
 """The ckptd wire protocol and on-disk format, shared by daemon and client.
 
 msgpack and the standard library only: the daemon imports this without
-torch, and the client imports it without the daemon.
+torch, and the client imports it without the daemon. (``objects.py``
+imports the object-store client, ``obstore``, on first use of an ``s3://`` name.)
 """
 
 from .errors import *  # noqa: F401,F403

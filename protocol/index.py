@@ -18,6 +18,7 @@ found in their rank's shard header as in version 1. Version-1 indexes (no
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
+from . import objects
 from .errors import InvalidCheckpoint
 from .files import read_regular
 from .layout import DTYPE_SIZES
@@ -233,14 +235,18 @@ def read_index(path: Path | str) -> CheckpointIndex:
         raise InvalidCheckpoint(f"{path} is an unfinished checkpoint (.incomplete) and is never loaded")
     index_file = path / INDEX_NAME
     try:
-        data = read_regular(index_file, "index")
-    except FileNotFoundError:
+        data = objects.read_all(index_file) if objects.is_object_path(path) else read_regular(index_file, "index")
+    except FileNotFoundError as exc:
+        if "bucket" in str(exc.strerror):
+            raise InvalidCheckpoint(f"no checkpoint at {objects.display(path)}: {exc.strerror}") from None
+        if objects.is_object_path(path):
+            raise InvalidCheckpoint(f"no checkpoint at {objects.display(path)} (no {INDEX_NAME} there)") from None
         if path.is_dir():
             raise InvalidCheckpoint(f"{path} has no {INDEX_NAME}: it is not a committed ckptd checkpoint") from None
         raise InvalidCheckpoint(f"no checkpoint at {path}") from None
     except OSError as exc:
-        raise InvalidCheckpoint(f"cannot read {index_file}: {exc.strerror}") from None
-    return CheckpointIndex.from_json(data, str(index_file))
+        raise InvalidCheckpoint(f"cannot read {objects.display(index_file)}: {exc.strerror}") from None
+    return CheckpointIndex.from_json(data, objects.display(index_file))
 
 
 def committed_in(directory: Path | str) -> list[tuple[tuple[int, float], Path]]:
@@ -250,18 +256,23 @@ def committed_in(directory: Path | str) -> list[tuple[tuple[int, float], Path]]:
     directories without a valid index are not checkpoints and are left out.
     """
     try:
-        entries = list(os.scandir(directory))
-    except OSError:
+        if objects.is_object_path(directory):  # every sub-prefix (a store has no links)
+            paths = [Path(directory) / name for name in objects.listing(directory)[0]]
+        else:
+            paths = [Path(e.path) for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
+    except OSError as exc:
+        if objects.is_object_path(directory) and "bucket" in str(exc.strerror):  # a typo must not read as "none yet"
+            raise InvalidCheckpoint(f"cannot list {objects.display(directory)}: {exc.strerror}") from None
         return []
     found = []
-    for entry in entries:
-        if entry.name.endswith(INCOMPLETE_SUFFIX) or not entry.is_dir(follow_symlinks=False):
+    for path in paths:
+        if path.name.endswith(INCOMPLETE_SUFFIX):
             continue
         try:
-            index = read_index(entry.path)
+            index = read_index(path)
         except InvalidCheckpoint:
             continue
-        found.append(((index.step if index.step is not None else -1, index.created), Path(entry.path)))
+        found.append(((index.step if index.step is not None else -1, index.created), path))
     return sorted(found)
 
 
@@ -270,6 +281,11 @@ FileStat = Callable[[Path], tuple[bool, int]]
 
 
 def _os_file_stat(path: Path) -> tuple[bool, int]:
+    if objects.is_object_path(path):
+        meta = objects.head(path)
+        if meta is None:
+            raise FileNotFoundError(errno.ENOENT, "no such object", objects.display(path))
+        return True, meta["size"]
     st = os.stat(path)
     return stat.S_ISREG(st.st_mode), st.st_size
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Collection
 
+from . import objects
 from .errors import BadMessage, InvalidCheckpoint
 from .files import open_regular
 from .index import CheckpointIndex, ShardRecord, read_index
@@ -107,7 +108,7 @@ def check_shard_structure(tensor_names: Collection[str], metadata: dict[str, str
 def open_shard(path: Path) -> BinaryIO:
     """A shard opened for reading: a missing file or one that is not a regular file is ``InvalidCheckpoint``."""
     try:
-        return open_regular(path, "shard")
+        return objects.open_object(path) if objects.is_object_path(path) else open_regular(path, "shard")
     except FileNotFoundError:
         raise InvalidCheckpoint(f"shard {path} is missing") from None
 
@@ -197,4 +198,4 @@ def file_crc32(path: Path) -> int:
 
 def _size_of(path: Path) -> int:
     with open_shard(path) as f:
-        return os.fstat(f.fileno()).st_size
+        return f.size if isinstance(f, objects.ObjectFile) else os.fstat(f.fileno()).st_size

@@ -106,8 +106,8 @@ def test_space_is_measured_at_the_nearest_existing_ancestor(fs, tmp_path) -> Non
 
 
 def test_load_storage_names_what_is_wrong_with_the_option() -> None:
-    assert isinstance(load_storage(None), LocalStorage)
-    assert isinstance(load_storage("ckptd.storage:LocalStorage"), LocalStorage)
+    assert isinstance(load_storage(None).local, LocalStorage)  # s3:// names go to the object store beside it
+    assert isinstance(load_storage("ckptd.storage:LocalStorage").local, LocalStorage)
     with pytest.raises(ValueError, match="module:Class"):
         load_storage("ckptd.storage")
     with pytest.raises(ValueError, match="cannot be loaded"):

@@ -1,0 +1,250 @@
+"""Checkpoints on an object store (``s3://bucket/prefix``): names, reads and listings.
+
+The daemon (through its storage seam, ``ckptd/objects.py``) and the client
+(``load``, ``latest``) both read object stores with what is here; only the
+daemon writes. The client library is ``obstore`` (an optional extra:
+``pip install ckptd[s3]``), chosen by measurement (``benchmarks/objects.py``,
+``benchmarks/RESULTS.md``): uploads as fast as boto3, ranged downloads about
+4x faster, conditional create-only puts, multipart uploads that abort when
+their input fails. It is imported only when an ``s3://`` name is used.
+
+Names: ``Path("s3://bucket/run/step-1")`` normalises to ``s3:/bucket/run/step-1``
+(a relative path whose first part is ``s3:``); ``is_object_path`` tells such
+a name, ``object_url`` spells it back. Keys are the remaining parts joined by
+``/``. Configuration is the standard AWS environment (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``,
+``AWS_ENDPOINT_URL`` for MinIO or Ceph) and, for what the environment leaves
+unset, the ``[default]`` (or ``$AWS_PROFILE``) sections of ``~/.aws/config``
+and ``~/.aws/credentials``.
+
+Every failure is an ``OSError`` (``FileNotFoundError`` for a missing key)
+whose message names the object's URL, and the bucket when it does not exist.
+"""
+
+from __future__ import annotations
+
+import configparser
+import errno
+import io
+import os
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterable
+
+SCHEME = "s3:"
+PARALLEL_READS = 8
+"""Ranged GETs in flight for one shard."""
+READ_PART = 16 * 1024 * 1024
+"""Bytes per ranged GET."""
+RETRIES = {"max_retries": 3, "backoff": {"init_backoff": timedelta(milliseconds=100),
+                                          "max_backoff": timedelta(seconds=2), "base": 2},
+           "retry_timeout": timedelta(seconds=20)}
+"""Transient errors are retried a little, then reported: a stopped endpoint fails a save in seconds."""
+
+_stores: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def is_object_path(path: Path | str) -> bool:
+    """Whether ``path`` names an object (``s3://...``, or a ``Path`` made from one)."""
+    return Path(path).parts[:1] == (SCHEME,)
+
+
+def object_url(path: Path | str) -> str:
+    """``s3://bucket/key`` for a name ``is_object_path`` accepts."""
+    return "s3://" + "/".join(Path(path).parts[1:])
+
+
+def display(path: Path | str) -> str:
+    """How a checkpoint name reads in a message: ``s3://...`` for an object, else as it is."""
+    return object_url(path) if is_object_path(path) else str(path)
+
+
+def split(path: Path | str) -> tuple[str, str]:
+    """(bucket, key) of an object name; ValueError naming it when it has no bucket."""
+    parts = Path(path).parts
+    if not is_object_path(path) or len(parts) < 2:
+        raise ValueError(f"{path!s} is not an s3://bucket/key name")
+    return parts[1], "/".join(parts[2:])
+
+
+def _aws_settings() -> dict[str, str]:
+    """Region, endpoint and keys from ``~/.aws/config`` and ``~/.aws/credentials`` (the environment wins)."""
+    profile = os.environ.get("AWS_PROFILE", "default")
+    found: dict[str, str] = {}
+    for env, section in (("AWS_CONFIG_FILE", "default" if profile == "default" else f"profile {profile}"),
+                         ("AWS_SHARED_CREDENTIALS_FILE", profile)):
+        default = "~/.aws/config" if env == "AWS_CONFIG_FILE" else "~/.aws/credentials"
+        parser = configparser.ConfigParser()
+        parser.read(os.path.expanduser(os.environ.get(env, default)))
+        if parser.has_section(section):
+            found.update(parser[section])
+    keys = {"aws_access_key_id": "access_key_id", "aws_secret_access_key": "secret_access_key",
+            "aws_session_token": "session_token", "region": "region", "endpoint_url": "endpoint"}
+    env = {"access_key_id": "AWS_ACCESS_KEY_ID", "secret_access_key": "AWS_SECRET_ACCESS_KEY",
+           "session_token": "AWS_SESSION_TOKEN", "region": "AWS_REGION", "endpoint": "AWS_ENDPOINT_URL"}
+    return {keys[k]: v for k, v in found.items() if k in keys and not os.environ.get(env[keys[k]])}
+
+
+def store(bucket: str) -> Any:
+    """The (cached) ``obstore`` S3 store of ``bucket``, configured as the AWS tools are."""
+    with _lock:
+        if bucket not in _stores:
+            try:
+                from obstore.store import S3Store
+            except ImportError:
+                raise ValueError("s3:// paths need the obstore package: pip install 'ckptd[s3]'") from None
+            config = _aws_settings()
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or config.get("endpoint", "")
+            if "region" not in config and not os.environ.get("AWS_REGION"):
+                config["region"] = os.environ.get("AWS_DEFAULT_REGION", "us-east-1")
+            _stores[bucket] = S3Store(bucket, config=config, retry_config=RETRIES,
+                                      client_options={"allow_http": endpoint.startswith("http://")})
+        return _stores[bucket]
+
+
+def os_error(exc: Exception, path: Path | str) -> OSError:
+    """An ``obstore`` failure as an ``OSError`` naming the object (and a missing bucket)."""
+    text = str(exc)
+    bucket = Path(path).parts[1] if len(Path(path).parts) > 1 else "?"
+    if "NoSuchBucket" in text:
+        return FileNotFoundError(errno.ENOENT, f"bucket {bucket!r} does not exist", object_url(path))
+    if type(exc).__name__ == "AlreadyExistsError":
+        return FileExistsError(errno.EEXIST, "already exists", object_url(path))
+    if isinstance(exc, FileNotFoundError):
+        return FileNotFoundError(errno.ENOENT, "no such object", object_url(path))
+    return OSError(errno.EIO, f"object store request failed: {text.splitlines()[0][:300]}", object_url(path))
+
+
+def call(path: Path | str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(store, key, ...)`` for the object ``path``, failures as ``os_error``."""
+    bucket, key = split(path)
+    where = store(bucket)
+    try:
+        return fn(where, key, *args, **kwargs)
+    except Exception as exc:
+        raise os_error(exc, path) from None
+
+
+def head(path: Path | str) -> dict | None:
+    """Size and time of the object ``path``, or None when there is none."""
+    import obstore
+    try:
+        return call(path, obstore.head)
+    except FileNotFoundError as exc:
+        if "bucket" in str(exc):
+            raise
+        return None
+
+
+def listing(path: Path | str) -> tuple[list[str], list[dict]]:
+    """(sub-prefix names, objects) directly under the prefix ``path``."""
+    import obstore
+    bucket, key = split(path)
+    where = store(bucket)
+    try:
+        result = obstore.list_with_delimiter(where, key or None)
+    except Exception as exc:
+        raise os_error(exc, path) from None
+    names = [p.rsplit("/", 1)[-1] for p in result["common_prefixes"]]
+    return names, list(result["objects"])
+
+
+def read(path: Path | str, offset: int, size: int) -> bytes:
+    """At most ``size`` bytes of the object from ``offset`` (empty past its end)."""
+    import obstore
+    if size <= 0:
+        return b""
+    meta = head(path)
+    if meta is None:
+        raise FileNotFoundError(errno.ENOENT, "no such object", object_url(path))
+    end = min(offset + size, meta["size"])
+    return bytes(call(path, obstore.get_range, start=offset, end=end)) if end > offset else b""
+
+
+def read_all(path: Path | str) -> bytes:
+    """The whole object (an index)."""
+    import obstore
+    return bytes(call(path, obstore.get).bytes())
+
+
+def read_into(path: Path | str, buffer: memoryview, *, offset: int = 0) -> None:
+    """Fill ``buffer`` with the object's bytes from ``offset``: ranged GETs, ``PARALLEL_READS`` at a time.
+
+    Each batch is one ``get_ranges`` call, whose requests run in parallel in
+    the library (without the GIL); at most one batch is held beside ``buffer``.
+    """
+    import obstore
+    total = len(buffer)
+    starts = list(range(0, total, READ_PART))
+    for first in range(0, len(starts), PARALLEL_READS):
+        batch = starts[first : first + PARALLEL_READS]
+        ends = [min(s + READ_PART, total) for s in batch]
+        parts = call(path, obstore.get_ranges, starts=[offset + s for s in batch], ends=[offset + e for e in ends])
+        for start, end, data in zip(batch, ends, parts):
+            if len(data) != end - start:
+                raise OSError(errno.EIO, f"object ended early ({len(data)} of {end - start} bytes)", object_url(path))
+            buffer[start:end] = memoryview(data)
+
+
+class ObjectFile(io.RawIOBase):
+    """An object read front to back like a file (``ckptd verify``/``inspect``): sequential ranged GETs."""
+
+    def __init__(self, path: Path | str) -> None:
+        super().__init__()
+        meta = head(path)
+        if meta is None:
+            raise FileNotFoundError(errno.ENOENT, "no such object", object_url(path))
+        self.path, self.size, self._pos = path, meta["size"], 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence] + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        data = read(self.path, self._pos, min(len(buffer), READ_PART))
+        memoryview(buffer).cast("B")[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def open_object(path: Path | str) -> ObjectFile:
+    return ObjectFile(path)
+
+
+def put(path: Path | str, data: bytes | Iterable[Any], *, create_only: bool = False) -> None:
+    """Write one object whole; ``create_only``: ``FileExistsError`` if it is there already."""
+    import obstore
+    if create_only:
+        call(path, obstore.put, data, mode="create")
+    else:
+        call(path, obstore.put, data, chunk_size=READ_PART, max_concurrency=PARALLEL_READS)
+
+
+def delete(path: Path | str) -> None:
+    import obstore
+    call(path, obstore.delete)
+
+
+def remove_prefix(path: Path | str) -> int:
+    """Delete every object under the prefix ``path``; returns how many."""
+    import obstore
+    bucket, key = split(path)
+    where = store(bucket)
+    try:
+        keys = [meta["path"] for batch in obstore.list(where, key + "/") for meta in batch]
+        if keys:
+            obstore.delete(where, keys)
+    except Exception as exc:
+        raise os_error(exc, path) from None
+    return len(keys)

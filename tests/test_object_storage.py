@@ -1,0 +1,254 @@
+"""Checkpoints on an object store: a real daemon saving to, and clients reading from, a real S3
+HTTP endpoint on localhost (moto's server, ``tests/s3server.py``), through the same client library
+as against AWS."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import wait_until
+from s3server import S3Server
+
+import ckptd
+from ckptd.protocol.errors import InvalidCheckpoint, WriteFailed
+from ckptd.protocol.index import INDEX_NAME
+
+
+@pytest.fixture(scope="module")
+def s3() -> S3Server:
+    server = S3Server()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket, with this process and the daemons it starts pointed at the endpoint."""
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    return s3.new_bucket()
+
+
+def keys(s3: S3Server, bucket: str, prefix: str = "") -> list[str]:
+    listed = s3.client().list_objects_v2(Bucket=bucket, Prefix=prefix)
+    return sorted(o["Key"] for o in listed.get("Contents", []))
+
+
+def state(n: int = 1000, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(n, generator=g), "b": torch.arange(7, dtype=torch.int64), "step": seed}
+
+
+def test_a_save_to_s3_round_trips_through_the_bucket(s3, bucket, daemon_factory, client_factory, root) -> None:
+    daemon_factory("--root", f"s3://{bucket}")
+    client = client_factory()
+    url = f"s3://{bucket}/run/step-1"
+    result = client.save_async(state(200_000, 1), url, step=1).result(30)
+    assert result.path == Path(url)
+    assert keys(s3, bucket) == ["run/step-1/ckptd.json", "run/step-1/rank-00000-of-00001.safetensors"]
+    loaded = ckptd.load(url)
+    assert torch.equal(loaded["w"], state(200_000, 1)["w"]) and loaded["step"] == 1
+    target = {"w": torch.zeros(200_000), "b": torch.zeros(7, dtype=torch.int64), "step": 0}
+    ckptd.load_into(target, url)
+    assert torch.equal(target["w"], state(200_000, 1)["w"])
+    assert not s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
+def test_latest_and_list_read_a_prefix_and_retention_keeps_the_newest(s3, bucket, daemon_factory, client_factory,
+                                                                      root) -> None:
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    client = client_factory()
+    for step in (1, 2, 3):
+        client.save_async(state(seed=step), f"s3://{bucket}/run/step-{step}", step=step, keep_last=2).result(30)
+    wait_until(lambda: not any(k.startswith("run/step-1/") for k in keys(s3, bucket)), what="step-1 deleted by retention")
+    assert str(ckptd.latest(f"s3://{bucket}/run")) == str(Path(f"s3://{bucket}/run/step-3"))
+    assert ckptd.load(ckptd.latest(f"s3://{bucket}/run"))["step"] == 3
+    listed = daemon.cli("list", f"s3://{bucket}/run", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [(r["name"], r["state"], r["step"]) for r in __import__("json").loads(listed.stdout)] == [
+        ("step-2", "committed", 2), ("step-3", "committed", 3)]
+
+
+def test_a_checkpoint_is_invisible_until_its_index_is_written(s3, bucket, daemon_factory, client_factory, root) -> None:
+    """Rank 0's shard is whole on the store while rank 1 has not committed: readers see no checkpoint."""
+    daemon_factory("--root", f"s3://{bucket}")
+    ranks = [client_factory(rank=r, world_size=2) for r in range(2)]
+    url = f"s3://{bucket}/run/step-5"
+    first = ranks[0].save_async(state(seed=5), url, step=5)
+    wait_until(lambda: "run/step-5/rank-00000-of-00002.safetensors" in keys(s3, bucket), what="rank 0's shard uploaded")
+    assert not first.done()
+    assert ckptd.latest(f"s3://{bucket}/run") is None
+    with pytest.raises(InvalidCheckpoint, match="no checkpoint at s3://"):
+        ckptd.load(url, rank=0)
+    assert f"run/step-5/{INDEX_NAME}" not in keys(s3, bucket)
+    ranks[1].save_async(state(seed=6), url, step=5).result(30)
+    first.result(30)
+    assert ckptd.load(url, rank=1)["step"] == 6
+
+
+def test_an_endpoint_that_stops_mid_upload_fails_the_save_and_a_later_save_works(s3, bucket, daemon_factory,
+                                                                                 client_factory, root) -> None:
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    client = client_factory()
+    url = f"s3://{bucket}/run/big"
+    fut = client.save_async({"w": torch.ones(96 * 2**20 // 4)}, url, step=1)  # 96 MiB: many parts
+    wait_until(lambda: any(s.get("written", 0) > 0 for s in daemon.status()["saves"]), what="the upload under way")
+    s3.stop()
+    try:
+        with pytest.raises(WriteFailed, match=f"object store request failed: .*{bucket}") as failure:
+            fut.result(120)
+        assert "rank-00000-of-00001.safetensors" in str(failure.value)
+        assert daemon.status()["daemon"]["pid"] == daemon.proc.pid  # still serving
+    finally:
+        s3.start()
+    assert f"run/big/{INDEX_NAME}" not in keys(s3, bucket)
+    assert ckptd.latest(f"s3://{bucket}/run") is None
+    client.save_async(state(seed=2), f"s3://{bucket}/run/after", step=2).result(30)
+    assert ckptd.load(f"s3://{bucket}/run/after")["step"] == 2
+
+
+def test_a_bucket_that_does_not_exist_is_named_in_the_error(s3, bucket, daemon_factory, client_factory, root) -> None:
+    missing = f"{bucket}-missing"
+    daemon_factory("--root", f"s3://{missing}")
+    client = client_factory()
+    with pytest.raises(ckptd.CkptdError, match=f"bucket '{missing}' does not exist"):
+        client.save_async(state(), f"s3://{missing}/run/a", step=1).result(30)
+    with pytest.raises(InvalidCheckpoint, match=f"bucket '{missing}' does not exist"):
+        ckptd.load(f"s3://{missing}/run/a")
+    with pytest.raises(InvalidCheckpoint, match=f"bucket '{missing}' does not exist"):
+        ckptd.latest(f"s3://{missing}/run")  # a misspelt bucket is not "no checkpoint yet"
+
+
+def test_an_s3_checkpoint_is_never_replaced_in_place(s3, bucket, daemon_factory, client_factory, root) -> None:
+    daemon_factory("--root", f"s3://{bucket}")
+    client = client_factory()
+    url = f"s3://{bucket}/run/step-1"
+    client.save_async(state(seed=1), url, step=1).result(30)
+    with pytest.raises(ckptd.CheckpointExists, match="never replaced in place"):
+        client.save_async(state(seed=2), url, step=1, overwrite=True).result(30)
+    assert ckptd.load(url)["step"] == 1
+
+
+def test_verify_and_inspect_read_an_s3_checkpoint(s3, bucket, daemon_factory, client_factory, root) -> None:
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    url = f"s3://{bucket}/run/step-1"
+    client_factory().save_async(state(seed=1), url, step=1).result(30)
+    verified = daemon.cli("verify", url)
+    assert verified.returncode == 0 and "ok" in verified.stdout, verified.stderr
+    inspected = daemon.cli("inspect", url, "--json")
+    assert inspected.returncode == 0, inspected.stderr
+    assert {t["name"] for t in __import__("json").loads(inspected.stdout)["shards"][0]["tensors"]} == {"w", "b"}
+    s3.client().put_object(Bucket=bucket, Key="run/step-1/rank-00000-of-00001.safetensors", Body=b"x" * 10)
+    damaged = daemon.cli("verify", url)
+    assert damaged.returncode != 0 and "holds 10 bytes" in damaged.stderr
+
+
+def test_a_mirror_uploads_committed_checkpoints_index_last_and_keeps_its_own_retention(s3, bucket, daemon_factory,
+                                                                                      client_factory, root) -> None:
+    daemon = daemon_factory("--mirror", f"{root}=s3://{bucket}/mirror", "--mirror-keep", "2", "--keep", f"{root}=3")
+    client = client_factory()
+    for step in (1, 2, 3):
+        client.save_async(state(seed=step), root / f"step-{step}", step=step).result(30)
+    wait_until(lambda: daemon.status()["mirror"]["uploaded"] == 3, timeout=60,
+               what=lambda: f"three uploads (status: {daemon.status()['mirror']})")
+    assert ckptd.load(ckptd.latest(f"s3://{bucket}/mirror"))["step"] == 3
+    assert sorted({k.split("/")[1] for k in keys(s3, bucket, "mirror/")}) == ["step-2", "step-3"]  # --mirror-keep 2
+    assert sorted(p.name for p in root.iterdir()) == ["step-1", "step-2", "step-3"]  # local retention is its own
+    recent = daemon.status()["mirror"]["recent"][-1]
+    assert recent["state"] == "uploaded" and recent["sent"] == recent["total"] > 0
+
+
+def test_a_mirror_upload_retries_while_the_endpoint_is_down_and_shows_it(s3, bucket, daemon_factory, client_factory,
+                                                                         root) -> None:
+    metrics = root.parent / "metrics.prom"
+    daemon = daemon_factory("--mirror", f"{root}=s3://{bucket}/mirror", "--metrics-textfile", str(metrics))
+    client = client_factory()
+    s3.stop()
+    try:
+        client.save_async(state(seed=1), root / "step-1", step=1).result(30)  # the local save does not wait
+        wait_until(lambda: daemon.status()["mirror"]["retries"] >= 1, timeout=60, what="a failed attempt")
+        upload = daemon.status()["mirror"]["uploads"][0]
+        assert upload["state"] in ("retrying", "uploading") and "object store request failed" in upload["error"]
+        assert ckptd.load(root / "step-1")["step"] == 1
+    finally:
+        s3.start()
+    wait_until(lambda: daemon.status()["mirror"]["uploaded"] == 1, timeout=90, what="the upload after the retries")
+    assert ckptd.load(f"s3://{bucket}/mirror/step-1")["step"] == 1
+    assert "mirror: 1 uploaded, 0 failed" in daemon.cli("status").stdout
+    wait_until(lambda: "ckptd_mirror_uploaded_total 1.0" in metrics.read_text(), what="the upload in the metrics")
+    retries = next(line for line in metrics.read_text().splitlines() if line.startswith("ckptd_mirror_retries_total"))
+    assert float(retries.split()[-1]) >= 1
+
+
+def test_local_retention_keeps_a_checkpoint_whose_upload_has_not_finished(s3, bucket, daemon_factory, client_factory,
+                                                                          root) -> None:
+    (root / "run").mkdir()
+    daemon = daemon_factory("--mirror", f"{root}/run=s3://{bucket}/mirror")
+    client = client_factory()
+    s3.stop()
+    try:
+        client.save_async(state(seed=1), root / "run" / "step-1", step=1).result(30)
+        client.save_async(state(seed=2), root / "run" / "step-2", step=2, keep_last=1).result(30)
+        # Retention runs in order on one maintenance thread: once this later pair's retention (not mirrored)
+        # has deleted other/a, step-2's retention has run too, and it had to keep step-1 (upload retrying).
+        (root / "other").mkdir()
+        client.save_async(state(), root / "other" / "a", step=1).result(30)
+        client.save_async(state(), root / "other" / "b", step=2, keep_last=1).result(30)
+        wait_until(lambda: not (root / "other" / "a").exists(), what="retention in other/")
+        assert (root / "run" / "step-1").exists()
+    finally:
+        s3.start()
+    wait_until(lambda: daemon.status()["mirror"]["uploaded"] >= 2, timeout=90, what="step-1 and step-2 uploaded")
+    assert ckptd.load(f"s3://{bucket}/mirror/step-1")["step"] == 1
+
+
+def test_a_failed_save_removes_what_it_wrote_to_the_bucket(s3, bucket, daemon_factory, client_factory, root) -> None:
+    daemon_factory("--root", f"s3://{bucket}")
+    rank0 = client_factory(rank=0, world_size=2, commit_timeout=1.0)
+    url = f"s3://{bucket}/run/step-1"
+    fut = rank0.save_async(state(seed=1), url, step=1)
+    wait_until(lambda: "run/step-1/rank-00000-of-00002.safetensors" in keys(s3, bucket), what="rank 0's shard uploaded")
+    with pytest.raises(ckptd.RanksMissing):
+        fut.result(30)  # rank 1 never commits
+    wait_until(lambda: keys(s3, bucket, "run/") == [], what=lambda: f"run/ emptied, holds {keys(s3, bucket, 'run/')}")
+    assert not s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
+    rank0.close()
+    client_factory().save_async(state(seed=2), url, step=2).result(30)  # the path is free again
+    assert ckptd.load(url)["step"] == 2
+
+
+def test_aws_config_files_fill_in_what_the_environment_leaves_unset(tmp_path, monkeypatch) -> None:
+    from ckptd.protocol import objects
+
+    (tmp_path / "config").write_text("[profile dev]\nregion = eu-west-1\nendpoint_url = http://127.0.0.1:9\n")
+    (tmp_path / "credentials").write_text("[dev]\naws_access_key_id = AK\naws_secret_access_key = SK\n")
+    for key in ("AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_PROFILE", "dev")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "from-env")
+    config = objects.store(f"cfg-{tmp_path.name}".lower()[:60]).config
+    assert (config["region"], config["endpoint"], config["access_key_id"]) == ("eu-west-1", "http://127.0.0.1:9", "AK")
+    assert "secret_access_key" not in config  # the environment's wins (obstore reads it there)
+
+
+def test_sharded_state_with_global_tensors_saves_to_and_loads_from_s3(s3, bucket, daemon_factory, client_factory,
+                                                                     root) -> None:
+    """``replicated=`` keys are global tensors with a chunk table in the index, read back through the store."""
+    daemon_factory("--root", f"s3://{bucket}")
+    clients = [client_factory(rank=r, world_size=2) for r in (0, 1)]
+    model = {"w": torch.arange(1024, dtype=torch.float32), "n": 4}
+    url = f"s3://{bucket}/run/sharded"
+    futures = [c.save_async({"model": model, "mine": torch.full((2,), r)}, url, replicated=("model",))
+               for r, c in enumerate(clients)]
+    for f in futures:
+        f.result(60)
+    assert sorted(ckptd.read_index(url).tensors) == ["model.w"]
+    for r in (0, 1):
+        target = {"model": {"w": torch.zeros(1024), "n": 0}, "mine": torch.zeros(2, dtype=torch.int64)}
+        ckptd.load_into(target, url, rank=r)
+        assert torch.equal(target["model"]["w"], model["w"]) and target["mine"].tolist() == [r, r]
