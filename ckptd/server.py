@@ -21,11 +21,12 @@ import zmq
 from ckptd.protocol import __version__
 from ckptd.protocol.errors import BadMessage, ErrorCode
 from ckptd.protocol.messages import (
-    MAX_MESSAGE_BYTES, Abort, Bye, Commit, Error, Finalize, Granted, Hello, Lease, Message, Ok, Ping, Pong,
-    Release, Staged, Status, StatusReply, Stop, Welcome, decode, request_id,
+    MAX_MESSAGE_BYTES, Abort, Bye, Commit, Error, Finalize, Granted, Hello, Lease, Message, Ok, Persist, Ping, Pong,
+    Release, Snapshot, Snapshots, Staged, Status, StatusReply, Stop, Welcome, decode, request_id,
 )
 
 from .config import DaemonConfig
+from .holding import Holding
 from .leases import Grant
 from .saves import Saves, error_reply
 from .slots import reclaim_orphaned_slots
@@ -53,6 +54,8 @@ class Server:
         self.state = NodeState(config, storage)
         self.known_dirs = KnownDirs(storage, config.run_dir)
         self.saves = Saves(self.state, self.workers, storage, config, self._send, self.known_dirs)
+        self.holding = Holding(self.state, self.workers, storage, config, self._send, self.saves)
+        self.saves.on_end = self.holding.persisted
         self.metrics = None
         if config.metrics_port is not None or config.metrics_textfile is not None:
             from .metrics import Metrics
@@ -64,6 +67,9 @@ class Server:
         self._handlers: dict[type[Message], Callable[[bytes, Any], Message | None]] = {
             Hello: self._on_hello,
             Commit: self.saves.commit,
+            Snapshot: self.holding.snapshot,
+            Persist: self.holding.persist,
+            Snapshots: self.holding.listing,
             Staged: lambda ident, m: self.saves.staged(ident, m.upto, m.error, m.id),
             Finalize: self.saves.finalize,
             Abort: self.saves.abort,
@@ -190,19 +196,23 @@ class Server:
         self._send_grants(grants)
         if client is not None:
             log.info("event=client_gone pid=%d", client.pid)
+            if not self.state.pid_connected(client.pid):
+                self.holding.client_gone(client.pid)
 
     def _housekeeping(self) -> None:
         if self.metrics is not None:
             metrics, info = self.metrics, self.state.stats.snapshot(self.state)
             self.workers.submit("status", lambda: metrics.update(add_filesystems(info, self.storage)))
         self.saves.fail_overdue()
+        self.holding.fail_overdue()
         if self.state.slots.mapped_bytes:  # slots clients replaced; nothing to do (nor to keep busy) when none
             self.workers.submit("maintenance", self.state.slots.drop_unlinked)
         for ident in self.state.dead_clients():
             pid = self.state.clients[ident].pid
             self._teardown(ident, f"the client (pid {pid}) died before it finished staging")
             if not self.state.pid_connected(pid):
-                self.workers.submit("maintenance", lambda pid=pid: self.state.slots.reclaim(pid))
+                keep = self.state.snapshots.slot_names()
+                self.workers.submit("maintenance", lambda pid=pid: self.state.slots.reclaim(pid, keep))
 
     def _busy(self) -> bool:
         return self.state.busy or self.workers.in_flight > 0
@@ -232,6 +242,7 @@ class Server:
         if self._drain_deadline is None:
             self._drain_deadline = now + self.config.drain_timeout
             log.info("event=drain checkpoints=%d writes=%d", len(self.state.commits.pending), len(self.state.jobs))
+            self.holding.drain()
         if now >= self._drain_deadline:
             self.saves.fail_waiting_for_ranks()
             self.state.abandon_staging(None, "the daemon was stopped before the client finished staging")

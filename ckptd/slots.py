@@ -152,8 +152,13 @@ class SlotMaps:
                 self._drop(slot)
             return len(gone)
 
-    def reclaim(self, pid: int) -> int:
-        """Unlink the slots of dead client ``pid``; returns how many.
+    def share(self, slot: MappedSlot) -> None:
+        """One more user of a mapping already held (a held snapshot's slot being persisted)."""
+        with self._lock:
+            slot.users += 1
+
+    def reclaim(self, pid: int, keep: set[str] = frozenset()) -> int:
+        """Unlink the slots of dead client ``pid`` but those in ``keep`` (held snapshots); returns how many.
 
         Mappings still in use keep their memory until released, so a save the
         client committed before dying still completes.
@@ -161,7 +166,7 @@ class SlotMaps:
         self.forget_pid(pid)
         removed = 0
         for entry in os.scandir(self.shm_dir):
-            if slot_owner(entry.name) == (os.getuid(), pid):
+            if slot_owner(entry.name) == (os.getuid(), pid) and entry.name not in keep:
                 try:
                     os.unlink(entry.path)
                     removed += 1
