@@ -203,6 +203,15 @@ class Holding:
         if owed:
             self.workers.submit("maintenance", lambda: _unlink(self.state.slots.shm_dir, owed))
 
+    def close(self) -> None:
+        """The daemon exits: what it holds goes (its newest snapshots were persisted while it drained)."""
+        held = shards_of(self.snapshots.held.values())
+        self.snapshots.held.clear()
+        names = [sh.slot.name for sh in held] + [n for owed in self.snapshots.released.values() for n in owed]
+        for shard in held:
+            self.state.slots.release(shard.slot)
+        self.workers.submit("maintenance", lambda: _unlink(self.state.slots.shm_dir, names))
+
     def drain(self) -> None:
         """SIGTERM: persist the newest snapshot of every directory before the daemon exits."""
         newest = self.snapshots.newest()

@@ -112,6 +112,7 @@ class Server:
         self.state.draining = True
 
     def close(self) -> None:
+        self.holding.close()
         self.workers.close()
         self.router.close()
         self.ctx.term()
