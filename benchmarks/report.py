@@ -93,6 +93,10 @@ TARGETS = [
            0.5, 10),
     Target("FSDP2: time to durable ≤ 0.5 × DCP async_save PROCESS, reused stager", "sharded_ckptd.durable",
            "sharded_process_stager.durable", 0.5, 10),
+    Target("snapshot blocking ≤ 1.1 × a disk save's blocking", "snapshots.blocking", "snapshots.disk_blocking", 1.1, 13),
+    Target("restore from memory ≤ 1.5 × memcpy into fresh tensors", "snapshots.restore", "snapshots.memcpy_fresh", 1.5,
+           13),
+    Target("restore from memory ≤ 0.3 × a cold disk load", "snapshots.restore", "snapshots.cold_load", 0.3, 13),
     Target("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", "sharded_load_ckptd.cold", "sharded_load_dcp.cold", 0.8, 10),
 ]
 

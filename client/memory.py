@@ -16,10 +16,11 @@ that any rank's daemon lacks is never chosen.
 
 from __future__ import annotations
 
-import ctypes
 import mmap as _mmap
 import os
+import warnings
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -125,18 +126,27 @@ class HeldFiles(ChunkFiles):
         if not copy:
             data = self.mapped(record.file)
             return metadata, {e.name: _typed(data[data_start + e.begin : data_start + e.end], e) for e in entries}
-        raw = torch.frombuffer(self._map(record.file, record.size), dtype=torch.uint8)
-        crc = zlib.crc32(memoryview(self._raw[record.file])[:data_start]) if self.verify else 0
-        tensors = {}
-        for e in sorted(entries, key=lambda e: e.begin):  # contiguous, no holes: the header parse checks it
-            buf = torch.empty(e.nbytes, dtype=torch.uint8)
-            buf.copy_(raw[data_start + e.begin : data_start + e.end])
-            if self.verify and e.nbytes:
-                crc = zlib.crc32((ctypes.c_char * e.nbytes).from_address(buf.data_ptr()), crc)
-            tensors[e.name] = _typed(buf, e)
-        if self.verify:  # over the copies: what is returned is what the daemon checksummed
-            check_checksum(self.path / f"rank {record.rank} in memory", crc, record, self.index.checksum_algorithm)
+        # Shared and read-only, pre-faulted in one pass (a private writable one would copy every page), and
+        # checksummed on a second thread while this one copies: the two passes overlap.
+        with self._shared(record) as shared, ThreadPoolExecutor(1) as pool:
+            crc = pool.submit(zlib.crc32, memoryview(shared)[: record.size]) if self.verify else None
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only: only ever copied from
+                raw = torch.frombuffer(shared, dtype=torch.uint8)
+            tensors = {e.name: _typed(raw[data_start + e.begin : data_start + e.end].clone(), e) for e in entries}
+            del raw
+            if crc is not None:
+                check_checksum(self.path / f"rank {record.rank} in memory", crc.result(), record,
+                               self.index.checksum_algorithm)
         return metadata, tensors
+
+    def _shared(self, record: ShardRecord) -> _mmap.mmap:
+        try:
+            with open(shm_dir() / record.file, "rb") as f:
+                return _mmap.mmap(f.fileno(), record.size, _mmap.MAP_SHARED | getattr(_mmap, "MAP_POPULATE", 0),
+                                  _mmap.PROT_READ)
+        except (OSError, ValueError) as exc:
+            raise InvalidCheckpoint(f"snapshot {self.path}: its slot {record.file} is gone ({exc})") from None
 
 
 def open_checkpoint(path: Path, *, verify: bool, run_dir: str | os.PathLike | None = None) -> ChunkFiles:
