@@ -18,6 +18,7 @@ the newest snapshots when the daemon drains (SIGTERM).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -28,11 +29,12 @@ from typing import Callable
 
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, RanksMissing, ShuttingDown, WriteFailed
 from ckptd.protocol.messages import Accepted, Error, Held, Message, Persist, Snapshot, SnapshotList, Snapshots
+from ckptd.protocol.shm import slot_name
 
 from .admission import Examined, examine
 from .config import DaemonConfig
 from .saves import Saves, error_reply
-from .snapshots import HeldSnapshot, shards_of
+from .snapshots import HeldShard, HeldSnapshot, shards_of
 from .state import NodeState
 from .storage import Storage
 from .workers import Workers
@@ -50,6 +52,8 @@ class Holding:
         self.state, self.workers, self.storage, self.config = state, workers, storage, config
         self.send, self.saves = send, saves
         self.snapshots = state.snapshots
+        self._names = itertools.count()
+        """Held slots' names: this daemon's pid and a number of its own."""
 
     # -- holding ---------------------------------------------------------------
 
@@ -80,17 +84,24 @@ class Holding:
             log.info("event=snapshot_evicted path=%s step=%s reason=budget", old.path, old.step)
         self._release(shards_of(evicted))
         self.send(ident, Accepted(msg.id))
-        slot = examined.slot
-        self.workers.submit("checksum", lambda: _checksum(memoryview(slot.map), msg.nbytes, progress),
-                            lambda f: self._checksummed(ident, msg, snap, f))
+        slot, slots, name = examined.slot, self.state.slots, slot_name(os.getuid(), os.getpid(), next(self._names))
+
+        def checksum_and_adopt() -> int:
+            crc = _checksum(memoryview(slot.map), msg.nbytes, progress)
+            slots.adopt(slot, name)
+            return crc
+        self.workers.submit("checksum", checksum_and_adopt, lambda f: self._checksummed(ident, msg, snap, f))
 
     def _checksummed(self, ident: bytes, msg: Snapshot, snap: HeldSnapshot, fut: Future) -> None:
         self.state.end_save(ident, msg.id)
-        shard = snap.shards.get(msg.rank)
-        if self.snapshots.held.get(snap.path) is not snap or shard is None:
-            return  # the snapshot failed meanwhile; its ranks were told
-        if fut.exception() is not None:
-            self.fail(snap, fut.exception())
+        shard, failed = snap.shards[msg.rank], self.snapshots.held.get(snap.path) is not snap
+        if fut.exception() is not None:  # not adopted
+            self.state.slots.release(shard.slot)
+            if not failed:
+                self.fail(snap, fut.exception())
+            return
+        if failed:  # the snapshot failed meanwhile (its ranks were told): the slot goes back under its name
+            self.workers.submit("maintenance", lambda: self.state.slots.give_back(shard.slot, msg.slot))
             return
         shard.checksum = fut.result()
         log.info("event=snapshot_held path=%s rank=%d bytes=%d", snap.path, msg.rank, msg.nbytes)
@@ -102,7 +113,10 @@ class Holding:
         if not snap.complete:
             return
         snap.acknowledged = True
-        self._release(shards_of(self.snapshots.newer_than_kept(snap)))
+        self._release(shards_of(self.snapshots.newer_than_kept(snap)), then=lambda: self._tell_held(snap))
+
+    def _tell_held(self, snap: HeldSnapshot) -> None:
+        """Held to every rank, once the slots it released are back under their names (so the reply can name them)."""
         for client, rid, pid, nbytes in snap.waiting:
             self.send(client, self._held(snap, rid, nbytes, pid))
         snap.waiting = []
@@ -118,8 +132,9 @@ class Holding:
         log.warning("event=snapshot_failed path=%s error=%s", snap.path, reply.message)
         for client, rid, _, _ in snap.waiting:
             self.send(client, Error(rid, reply.code, reply.message))
-        for shard in snap.shards.values():
-            self.state.slots.release(shard.slot)
+        for shard in snap.shards.values():  # held ones go back under their names; the others when checksummed
+            if shard.checksum is not None:
+                self.workers.submit("maintenance", lambda sh=shard: self.state.slots.give_back(sh.slot, sh.msg.slot))
 
     def fail_overdue(self) -> None:
         for snap in self.snapshots.overdue(time.monotonic()):
@@ -127,17 +142,35 @@ class Holding:
             self.fail(snap, RanksMissing(f"snapshot {snap.path}: ranks {missing} of {snap.world_size} never "
                                          f"snapshotted within {snap.timeout:g} s; nothing was held"))
 
-    def _release(self, shards) -> None:
-        """Drop held shards: a live, connected client gets its slot back, anyone else's is unlinked."""
-        gone = []
-        for shard in shards:
-            self.state.slots.release(shard.slot)
-            if self.state.pid_connected(shard.pid):
-                self.snapshots.released.setdefault(shard.pid, []).append(shard.slot.name)
-            else:
-                gone.append(shard.slot.name)
-        if gone:
-            self.workers.submit("maintenance", lambda: _unlink(self.state.slots.shm_dir, gone))
+    def _release(self, shards: list[HeldShard], then: Callable[[], None] = lambda: None) -> None:
+        """Drop held shards: a live, connected client gets its slot back (under its old name), others' are
+        unlinked; ``then`` runs on the loop once that is done."""
+        slots = self.state.slots
+        back = [sh for sh in shards if self.state.pid_connected(sh.pid)]
+        gone = [sh for sh in shards if sh not in back]
+        for shard in gone:
+            slots.release(shard.slot)
+        names = [sh.slot.name for sh in gone]
+
+        def work() -> None:
+            _unlink(slots.shm_dir, names)
+            for sh in back:
+                slots.give_back(sh.slot, sh.msg.slot)
+
+        def done(fut: Future) -> None:
+            if fut.exception() is not None:
+                log.warning("event=release_failed error=%r", fut.exception())
+            left = [sh.msg.slot for sh in back if not self.state.pid_connected(sh.pid)]  # went meanwhile
+            for sh in back:
+                if sh.msg.slot not in left:
+                    self.snapshots.released.setdefault(sh.pid, []).append(sh.msg.slot)
+            if left:
+                self.workers.submit("maintenance", lambda: _unlink(slots.shm_dir, left))
+            then()
+        if shards:
+            self.workers.submit("maintenance", work, done)
+        else:
+            then()
 
     # -- what is held -----------------------------------------------------------
 

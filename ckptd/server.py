@@ -212,8 +212,7 @@ class Server:
             pid = self.state.clients[ident].pid
             self._teardown(ident, f"the client (pid {pid}) died before it finished staging")
             if not self.state.pid_connected(pid):
-                keep = self.state.snapshots.slot_names()
-                self.workers.submit("maintenance", lambda pid=pid: self.state.slots.reclaim(pid, keep))
+                self.workers.submit("maintenance", lambda pid=pid: self.state.slots.reclaim(pid))
 
     def _busy(self) -> bool:
         return self.state.busy or self.workers.in_flight > 0

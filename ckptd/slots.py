@@ -157,8 +157,28 @@ class SlotMaps:
         with self._lock:
             slot.users += 1
 
-    def reclaim(self, pid: int, keep: set[str] = frozenset()) -> int:
-        """Unlink the slots of dead client ``pid`` but those in ``keep`` (held snapshots); returns how many.
+    def adopt(self, slot: MappedSlot, name: str) -> None:
+        """Take a client's slot over (it holds a snapshot): rename it ``name``, a name of the daemon's own pid.
+
+        No sweep then takes it for a dead client's, not this daemon's
+        housekeeping nor another daemon's start-up sweep, and its client's
+        own exit never unlinks it. The mapping stays; it leaves the cache.
+        """
+        with self._lock:
+            os.rename(self.shm_dir / slot.name, self.shm_dir / name)
+            if self._maps.get(slot.name) is slot:
+                del self._maps[slot.name]
+            slot.name = name
+
+    def give_back(self, slot: MappedSlot, name: str) -> None:
+        """Rename a held slot back to its client's ``name`` (the client reuses it) and drop the daemon's hold."""
+        with self._lock:
+            os.rename(self.shm_dir / slot.name, self.shm_dir / name)
+            slot.name = name
+            self.release(slot)
+
+    def reclaim(self, pid: int) -> int:
+        """Unlink the slots of dead client ``pid``; returns how many.
 
         Mappings still in use keep their memory until released, so a save the
         client committed before dying still completes.
@@ -166,7 +186,7 @@ class SlotMaps:
         self.forget_pid(pid)
         removed = 0
         for entry in os.scandir(self.shm_dir):
-            if slot_owner(entry.name) == (os.getuid(), pid) and entry.name not in keep:
+            if slot_owner(entry.name) == (os.getuid(), pid):
                 try:
                     os.unlink(entry.path)
                     removed += 1

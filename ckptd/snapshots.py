@@ -14,9 +14,10 @@ held.
 The memory budget counts the slots held (whole slots: that is what stays
 resident). A snapshot that would exceed it first evicts the oldest snapshots
 that are already persisted to disk; if that is not enough it is refused with
-a message naming the budget and what is held. A dropped slot whose client is
-alive goes back to that client (named in its next ``Held``); a dead or gone
-client's slot is unlinked.
+a message naming the budget and what is held. A held slot is renamed to a
+name of the daemon's own pid, so no sweep of dead clients' slots takes it. A
+dropped slot whose client is alive goes back to that client under its old
+name (named in its next ``Held``); a dead or gone client's slot is unlinked.
 
 Bookkeeping only, on the loop thread: ``holding.py`` does the I/O around it.
 """
@@ -113,10 +114,6 @@ class Snapshots:
     @property
     def held_bytes(self) -> int:
         return sum(s.nbytes for s in self.held.values())
-
-    def slot_names(self) -> set[str]:
-        """Slots the daemon holds: never reclaimed with a dead client's others."""
-        return {sh.slot.name for s in self.held.values() for sh in s.shards.values()}
 
     def admit(self, msg: Snapshot, final: Path, slot: MappedSlot, pid: int, client: bytes
               ) -> tuple[HeldSnapshot, list[HeldSnapshot]]:

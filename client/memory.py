@@ -74,6 +74,7 @@ class HeldFiles(ChunkFiles):
     """
 
     def __init__(self, path: Path, held: dict[str, Any], *, verify: bool) -> None:
+        self.path = path
         self.slots = {name: (rank, size, checksum) for rank, name, size, checksum, _ in held["shards"]}
         self._raw: dict[str, _mmap.mmap] = {}
         files = tuple(ShardRecord(name, rank, size, checksum, tensors)
