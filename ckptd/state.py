@@ -161,4 +161,6 @@ class NodeState:
 
     @property
     def idle(self) -> bool:
-        return not (self.clients or self.busy or self.commits.pending)
+        """Nothing to do, and no snapshot held only in memory (a spawned daemon must not take one with it)."""
+        unpersisted = any(not s.persisted for s in self.snapshots.held.values())
+        return not (self.clients or self.busy or self.commits.pending or unpersisted)
