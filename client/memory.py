@@ -29,14 +29,14 @@ import torch
 from ckptd.protocol.chunks import tensor_table
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.errors import BadMessage, DaemonUnavailable, InvalidCheckpoint
-from ckptd.protocol.index import CheckpointIndex, ShardRecord, committed_in, missing_or_truncated, read_index
+from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
+from ckptd.protocol.index import latest as latest_on_disk
 from ckptd.protocol.inspect import check_checksum
 from ckptd.protocol.layout import TensorEntry, parse_header
 from ckptd.protocol.messages import SnapshotList, Snapshots
 from ckptd.protocol.request import request
 from ckptd.protocol.shm import shm_dir
 
-from .checks import check_path
 from .reshard import ChunkFiles
 
 ASK_TIMEOUT = 5.0
@@ -171,14 +171,14 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
     never chosen (that rank could not restore it), nor a disk checkpoint some
     rank cannot see.
     """
-    root = Path(check_path("root", root))
-    candidates: dict[str, tuple[int, float]] = {}
-    for (step, created), path in committed_in(root):
+    on_disk = latest_on_disk(root)  # checks root, too
+    root, candidates = Path(root), {}
+    if on_disk is not None:
         try:
-            if missing_or_truncated(path, read_index(path)) is None:
-                candidates[str(path)] = (step, created)
-        except InvalidCheckpoint:
-            continue
+            index = read_index(on_disk)
+            candidates[str(on_disk)] = (index.step if index.step is not None else -1, index.created)
+        except InvalidCheckpoint:  # removed since
+            pass
     real_root = os.path.realpath(root)
     for s in held_snapshots(run_dir):
         parent, name = os.path.split(s["path"])

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,20 @@ def test_with_persist_on_exit_never_a_closed_client_leaves_its_snapshot_in_memor
     assert not (root / "s6").exists()
     assert equal_states(ckptd.load(root / "s6", run_dir=run_dir), state_at(6))
     daemon.stop()
+
+
+def test_a_daemon_that_exits_when_idle_waits_while_it_holds_a_snapshot_not_on_disk(
+    daemon_factory, client_factory, root, run_dir
+) -> None:
+    daemon = daemon_factory("--exit-when-idle", "0.3", "--persist-on-exit", "never")
+    client = client_factory()
+    client.save_async(state_at(7), root / "s7", step=7, persist=False).result(30)
+    client.close()
+    wait_until(lambda: daemon.status()["clients"] == [], 10, "the client is gone")
+    time.sleep(1.5)  # five idle periods: an idle daemon would have exited by now
+    assert daemon.proc.poll() is None, "the daemon exited with a snapshot held only in memory"
+    persister = client_factory()
+    assert persister.persist(root / "s7") == root / "s7"
+    persister.close()
+    assert daemon.proc.wait(30) == 0  # on disk now: idle, it exits
+    assert equal_states(ckptd.load(root / "s7"), state_at(7))
