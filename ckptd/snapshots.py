@@ -158,10 +158,11 @@ class Snapshots:
         return evicted
 
     def newer_than_kept(self, snap: HeldSnapshot) -> list[HeldSnapshot]:
-        """Once ``snap`` is complete: the acknowledged snapshots of its directory beyond the newest ``keep``."""
+        """Once ``snap`` is complete: the acknowledged snapshots of its directory beyond ``snap`` and the newest
+        ``keep - 1`` others (never ``snap`` itself, even with a lower step)."""
         peers = sorted((s for s in self.held.values() if s.acknowledged and s.path.parent == snap.path.parent
-                        and not s.persisting), key=lambda s: s.order, reverse=True)
-        dropped = peers[self.keep:]
+                        and not s.persisting and s is not snap), key=lambda s: s.order, reverse=True)
+        dropped = peers[self.keep - 1:]
         for s in dropped:
             del self.held[s.path]
         return dropped
