@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ckptd.protocol.chunks import tensor_table
-from ckptd.protocol.endpoint import default_run_dir, endpoint_for
+from ckptd.protocol.endpoint import endpoint_for
 from ckptd.protocol.errors import BadMessage, DaemonUnavailable, InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
 from ckptd.protocol.index import latest as latest_on_disk
@@ -45,7 +45,7 @@ ASK_TIMEOUT = 5.0
 
 def held_snapshots(run_dir: str | os.PathLike | None = None) -> list[dict[str, Any]]:
     """The complete snapshots this node's daemon holds (none if no daemon runs)."""
-    endpoint = endpoint_for(Path(run_dir).absolute()) if run_dir is not None else endpoint_for(default_run_dir())
+    endpoint = endpoint_for(Path(run_dir).absolute()) if run_dir is not None else endpoint_for()
     try:
         reply = request(endpoint, Snapshots(1), timeout=ASK_TIMEOUT)
     except DaemonUnavailable:
