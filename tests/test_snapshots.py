@@ -209,3 +209,23 @@ def test_a_daemon_that_exits_when_idle_waits_while_it_holds_a_snapshot_not_on_di
     persister.close()
     assert daemon.proc.wait(30) == 0  # on disk now: idle, it exits
     assert equal_states(ckptd.load(root / "s7"), state_at(7))
+
+
+def test_status_text_and_prometheus_metrics_show_the_snapshots_and_the_budget(
+    daemon_factory, client_factory, root, run_dir, tmp_path
+) -> None:
+    metrics = tmp_path / "ckptd.prom"
+    daemon = daemon_factory("--metrics-textfile", str(metrics), "--memory-budget", "64MiB")
+    client = client_factory()
+    client.save_async(state_at(8), root / "s8", step=8, persist=False).result(30)
+    text = daemon.cli("status").stdout
+    assert "memory snapshots: 2.0 MiB held of a 64.0 MiB budget" in text, text
+    assert f"{root / 's8'}  step 8" in text and "ranks held 1/1  memory only" in text, text
+
+    def scraped() -> dict[str, float]:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        return {k: float(v) for k, v in (line.split() for line in lines if line.startswith("ckptd_memory_"))}
+    want = {"ckptd_memory_budget_bytes": 64 * 2**20, "ckptd_memory_held_bytes": 2 * 2**20,
+            "ckptd_memory_snapshots": 1, "ckptd_memory_snapshots_unpersisted": 1}
+    wait_until(lambda: scraped() == want, 10, lambda: f"the metrics say {scraped()}")
+    daemon.stop()
