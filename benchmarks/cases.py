@@ -76,6 +76,8 @@ def registry(s: Settings) -> list[Case]:
                  params={"background_staging": True}, **save),
             Case("memcpy_small", method="memcpy", label="memcpy → reused buffer (limit), 1,000 × 256 B",
                  state="small", **lim),
+            Case("snapshots", section="snapshot", method="snapshots", label="memory snapshots: blocking, restore",
+                 repeat=s.repeat, size_gib=s.size_gib, device=dev),
             Case("ckptd_sync_small", method="ckptd", label="ckptd save_async, sync staging, 1,000 × 256 B",
                  state="small", repeat=s.repeat, **save)]
     if cpu:

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from . import limits, loads, objects, ranks, saves
+from . import limits, loads, objects, ranks, saves, snapshots
 from .cases import Case
 from .probe import memory
 from .state import BYTES_PER_PARAM, build, param_count, pick_width
@@ -57,6 +57,7 @@ METHODS: dict[str, Callable[[Case, Path], dict]] = {
     "dcp": _with_state(lambda c, d, b, rss: saves.dcp_saves(b.state, d, c.repeat, rss, **c.params)),
     "ckptd": _with_state(lambda c, d, b, rss: saves.ckptd_saves(b.state, d, c.repeat, rss, **c.params)),
     "scaling": _with_state(_scaling),
+    "snapshots": _with_state(lambda c, d, b, _: snapshots.snapshots(b.state, b.tensors, b.nbytes, d, c.repeat)),
     "raw_write": _raw_writes,
     "multi_saves": lambda c, d: ranks.multi_saves(d, size_gib=c.size_gib, device=c.device, repeat=c.repeat, **c.params),
     "load_prepare": lambda c, d: loads.prepare(d, c.size_gib),

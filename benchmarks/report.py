@@ -97,6 +97,10 @@ TARGETS = [
            "objects.raw_up", 1.11, 14),
     Target("s3:// load ≤ 1.11 × obstore ranged gets (download ≥ 0.9 × raw)", "objects.load", "objects.raw_down", 1.11, 14),
     Target("s3:// save blocking ≤ 1.1 × a local save's", "objects.blocking", "objects.local_blocking", 1.1, 14),
+    Target("snapshot blocking ≤ 1.1 × a disk save's blocking", "snapshots.blocking", "snapshots.disk_blocking", 1.1, 13),
+    Target("restore from memory ≤ 1.5 × memcpy into fresh tensors", "snapshots.restore", "snapshots.memcpy_fresh", 1.5,
+           13),
+    Target("restore from memory ≤ 0.3 × a cold disk load", "snapshots.restore", "snapshots.cold_load", 0.3, 13),
     Target("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", "sharded_load_ckptd.cold", "sharded_load_dcp.cold", 0.8, 10),
 ]
 

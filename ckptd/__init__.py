@@ -12,11 +12,11 @@ from typing import Any
 
 from ckptd.protocol import __version__
 from ckptd.protocol.errors import *  # noqa: F401,F403
-from ckptd.protocol.index import CheckpointIndex, latest, read_index
+from ckptd.protocol.index import CheckpointIndex, read_index
 from ckptd.protocol.inspect import CheckpointInfo, VerifyReport, verify_checkpoint
 from ckptd.protocol.inspect import inspect_checkpoint as inspect
 
-_CLIENT_NAMES = ("Client", "SaveFuture", "SaveResult", "load", "load_into", "LoadReport")
+_CLIENT_NAMES = ("Client", "SaveFuture", "SaveResult", "load", "load_into", "LoadReport", "latest")
 _CLIENT_MODULES = ("dcp",)
 """Torch-side modules reachable as ``ckptd.<name>`` (``ckptd.dcp.StorageReader``)."""
 

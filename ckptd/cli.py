@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ckptd.protocol.endpoint import default_run_dir
 from ckptd.protocol.errors import CkptdError, DaemonUnavailable
-from ckptd.protocol.messages import Error, Status, StatusReply, Stop
+from ckptd.protocol.messages import Error, SnapshotList, Snapshots, Status, StatusReply, Stop
 from ckptd.protocol.objects import is_object_path, object_url
 
 from .config import DaemonConfig
@@ -70,6 +70,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="checkpoint storage implementation (default $CKPTD_STORAGE, else the local filesystem)")
     start.add_argument("--housekeeping-interval", type=_seconds, default=1.0, metavar="SECONDS",
                        help="how often to look for dead clients and overdue checkpoints (default 1)")
+    start.add_argument("--memory-budget", type=_memory_budget, default=None, metavar="BYTES",
+                       help="node memory for held snapshots, e.g. 8GiB (default: half of /dev/shm's free space, "
+                            "at most a quarter of the RAM)")
+    start.add_argument("--keep-snapshots", type=_positive_int, default=1, metavar="K",
+                       help="newest memory snapshots kept per checkpoint directory (default 1)")
+    start.add_argument("--persist-on-exit", choices=("newest", "never"), default="newest",
+                       help="when a trainer closes or dies, write its newest snapshot to disk (default newest)")
     start.add_argument("--quiet", action="store_true", help="with --foreground: log to the log file only")
 
     status = with_run_dir(sub.add_parser("status", help="show what the daemon is doing"))
@@ -131,7 +138,10 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
               "max_concurrent_loads": args.max_concurrent_loads, "metrics_port": args.metrics_port,
               "metrics_addr": args.metrics_addr, "metrics_textfile": args.metrics_textfile,
               "drain_timeout": args.drain_timeout, "storage": args.storage,
-              "housekeeping_interval": args.housekeeping_interval}
+              "housekeeping_interval": args.housekeeping_interval, "keep_snapshots": args.keep_snapshots,
+              "persist_on_exit": args.persist_on_exit}
+    if args.memory_budget is not None:
+        kwargs["memory_budget"] = args.memory_budget
     if args.root:
         kwargs["roots"] = tuple(args.root)
     config = DaemonConfig(**kwargs, log_to_stderr=args.foreground and not args.quiet)
@@ -149,7 +159,10 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
     if config.mirror_keep is not None:
         argv += ["--mirror-keep", str(config.mirror_keep)]
     argv += ["--sweep", config.sweep, "--drain-timeout", str(config.drain_timeout),
-             "--housekeeping-interval", str(config.housekeeping_interval)]
+             "--housekeeping-interval", str(config.housekeeping_interval),
+             "--keep-snapshots", str(config.keep_snapshots), "--persist-on-exit", config.persist_on_exit]
+    if args.memory_budget is not None:
+        argv += ["--memory-budget", str(config.memory_budget)]
     if config.max_concurrent_loads is not None:
         argv += ["--max-concurrent-loads", str(config.max_concurrent_loads)]
     if config.metrics_port is not None:
@@ -179,6 +192,16 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _memory_budget(text: str) -> int:
+    from .export import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes, optionally with a suffix (8GiB, 500MB), "
+                                         f"got {text!r}") from None
+
+
 def _port(text: str) -> int:
     if not text.strip().isdigit() or not 1 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"expected a TCP port between 1 and 65535, got {text!r}")
@@ -200,11 +223,17 @@ def _mirror_arg(text: str) -> tuple[Path, Path]:
 
 
 def _list(args: argparse.Namespace, run_dir: Path) -> int:
-    from .listing import list_checkpoints, render_listing
+    from .listing import add_memory, list_checkpoints, render_listing
 
     if not is_object_path(args.root) and not args.root.is_dir():
         raise ValueError(f"{args.root} is not a directory: give the directory that holds the checkpoints")
     rows = list_checkpoints(args.root)
+    try:  # the node's daemon, if one answers, knows which checkpoints are (also) in memory
+        held = request(run_dir, Snapshots(1), timeout=1.0)
+    except DaemonUnavailable:
+        held = None
+    if isinstance(held, SnapshotList):
+        rows = add_memory(rows, held.snapshots, args.root)
     print(json.dumps(rows, indent=2) if args.json else render_listing(rows))
     return EXIT_OK
 

@@ -7,12 +7,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
+from ckptd.protocol.shm import shm_usage
 
 from ckptd.protocol.objects import is_object_path
 
 from .storage import load_storage
 
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+MIN_MEMORY_BUDGET = 1 << 20
+
+
+def default_memory_budget() -> int:
+    """Half of the slot directory's free space, at most a quarter of the node's RAM.
+
+    Held snapshots live in the slot directory (``/dev/shm``), which is RAM:
+    the rest stays for the slots being staged and for everything else on the node.
+    """
+    free = shm_usage().get("free_bytes")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(MIN_MEMORY_BUDGET, min(free // 2 if isinstance(free, int) else ram // 4, ram // 4))
 
 
 def _roots_from_env() -> tuple[Path, ...]:
@@ -84,6 +99,15 @@ class DaemonConfig:
     missing ranks (their ranks may still commit); then they fail with
     ShuttingDown and their ``.incomplete`` directories are removed. Shards
     already being written are always finished."""
+    memory_budget: int = field(default_factory=default_memory_budget)
+    """Bytes of node memory held snapshots may occupy (whole slots). Default:
+    half of the slot directory's free space, at most a quarter of the RAM."""
+    keep_snapshots: int = 1
+    """Newest snapshots kept per checkpoint directory; older ones are dropped
+    once a newer one is completely held."""
+    persist_on_exit: str = "newest"
+    """When the last client of a snapshot's ranks closes or dies, ``newest``
+    persists its newest snapshot not yet on disk; ``never`` leaves it in memory only."""
     storage: str | None = None
     """``module:Class`` of the checkpoint storage (``ckptd.storage.Storage``);
     None: the local filesystem. Tests load their fault-injecting one here."""
@@ -124,6 +148,18 @@ class DaemonConfig:
             raise ValueError(f"metrics_port must be a TCP port between 1 and 65535, got {self.metrics_port}")
         if self.metrics_textfile is not None and not Path(self.metrics_textfile).absolute().parent.is_dir():
             raise ValueError(f"metrics_textfile {self.metrics_textfile}: its directory does not exist")
+        shm = shm_usage()
+        limit = shm.get("total_bytes")
+        if not isinstance(limit, int):
+            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if not MIN_MEMORY_BUDGET <= self.memory_budget <= limit:
+            raise ValueError(f"memory_budget {self.memory_budget} bytes is out of range: it must be at least "
+                             f"{MIN_MEMORY_BUDGET} (1 MiB) and at most the size of {shm.get('dir')} ({limit} bytes), "
+                             "where held snapshots live")
+        if self.keep_snapshots < 1:
+            raise ValueError(f"keep_snapshots must be at least 1, got {self.keep_snapshots}")
+        if self.persist_on_exit not in ("newest", "never"):
+            raise ValueError(f"persist_on_exit must be newest or never, got {self.persist_on_exit!r}")
         if self.storage is not None:
             load_storage(self.storage)  # refuse a bad --storage here, before a detached start
         self.endpoint = endpoint_for(self.run_dir)

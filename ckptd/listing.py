@@ -5,17 +5,19 @@ file present, regular and of the size the index records), ``damaged`` (a
 valid index but a shard missing, not a regular file or of the wrong size:
 ``latest()`` skips it and ``load`` refuses it), ``incomplete`` (a
 ``.incomplete`` directory: a save in progress or one that died; never
-loaded), or ``foreign`` (anything else: not ours, never touched by retention).
+loaded), ``memory`` (a snapshot the node's daemon holds in memory only, not
+on disk), or ``foreign`` (anything else: not ours, never touched by retention).
+Entries the daemon also holds in memory say so (``in_memory``).
 The check is cheap (no data read); ``ckptd verify`` reads every byte.
 """
 
 from __future__ import annotations
 
-from enum import Enum
-
+import os
 import time
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import INCOMPLETE_SUFFIX
@@ -31,6 +33,7 @@ class EntryState(str, Enum):
     COMMITTED = "committed"
     DAMAGED = "damaged"
     INCOMPLETE = "incomplete"
+    MEMORY = "memory"
     FOREIGN = "foreign"
 
 
@@ -64,16 +67,38 @@ def list_checkpoints(root: Path, storage: Storage | None = None) -> list[dict[st
     return sorted(out, key=lambda r: (order[r["state"]], r["step"] if r["step"] is not None else -1, r["name"]))
 
 
+def add_memory(rows: list[dict[str, Any]], snapshots: Iterable[dict[str, Any]], root: Path) -> list[dict[str, Any]]:
+    """Mark the rows the daemon holds in memory; add its snapshots under ``root`` that are not on disk."""
+    by_path = {r["path"]: r for r in rows}
+    real_root = os.path.realpath(root)
+    for r in rows:
+        r["in_memory"] = False
+    for s in snapshots:
+        parent, name = os.path.split(s["path"])
+        if parent != real_root or not s["complete"]:
+            continue
+        row = by_path.get(str(root / name)) or by_path.get(s["path"])
+        if row is not None and row["state"] == EntryState.COMMITTED.value:
+            row["in_memory"] = True
+        elif row is None:
+            rows.append({"name": name, "path": str(root / name), "step": s["step"], "bytes": s["bytes"],
+                         "ranks": len(s["ranks_held"]), "world_size": s["world_size"], "time": s["created"],
+                         "state": EntryState.MEMORY.value, "in_memory": True})
+    order = {st.value: i for i, st in enumerate(EntryState)}
+    return sorted(rows, key=lambda r: (order[r["state"]], r["step"] if r["step"] is not None else -1, r["name"]))
+
+
 def render_listing(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no checkpoints"
-    lines = [f"{'NAME':<32} {'STATE':<10} {'STEP':>8} {'SIZE':>10} {'RANKS':>7}  TIME"]
+    lines = [f"{'NAME':<32} {'STATE':<14} {'STEP':>8} {'SIZE':>10} {'RANKS':>7}  TIME"]
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])) if r["time"] else "-"
         ranks = "-" if r["ranks"] is None else (f"{r['ranks']}/{r['world_size']}" if r["world_size"] else str(r["ranks"]))
         size = "-" if r["bytes"] is None else human_bytes(r["bytes"])
         step = "-" if r["step"] is None else str(r["step"])
-        lines.append(f"{printable(r['name']):<32} {r['state']:<10} {step:>8} {size:>10} {ranks:>7}  {when}")
+        state = f"{r['state']}+mem" if r.get("in_memory") and r["state"] != EntryState.MEMORY.value else r["state"]
+        lines.append(f"{printable(r['name']):<32} {state:<14} {step:>8} {size:>10} {ranks:>7}  {when}")
         if r.get("problem"):
             lines.append(f"  {printable(r['problem'])}")
     return "\n".join(lines)

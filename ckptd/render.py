@@ -73,6 +73,14 @@ def render_status(info: dict[str, Any]) -> str:
     if loads.get("held") or loads.get("waiting"):
         lines.append(f"loads: {len(loads['held'])} holding a lease, {len(loads['waiting'])} waiting"
                      f" (default limit {loads['default_limit']})")
+    mem = info.get("memory")
+    if mem:
+        lines.append(f"memory snapshots: {human_bytes(mem['held_bytes'])} held of a {human_bytes(mem['budget_bytes'])}"
+                     f" budget (keep {mem['keep_snapshots']} per directory)")
+        for s in mem["snapshots"]:
+            where = "memory + disk" if s["persisted"] else ("persisting" if s["persisting"] else "memory only")
+            lines.append(f"  {printable(s['path'])}  step {s['step']}  {human_bytes(s['bytes'])}  ranks held "
+                         f"{len(s['ranks_held'])}/{s['world_size']}  {where}")
     done = info["completed"]
     last = done["last"]
     lines.append(f"completed: {done['count']} checkpoints, {human_bytes(done['bytes'])}")

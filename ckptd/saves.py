@@ -64,6 +64,8 @@ class Saves:
         self.mirrors = mirrors
         self.send = send
         self.known_dirs = known_dirs
+        self.on_end: Callable[[Path, bool], None] = lambda path, committed: None
+        """Told when a checkpoint commits (True) or fails (False): the memory tier marks a persisted snapshot."""
 
     # -- admission ------------------------------------------------------------
 
@@ -95,12 +97,17 @@ class Saves:
         self.send(ident, error_reply(self.state, msg.id, exc))
 
     def _admit(self, ident: bytes, msg: Commit, progress: Progress, examined: Examined) -> None:
+        self.admit_examined(ident, msg, progress, examined)
+
+    def admit_examined(self, ident: bytes, msg: Commit, progress: Progress, examined: Examined, *,
+                       internal: bool = False) -> None:
+        """Queue an examined shard's write (``internal``: the daemon persists a held snapshot, even while draining)."""
         state, final = self.state, examined.final
         if final in state.closing:  # a failed attempt's directory is still in the way: wait for it
             state.deferred.setdefault(final, []).append((ident, msg, progress, examined))
             return
         try:
-            if state.draining and final not in state.commits.pending:
+            if state.draining and final not in state.commits.pending and not internal:
                 raise ShuttingDown("the daemon is draining and accepts no new saves (only missing ranks of "
                                    "checkpoints already in progress)")
             cfg = self.config
@@ -177,10 +184,10 @@ class Saves:
 
     def finalize(self, ident: bytes, msg: Finalize) -> None:
         """Global rank 0 asks this daemon to commit a multi-node checkpoint; Done or Error follows."""
-        self._resolve_then(ident, msg.id, msg.path,
-                           lambda final: self._finalize(self.state.commits.from_finalize(msg, ident, final)))
+        self.resolve_then(ident, msg.id, msg.path,
+                          lambda final: self._finalize(self.state.commits.from_finalize(msg, ident, final)))
 
-    def _resolve_then(self, ident: bytes, rid: int, raw: str, then: Callable[[Path], None]) -> None:
+    def resolve_then(self, ident: bytes, rid: int, raw: str, then: Callable[[Path], None]) -> None:
         """Resolve a client's checkpoint path on the admit pool, then ``then(final)`` (or an Error reply)."""
         self.state.client(ident)
         roots = self.config.roots
@@ -206,6 +213,7 @@ class Saves:
         pending.state = CheckpointState.COMMITTED
         seconds = time.monotonic() - pending.started_at
         state.stats.committed(pending, seconds)
+        self.on_end(pending.path, True)
         log.info("event=committed path=%s bytes=%d seconds=%.3f", pending.path, pending.index().total_bytes, seconds)
         for ident, rid, rank in pending.waiting:
             self.send(ident, Done(rid, str(pending.path), pending.shards[rank].size, seconds))
@@ -234,7 +242,7 @@ class Saves:
                 self.fail(pending, RanksMissing(f"checkpoint {final} was aborted: {msg.reason}"))
             self.send(ident, Ok(msg.id))
 
-        self._resolve_then(ident, msg.id, msg.path, abort)
+        self.resolve_then(ident, msg.id, msg.path, abort)
 
     def fail(self, pending: PendingCheckpoint, exc: BaseException) -> None:
         """Fail a checkpoint: tell every rank, remember why, clean up once no shard is being written."""
@@ -243,6 +251,7 @@ class Saves:
             exc = InternalError(f"internal error while saving {pending.path}: {exc!r}")
         state = self.state
         state.commits.fail(pending, exc)
+        self.on_end(pending.path, False)
         state.stats.error(exc.message)
         log.warning("event=failed path=%s error=%s", pending.path, exc.message)
         for ident, rid, _ in pending.waiting:

@@ -21,11 +21,12 @@ import zmq
 from ckptd.protocol import __version__
 from ckptd.protocol.errors import BadMessage, ErrorCode
 from ckptd.protocol.messages import (
-    MAX_MESSAGE_BYTES, Abort, Bye, Commit, Error, Finalize, Granted, Hello, Lease, Message, Ok, Ping, Pong,
-    Release, Staged, Status, StatusReply, Stop, Welcome, decode, request_id,
+    MAX_MESSAGE_BYTES, Abort, Bye, Commit, Error, Finalize, Granted, Hello, Lease, Message, Ok, Persist, Ping, Pong,
+    Release, Snapshot, Snapshots, Staged, Status, StatusReply, Stop, Welcome, decode, request_id,
 )
 
 from .config import DaemonConfig
+from .holding import Holding
 from .leases import Grant
 from .mirror import Mirrors
 from .saves import Saves, error_reply
@@ -55,6 +56,8 @@ class Server:
         self.known_dirs = KnownDirs(storage, config.run_dir)
         self.mirrors = Mirrors(storage, config.mirrors, config.mirror_keep) if config.mirrors else None
         self.saves = Saves(self.state, self.workers, storage, config, self._send, self.known_dirs, self.mirrors)
+        self.holding = Holding(self.state, self.workers, storage, config, self._send, self.saves)
+        self.saves.on_end = self.holding.persisted
         self.metrics = None
         if config.metrics_port is not None or config.metrics_textfile is not None:
             from .metrics import Metrics
@@ -66,6 +69,9 @@ class Server:
         self._handlers: dict[type[Message], Callable[[bytes, Any], Message | None]] = {
             Hello: self._on_hello,
             Commit: self.saves.commit,
+            Snapshot: self.holding.snapshot,
+            Persist: self.holding.persist,
+            Snapshots: self.holding.listing,
             Staged: lambda ident, m: self.saves.staged(ident, m.upto, m.error, m.id),
             Finalize: self.saves.finalize,
             Abort: self.saves.abort,
@@ -110,6 +116,7 @@ class Server:
     def close(self) -> None:
         if self.mirrors is not None:
             self.mirrors.close()  # queued uploads are dropped; the one running finishes before the process exits
+        self.holding.close()
         self.workers.close()
         self.router.close()
         self.ctx.term()
@@ -200,12 +207,15 @@ class Server:
         self._send_grants(grants)
         if client is not None:
             log.info("event=client_gone pid=%d", client.pid)
+            if not self.state.pid_connected(client.pid):
+                self.holding.client_gone(client.pid)
 
     def _housekeeping(self) -> None:
         if self.metrics is not None:
             metrics, info = self.metrics, self._snapshot()
             self.workers.submit("status", lambda: metrics.update(add_filesystems(info, self.storage)))
         self.saves.fail_overdue()
+        self.holding.fail_overdue()
         if self.state.slots.mapped_bytes:  # slots clients replaced; nothing to do (nor to keep busy) when none
             self.workers.submit("maintenance", self.state.slots.drop_unlinked)
         for ident in self.state.dead_clients():
@@ -242,6 +252,7 @@ class Server:
         if self._drain_deadline is None:
             self._drain_deadline = now + self.config.drain_timeout
             log.info("event=drain checkpoints=%d writes=%d", len(self.state.commits.pending), len(self.state.jobs))
+            self.holding.drain()
         if now >= self._drain_deadline:
             self.saves.fail_waiting_for_ranks()
             self.state.abandon_staging(None, "the daemon was stopped before the client finished staging")

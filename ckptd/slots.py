@@ -152,6 +152,31 @@ class SlotMaps:
                 self._drop(slot)
             return len(gone)
 
+    def share(self, slot: MappedSlot) -> None:
+        """One more user of a mapping already held (a held snapshot's slot being persisted)."""
+        with self._lock:
+            slot.users += 1
+
+    def adopt(self, slot: MappedSlot, name: str) -> None:
+        """Take a client's slot over (it holds a snapshot): rename it ``name``, a name of the daemon's own pid.
+
+        No sweep then takes it for a dead client's, not this daemon's
+        housekeeping nor another daemon's start-up sweep, and its client's
+        own exit never unlinks it. The mapping stays; it leaves the cache.
+        """
+        with self._lock:
+            os.rename(self.shm_dir / slot.name, self.shm_dir / name)
+            if self._maps.get(slot.name) is slot:
+                del self._maps[slot.name]
+            slot.name = name
+
+    def give_back(self, slot: MappedSlot, name: str) -> None:
+        """Rename a held slot back to its client's ``name`` (the client reuses it) and drop the daemon's hold."""
+        with self._lock:
+            os.rename(self.shm_dir / slot.name, self.shm_dir / name)
+            slot.name = name
+            self.release(slot)
+
     def reclaim(self, pid: int) -> int:
         """Unlink the slots of dead client ``pid``; returns how many.
 

@@ -24,6 +24,7 @@ from .commit import Commits, PendingCheckpoint
 from .config import DaemonConfig
 from .leases import Grant, LoadLeases
 from .slots import SlotMaps, pid_alive
+from .snapshots import Snapshots
 from .stats import Stats
 from .storage import Storage
 from .writer import Progress, WriteJob
@@ -61,6 +62,7 @@ class NodeState:
         self.leases = LoadLeases(config.max_concurrent_loads)
         self.slots = slots if slots is not None else SlotMaps()
         self.stats = Stats(config)
+        self.snapshots = Snapshots(config.memory_budget, config.keep_snapshots)
         self.draining = False
 
     # -- the view status reads (stats.NodeView) ---------------------------------
@@ -87,6 +89,9 @@ class NodeState:
 
     def lease_snapshot(self) -> Mapping[str, Any]:
         return self.leases.snapshot()
+
+    def memory_snapshot(self) -> Mapping[str, Any]:
+        return self.snapshots.summary()
 
     # -- clients ------------------------------------------------------------------
 
@@ -156,4 +161,6 @@ class NodeState:
 
     @property
     def idle(self) -> bool:
-        return not (self.clients or self.busy or self.commits.pending)
+        """Nothing to do, and no snapshot held only in memory (a spawned daemon must not take one with it)."""
+        unpersisted = any(not s.persisted for s in self.snapshots.held.values())
+        return not (self.clients or self.busy or self.commits.pending or unpersisted)

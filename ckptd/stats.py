@@ -44,6 +44,7 @@ class NodeView(Protocol):
     @property
     def shm_dir(self) -> Path: ...
     def lease_snapshot(self) -> Mapping[str, Any]: ...
+    def memory_snapshot(self) -> Mapping[str, Any]: ...
 
 RECENT_ERRORS = 20
 
@@ -140,6 +141,7 @@ class Stats:
             "shm_mapped_bytes": view.shm_mapped_bytes,
             "shm": {"dir": str(view.shm_dir), "total_bytes": None, "free_bytes": None},
             "loads": dict(view.lease_snapshot()),
+            "memory": dict(view.memory_snapshot()),
             "roots": [{"path": str(r), "free_bytes": None, "total_bytes": None} for r in self.config.roots],
         }
         return info

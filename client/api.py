@@ -14,7 +14,7 @@ from typing import Any
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.errors import Busy, InternalError
 from ckptd.protocol.layout import ShardLayout
-from ckptd.protocol.messages import Bye, Commit, Done, Ping, Staged
+from ckptd.protocol.messages import Bye, Commit, Done, Held, Persist, Ping, Snapshot, Staged
 from ckptd.protocol.objects import is_object_path
 
 from .checks import check_bool, check_client_args, check_keep_last, check_path, check_seconds, check_step
@@ -127,7 +127,7 @@ class Client:
 
     def save_async(self, state_dict: Any, path: str | os.PathLike, *, step: int | None = None,
                    overwrite: bool = False, keep_last: int | None = None, block: bool = True,
-                   replicated: tuple[str, ...] = ()) -> SaveFuture:
+                   replicated: tuple[str, ...] = (), persist: bool = True) -> SaveFuture:
         """Save ``state_dict`` as checkpoint ``path``; returns at once or after staging.
 
         DTensors anywhere in the state are saved as chunks of their global
@@ -141,6 +141,13 @@ class Client:
         raises ``ckptd.Busy`` with ``block=False``. The future resolves with a
         ``SaveResult`` once every rank's shard is durable and the checkpoint
         is renamed to ``path``. ``keep_last`` overrides the client's retention.
+
+        ``persist=False`` takes a memory snapshot: staged the same way, but
+        the node's daemon keeps the shard in memory as checkpoint ``path``
+        instead of writing it (no disk I/O), and the future resolves once
+        every rank's shard is held. ``ckptd.latest`` and ``ckptd.load`` find
+        it there; ``persist(path)`` writes it to disk, and the daemon does
+        so itself for the newest one when this process exits or dies.
         """
         started = time.monotonic()
         self._check_process()
@@ -151,6 +158,7 @@ class Client:
         step, keep_last = check_step(step), check_keep_last(keep_last)
         check_bool("overwrite", overwrite)
         check_bool("block", block)
+        check_bool("persist", persist)
         flat = flatten(state_dict, replicated=replicated, rank=self.rank)
         self._reconnect_if_lost()
         acquired = self._inflight.acquire(timeout=self.commit_timeout) if block else self._inflight.acquire(False)
@@ -162,7 +170,7 @@ class Client:
             self._futures.add(fut)
         fut.add_done_callback(self._forget)
         req = _Request(flat, target, step, overwrite, keep_last or self.keep_last, started,
-                       waited=time.monotonic() - started)
+                       waited=time.monotonic() - started, persist=persist)
         # This rank's daemon reply (Done, or Durable on several nodes) lands in
         # ``shard``. The coordinator gets its place now, in call order, which is
         # the same on every rank whatever staging does later.
@@ -186,7 +194,8 @@ class Client:
             )
 
     def _spec(self, req: "_Request") -> SaveSpec:
-        return SaveSpec(req.path, self.world_size, req.step, req.overwrite, req.keep_last, self.commit_timeout)
+        return SaveSpec(req.path, self.world_size, req.step, req.overwrite, req.keep_last, self.commit_timeout,
+                        snapshot=not req.persist)
 
     def _stage(self, req: "_Request", fut: SaveFuture, shard: Future, on_worker: bool) -> None:
         """Copy into a slot; CUDA copies still running are awaited on the worker thread.
@@ -253,13 +262,23 @@ class Client:
             pass  # the save's own future reports what went wrong
 
     def _send_commit(self, req: "_Request", shard: Future, layout: ShardLayout, *, staged: int) -> tuple[int, Future]:
-        commit = Commit(self._conn.next_id(), req.slot.name, layout.nbytes, layout.data_start, layout.entries,
+        kind = Commit if req.persist else Snapshot
+        commit = kind(self._conn.next_id(), req.slot.name, layout.nbytes, layout.data_start, layout.entries,
                         req.path, self.rank, self.world_size, req.step, req.overwrite,
                         coordinated=self._coordinator is not None, keep_last=req.keep_last,
                         timeout=self.commit_timeout, waited=req.waited, staged=staged)
         accepted: Future = Future()
-        self._conn.request(commit, accepted=accepted).add_done_callback(lambda r: _chain(r, shard))
+        reply = self._conn.request(commit, accepted=accepted)
+        reply.add_done_callback(lambda r: self._lend_if_held(req, r))  # before the save resolves (and frees the slot)
+        reply.add_done_callback(lambda r: _chain(r, shard))
         return commit.id, accepted
+
+    def _lend_if_held(self, req: "_Request", reply: Future) -> None:
+        """A held snapshot's slot is the daemon's now; the slots it names as released are ours again."""
+        if reply.exception() is None and isinstance(reply.result(), Held):
+            self._slots.reclaim(reply.result().released)
+            self._slots.lend(req.slot)
+            req.slot = None
 
     def _resolve(self, fut: SaveFuture, req: "_Request", outcome: Any) -> None:
         """A save's end: free its slot and in-flight place, then settle its future."""
@@ -268,6 +287,9 @@ class Client:
         self._inflight.release()
         if isinstance(outcome, BaseException):
             fut.set_exception(outcome)
+        elif isinstance(outcome, Held):
+            fut.set_result(SaveResult(Path(outcome.path), outcome.bytes_held, time.monotonic() - req.started,
+                                      req.step))
         elif not isinstance(outcome, Done):
             fut.set_exception(InternalError(f"daemon answered a commit with {outcome.type!r}"))
         else:
@@ -293,6 +315,23 @@ class Client:
         with self._lock:
             pending = list(self._futures)
         concurrent.futures.wait(pending, timeout)
+
+    def persist(self, path: str | os.PathLike, *, timeout: float | None = None) -> Path:
+        """Write the memory snapshot ``path`` (held by this node's daemon) to disk; returns once it is committed.
+
+        The daemon writes it from the memory it holds, exactly like a save
+        (``.incomplete``, fsync, rename), and keeps holding it. Raises
+        ``InvalidCheckpoint`` if the daemon holds no complete snapshot there.
+        """
+        self._check_process()
+        if self._closed:
+            raise RuntimeError("this ckptd client is closed")
+        target = os.path.abspath(check_path("path", path))
+        wait = self.commit_timeout if timeout is None else check_seconds("timeout", timeout)
+        self._reconnect_if_lost()
+        done = self._conn.call(Persist(self._conn.next_id(), target), timeout=wait)
+        assert isinstance(done, Done)
+        return Path(done.path)
 
     @property
     def slot_names(self) -> list[str]:
@@ -339,6 +378,7 @@ class _Request:
     keep_last: int | None
     started: float
     waited: float
+    persist: bool = True
     slot: Slot | None = None
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ckptd.protocol.errors import CkptdError, RanksMissing, error_for_code
 from ckptd.protocol.index import ShardRecord
-from ckptd.protocol.messages import Abort, Done, Durable, Finalize
+from ckptd.protocol.messages import Abort, Done, Durable, Finalize, Held
 
 from .connection import Connection
 
@@ -47,6 +47,8 @@ class SaveSpec:
     overwrite: bool
     keep_last: int | None
     timeout: float
+    snapshot: bool = False
+    """A memory snapshot: the ranks agree that every one is held; nothing is finalized."""
 
 
 @dataclass
@@ -100,8 +102,11 @@ class Coordinator:
     def _agree(self, save: _Save) -> Done | BaseException:
         try:
             reply = save.shard.result()
-            assert isinstance(reply, Durable)
-            mine: tuple = ("ok", (reply.file, reply.rank, reply.size, reply.checksum, reply.tensors))
+            if isinstance(reply, Held):
+                mine: tuple = ("ok", (reply.path, self.rank, reply.bytes_held, 0, 0))
+            else:
+                assert isinstance(reply, Durable)
+                mine = ("ok", (reply.file, reply.rank, reply.size, reply.checksum, reply.tensors))
         except CkptdError as exc:
             mine = ("error", f"rank {self.rank}: {exc.message}", int(exc.code))
         except BaseException as exc:
@@ -119,6 +124,11 @@ class Coordinator:
     def _commit_or_abort(self, spec: SaveSpec, everyone: list) -> tuple:
         """Global rank 0 only: Finalize if every shard is durable, else Abort."""
         failures = [entry[1] for entry in everyone if entry[0] != "ok"]
+        if spec.snapshot:  # held on every rank, or not: nothing to write, nothing to remove
+            if failures:
+                code = next((e[2] for e in everyone if e[0] != "ok"), 0)
+                return ("error", f"snapshot {spec.path} is not held by every rank: {'; '.join(failures)}", code)
+            return ("done", spec.path, 0.0)
         conn = self.connection()
         if failures:
             reason = "; ".join(failures)

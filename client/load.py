@@ -40,6 +40,7 @@ from .dtypes import TORCH_DTYPES
 from .flatten import unflatten
 from .lease import load_lease
 from .ranks import detect_ranks
+from .memory import HeldFiles, open_checkpoint
 from .reshard import ChunkFiles, read_full
 
 MapLocation = str | torch.device | None
@@ -84,8 +85,8 @@ def load(
     check_bool("mmap", mmap)
     limit = check_limit(max_concurrent_per_node)
     device = _device(map_location)
-    index = read_index(path)
-    files = ChunkFiles(path, index, verify=verify)
+    files = open_checkpoint(path, verify=verify, run_dir=run_dir)  # the daemon's memory when it holds path
+    index = files.index
     assembled: dict[str, torch.Tensor] = {}
 
     def full_tensor(name: str) -> torch.Tensor:  # a global tensor, assembled once however many ranks name it
@@ -95,11 +96,11 @@ def load(
 
     with load_lease(limit, run_dir=run_dir):
         if rank == "all":
-            return [_load_rank(path, index, r, device, verify, full_tensor, mmap=mmap)
+            return [_load_rank(path, index, r, device, verify, full_tensor, mmap=mmap, files=files)
                     for r in range(index.world_size)]
         if rank is None:
             rank = _own_rank(path, index)
-        return _load_rank(path, index, rank, device, verify, full_tensor, mmap=mmap)
+        return _load_rank(path, index, rank, device, verify, full_tensor, mmap=mmap, files=files)
 
 
 def _own_rank(path: Path, index: CheckpointIndex) -> int:
@@ -134,10 +135,13 @@ def _device(map_location: Any) -> torch.device | None:
 
 
 def _load_rank(path: Path, index: CheckpointIndex, rank: int, device: torch.device | None, verify: bool,
-               global_for: Callable[[str], Any] | None = None, *, mmap: bool) -> Any:
+               global_for: Callable[[str], Any] | None = None, *, mmap: bool,
+               files: ChunkFiles | None = None) -> Any:
     record = index.shard(rank)
     shard = path / record.file
-    if mmap or is_object_path(shard):  # an object is read whole into memory the tensors then view
+    if isinstance(files, HeldFiles):  # a snapshot in node memory
+        metadata, tensors = files.read(record, copy=not mmap)
+    elif mmap or is_object_path(shard):  # an object is read whole into memory the tensors then view
         metadata, tensors = _map_tensors(shard, record, verify=verify, algorithm=index.checksum_algorithm)
     else:
         metadata, tensors = _read_tensors(shard, record, verify=verify, algorithm=index.checksum_algorithm)

@@ -32,6 +32,7 @@ from ckptd.protocol.index import read_index
 from .checks import check_bool, check_limit, check_load_rank, check_path
 from .lease import load_lease
 from .load import _load_rank
+from .memory import open_checkpoint
 from .ranks import detect_ranks
 from .reshard import ChunkFiles, GlobalRef, plan_region, read_full, region, structure_rank
 from .sharding import is_dtensor, target_region
@@ -91,18 +92,18 @@ def load_into(
     check_bool("strict", strict)
     check_bool("verify", verify)
     limit = check_limit(max_concurrent_per_node)
-    index = read_index(path)
+    files = open_checkpoint(path, verify=verify, run_dir=run_dir)  # the daemon's memory when it holds path
+    index = files.index
     if rank is None:
         rank = detect_ranks().rank if index.world_size > 1 else 0
     rank = structure_rank(index, rank)
-    files = ChunkFiles(path, index, verify=verify)
     with load_lease(limit, run_dir=run_dir):
         # Views of a mapping: no second copy of the checkpoint. Nothing holds
         # them past this call, so the mapping goes when it returns. A fresh
         # optimizer keeps what its load_state_dict is given (``.to`` does not
         # copy), so it gets tensors that own their memory instead.
         fresh_optimizer = isinstance(target, torch.optim.Optimizer) and not target.state
-        saved = _load_rank(path, index, rank, None, verify, files.ref, mmap=not fresh_optimizer)
+        saved = _load_rank(path, index, rank, None, verify, files.ref, mmap=not fresh_optimizer, files=files)
         if key is not None:
             if not isinstance(saved, dict) or key not in saved:
                 raise InvalidCheckpoint(f"checkpoint {path} (rank {rank}) holds no top-level key {key!r}")

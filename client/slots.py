@@ -12,6 +12,10 @@ that created them only: a forked child inherits the parent's slot objects
 (and the exit hook), but the slots stay the parent's. If the process is
 killed, the daemon reclaims them when it sees the pid is gone. The directory
 is ``$CKPTD_SHM_DIR`` or ``/dev/shm`` (``ckptd.protocol.shm``).
+
+A slot holding a memory snapshot is lent to the daemon: the pool never
+hands it out, and this process never unlinks it (the daemon does, or gives it
+back when it drops the snapshot: ``reclaim``).
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ class Slot:
             os.close(fd)
         self.pinned: bool | None = None
         """Registered with CUDA as pinned memory (None: not tried yet)."""
+        self.lent = False
+        """The daemon holds a snapshot in it: this process must not unlink it."""
         _live.add(self)
 
     def pin(self) -> bool:
@@ -80,7 +86,7 @@ class Slot:
         """Unlink (in the creating process only) and unmap; safe to call twice."""
         if self.map.closed:
             return
-        if os.getpid() == self.owner_pid:
+        if os.getpid() == self.owner_pid and not self.lent:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -101,6 +107,7 @@ class SlotPool:
         self.capacity = capacity
         self._free: list[Slot] = []
         self._busy: set[Slot] = set()
+        self._lent: dict[str, Slot] = {}
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> Slot:
@@ -131,14 +138,36 @@ class SlotPool:
             if not slot.map.closed:
                 self._free.append(slot)
 
+    def lend(self, slot: Slot) -> None:
+        """The daemon took ``slot`` over (it holds a snapshot): out of the pool until ``reclaim``."""
+        with self._lock:
+            self._busy.discard(slot)
+            slot.lent = True
+            self._lent[slot.name] = slot
+
+    def reclaim(self, names: tuple[str, ...]) -> None:
+        """The daemon dropped the snapshots in these slots: they are free again."""
+        with self._lock:
+            for name in names:
+                slot = self._lent.pop(name, None)
+                if slot is not None:
+                    slot.lent = False
+                    self._free.append(slot)
+
     @property
     def names(self) -> list[str]:
         with self._lock:
-            return [s.name for s in (*self._free, *self._busy)]
+            return [s.name for s in (*self._free, *self._busy, *self._lent.values())]
+
+    @property
+    def lent_names(self) -> list[str]:
+        with self._lock:
+            return list(self._lent)
 
     def close(self) -> None:
         with self._lock:
-            slots, self._free, self._busy = [*self._free, *self._busy], [], set()
+            slots, self._free, self._busy = [*self._free, *self._busy, *self._lent.values()], [], set()
+            self._lent = {}
         for s in slots:
             s.close()
 

@@ -52,20 +52,6 @@ def batch(data_rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
-def latest_everywhere(root: Path) -> Path | None:
-    """Rank 0's ``ckptd.latest``, so every rank resumes from the same checkpoint.
-
-    Each rank scanning for itself could disagree if a daemon committed a
-    checkpoint between two scans.
-    """
-    found: list[str | None] = [None]
-    if dist.get_rank() == 0:
-        path = ckptd.latest(root)
-        found[0] = str(path) if path is not None else None
-    dist.broadcast_object_list(found, src=0)
-    return Path(found[0]) if found[0] else None
-
-
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")  # rank, world size and rendezvous from torchrun's environment
@@ -76,7 +62,7 @@ def main() -> None:
     data_rng = torch.Generator().manual_seed(1000 + rank)
     opt_state = None
     start = 0
-    resume = latest_everywhere(root)
+    resume = ckptd.latest(root)  # every rank calls it, and the ranks agree on one checkpoint
     if resume is not None:
         state = ckptd.load(resume)  # this rank's state (its shard, plus the replicated keys from rank 0's)
         assert state["rank"] == rank, f"rank {rank} loaded rank {state['rank']}'s shard"

@@ -14,6 +14,9 @@ Conversation::
     client                      daemon
     Hello            ──▶        Welcome
     Commit           ──▶        Accepted ... later Done | Error
+    Snapshot         ──▶        Accepted ... later Held | Error   (kept in node memory, not written)
+    Persist          ──▶        Done | Error      (write a held snapshot to disk)
+    Snapshots        ──▶        SnapshotList      (what the daemon holds in memory)
     Staged           ──▶        (nothing: a notice; one for a save that ended is ignored)
                                 (coordinated: Accepted ... Durable | Error)
     Finalize         ──▶        Done | Error      (global rank 0, several nodes)
@@ -138,6 +141,60 @@ class Commit(Message):
         _check_common(self.keep_last, self.timeout)
         if not self.header_len <= self.staged <= self.nbytes:
             raise BadMessage(f"staged {self.staged} must lie between the header ({self.header_len}) and nbytes ({self.nbytes})")
+
+
+@dataclass(frozen=True)
+class Snapshot(Commit):
+    """Like ``Commit``, but the daemon keeps the shard in node memory as checkpoint ``path`` instead of writing it.
+
+    The daemon takes over the slot (the client stages its next save into
+    another one) until the snapshot is dropped; ``Held`` says so. Same fields,
+    same checks: a snapshot stages exactly like a disk save.
+    """
+
+    type: ClassVar[str] = "snapshot"
+
+
+@dataclass(frozen=True)
+class Held(Message):
+    """Snapshot ``path`` is held (every rank of it, or this rank's on several nodes).
+
+    ``released`` names slots of this client the daemon no longer holds
+    (older snapshots it dropped): the client may reuse them.
+    """
+
+    path: str
+    bytes_held: int
+    seconds: float
+    released: tuple[str, ...]
+    type: ClassVar[str] = "held"
+
+
+@dataclass(frozen=True)
+class Persist(Message):
+    """Write held snapshot ``path`` to disk as a committed checkpoint (``Done`` when it is)."""
+
+    path: str
+    type: ClassVar[str] = "persist"
+
+    def __post_init__(self) -> None:
+        _check_path(self.path)
+
+
+@dataclass(frozen=True)
+class Snapshots(Message):
+    """Ask which snapshots the daemon holds in memory."""
+
+    type: ClassVar[str] = "snapshots"
+
+
+@dataclass(frozen=True)
+class SnapshotList(Message):
+    """Every held snapshot: a map per snapshot (path, step, world_size, created, persisted, complete,
+    shards as ``[rank, slot, size, checksum, tensors]``), documented in the README."""
+
+    snapshots: tuple[dict, ...]
+    type: ClassVar[str] = "snapshot_list"
 
 
 def _check_path(path: str) -> None:
@@ -321,7 +378,7 @@ class Ok(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.type: cls
     for cls in (Hello, Welcome, Commit, Staged, Accepted, Durable, Finalize, Abort, Done, Lease, Granted, Release, Error,
-                Status, StatusReply, Ping, Pong, Bye, Stop, Ok)
+                Status, StatusReply, Ping, Pong, Bye, Stop, Ok, Snapshot, Held, Persist, Snapshots, SnapshotList)
 }
 
 

@@ -18,7 +18,7 @@ def test_status_json_has_the_documented_top_level_keys(daemon) -> None:
     assert out.returncode == 0
     info = json.loads(out.stdout)
     assert set(info) == {"daemon", "clients", "writes", "saves", "checkpoints", "completed", "errors",
-                         "shm_mapped_bytes", "shm", "roots", "loads", "errors_total"}
+                         "shm_mapped_bytes", "shm", "roots", "loads", "errors_total", "memory"}
     assert info["daemon"]["pid"] == daemon.proc.pid
     assert info["roots"][0]["path"] == str(daemon.root)
     # the tests' in-process status (helpers.status) reads the same document, field for field

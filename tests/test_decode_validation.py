@@ -73,7 +73,12 @@ VALID_FIELDS: dict[str, dict[str, Any]] = {
     "bye": {},
     "stop": {},
     "ok": {},
+    "held": {"path": "/ckpt/step-101", "bytes_held": 4128, "seconds": 0.5, "released": ["ckptd-1000-4242-0"]},
+    "persist": {"path": "/ckpt/step-101"},
+    "snapshots": {},
+    "snapshot_list": {"snapshots": [{"path": "/ckpt/step-101", "shards": [[0, "ckptd-1000-4242-1", 4128, 1, 2]]}]},
 }
+VALID_FIELDS["snapshot"] = VALID_FIELDS["commit"]  # a snapshot stages and checks exactly like a commit
 
 
 def wire(kind: str = "hello", drop: tuple[str, ...] = (), **changes: Any) -> dict[str, Any]:

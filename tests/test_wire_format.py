@@ -26,13 +26,18 @@ from ckptd.protocol.messages import (
     Error,
     Finalize,
     Granted,
+    Held,
     Hello,
     Lease,
     Message,
     Ok,
+    Persist,
     Ping,
     Pong,
     Release,
+    Snapshot,
+    SnapshotList,
+    Snapshots,
     Staged,
     Status,
     StatusReply,
@@ -160,6 +165,53 @@ GOLDEN: dict[str, tuple[Message, str]] = {
     "bye": (Bye(id=6), "83a17601a474797065a3627965a2696406"),
     "stop": (Stop(id=7), "83a17601a474797065a473746f70a2696407"),
     "ok": (Ok(id=7), "83a17601a474797065a26f6ba2696407"),
+    "snapshot": (
+        Snapshot(
+            id=2,
+            slot="ckptd-1000-4242-1",
+            nbytes=4096 + 32,
+            header_len=4096,
+            tensors=(TensorEntry("w", "F32", (2, 3), 0, 24), TensorEntry("b", "BF16", (4,), 24, 32)),
+            path="/ckpt/step-101",
+            rank=1,
+            world_size=2,
+            step=101,
+            overwrite=False,
+            coordinated=False,
+            keep_last=None,
+            timeout=600.0,
+            waited=0.0,
+            staged=4128,
+        ),
+        "de0011a17601a474797065a8736e617073686f74a2696402a4736c6f74b1636b70"
+        "74642d313030302d343234322d31a66e6279746573cd1020aa6865616465725f6c"
+        "656ecd1000a774656e736f72739295a177a3463332920203001895a162a4424631"
+        "3691041820a470617468ae2f636b70742f737465702d313031a472616e6b01aa77"
+        "6f726c645f73697a6502a47374657065a96f7665727772697465c2ab636f6f7264"
+        "696e61746564c2a96b6565705f6c617374c0a774696d656f7574cb4082c0000000"
+        "0000a6776169746564cb0000000000000000a6737461676564cd1020",
+    ),
+    "held": (
+        Held(id=2, path="/ckpt/step-101", bytes_held=4128, seconds=0.5, released=("ckptd-1000-4242-0",)),
+        "87a17601a474797065a468656c64a2696402a470617468ae2f636b70742f737465"
+        "702d313031aa62797465735f68656c64cd1020a77365636f6e6473cb3fe0000000"
+        "000000a872656c656173656491b1636b7074642d313030302d343234322d30",
+    ),
+    "persist": (
+        Persist(id=8, path="/ckpt/step-101"),
+        "84a17601a474797065a770657273697374a2696408a470617468ae2f636b70742f"
+        "737465702d313031",
+    ),
+    "snapshots": (
+        Snapshots(id=8),
+        "83a17601a474797065a9736e617073686f7473a2696408",
+    ),
+    "snapshot_list": (
+        SnapshotList(id=8, snapshots=({"path": "/ckpt/step-101", "step": 101, "shards": [[0, "ckptd-1000-4242-1", 4128, 1, 2]]},)),
+        "84a17601a474797065ad736e617073686f745f6c697374a2696408a9736e617073"
+        "686f74739183a470617468ae2f636b70742f737465702d313031a47374657065a6"
+        "736861726473919500b1636b7074642d313030302d343234322d31cd10200102",
+    ),
 }
 
 
@@ -211,6 +263,11 @@ def test_message_type_names_are_frozen():
         "bye": "Bye",
         "stop": "Stop",
         "ok": "Ok",
+        "snapshot": "Snapshot",
+        "held": "Held",
+        "persist": "Persist",
+        "snapshots": "Snapshots",
+        "snapshot_list": "SnapshotList",
     }
 
 

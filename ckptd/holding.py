@@ -1,0 +1,262 @@
+"""The memory tier's pipeline: from a rank's Snapshot to its Held, and from a held snapshot to disk.
+
+::
+
+    Snapshot ──admit pool: examine (path, slot, header)
+             ──loop: budget, bookkeeping, Accepted ──checksum pool: CRC as the client stages
+             ──loop: every rank held? Held to each rank, older snapshots dropped
+
+    Persist  ──admit pool: free space ──loop: each held shard into the save pipeline
+             (``Saves.admit_examined``: .incomplete, write, fsync, index, rename)
+
+Persisting reuses the disk save's pipeline from the held slot: there is no
+second writer. It runs when a client asks (``Persist``), when the last
+client of a snapshot's ranks dies or closes (``persist_on_exit``), and for
+the newest snapshots when the daemon drains (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import os
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Callable
+
+from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, RanksMissing, ShuttingDown, WriteFailed
+from ckptd.protocol.messages import Accepted, Error, Held, Message, Persist, Snapshot, SnapshotList, Snapshots
+from ckptd.protocol.shm import slot_name
+
+from .admission import Examined, examine
+from .config import DaemonConfig
+from .saves import Saves, error_reply
+from .snapshots import HeldShard, HeldSnapshot, shards_of
+from .state import NodeState
+from .storage import Storage
+from .workers import Workers
+from .writer import Progress, _checksum
+
+log = logging.getLogger("ckptd")
+Send = Callable[[bytes, Message], None]
+
+
+class Holding:
+    """Moves snapshots in and out of node memory; replies through ``send``."""
+
+    def __init__(self, state: NodeState, workers: Workers, storage: Storage, config: DaemonConfig,
+                 send: Send, saves: Saves) -> None:
+        self.state, self.workers, self.storage, self.config = state, workers, storage, config
+        self.send, self.saves = send, saves
+        self.snapshots = state.snapshots
+        self._names = itertools.count()
+        """Held slots' names: this daemon's pid and a number of its own."""
+
+    # -- holding ---------------------------------------------------------------
+
+    def snapshot(self, ident: bytes, msg: Snapshot) -> None:
+        """Start admitting one rank's snapshot shard; Accepted then Held (or Error) follow."""
+        client = self.state.client(ident)
+        if self.state.draining:
+            raise ShuttingDown("the daemon is draining and holds no new snapshots")
+        progress = self.state.begin_save(ident, client, msg, deadline=time.monotonic() + msg.timeout)
+        pid, slots, roots = client.pid, self.state.slots, self.config.roots
+        self.workers.submit("admit", lambda: examine(self.storage, slots, msg, pid=pid, roots=roots),
+                            lambda fut: self._examined(ident, msg, pid, progress, fut))
+
+    def _examined(self, ident: bytes, msg: Snapshot, pid: int, progress: Progress, fut: Future) -> None:
+        if fut.exception() is not None:
+            self.state.end_save(ident, msg.id)
+            self.send(ident, error_reply(self.state, msg.id, fut.exception()))
+            return
+        examined: Examined = fut.result()
+        try:
+            snap, evicted = self.snapshots.admit(msg, examined.final, examined.slot, pid, ident)
+        except CkptdError as exc:
+            self.state.slots.release(examined.slot)
+            self.state.end_save(ident, msg.id)
+            self.send(ident, error_reply(self.state, msg.id, exc))
+            return
+        for old in evicted:
+            log.info("event=snapshot_evicted path=%s step=%s reason=budget", old.path, old.step)
+        self._release(shards_of(evicted))
+        self.send(ident, Accepted(msg.id))
+        slot, slots, name = examined.slot, self.state.slots, slot_name(os.getuid(), os.getpid(), next(self._names))
+
+        def checksum_and_adopt() -> int:
+            crc = _checksum(memoryview(slot.map), msg.nbytes, progress)
+            slots.adopt(slot, name)
+            return crc
+        self.workers.submit("checksum", checksum_and_adopt, lambda f: self._checksummed(ident, msg, snap, f))
+
+    def _checksummed(self, ident: bytes, msg: Snapshot, snap: HeldSnapshot, fut: Future) -> None:
+        self.state.end_save(ident, msg.id)
+        shard, failed = snap.shards[msg.rank], self.snapshots.held.get(snap.path) is not snap
+        if fut.exception() is not None:  # not adopted
+            self.state.slots.release(shard.slot)
+            if not failed:
+                self.fail(snap, fut.exception())
+            return
+        if failed:  # the snapshot failed meanwhile (its ranks were told): the slot goes back under its name
+            self.workers.submit("maintenance", lambda: self.state.slots.give_back(shard.slot, msg.slot))
+            return
+        shard.checksum = fut.result()
+        log.info("event=snapshot_held path=%s rank=%d bytes=%d", snap.path, msg.rank, msg.nbytes)
+        if snap.coordinated:  # on several nodes each rank is told at once; the ranks agree among themselves
+            snap.waiting = [w for w in snap.waiting if (w[0], w[1]) != (ident, msg.id)]
+            snap.acknowledged = snap.complete
+            self.send(ident, self._held(snap, msg.id, msg.nbytes, shard.pid))
+            return
+        if not snap.complete:
+            return
+        snap.acknowledged = True
+        self._release(shards_of(self.snapshots.newer_than_kept(snap)), then=lambda: self._tell_held(snap))
+
+    def _tell_held(self, snap: HeldSnapshot) -> None:
+        """Held to every rank, once the slots it released are back under their names (so the reply can name them)."""
+        for client, rid, pid, nbytes in snap.waiting:
+            self.send(client, self._held(snap, rid, nbytes, pid))
+        snap.waiting = []
+
+    def _held(self, snap: HeldSnapshot, rid: int, nbytes: int, pid: int) -> Held:
+        return Held(rid, str(snap.path), nbytes, time.monotonic() - snap.started_at,
+                    self.snapshots.take_released(pid))
+
+    def fail(self, snap: HeldSnapshot, exc: BaseException) -> None:
+        """A snapshot failed: tell its waiting ranks, drop its shards (their slots go back with the error)."""
+        self.snapshots.remove(snap)
+        reply = error_reply(self.state, 0, exc)
+        log.warning("event=snapshot_failed path=%s error=%s", snap.path, reply.message)
+        for client, rid, _, _ in snap.waiting:
+            self.send(client, Error(rid, reply.code, reply.message))
+        for shard in snap.shards.values():  # held ones go back under their names; the others when checksummed
+            if shard.checksum is not None:
+                self.workers.submit("maintenance", lambda sh=shard: self.state.slots.give_back(sh.slot, sh.msg.slot))
+
+    def fail_overdue(self) -> None:
+        for snap in self.snapshots.overdue(time.monotonic()):
+            missing = sorted(set(range(snap.world_size)) - set(snap.shards))
+            self.fail(snap, RanksMissing(f"snapshot {snap.path}: ranks {missing} of {snap.world_size} never "
+                                         f"snapshotted within {snap.timeout:g} s; nothing was held"))
+
+    def _release(self, shards: list[HeldShard], then: Callable[[], None] = lambda: None) -> None:
+        """Drop held shards: a live, connected client gets its slot back (under its old name), others' are
+        unlinked; ``then`` runs on the loop once that is done."""
+        slots = self.state.slots
+        back = [sh for sh in shards if self.state.pid_connected(sh.pid)]
+        gone = [sh for sh in shards if sh not in back]
+        for shard in gone:
+            slots.release(shard.slot)
+        names = [sh.slot.name for sh in gone]
+
+        def work() -> None:
+            _unlink(slots.shm_dir, names)
+            for sh in back:
+                slots.give_back(sh.slot, sh.msg.slot)
+
+        def done(fut: Future) -> None:
+            if fut.exception() is not None:
+                log.warning("event=release_failed error=%r", fut.exception())
+            left = [sh.msg.slot for sh in back if not self.state.pid_connected(sh.pid)]  # went meanwhile
+            for sh in back:
+                if sh.msg.slot not in left:
+                    self.snapshots.released.setdefault(sh.pid, []).append(sh.msg.slot)
+            if left:
+                self.workers.submit("maintenance", lambda: _unlink(slots.shm_dir, left))
+            then()
+        if shards:
+            self.workers.submit("maintenance", work, done)
+        else:
+            then()
+
+    # -- what is held -----------------------------------------------------------
+
+    def listing(self, ident: bytes, msg: Snapshots) -> SnapshotList:
+        return SnapshotList(msg.id, self.snapshots.listing())
+
+    # -- persisting ----------------------------------------------------------------
+
+    def persist(self, ident: bytes, msg: Persist) -> None:
+        """Write held snapshot ``msg.path`` to disk; Done (or Error) follows once it is committed."""
+        self.saves.resolve_then(ident, msg.id, msg.path, lambda final: self._persist_path(ident, msg.id, final))
+
+    def _persist_path(self, ident: bytes, rid: int, final: Path) -> None:
+        snap = self.snapshots.held.get(final)
+        if snap is None or not snap.acknowledged:
+            self.send(ident, error_reply(self.state, rid, InvalidCheckpoint(
+                f"the daemon holds no complete snapshot {final} in memory; held: "
+                f"{', '.join(str(p) for p in self.snapshots.held) or 'none'}")))
+            return
+        if snap.coordinated:
+            self.send(ident, error_reply(self.state, rid, WriteFailed(
+                f"snapshot {final} spans several nodes; persisting it is not supported: save with persist=True")))
+            return
+        if snap.persisted:
+            self.send(ident, error_reply(self.state, rid, InvalidCheckpoint(
+                f"snapshot {final} is already persisted to disk")))
+            return
+        self.start_persist(snap, ident, rid)
+
+    def start_persist(self, snap: HeldSnapshot, ident: bytes = b"", rid: int = 0) -> None:
+        """Hand every held shard of ``snap`` to the save pipeline (``ident`` b"": nobody waits for Done)."""
+        snap.persisting = True
+        log.info("event=persist path=%s step=%s", snap.path, snap.step)
+        storage, final = self.storage, snap.path
+        self.workers.submit("admit", lambda: storage.space(final.parent),
+                            lambda fut: self._persist_room(snap, ident, rid, fut))
+
+    def _persist_room(self, snap: HeldSnapshot, ident: bytes, rid: int, fut: Future) -> None:
+        if fut.exception() is not None:
+            snap.persisting = False
+            self.send(ident, error_reply(self.state, rid, WriteFailed(f"cannot persist {snap.path}: {fut.exception()}")))
+            return
+        for shard in snap.shards.values():
+            self.state.slots.share(shard.slot)  # the write releases it; the snapshot keeps its own hold
+            msg = dataclasses.replace(shard.msg, id=rid, overwrite=False, keep_last=None, coordinated=False)
+            progress = Progress(msg.nbytes, msg.nbytes, deadline=math.inf)
+            self.saves.admit_examined(ident, msg, progress, Examined(snap.path, shard.slot, fut.result(), None),
+                                      internal=True)
+
+    def persisted(self, path: Path, ok: bool) -> None:
+        """The save pipeline committed (or failed) checkpoint ``path``; if it is held, it is persisted."""
+        snap = self.snapshots.held.get(path)
+        if snap is not None and snap.persisting:
+            snap.persisting, snap.persisted = False, ok
+
+    def client_gone(self, pid: int) -> None:
+        """A client closed or died: persist its newest snapshot, unlink the slots it was owed back."""
+        if self.config.persist_on_exit == "newest":
+            for snap in self.snapshots.newest(pid=pid):
+                if not any(self.state.pid_connected(sh.pid) for sh in snap.shards.values()):
+                    self.start_persist(snap)
+        owed = list(self.snapshots.released.pop(pid, []))
+        if owed:
+            self.workers.submit("maintenance", lambda: _unlink(self.state.slots.shm_dir, owed))
+
+    def close(self) -> None:
+        """The daemon exits: what it holds goes (its newest snapshots were persisted while it drained)."""
+        held = shards_of(self.snapshots.held.values())
+        self.snapshots.held.clear()
+        names = [sh.slot.name for sh in held] + [n for owed in self.snapshots.released.values() for n in owed]
+        for shard in held:
+            self.state.slots.release(shard.slot)
+        self.workers.submit("maintenance", lambda: _unlink(self.state.slots.shm_dir, names))
+
+    def drain(self) -> None:
+        """SIGTERM: persist the newest snapshot of every directory before the daemon exits."""
+        newest = self.snapshots.newest()
+        log.info("event=drain_persist snapshots=%d deadline_s=%g", len(newest), self.config.drain_timeout)
+        for snap in newest:
+            self.start_persist(snap)
+
+
+def _unlink(directory: Path, names: list[str]) -> None:
+    for name in names:
+        try:
+            os.unlink(directory / name)
+        except FileNotFoundError:
+            pass
+

@@ -1,0 +1,203 @@
+"""Memory snapshots: shards the daemon keeps in node memory, in the slots it took over.
+
+A ``Snapshot`` stages exactly like a disk save; instead of writing the slot,
+the daemon checksums it and keeps the mapping. The slot is the daemon's from
+then on: its client stages the next save into another slot of its pool, and
+never reuses or unlinks this one until a ``Held`` reply names it as
+released. A snapshot is complete once every rank of its world is held here
+(on several nodes: once this node's ranks are; the ranks agree among
+themselves). Only then are its ranks told ``Held``, and only then are older
+snapshots in the same directory dropped: the newest ``keep_snapshots`` per
+directory stay, so a snapshot is dropped only after a newer one is completely
+held.
+
+The memory budget counts the slots held (whole slots: that is what stays
+resident). A snapshot that would exceed it first evicts the oldest snapshots
+that are already persisted to disk; if that is not enough it is refused with
+a message naming the budget and what is held. A held slot is renamed to a
+name of the daemon's own pid, so no sweep of dead clients' slots takes it. A
+dropped slot whose client is alive goes back to that client under its old
+name (named in its next ``Held``); a dead or gone client's slot is unlinked.
+
+Bookkeeping only, on the loop thread: ``holding.py`` does the I/O around it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from ckptd.protocol.errors import Conflict, NoSpace
+from ckptd.protocol.index import CHECKSUM_ALGORITHM
+from ckptd.protocol.messages import Snapshot
+
+from .render import human_bytes
+from .slots import MappedSlot
+
+KEEP_SNAPSHOTS_DEFAULT = 1
+
+
+@dataclass
+class HeldShard:
+    """One rank's shard of a snapshot, in the slot the daemon took over."""
+
+    msg: Snapshot
+    slot: MappedSlot
+    pid: int
+    """The client whose slot it is (alive or not)."""
+    checksum: int | None = None
+    """None until the shard is checksummed (the client may still be staging)."""
+
+
+@dataclass
+class HeldSnapshot:
+    """A checkpoint held in node memory instead of (or besides) on disk."""
+
+    path: Path
+    world_size: int
+    step: int | None
+    coordinated: bool
+    timeout: float
+    shards: dict[int, HeldShard] = field(default_factory=dict)
+    waiting: list[tuple[bytes, int, int, int]] = field(default_factory=list)
+    """(client, request id, pid, shard bytes) of every rank owed a ``Held`` or an ``Error``."""
+    started_at: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.time)
+    acknowledged: bool = False
+    """Complete and its ranks told: from now on it is a snapshot a restore may use."""
+    persisted: bool = False
+    persisting: bool = False
+
+    @property
+    def checksummed(self) -> bool:
+        return all(s.checksum is not None for s in self.shards.values())
+
+    @property
+    def complete(self) -> bool:
+        """Every rank held here (several nodes: every rank that committed here)."""
+        have_all = self.coordinated or len(self.shards) == self.world_size
+        return have_all and bool(self.shards) and self.checksummed
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.slot.size for s in self.shards.values())
+
+    @property
+    def order(self) -> tuple[int, float]:
+        return (self.step if self.step is not None else -1, self.created)
+
+    def describe(self) -> dict[str, Any]:
+        """The snapshot as ``Snapshots`` and ``ckptd status`` report it (keys documented in the README)."""
+        return {
+            "path": str(self.path), "step": self.step, "world_size": self.world_size, "created": self.created,
+            "bytes": sum(s.msg.nbytes for s in self.shards.values()), "held_bytes": self.nbytes,
+            "ranks_held": sorted(r for r, s in self.shards.items() if s.checksum is not None),
+            "complete": self.acknowledged, "persisted": self.persisted, "persisting": self.persisting,
+            "checksum_algorithm": CHECKSUM_ALGORITHM,
+            "shards": [[r, s.slot.name, s.msg.nbytes, s.checksum, len(s.msg.tensors)]
+                       for r, s in sorted(self.shards.items()) if s.checksum is not None],
+        }
+
+
+class Snapshots:
+    """The snapshots this daemon holds, by final path, within the memory budget."""
+
+    def __init__(self, budget: int, keep: int) -> None:
+        self.budget = budget
+        self.keep = keep
+        self.held: dict[Path, HeldSnapshot] = {}
+        self.released: dict[int, list[str]] = {}
+        """Slots dropped from snapshots whose client is alive, by its pid: named in its next ``Held``."""
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(s.nbytes for s in self.held.values())
+
+    def admit(self, msg: Snapshot, final: Path, slot: MappedSlot, pid: int, client: bytes
+              ) -> tuple[HeldSnapshot, list[HeldSnapshot]]:
+        """Register one rank's shard; returns its snapshot and the persisted ones evicted to make room.
+
+        Raises ``NoSpace`` (the budget) or ``Conflict`` (the rank is held already, or the world differs).
+        """
+        snap = self.held.get(final)
+        if snap is not None and snap.acknowledged:
+            raise Conflict(f"snapshot {final} is already held in memory; snapshot under a new path (one per step)")
+        if snap is not None and (snap.world_size, snap.step, snap.coordinated) != (msg.world_size, msg.step,
+                                                                                    msg.coordinated):
+            raise Conflict(f"snapshot {final} is being held with world size {snap.world_size} and step {snap.step}; "
+                           f"this rank says world size {msg.world_size}, step {msg.step}")
+        if snap is not None and msg.rank in snap.shards:
+            raise Conflict(f"rank {msg.rank} of snapshot {final} is already held")
+        evicted = self._make_room(final, slot.size)
+        if snap is None:
+            snap = self.held[final] = HeldSnapshot(final, msg.world_size, msg.step, msg.coordinated, msg.timeout)
+        snap.timeout = min(snap.timeout, msg.timeout)
+        snap.shards[msg.rank] = HeldShard(msg, slot, pid)
+        snap.waiting.append((client, msg.id, pid, msg.nbytes))
+        return snap, evicted
+
+    def _make_room(self, final: Path, needed: int) -> list[HeldSnapshot]:
+        """Evict the oldest persisted snapshots until ``needed`` more bytes fit; ``NoSpace`` if they cannot."""
+        evicted: list[HeldSnapshot] = []
+        candidates = sorted((s for s in self.held.values() if s.persisted and not s.persisting), key=lambda s: s.order)
+        while self.held_bytes + needed > self.budget and candidates:
+            victim = candidates.pop(0)
+            del self.held[victim.path]
+            evicted.append(victim)
+        if self.held_bytes + needed > self.budget:
+            unpersisted = sum(1 for s in self.held.values() if not s.persisted)
+            raise NoSpace(
+                f"snapshot {final} needs {human_bytes(needed)} of node memory, but the daemon's memory budget is "
+                f"{human_bytes(self.budget)} and {human_bytes(self.held_bytes)} are held in {len(self.held)} "
+                f"snapshot(s) ({unpersisted} not on disk yet, which are never evicted for another). The budget must "
+                f"hold keep_snapshots + 1 snapshots per job (the newest is only dropped once a newer one is held): "
+                f"start the daemon with a larger --memory-budget or a smaller --keep-snapshots, persist "
+                f"(client.persist) or save to disk (persist=True) instead")
+        return evicted
+
+    def newer_than_kept(self, snap: HeldSnapshot) -> list[HeldSnapshot]:
+        """Once ``snap`` is complete: the acknowledged snapshots of its directory beyond ``snap`` and the newest
+        ``keep - 1`` others (never ``snap`` itself, even with a lower step)."""
+        peers = sorted((s for s in self.held.values() if s.acknowledged and s.path.parent == snap.path.parent
+                        and not s.persisting and s is not snap), key=lambda s: s.order, reverse=True)
+        dropped = peers[self.keep - 1:]
+        for s in dropped:
+            del self.held[s.path]
+        return dropped
+
+    def remove(self, snap: HeldSnapshot) -> None:
+        if self.held.get(snap.path) is snap:
+            del self.held[snap.path]
+
+    def overdue(self, now: float) -> list[HeldSnapshot]:
+        """Snapshots still missing ranks after their commit timeout."""
+        return [s for s in self.held.values() if not s.acknowledged and now - s.started_at > s.timeout]
+
+    def newest(self, *, pid: int | None = None) -> list[HeldSnapshot]:
+        """Per directory, the newest acknowledged snapshot not yet on disk (of client ``pid``'s ranks, if given)."""
+        best: dict[Path, HeldSnapshot] = {}
+        for s in self.held.values():
+            if not s.acknowledged or s.coordinated or (pid is not None and all(sh.pid != pid
+                                                                                for sh in s.shards.values())):
+                continue
+            current = best.get(s.path.parent)
+            if current is None or s.order > current.order:
+                best[s.path.parent] = s
+        return [s for s in best.values() if not (s.persisted or s.persisting)]
+
+    def take_released(self, pid: int) -> tuple[str, ...]:
+        return tuple(self.released.pop(pid, []))
+
+    def listing(self) -> tuple[dict[str, Any], ...]:
+        return tuple(s.describe() for s in sorted(self.held.values(), key=lambda s: (str(s.path.parent), s.order)))
+
+    def summary(self) -> dict[str, Any]:
+        """The ``memory`` part of ``ckptd status``."""
+        return {"budget_bytes": self.budget, "held_bytes": self.held_bytes, "keep_snapshots": self.keep,
+                "snapshots": [{k: v for k, v in d.items() if k != "shards"} for d in self.listing()]}
+
+
+def shards_of(snapshots: Iterable[HeldSnapshot]) -> list[HeldShard]:
+    return [sh for s in snapshots for sh in s.shards.values()]

@@ -1,0 +1,91 @@
+"""Memory snapshots across nodes: every rank agrees on ``latest``, and a snapshot some rank lost is never chosen.
+
+Two daemons on one machine stand for two nodes, one rank each, under
+torch.distributed (gloo). Both ranks snapshot; node B's daemon is then
+SIGKILLed and restarted (its memory is gone), so rank 1 can no longer
+restore the snapshot rank 0's daemon still holds: both ranks must fall back
+to the newest checkpoint on disk, and load it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import ckptd
+
+from helpers import short_tempdir, start_daemon
+
+WORLD = 2
+
+
+def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def _worker(rank: int, init_file: str, run_dirs: list[str], root: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    log: dict = {}
+    try:
+        run_dir, top = run_dirs[rank], Path(root)
+        client = ckptd.Client(run_dir=run_dir, spawn=False, commit_timeout=30, timeout=5, heartbeat=0.2)
+        state = lambda step: {"rank": torch.full((1000,), rank * 100 + step, dtype=torch.int32), "step": step}  # noqa: E731
+        client.save_async(state(0), top / "disk", step=0).result(60)
+        log["snapshot"] = str(client.save_async(state(1), top / "memory", step=1, persist=False).result(60).path)
+        log["before"] = str(ckptd.latest(top, run_dir=run_dir))
+        log["before_step"] = ckptd.load(log["before"], run_dir=run_dir)["step"]
+        Path(out, f"held-{rank}").touch()
+        _wait_for(Path(out, "restarted"))
+        log["after"] = str(ckptd.latest(top, run_dir=run_dir))
+        loaded = ckptd.load(log["after"], run_dir=run_dir)
+        log["after_ok"] = torch.equal(loaded["rank"], state(0)["rank"]) and loaded["step"] == 0
+        client.close()
+    except BaseException:
+        log["crash"] = traceback.format_exc()
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(log))
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_on_latest_and_never_choose_a_snapshot_one_node_lost(root: Path, tmp_path: Path) -> None:
+    run_a, run_b = short_tempdir("cka-"), short_tempdir("ckb-")
+    out = tmp_path / "out"
+    out.mkdir()
+    daemon_a = start_daemon(run_a, root, "--persist-on-exit", "never")
+    daemon_b = start_daemon(run_b, root, "--persist-on-exit", "never")
+    ctx = mp.start_processes(_worker, args=(str(tmp_path / "init"), [str(run_a), str(run_b)], str(root), str(out)),
+                             nprocs=WORLD, join=False, start_method="spawn")
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(out.glob("held-*"))) < WORLD:
+            assert time.monotonic() < deadline, "the ranks never held their snapshot"
+            assert all(p.exitcode in (None, 0) for p in ctx.processes), "a rank crashed"
+            time.sleep(0.05)
+        assert [s["ranks_held"] for s in daemon_a.status()["memory"]["snapshots"]] == [[0]]
+        assert [s["ranks_held"] for s in daemon_b.status()["memory"]["snapshots"]] == [[1]]
+        daemon_b.kill()  # node B's memory is gone
+        assert daemon_b.proc.returncode == -9
+        daemon_b = start_daemon(run_b, root, "--persist-on-exit", "never")
+        (out / "restarted").touch()
+        ctx.join(120)
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        daemon_a.stop()
+        daemon_b.stop()
+    logs = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(WORLD)]
+    for r, log in enumerate(logs):
+        assert "crash" not in log, log["crash"]
+        assert log["snapshot"] == log["before"] == str(root / "memory") and log["before_step"] == 1, (r, log)
+        assert log["after"] == str(root / "disk") and log["after_ok"], (r, log)
+    assert sorted(os.listdir(root)) == ["disk"]  # the snapshot was never written
