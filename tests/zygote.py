@@ -17,6 +17,7 @@ as arguments.
 from __future__ import annotations
 
 import atexit
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -141,3 +142,19 @@ def run_script(script: str, *argv: str, timeout: float) -> subprocess.CompletedP
         proc.stdout.close()
         proc.stderr.close()
     return subprocess.CompletedProcess(["-c", script, *argv], proc.returncode, out, err)
+
+
+_RUN_MODULE = """
+import json, os, runpy, sys
+os.chdir(sys.argv[1])
+os.environ.clear()
+os.environ.update(json.loads(sys.argv[2]))
+sys.argv = sys.argv[3:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def run_module(module: str, *argv: str, env: dict[str, str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, "-m", module, *argv], env=env, cwd=cwd, capture_output=True, text=True)``, forked
+    from the zygote (``torch.distributed.run``: the launcher; the ranks it starts are fresh interpreters)."""
+    return run_script(_RUN_MODULE, cwd, json.dumps(env), module, *argv, timeout=timeout)
