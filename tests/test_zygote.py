@@ -27,6 +27,12 @@ HOOKS = textwrap.dedent("""
 """)
 
 
+def test_a_script_never_sees_what_a_test_put_in_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("CKPTD_FAULTS", "[]")  # set while the zygote may be starting: it must not keep it
+    out = run_script("import os; print(os.environ.get('CKPTD_FAULTS'))", timeout=60)
+    assert out.stdout == "None\n", out
+
+
 def test_a_script_exits_prints_and_runs_its_atexit_hooks_as_python_c_would() -> None:
     out = run_script(HOOKS, "3", timeout=60)
     assert out.returncode == 3 and out.stderr == "to stderr\n", out

@@ -1,4 +1,4 @@
-"""Trainer and rank processes forked from a zygote that imported torch once.
+"""Trainers, scripts, ranks and the torchrun launcher forked from a zygote that imported torch once.
 
 A fresh interpreter pays a torch import (one to three seconds of CPU) before
 it does anything; the suite starts dozens of trainers and ranks. Each test
@@ -9,9 +9,9 @@ whole, fresh process (its own pid, memory, ZeroMQ context and client) that
 starts in milliseconds. Death, crash, fork and multi-rank tests still run
 against real processes; only the import is shared.
 
-A forked process inherits the zygote's environment and ``sys.path`` (those
-of the first test that used it), not the calling test's: pass what differs
-as arguments.
+A forked process inherits the zygote's environment (the one this module was
+imported with, at collection, before any test changed it) and ``sys.path``,
+not the calling test's: pass what differs as arguments.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import traceback
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
@@ -34,10 +35,22 @@ PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "c
 """What the zygote imports: everything the ranks and trainers of the tests import that costs CPU."""
 
 
+_ENVIRON = dict(os.environ)
+"""The environment at import: the zygote's, whatever a test had set when it first used the zygote."""
+
+
 def context() -> Any:
-    """The forkserver context, its server preloading ``PRELOAD`` (started on first use)."""
+    """The forkserver context, its server running (started on first use, preloading ``PRELOAD``)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts; later calls change nothing
+    now = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_ENVIRON)
+    try:
+        forkserver.ensure_running()  # a no-op once it runs
+    finally:
+        os.environ.clear()
+        os.environ.update(now)
     return ctx
 
 
