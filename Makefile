@@ -12,12 +12,16 @@ $(STAMP): setup.cfg pyproject.toml requirements-dev.txt
 	touch $(STAMP)
 
 # Worker processes for `make test`: the tests mostly wait on daemon and trainer subprocesses, so
-# more workers than cores pays; PYTEST_WORKERS=0 runs in this process. Each module runs on one
-# worker (--dist loadscope), so a module fixture (a four-rank sharded save) is built once.
-PYTEST_WORKERS ?= 4
+# more workers than cores pays, but each worker imports every test module (torch, Lightning) and
+# starts its own zygote (tests/zygote.py): 3 on two cores. PYTEST_WORKERS=0 runs in this process.
+# Each module runs on one worker (--dist loadscope), so a module fixture (a four-rank sharded save)
+# is built once; modules go out in the order tests/conftest.py gives them, the longest first
+# (--no-loadscope-reorder: xdist would otherwise start the modules with the most tests first, and
+# the one-test modules that wait longest, last).
+PYTEST_WORKERS ?= 3
 
 test: $(STAMP)
-	$(PY) -m pytest -q --timeout=180 -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
+	$(PY) -m pytest -q --timeout=180 -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Long fuzzing, load and leak runs (tests/soak is skipped by `make test`).
 soak: $(STAMP)

@@ -1,6 +1,6 @@
 """Fixtures: real daemon subprocesses on ipc:// endpoints in private temp dirs.
 
-Only fixtures live here; what tests call directly is in ``helpers.py``.
+Only fixtures (and the order modules run in) live here; what tests call directly is in ``helpers.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,17 @@ from typing import Iterator
 import pytest
 
 from helpers import SHM, Daemon, own_segments, short_tempdir, start_daemon
+
+LONGEST_FIRST = ("test_bench_smoke", "test_crash_consistency", "test_torchrun_example", "test_client_death",
+                 "test_daemon_process", "test_fuzz_daemon", "test_export", "test_fsdp2_example", "test_dcp_reader")
+"""The modules that take longest (seconds of waiting on processes each), run first."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``make test`` hands whole modules to its workers in collection order (``--dist loadscope``): a long module
+    that started last would run on alone at the end, so the longest start first; the rest keep their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(item.nodeid.split("::")[0]).stem, len(rank)))
 
 
 @pytest.fixture

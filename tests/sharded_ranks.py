@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from zygote import start_ranks
 
 
 def model() -> nn.Module:
@@ -87,7 +88,7 @@ def run_rank(rank: int, world: int, init: str, out: str, name: str, body: Callab
 def run_ranks(fn: Callable, world: int, tmp: Path, name: str, *args: Any) -> list[dict]:
     """Spawn ``world`` processes of ``fn(rank, world, init, *args)``; their logs, each checked for a crash."""
     init = tmp / f"init-{name}"
-    ctx = mp.start_processes(fn, args=(world, str(init), *args), nprocs=world, join=False, start_method="spawn")
+    ctx = start_ranks(fn, (world, str(init), *args), world)
     deadline = time.monotonic() + 300
     try:
         while not ctx.join(5):  # returns after each rank's exit; raises if one failed

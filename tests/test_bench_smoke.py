@@ -1,9 +1,12 @@
 """The benchmark harness runs end to end at tiny sizes, so it cannot rot unnoticed.
 
-One real run of ``python -m benchmarks --smoke``: every case of the
-registry in its own process, real daemons, real files. No timing is
-asserted; what is checked is that every case sent one valid JSON line with
-measurements, and that the report renders from them.
+Real runs of ``python -m benchmarks --smoke``: every case of the registry
+once, each in its own process, real daemons, real files. The sections run in
+two runs at once (``--only``; a run is a chain of case processes, so one run
+would be the longest wait of the suite). No timing is asserted; what is
+checked is that every case sent one valid JSON line with measurements, that
+each run's report is made of its lines alone, and that the report of all of
+them renders.
 """
 
 from __future__ import annotations
@@ -17,6 +20,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+PARTS = ("save,load", "multi,scaling,sharded")
+"""The sections of each run (``--only``), about as long as each other."""
+
+
+def _start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "benchmarks", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -42,12 +54,15 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
                "sharded_load_dcp"]
     assert set(sharded) <= set(names), names
 
-    out = tmp_path / "RESULTS.md"
-    run = _bench("--smoke", "--scratch", str(tmp_path), "--out", str(out), timeout=840)
-    assert run.returncode == 0, run.stderr[-4000:]
-
-    records = [json.loads(line) for line in run.stdout.splitlines()]
-    assert [r["case"] for r in records] == names
+    runs = [_start("--smoke", "--only", part, "--scratch", str(tmp_path / str(i)), "--out",
+                   str(tmp_path / str(i) / "RESULTS.md")) for i, part in enumerate(PARTS)]
+    results = [(run, *run.communicate(timeout=840)) for run in runs]
+    for run, _, err in results:
+        assert run.returncode == 0, err[-4000:]
+    order = {name: i for i, name in enumerate(names)}
+    records = sorted((json.loads(line) for _, out, _ in results for line in out.splitlines()),
+                     key=lambda r: order[r["case"]])
+    assert [r["case"] for r in records] == names  # every case ran once, in one of the runs
     for r in records:
         assert "error" not in r, r
         assert r["wall_s"] > 0
@@ -69,14 +84,22 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
         assert set(by_name[name]["reps"]) == {"cold", "warm"}, name
         assert by_name[name]["state"]["nbytes"] > by_name["sharded_memcpy"]["state"]["nbytes"], name
 
-    jsonl = [json.loads(x) for x in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
-    assert "meta" in jsonl[0] and [x["case"] for x in jsonl if "meta" not in x] == names
-    rendered = tmp_path / "again.md"
-    again = _bench("--report", str(tmp_path / "run" / "results.jsonl"), "--out", str(rendered), timeout=120)
-    assert again.returncode == 0, again.stderr
+    merged = []
+    for i, (_, out, _) in enumerate(results):
+        lines = (tmp_path / str(i) / "run" / "results.jsonl").read_text().splitlines()
+        jsonl = [json.loads(x) for x in lines]
+        assert "meta" in jsonl[0] and [x for x in lines if "meta" not in json.loads(x)] == out.splitlines()
+        rendered = tmp_path / f"again-{i}.md"
+        again = _bench("--report", str(tmp_path / str(i) / "run" / "results.jsonl"), "--out", str(rendered),
+                       timeout=120)
+        assert again.returncode == 0, again.stderr
+        assert rendered.read_text() == (tmp_path / str(i) / "RESULTS.md").read_text()  # made of the lines alone
+        merged += lines
+    (tmp_path / "all.jsonl").write_text("\n".join(merged) + "\n")
+    whole = _bench("--report", str(tmp_path / "all.jsonl"), "--out", str(tmp_path / "RESULTS.md"), timeout=120)
+    assert whole.returncode == 0, whole.stderr
 
-    report = out.read_text()
-    assert rendered.read_text() == report  # the report is made of the lines alone
+    report = (tmp_path / "RESULTS.md").read_text()
     for heading in ("## Targets", "## Saving", "## Clients on one node", "## Scaling", "## Loading",
                     "## Ranks loading at once", "## Sharded state: FSDP2", "## Every repetition"):
         assert heading in report

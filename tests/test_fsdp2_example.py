@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,15 +20,17 @@ from torch import nn
 import ckptd
 from ckptd.export import export_checkpoint
 
+from zygote import run_module
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "fsdp2_train.py"
 
 
 def run_example(daemon, ckpt_dir: Path, procs: int, steps: int) -> str:
     env = dict(os.environ, CKPTD_RUN_DIR=str(daemon.run_dir), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--standalone",
-           str(EXAMPLE), "--steps", str(steps), "--save-every", "3", "--ckpt-dir", str(ckpt_dir)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=REPO)
+    args = ["--nproc-per-node", str(procs), "--standalone", str(EXAMPLE), "--steps", str(steps), "--save-every", "3",
+            "--ckpt-dir", str(ckpt_dir)]
+    out = run_module("torch.distributed.run", *args, env=env, cwd=str(REPO), timeout=150)
     assert out.returncode == 0, f"torchrun exited {out.returncode}\n{out.stdout}\n{out.stderr}"
     return out.stdout
 

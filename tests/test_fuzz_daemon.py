@@ -38,7 +38,8 @@ from ckptd.protocol.errors import ErrorCode
 from ckptd.protocol.layout import TensorEntry
 from ckptd.protocol.messages import Error, Hello, Status, StatusReply, decode
 
-from fuzzing import PID, SLOT_BASE, UID, cap_memory, commit_fields, make_arena, make_commit, run_fuzz, slot_name, staged_slot
+from fuzz_arena import PID, SLOT_BASE, UID, cap_memory, commit_fields, make_arena, make_commit, slot_name, staged_slot
+from fuzzing import run_fuzz
 from helpers import SHM, raw_socket, short_tempdir, start_daemon
 
 

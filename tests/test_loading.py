@@ -6,8 +6,6 @@ import json
 import os
 import signal
 import struct
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -19,6 +17,8 @@ from torch import nn
 
 import ckptd
 from ckptd.client.lease import load_lease
+
+from zygote import Script
 
 
 @pytest.fixture
@@ -189,7 +189,7 @@ def test_a_dead_lease_holder_frees_its_lease(daemon) -> None:
             print("held", flush=True)
             time.sleep(60)
     """)
-    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    holder = Script(script)
     assert holder.stdout.readline().strip() == "held"
     assert len(daemon.status()["loads"]["held"]) == 1
     holder.send_signal(signal.SIGKILL)

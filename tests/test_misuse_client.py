@@ -15,7 +15,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 from collections import OrderedDict
 from pathlib import Path
@@ -29,6 +28,7 @@ from ckptd.protocol.messages import Ping
 from ckptd.protocol.shm import SHM_DIR_ENV
 
 from helpers import short_tempdir
+from zygote import run_script
 
 
 def small_state(seed: int = 0) -> dict:
@@ -151,8 +151,7 @@ FORK_SCRIPT = textwrap.dedent("""
 
 
 def test_a_forked_child_cannot_use_the_client_and_leaves_the_parents_slots_alone(daemon, run_dir, root) -> None:
-    out = subprocess.run([sys.executable, "-c", FORK_SCRIPT, str(run_dir), str(root)], capture_output=True, text=True,
-                         timeout=120)
+    out = run_script(FORK_SCRIPT, str(run_dir), str(root), timeout=120)
     assert out.returncode == 0, out.stderr
     child, parent = (json.loads(line) for line in out.stdout.splitlines())
     assert "forked child" in child["child"] and "new ckptd.Client" in child["child"]
@@ -185,8 +184,7 @@ FRESH_CLIENT_IN_CHILD = textwrap.dedent("""
 
 
 def test_a_new_client_in_a_forked_child_saves_without_hanging(daemon, run_dir, root) -> None:
-    out = subprocess.run([sys.executable, "-c", FRESH_CLIENT_IN_CHILD, str(run_dir), str(root)], capture_output=True,
-                         text=True, timeout=120)
+    out = run_script(FRESH_CLIENT_IN_CHILD, str(run_dir), str(root), timeout=120)
     assert out.stdout.split() == ["exit", "0"], out.stdout + out.stderr
     assert (root / "child-new" / "ckptd.json").is_file()
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import ckptd
 
 from helpers import short_tempdir, start_daemon
+from zygote import start_ranks
 
 WORLD = 4
 SLOW_B = [{"op": "write", "match": "doomed", "errno": 0, "delay": 5.0}]
@@ -59,8 +59,7 @@ def test_two_nodes_commit_once_and_a_dead_daemon_fails_every_rank_then_recovers(
     out.mkdir()
     daemon_a = start_daemon(run_a, root)
     daemon_b = start_daemon(run_b, root, faults=SLOW_B)
-    ctx = mp.start_processes(_worker, args=(str(tmp_path / "init"), [str(run_a), str(run_b)], str(root), str(out)),
-                             nprocs=WORLD, join=False, start_method="spawn")
+    ctx = start_ranks(_worker, (str(tmp_path / "init"), [str(run_a), str(run_b)], str(root), str(out)), WORLD)
     try:
         deadline = time.monotonic() + 120
         while len(list(out.glob("ready-*"))) < WORLD:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
 import torch
 
 from helpers import SHM, own_segments
+from zygote import Script
 
 
 def test_second_save_of_the_same_size_creates_no_new_segment(client, root) -> None:
@@ -56,7 +55,7 @@ def test_a_killed_trainers_slots_are_reclaimed_by_the_daemon(daemon, root) -> No
         print(" ".join(c.slot_names), flush=True)
         time.sleep(60)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    proc = Script(script)
     names = proc.stdout.readline().split()
     assert names and all((SHM / n).exists() for n in names)
     proc.send_signal(signal.SIGKILL)

@@ -1,7 +1,8 @@
 """examples/torchrun_train.py under torchrun: two ranks save shards, a second run resumes.
 
 The example runs as users run it (``python -m torch.distributed.run
---standalone``), against the test's daemon through ``CKPTD_RUN_DIR``. A
+--standalone``; the launcher forks from the test zygote, the ranks it starts
+are fresh interpreters), against the test's daemon through ``CKPTD_RUN_DIR``. A
 third, uninterrupted run shows that resuming lost nothing: its final weights
 equal the resumed run's bit for bit (CPU, gloo, one thread per rank: the
 arithmetic is deterministic).
@@ -11,13 +12,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import ckptd
+
+from zygote import run_module
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "torchrun_train.py"
@@ -26,9 +28,9 @@ EXAMPLE = REPO / "examples" / "torchrun_train.py"
 def run_example(daemon, ckpt_dir: Path, steps: int) -> subprocess.CompletedProcess:
     """One ``torchrun --nproc-per-node 2`` run of the example, saving every 5 steps."""
     env = dict(os.environ, CKPTD_RUN_DIR=str(daemon.run_dir), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(EXAMPLE),
-           "--steps", str(steps), "--save-every", "5", "--ckpt-dir", str(ckpt_dir)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    args = ["--nproc-per-node", "2", "--standalone", str(EXAMPLE), "--steps", str(steps), "--save-every", "5",
+            "--ckpt-dir", str(ckpt_dir)]
+    out = run_module("torch.distributed.run", *args, env=env, cwd=str(REPO), timeout=60)
     assert out.returncode == 0, f"torchrun exited {out.returncode}\n{out.stdout}\n{out.stderr}"
     return out
 

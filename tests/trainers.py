@@ -1,4 +1,4 @@
-"""A training process in its own interpreter, saving one checkpoint so a test can kill it.
+"""A training process of its own (forked from the zygote), saving one checkpoint so a test can kill it.
 
 Shared by ``test_client_death.py`` and its soak variant. The trainer prints
 one JSON line per event (ready, returned, staged), so a test can SIGKILL it
@@ -8,13 +8,13 @@ at exactly the moment it means to.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 import ckptd
+
+from zygote import Script
 
 STATE_SRC = r'''
 def expected_state(mib):
@@ -51,8 +51,7 @@ class Trainer:
     """A training process saving one checkpoint; reads its JSON event lines."""
 
     def __init__(self, run_dir: Path, path: Path, mode: str, mib: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", TRAINER, str(run_dir), str(path), mode, str(mib)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = Script(TRAINER, str(run_dir), str(path), mode, str(mib))
         self.events: list[dict] = []
 
     def next_event(self, timeout: float = 60) -> dict:
