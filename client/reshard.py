@@ -1,7 +1,8 @@
 """Reading global tensors back: whole, or only the region a target holds.
 
 A global tensor's chunks are listed in the index with their byte ranges. A
-loader maps each file it needs once (copy-on-write, verified once) and views
+loader maps each file it needs once (copy-on-write, verified once per
+process while the file is unchanged: ``client/verified.py``) and views
 the chunks in place; copying the part of a chunk that overlaps a target
 region touches only the pages holding those bytes, so a rank loading its
 shard of a resharded tensor reads its share of the checkpoint, not all of it,
@@ -12,16 +13,21 @@ process assembles full tensors chunk by chunk.
 from __future__ import annotations
 
 import math
+import mmap as _mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ckptd.protocol.checksums import checksum, updater
 from ckptd.protocol.chunks import Box, overlap
 from ckptd.protocol.errors import InvalidCheckpoint
-from ckptd.protocol.index import CheckpointIndex, ChunkRecord, TensorRecord
+from ckptd.protocol.index import CheckpointIndex, ChunkRecord, ShardRecord, TensorRecord
+from ckptd.protocol.inspect import check_checksum, check_shard_size, open_shard
 
 from .dtypes import TORCH_DTYPES
+from .verified import Identity, identity, is_verified, remember
 
 
 @dataclass(frozen=True)
@@ -40,11 +46,18 @@ class GlobalRef:
 
 
 class ChunkFiles:
-    """The checkpoint's files, each mapped (and checksummed) at most once, on first use."""
+    """The checkpoint's files, each mapped (and checksummed) at most once, on first use.
 
-    def __init__(self, path: Path, index: CheckpointIndex, *, verify: bool) -> None:
-        self.path, self.index, self.verify = path, index, verify
+    With ``defer`` the checksum of a file not yet verified in this process is
+    left for ``copy``, which computes it in the same pass as the copies out
+    of the mapping (``load_into``): the file's bytes are brought in once and
+    checksummed right behind the copy that touched them.
+    """
+
+    def __init__(self, path: Path, index: CheckpointIndex, *, verify: bool, defer: bool = False) -> None:
+        self.path, self.index, self.verify, self.defer = path, index, verify, defer
         self._maps: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, tuple[_mmap.mmap, ShardRecord, Identity]] = {}
 
     def ref(self, name: str) -> GlobalRef:
         record = self.index.tensors.get(name)
@@ -59,14 +72,67 @@ class ChunkFiles:
         return data[chunk.begin : chunk.end].view(ref.dtype).view(chunk.sizes)
 
     def mapped(self, file: str) -> torch.Tensor:
-        """The whole file as bytes, mapped and (with ``verify``) checksummed on the first call."""
+        """The whole file as bytes, mapped and (with ``verify``, unless deferred) checksummed on the first call."""
         if file not in self._maps:
-            from .load import map_shard  # imported here: load imports this module
-
             record = next(f for f in self.index.files if f.file == file)
-            mapping = map_shard(self.path / file, record, verify=self.verify, algorithm=self.index.checksum_algorithm)
+            algorithm = self.index.checksum_algorithm
+            mapping, ident = map_shard(self.path / file, record, verify=self.verify and not self.defer,
+                                       algorithm=algorithm)
+            if self.verify and self.defer and not is_verified(ident, record, algorithm):
+                self._pending[file] = (mapping, record, ident)
             self._maps[file] = torch.frombuffer(mapping, dtype=torch.uint8)
         return self._maps[file]
+
+    def copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``dst.copy_(src)`` for each pair, checksumming every deferred file in the same pass.
+
+        A deferred file is walked front to back: the copies reading it in
+        order of their first byte, each followed by the checksum of the bytes
+        up to its last one (just brought into memory), then the rest of the
+        file. ``InvalidCheckpoint`` when a checksum is wrong: the targets
+        then hold what was copied.
+        """
+        by_file: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {f: [] for f in self._pending}
+        bases = {f: self._maps[f].data_ptr() for f in self._pending}
+        for dst, src in copies:
+            start = src.data_ptr()
+            owner = next((f for f, base in bases.items() if base <= start < base + len(self._pending[f][0])), None)
+            if owner is None or src.numel() == 0:
+                dst.copy_(src)
+                continue
+            last = sum((n - 1) * st for n, st in zip(src.shape, src.stride())) * src.element_size()
+            by_file[owner].append((start - bases[owner], start - bases[owner] + last + src.element_size(), dst, src))
+        for file, pairs in by_file.items():
+            mapping, record, ident = self._pending.pop(file)
+            algorithm = self.index.checksum_algorithm
+            update, value, done = updater(algorithm), 0, 0
+            with memoryview(mapping) as view:
+                for begin, end, dst, src in sorted(pairs, key=lambda p: p[0]):
+                    dst.copy_(src)
+                    if end > done:
+                        value, done = update(view[done:end], value), end
+                value = update(view[done:], value)
+            check_checksum(self.path / file, value, record, algorithm)
+            remember(ident, record, algorithm)
+
+
+def map_shard(shard: Path, record: ShardRecord, *, verify: bool, algorithm: str) -> tuple[_mmap.mmap, Identity]:
+    """The shard mapped copy-on-write, after checking that it is a regular file of the index's size (and, unless
+    this process verified the same unchanged file before, its checksum); with the file's identity."""
+    with open_shard(shard) as f:
+        check_shard_size(shard, os.fstat(f.fileno()).st_size, record)
+        if record.size < 8:
+            raise InvalidCheckpoint(f"shard {shard} of {record.size} bytes is too short for a safetensors header")
+        ident = identity(f.fileno())
+        mapping = _mmap.mmap(f.fileno(), record.size, _mmap.MAP_PRIVATE, _mmap.PROT_READ | _mmap.PROT_WRITE)
+    if verify and not is_verified(ident, record, algorithm):
+        try:
+            check_checksum(shard, checksum(mapping, algorithm), record, algorithm)
+        except BaseException:
+            mapping.close()
+            raise
+        remember(ident, record, algorithm)
+    return mapping, ident
 
 
 def region(t: torch.Tensor, box: Box, origin: tuple[int, ...]) -> torch.Tensor:

@@ -1,0 +1,50 @@
+"""Which shard files this process has already verified, so a second load of one checkpoint skips the checksum.
+
+A shard is checked against its index once per process. What makes skipping
+the check later safe is that the file is the very same, unchanged: same
+device and inode (not a new file under the old name), same size, same
+modification and inode-change times (any write through the kernel moves
+both; ``ctime`` cannot be set back by a user), and the same recorded
+checksum. A file changed behind the kernel's back (a bit flipped on the
+medium) is not caught by a second load: ``ckptd verify`` and ``verify=True``
+in a fresh process still read every byte.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+
+from ckptd.protocol.index import ShardRecord
+
+MAX_REMEMBERED = 4096
+"""Files remembered; the oldest is forgotten first (and then simply checked again)."""
+
+Identity = tuple[int, ...]
+
+_verified: "OrderedDict[tuple, None]" = OrderedDict()
+_lock = threading.Lock()
+
+
+def identity(fd: int) -> Identity:
+    """What tells this open file apart from any other or from itself after a change."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _key(ident: Identity, record: ShardRecord, algorithm: str) -> tuple:
+    return (*ident, record.size, record.checksum, algorithm)
+
+
+def is_verified(ident: Identity, record: ShardRecord, algorithm: str) -> bool:
+    with _lock:
+        return _key(ident, record, algorithm) in _verified
+
+
+def remember(ident: Identity, record: ShardRecord, algorithm: str) -> None:
+    """Record that the file with ``ident`` matched ``record``'s checksum."""
+    with _lock:
+        _verified[_key(ident, record, algorithm)] = None
+        while len(_verified) > MAX_REMEMBERED:
+            _verified.popitem(last=False)
