@@ -37,12 +37,10 @@ from .dtypes import TORCH_DTYPES
 from .flatten import unflatten
 from .lease import load_lease
 from .ranks import detect_ranks
-from .reshard import ChunkFiles, read_full
+from .reshard import MAX_READ, ChunkFiles, read_full
 from .verified import identity, is_verified, remember
 
 MapLocation = str | torch.device | None
-MAX_READ = 1 << 30
-"""Bytes asked of one read(2); Linux returns at most ~2 GiB per call anyway."""
 
 
 def load(

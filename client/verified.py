@@ -60,3 +60,9 @@ def remember(ident: Identity, record: ShardRecord, algorithm: str) -> None:
         _verified[_key(ident, record, algorithm)] = None
         while len(_verified) > MAX_REMEMBERED:
             _verified.popitem(last=False)
+
+
+def forget() -> None:
+    """Forget every file verified so far: the next load of each checks it again (a fresh process's first load)."""
+    with _lock:
+        _verified.clear()

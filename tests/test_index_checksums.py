@@ -128,3 +128,19 @@ def test_a_shard_changed_within_the_settling_time_is_never_remembered(client, ro
     for _ in range(2):
         ckptd.load_into({"a": torch.zeros(1000)}, root / "ckpt")
     assert sum(counted) == 2 * shard_of(root / "ckpt").stat().st_size
+
+
+def test_load_into_checks_every_byte_even_those_no_target_takes(client, root) -> None:
+    state = {"a": torch.arange(1000.0), "skipped": torch.ones(5000), "t": torch.arange(12.0).reshape(3, 4)}
+    client.save_async(state, root / "ckpt").result(30)
+    target = {"a": torch.zeros(1000), "t": torch.zeros(4, 3).t()}  # a non-contiguous target goes through the mapping
+    ckptd.load_into(target, root / "ckpt", strict=False)
+    assert torch.equal(target["a"], state["a"]) and torch.equal(target["t"], state["t"])
+    entries = {e.name: e for e in ckptd.inspect(root / "ckpt").shards[0].tensors}
+    shard = shard_of(root / "ckpt")
+    data_start = shard.stat().st_size - sum(e.nbytes for e in entries.values())
+    with open(shard, "r+b") as f:  # a byte of the tensor the target does not take
+        f.seek(data_start + entries["skipped"].begin + 100)
+        f.write(b"\x7f")
+    with pytest.raises(ckptd.InvalidCheckpoint, match="fails its checksum.*partly copied"):
+        ckptd.load_into({"a": torch.zeros(1000), "t": torch.zeros(4, 3).t()}, root / "ckpt", strict=False)
