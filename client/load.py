@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Callable, Literal
 
 import torch
 
-from ckptd.protocol.checksums import updater
+from ckptd.protocol.checksums import Behind
 from ckptd.protocol.errors import BadMessage, InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
 from ckptd.protocol.inspect import check_checksum, check_shard_size, check_shard_structure, open_shard, read_header_from
@@ -167,21 +167,22 @@ def _read_tensors(shard: Path, record: ShardRecord, *, verify: bool,
         ident = identity(f.fileno())
         verify = verify and not is_verified(ident, record, algorithm)
         entries, metadata, data_start = read_header_from(f, record.size, shard)
-        update = updater(algorithm)
-        crc = update(os.pread(f.fileno(), data_start, 0), 0) if verify else 0
-        f.seek(data_start)
-        tensors = {}
-        for e in sorted(entries, key=lambda e: e.begin):  # contiguous, no holes: checked by the header parse
-            buf = torch.empty(e.nbytes, dtype=torch.uint8)
-            if e.nbytes:
-                view = memoryview((ctypes.c_char * e.nbytes).from_address(buf.data_ptr())).cast("B")
-                _read_into(f, view, shard)
-                if verify:
-                    crc = update(view, crc)
-            tensors[e.name] = _typed(buf, e)
-    if verify:
-        check_checksum(shard, crc, record, algorithm)
-        remember(ident, record, algorithm)
+        with Behind(algorithm) as crc:  # each tensor's checksum runs while the next one is read
+            if verify:
+                crc.add(os.pread(f.fileno(), data_start, 0))
+            f.seek(data_start)
+            tensors = {}
+            for e in sorted(entries, key=lambda e: e.begin):  # contiguous, no holes: checked by the header parse
+                buf = torch.empty(e.nbytes, dtype=torch.uint8)
+                if e.nbytes:
+                    view = memoryview((ctypes.c_char * e.nbytes).from_address(buf.data_ptr())).cast("B")
+                    _read_into(f, view, shard)
+                    if verify:
+                        crc.add(view)
+                tensors[e.name] = _typed(buf, e)
+            if verify:
+                check_checksum(shard, crc.value(), record, algorithm)
+                remember(ident, record, algorithm)
     return metadata, tensors
 
 

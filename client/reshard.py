@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ckptd.protocol.checksums import checksum, updater
+from ckptd.protocol.checksums import Behind, checksum
 from ckptd.protocol.chunks import Box, overlap
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ChunkRecord, ShardRecord, TensorRecord
@@ -97,9 +97,9 @@ class ChunkFiles:
         target of a contiguous source range is read straight into its memory
         with ``preadv`` (no page faults on the mapping, one pass over the
         bytes); any other copy goes through the mapping. A deferred file's
-        checksum follows the copies: each range right after the copy that
-        brought it in (still in the CPU's caches), then the bytes no copy
-        read. ``InvalidCheckpoint`` when a checksum is wrong (the targets then
+        checksum follows the copies on a thread of its own: each range right
+        after the copy that brought it in, while the next one is read, and
+        the bytes no copy read. ``InvalidCheckpoint`` when a checksum is wrong (the targets then
         hold what was copied) or when the file changed since it was mapped.
         """
         by_file: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {f: [] for f in self._pending}
@@ -119,30 +119,28 @@ class ChunkFiles:
     def _copy_file(self, file: str, pairs: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
         pending = self._pending.pop(file, None)
         record = next(f for f in self.index.files if f.file == file)
-        algorithm, path = self.index.checksum_algorithm, self.path / file
-        update, value, done = updater(algorithm), 0, 0
-        with open_shard(path) as f, memoryview(self._raw[file]) as mapped:
+        algorithm, path, done = self.index.checksum_algorithm, self.path / file, 0
+        with open_shard(path) as f, memoryview(self._raw[file]) as mapped, Behind(algorithm) as crc:
             if identity(f.fileno())[:5] != self._idents[file][:5]:
                 raise InvalidCheckpoint(f"shard {path} changed while it was being loaded")
             for begin, end, dst, src in pairs:
                 if pending is not None and begin > done:  # bytes no copy reads: the header, skipped tensors
-                    value, done = update(mapped[done:begin], value), begin
+                    crc.add(mapped[done:begin])
+                    done = begin
                 if _readable(dst, src, end - begin):
-                    with _bytes_of(dst) as into:
-                        _pread_into(f.fileno(), into, begin, path)
-                        if pending is not None and end > done:
-                            value = update(into[max(done, begin) - begin :], value)
+                    into = _bytes_of(dst)
+                    _pread_into(f.fileno(), into, begin, path)
                     torch.autograd.graph.increment_version(dst)  # as copy_ would: autograd sees the change
                 else:
                     dst.copy_(src)
-                    if pending is not None and end > done:
-                        value = update(mapped[max(done, begin) : end], value)
+                    into = mapped[begin:end]
+                if pending is not None and end > done:
+                    crc.add(into[max(done, begin) - begin :])
                 done = max(done, end)
             if pending is not None:
-                value = update(mapped[done:], value)
-        if pending is not None:
-            check_checksum(path, value, record, algorithm)
-            remember(pending[2], record, algorithm)
+                crc.add(mapped[done:])
+                check_checksum(path, crc.value(), record, algorithm)
+                remember(pending[2], record, algorithm)
 
 
 def _readable(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> bool:

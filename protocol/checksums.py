@@ -15,6 +15,8 @@ beside a writer or a copy.
 
 from __future__ import annotations
 
+import queue
+import threading
 import zlib
 from typing import BinaryIO, Callable
 
@@ -51,3 +53,51 @@ def stream_checksum(f: BinaryIO, algorithm: str) -> tuple[int, int]:
     while n := f.readinto(buf):
         value, total = update(view[:n], value), total + n
     return value, total
+
+
+class Behind:
+    """A running checksum computed on a thread of its own, behind the reads that feed it.
+
+    A loader reads range after range; ``add`` queues each (in file order)
+    and returns at once, so the checksum of one range runs while the next is
+    read (both release the GIL). ``value()`` waits for every range queued.
+    The caller keeps each buffer unchanged until ``value()`` returns; use it
+    as a context manager so the thread ends on an error too.
+    """
+
+    def __init__(self, algorithm: str) -> None:
+        self._update, self._value = updater(algorithm), 0
+        self._queue: "queue.SimpleQueue[object]" = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ckptd-checksum", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._value = self._update(data, self._value)
+                except BaseException as exc:  # handed to value()'s caller
+                    self._error = exc
+            del data
+
+    def add(self, data: object) -> None:
+        self._queue.put(data)
+
+    def _finish(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def __enter__(self) -> "Behind":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._finish()  # on an error too: the thread never outlives the load
+
+    def value(self) -> int:
+        """The checksum of everything added, once it is computed."""
+        self._finish()
+        if self._error is not None:
+            raise self._error
+        return self._value
