@@ -19,7 +19,6 @@ wrong (``verify=False`` skips the checksum); nothing partial is returned.
 
 from __future__ import annotations
 
-import ctypes
 import os
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Literal
@@ -37,7 +36,7 @@ from .dtypes import TORCH_DTYPES
 from .flatten import unflatten
 from .lease import load_lease
 from .ranks import detect_ranks
-from .reshard import MAX_READ, ChunkFiles, read_full
+from .reshard import MAX_READ, ChunkFiles, bytes_of, read_full
 from .verified import identity, is_verified, remember
 
 MapLocation = str | torch.device | None
@@ -175,7 +174,7 @@ def _read_tensors(shard: Path, record: ShardRecord, *, verify: bool,
             for e in sorted(entries, key=lambda e: e.begin):  # contiguous, no holes: checked by the header parse
                 buf = torch.empty(e.nbytes, dtype=torch.uint8)
                 if e.nbytes:
-                    view = memoryview((ctypes.c_char * e.nbytes).from_address(buf.data_ptr())).cast("B")
+                    view = bytes_of(buf)
                     _read_into(f, view, shard)
                     if verify:
                         crc.add(view)

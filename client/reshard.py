@@ -99,8 +99,9 @@ class ChunkFiles:
         bytes); any other copy goes through the mapping. A deferred file's
         checksum follows the copies on a thread of its own: each range right
         after the copy that brought it in, while the next one is read, and
-        the bytes no copy read. ``InvalidCheckpoint`` when a checksum is wrong (the targets then
-        hold what was copied) or when the file changed since it was mapped.
+        the bytes no copy read. ``InvalidCheckpoint`` when a checksum is
+        wrong (the targets then hold what was copied) or when the file
+        changed since it was mapped.
         """
         by_file: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {f: [] for f in self._pending}
         spans = {f: (t.data_ptr(), t.numel()) for f, t in self._maps.items()}
@@ -128,7 +129,7 @@ class ChunkFiles:
                     crc.add(mapped[done:begin])
                     done = begin
                 if _readable(dst, src, end - begin):
-                    into = _bytes_of(dst)
+                    into = bytes_of(dst)
                     _pread_into(f.fileno(), into, begin, path)
                     torch.autograd.graph.increment_version(dst)  # as copy_ would: autograd sees the change
                 else:
@@ -149,7 +150,7 @@ def _readable(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> bool:
             and dst.numel() * dst.element_size() == nbytes and not dst.is_conj() and not dst.is_neg())
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def bytes_of(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous host tensor's memory."""
     n = t.numel() * t.element_size()
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
