@@ -18,8 +18,7 @@ from typing import Callable
 import psutil
 import torch
 
-CHUNK = 8 << 20
-PAGE = 4096
+CHUNK, PAGE = 8 << 20, 4096
 
 def timed(fn: Callable[[], object], repeat: int, cleanup: Callable[[], None] | None = None) -> list[float]:
     """Seconds of ``repeat`` calls of ``fn`` after one warm-up; ``cleanup`` runs untimed after each."""

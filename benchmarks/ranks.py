@@ -27,8 +27,7 @@ from .limits import Sampler, cpu_seconds, evict, files_under, memory
 from .saves import BenchDaemon
 from .state import build, iter_tensors
 
-BARRIER_TIMEOUT_S = 600.0
-HOLD_S = 0.5
+BARRIER_TIMEOUT_S, HOLD_S = 600.0, 0.5
 _fork = mp.get_context("fork")
 
 def _saver(rank: int, ranks: int, shared: bool, size_gib: float, device: str, paths: list[str], run_dir: str,
