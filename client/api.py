@@ -332,7 +332,7 @@ class Client:
         finally:
             if self._coordinator is not None:
                 self._coordinator.close()
-            self._layouts = LayoutCache()  # its views of the slots go first, so the slots unmap now
+            self._layouts = LayoutCache()  # no view of a slot outlives its mapping
             self._slots.close()
 
     def __enter__(self) -> "Client":

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -67,11 +65,3 @@ def test_a_bad_reserve_bytes_is_refused_naming_it(daemon, run_dir, value, error)
     with pytest.raises(error, match="reserve_bytes"):
         ckptd.Client(run_dir=run_dir, spawn=False, reserve_bytes=value)
 
-
-def test_a_closed_client_unmaps_its_slots_despite_the_cached_views(daemon, client_factory, root) -> None:
-    client = client_factory()
-    client.save_async(mixed(1), root / "c").result(30)
-    names = client.slot_names
-    client.close()
-    mapped = Path("/proc/self/maps").read_text()
-    assert names and not [n for n in names if n in mapped], "a slot is still mapped after close()"
