@@ -32,6 +32,8 @@ from .verified import Identity, identity, is_verified, remember
 
 MAX_READ = 1 << 30
 """Bytes asked of one read(2); Linux returns at most ~2 GiB per call anyway."""
+GAP_READ = 16 << 20
+"""Bytes per read of a range only the checksum needs."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ class ChunkFiles:
                 raise InvalidCheckpoint(f"shard {path} changed while it was being loaded")
             for begin, end, dst, src in pairs:
                 if pending is not None and begin > done:  # bytes no copy reads: the header, skipped tensors
-                    crc.add(mapped[done:begin])
+                    _read_for(crc, f.fileno(), done, begin, path)
                     done = begin
                 if _readable(dst, src, end - begin):
                     into = bytes_of(dst)
@@ -139,7 +141,7 @@ class ChunkFiles:
                     crc.add(into[max(done, begin) - begin :])
                 done = max(done, end)
             if pending is not None:
-                crc.add(mapped[done:])
+                _read_for(crc, f.fileno(), done, record.size, path)
                 check_checksum(path, crc.value(), record, algorithm)
                 remember(pending[2], record, algorithm)
 
@@ -154,6 +156,14 @@ def bytes_of(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous host tensor's memory."""
     n = t.numel() * t.element_size()
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def _read_for(crc: Behind, fd: int, begin: int, end: int, path: Path) -> None:
+    """Bytes ``[begin, end)`` read in large pieces (no page faults on the mapping) for the checksum alone."""
+    for offset in range(begin, end, GAP_READ):
+        piece = memoryview(bytearray(min(GAP_READ, end - offset)))  # a fresh buffer: the checksum may lag behind
+        _pread_into(fd, piece, offset, path)
+        crc.add(piece)
 
 
 def _pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
