@@ -3,9 +3,7 @@
 Each case's JSON line goes to stdout and to ``<scratch>/run/results.jsonl`` (after a ``{"meta": ...}`` line), progress
 to stderr; ``--report FILE`` renders a report from such a file without measuring.
 """
-
 from __future__ import annotations
-
 import argparse
 import datetime
 import fnmatch
@@ -19,12 +17,10 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
-
 from .cases import Settings, registry, run_all
 from .report import render
 
 HERE = Path(__file__).resolve().parent
-
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
@@ -43,7 +39,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one case may take (default 1800)")
     return p
 
-
 def _settings(args: argparse.Namespace) -> Settings:
     s = Settings.smoke(args.device) if args.smoke else Settings(device=args.device)
     if args.size_gib is not None:
@@ -53,7 +48,6 @@ def _settings(args: argparse.Namespace) -> Settings:
     if s.repeat < 1 or s.size_gib <= 0:
         raise SystemExit("python -m benchmarks: --repeat must be at least 1 and --size-gib positive")
     return s
-
 
 def machine(scratch: Path) -> dict[str, str]:
     """What the numbers were measured on, and which library commit."""
@@ -76,7 +70,6 @@ def machine(scratch: Path) -> dict[str, str]:
         "scratch": f"{scratch} on {fs.fstype} ({fs.device})" if fs else str(scratch),
         "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
-
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
@@ -118,7 +111,6 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(render(records, meta))
     print(f"[bench] wrote {out}", file=sys.stderr)
     return 1 if any("error" in r for r in records) else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,9 +3,7 @@
 Each case runs in a fresh process forked from a server that has only imported torch and ckptd: no case inherits
 another's memory or threads, none pays a torch import. It sends back one JSON line: its measurements, or an error.
 """
-
 from __future__ import annotations
-
 import json
 import multiprocessing as mp
 from dataclasses import dataclass, field
@@ -24,7 +22,6 @@ SHARDED_MODES = {"memcpy": "memcpy of each rank's local bytes (limit)", "ckptd":
                  "process": DCP_MODES["process"], "process_stager": DCP_MODES["process_stager"],
                  "load_ckptd": "ckptd.load_into DTensors", "load_dcp": "dcp.load"}
 
-
 @dataclass
 class Case:
     name: str
@@ -38,23 +35,20 @@ class Case:
     device: str = "cpu"
     params: dict = field(default_factory=dict)
 
-
 @dataclass
 class Settings:
     """What one run measures; ``smoke`` shrinks every size so the whole registry runs in seconds."""
-
     size_gib: float = 1.0
     repeat: int = 3
     limit_repeat: int = 5
     ranks: int = 4
+    many_ranks: int = 8
     rank_size_gib: float = 0.5
     scaling_gib: tuple[float, ...] = (1 / 16, 1 / 4, 1.0, 2.0, 4.0)
     device: str = "cpu"
-
     @classmethod
     def smoke(cls, device: str = "cpu") -> "Settings":
-        return cls(1 / 64, 1, 1, 2, 1 / 80, (1 / 80, 1 / 32), device)
-
+        return cls(1 / 64, 1, 1, 2, 3, 1 / 80, (1 / 80, 1 / 32), device)
 
 def registry(s: Settings) -> list[Case]:
     """Every case of a run, in the order they run (the limits first, then what is set against them)."""
@@ -86,8 +80,9 @@ def registry(s: Settings) -> list[Case]:
                      **dict(multi, repeat=s.limit_repeat)),
                 Case("multi_separate", method="multi_saves", label=f"ckptd, {s.ranks} separate checkpoints",
                      params={"ranks": s.ranks, "shared": False}, **multi),
-                Case("multi_one", method="multi_saves", label=f"ckptd, one checkpoint, ranks 0-{s.ranks - 1} "
-                     f"of {s.ranks}", params={"ranks": s.ranks, "shared": True}, **multi)]
+                *(Case(f"multi_one{'' if n == s.ranks else '_many'}", method="multi_saves", label=f"ckptd, one "
+                       f"checkpoint, ranks 0-{n - 1} of {n}", params={"ranks": n, "shared": True}, **multi)
+                  for n in (s.ranks, s.many_ranks))]
     out += [Case(f"scaling_{size_label(g)}".replace(" ", ""), section="scaling", method="scaling", label=size_label(g),
                  repeat=s.repeat, size_gib=g, device=dev) for g in s.scaling_gib]
     if cpu:
@@ -105,16 +100,13 @@ def registry(s: Settings) -> list[Case]:
                         repeat=s.repeat, size_gib=min(s.size_gib, 1 / 4)))
     return out
 
-
 def size_label(gib: float) -> str:
     return f"{gib:g} GiB" if gib >= 1 else f"{gib * 1024:g} MiB"
-
 
 def _child(case: Case, scratch: str, conn: Any, log: str) -> None:
     """The case process's entry point (the server has imported ``methods`` already)."""
     from .methods import child
     child(case, scratch, conn, log)
-
 
 def run_all(cases: list[Case], scratch: Path, *, timeout: float) -> Iterator[dict]:
     """Run each case in a fresh process, one after the other; yields each one's JSON record."""

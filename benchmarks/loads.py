@@ -5,33 +5,26 @@ case of its own, checked against that sum. Cold: the files evicted (``POSIX_FADV
 Zero-copy results are also timed until a sum has touched every byte. The floor: a sequential read of the ckptd shard,
 same cache.
 """
-
 from __future__ import annotations
-
 import gc
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any, Callable
-
 import ckptd
+from ckptd.client.verified import forget
 import torch
 import torch.distributed.checkpoint as dcp
-
-from .limits import read_files
-from .probe import Sampler, evict, files_under, memory
+from .limits import Sampler, evict, files_under, memory, read_files
 from .saves import BenchDaemon, init_gloo, torch_save_synced
 from .state import build, iter_tensors, tensor_sum
 
 TOUCHING = {"ckptd_load", "ckptd_load_noverify", "torch_load_mmap"}
 """Methods whose result is backed by the file: also timed until every byte was touched."""
-TOLERANCE = 1e-6
-
 
 REF = Path("load", "ref.json")
 """Under the scratch directory: what ``prepare`` saved, where, and its sum."""
-
 
 def prepare(scratch: Path, size_gib: float) -> dict:
     """Save one state with ckptd, ``torch.save`` and DCP; record its sum and the paths."""
@@ -48,12 +41,10 @@ def prepare(scratch: Path, size_gib: float) -> dict:
     (scratch / REF).write_text(json.dumps(ref))
     return {"nbytes": bench.nbytes}
 
-
 def _loader(method: str, ref: dict, target: Any) -> tuple[Callable[[], Any], Callable[[Any], float], list[Path]]:
     """(load, the sum of what was loaded, the files read) for ``method``."""
     ck, tf = Path(ref["ckptd"]), Path(ref["torch"])
     shards = [p for p in files_under(ck) if p.suffix == ".safetensors"]
-
     def loaded(obj: Any) -> float:
         return tensor_sum(iter_tensors(obj))
     if method in ("raw_read", "raw_read_direct"):
@@ -76,7 +67,6 @@ def _loader(method: str, ref: dict, target: Any) -> tuple[Callable[[], Any], Cal
             files_under(Path(ref["dcp"]))
     raise ValueError(f"unknown load method {method!r}")
 
-
 def load(scratch: Path, size_gib: float, method: str, repeat: int) -> dict:
     """``repeat`` cold and ``repeat`` warm loads by ``method`` (after one warm-up each)."""
     if not (scratch / REF).exists():
@@ -91,6 +81,7 @@ def load(scratch: Path, size_gib: float, method: str, repeat: int) -> dict:
         for cache in ("cold",) if method == "raw_read_direct" else ("cold", "warm"):
             reps[cache], reps[f"{cache}_touch"] = [], []
             for i in range(1 + repeat):
+                forget()  # each load is a process's first: its checksums are computed
                 if cache == "cold":
                     evict(files)
                 t0 = time.perf_counter()
@@ -100,7 +91,7 @@ def load(scratch: Path, size_gib: float, method: str, repeat: int) -> dict:
                     tensor_sum(iter_tensors(result))
                 t2 = time.perf_counter()
                 got = check(result) if i == 0 and cache == "cold" else ref["sum"]
-                if abs(got - ref["sum"]) > TOLERANCE * max(1.0, abs(ref["sum"])):
+                if abs(got - ref["sum"]) > 1e-6 * max(1.0, abs(ref["sum"])):
                     raise AssertionError(f"{method} loaded tensors summing to {got}, saved {ref['sum']}")
                 del result
                 gc.collect()

@@ -3,9 +3,7 @@
 A method takes the case and the scratch directory and returns its measurements, repetitions under ``reps`` as lists
 (medians, every value).
 """
-
 from __future__ import annotations
-
 import gc
 import json
 import os
@@ -17,9 +15,8 @@ from typing import Any, Callable
 
 from . import limits, loads, objects, ranks, saves, snapshots
 from .cases import Case
-from .probe import memory
+from .limits import memory
 from .state import BYTES_PER_PARAM, build, param_count, pick_width
-
 
 def _with_state(fn: Callable[..., dict]) -> Callable[[Case, Path], dict]:
     """Build the case's state first; ``fn(case, scratch, bench, rss_built)``."""
@@ -29,7 +26,6 @@ def _with_state(fn: Callable[..., dict]) -> Callable[[Case, Path], dict]:
         return {"state": bench.describe(), **fn(case, scratch, bench, memory()["VmRSS"])}
     return run
 
-
 def _scaling(case: Case, scratch: Path, bench: Any, rss: int) -> dict:
     memcpy = limits.memcpy_reused(bench.tensors, bench.nbytes, case.repeat)
     direct = limits.parallel_writes(scratch, bench.nbytes, 1, case.repeat)
@@ -37,14 +33,12 @@ def _scaling(case: Case, scratch: Path, bench: Any, rss: int) -> dict:
     out["reps"].update(memcpy=memcpy, direct=direct)
     return out
 
-
 def _raw_writes(case: Case, scratch: Path) -> dict:
     """All ranks' state bytes (computed, not built) by one O_DIRECT writer, and by one per rank at once."""
     writers = case.params["ranks"]
     n = param_count(pick_width(int(case.size_gib * (1 << 30)))) * BYTES_PER_PARAM * writers
     return {"nbytes": n, "reps": {"single": limits.parallel_writes(scratch, n, 1, case.repeat),
                                   "parallel": limits.parallel_writes(scratch, n, writers, case.repeat)}}
-
 
 METHODS: dict[str, Callable[[Case, Path], dict]] = {
     "memcpy": _with_state(lambda c, _, b, __: {"reps": {"seconds": limits.memcpy_reused(b.tensors, b.nbytes,
@@ -55,7 +49,8 @@ METHODS: dict[str, Callable[[Case, Path], dict]] = {
                                                                                         **c.params)}}),
     "torch_save": _with_state(lambda c, d, b, rss: saves.torch_saves(b.state, d, c.repeat, rss)),
     "dcp": _with_state(lambda c, d, b, rss: saves.dcp_saves(b.state, d, c.repeat, rss, **c.params)),
-    "ckptd": _with_state(lambda c, d, b, rss: saves.ckptd_saves(b.state, d, c.repeat, rss, **c.params)),
+    "ckptd": _with_state(lambda c, d, b, rss: saves.ckptd_saves(b.state, d, c.repeat, rss, **c.params,
+                                                                reserve_bytes=b.nbytes + (1 << 20))),
     "scaling": _with_state(_scaling),
     "snapshots": _with_state(lambda c, d, b, _: snapshots.snapshots(b.state, b.tensors, b.nbytes, d, c.repeat)),
     "raw_write": _raw_writes,
@@ -66,7 +61,6 @@ METHODS: dict[str, Callable[[Case, Path], dict]] = {
     "sharded": lambda c, d: ranks.sharded(d, size_gib=c.size_gib, repeat=c.repeat, **c.params),
     "objects": objects.objects_case,
 }
-
 
 def child(case: Case, scratch: str, conn: Any, log: str) -> None:
     """Run ``case`` with stdout and stderr in its log; send its one JSON line (what it is, how long it took and

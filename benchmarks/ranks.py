@@ -6,34 +6,29 @@ aggregate from the first call to the last future resolved. Loading: fresh proces
 it. FSDP2 ranks (one gloo group) build their shards on the meta device (none holds the full model) and run the dense
 cases' save loops (``saves.py``); the reshard load saves with ckptd and ``dcp.save`` on N ranks and loads on N/2.
 """
-
 from __future__ import annotations
-
 import contextlib
 import gc
 import json
 import multiprocessing as mp
+import os
 import queue
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
-
 import ckptd
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
-
 from . import limits, saves
-from .probe import Sampler, cpu_seconds, evict, files_under, memory
+from .limits import Sampler, cpu_seconds, evict, files_under, memory
 from .saves import BenchDaemon
 from .state import build, iter_tensors
 
-BARRIER_TIMEOUT_S = 600.0
-HOLD_S = 0.5
+BARRIER_TIMEOUT_S, HOLD_S = 600.0, 0.5
 _fork = mp.get_context("fork")
-
 
 def _saver(rank: int, ranks: int, shared: bool, size_gib: float, device: str, paths: list[str], run_dir: str,
            go: Any, out: Any) -> None:
@@ -50,20 +45,17 @@ def _saver(rank: int, ranks: int, shared: bool, size_gib: float, device: str, pa
                      "nbytes": bench.nbytes})
             go.wait()  # the parent removes the round's checkpoints
 
-
 def _start(target: Any, args_of: list[tuple], daemon: bool = True) -> list[mp.Process]:
     procs = [_fork.Process(target=target, args=a, daemon=daemon) for a in args_of]
     for p in procs:
         p.start()
     return procs
 
-
 def _join(procs: list[mp.Process]) -> None:
     for p in procs:
         p.join(BARRIER_TIMEOUT_S)
         if p.exitcode != 0:
             raise RuntimeError(f"a rank process exited with {p.exitcode}")
-
 
 def save_rounds(daemon: BenchDaemon, scratch: Path, *, ranks: int, shared: bool, size_gib: float, device: str,
                 rounds: int, keep_last: bool = False) -> dict:
@@ -92,13 +84,11 @@ def save_rounds(daemon: BenchDaemon, scratch: Path, *, ranks: int, shared: bool,
     _join(procs)
     return {"reps": reps, "nbytes": sum(m["nbytes"] for m in msgs), "ranks_peak": sampler.peaks["ranks"],
             "daemon": sampler.peaks["daemon"], "ranks_cpu": cpu[0] / max(rounds, 1),
-            "daemon_cpu": cpu[1] / max(rounds, 1), "path": paths[-1]}
-
+            "daemon_cpu": cpu[1] / max(rounds, 1), "path": paths[-1], "cores": os.cpu_count()}
 
 def multi_saves(scratch: Path, *, ranks: int, shared: bool, size_gib: float, device: str, repeat: int) -> dict:
     with BenchDaemon(scratch) as daemon:
         return save_rounds(daemon, scratch, ranks=ranks, shared=shared, size_gib=size_gib, device=device, rounds=repeat)
-
 
 def _loader(rank: int, path: str, run_dir: str, limit: int | None, go: Any, out: Any) -> None:
     go.wait()
@@ -109,7 +99,6 @@ def _loader(rank: int, path: str, run_dir: str, limit: int | None, go: Any, out:
     del state
     gc.collect()
     out.put({"load": loaded - t0, "dropped": time.monotonic(), "after_gc": memory()["VmRSS"]})
-
 
 def rank_loads(scratch: Path, *, ranks: int, size_gib: float, limit: int | None, repeat: int) -> dict:
     """Write a ``ranks``-rank checkpoint, then ``repeat`` rounds of fresh processes loading it cold at once."""
@@ -139,12 +128,10 @@ def rank_loads(scratch: Path, *, ranks: int, size_gib: float, limit: int | None,
         shutil.rmtree(path, ignore_errors=True)
     return {"reps": reps, "shard_bytes": shard_bytes}
 
-
 def dtensor_sums(state: Any) -> list[float]:
     """Each DTensor's sum over every rank: the same for the same state on any number of ranks."""
     return saves.across_ranks([float(t.to_local().double().sum()) for t in iter_tensors(state)
                                if isinstance(t, DTensor)], dist.ReduceOp.SUM)
-
 
 def _saves(rank: int, scratch: Path, mode: str, size_gib: float, repeat: int, daemon: Any) -> dict:
     bench = build("transformer", size_gib, seed=rank, fsdp=True)
@@ -158,7 +145,6 @@ def _saves(rank: int, scratch: Path, mode: str, size_gib: float, repeat: int, da
     everyone = saves.across_ranks([bench.nbytes], dist.ReduceOp.SUM)[0]
     return {"state": {**bench.describe(), "global_nbytes": int(everyone)}, **out}
 
-
 def _prepare(rank: int, scratch: Path, size_gib: float, daemon: Any) -> dict:
     """The state saved by ckptd and by ``dcp.save``, and its per-tensor sums."""
     bench = build("transformer", size_gib, seed=rank, fsdp=True)
@@ -167,7 +153,6 @@ def _prepare(rank: int, scratch: Path, size_gib: float, daemon: Any) -> dict:
         client.save_async(bench.state, paths["ckptd"], step=1, overwrite=True).result()
     dcp.save(bench.state, checkpoint_id=paths["dcp"])
     return {"sums": dtensor_sums(bench.state), **paths}
-
 
 def _loads(rank: int, scratch: Path, method: str, size_gib: float, repeat: int, ref: dict) -> dict:
     """Cold and warm loads of the saved state into a fresh model's and optimizer's DTensors, in place."""
@@ -186,14 +171,12 @@ def _loads(rank: int, scratch: Path, method: str, size_gib: float, repeat: int, 
         raise AssertionError(f"{method} loaded tensors whose sums differ from the saved ones")
     return {"reps": reps, "nbytes": bench.nbytes, "state": bench.describe()}
 
-
 def _rank(rank: int, world: int, port: int, body: Callable[..., dict], args: tuple, out: Any) -> None:
     saves.init_gloo(rank, world, port)
     result = body(rank, *args)
     if rank == 0:
         out.put(result)
     dist.destroy_process_group()
-
 
 def run_ranks(world: int, body: Callable[..., dict], *args: Any) -> dict:
     """``body(rank, *args)`` on ``world`` fresh ranks of one gloo group; rank 0's result (any rank failing raises)."""
@@ -212,7 +195,6 @@ def run_ranks(world: int, body: Callable[..., dict], *args: Any) -> dict:
             p.join(saves.START_TIMEOUT_S if result is not None else 0)
             if p.is_alive():
                 p.kill()
-
 
 def sharded(scratch: Path, *, mode: str, ranks: int, size_gib: float, repeat: int) -> dict:
     """One sharded case: saves by ``mode`` on ``ranks`` ranks, or (``load_*``) loads on half as many."""

@@ -3,9 +3,7 @@
 The daemon's own accepted-to-committed time comes from ``ckptd status --json`` after each save. DCP fsyncs its files
 (``sync_files=True``), not the directory, and writes under the final names.
 """
-
 from __future__ import annotations
-
 import contextlib
 import json
 import os
@@ -19,7 +17,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
-
 import ckptd
 import torch
 import torch.distributed as dist
@@ -27,36 +24,29 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import _async_process_executor
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
-
-from .probe import Sampler, cpu_seconds, peak_rss, reset_peak_rss
+from .limits import Sampler, cpu_seconds, peak_rss, reset_peak_rss
 
 START_TIMEOUT_S = 60.0
 
-
 class BenchDaemon:
     """A daemon of the case's own (``ckptd start``, ``ckptd stop``: it drains) on a private run directory."""
-
     def __init__(self, root: Path) -> None:
         self.root = root
         self.run_dir = Path(tempfile.mkdtemp(prefix="ckbench-", dir="/tmp"))  # a socket path fits in 107 bytes
         self.pid = 0
-
     def _ckptd(self, command: str, *args: str) -> str:
         out = subprocess.run([sys.executable, "-m", "ckptd", command, "--run-dir", str(self.run_dir), *args],
                              capture_output=True, text=True, timeout=START_TIMEOUT_S)
         if out.returncode:
             raise RuntimeError(f"ckptd {command} failed: {out.stderr.strip()}")
         return out.stdout
-
     def status(self) -> dict:
         """The daemon's ``ckptd status --json`` snapshot."""
         return json.loads(self._ckptd("status", "--json"))
-
     def __enter__(self) -> "BenchDaemon":
         self._ckptd("start", "--root", str(self.root))  # returns once the daemon answers
         self.pid = self.status()["daemon"]["pid"]
         return self
-
     def __exit__(self, *exc: object) -> None:
         try:
             self._ckptd("stop", "--timeout", str(START_TIMEOUT_S))
@@ -66,11 +56,9 @@ class BenchDaemon:
         finally:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
-
 def measure_saves(save: Callable[[Path, int], dict], prefix: Path, repeat: int, rss_built: int,
                   writer: Callable[[], int | None] = lambda: None) -> dict:
     """One warm-up ``save(target, 0)``, then ``repeat`` timed ones, each to a new path (the last one removed).
-
     ``save`` returns the ``perf_counter()`` times its call returned (``blocking``), the tensors could change
     (``staged``), the save was durable (``durable``), and other figures; ranks start each save at once and report
     their slowest. ``writer``: the writing process, after the warm-up (DCP starts its own then). Trainer extra memory:
@@ -78,7 +66,6 @@ def measure_saves(save: Callable[[Path, int], dict], prefix: Path, repeat: int, 
     def remove(i: int) -> None:
         shutil.rmtree(f"{prefix}-{i}", ignore_errors=True)
         Path(f"{prefix}-{i}.pt").unlink(missing_ok=True)
-
     def one(i: int) -> dict:
         remove(i - 1)
         if dist.is_initialized():
@@ -104,14 +91,12 @@ def measure_saves(save: Callable[[Path, int], dict], prefix: Path, repeat: int, 
         out["writer"] = {**sampler.peaks["writer"], "cpu": (cpu_seconds(writer_pid) - wcpu0) / repeat}
     return out
 
-
 def ckptd_saves(state: Any, scratch: Path, repeat: int, rss_built: int, daemon: BenchDaemon | None = None,
                 **options: Any) -> dict:
     """``Client.save_async`` in steady state (the warm-up made the slot); ranks share the caller's ``daemon``."""
     if daemon is None:
         with BenchDaemon(scratch) as daemon:
             return ckptd_saves(state, scratch, repeat, rss_built, daemon, **options)
-
     def save(target: Path, i: int) -> dict:
         fut = client.save_async(state, target, step=i)
         t1 = time.perf_counter()
@@ -123,7 +108,6 @@ def ckptd_saves(state: Any, scratch: Path, repeat: int, rss_built: int, daemon: 
     with ckptd.Client(run_dir=daemon.run_dir, spawn=False, max_inflight=1, **options) as client:
         return measure_saves(save, scratch / "ckptd", repeat, rss_built, writer=lambda: daemon.pid)
 
-
 def torch_save_synced(state: Any, path: Path) -> int:
     """``torch.save`` + flush + fsync; the bytes written."""
     with open(path, "wb") as f:
@@ -131,7 +115,6 @@ def torch_save_synced(state: Any, path: Path) -> int:
         f.flush()
         os.fsync(f.fileno())
         return f.tell()
-
 
 def torch_saves(state: Any, scratch: Path, repeat: int, rss_built: int) -> dict:
     """``torch.save`` + flush + fsync: the caller is blocked for all of it."""
@@ -141,12 +124,10 @@ def torch_saves(state: Any, scratch: Path, repeat: int, rss_built: int) -> dict:
         return {"blocking": t, "staged": t, "durable": t, "bytes_written": written}
     return measure_saves(save, scratch / "torch", repeat, rss_built)
 
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
 
 def init_gloo(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
     """A gloo group on 127.0.0.1 (DCP needs one, even for one process); DCP's checkpoint processes meet there too."""
@@ -154,7 +135,6 @@ def init_gloo(rank: int = 0, world_size: int = 1, port: int | None = None) -> No
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port or free_port()}", rank=rank,
                                 world_size=world_size)
-
 
 def across_ranks(values: list[float], op: Any = dist.ReduceOp.MAX) -> list[float]:
     """Each value reduced over the ranks (float64); by default the highest: a sharded save is its slowest rank's."""
@@ -164,12 +144,10 @@ def across_ranks(values: list[float], op: Any = dist.ReduceOp.MAX) -> list[float
     dist.all_reduce(out, op=op)
     return out.tolist()
 
-
 def _dcp_process_pid() -> int | None:
     """Pid of DCP's checkpoint process (PROCESS checkpointer), if one runs (a private torch name)."""
     proc = getattr(_async_process_executor, "_CHECKPOINT_PROCESS", None)
     return proc._save_process.pid if proc is not None else None
-
 
 def dcp_saves(state: Any, scratch: Path, repeat: int, rss_built: int, *, mode: str) -> dict:
     """DCP ``save`` or ``async_save`` with the THREAD or PROCESS checkpointer (``process_stager``: a reused stager)."""
@@ -178,7 +156,6 @@ def dcp_saves(state: Any, scratch: Path, repeat: int, rss_built: int, *, mode: s
     stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
                                           use_non_blocking_copy=cuda)) if mode == "process_stager" else None
     kind = AsyncCheckpointerType.PROCESS if mode.startswith("process") else AsyncCheckpointerType.THREAD
-
     def save(target: Path, i: int) -> dict:
         if mode == "save":
             dcp.save(state, checkpoint_id=target)

@@ -16,7 +16,7 @@ import ckptd
 import torch
 
 from .limits import memcpy_reused, timed
-from .probe import evict, files_under
+from .limits import evict, files_under
 from .saves import BenchDaemon
 
 

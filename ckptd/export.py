@@ -32,10 +32,10 @@ import os
 import re
 import shutil
 import tempfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptd.protocol.checksums import checksum
 from ckptd.protocol.chunks import GLOBAL_KEY
 from ckptd.protocol.index import CheckpointIndex, ChunkRecord, TensorRecord, read_index
 from ckptd.protocol.inspect import check_checksum, check_shard_size, open_shard, read_shard_header
@@ -171,7 +171,8 @@ class _Sources:
                 size = os.fstat(f.fileno()).st_size
                 check_shard_size(path, size, record)
                 mapped = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ) if size else None
-            check_checksum(path, zlib.crc32(mapped) if mapped is not None else 0, record, self.index.checksum_algorithm)
+            algorithm = self.index.checksum_algorithm
+            check_checksum(path, checksum(mapped, algorithm) if mapped is not None else 0, record, algorithm)
             self.maps[file] = mapped
             self.views[file] = memoryview(mapped) if mapped is not None else memoryview(b"")
         return self.views[file]

@@ -122,6 +122,9 @@ class Saves:
         job = WriteJob(ident, msg, examined.slot, dest, pending.path, progress, device=examined.space.device)
         state.jobs.append(job)
         log.info("event=admitted path=%s rank=%d bytes=%d", pending.path, msg.rank, msg.nbytes)
+        # The daemon holds the save now (its slot mapped, its job listed): the client may go on, before the
+        # checkpoint's directory exists (a failure to make it fails the save through its future).
+        self.send(ident, Accepted(msg.id))
         if pending.state is not CheckpointState.PREPARING:
             self._start(job, pending)
             return
@@ -159,7 +162,6 @@ class Saves:
         cfg, storage, checksums = self.config, self.storage, self.workers.checksums
         run = lambda: write_shard(job, storage, checksums, direct=cfg.direct_io, chunk=cfg.chunk_bytes)  # noqa: E731
         self.workers.submit("write", run, lambda fut: self._write_finished(job, pending, fut))
-        self.send(job.client, Accepted(job.commit.id))
 
     # -- writes and commits ---------------------------------------------------
 

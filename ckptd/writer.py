@@ -4,8 +4,8 @@ The slot already holds the exact file bytes, page-aligned, so the write is
 one pass of large ``pwrite`` calls straight from the shared mapping (O_DIRECT
 where the filesystem allows it: no copy through the page cache). The
 checksum runs at the same time on another thread over the same bytes
-(``zlib.crc32`` releases the GIL), so it costs no wall time while it is
-faster than the disk.
+(CRC32C, ``ckptd.protocol.checksums``, releases the GIL), so it costs no
+wall time while it is faster than the disk.
 
 A client may commit before it has finished copying (``Commit.staged`` below
 ``nbytes``) and report progress with ``Staged`` notices; the write and the
@@ -22,14 +22,14 @@ from __future__ import annotations
 import errno
 import threading
 import time
-import zlib
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from ckptd.protocol.checksums import updater
 from ckptd.protocol.errors import CkptdError, WriteFailed
-from ckptd.protocol.index import ShardRecord
+from ckptd.protocol.index import CHECKSUM_ALGORITHM, ShardRecord
 from ckptd.protocol.messages import Commit
 
 from .slots import MappedSlot
@@ -182,12 +182,12 @@ def _await_bytes(job: WriteJob, upto: int) -> None:
 
 
 def _checksum(view: memoryview, nbytes: int, progress: Progress) -> int:
-    """CRC32 of the shard, following the client's copy chunk by chunk (runs beside the write)."""
-    crc, offset = 0, 0
+    """The shard's checksum, following the client's copy chunk by chunk (runs beside the write)."""
+    update, crc, offset = updater(CHECKSUM_ALGORITHM), 0, 0
     while offset < nbytes:
         end = min(offset + CRC_CHUNK, nbytes)
         progress.wait_for(end)
         with view[offset:end] as part:
-            crc = zlib.crc32(part, crc)
+            crc = update(part, crc)
         offset = end
     return crc

@@ -17,7 +17,7 @@ from ckptd.protocol.layout import ShardLayout
 from ckptd.protocol.messages import Bye, Commit, Done, Held, Persist, Ping, Snapshot, Staged
 from ckptd.protocol.objects import is_object_path
 
-from .checks import check_bool, check_client_args, check_keep_last, check_path, check_seconds, check_step
+from .checks import check_bool, check_client_args, check_int, check_keep_last, check_path, check_seconds, check_step
 from .connection import Connection
 from .coordinate import Coordinator, SaveSpec, spans_several_daemons
 from .flatten import Flat, flatten
@@ -25,7 +25,7 @@ from .future import SaveFuture, SaveResult
 from .ranks import detect_ranks
 from .slots import Slot, SlotPool
 from .spawn import ensure_daemon
-from .staging import DeviceCopies, layout_for, stage, streamable, write_header
+from .staging import DeviceCopies, LayoutCache, stage, streamable, write_header
 
 
 class Client:
@@ -53,6 +53,7 @@ class Client:
         stream_commit: bool = False,
         heartbeat: float = 1.0,
         timeout: float = 30.0,
+        reserve_bytes: int | None = None,
     ) -> None:
         """
         Args:
@@ -80,10 +81,15 @@ class Client:
                 sooner; turn it on where cores are to spare.
             heartbeat: seconds between liveness checks while saves are pending.
             timeout: seconds of daemon silence after which pending saves fail.
+            reserve_bytes: create (and pre-fault) a slot this big now, so the
+                first save of a state up to that size copies as fast as the
+                later ones instead of also faulting in fresh shared memory
+                (the bytes of one shard: about the state's tensor bytes).
         """
         check_client_args(max_inflight=max_inflight, rank=rank, world_size=world_size, local_rank=local_rank,
                           commit_timeout=commit_timeout, keep_last=keep_last, heartbeat=heartbeat, timeout=timeout,
                           spawn=spawn, background_staging=background_staging, stream_commit=stream_commit)
+        reserve = check_int("reserve_bytes", reserve_bytes, optional=True)
         self._pid = os.getpid()
         """The process that owns this client's slots, thread and socket."""
         detected = detect_ranks()
@@ -101,6 +107,7 @@ class Client:
         self.stream_commit = stream_commit
         self._heartbeat, self._timeout = heartbeat, timeout
         self._slots = SlotPool(max_inflight + 1)
+        self._layouts = LayoutCache()
         self._inflight = threading.BoundedSemaphore(max_inflight)
         self._background_staging = background_staging
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptd-stage")
@@ -114,6 +121,12 @@ class Client:
             group = spans_several_daemons(self.endpoint, commit_timeout)
             if group is not None:
                 self._coordinator = Coordinator(group, lambda: self._conn, self.rank)
+        if reserve:
+            try:
+                self._slots.reserve(reserve)
+            except BaseException:
+                self.close()
+                raise
 
     def _connect(self) -> Connection:
         ensure_daemon(self.run_dir, self.endpoint, spawn=self.spawn, timeout=self._timeout)
@@ -205,10 +218,10 @@ class Client:
         it is final.
         """
         try:
-            layout = layout_for(req.flat)
+            layout = self._layouts.layout(req.flat)
             req.slot = self._slots.take(layout.nbytes)
-            write_header(layout, req.slot)
             if self.stream_commit and streamable(req.flat, layout):
+                write_header(layout, req.slot)
                 commit_id, accepted = self._send_commit(req, shard, layout, staged=layout.data_start)
                 report = lambda upto: self._conn.notify(Staged(commit_id, upto, ""))  # noqa: E731
                 try:
@@ -219,9 +232,9 @@ class Client:
                 self._conn.notify(Staged(commit_id, layout.nbytes, ""))
                 fut.staged.set_result(None)
                 if not on_worker:
-                    self._until_delivered(accepted)
+                    self._until_delivered(accepted, notices=True)
                 return
-            copies = stage(req.flat, layout, req.slot)
+            copies = stage(req.flat, layout, req.slot, views=self._layouts.views(layout, req.slot))
         except BaseException as exc:
             _fail(exc, fut.staged, shard)  # frees the slot and the in-flight place
             if not isinstance(exc, Exception):
@@ -246,18 +259,20 @@ class Client:
                 raise
             return
         if wait_delivered:
-            self._until_delivered(accepted)
+            self._until_delivered(accepted, notices=False)
 
-    def _until_delivered(self, accepted: Future) -> None:
+    def _until_delivered(self, accepted: Future, *, notices: bool) -> None:
         """Return once the daemon holds the save (or refused it).
 
         A trainer may be killed the moment ``save_async`` returns; by then the
-        daemon has the commit and every progress notice, so the checkpoint is
-        still written. Costs one round trip on this node's socket.
+        daemon has the commit and (``notices``: after a second round trip)
+        every progress notice, so the checkpoint is still written. Costs one
+        round trip on this node's socket.
         """
         try:
             accepted.exception(timeout=self._timeout)
-            self._conn.call(Ping(self._conn.next_id()))  # notices sent before it have arrived too
+            if notices:
+                self._conn.call(Ping(self._conn.next_id()))  # notices sent before it have arrived too
         except Exception:
             pass  # the save's own future reports what went wrong
 
@@ -358,6 +373,7 @@ class Client:
         finally:
             if self._coordinator is not None:
                 self._coordinator.close()
+            self._layouts = LayoutCache()  # no view of a slot outlives its mapping
             self._slots.close()
 
     def __enter__(self) -> "Client":

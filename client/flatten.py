@@ -89,7 +89,7 @@ def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0) -> F
         return msgpack.ExtType(EXT_GLOBAL, name.encode())
 
     def name_for(path: list[Any]) -> str:
-        base = ".".join(str(p) for p in path) or "tensor"
+        base = ".".join(map(str, path)) or "tensor"
         name, n = base, 1
         while name in names:
             name, n = f"{base}#{n}", n + 1
@@ -100,7 +100,7 @@ def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0) -> F
         if isinstance(obj, torch.Tensor):
             if id(obj) in by_identity:  # the same tensor object twice: stored once
                 return by_identity[id(obj)]
-            if is_dtensor(obj):
+            if type(obj) is not torch.Tensor and is_dtensor(obj):  # a plain tensor needs no isinstance
                 ref = global_ref(dtensor_chunk(obj, lambda: _describe(path)), path)
             elif path and path[0] in replicated:
                 ref = global_ref(whole_chunk(obj, rank), path)

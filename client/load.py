@@ -19,16 +19,13 @@ wrong (``verify=False`` skips the checksum); nothing partial is returned.
 
 from __future__ import annotations
 
-import ctypes
-import mmap as _mmap
 import os
-import zlib
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Literal
 
 import torch
 
-from ckptd.protocol import objects
+from ckptd.protocol.checksums import Behind
 from ckptd.protocol.errors import BadMessage, InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
 from ckptd.protocol.inspect import check_checksum, check_shard_size, check_shard_structure, open_shard, read_header_from
@@ -41,11 +38,10 @@ from .flatten import unflatten
 from .lease import load_lease
 from .ranks import detect_ranks
 from .memory import HeldFiles, open_checkpoint
-from .reshard import ChunkFiles, read_full
+from .reshard import MAX_READ, ChunkFiles, bytes_of, read_full
+from .verified import identity, is_verified, remember
 
 MapLocation = str | torch.device | None
-MAX_READ = 1 << 30
-"""Bytes asked of one read(2); Linux returns at most ~2 GiB per call anyway."""
 
 
 def load(
@@ -96,11 +92,10 @@ def load(
 
     with load_lease(limit, run_dir=run_dir):
         if rank == "all":
-            return [_load_rank(path, index, r, device, verify, full_tensor, mmap=mmap, files=files)
-                    for r in range(index.world_size)]
+            return [_load_rank(files, r, device, full_tensor, mmap=mmap) for r in range(index.world_size)]
         if rank is None:
             rank = _own_rank(path, index)
-        return _load_rank(path, index, rank, device, verify, full_tensor, mmap=mmap, files=files)
+        return _load_rank(files, rank, device, full_tensor, mmap=mmap)
 
 
 def _own_rank(path: Path, index: CheckpointIndex) -> int:
@@ -134,17 +129,18 @@ def _device(map_location: Any) -> torch.device | None:
     return device
 
 
-def _load_rank(path: Path, index: CheckpointIndex, rank: int, device: torch.device | None, verify: bool,
-               global_for: Callable[[str], Any] | None = None, *, mmap: bool,
-               files: ChunkFiles | None = None) -> Any:
+def _load_rank(files: ChunkFiles, rank: int, device: torch.device | None,
+               global_for: Callable[[str], Any] | None = None, *, mmap: bool) -> Any:
+    """Rank ``rank``'s state: read into owned tensors, or (``mmap``) views of ``files``' mapping of its shard."""
+    index = files.index
     record = index.shard(rank)
-    shard = path / record.file
+    shard = files.path / record.file
     if isinstance(files, HeldFiles):  # a snapshot in node memory
         metadata, tensors = files.read(record, copy=not mmap)
     elif mmap or is_object_path(shard):  # an object is read whole into memory the tensors then view
-        metadata, tensors = _map_tensors(shard, record, verify=verify, algorithm=index.checksum_algorithm)
+        metadata, tensors = _map_tensors(files, record)
     else:
-        metadata, tensors = _read_tensors(shard, record, verify=verify, algorithm=index.checksum_algorithm)
+        metadata, tensors = _read_tensors(shard, record, verify=files.verify, algorithm=index.checksum_algorithm)
     structure = check_shard_structure(tensors.keys(), metadata, record, index, shard)
     made: dict[str, torch.Tensor] = {}
 
@@ -165,23 +161,31 @@ def _load_rank(path: Path, index: CheckpointIndex, rank: int, device: torch.devi
 
 def _read_tensors(shard: Path, record: ShardRecord, *, verify: bool,
                   algorithm: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """Read the shard front to back into one owned buffer per tensor, checksumming as it goes."""
+    """Read the shard front to back into one owned buffer per tensor, checksumming as it goes.
+
+    The checksum is skipped for a file this process verified before and that has not changed since.
+    """
     with open_shard(shard) as f:
         check_shard_size(shard, os.fstat(f.fileno()).st_size, record)
+        ident = identity(f.fileno())
+        verify = verify and not is_verified(ident, record, algorithm)
         entries, metadata, data_start = read_header_from(f, record.size, shard)
-        crc = zlib.crc32(os.pread(f.fileno(), data_start, 0)) if verify else 0
-        f.seek(data_start)
-        tensors = {}
-        for e in sorted(entries, key=lambda e: e.begin):  # contiguous, no holes: checked by the header parse
-            buf = torch.empty(e.nbytes, dtype=torch.uint8)
-            if e.nbytes:
-                view = memoryview((ctypes.c_char * e.nbytes).from_address(buf.data_ptr())).cast("B")
-                _read_into(f, view, shard)
-                if verify:
-                    crc = zlib.crc32(view, crc)
-            tensors[e.name] = _typed(buf, e)
-    if verify:
-        check_checksum(shard, crc, record, algorithm)
+        with Behind(algorithm) as crc:  # each tensor's checksum runs while the next one is read
+            if verify:
+                crc.add(os.pread(f.fileno(), data_start, 0))
+            f.seek(data_start)
+            tensors = {}
+            for e in sorted(entries, key=lambda e: e.begin):  # contiguous, no holes: checked by the header parse
+                buf = torch.empty(e.nbytes, dtype=torch.uint8)
+                if e.nbytes:
+                    view = bytes_of(buf)
+                    _read_into(f, view, shard)
+                    if verify:
+                        crc.add(view)
+                tensors[e.name] = _typed(buf, e)
+            if verify:
+                check_checksum(shard, crc.value(), record, algorithm)
+                remember(ident, record, algorithm)
     return metadata, tensors
 
 
@@ -194,59 +198,14 @@ def _read_into(f: BinaryIO, view: memoryview, shard: Path) -> None:
         done += n
 
 
-def _map_tensors(shard: Path, record: ShardRecord, *, verify: bool,
-                 algorithm: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """Views of a copy-on-write mapping of the shard (``mmap=True``)."""
-    mapping = map_shard(shard, record, verify=verify, algorithm=algorithm)
+def _map_tensors(files: ChunkFiles, record: ShardRecord) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Views of the copy-on-write mapping of the shard (``mmap=True``), shared with its global tensors' chunks."""
+    buf = files.mapped(record.file)
     try:
-        try:
-            entries, metadata, data_start = parse_header(memoryview(mapping), record.size)
-        except BadMessage as exc:
-            raise InvalidCheckpoint(f"shard {shard} has a bad header: {exc.message}") from None
-    except BaseException:
-        mapping.close()
-        raise
-    buf = torch.frombuffer(mapping, dtype=torch.uint8)
+        entries, metadata, data_start = parse_header(memoryview(buf.numpy()), record.size)
+    except BadMessage as exc:
+        raise InvalidCheckpoint(f"shard {files.path / record.file} has a bad header: {exc.message}") from None
     return metadata, {e.name: _typed(buf[data_start + e.begin : data_start + e.end], e) for e in entries}
-
-
-def map_shard(shard: Path, record: ShardRecord, *, verify: bool, algorithm: str) -> _mmap.mmap:
-    """The shard mapped copy-on-write, after checking that it is a regular file of the index's size (and its checksum).
-
-    An object (``s3://``) is read instead, with parallel ranged reads, into
-    anonymous memory of its size (which the tensors then view).
-    """
-    if record.size < 8:
-        raise InvalidCheckpoint(f"shard {shard} of {record.size} bytes is too short for a safetensors header")
-    if is_object_path(shard):
-        mapping = fetch_object(shard, record)
-    else:
-        with open_shard(shard) as f:
-            check_shard_size(shard, os.fstat(f.fileno()).st_size, record)
-            mapping = _mmap.mmap(f.fileno(), record.size, _mmap.MAP_PRIVATE, _mmap.PROT_READ | _mmap.PROT_WRITE)
-    if verify:
-        try:
-            check_checksum(shard, zlib.crc32(mapping), record, algorithm)
-        except BaseException:
-            mapping.close()
-            raise
-    return mapping
-
-
-def fetch_object(shard: Path, record: ShardRecord) -> _mmap.mmap:
-    """The object ``shard`` in anonymous memory, ``objects.PARALLEL_READS`` ranged reads at a time."""
-    try:
-        meta = objects.head(shard)
-        check_shard_size(objects.display(shard), meta["size"] if meta else -1, record)
-        mapping = _mmap.mmap(-1, record.size)
-        try:
-            objects.read_into(shard, memoryview(mapping))
-        except BaseException:
-            mapping.close()
-            raise
-    except OSError as exc:
-        raise InvalidCheckpoint(f"cannot read shard {objects.display(shard)}: {exc.strerror or exc}") from None
-    return mapping
 
 
 def _typed(raw: torch.Tensor, e: TensorEntry) -> torch.Tensor:

@@ -19,13 +19,13 @@ from __future__ import annotations
 import mmap as _mmap
 import os
 import warnings
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ckptd.protocol.checksums import checksum
 from ckptd.protocol.chunks import tensor_table
 from ckptd.protocol.endpoint import endpoint_for
 from ckptd.protocol.errors import BadMessage, DaemonUnavailable, InvalidCheckpoint
@@ -114,7 +114,7 @@ class HeldFiles(ChunkFiles):
             mapping = self._map(file, size)
             if self.verify:
                 record = self.index.shard(rank)
-                check_checksum(self.path / f"rank {rank} in memory", zlib.crc32(memoryview(mapping)[:size]),
+                check_checksum(self.path / f"rank {rank} in memory", checksum(memoryview(mapping)[:size], self.index.checksum_algorithm),
                                record, self.index.checksum_algorithm)
             self._maps[file] = torch.frombuffer(mapping, dtype=torch.uint8)[:size]
         return self._maps[file]
@@ -130,7 +130,7 @@ class HeldFiles(ChunkFiles):
         # Shared and read-only, pre-faulted in one pass (a private writable one would copy every page), and
         # checksummed on a second thread while this one copies: the two passes overlap.
         with self._shared(record) as shared, ThreadPoolExecutor(1) as pool:
-            crc = pool.submit(zlib.crc32, memoryview(shared)[: record.size]) if self.verify else None
+            crc = pool.submit(checksum, memoryview(shared)[: record.size], self.index.checksum_algorithm) if self.verify else None
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # read-only: only ever copied from
                 raw = torch.frombuffer(shared, dtype=torch.uint8)
@@ -150,7 +150,8 @@ class HeldFiles(ChunkFiles):
             raise InvalidCheckpoint(f"snapshot {self.path}: its slot {record.file} is gone ({exc})") from None
 
 
-def open_checkpoint(path: Path, *, verify: bool, run_dir: str | os.PathLike | None = None) -> ChunkFiles:
+def open_checkpoint(path: Path, *, verify: bool, run_dir: str | os.PathLike | None = None,
+                    defer: bool = False) -> ChunkFiles:
     """The checkpoint's files: from the daemon's memory when it holds ``path``, else from disk."""
     held = find_held(path, run_dir)
     if held is not None:
@@ -159,7 +160,7 @@ def open_checkpoint(path: Path, *, verify: bool, run_dir: str | os.PathLike | No
         except InvalidCheckpoint:
             if not path.exists():
                 raise
-    return ChunkFiles(path, read_index(path), verify=verify)
+    return ChunkFiles(path, read_index(path), verify=verify, defer=defer)
 
 
 def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None) -> Path | None:

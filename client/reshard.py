@@ -1,7 +1,8 @@
 """Reading global tensors back: whole, or only the region a target holds.
 
 A global tensor's chunks are listed in the index with their byte ranges. A
-loader maps each file it needs once (copy-on-write, verified once) and views
+loader maps each file it needs once (copy-on-write, verified once per
+process while the file is unchanged: ``client/verified.py``) and views
 the chunks in place; copying the part of a chunk that overlaps a target
 region touches only the pages holding those bytes, so a rank loading its
 shard of a resharded tensor reads its share of the checkpoint, not all of it,
@@ -11,17 +12,30 @@ process assembles full tensors chunk by chunk.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap as _mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ckptd.protocol import objects
+from ckptd.protocol.checksums import Behind, checksum
 from ckptd.protocol.chunks import Box, overlap
 from ckptd.protocol.errors import InvalidCheckpoint
-from ckptd.protocol.index import CheckpointIndex, ChunkRecord, TensorRecord
+from ckptd.protocol.index import CheckpointIndex, ChunkRecord, ShardRecord, TensorRecord
+from ckptd.protocol.inspect import check_checksum, check_shard_size, open_shard
+from ckptd.protocol.objects import is_object_path
 
 from .dtypes import TORCH_DTYPES
+from .verified import Identity, identity, is_verified, remember
+
+MAX_READ = 1 << 30
+"""Bytes asked of one read(2); Linux returns at most ~2 GiB per call anyway."""
+GAP_READ = 16 << 20
+"""Bytes per read of a range only the checksum needs."""
 
 
 @dataclass(frozen=True)
@@ -40,11 +54,20 @@ class GlobalRef:
 
 
 class ChunkFiles:
-    """The checkpoint's files, each mapped (and checksummed) at most once, on first use."""
+    """The checkpoint's files, each mapped (and checksummed) at most once, on first use.
 
-    def __init__(self, path: Path, index: CheckpointIndex, *, verify: bool) -> None:
-        self.path, self.index, self.verify = path, index, verify
+    With ``defer`` the checksum of a file not yet verified in this process is
+    left for ``copy``, which computes it in the same pass as the copies out
+    of the mapping (``load_into``): the file's bytes are brought in once and
+    checksummed right behind the copy that touched them.
+    """
+
+    def __init__(self, path: Path, index: CheckpointIndex, *, verify: bool, defer: bool = False) -> None:
+        self.path, self.index, self.verify, self.defer = path, index, verify, defer
         self._maps: dict[str, torch.Tensor] = {}
+        self._raw: dict[str, _mmap.mmap] = {}
+        self._idents: dict[str, Identity | None] = {}  # None: an object, copied from memory
+        self._pending: dict[str, tuple[_mmap.mmap, ShardRecord, Identity]] = {}
 
     def ref(self, name: str) -> GlobalRef:
         record = self.index.tensors.get(name)
@@ -59,14 +82,145 @@ class ChunkFiles:
         return data[chunk.begin : chunk.end].view(ref.dtype).view(chunk.sizes)
 
     def mapped(self, file: str) -> torch.Tensor:
-        """The whole file as bytes, mapped and (with ``verify``) checksummed on the first call."""
+        """The whole file as bytes, mapped and (with ``verify``, unless deferred) checksummed on the first call."""
         if file not in self._maps:
-            from .load import map_shard  # imported here: load imports this module
-
             record = next(f for f in self.index.files if f.file == file)
-            mapping = map_shard(self.path / file, record, verify=self.verify, algorithm=self.index.checksum_algorithm)
+            algorithm = self.index.checksum_algorithm
+            deferred = self.defer and not is_object_path(self.path)  # an object is read whole: checked at once
+            mapping, ident = map_shard(self.path / file, record, verify=self.verify and not deferred,
+                                       algorithm=algorithm)
+            if self.verify and self.defer and ident is not None and not is_verified(ident, record, algorithm):
+                self._pending[file] = (mapping, record, ident)
+            self._raw[file], self._idents[file] = mapping, ident
             self._maps[file] = torch.frombuffer(mapping, dtype=torch.uint8)
         return self._maps[file]
+
+    def copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``dst.copy_(src)`` for each pair; checksums deferred files in the same pass.
+
+        The copies are done per file, in file order. A contiguous host
+        target of a contiguous source range is read straight into its memory
+        with ``preadv`` (no page faults on the mapping, one pass over the
+        bytes); any other copy goes through the mapping. A deferred file's
+        checksum follows the copies on a thread of its own: each range right
+        after the copy that brought it in, while the next one is read, and
+        the bytes no copy read. ``InvalidCheckpoint`` when a checksum is
+        wrong (the targets then hold what was copied) or when the file
+        changed since it was mapped.
+        """
+        by_file: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {f: [] for f in self._pending}
+        spans = {f: (t.data_ptr(), t.numel()) for f, t in self._maps.items()}
+        for dst, src in copies:
+            start = src.data_ptr()
+            owner = next((f for f, (base, n) in spans.items() if base <= start < base + n), None)
+            if owner is None or src.numel() == 0 or self._idents.get(owner) is None:  # not a file's mapping
+                dst.copy_(src)
+                continue
+            last = sum((n - 1) * st for n, st in zip(src.shape, src.stride())) * src.element_size()
+            begin = start - spans[owner][0]
+            by_file.setdefault(owner, []).append((begin, begin + last + src.element_size(), dst, src))
+        for file, pairs in by_file.items():
+            self._copy_file(file, sorted(pairs, key=lambda p: p[0]))
+
+    def _copy_file(self, file: str, pairs: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
+        pending = self._pending.pop(file, None)
+        record = next(f for f in self.index.files if f.file == file)
+        algorithm, path, done = self.index.checksum_algorithm, self.path / file, 0
+        with open_shard(path) as f, memoryview(self._raw[file]) as mapped, Behind(algorithm) as crc:
+            if identity(f.fileno())[:5] != self._idents[file][:5]:
+                raise InvalidCheckpoint(f"shard {path} changed while it was being loaded")
+            for begin, end, dst, src in pairs:
+                if pending is not None and begin > done:  # bytes no copy reads: the header, skipped tensors
+                    _read_for(crc, f.fileno(), done, begin, path)
+                    done = begin
+                if _readable(dst, src, end - begin):
+                    into = bytes_of(dst)
+                    _pread_into(f.fileno(), into, begin, path)
+                    torch.autograd.graph.increment_version(dst)  # as copy_ would: autograd sees the change
+                else:
+                    dst.copy_(src)
+                    into = mapped[begin:end]
+                if pending is not None and end > done:
+                    crc.add(into[max(done, begin) - begin :])
+                done = max(done, end)
+            if pending is not None:
+                _read_for(crc, f.fileno(), done, record.size, path)
+                check_checksum(path, crc.value(), record, algorithm)
+                remember(pending[2], record, algorithm)
+
+
+def _readable(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> bool:
+    """Whether the file's bytes can be read straight into ``dst``: both contiguous, same bytes, host memory."""
+    return (dst.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
+            and dst.numel() * dst.element_size() == nbytes and not dst.is_conj() and not dst.is_neg())
+
+
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous host tensor's memory."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def _read_for(crc: Behind, fd: int, begin: int, end: int, path: Path) -> None:
+    """Bytes ``[begin, end)`` read in large pieces (no page faults on the mapping) for the checksum alone."""
+    for offset in range(begin, end, GAP_READ):
+        piece = memoryview(bytearray(min(GAP_READ, end - offset)))  # a fresh buffer: the checksum may lag behind
+        _pread_into(fd, piece, offset, path)
+        crc.add(piece)
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done : done + MAX_READ]], offset + done)
+        if n <= 0:
+            raise InvalidCheckpoint(f"shard {path} ended early while being read (changed under the reader?)")
+        done += n
+
+
+def map_shard(shard: Path, record: ShardRecord, *, verify: bool,
+              algorithm: str) -> tuple[_mmap.mmap, Identity | None]:
+    """The shard mapped copy-on-write, after checking that it is a regular file of the index's size (and, unless
+    this process verified the same unchanged file before, its checksum); with the file's identity.
+
+    An object (``s3://``) is read instead, with parallel ranged reads, into
+    anonymous memory of its size (which the tensors then view), and checked
+    every time: it has no identity to remember.
+    """
+    if record.size < 8:
+        raise InvalidCheckpoint(f"shard {shard} of {record.size} bytes is too short for a safetensors header")
+    if is_object_path(shard):
+        mapping, ident = _fetch_object(shard, record), None
+    else:
+        with open_shard(shard) as f:
+            check_shard_size(shard, os.fstat(f.fileno()).st_size, record)
+            ident = identity(f.fileno())
+            mapping = _mmap.mmap(f.fileno(), record.size, _mmap.MAP_PRIVATE, _mmap.PROT_READ | _mmap.PROT_WRITE)
+    if verify and (ident is None or not is_verified(ident, record, algorithm)):
+        try:
+            check_checksum(shard, checksum(mapping, algorithm), record, algorithm)
+        except BaseException:
+            mapping.close()
+            raise
+        if ident is not None:
+            remember(ident, record, algorithm)
+    return mapping, ident
+
+
+def _fetch_object(shard: Path, record: ShardRecord) -> _mmap.mmap:
+    """The object ``shard`` in anonymous memory, ``objects.PARALLEL_READS`` ranged reads at a time."""
+    try:
+        meta = objects.head(shard)
+        check_shard_size(objects.display(shard), meta["size"] if meta else -1, record)
+        mapping = _mmap.mmap(-1, record.size)
+        try:
+            objects.read_into(shard, memoryview(mapping))
+        except BaseException:
+            mapping.close()
+            raise
+    except OSError as exc:
+        raise InvalidCheckpoint(f"cannot read shard {objects.display(shard)}: {exc.strerror or exc}") from None
+    return mapping
 
 
 def region(t: torch.Tensor, box: Box, origin: tuple[int, ...]) -> torch.Tensor:

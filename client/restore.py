@@ -8,7 +8,11 @@ and those are page cache, not process memory.
 
 Everything is checked before a byte is copied: missing keys, unexpected
 keys, shape and dtype mismatches, regions no saved chunk covers are reported
-together in one error, and on error the target is untouched.
+together in one error, and on error the target is untouched. The checksum
+is the exception: it is computed in the same pass as the copy (the file is
+read once, not once to check and once to copy), so a shard whose bytes
+changed on disk is reported after the target took them. A second
+``load_into`` of the same unchanged files checks them no more.
 
 Sharded checkpoints reshard on the way in: a target DTensor (any mesh, any
 ``Shard``/``Replicate`` placements, any world size) gets only the region of
@@ -92,7 +96,7 @@ def load_into(
     check_bool("strict", strict)
     check_bool("verify", verify)
     limit = check_limit(max_concurrent_per_node)
-    files = open_checkpoint(path, verify=verify, run_dir=run_dir)  # the daemon's memory when it holds path
+    files = open_checkpoint(path, verify=verify, run_dir=run_dir, defer=True)  # the daemon's memory when it holds path
     index = files.index
     if rank is None:
         rank = detect_ranks().rank if index.world_size > 1 else 0
@@ -103,13 +107,14 @@ def load_into(
         # optimizer keeps what its load_state_dict is given (``.to`` does not
         # copy), so it gets tensors that own their memory instead.
         fresh_optimizer = isinstance(target, torch.optim.Optimizer) and not target.state
-        saved = _load_rank(path, index, rank, None, verify, files.ref, mmap=not fresh_optimizer, files=files)
+        saved = _load_rank(files, rank, None, files.ref, mmap=not fresh_optimizer)
         if key is not None:
             if not isinstance(saved, dict) or key not in saved:
                 raise InvalidCheckpoint(f"checkpoint {path} (rank {rank}) holds no top-level key {key!r}")
             saved = saved[key]
         if fresh_optimizer:
             saved = _read_globals(saved, files)
+            files.copy([])  # checks what the reads above left unchecked
             target.load_state_dict(saved)
             return LoadReport(copied=sum(1 for _ in _tensors(saved)))
         return _apply(target, saved, strict, f"checkpoint {path}", files)
@@ -144,8 +149,11 @@ def _apply(target: Any, saved: Any, strict: bool, where: str, files: ChunkFiles)
         raise InvalidCheckpoint(f"cannot load {where} into the target ({len(problems)} problems, nothing changed):\n  "
                                 + "\n  ".join(problems))
     with torch.no_grad():
-        for dst, src in plan.copies:
-            dst.copy_(src)
+        try:
+            files.copy(plan.copies)
+        except InvalidCheckpoint as exc:
+            raise InvalidCheckpoint(f"{exc.message}; the target holds partly copied values now, load it again "
+                                    "from an intact checkpoint") from None
     for container, k, value in plan.assigns:
         container[k] = value
     if isinstance(target, torch.optim.Optimizer):

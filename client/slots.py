@@ -132,6 +132,12 @@ class SlotPool:
             self._busy.add(slot)
         return slot
 
+    def reserve(self, nbytes: int) -> None:
+        """Make a free slot of at least ``nbytes`` now, before any save needs it."""
+        slot = Slot(nbytes)
+        with self._lock:
+            self._free.append(slot)
+
     def give_back(self, slot: Slot) -> None:
         with self._lock:
             self._busy.discard(slot)

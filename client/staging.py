@@ -24,7 +24,7 @@ import torch
 
 from ckptd.protocol.layout import ShardLayout, plan_layout
 
-from .dtypes import SAFETENSORS_DTYPES
+from .dtypes import SAFETENSORS_DTYPES, TORCH_DTYPES
 from .flatten import Flat
 from .slots import Slot
 
@@ -36,10 +36,52 @@ PROGRESS_EVERY = 64 * 1024 * 1024
 """Bytes copied between progress reports while streaming."""
 
 
+class LayoutCache:
+    """The last layout, and the slot views of its tensors, reused while the state's structure is unchanged.
+
+    A training loop saves the same structure every time; planning the layout,
+    encoding the header and making one view per tensor cost a millisecond per
+    few hundred tensors, more than copying small ones. The key is everything
+    the layout depends on: the packed structure (names, nesting, plain
+    values), each tensor's dtype and shape, and the chunk metadata.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._layout: ShardLayout | None = None
+        self._views: dict[int, tuple[Slot, list[torch.Tensor]]] = {}
+
+    def layout(self, flat: Flat) -> ShardLayout:
+        """Where each tensor of ``flat`` goes in the shard."""
+        specs = [(name, SAFETENSORS_DTYPES[t.dtype], tuple(t.shape)) for name, t in flat.tensors]
+        key = (flat.structure, tuple(specs), tuple(sorted(flat.chunks.items())),
+               tuple(sorted(flat.global_shapes.items())))
+        if key != self._key:
+            self._key, self._layout, self._views = key, plan_layout(specs, flat.metadata()), {}
+        assert self._layout is not None
+        return self._layout
+
+    def views(self, layout: ShardLayout, slot: Slot) -> list[torch.Tensor]:
+        """Typed views of ``slot`` for each entry of ``layout``, in entry order; the header written.
+
+        Cached per slot while the layout is unchanged: a slot whose views are
+        cached holds this layout's header already (the cache is dropped when
+        the layout changes).
+        """
+        cached = self._views.get(id(slot))
+        if cached is None or cached[0] is not slot or layout is not self._layout:
+            write_header(layout, slot)
+            buf, start = slot.tensor, layout.data_start
+            cached = (slot, [buf[start + e.begin : start + e.end].view(TORCH_DTYPES[e.dtype]).view(e.shape)
+                             for e in layout.entries])
+            if layout is self._layout:
+                self._views[id(slot)] = cached
+        return cached[1]
+
+
 def layout_for(flat: Flat) -> ShardLayout:
-    """Where each tensor of ``flat`` goes in the shard."""
-    specs = [(name, SAFETENSORS_DTYPES[t.dtype], tuple(t.shape)) for name, t in flat.tensors]
-    return plan_layout(specs, flat.metadata())
+    """Where each tensor of ``flat`` goes in the shard (no cache)."""
+    return LayoutCache().layout(flat)
 
 
 @dataclass
@@ -64,31 +106,40 @@ def streamable(flat: Flat, layout: ShardLayout) -> bool:
     return layout.nbytes >= STREAM_MIN_BYTES and all(t.device.type != "cuda" for _, t in flat.tensors)
 
 
-def stage(flat: Flat, layout: ShardLayout, slot: Slot,
-          progress: Callable[[int], None] | None = None) -> DeviceCopies | None:
-    """Copy every tensor into ``slot`` (after ``write_header``), in file order.
+def stage(flat: Flat, layout: ShardLayout, slot: Slot, progress: Callable[[int], None] | None = None,
+          views: list[torch.Tensor] | None = None) -> DeviceCopies | None:
+    """Copy every tensor into ``slot`` (after ``write_header``, or ``views``), in file order.
 
     ``progress(upto)`` is called every ``PROGRESS_EVERY`` bytes with the file
-    offset below which the slot is final. Returns the CUDA copies still
-    running, if any.
+    offset below which the slot is final; without it, the host copies go in
+    one batched call (``torch._foreach_copy_``: no Python per tensor).
+    ``views``: the slot's typed views per entry (``LayoutCache.views``).
+    Returns the CUDA copies still running, if any.
     """
     buf = slot.tensor
     start = layout.data_start
     by_name = dict(flat.tensors)
     reported = start
     on_cuda: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
-    for entry in layout.entries:
+    batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for i, entry in enumerate(layout.entries):
         if entry.nbytes == 0:
             continue
         src = by_name[entry.name].detach()
-        dst = buf[start + entry.begin : start + entry.end].view(src.dtype).view(src.shape)
+        dst = views[i] if views is not None else buf[start + entry.begin : start + entry.end].view(src.dtype).view(
+            src.shape)
         if src.device.type == "cuda":
             on_cuda[src.device].append((dst, src))
+        elif progress is None:
+            batch[0].append(dst)
+            batch[1].append(src)
         else:
             dst.copy_(src)
-            if progress is not None and start + entry.end - reported >= PROGRESS_EVERY:
+            if start + entry.end - reported >= PROGRESS_EVERY:
                 reported = start + entry.end
                 progress(reported)
+    if batch[0]:
+        torch._foreach_copy_(*batch)
     if not on_cuda:
         return None
     slot.pin()

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from . import objects
+from . import checksums, objects
 from .errors import InvalidCheckpoint
 from .files import read_regular
 from .layout import DTYPE_SIZES
@@ -38,9 +38,8 @@ FORMAT_NAME = "ckptd"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 """Index versions this code reads; it always writes ``FORMAT_VERSION``."""
-CHECKSUM_ALGORITHM = "crc32"
-CHECKSUM_ALGORITHMS = (CHECKSUM_ALGORITHM,)
-"""Algorithms a reader can check; an index naming another is invalid, not checked as CRC32."""
+CHECKSUM_ALGORITHM = checksums.DEFAULT
+"""What new checkpoints name; older ones name ``crc32`` and still verify (``protocol.checksums``)."""
 
 
 def shard_name(rank: int, world_size: int) -> str:
@@ -145,9 +144,7 @@ class CheckpointIndex:
                 raise ValueError(f"step {step!r} is not an integer")
             if type(created) not in (int, float) or not math.isfinite(created):
                 raise ValueError(f"created {created!r} is not a time")
-            if doc["checksum_algorithm"] not in CHECKSUM_ALGORITHMS:  # never checked as something else
-                raise ValueError(f"checksum_algorithm {doc['checksum_algorithm']!r} is not one ckptd can check "
-                                 f"({', '.join(CHECKSUM_ALGORITHMS)})")
+            checksums.updater(doc["checksum_algorithm"])  # never checked as something else
             index = cls(world_size=world_size, step=step, created=float(created), files=files, tensors=tensors,
                         version=version,
                         checksum_algorithm=doc["checksum_algorithm"])

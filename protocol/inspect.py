@@ -10,19 +10,17 @@ list``/``verify``) and ``ckptd.inspect``; the daemon side imports no torch.
 from __future__ import annotations
 
 import os
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Collection
 
 from . import objects
+from .checksums import stream_checksum
 from .errors import BadMessage, InvalidCheckpoint
 from .files import open_regular
 from .index import CheckpointIndex, ShardRecord, read_index
 from .layout import MAX_HEADER_BYTES, TensorEntry, parse_header
 from .structure import check_structure, structure_bytes
-
-READ_CHUNK = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -163,7 +161,8 @@ def verify_checkpoint(path: Path | str) -> VerifyReport:
             check_shard_size(shard, size, record)
             entries, metadata, _ = read_shard_header(shard, size)
             check_shard_structure([e.name for e in entries], metadata, record, index, shard)
-            crc = file_crc32(shard)
+            with open_shard(shard) as f:
+                crc = stream_checksum(f, index.checksum_algorithm)[0]
             report.checked_bytes += size
             check_checksum(shard, crc, record, index.checksum_algorithm)
         except InvalidCheckpoint as exc:
@@ -184,16 +183,6 @@ def check_checksum(shard: Path, crc: int, record: ShardRecord, algorithm: str) -
             f"shard {shard} fails its checksum ({algorithm} {crc:#010x}, index says "
             f"{record.checksum:#010x}): its bytes changed after it was written"
         )
-
-
-def file_crc32(path: Path) -> int:
-    crc = 0
-    with open_shard(path) as f:
-        buf = bytearray(READ_CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
-    return crc
 
 
 def _size_of(path: Path) -> int:

@@ -378,7 +378,7 @@ def test_checkpoint_index_round_trips_through_json(index):
 
 def test_checkpoint_index_json_names_its_format_version_and_checksum():
     doc = json.loads(make_index().to_json())
-    assert (doc["format"], doc["version"], doc["checksum_algorithm"]) == ("ckptd", 2, "crc32")
+    assert (doc["format"], doc["version"], doc["checksum_algorithm"]) == ("ckptd", 2, "crc32c")
     assert doc["files"][1] == {"file": "rank-00001-of-00002.safetensors", "rank": 1, "size": 4128,
                                "checksum": 0xDEADBEEF + 1, "tensors": 2}
 

@@ -199,7 +199,7 @@ class _RaisesOnCopy(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.copy_:
+        if func in (torch.Tensor.copy_, torch._foreach_copy_):  # staging copies with either
             raise cls.to_raise()
         return super().__torch_function__(func, types, args, kwargs or {})
 

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import stat
-import zlib
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 import ckptd
+from ckptd.protocol.checksums import checksum
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import INDEX_NAME, read_index
 from ckptd.protocol.layout import encode_header, parse_header
@@ -68,7 +68,7 @@ def rewrite_header(ckpt: Path, change: Callable[[dict[str, str]], None]) -> None
     assert len(header) == start, "the test's change must keep the header's padded length"
     data[:start] = header
     shard.write_bytes(data)
-    fixed = dataclasses.replace(record, checksum=zlib.crc32(data))
+    fixed = dataclasses.replace(record, checksum=checksum(data, index.checksum_algorithm))
     (ckpt / INDEX_NAME).write_bytes(dataclasses.replace(index, files=(fixed,)).to_json())
 
 

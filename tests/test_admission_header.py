@@ -1,0 +1,50 @@
+"""Admission checks a slot's header against its commit; a reused slot's unchanged header is not parsed again,
+and a changed one (or a commit that no longer matches it) is checked in full."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from ckptd.admission import examine
+from ckptd.protocol.errors import BadSlot
+from ckptd.protocol.messages import Commit
+from ckptd.slots import SlotMaps
+from ckptd.storage import LocalStorage
+from ckptd.client.flatten import flatten
+from ckptd.client.slots import Slot
+from ckptd.client.staging import layout_for, write_header
+
+
+def commit_for(slot: Slot, layout, root, **change) -> Commit:
+    c = Commit(1, slot.name, layout.nbytes, layout.data_start, layout.entries, str(root / "ckpt"), 0, 1, None, False,
+               False, None, 60.0, 0.0, layout.nbytes)
+    return dataclasses.replace(c, **change)
+
+
+def test_a_reused_slot_header_is_checked_against_every_commit(tmp_path) -> None:
+    slot, maps, storage = Slot(1 << 20), SlotMaps(), LocalStorage()
+    try:
+        first = layout_for(flatten({f"t{i}": torch.ones(8) for i in range(50)}))
+        write_header(first, slot)
+
+        def check(msg: Commit) -> tuple | None:
+            mapped = examine(storage, maps, msg, pid=os.getpid(), roots=(tmp_path,)).slot
+            maps.release(mapped)
+            return mapped.header
+        parsed = check(commit_for(slot, first, tmp_path))
+        assert check(commit_for(slot, first, tmp_path)) is parsed  # the same header again: not parsed again
+        renamed = tuple(dataclasses.replace(e, name=e.name + "x") if i == 0 else e for i, e in enumerate(first.entries))
+        with pytest.raises(BadSlot, match="does not match the commit's tensor table"):
+            check(commit_for(slot, first, tmp_path, tensors=renamed))
+        second = layout_for(flatten({f"u{i}": torch.ones(8) for i in range(50)}))  # same sizes, other names
+        assert (second.nbytes, second.data_start) == (first.nbytes, first.data_start)
+        write_header(second, slot)
+        with pytest.raises(BadSlot, match="does not match"):  # the old table against the new header
+            check(commit_for(slot, first, tmp_path))
+        check(commit_for(slot, second, tmp_path))
+    finally:
+        slot.close()
