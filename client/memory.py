@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ckptd.protocol.checksums import checksum
+from ckptd.protocol import checksums
 from ckptd.protocol.chunks import tensor_table
 from ckptd.protocol.endpoint import endpoint_for
 from ckptd.protocol.errors import BadMessage, DaemonUnavailable, InvalidCheckpoint
@@ -114,8 +114,10 @@ class HeldFiles(ChunkFiles):
             mapping = self._map(file, size)
             if self.verify:
                 record = self.index.shard(rank)
-                check_checksum(self.path / f"rank {rank} in memory", checksum(memoryview(mapping)[:size], self.index.checksum_algorithm),
-                               record, self.index.checksum_algorithm)
+                algorithm = self.index.checksum_algorithm
+                check_checksum(self.path / f"rank {rank} in memory",
+                               checksums.checksum(memoryview(mapping)[:size], algorithm),
+                               record, algorithm)
             self._maps[file] = torch.frombuffer(mapping, dtype=torch.uint8)[:size]
         return self._maps[file]
 
@@ -130,7 +132,8 @@ class HeldFiles(ChunkFiles):
         # Shared and read-only, pre-faulted in one pass (a private writable one would copy every page), and
         # checksummed on a second thread while this one copies: the two passes overlap.
         with self._shared(record) as shared, ThreadPoolExecutor(1) as pool:
-            crc = pool.submit(checksum, memoryview(shared)[: record.size], self.index.checksum_algorithm) if self.verify else None
+            crc = (pool.submit(checksums.checksum, memoryview(shared)[: record.size], self.index.checksum_algorithm)
+                   if self.verify else None)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # read-only: only ever copied from
                 raw = torch.frombuffer(shared, dtype=torch.uint8)

@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-PARTS = ("save,load", "multi,scaling,sharded")
+PARTS = ("save,load,snapshot", "multi,scaling,sharded,objects")
 """The sections of each run (``--only``), about as long as each other."""
 
 
