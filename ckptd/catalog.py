@@ -13,15 +13,11 @@ import os
 from pathlib import Path
 
 from ckptd.protocol.errors import BadMessage, InvalidCheckpoint
-from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME, CheckpointIndex
+from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME, MAX_INDEX_BYTES, CheckpointIndex
 from ckptd.protocol.index import missing_or_truncated as shard_problem
 from ckptd.protocol.layout import MAX_HEADER_BYTES, TensorEntry, parse_header
 
 from .storage import Kind, Storage
-
-MAX_INDEX_BYTES = 256 * 1024 * 1024
-"""An index larger than this is not one ckptd wrote (refused, not read into memory)."""
-
 
 def read_index(storage: Storage, path: Path) -> CheckpointIndex:
     """The index of the committed checkpoint at ``path``, or ``InvalidCheckpoint``."""

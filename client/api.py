@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
-from ckptd.protocol.errors import Busy, InternalError
+from ckptd.protocol.errors import Busy, InternalError, NoSpace
 from ckptd.protocol.layout import ShardLayout
 from ckptd.protocol.messages import Bye, Commit, Done, Held, Persist, Ping, Snapshot, Staged
 from ckptd.protocol.objects import is_object_path
@@ -26,6 +26,10 @@ from .ranks import detect_ranks
 from .slots import Slot, SlotPool
 from .spawn import ensure_daemon
 from .staging import DeviceCopies, LayoutCache, stage, streamable, write_header
+
+
+MAX_RESERVE = 1 << 50
+"""``reserve_bytes`` above this (1 PiB) is a mistake, not a slot size."""
 
 
 class Client:
@@ -89,7 +93,7 @@ class Client:
         check_client_args(max_inflight=max_inflight, rank=rank, world_size=world_size, local_rank=local_rank,
                           commit_timeout=commit_timeout, keep_last=keep_last, heartbeat=heartbeat, timeout=timeout,
                           spawn=spawn, background_staging=background_staging, stream_commit=stream_commit)
-        reserve = check_int("reserve_bytes", reserve_bytes, optional=True)
+        reserve = check_int("reserve_bytes", reserve_bytes, high=MAX_RESERVE, optional=True)
         self._pid = os.getpid()
         """The process that owns this client's slots, thread and socket."""
         detected = detect_ranks()
@@ -124,6 +128,9 @@ class Client:
         if reserve:
             try:
                 self._slots.reserve(reserve)
+            except NoSpace as exc:
+                self.close()
+                raise NoSpace(f"reserve_bytes={reserve}: {exc}") from None
             except BaseException:
                 self.close()
                 raise
@@ -241,25 +248,33 @@ class Client:
                 raise  # Ctrl-C and SystemExit reach the caller, after the clean-up
             return
         if copies is not None and not on_worker:
-            self._worker.submit(self._commit_when_copied, req, fut, shard, layout, copies, False)
+            self._worker.submit(self._commit_when_copied, req, fut, shard, layout, copies)
         else:
-            self._commit_when_copied(req, fut, shard, layout, copies, not on_worker)
+            self._commit_when_copied(req, fut, shard, layout, copies)
 
     def _commit_when_copied(self, req: "_Request", fut: SaveFuture, shard: Future, layout: ShardLayout,
-                            copies: DeviceCopies | None, wait_delivered: bool) -> None:
-        """Once every byte is in the slot: staged, and off to the daemon."""
+                            copies: DeviceCopies | None) -> None:
+        """Once every byte is in the slot: off to the daemon, then staged.
+
+        Staged follows the daemon's answer to the commit (on the staging
+        thread when staging runs there), so a save reported staged is one
+        the daemon holds: a ``ckptd stop`` that comes after it drains it
+        instead of refusing it as new, and a trainer killed after it still
+        gets its checkpoint.
+        """
         try:
             if copies is not None:
                 copies.wait()
-            fut.staged.set_result(None)
             _, accepted = self._send_commit(req, shard, layout, staged=layout.nbytes)
         except BaseException as exc:
             _fail(exc, fut.staged, shard)
             if not isinstance(exc, Exception):
                 raise
             return
-        if wait_delivered:
+        try:
             self._until_delivered(accepted, notices=False)
+        finally:
+            fut.staged.set_result(None)
 
     def _until_delivered(self, accepted: Future, *, notices: bool) -> None:
         """Return once the daemon holds the save (or refused it).

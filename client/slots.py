@@ -108,6 +108,7 @@ class SlotPool:
         self._free: list[Slot] = []
         self._busy: set[Slot] = set()
         self._lent: dict[str, Slot] = {}
+        self._closed = False
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> Slot:
@@ -139,10 +140,15 @@ class SlotPool:
             self._free.append(slot)
 
     def give_back(self, slot: Slot) -> None:
+        """A save is done with ``slot``: free for the next, or unlinked when the pool closed meanwhile (a save
+        that ``close`` left running, after a Ctrl-C in it, ends after the pool)."""
         with self._lock:
             self._busy.discard(slot)
-            if not slot.map.closed:
+            keep = not slot.map.closed and not self._closed
+            if keep:
                 self._free.append(slot)
+        if not keep:
+            slot.close()
 
     def lend(self, slot: Slot) -> None:
         """The daemon took ``slot`` over (it holds a snapshot): out of the pool until ``reclaim``."""
@@ -172,6 +178,7 @@ class SlotPool:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             slots, self._free, self._busy = [*self._free, *self._busy, *self._lent.values()], [], set()
             self._lent = {}
         for s in slots:

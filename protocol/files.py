@@ -41,9 +41,17 @@ def open_regular(path: Path | str, what: str = "shard") -> BinaryIO:
         raise
 
 
-def read_regular(path: Path | str, what: str) -> bytes:
-    """The whole content of a regular file (the index), refusing anything else."""
+def read_regular(path: Path | str, what: str, *, max_bytes: int) -> bytes:
+    """The whole content of a regular file (the index) of at most ``max_bytes``, refusing anything else.
+
+    The bound keeps a stray multi-GiB file under the index's name from being
+    read into memory by every ``latest`` that walks past it.
+    """
     with open_regular(path, what) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise InvalidCheckpoint(f"{what} {path} is {size} bytes, more than any {what} ckptd writes "
+                                    f"({max_bytes}); it is not one of ckptd's")
         return f.read()
 
 

@@ -39,6 +39,8 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 """Index versions this code reads; it always writes ``FORMAT_VERSION``."""
 CHECKSUM_ALGORITHM = checksums.DEFAULT
+MAX_INDEX_BYTES = 256 * 1024 * 1024
+"""An index larger than this is not one ckptd wrote (refused, not read into memory)."""
 """What new checkpoints name; older ones name ``crc32`` and still verify (``protocol.checksums``)."""
 
 
@@ -232,7 +234,10 @@ def read_index(path: Path | str) -> CheckpointIndex:
         raise InvalidCheckpoint(f"{path} is an unfinished checkpoint (.incomplete) and is never loaded")
     index_file = path / INDEX_NAME
     try:
-        data = objects.read_all(index_file) if objects.is_object_path(path) else read_regular(index_file, "index")
+        if objects.is_object_path(path):
+            data = objects.read_all(index_file)
+        else:
+            data = read_regular(index_file, "index", max_bytes=MAX_INDEX_BYTES)
     except FileNotFoundError as exc:
         if "bucket" in str(exc.strerror):
             raise InvalidCheckpoint(f"no checkpoint at {objects.display(path)}: {exc.strerror}") from None

@@ -63,6 +63,18 @@ def test_sigterm_drains_in_flight_saves_then_exits_zero(daemon_factory, client_f
     assert not (daemon.run_dir / "ckptd.sock").exists() and not (daemon.run_dir / "ckptd.pid").exists()
 
 
+def test_a_save_reported_staged_is_drained_by_a_stop_that_follows(daemon_factory, client_factory, root) -> None:
+    """With background staging, ``staged`` means the daemon holds the save: a stop right after it drains the save
+    (20,000 tensors make the commit message slow to build, which is when the stop used to get there first)."""
+    daemon = daemon_factory()
+    client = client_factory(background_staging=True)
+    fut = client.save_async({f"t{i}": torch.full((4,), float(i)) for i in range(20_000)}, root / "many")
+    fut.wait_staged(60)
+    assert daemon.stop(timeout=60) == 0
+    assert fut.result(10).path == root / "many"
+    assert ckptd.load(root / "many")["t19999"].tolist() == [19999.0] * 4
+
+
 def test_ckptd_stop_refuses_new_saves_while_draining(daemon_factory, client_factory, root) -> None:
     # the write must outlast starting the `ckptd stop` interpreter, or the drain is over (and the
     # daemon gone) before the second save is tried: on a loaded machine that takes seconds

@@ -13,6 +13,7 @@ import gc
 import json
 import math
 import os
+import resource
 import shutil
 import subprocess
 import textwrap
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 import ckptd
+from ckptd.client.slots import SlotPool
 from ckptd.protocol.messages import Ping
 from ckptd.protocol.shm import SHM_DIR_ENV
 
@@ -220,6 +222,20 @@ def test_ctrl_c_during_staging_reaches_the_caller_and_the_client_still_saves(cli
     assert not (root / "interrupted").exists()
 
 
+def test_a_slot_a_save_gives_back_after_close_is_unlinked() -> None:
+    """Ctrl-C inside ``close`` leaves a background save running past the pool's close: the slot that save took
+    (after the close) and gives back when it ends must go too, not sit in a closed pool until the process exits."""
+    pool = SlotPool(2)
+    early = pool.take(4096)
+    pool.close()  # what close() did before the Ctrl-C cut its wait short
+    late = pool.take(4096)  # the background save, still staging
+    assert late.path.exists()
+    for slot in (early, late):
+        pool.give_back(slot)
+        assert not slot.path.exists() and slot.map.closed
+    assert pool.names == []
+
+
 # -- 5. loaded checkpoints own their memory ------------------------------------------
 
 
@@ -310,6 +326,23 @@ def test_a_fifo_in_place_of_a_shard_or_the_index_is_refused_never_read(saved_mod
     with pytest.raises(ckptd.InvalidCheckpoint, match="index .*ckptd.json is not a regular file"):
         ckptd.load(path)
     assert not ckptd.verify_checkpoint(path).ok and ckptd.latest(path.parent) is None
+
+
+def test_a_huge_file_in_place_of_an_index_is_refused_unread(saved_model) -> None:
+    """A stray multi-GiB ``ckptd.json`` (sparse here) is refused by its size: latest, load and verify never read
+    it into memory, and latest still finds the good checkpoint beside it."""
+    path, _ = saved_model
+    junk = path.parent / "junk"
+    junk.mkdir()
+    with open(junk / "ckptd.json", "wb") as f:
+        f.truncate(3 << 30)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for call in (lambda: ckptd.load(junk), lambda: ckptd.read_index(junk)):
+        with pytest.raises(ckptd.InvalidCheckpoint, match="ckptd.json is 3221225472 bytes, more than any index"):
+            call()
+    assert "more than any index" in ckptd.verify_checkpoint(junk).problems[0]
+    assert ckptd.latest(path.parent) == path
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < (1 << 30) // 1024  # KiB: nothing read
 
 
 # -- 11. types that round-trip ----------------------------------------------------------

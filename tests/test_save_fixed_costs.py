@@ -60,7 +60,8 @@ def test_a_reserved_slot_serves_the_first_save(daemon, client_factory, root) -> 
     assert client.slot_names != reserved
 
 
-@pytest.mark.parametrize("value, error", [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
+@pytest.mark.parametrize("value, error", [(-1, ValueError), (1.5, TypeError), (True, TypeError),
+                                          (2**63 - 1, ValueError), (10**15, ckptd.NoSpace)])
 def test_a_bad_reserve_bytes_is_refused_naming_it(daemon, run_dir, value, error) -> None:
     with pytest.raises(error, match="reserve_bytes"):
         ckptd.Client(run_dir=run_dir, spawn=False, reserve_bytes=value)
