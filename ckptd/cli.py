@@ -316,7 +316,7 @@ def _status(args: argparse.Namespace, run_dir: Path) -> int:
 
 
 def _stop(args: argparse.Namespace, run_dir: Path) -> int:
-    from .daemon import wait_for_exit
+    from .daemon import DRAIN_FAILED_NAME, wait_for_exit
 
     deadline = time.monotonic() + args.timeout  # the whole command, answers and drain alike
     status = request(run_dir, Status(1), timeout=min(5.0, args.timeout))
@@ -327,6 +327,14 @@ def _stop(args: argparse.Namespace, run_dir: Path) -> int:
     pid = status.info["daemon"]["pid"] if isinstance(status, StatusReply) else None
     if pid is not None and not wait_for_exit(pid, max(0.0, deadline - time.monotonic())):
         print(f"ckptd: daemon (pid {pid}) still draining after {args.timeout:g} s", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        failed = (run_dir / DRAIN_FAILED_NAME).read_text().splitlines()
+    except FileNotFoundError:
+        failed = []
+    if failed:
+        print(f"ckptd: daemon (pid {pid}) stopped, but could not persist {len(failed)} held snapshot(s), now lost: "
+              + "; ".join(failed), file=sys.stderr)
         return EXIT_ERROR
     print(f"ckptd stopped (pid {pid})")
     return EXIT_OK

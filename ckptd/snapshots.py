@@ -7,9 +7,10 @@ never reuses or unlinks this one until a ``Held`` reply names it as
 released. A snapshot is complete once every rank of its world is held here
 (on several nodes: once this node's ranks are; the ranks agree among
 themselves). Only then are its ranks told ``Held``, and only then are older
-snapshots in the same directory dropped: the newest ``keep_snapshots`` per
-directory stay, so a snapshot is dropped only after a newer one is completely
-held.
+snapshots of the same job dropped: per directory and client, the newest
+``keep_snapshots`` (by step, then time, as ``latest`` ranks them) stay, so a
+snapshot is dropped only after a newer one is completely held, and never for
+another job's.
 
 The memory budget counts the slots held (whole slots: that is what stays
 resident). A snapshot that would exceed it first evicts the oldest snapshots
@@ -69,6 +70,9 @@ class HeldSnapshot:
     """Complete and its ranks told: from now on it is a snapshot a restore may use."""
     persisted: bool = False
     persisting: bool = False
+    persist_waiting: list[tuple[bytes, int]] = field(default_factory=list)
+    """(client, request id) of every ``Persist`` owed a ``Done`` or an ``Error`` for this snapshot."""
+    persist_started: float = 0.0
 
     @property
     def checksummed(self) -> bool:
@@ -85,6 +89,11 @@ class HeldSnapshot:
         return sum(s.slot.size for s in self.shards.values())
 
     @property
+    def nbytes_staged(self) -> int:
+        """The checkpoint's bytes (its shards' sizes, not the slots')."""
+        return sum(s.msg.nbytes for s in self.shards.values())
+
+    @property
     def order(self) -> tuple[int, float]:
         return (self.step if self.step is not None else -1, self.created)
 
@@ -92,7 +101,7 @@ class HeldSnapshot:
         """The snapshot as ``Snapshots`` and ``ckptd status`` report it (keys documented in the README)."""
         return {
             "path": str(self.path), "step": self.step, "world_size": self.world_size, "created": self.created,
-            "bytes": sum(s.msg.nbytes for s in self.shards.values()), "held_bytes": self.nbytes,
+            "bytes": self.nbytes_staged, "held_bytes": self.nbytes,
             "ranks_held": sorted(r for r, s in self.shards.items() if s.checksum is not None),
             "complete": self.acknowledged, "persisted": self.persisted, "persisting": self.persisting,
             "checksum_algorithm": CHECKSUM_ALGORITHM,
@@ -158,11 +167,18 @@ class Snapshots:
         return evicted
 
     def newer_than_kept(self, snap: HeldSnapshot) -> list[HeldSnapshot]:
-        """Once ``snap`` is complete: the acknowledged snapshots of its directory beyond ``snap`` and the newest
-        ``keep - 1`` others (never ``snap`` itself, even with a lower step)."""
-        peers = sorted((s for s in self.held.values() if s.acknowledged and s.path.parent == snap.path.parent
-                        and not s.persisting and s is not snap), key=lambda s: s.order, reverse=True)
-        dropped = peers[self.keep - 1:]
+        """Once ``snap`` is complete: the snapshots of its job to drop, dropped from the books.
+
+        Its job's snapshots are the acknowledged ones in its directory held
+        from the same clients; the newest ``keep`` of them (by ``order``, as
+        ``latest`` ranks them) stay, and so does ``snap`` itself: a snapshot
+        is never dropped for an older one, nor for another job's.
+        """
+        pids = {sh.pid for sh in snap.shards.values()}
+        job = sorted((s for s in self.held.values() if s.acknowledged and s.path.parent == snap.path.parent
+                      and not s.persisting and pids & {sh.pid for sh in s.shards.values()}),
+                     key=lambda s: s.order, reverse=True)
+        dropped = [s for s in job[self.keep:] if s is not snap]
         for s in dropped:
             del self.held[s.path]
         return dropped

@@ -119,7 +119,7 @@ def test_snapshots_are_held_not_written_and_the_pool_reuses_released_slots(daemo
     assert equal_states(ckptd.load(root / "s4"), state_at(4))  # no run_dir: read from disk
     rows = json.loads(daemon.cli("list", str(root), "--json").stdout)
     assert [(r["name"], r["state"], r["in_memory"]) for r in rows] == [("s4", "committed", True)]
-    with pytest.raises(ckptd.InvalidCheckpoint, match="holds no complete snapshot"):
+    with pytest.raises(ckptd.InvalidCheckpoint, match="holds no snapshot"):
         client.persist(root / "s1")  # dropped when s2 was held
     daemon.stop()
 
