@@ -27,8 +27,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
-from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, RanksMissing, ShuttingDown, WriteFailed
+from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed, RanksMissing, ShuttingDown, WriteFailed
 from ckptd.protocol.messages import Accepted, Done, Error, Held, Message, Persist, Snapshot, SnapshotList, Snapshots
+from ckptd.protocol.objects import is_object_path
 from ckptd.protocol.shm import slot_name
 
 from .admission import Examined, examine
@@ -36,7 +37,8 @@ from .config import DaemonConfig
 from .saves import Saves, error_reply
 from .snapshots import HeldShard, HeldSnapshot, shards_of
 from .state import NodeState
-from .storage import Storage
+from .slots import SlotMaps
+from .storage import Kind, Storage
 from .workers import Workers
 from .writer import Progress, _checksum
 
@@ -66,7 +68,7 @@ class Holding:
             raise ShuttingDown("the daemon is draining and holds no new snapshots")
         progress = self.state.begin_save(ident, client, msg, deadline=time.monotonic() + msg.timeout)
         pid, slots, roots = client.pid, self.state.slots, self.config.roots
-        self.workers.submit("admit", lambda: examine(self.storage, slots, msg, pid=pid, roots=roots),
+        self.workers.submit("admit", lambda: _examine(self.storage, slots, msg, pid=pid, roots=roots),
                             lambda fut: self._examined(ident, msg, pid, progress, fut))
 
     def _examined(self, ident: bytes, msg: Snapshot, pid: int, progress: Progress, fut: Future) -> None:
@@ -297,6 +299,21 @@ class Holding:
         log.info("event=drain_persist snapshots=%d deadline_s=%g", len(newest), self.config.drain_timeout)
         for snap in newest:
             self.start_persist(snap)
+
+
+def _examine(storage: Storage, slots: SlotMaps, msg: Snapshot, *, pid: int, roots: tuple[Path, ...]) -> Examined:
+    """A disk save's checks, and one a disk save makes only when it writes: the path's nearest existing ancestor
+    is a directory. A snapshot that could never be persisted is refused now, not when its trainer dies (I/O)."""
+    examined = examine(storage, slots, msg, pid=pid, roots=roots)
+    if is_object_path(examined.final):
+        return examined
+    ancestor = examined.final.parent
+    while (st := storage.stat(ancestor)) is None and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if st is not None and st.kind is not Kind.DIR:
+        slots.release(examined.slot)
+        raise PathNotAllowed(f"snapshot {examined.final} could never be persisted: {ancestor} is not a directory")
+    return examined
 
 
 def _unlink(directory: Path, names: list[str]) -> None:
