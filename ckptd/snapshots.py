@@ -104,6 +104,7 @@ class HeldSnapshot:
             "bytes": self.nbytes_staged, "held_bytes": self.nbytes,
             "ranks_held": sorted(r for r, s in self.shards.items() if s.checksum is not None),
             "complete": self.acknowledged, "persisted": self.persisted, "persisting": self.persisting,
+            "persists_waiting": len(self.persist_waiting),
             "checksum_algorithm": CHECKSUM_ALGORITHM,
             "shards": [[r, s.slot.name, s.msg.nbytes, s.checksum, len(s.msg.tensors)]
                        for r, s in sorted(self.shards.items()) if s.checksum is not None],

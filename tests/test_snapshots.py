@@ -163,7 +163,7 @@ def test_the_budget_evicts_persisted_snapshots_then_refuses_saying_what_to_do(
     daemon.stop()
 
 
-@pytest.mark.parametrize("budget, says", [("lots", "expected a number of bytes"), ("0", "expected a number of bytes"),
+@pytest.mark.parametrize("budget, says", [("lots", "expected a number of bytes"), ("0", "at least 1048576 (1 MiB)"),
                                           ("1024", "at least 1048576 (1 MiB)"), ("1PiB", "expected a number of bytes"),
                                           ("1000TiB", "at most the size of")])
 def test_a_memory_budget_out_of_range_is_refused_at_start(run_dir, root, budget, says) -> None:
