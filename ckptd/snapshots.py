@@ -48,6 +48,8 @@ class HeldShard:
     slot: MappedSlot
     pid: int
     """The client whose slot it is (alive or not)."""
+    client: bytes = b""
+    """That client's connection: its snapshots are one job's, which evict only each other."""
     checksum: int | None = None
     """None until the shard is checksummed (the client may still be staging)."""
 
@@ -144,7 +146,7 @@ class Snapshots:
         if snap is None:
             snap = self.held[final] = HeldSnapshot(final, msg.world_size, msg.step, msg.coordinated, msg.timeout)
         snap.timeout = min(snap.timeout, msg.timeout)
-        snap.shards[msg.rank] = HeldShard(msg, slot, pid)
+        snap.shards[msg.rank] = HeldShard(msg, slot, pid, client)
         snap.waiting.append((client, msg.id, pid, msg.nbytes))
         return snap, evicted
 
@@ -171,13 +173,15 @@ class Snapshots:
         """Once ``snap`` is complete: the snapshots of its job to drop, dropped from the books.
 
         Its job's snapshots are the acknowledged ones in its directory held
-        from the same clients; the newest ``keep`` of them (by ``order``, as
-        ``latest`` ranks them) stay, and so does ``snap`` itself: a snapshot
-        is never dropped for an older one, nor for another job's.
+        from the same client connections; the newest ``keep`` of them (by
+        ``order``, as ``latest`` ranks them) stay, and so does ``snap``
+        itself: a snapshot is never dropped for an older one, nor for another
+        job's (a job that is gone leaves its newest persisted on exit, and
+        the budget evicts what is on disk).
         """
-        pids = {sh.pid for sh in snap.shards.values()}
+        clients = {sh.client for sh in snap.shards.values()}
         job = sorted((s for s in self.held.values() if s.acknowledged and s.path.parent == snap.path.parent
-                      and not s.persisting and pids & {sh.pid for sh in s.shards.values()}),
+                      and not s.persisting and clients & {sh.client for sh in s.shards.values()}),
                      key=lambda s: s.order, reverse=True)
         dropped = [s for s in job[self.keep:] if s is not snap]
         for s in dropped:
