@@ -100,8 +100,8 @@ class Saves:
         self.admit_examined(ident, msg, progress, examined)
 
     def admit_examined(self, ident: bytes, msg: Commit, progress: Progress, examined: Examined, *,
-                       internal: bool = False, expected_checksum: int | None = None) -> bool:
-        """Queue an examined shard's write; False if it was refused.
+                       internal: bool = False, expected_checksum: int | None = None) -> None:
+        """Queue an examined shard's write.
 
         ``internal``: the daemon persists a held snapshot, even while draining;
         a refusal fails the checkpoint (``on_end``) so the snapshot is not left
@@ -129,7 +129,7 @@ class Saves:
                     self.fail(pending, exc)
                 else:
                     self.on_end(final, exc if isinstance(exc, CkptdError) else InternalError(repr(exc)))
-            return False
+            return
         job = WriteJob(ident, msg, examined.slot, dest, pending.path, progress, device=examined.space.device,
                        expected_checksum=expected_checksum)
         state.jobs.append(job)
@@ -139,12 +139,11 @@ class Saves:
         self.send(ident, Accepted(msg.id))
         if pending.state is not CheckpointState.PREPARING:
             self._start(job, pending)
-            return True
+            return
         if final not in state.held:
             state.held[final] = []
             self.workers.submit("admit", lambda: self._prepare(pending), lambda fut: self._prepared(pending, fut))
         state.held[final].append(job)
-        return True
 
     def _prepare(self, pending: PendingCheckpoint) -> None:
         """Remember the parent for the start-up sweep, then create ``p.incomplete`` (admit pool).
