@@ -195,6 +195,8 @@ def _positive_int(text: str) -> int:
 def _memory_budget(text: str) -> int:
     from .export import parse_size
 
+    if text.strip().lstrip("-").isdigit():  # a plain number (0, -1): the range check names the bounds
+        return int(text)
     try:
         return parse_size(text)
     except ValueError:
@@ -225,15 +227,17 @@ def _mirror_arg(text: str) -> tuple[Path, Path]:
 def _list(args: argparse.Namespace, run_dir: Path) -> int:
     from .listing import add_memory, list_checkpoints, render_listing
 
-    if not is_object_path(args.root) and not args.root.is_dir():
-        raise ValueError(f"{args.root} is not a directory: give the directory that holds the checkpoints")
-    rows = list_checkpoints(args.root)
+    on_disk = is_object_path(args.root) or args.root.is_dir()
+    rows = list_checkpoints(args.root) if on_disk else []
     try:  # the node's daemon, if one answers, knows which checkpoints are (also) in memory
         held = request(run_dir, Snapshots(1), timeout=1.0)
     except DaemonUnavailable:
         held = None
     if isinstance(held, SnapshotList):
         rows = add_memory(rows, held.snapshots, args.root)
+    if not on_disk and not rows:  # a directory that holds only memory snapshots need not exist on disk
+        raise ValueError(f"{args.root} is not a directory and the daemon holds no snapshots under it: "
+                         f"give the directory that holds the checkpoints")
     print(json.dumps(rows, indent=2) if args.json else render_listing(rows))
     return EXIT_OK
 
@@ -316,7 +320,7 @@ def _status(args: argparse.Namespace, run_dir: Path) -> int:
 
 
 def _stop(args: argparse.Namespace, run_dir: Path) -> int:
-    from .daemon import wait_for_exit
+    from .daemon import DRAIN_FAILED_NAME, wait_for_exit
 
     deadline = time.monotonic() + args.timeout  # the whole command, answers and drain alike
     status = request(run_dir, Status(1), timeout=min(5.0, args.timeout))
@@ -327,6 +331,14 @@ def _stop(args: argparse.Namespace, run_dir: Path) -> int:
     pid = status.info["daemon"]["pid"] if isinstance(status, StatusReply) else None
     if pid is not None and not wait_for_exit(pid, max(0.0, deadline - time.monotonic())):
         print(f"ckptd: daemon (pid {pid}) still draining after {args.timeout:g} s", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        failed = (run_dir / DRAIN_FAILED_NAME).read_text().splitlines()
+    except FileNotFoundError:
+        failed = []
+    if failed:
+        print(f"ckptd: daemon (pid {pid}) stopped, but could not persist {len(failed)} held snapshot(s), now lost: "
+              + "; ".join(failed), file=sys.stderr)
         return EXIT_ERROR
     print(f"ckptd stopped (pid {pid})")
     return EXIT_OK

@@ -30,6 +30,8 @@ from .storage import load_storage
 
 log = logging.getLogger("ckptd")
 ERR_NAME = "ckptd.err"
+DRAIN_FAILED_NAME = "ckptd.drain-failed"
+"""Written when a drain could not persist held snapshots (one line each): ``ckptd stop`` reports it."""
 LOG_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 3
 
@@ -93,10 +95,13 @@ def run_foreground(config: DaemonConfig) -> None:
         server = Server(config, load_storage(config.storage))
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.request_stop())
+        (config.run_dir / DRAIN_FAILED_NAME).unlink(missing_ok=True)
         try:
             server.serve_forever()
         finally:
             server.close()
+        if server.holding.drain_failures:
+            (config.run_dir / DRAIN_FAILED_NAME).write_text("".join(f"{f}\n" for f in server.holding.drain_failures))
     finally:
         for name in (SOCKET_NAME, PID_NAME):
             try:

@@ -27,8 +27,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
-from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, RanksMissing, ShuttingDown, WriteFailed
-from ckptd.protocol.messages import Accepted, Error, Held, Message, Persist, Snapshot, SnapshotList, Snapshots
+from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed, RanksMissing, ShuttingDown, WriteFailed
+from ckptd.protocol.messages import Accepted, Done, Error, Held, Message, Persist, Snapshot, SnapshotList, Snapshots
+from ckptd.protocol.objects import is_object_path
 from ckptd.protocol.shm import slot_name
 
 from .admission import Examined, examine
@@ -36,7 +37,8 @@ from .config import DaemonConfig
 from .saves import Saves, error_reply
 from .snapshots import HeldShard, HeldSnapshot, shards_of
 from .state import NodeState
-from .storage import Storage
+from .slots import SlotMaps
+from .storage import Kind, Storage
 from .workers import Workers
 from .writer import Progress, _checksum
 
@@ -54,6 +56,8 @@ class Holding:
         self.snapshots = state.snapshots
         self._names = itertools.count()
         """Held slots' names: this daemon's pid and a number of its own."""
+        self.drain_failures: list[str] = []
+        """Snapshots the drain could not persist (path: why), for the log and ``ckptd stop``."""
 
     # -- holding ---------------------------------------------------------------
 
@@ -64,7 +68,7 @@ class Holding:
             raise ShuttingDown("the daemon is draining and holds no new snapshots")
         progress = self.state.begin_save(ident, client, msg, deadline=time.monotonic() + msg.timeout)
         pid, slots, roots = client.pid, self.state.slots, self.config.roots
-        self.workers.submit("admit", lambda: examine(self.storage, slots, msg, pid=pid, roots=roots),
+        self.workers.submit("admit", lambda: _examine(self.storage, slots, msg, pid=pid, roots=roots),
                             lambda fut: self._examined(ident, msg, pid, progress, fut))
 
     def _examined(self, ident: bytes, msg: Snapshot, pid: int, progress: Progress, fut: Future) -> None:
@@ -114,6 +118,8 @@ class Holding:
             return
         snap.acknowledged = True
         self._release(shards_of(self.snapshots.newer_than_kept(snap)), then=lambda: self._tell_held(snap))
+        if snap.persist_waiting:
+            self.start_persist(snap)
 
     def _tell_held(self, snap: HeldSnapshot) -> None:
         """Held to every rank, once the slots it released are back under their names (so the reply can name them)."""
@@ -131,6 +137,8 @@ class Holding:
         reply = error_reply(self.state, 0, exc)
         log.warning("event=snapshot_failed path=%s error=%s", snap.path, reply.message)
         for client, rid, _, _ in snap.waiting:
+            self.send(client, Error(rid, reply.code, reply.message))
+        for client, rid in snap.persist_waiting:
             self.send(client, Error(rid, reply.code, reply.message))
         for shard in snap.shards.values():  # held ones go back under their names; the others when checksummed
             if shard.checksum is not None:
@@ -180,14 +188,19 @@ class Holding:
     # -- persisting ----------------------------------------------------------------
 
     def persist(self, ident: bytes, msg: Persist) -> None:
-        """Write held snapshot ``msg.path`` to disk; Done (or Error) follows once it is committed."""
+        """Write held snapshot ``msg.path`` to disk; Done (or Error) follows once it is committed.
+
+        Idempotent, so every rank may ask: a snapshot still missing ranks is
+        persisted once complete, one being persisted answers when it is
+        committed, one already persisted answers at once.
+        """
         self.saves.resolve_then(ident, msg.id, msg.path, lambda final: self._persist_path(ident, msg.id, final))
 
     def _persist_path(self, ident: bytes, rid: int, final: Path) -> None:
         snap = self.snapshots.held.get(final)
-        if snap is None or not snap.acknowledged:
+        if snap is None:
             self.send(ident, error_reply(self.state, rid, InvalidCheckpoint(
-                f"the daemon holds no complete snapshot {final} in memory; held: "
+                f"the daemon holds no snapshot {final} in memory; held: "
                 f"{', '.join(str(p) for p in self.snapshots.held) or 'none'}")))
             return
         if snap.coordinated:
@@ -195,36 +208,71 @@ class Holding:
                 f"snapshot {final} spans several nodes; persisting it is not supported: save with persist=True")))
             return
         if snap.persisted:
-            self.send(ident, error_reply(self.state, rid, InvalidCheckpoint(
-                f"snapshot {final} is already persisted to disk")))
+            self.send(ident, Done(rid, str(snap.path), snap.nbytes_staged, 0.0))
             return
-        self.start_persist(snap, ident, rid)
+        snap.persist_waiting.append((ident, rid))
+        if snap.acknowledged and not snap.persisting:
+            self.start_persist(snap)
+        # else: started when the snapshot is complete (``_checksummed``), answered when it is committed
 
-    def start_persist(self, snap: HeldSnapshot, ident: bytes = b"", rid: int = 0) -> None:
-        """Hand every held shard of ``snap`` to the save pipeline (``ident`` b"": nobody waits for Done)."""
-        snap.persisting = True
+    def start_persist(self, snap: HeldSnapshot) -> None:
+        """Hand every held shard of ``snap`` to the save pipeline; ``persisted`` answers its waiters."""
+        snap.persisting, snap.persist_started = True, time.monotonic()
         log.info("event=persist path=%s step=%s", snap.path, snap.step)
         storage, final = self.storage, snap.path
-        self.workers.submit("admit", lambda: storage.space(final.parent),
-                            lambda fut: self._persist_room(snap, ident, rid, fut))
+        self.workers.submit("admit", lambda: storage.space(final.parent), lambda fut: self._persist_room(snap, fut))
 
-    def _persist_room(self, snap: HeldSnapshot, ident: bytes, rid: int, fut: Future) -> None:
+    def _persist_room(self, snap: HeldSnapshot, fut: Future) -> None:
         if fut.exception() is not None:
-            snap.persisting = False
-            self.send(ident, error_reply(self.state, rid, WriteFailed(f"cannot persist {snap.path}: {fut.exception()}")))
+            self.persisted(snap.path, WriteFailed(f"cannot persist {snap.path}: {fut.exception()}"))
             return
         for shard in snap.shards.values():
+            if not snap.persisting:  # an earlier rank was refused: the persist failed (``persisted``)
+                return
             self.state.slots.share(shard.slot)  # the write releases it; the snapshot keeps its own hold
-            msg = dataclasses.replace(shard.msg, id=rid, overwrite=False, keep_last=None, coordinated=False)
+            # The snapshot's own overwrite and keep_last: persisting is the disk save it stood in for.
+            msg = dataclasses.replace(shard.msg, id=0, coordinated=False)
             progress = Progress(msg.nbytes, msg.nbytes, deadline=math.inf)
-            self.saves.admit_examined(ident, msg, progress, Examined(snap.path, shard.slot, fut.result(), None),
-                                      internal=True)
+            self.saves.admit_examined(b"", msg, progress, Examined(snap.path, shard.slot, fut.result(), None),
+                                      internal=True, expected_checksum=shard.checksum)
 
-    def persisted(self, path: Path, ok: bool) -> None:
-        """The save pipeline committed (or failed) checkpoint ``path``; if it is held, it is persisted."""
+    def persisted(self, path: Path, error: CkptdError | None) -> None:
+        """The save pipeline committed (``error`` None) or failed checkpoint ``path``.
+
+        A held snapshot being persisted is persisted (or back to held, not
+        persisted, so exit and drain try again); one not being persisted is
+        older than the disk save that just committed the same path, and is
+        dropped so it never shadows it.
+        """
         snap = self.snapshots.held.get(path)
-        if snap is not None and snap.persisting:
-            snap.persisting, snap.persisted = False, ok
+        if snap is None:
+            return
+        if not snap.persisting:
+            if error is None:
+                log.info("event=snapshot_dropped path=%s step=%s reason=saved_to_disk", snap.path, snap.step)
+                why = InvalidCheckpoint(f"snapshot {path} was dropped from memory: a disk save committed the same path")
+                if not snap.acknowledged:
+                    self.fail(snap, why)
+                    return
+                self.snapshots.remove(snap)
+                self._release(shards_of([snap]))
+                self._answer_persists(snap, why)
+            return
+        snap.persisting, snap.persisted = False, error is None
+        if error is not None:
+            log.warning("event=persist_failed path=%s draining=%s error=%s", path, self.state.draining, error.message)
+            self.state.stats.error(f"persisting snapshot {path} failed: {error.message}")
+            if self.state.draining:
+                self.drain_failures.append(f"{path}: {error.message}")
+        self._answer_persists(snap, error)
+
+    def _answer_persists(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
+        for ident, rid in snap.persist_waiting:
+            if error is None:
+                self.send(ident, Done(rid, str(snap.path), snap.nbytes_staged, time.monotonic() - snap.persist_started))
+            else:
+                self.send(ident, Error(rid, error.code, error.message))
+        snap.persist_waiting = []
 
     def client_gone(self, pid: int) -> None:
         """A client closed or died: persist its newest snapshot, unlink the slots it was owed back."""
@@ -251,6 +299,21 @@ class Holding:
         log.info("event=drain_persist snapshots=%d deadline_s=%g", len(newest), self.config.drain_timeout)
         for snap in newest:
             self.start_persist(snap)
+
+
+def _examine(storage: Storage, slots: SlotMaps, msg: Snapshot, *, pid: int, roots: tuple[Path, ...]) -> Examined:
+    """A disk save's checks, and one a disk save makes only when it writes: the path's nearest existing ancestor
+    is a directory. A snapshot that could never be persisted is refused now, not when its trainer dies (I/O)."""
+    examined = examine(storage, slots, msg, pid=pid, roots=roots)
+    if is_object_path(examined.final):
+        return examined
+    ancestor = examined.final.parent
+    while (st := storage.stat(ancestor)) is None and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if st is not None and st.kind is not Kind.DIR:
+        slots.release(examined.slot)
+        raise PathNotAllowed(f"snapshot {examined.final} could never be persisted: {ancestor} is not a directory")
+    return examined
 
 
 def _unlink(directory: Path, names: list[str]) -> None:

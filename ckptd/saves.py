@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
-from ckptd.protocol.errors import CkptdError, InternalError, RanksMissing, ShuttingDown
+from ckptd.protocol.errors import CkptdError, InternalError, RanksMissing, ShuttingDown, WriteFailed
 from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.messages import Abort, Accepted, Commit, Done, Durable, Error, Finalize, Message, Ok
 
@@ -64,8 +64,8 @@ class Saves:
         self.mirrors = mirrors
         self.send = send
         self.known_dirs = known_dirs
-        self.on_end: Callable[[Path, bool], None] = lambda path, committed: None
-        """Told when a checkpoint commits (True) or fails (False): the memory tier marks a persisted snapshot."""
+        self.on_end: Callable[[Path, CkptdError | None], None] = lambda path, error: None
+        """Told when a checkpoint commits (None) or fails (why): the memory tier marks a persisted snapshot."""
 
     # -- admission ------------------------------------------------------------
 
@@ -100,8 +100,13 @@ class Saves:
         self.admit_examined(ident, msg, progress, examined)
 
     def admit_examined(self, ident: bytes, msg: Commit, progress: Progress, examined: Examined, *,
-                       internal: bool = False) -> None:
-        """Queue an examined shard's write (``internal``: the daemon persists a held snapshot, even while draining)."""
+                       internal: bool = False, expected_checksum: int | None = None) -> None:
+        """Queue an examined shard's write.
+
+        ``internal``: the daemon persists a held snapshot, even while draining;
+        a refusal fails the checkpoint (``on_end``) so the snapshot is not left
+        persisting. ``expected_checksum``: the write must produce it.
+        """
         state, final = self.state, examined.final
         if final in state.closing:  # a failed attempt's directory is still in the way: wait for it
             state.deferred.setdefault(final, []).append((ident, msg, progress, examined))
@@ -118,8 +123,15 @@ class Saves:
         except BaseException as exc:
             state.slots.release(examined.slot)
             self._refuse(ident, msg, exc)
+            if internal:
+                pending = state.commits.pending.get(final)
+                if pending is not None and pending.state is not CheckpointState.FAILED:
+                    self.fail(pending, exc)
+                else:
+                    self.on_end(final, exc if isinstance(exc, CkptdError) else InternalError(repr(exc)))
             return
-        job = WriteJob(ident, msg, examined.slot, dest, pending.path, progress, device=examined.space.device)
+        job = WriteJob(ident, msg, examined.slot, dest, pending.path, progress, device=examined.space.device,
+                       expected_checksum=expected_checksum)
         state.jobs.append(job)
         log.info("event=admitted path=%s rank=%d bytes=%d", pending.path, msg.rank, msg.nbytes)
         # The daemon holds the save now (its slot mapped, its job listed): the client may go on, before the
@@ -169,6 +181,10 @@ class Saves:
         self.state.finish_job(job)
         exc = fut.exception() if fut is not None else None
         record: ShardRecord | None = fut.result() if fut is not None and exc is None else None
+        if record is not None and job.expected_checksum is not None and record.checksum != job.expected_checksum:
+            exc, record = WriteFailed(
+                f"rank {job.commit.rank} of snapshot {pending.path} changed in node memory since the daemon held it "
+                f"(checksum {record.checksum:#010x} now, {job.expected_checksum:#010x} when held): not persisted"), None
         if record is None:
             job.state = WriteState.FAILED
             if exc is not None and pending.state is not CheckpointState.FAILED:
@@ -215,7 +231,7 @@ class Saves:
         pending.state = CheckpointState.COMMITTED
         seconds = time.monotonic() - pending.started_at
         state.stats.committed(pending, seconds)
-        self.on_end(pending.path, True)
+        self.on_end(pending.path, None)
         log.info("event=committed path=%s bytes=%d seconds=%.3f", pending.path, pending.index().total_bytes, seconds)
         for ident, rid, rank in pending.waiting:
             self.send(ident, Done(rid, str(pending.path), pending.shards[rank].size, seconds))
@@ -253,7 +269,7 @@ class Saves:
             exc = InternalError(f"internal error while saving {pending.path}: {exc!r}")
         state = self.state
         state.commits.fail(pending, exc)
-        self.on_end(pending.path, False)
+        self.on_end(pending.path, exc)
         state.stats.error(exc.message)
         log.warning("event=failed path=%s error=%s", pending.path, exc.message)
         for ident, rid, _ in pending.waiting:

@@ -107,6 +107,8 @@ class Server:
                 self._housekeeping()
             if self._should_exit():
                 break
+        for failure in self.holding.drain_failures:
+            log.error("event=drain_persist_failed snapshot=%s", failure)
         log.info("event=exit pid=%d", os.getpid())
 
     def request_stop(self) -> None:

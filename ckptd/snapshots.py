@@ -7,9 +7,10 @@ never reuses or unlinks this one until a ``Held`` reply names it as
 released. A snapshot is complete once every rank of its world is held here
 (on several nodes: once this node's ranks are; the ranks agree among
 themselves). Only then are its ranks told ``Held``, and only then are older
-snapshots in the same directory dropped: the newest ``keep_snapshots`` per
-directory stay, so a snapshot is dropped only after a newer one is completely
-held.
+snapshots of the same job dropped: per directory and client, the newest
+``keep_snapshots`` (by step, then time, as ``latest`` ranks them) stay, so a
+snapshot is dropped only after a newer one is completely held, and never for
+another job's.
 
 The memory budget counts the slots held (whole slots: that is what stays
 resident). A snapshot that would exceed it first evicts the oldest snapshots
@@ -47,6 +48,8 @@ class HeldShard:
     slot: MappedSlot
     pid: int
     """The client whose slot it is (alive or not)."""
+    client: bytes = b""
+    """That client's connection: its snapshots are one job's, which evict only each other."""
     checksum: int | None = None
     """None until the shard is checksummed (the client may still be staging)."""
 
@@ -69,6 +72,9 @@ class HeldSnapshot:
     """Complete and its ranks told: from now on it is a snapshot a restore may use."""
     persisted: bool = False
     persisting: bool = False
+    persist_waiting: list[tuple[bytes, int]] = field(default_factory=list)
+    """(client, request id) of every ``Persist`` owed a ``Done`` or an ``Error`` for this snapshot."""
+    persist_started: float = 0.0
 
     @property
     def checksummed(self) -> bool:
@@ -85,6 +91,11 @@ class HeldSnapshot:
         return sum(s.slot.size for s in self.shards.values())
 
     @property
+    def nbytes_staged(self) -> int:
+        """The checkpoint's bytes (its shards' sizes, not the slots')."""
+        return sum(s.msg.nbytes for s in self.shards.values())
+
+    @property
     def order(self) -> tuple[int, float]:
         return (self.step if self.step is not None else -1, self.created)
 
@@ -92,9 +103,10 @@ class HeldSnapshot:
         """The snapshot as ``Snapshots`` and ``ckptd status`` report it (keys documented in the README)."""
         return {
             "path": str(self.path), "step": self.step, "world_size": self.world_size, "created": self.created,
-            "bytes": sum(s.msg.nbytes for s in self.shards.values()), "held_bytes": self.nbytes,
+            "bytes": self.nbytes_staged, "held_bytes": self.nbytes,
             "ranks_held": sorted(r for r, s in self.shards.items() if s.checksum is not None),
             "complete": self.acknowledged, "persisted": self.persisted, "persisting": self.persisting,
+            "persists_waiting": len(self.persist_waiting),
             "checksum_algorithm": CHECKSUM_ALGORITHM,
             "shards": [[r, s.slot.name, s.msg.nbytes, s.checksum, len(s.msg.tensors)]
                        for r, s in sorted(self.shards.items()) if s.checksum is not None],
@@ -134,7 +146,7 @@ class Snapshots:
         if snap is None:
             snap = self.held[final] = HeldSnapshot(final, msg.world_size, msg.step, msg.coordinated, msg.timeout)
         snap.timeout = min(snap.timeout, msg.timeout)
-        snap.shards[msg.rank] = HeldShard(msg, slot, pid)
+        snap.shards[msg.rank] = HeldShard(msg, slot, pid, client)
         snap.waiting.append((client, msg.id, pid, msg.nbytes))
         return snap, evicted
 
@@ -158,11 +170,20 @@ class Snapshots:
         return evicted
 
     def newer_than_kept(self, snap: HeldSnapshot) -> list[HeldSnapshot]:
-        """Once ``snap`` is complete: the acknowledged snapshots of its directory beyond ``snap`` and the newest
-        ``keep - 1`` others (never ``snap`` itself, even with a lower step)."""
-        peers = sorted((s for s in self.held.values() if s.acknowledged and s.path.parent == snap.path.parent
-                        and not s.persisting and s is not snap), key=lambda s: s.order, reverse=True)
-        dropped = peers[self.keep - 1:]
+        """Once ``snap`` is complete: the snapshots of its job to drop, dropped from the books.
+
+        Its job's snapshots are the acknowledged ones in its directory held
+        from the same client connections; the newest ``keep`` of them (by
+        ``order``, as ``latest`` ranks them) stay, and so does ``snap``
+        itself: a snapshot is never dropped for an older one, nor for another
+        job's (a job that is gone leaves its newest persisted on exit, and
+        the budget evicts what is on disk).
+        """
+        clients = {sh.client for sh in snap.shards.values()}
+        job = sorted((s for s in self.held.values() if s.acknowledged and s.path.parent == snap.path.parent
+                      and not s.persisting and clients & {sh.client for sh in s.shards.values()}),
+                     key=lambda s: s.order, reverse=True)
+        dropped = [s for s in job[self.keep:] if s is not snap]
         for s in dropped:
             del self.held[s.path]
         return dropped

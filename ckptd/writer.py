@@ -112,6 +112,8 @@ class WriteJob:
     finished_at: float | None = None
     record: ShardRecord | None = None
     error: CkptdError | None = None
+    expected_checksum: int | None = None
+    """A held snapshot's checksum, taken when the daemon took its slot over: the write must match it."""
 
 
 def write_shard(job: WriteJob, storage: Storage, checksums: Executor, *, direct: bool, chunk: int) -> ShardRecord:

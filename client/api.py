@@ -117,6 +117,8 @@ class Client:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptd-stage")
         """Background staging, and waiting for CUDA copies to land."""
         self._futures: set[SaveFuture] = set()
+        self._snapshotting: dict[SaveFuture, str] = {}
+        """Pending snapshots (``persist=False``) by path: ``persist`` of one waits for it to be held."""
         self._lock = threading.Lock()
         self._closed = False
         self._conn = self._connect()
@@ -188,6 +190,8 @@ class Client:
         fut = SaveFuture()
         with self._lock:
             self._futures.add(fut)
+            if not persist:
+                self._snapshotting[fut] = target
         fut.add_done_callback(self._forget)
         req = _Request(flat, target, step, overwrite, keep_last or self.keep_last, started,
                        waited=time.monotonic() - started, persist=persist)
@@ -329,6 +333,7 @@ class Client:
     def _forget(self, fut: Future) -> None:
         with self._lock:
             self._futures.discard(fut)
+            self._snapshotting.pop(fut, None)
 
     def _reconnect_if_lost(self) -> None:
         """After the daemon died, reach (or respawn) a daemon before the next save."""
@@ -350,16 +355,29 @@ class Client:
         """Write the memory snapshot ``path`` (held by this node's daemon) to disk; returns once it is committed.
 
         The daemon writes it from the memory it holds, exactly like a save
-        (``.incomplete``, fsync, rename), and keeps holding it. Raises
-        ``InvalidCheckpoint`` if the daemon holds no complete snapshot there.
+        (``.incomplete``, fsync, rename), with the snapshot's own
+        ``overwrite`` and ``keep_last``, and keeps holding it. Every rank may
+        call it, right after ``save_async(..., persist=False)``: it waits for
+        this client's snapshot of ``path`` to be held and for the snapshot to
+        be complete, and a snapshot already persisted returns at once. Raises
+        ``InvalidCheckpoint`` if the daemon holds no snapshot there.
         """
         self._check_process()
         if self._closed:
             raise RuntimeError("this ckptd client is closed")
         target = os.path.abspath(check_path("path", path))
         wait = self.commit_timeout if timeout is None else check_seconds("timeout", timeout)
+        deadline = time.monotonic() + wait
+        with self._lock:
+            mine = [f for f, p in self._snapshotting.items() if p == target]
+        _, late = concurrent.futures.wait(mine, wait)  # its failure is the save's to report; the daemon says why
+        if late:
+            raise TimeoutError(f"persist({target!r}): this client's snapshot of it was not held within {wait:g} s")
         self._reconnect_if_lost()
-        done = self._conn.call(Persist(self._conn.next_id(), target), timeout=wait)
+        try:
+            done = self._conn.call(Persist(self._conn.next_id(), target), timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise TimeoutError(f"persist({target!r}) was not committed to disk within {wait:g} s") from None
         assert isinstance(done, Done)
         return Path(done.path)
 

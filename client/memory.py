@@ -2,11 +2,11 @@
 
 The daemon keeps each snapshot's shards in the slots its clients staged them
 in (``Snapshots`` lists them: path, step, ranks, slot names, checksums). A
-reader maps a held slot copy-on-write (read-only towards the daemon) and
-reads tensors straight out of it: no disk, memcpy speed, checked against the
-checksum the daemon computed when it took the slot over. A snapshot the
-daemon drops while it is being read fails that check, and the reader falls
-back to disk when the checkpoint is there too.
+reader reads a held slot into its own memory (no disk, memcpy speed) and
+checks those bytes against the checksum the daemon computed when it took the
+slot over; tensors view or copy only checked bytes. A snapshot the daemon
+drops while it is being read fails that check, and the reader falls back to
+disk when the checkpoint is there too, or says the snapshot was dropped.
 
 ``latest`` merges disk and memory: the newest committed checkpoint or complete
 snapshot. With torch.distributed initialized every rank asks its own daemon,
@@ -16,28 +16,26 @@ that any rank's daemon lacks is never chosen.
 
 from __future__ import annotations
 
-import mmap as _mmap
 import os
-import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ckptd.protocol import checksums
+from ckptd.protocol.checksums import Behind
 from ckptd.protocol.chunks import tensor_table
 from ckptd.protocol.endpoint import endpoint_for
 from ckptd.protocol.errors import BadMessage, DaemonUnavailable, InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
 from ckptd.protocol.index import latest as latest_on_disk
 from ckptd.protocol.inspect import check_checksum
-from ckptd.protocol.layout import TensorEntry, parse_header
+from ckptd.protocol.layout import MAX_HEADER_BYTES, TensorEntry, parse_header
 from ckptd.protocol.messages import SnapshotList, Snapshots
+from ckptd.protocol.objects import is_object_path
 from ckptd.protocol.request import request
 from ckptd.protocol.shm import shm_dir
 
-from .reshard import ChunkFiles
+from .reshard import GAP_READ, ChunkFiles, bytes_of, map_shard
 
 ASK_TIMEOUT = 5.0
 """Seconds to wait for the daemon's list of snapshots (it answers from memory)."""
@@ -71,86 +69,103 @@ class HeldFiles(ChunkFiles):
     The index is built from the daemon's list and the slots' own headers,
     so everything that reads a committed checkpoint (``load``, ``load_into``,
     resharding) reads a snapshot the same way.
+
+    The slots stay shared with the daemon, which may drop the snapshot and
+    hand a slot back to its trainer, who stages the next step into it while
+    this reads. So each shard is read once into this process's own memory
+    and checksummed there: the bytes every tensor views (or is copied from)
+    are the bytes that passed the check, and a shard that changed during the
+    read fails it. That is then told as what it is, a snapshot dropped while
+    read; if it was persisted, the disk copy is read instead.
     """
 
-    def __init__(self, path: Path, held: dict[str, Any], *, verify: bool) -> None:
-        self.path = path
-        self.slots = {name: (rank, size, checksum) for rank, name, size, checksum, _ in held["shards"]}
-        self._raw: dict[str, _mmap.mmap] = {}
-        files = tuple(ShardRecord(name, rank, size, checksum, tensors)
-                      for rank, name, size, checksum, tensors in held["shards"])
-        headers = []
-        for f in files:
-            entries, metadata, data_start = self._header(f)
-            headers.append((f.file, f.size, entries, metadata, data_start))
+    def __init__(self, path: Path, held: dict[str, Any], *, verify: bool,
+                 run_dir: str | os.PathLike | None = None) -> None:
+        self.path, self.run_dir = path, run_dir
+        self.slots = {name: (rank, size, crc) for rank, name, size, crc, _ in held["shards"]}
+        files = tuple(ShardRecord(name, rank, size, crc, tensors) for rank, name, size, crc, tensors in held["shards"])
+        self._headers = {f.file: self._header(f) for f in files}
         try:
-            tensors = tensor_table(headers)
+            tensors = tensor_table([(f.file, f.size, *self._headers[f.file]) for f in files])
         except ValueError as exc:
             raise InvalidCheckpoint(f"snapshot {path} cannot be read from memory: {exc}") from None
         index = CheckpointIndex(world_size=held["world_size"], step=held["step"], created=held["created"],
                                 files=files, tensors=tensors, checksum_algorithm=held["checksum_algorithm"])
         super().__init__(path, index, verify=verify)
 
-    def _map(self, name: str, size: int) -> _mmap.mmap:
-        if name not in self._raw:
-            try:
-                with open(shm_dir() / name, "rb") as f:
-                    self._raw[name] = _mmap.mmap(f.fileno(), size, _mmap.MAP_PRIVATE,
-                                                 _mmap.PROT_READ | _mmap.PROT_WRITE)
-            except (OSError, ValueError) as exc:
-                raise InvalidCheckpoint(f"snapshot {self.path}: its slot {name} is gone ({exc})") from None
-        return self._raw[name]
-
     def _header(self, f: ShardRecord) -> tuple[list[TensorEntry], dict[str, str], int]:
         try:
-            return parse_header(memoryview(self._map(f.file, f.size)), f.size)
+            with open(shm_dir() / f.file, "rb", buffering=0) as slot:
+                prefix = os.pread(slot.fileno(), 8, 0)
+                hlen = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+                prefix += os.pread(slot.fileno(), max(0, min(hlen, f.size - 8, MAX_HEADER_BYTES)), 8)
+        except OSError as exc:
+            raise InvalidCheckpoint(f"snapshot {self.path}: its slot {f.file} is gone ({exc})") from None
+        try:
+            return parse_header(prefix, f.size)
         except BadMessage as exc:
             raise InvalidCheckpoint(f"snapshot {self.path}, rank {f.rank}: bad header in memory: {exc}") from None
 
     def mapped(self, file: str) -> torch.Tensor:
-        """The held shard as bytes, checksummed once (a view of this process's copy-on-write mapping)."""
+        """The held shard's bytes, read into this process's memory and checksummed there, once."""
         if file not in self._maps:
-            rank, size, checksum = self.slots[file]
-            mapping = self._map(file, size)
-            if self.verify:
-                record = self.index.shard(rank)
-                algorithm = self.index.checksum_algorithm
-                check_checksum(self.path / f"rank {rank} in memory",
-                               checksums.checksum(memoryview(mapping)[:size], algorithm),
-                               record, algorithm)
-            self._maps[file] = torch.frombuffer(mapping, dtype=torch.uint8)[:size]
+            rank, size, _ = self.slots[file]
+            record = self.index.shard(rank)
+            data = torch.empty(size, dtype=torch.uint8)
+            try:
+                crc = self._read_slot(record, bytes_of(data))
+                if crc is not None:
+                    check_checksum(self.path / f"rank {rank} in memory", crc, record, self.index.checksum_algorithm)
+                if parse_header(bytes_of(data), size) != self._headers[file]:  # unverified: still the same layout?
+                    raise InvalidCheckpoint(f"snapshot {self.path}: the header of rank {rank} changed while read")
+            except InvalidCheckpoint as exc:
+                data = self._instead_of_dropped(record, exc)
+            self._maps[file] = data
         return self._maps[file]
 
+    def _read_slot(self, record: ShardRecord, into: memoryview) -> int | None:
+        """Read the slot into ``into`` in large pieces, each checksummed right behind the read (``verify``)."""
+        try:
+            with open(shm_dir() / record.file, "rb", buffering=0) as slot, Behind(self.index.checksum_algorithm) as crc:
+                for offset in range(0, record.size, GAP_READ):
+                    piece = into[offset : offset + GAP_READ]
+                    if os.preadv(slot.fileno(), [piece], offset) != len(piece):
+                        raise InvalidCheckpoint(f"snapshot {self.path}: its slot {record.file} shrank while read")
+                    if self.verify:
+                        crc.add(piece)
+                return crc.value() if self.verify else None
+        except OSError as exc:
+            raise InvalidCheckpoint(f"snapshot {self.path}: its slot {record.file} is gone ({exc})") from None
+
+    def _instead_of_dropped(self, record: ShardRecord, exc: InvalidCheckpoint) -> torch.Tensor:
+        """A shard that failed its read: the daemon's disk copy of it when the snapshot was dropped after being
+        persisted, else an error that says whether the snapshot was dropped while it was read."""
+        still = find_held(self.path, self.run_dir)
+        same = [record.rank, record.file, record.size, record.checksum]
+        if still is not None and same in [s[:4] for s in still["shards"]]:
+            raise exc  # still held, yet wrong: damaged memory, not a drop
+        try:
+            on_disk = read_index(self.path)
+            disk = on_disk.shard(record.rank)
+        except (InvalidCheckpoint, KeyError, IndexError):
+            raise InvalidCheckpoint(
+                f"memory snapshot {self.path} was dropped by the daemon while rank {record.rank} was being read "
+                f"(a newer snapshot took its memory: --keep-snapshots), and it is not on disk; nothing was loaded. "
+                f"Load the newer one (ckptd.latest), or persist snapshots that must stay readable") from None
+        if (disk.checksum, on_disk.checksum_algorithm) != (record.checksum, self.index.checksum_algorithm):
+            raise InvalidCheckpoint(f"memory snapshot {self.path} was dropped while rank {record.rank} was being "
+                                    f"read, and the checkpoint on disk under that path holds other bytes") from None
+        mapping, _ = map_shard(self.path / disk.file, disk, verify=True, algorithm=on_disk.checksum_algorithm)
+        self._raw[record.file] = mapping
+        return torch.frombuffer(mapping, dtype=torch.uint8)
+
     def read(self, record: ShardRecord, *, copy: bool) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-        """One rank's tensors: owned copies, checksummed as copied (``copy``), else views of the verified mapping."""
+        """One rank's tensors, views of its verified bytes (this process's own memory either way: ``copy`` is moot)."""
         from .load import _typed  # load imports this module
 
-        entries, metadata, data_start = self._header(record)
-        if not copy:
-            data = self.mapped(record.file)
-            return metadata, {e.name: _typed(data[data_start + e.begin : data_start + e.end], e) for e in entries}
-        # Shared and read-only, pre-faulted in one pass (a private writable one would copy every page), and
-        # checksummed on a second thread while this one copies: the two passes overlap.
-        with self._shared(record) as shared, ThreadPoolExecutor(1) as pool:
-            crc = (pool.submit(checksums.checksum, memoryview(shared)[: record.size], self.index.checksum_algorithm)
-                   if self.verify else None)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # read-only: only ever copied from
-                raw = torch.frombuffer(shared, dtype=torch.uint8)
-            tensors = {e.name: _typed(raw[data_start + e.begin : data_start + e.end].clone(), e) for e in entries}
-            del raw
-            if crc is not None:
-                check_checksum(self.path / f"rank {record.rank} in memory", crc.result(), record,
-                               self.index.checksum_algorithm)
-        return metadata, tensors
-
-    def _shared(self, record: ShardRecord) -> _mmap.mmap:
-        try:
-            with open(shm_dir() / record.file, "rb") as f:
-                return _mmap.mmap(f.fileno(), record.size, _mmap.MAP_SHARED | getattr(_mmap, "MAP_POPULATE", 0),
-                                  _mmap.PROT_READ)
-        except (OSError, ValueError) as exc:
-            raise InvalidCheckpoint(f"snapshot {self.path}: its slot {record.file} is gone ({exc})") from None
+        data = self.mapped(record.file)
+        entries, metadata, data_start = self._headers[record.file]
+        return metadata, {e.name: _typed(data[data_start + e.begin : data_start + e.end], e) for e in entries}
 
 
 def open_checkpoint(path: Path, *, verify: bool, run_dir: str | os.PathLike | None = None,
@@ -159,11 +174,19 @@ def open_checkpoint(path: Path, *, verify: bool, run_dir: str | os.PathLike | No
     held = find_held(path, run_dir)
     if held is not None:
         try:
-            return HeldFiles(path, held, verify=verify)
-        except InvalidCheckpoint:
+            return HeldFiles(path, held, verify=verify, run_dir=run_dir)
+        except InvalidCheckpoint as exc:
             if not path.exists():
-                raise
-    return ChunkFiles(path, read_index(path), verify=verify, defer=defer)
+                raise InvalidCheckpoint(f"memory snapshot {path} was dropped by the daemon as it was opened, and it "
+                                        f"is not on disk: {exc}") from None
+    try:
+        index = read_index(path)
+    except InvalidCheckpoint as exc:
+        if path.exists() or is_object_path(path):
+            raise
+        raise InvalidCheckpoint(f"{exc}; nor does this node's daemon hold a memory snapshot of it (a snapshot is "
+                                f"dropped once --keep-snapshots newer ones of its job are held)") from None
+    return ChunkFiles(path, index, verify=verify, defer=defer)
 
 
 def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None) -> Path | None:

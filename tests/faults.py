@@ -6,6 +6,7 @@ faults as JSON in ``CKPTD_FAULTS``; production code knows nothing of it.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -15,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd.storage import LocalStorage
+from ckptd.storage import LocalStorage, Space
 
 log = logging.getLogger("ckptd")
 SPEC = "tests.faults:FaultyStorage"
@@ -29,7 +30,8 @@ class Fault:
 
     ``op`` is one of open, write, fsync, write_file, fsync_dir, rename,
     exchange (the swap of an overwrite; its path is the final name), touch
-    (owner markers), unlink, remove_tree. Each fault that acts logs
+    (owner markers), unlink, remove_tree, and space: the filesystem reports
+    no free space (until the ``wait_for`` file exists, if one is named). Each fault that acts logs
     ``event=fault`` first, so a test can tell which call it hit.
     """
 
@@ -116,6 +118,14 @@ class FaultyStorage(LocalStorage):
 
     def unlink(self, path: Path) -> None:
         self._around("unlink", str(path), super().unlink, path)
+
+    def space(self, path: Path) -> Space:
+        room = super().space(path)
+        for f in self.faults:
+            if f.hits("space", str(path), False) and not (f.wait_for and os.path.exists(f.wait_for)):
+                log.warning("event=fault op=space action=full path=%s", path)
+                return dataclasses.replace(room, free=0)
+        return room
 
     def remove_tree(self, path: Path) -> None:
         self._around("remove_tree", str(path), super().remove_tree, path)

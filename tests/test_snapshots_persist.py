@@ -1,0 +1,153 @@
+"""Persisting memory snapshots: what a new user broke, each against a real daemon.
+
+A persist that is refused leaves the snapshot held and retried at the
+drain; a drain that still cannot persist says so through ``ckptd stop``; a
+snapshot saved with ``overwrite`` persists over the checkpoint it replaced;
+a disk save of a held path replaces the snapshot for readers; persist waits
+for a snapshot's ranks and answers every rank; and bytes that changed in
+memory are never written as a checkpoint that verifies.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd
+from ckptd.client.memory import held_snapshots
+
+from helpers import SHM, wait_until
+
+
+def full(value: float, n: int = 50_000) -> dict:
+    return {"w": torch.full((n,), float(value))}
+
+
+def held(daemon, path: Path) -> dict:
+    return next(s for s in daemon.status()["memory"]["snapshots"] if s["path"] == str(path))
+
+
+def test_a_persist_refused_for_space_leaves_the_snapshot_held_and_the_drain_persists_it(
+    daemon_factory, client_factory, root, run_dir, tmp_path
+) -> None:
+    room = tmp_path / "room"
+    daemon = daemon_factory(faults=[{"op": "space", "match": str(root), "wait_for": str(room)}])
+    client = client_factory()
+    client.save_async(full(1), root / "s1", step=1, persist=False).result(30)
+    with pytest.raises(ckptd.NoSpace):
+        client.persist(root / "s1")
+    snap = held(daemon, root / "s1")
+    assert (snap["persisting"], snap["persisted"]) == (False, False)
+    room.touch()  # space again: the drain must try once more
+    assert daemon.stop() == 0
+    assert ckptd.load(root / "s1")["w"].equal(full(1)["w"])
+    assert "event=drain_persist snapshots=1" in (run_dir / "ckptd.log").read_text()
+
+
+def test_a_drain_that_cannot_persist_makes_ckptd_stop_fail_naming_the_lost_snapshot(
+    daemon_factory, client_factory, root, run_dir
+) -> None:
+    daemon = daemon_factory(faults=[{"op": "space", "match": str(root)}])
+    client = client_factory()
+    client.save_async(full(2), root / "s2", step=2, persist=False).result(30)
+    stopped = daemon.cli("stop")
+    assert stopped.returncode != 0, stopped.stdout
+    assert "could not persist 1 held snapshot(s)" in stopped.stderr and str(root / "s2") in stopped.stderr
+    assert daemon.proc.wait(30) == 0
+    assert "event=drain_persist_failed" in (run_dir / "ckptd.log").read_text()
+    assert not (root / "s2").exists()
+
+
+def test_a_snapshot_saved_with_overwrite_persists_over_the_checkpoint_it_replaces(
+    daemon, client_factory, root, run_dir
+) -> None:
+    client = client_factory()
+    for name in ("explicit", "on-exit"):
+        client.save_async(full(1), root / name, step=1).result(30)
+        client.save_async(full(2), root / name, step=2, persist=False, overwrite=True).result(30)
+        assert ckptd.load(root / name, run_dir=run_dir)["w"].equal(full(2)["w"])
+        if name == "explicit":
+            assert client.persist(root / "explicit") == root / "explicit"
+            assert ckptd.read_index(root / "explicit").step == 2
+    client.close()
+    wait_until(lambda: ckptd.read_index(root / "on-exit").step == 2, 20, "the snapshot is persisted on exit")
+    assert ckptd.load(root / "on-exit")["w"].equal(full(2)["w"])
+    daemon.stop()
+
+
+def test_a_disk_save_of_a_held_path_replaces_the_snapshot_for_every_reader(daemon, client_factory, root,
+                                                                             run_dir) -> None:
+    client = client_factory()
+    client.save_async(full(1), root / "persisted", step=1, persist=False).result(30)
+    client.persist(root / "persisted")
+    client.save_async(full(2), root / "persisted", step=2, overwrite=True).result(30)
+    client.save_async(full(3), root / "memory-only", step=3, persist=False).result(30)
+    client.save_async(full(4), root / "memory-only", step=4).result(30)
+    for name, value in (("persisted", 2), ("memory-only", 4)):
+        assert ckptd.load(root / name, run_dir=run_dir)["w"].equal(full(value)["w"]), name
+        target = full(0)
+        ckptd.load_into(target, root / name, run_dir=run_dir)
+        assert target["w"].equal(full(value)["w"]), name
+    assert held_snapshots(run_dir) == []
+    assert "reason=saved_to_disk" in (run_dir / "ckptd.log").read_text()
+    daemon.stop()
+
+
+def test_persist_waits_for_every_rank_and_answers_every_caller_once_committed(daemon, client_factory, root,
+                                                                            run_dir) -> None:
+    rank0, rank1 = (client_factory(rank=r, world_size=2) for r in (0, 1))
+    persister = client_factory()  # no snapshot of its own: the daemon is what waits
+    first = rank0.save_async(full(0), root / "s1", step=1, persist=False)
+    wait_until(lambda: held(daemon, root / "s1")["ranks_held"] == [0], 10, "rank 0 is held")
+    with ThreadPoolExecutor(2) as pool:
+        early = [pool.submit(c.persist, root / "s1") for c in (persister, rank0)]  # rank 0 waits for its own Held
+        wait_until(lambda: held(daemon, root / "s1")["persists_waiting"] == 1, 10, "the daemon holds the persist")
+        assert not any(f.done() for f in early)
+        second = rank1.save_async(full(1), root / "s1", step=1, persist=False)
+        assert [f.result(30) for f in early] == [root / "s1"] * 2
+    assert [f.result(30).path for f in (first, second)] == [root / "s1"] * 2
+    assert rank1.persist(root / "s1") == root / "s1"  # already on disk: answered at once
+    assert ckptd.read_index(root / "s1").world_size == 2
+    for r in (0, 1):
+        assert ckptd.load(root / "s1", rank=r)["w"].equal(full(r)["w"])
+    daemon.stop()
+
+
+def test_persist_right_after_staging_never_finds_the_snapshot_missing(daemon, client_factory, root) -> None:
+    client = client_factory()
+    for step in range(10):
+        client.save_async(full(step), root / f"step-{step}", step=step, persist=False).wait_staged()
+        assert client.persist(root / f"step-{step}") == root / f"step-{step}"
+    assert ckptd.load(root / "step-9")["w"].equal(full(9)["w"])
+    daemon.stop()
+
+
+def test_persist_refuses_a_snapshot_whose_bytes_changed_in_memory(daemon, client_factory, root, run_dir) -> None:
+    client = client_factory()
+    client.save_async(full(5), root / "s5", step=5, persist=False).result(30)
+    [(_, slot, size, _, _)] = held_snapshots(run_dir)[0]["shards"]
+    with open(SHM / slot, "r+b") as f:  # one bit of a tensor flips in node memory
+        f.seek(size - 1)
+        byte = f.read(1)
+        f.seek(size - 1)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ckptd.WriteFailed, match="changed in node memory since the daemon held it"):
+        client.persist(root / "s5")
+    assert not (root / "s5").exists()
+    with pytest.raises(ckptd.InvalidCheckpoint, match="checksum"):
+        ckptd.load(root / "s5", run_dir=run_dir)
+    daemon.stop()
+
+
+def test_a_persist_that_times_out_says_what_it_waited_for(daemon_factory, client_factory, root, tmp_path) -> None:
+    go = tmp_path / "go"
+    daemon = daemon_factory(faults=[{"op": "fsync", "match": "/slow.incomplete/", "errno": 0, "wait_for": str(go)}])
+    client = client_factory()
+    client.save_async(full(1), root / "slow", step=1, persist=False).result(30)
+    with pytest.raises(TimeoutError, match=r"persist\(.*slow'\) was not committed to disk within 0.5 s"):
+        client.persist(root / "slow", timeout=0.5)
+    go.touch()
+    daemon.stop()

@@ -1,0 +1,107 @@
+"""Reading and keeping memory snapshots while their trainer goes on: what a new user broke.
+
+The trainer's next save reuses the slot of a snapshot the daemon dropped:
+what a reader loaded must not change under it, and a read the drop overtakes
+says so (or reads the persisted copy). Eviction keeps each job's newest
+snapshots by step, never another job's; a snapshot that could never be
+persisted is refused when saved; ``ckptd list`` shows a directory that only
+memory holds; ``keep_last`` applies when the snapshot is persisted on exit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckptd
+from ckptd.client.memory import held_snapshots, open_checkpoint
+
+from helpers import wait_until
+
+
+def full(value: float, n: int = 50_000) -> dict:
+    return {"w": torch.full((n,), float(value))}
+
+
+def held_paths(run_dir) -> set[str]:
+    return {s["path"] for s in held_snapshots(run_dir)}
+
+
+def test_tensors_loaded_from_memory_stay_as_verified_when_the_trainer_reuses_the_slot(
+    daemon, client_factory, root, run_dir
+) -> None:
+    client = client_factory()
+    client.save_async(full(1), root / "s1", step=1, persist=False).result(30)
+    views = ckptd.load(root / "s1", run_dir=run_dir, mmap=True)
+    copies = ckptd.load(root / "s1", run_dir=run_dir)
+    client.save_async(full(2), root / "s2", step=2, persist=False).result(30)  # drops s1: its slot goes back
+    client.save_async(full(3), root / "s3", step=3, persist=False).result(30)  # staged into s1's old slot
+    assert views["w"].equal(full(1)["w"]) and copies["w"].equal(full(1)["w"])
+    daemon.stop()
+
+
+def test_a_snapshot_dropped_while_it_is_read_says_so_or_is_read_from_its_disk_copy(
+    daemon, client_factory, root, run_dir
+) -> None:
+    client = client_factory()
+    client.save_async(full(1), root / "mem-only", step=1, persist=False).result(30)
+    lost = open_checkpoint(root / "mem-only", verify=True, run_dir=run_dir)
+    client.save_async(full(2), root / "kept", step=2, persist=False).result(30)
+    client.persist(root / "kept")
+    kept = open_checkpoint(root / "kept", verify=True, run_dir=run_dir)
+    for step in (3, 4):  # each drops the one before; step 4 is staged into the slot "kept" was read from
+        client.save_async(full(step), root / f"s{step}", step=step, persist=False).result(30)
+    with pytest.raises(ckptd.InvalidCheckpoint, match="was dropped by the daemon while rank 0 was being read"):
+        lost.read(lost.index.shard(0), copy=True)
+    _, tensors = kept.read(kept.index.shard(0), copy=True)
+    assert tensors["w"].equal(full(2)["w"])  # the persisted copy, same checksum
+    with pytest.raises(ckptd.InvalidCheckpoint, match="nor does this node's daemon hold a memory snapshot"):
+        ckptd.load(root / "mem-only", run_dir=run_dir)
+    daemon.stop()
+
+
+def test_eviction_keeps_each_jobs_newest_by_step_and_never_another_jobs(daemon, client_factory, root,
+                                                                        run_dir) -> None:
+    job_a, job_b = client_factory(), client_factory()
+    job_a.save_async(full(1), root / "a-1", step=1, persist=False).result(30)
+    job_b.save_async(full(5), root / "b-5", step=5, persist=False).result(30)
+    assert held_paths(run_dir) == {str(root / "a-1"), str(root / "b-5")}
+    job_a.save_async(full(20), root / "a-20", step=20, persist=False).result(30)
+    job_a.save_async(full(0), root / "a-stepless", persist=False).result(30)
+    assert held_paths(run_dir) == {str(root / "b-5"), str(root / "a-20"), str(root / "a-stepless")}
+    job_a.save_async(full(0), root / "a-stepless-2", persist=False).result(30)  # still bounded
+    assert held_paths(run_dir) == {str(root / "b-5"), str(root / "a-20"), str(root / "a-stepless-2")}
+    assert ckptd.latest(root, run_dir=run_dir) == root / "a-20"
+    daemon.stop()
+
+
+def test_a_snapshot_under_a_regular_file_is_refused_when_saved(daemon, client_factory, root, run_dir) -> None:
+    (root / "a-file").write_text("not a directory")
+    client = client_factory()
+    for path in (root / "a-file" / "s1", root / "a-file" / "sub" / "s1"):
+        with pytest.raises(ckptd.PathNotAllowed, match=f"could never be persisted: {root / 'a-file'} is not a dir"):
+            client.save_async(full(1), path, step=1, persist=False).result(30)
+    client.save_async(full(1), root / "new-dir" / "s1", step=1, persist=False).result(30)  # made when persisted
+    assert held_paths(run_dir) == {str(root / "new-dir" / "s1")}
+    daemon.stop()
+
+
+def test_ckptd_list_shows_a_directory_only_memory_holds(daemon, client_factory, root) -> None:
+    client = client_factory()
+    client.save_async(full(1), root / "only-in-memory" / "s1", step=1, persist=False).result(30)
+    listed = daemon.cli("list", str(root / "only-in-memory"))
+    assert listed.returncode == 0, listed.stderr
+    assert "s1" in listed.stdout and "memory" in listed.stdout
+    missing = daemon.cli("list", str(root / "nothing-here"))
+    assert missing.returncode != 0 and "holds no snapshots under it" in missing.stderr
+    daemon.stop()
+
+
+def test_keep_last_of_a_snapshot_applies_when_it_is_persisted_on_exit(daemon, client_factory, root) -> None:
+    client = client_factory()
+    client.save_async(full(1), root / "k1", step=1).result(30)
+    client.save_async(full(2), root / "k2", step=2, persist=False, keep_last=1).result(30)
+    client.close()
+    wait_until(lambda: (root / "k2" / "ckptd.json").exists() and not (root / "k1").exists(), 20,
+               "k2 persisted on exit and k1 removed by its keep_last")
+    daemon.stop()
