@@ -104,17 +104,51 @@ def store(bucket: str) -> Any:
         return _stores[bucket]
 
 
+def _endpoint() -> str:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the AWS S3 endpoint"
+
+
 def os_error(exc: Exception, path: Path | str) -> OSError:
-    """An ``obstore`` failure as an ``OSError`` naming the object (and a missing bucket)."""
+    """An ``obstore`` failure as an ``OSError`` naming the object, and what went wrong in words.
+
+    A missing bucket names the bucket; refused credentials are a
+    ``PermissionError``; missing credentials and an endpoint that cannot be
+    reached (or does not answer) say so and name the endpoint.
+    """
     text = str(exc)
+    kind = type(exc).__name__
     bucket = Path(path).parts[1] if len(Path(path).parts) > 1 else "?"
     if "NoSuchBucket" in text:
         return FileNotFoundError(errno.ENOENT, f"bucket {bucket!r} does not exist", object_url(path))
-    if type(exc).__name__ == "AlreadyExistsError":
+    if kind == "AlreadyExistsError":
         return FileExistsError(errno.EEXIST, "already exists", object_url(path))
-    if isinstance(exc, FileNotFoundError):
+    if kind in ("PermissionDeniedError", "UnauthenticatedError") or "AccessDenied" in text or "403" in text:
+        return PermissionError(errno.EACCES, f"access denied to bucket {bucket!r}: {_first_line(text)}",
+                               object_url(path))
+    if isinstance(exc, FileNotFoundError) or kind == "NotFoundError":
         return FileNotFoundError(errno.ENOENT, "no such object", object_url(path))
-    return OSError(errno.EIO, f"object store request failed: {text.splitlines()[0][:300]}", object_url(path))
+    lowered = text.lower()
+    if "credential" in lowered:
+        return PermissionError(errno.EACCES, f"no usable AWS credentials for bucket {bucket!r} (set AWS_ACCESS_KEY_ID "
+                               f"and AWS_SECRET_ACCESS_KEY or ~/.aws/credentials): {_first_line(text)}",
+                               object_url(path))
+    if any(word in lowered for word in ("connect", "timed out", "timeout", "dns error", "error sending request")):
+        return ConnectionError(errno.EHOSTUNREACH, f"endpoint {_endpoint()} unreachable for bucket {bucket!r}: "
+                               f"{_first_line(text)}", object_url(path))
+    return OSError(errno.EIO, f"object store request failed: {_first_line(text)}", object_url(path))
+
+
+def _first_line(text: str) -> str:
+    return text.splitlines()[0][:300] if text else "(no detail)"
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """Whether retrying cannot help: no bucket, access refused, the name taken, the source gone."""
+    from .errors import InvalidCheckpoint
+
+    if isinstance(exc, FileNotFoundError):
+        return "bucket" in str(exc.strerror)
+    return isinstance(exc, (FileExistsError, PermissionError, InvalidCheckpoint))
 
 
 def call(path: Path | str, fn: Any, *args: Any, **kwargs: Any) -> Any:
