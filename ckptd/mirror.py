@@ -237,6 +237,12 @@ class Mirrors:
         except Exception as exc:  # noqa: BLE001 - every failure is reported, transient ones retried
             self._failed(checkpoint, upload, exc)
             return
+        log.info("event=mirrored path=%s dest=%s bytes=%d", checkpoint, upload.dest, upload.sent)
+        try:
+            if self.keep is not None:
+                apply_retention(self.storage, dest, self.keep, set())
+        except Exception as exc:  # noqa: BLE001 - the upload stands; retention reports its own failure
+            log.error("event=mirror_retention_failed path=%s error=%r", checkpoint, exc)
         with self._cond:
             self._mirrored.add(checkpoint)
             upload.state, upload.error = "uploaded", None
@@ -244,15 +250,12 @@ class Mirrors:
             self.counts["uploaded"] += 1
             self.uploads.pop(checkpoint, None)
             self.recent.append(upload)
-        log.info("event=mirrored path=%s dest=%s bytes=%d", checkpoint, upload.dest, upload.sent)
         try:
-            if self.keep is not None:
-                apply_retention(self.storage, dest, self.keep, set())
             beside = committed_in(self.storage, checkpoint.parent)
             if self.after_upload is not None and beside:
                 self.after_upload(beside[-1][1])  # local retention may now delete it: run it for the newest there
-        except Exception as exc:  # noqa: BLE001 - the upload stands; retention reports its own failure
-            log.error("event=mirror_retention_failed path=%s error=%r", checkpoint, exc)
+        except OSError as exc:  # the checkpoint stays until the next retention
+            log.error("event=mirror_local_retention_failed path=%s error=%r", checkpoint, exc)
 
     def _failed(self, checkpoint: Path, upload: Upload, exc: Exception) -> None:
         upload.error = getattr(exc, "message", None) or " ".join(

@@ -258,7 +258,7 @@ def committed_in(directory: Path | str) -> list[tuple[tuple[int, float], Path]]:
         else:
             paths = [Path(e.path) for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
     except OSError as exc:
-        if objects.is_object_path(directory) and "bucket" in str(exc.strerror):  # a typo must not read as "none yet"
+        if objects.is_object_path(directory):  # a typo, no credentials or no endpoint must not read as "none yet"
             raise InvalidCheckpoint(f"cannot list {objects.display(directory)}: {exc.strerror}") from None
         return []
     found = []
@@ -300,7 +300,11 @@ def missing_or_truncated(path: Path | str, index: CheckpointIndex,
         shard = Path(path) / record.file
         try:
             regular, size = file_stat(shard)
+        except FileNotFoundError:
+            return f"shard {objects.display(shard)} is missing"
         except OSError as exc:
+            if objects.is_object_path(shard):  # the store failed to answer: that says nothing of the shard
+                raise InvalidCheckpoint(f"cannot read {objects.display(shard)}: {exc.strerror}") from None
             return f"shard {shard} is missing or unreadable: {exc.strerror}"
         if not regular:
             return f"shard {shard} is not a regular file"
@@ -321,6 +325,8 @@ def latest(root: Path | str) -> Path | None:
         try:
             if missing_or_truncated(path, read_index(path)) is None:
                 return path
-        except InvalidCheckpoint:  # removed or replaced since the scan
+        except InvalidCheckpoint as exc:  # removed or replaced since the scan
+            if objects.is_object_path(path) and exc.message.startswith("cannot read"):
+                raise  # a store that stopped answering is no reason to fall back to an older checkpoint
             continue
     return None

@@ -42,6 +42,9 @@ RETRIES = {"max_retries": 3, "backoff": {"init_backoff": timedelta(milliseconds=
            "retry_timeout": timedelta(seconds=20)}
 """Transient errors are retried a little, then reported: a stopped endpoint fails a save in seconds."""
 
+INSTANCE_METADATA = "169.254.169.254"
+"""Where the library looks for credentials the environment and files do not hold."""
+
 _stores: dict[str, Any] = {}
 _lock = threading.Lock()
 
@@ -122,16 +125,16 @@ def os_error(exc: Exception, path: Path | str) -> OSError:
         return FileNotFoundError(errno.ENOENT, f"bucket {bucket!r} does not exist", object_url(path))
     if kind == "AlreadyExistsError":
         return FileExistsError(errno.EEXIST, "already exists", object_url(path))
+    lowered = text.lower()
+    if "credential" in lowered or INSTANCE_METADATA in text:  # no keys: the library asked the instance metadata
+        return PermissionError(errno.EACCES, f"no usable AWS credentials for bucket {bucket!r} (set AWS_ACCESS_KEY_ID "
+                               f"and AWS_SECRET_ACCESS_KEY, or ~/.aws/credentials): {_first_line(text)}",
+                               object_url(path))
     if kind in ("PermissionDeniedError", "UnauthenticatedError") or "AccessDenied" in text or "403" in text:
         return PermissionError(errno.EACCES, f"access denied to bucket {bucket!r}: {_first_line(text)}",
                                object_url(path))
     if isinstance(exc, FileNotFoundError) or kind == "NotFoundError":
         return FileNotFoundError(errno.ENOENT, "no such object", object_url(path))
-    lowered = text.lower()
-    if "credential" in lowered:
-        return PermissionError(errno.EACCES, f"no usable AWS credentials for bucket {bucket!r} (set AWS_ACCESS_KEY_ID "
-                               f"and AWS_SECRET_ACCESS_KEY or ~/.aws/credentials): {_first_line(text)}",
-                               object_url(path))
     if any(word in lowered for word in ("connect", "timed out", "timeout", "dns error", "error sending request")):
         return ConnectionError(errno.EHOSTUNREACH, f"endpoint {_endpoint()} unreachable for bucket {bucket!r}: "
                                f"{_first_line(text)}", object_url(path))

@@ -4,12 +4,15 @@ as against AWS."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import wait_until
-from s3server import S3Server
+from s3server import S3Server, free_port
 
 import ckptd
 from ckptd.protocol.errors import InvalidCheckpoint, WriteFailed
@@ -98,7 +101,7 @@ def test_an_endpoint_that_stops_mid_upload_fails_the_save_and_a_later_save_works
     wait_until(lambda: any(s.get("written", 0) > 0 for s in daemon.status()["saves"]), what="the upload under way")
     s3.stop()
     try:
-        with pytest.raises(WriteFailed, match=f"object store request failed: .*{bucket}") as failure:
+        with pytest.raises(WriteFailed, match=f"endpoint {s3.url} unreachable for bucket '{bucket}'") as failure:
             fut.result(120)
         assert "rank-00000-of-00001.safetensors" in str(failure.value)
         assert daemon.status()["daemon"]["pid"] == daemon.proc.pid  # still serving
@@ -171,7 +174,7 @@ def test_a_mirror_upload_retries_while_the_endpoint_is_down_and_shows_it(s3, buc
         client.save_async(state(seed=1), root / "step-1", step=1).result(30)  # the local save does not wait
         wait_until(lambda: daemon.status()["mirror"]["retries"] >= 1, timeout=60, what="a failed attempt")
         upload = daemon.status()["mirror"]["uploads"][0]
-        assert upload["state"] in ("retrying", "uploading") and "object store request failed" in upload["error"]
+        assert upload["state"] in ("retrying", "uploading") and f"endpoint {s3.url} unreachable" in upload["error"]
         assert ckptd.load(root / "step-1")["step"] == 1
     finally:
         s3.start()
@@ -252,3 +255,27 @@ def test_sharded_state_with_global_tensors_saves_to_and_loads_from_s3(s3, bucket
         target = {"model": {"w": torch.zeros(1024), "n": 0}, "mine": torch.zeros(2, dtype=torch.int64)}
         ckptd.load_into(target, url, rank=r)
         assert torch.equal(target["model"]["w"], model["w"]) and target["mine"].tolist() == [r, r]
+
+
+def _latest_in_child(url: str, env: dict[str, str]) -> str:
+    """``ckptd.latest(url)`` in a fresh process (its own stores and credentials): what it returned or raised."""
+    code = ("import ckptd\ntry:\n    print('returned', ckptd.latest(%r))\n"
+            "except Exception as e:\n    print('raised', type(e).__name__, e)" % url)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_latest_raises_when_the_store_cannot_be_listed_and_returns_none_only_for_an_empty_prefix(
+        s3, bucket, daemon_factory, client_factory, root) -> None:
+    daemon_factory("--root", f"s3://{bucket}")
+    client_factory().save_async(state(seed=1), f"s3://{bucket}/run/step-1", step=1).result(30)
+    env = {**os.environ, **s3.env}
+    assert _latest_in_child(f"s3://{bucket}/empty", env).startswith("returned None")
+    down = _latest_in_child(f"s3://{bucket}/run", {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"})
+    assert down.startswith(f"raised InvalidCheckpoint cannot list s3://{bucket}/run: endpoint http://127.0.0.1:"), down
+    assert "unreachable" in down
+    no_keys = {k: v for k, v in env.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    anonymous = _latest_in_child(f"s3://{bucket}/run", {**no_keys, "HOME": "/nonexistent"})
+    assert anonymous.startswith(f"raised InvalidCheckpoint cannot list s3://{bucket}/run: no usable AWS credentials"), \
+        anonymous
