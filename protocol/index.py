@@ -227,6 +227,7 @@ def check_tiling(name: str, shape: tuple[int, ...], chunks: list[ChunkRecord]) -
 
 def read_index(path: Path | str) -> CheckpointIndex:
     """The index of the committed checkpoint at ``path``, or ``InvalidCheckpoint``."""
+    objects.check_url(path)
     path = Path(path)
     if path.name.endswith(INCOMPLETE_SUFFIX):
         raise InvalidCheckpoint(f"{path} is an unfinished checkpoint (.incomplete) and is never loaded")
@@ -252,6 +253,7 @@ def committed_in(directory: Path | str) -> list[tuple[tuple[int, float], Path]]:
     A missing step sorts first. ``.incomplete`` directories, symlinks and
     directories without a valid index are not checkpoints and are left out.
     """
+    objects.check_url(directory)
     try:
         if objects.is_object_path(directory):  # every sub-prefix (a store has no links)
             paths = [Path(directory) / name for name in objects.listing(directory)[0]]

@@ -27,12 +27,15 @@ import configparser
 import errno
 import io
 import os
+import re
 import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterable
 
 SCHEME = "s3:"
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+"""A URL's scheme at the start of a name (``gs:``, ``S3:``, ``s3a:``...)."""
 PARALLEL_READS = 8
 """Ranged GETs in flight for one shard."""
 READ_PART = 16 * 1024 * 1024
@@ -50,8 +53,34 @@ _lock = threading.Lock()
 
 
 def is_object_path(path: Path | str) -> bool:
-    """Whether ``path`` names an object (``s3://...``, or a ``Path`` made from one)."""
-    return Path(path).parts[:1] == (SCHEME,)
+    """Whether ``path`` names an object (``s3://...``, or a ``Path`` made from one).
+
+    ValueError for any other URL (``gs://``, ``S3://``, ``s3a://``) and for
+    ``s3:`` without a slash, so a misspelt URL never becomes a local
+    relative path. (``s3:/b/k``, what ``Path("s3://b/k")`` prints, is an
+    object here; ``check_url`` refuses it where a user typed it.)
+    """
+    first = Path(path).parts[:1]
+    if first == (SCHEME,):
+        return True
+    text = os.fspath(path)
+    scheme = _URL.match(text)
+    if scheme is not None and (text[scheme.end():].startswith("/") or scheme.group(1).lower() == "s3"):
+        raise ValueError(f"{text!r} is not a name ckptd can use: only s3://bucket/prefix names an object store "
+                         f"(not {scheme.group(1)}:), anything else is a local path")
+    return False
+
+
+def check_url(path: Path | str) -> None:
+    """Refuse a string spelt ``s3:/bucket/key`` (one slash): a typo of ``s3://``, never read as local."""
+    if isinstance(path, str) and path.startswith(SCHEME) and not path.startswith(SCHEME + "//"):
+        raise ValueError(f"{path!r} is not an s3:// URL: write s3://bucket/prefix")
+    is_object_path(path)
+
+
+def user_path(path: Path | str) -> Path | str:
+    """A checkpoint name as ckptd hands it back: the ``s3://bucket/key`` URL (a str) for an object, else a Path."""
+    return object_url(path) if is_object_path(path) else Path(path)
 
 
 def object_url(path: Path | str) -> str:

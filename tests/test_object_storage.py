@@ -50,7 +50,7 @@ def test_a_save_to_s3_round_trips_through_the_bucket(s3, bucket, daemon_factory,
     client = client_factory()
     url = f"s3://{bucket}/run/step-1"
     result = client.save_async(state(200_000, 1), url, step=1).result(30)
-    assert result.path == Path(url)
+    assert result.path == url  # an object's name comes back as its URL
     assert keys(s3, bucket) == ["run/step-1/ckptd.json", "run/step-1/rank-00000-of-00001.safetensors"]
     loaded = ckptd.load(url)
     assert torch.equal(loaded["w"], state(200_000, 1)["w"]) and loaded["step"] == 1
@@ -67,7 +67,7 @@ def test_latest_and_list_read_a_prefix_and_retention_keeps_the_newest(s3, bucket
     for step in (1, 2, 3):
         client.save_async(state(seed=step), f"s3://{bucket}/run/step-{step}", step=step, keep_last=2).result(30)
     wait_until(lambda: not any(k.startswith("run/step-1/") for k in keys(s3, bucket)), what="step-1 deleted by retention")
-    assert str(ckptd.latest(f"s3://{bucket}/run")) == str(Path(f"s3://{bucket}/run/step-3"))
+    assert ckptd.latest(f"s3://{bucket}/run") == f"s3://{bucket}/run/step-3"
     assert ckptd.load(ckptd.latest(f"s3://{bucket}/run"))["step"] == 3
     listed = daemon.cli("list", f"s3://{bucket}/run", "--json")
     assert listed.returncode == 0, listed.stderr
@@ -279,3 +279,22 @@ def test_latest_raises_when_the_store_cannot_be_listed_and_returns_none_only_for
     anonymous = _latest_in_child(f"s3://{bucket}/run", {**no_keys, "HOME": "/nonexistent"})
     assert anonymous.startswith(f"raised InvalidCheckpoint cannot list s3://{bucket}/run: no usable AWS credentials"), \
         anonymous
+
+
+@pytest.mark.parametrize("typo", ["S3://{b}/run/x", "gs://{b}/run/x", "s3a://{b}/run/x", "s3:{b}/run/x", "s3:/{b}/run/x"])
+def test_a_misspelt_url_is_refused_everywhere_and_never_written_locally(typo, s3, bucket, daemon_factory,
+                                                                       client_factory, root, tmp_path,
+                                                                       monkeypatch) -> None:
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    monkeypatch.chdir(root)  # a typo taken as a relative path would land here
+    url = typo.format(b=bucket)
+    client = client_factory()
+    with pytest.raises(ValueError, match="s3://bucket/prefix"):
+        client.save_async(state(), url, step=1)
+    for read in (ckptd.load, ckptd.latest, ckptd.read_index):
+        with pytest.raises(ValueError, match="s3://bucket/prefix"):
+            read(url)
+    if not url.startswith("s3:/"):  # the daemon sees a URL (one slash is what a Path of s3:// prints)
+        listed = daemon.cli("list", url)
+        assert listed.returncode != 0 and "s3://bucket/prefix" in listed.stderr, listed
+    assert list(root.iterdir()) == [] and keys(s3, bucket) == []
