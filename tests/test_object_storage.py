@@ -298,3 +298,36 @@ def test_a_misspelt_url_is_refused_everywhere_and_never_written_locally(typo, s3
         listed = daemon.cli("list", url)
         assert listed.returncode != 0 and "s3://bucket/prefix" in listed.stderr, listed
     assert list(root.iterdir()) == [] and keys(s3, bucket) == []
+
+
+def test_an_endpoint_that_stops_mid_download_fails_the_load_naming_the_object(s3, bucket, daemon_factory,
+                                                                            client_factory, root, monkeypatch) -> None:
+    import obstore
+
+    from ckptd.protocol import objects
+
+    daemon_factory("--root", f"s3://{bucket}")
+    url = f"s3://{bucket}/run/step-1"
+    client_factory().save_async({"w": torch.ones(2**20)}, url, step=1).result(30)  # 4 MiB
+    monkeypatch.setattr(objects, "READ_PART", 2**20)
+    monkeypatch.setattr(objects, "PARALLEL_READS", 1)  # four batches of one ranged GET
+    batches = []
+    real = obstore.get_ranges
+
+    def then_stop(*args, **kwargs):  # the real GET, then the endpoint goes away before the next batch
+        batches.append(real(*args, **kwargs))
+        s3.stop()
+        return batches[-1]
+
+    monkeypatch.setattr(obstore, "get_ranges", then_stop)
+    try:
+        with pytest.raises(InvalidCheckpoint, match=f"cannot read shard {url}/rank-00000-of-00001.safetensors: "
+                                                    f"endpoint {s3.url} unreachable"):
+            ckptd.load(url)
+    finally:
+        s3.start()
+    assert len(batches) == 1  # it failed part way, on the second batch
+    s3.client().delete_object(Bucket=bucket, Key="run/step-1/rank-00000-of-00001.safetensors")
+    monkeypatch.setattr(obstore, "get_ranges", real)
+    with pytest.raises(InvalidCheckpoint, match=f"shard {url}/rank-00000-of-00001.safetensors is missing"):
+        ckptd.load(url)
