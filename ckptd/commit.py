@@ -237,7 +237,7 @@ class Commits:
         leftover = storage.stat(pending.incomplete) is not None and not pending.coordinated
         reason = why_not_leftover(storage, pending.incomplete) if leftover else None
         if reason is not None:
-            raise CheckpointExists(f"{pending.incomplete} is in the way of this save and is not a dead save's "
+            raise CheckpointExists(f"{display(pending.incomplete)} is in the way of this save and is not a dead save's "
                                    f"leftover ({reason}); move it away or save under another path")
         try:
             storage.mkdir(parent, parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def default_memory_budget() -> int:
 
 def _roots_from_env() -> tuple[Path, ...]:
     raw = os.environ.get("CKPTD_ROOTS", "")
-    return tuple(Path(p) for p in raw.split(os.pathsep) if p) or (Path("/"),)
+    return tuple(Path(p) for p in re.split(r":(?!//)", raw) if p) or (Path("/"),)  # a ':' of s3:// is no separator
 
 
 def _real(path: Path | str) -> Path:
@@ -48,7 +49,7 @@ class DaemonConfig:
     """Private (0700) directory holding the socket, pid file and log."""
     roots: tuple[Path, ...] = field(default_factory=_roots_from_env)
     """Checkpoints may only be written below these (after resolving symlinks).
-    Default: ``$CKPTD_ROOTS`` (``:``-separated), else ``/``, i.e. anywhere the
+    Default: ``$CKPTD_ROOTS`` (``:``-separated; the ``:`` of an ``s3://`` root is kept), else ``/``, i.e. anywhere the
     daemon's user may write."""
     max_concurrent_writes: int = 2
     """Shard files written at once, node-wide; further commits queue FIFO."""

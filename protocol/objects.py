@@ -89,8 +89,16 @@ def object_url(path: Path | str) -> str:
 
 
 def display(path: Path | str) -> str:
-    """How a checkpoint name reads in a message: ``s3://...`` for an object, else as it is."""
-    return object_url(path) if is_object_path(path) else str(path)
+    """How a name reads in a message: ``s3://...`` for an object, else as it is.
+
+    An object's ``.incomplete`` part is left out: on a store it names the
+    same prefix as the checkpoint (``ckptd/objects.py``), so the message
+    names the keys that exist.
+    """
+    if not is_object_path(path):
+        return str(path)
+    return object_url("/".join(p[: -len(".incomplete")] if p.endswith(".incomplete") else p
+                               for p in Path(path).parts))
 
 
 def split(path: Path | str) -> tuple[str, str]:

@@ -331,3 +331,20 @@ def test_an_endpoint_that_stops_mid_download_fails_the_load_naming_the_object(s3
     monkeypatch.setattr(obstore, "get_ranges", real)
     with pytest.raises(InvalidCheckpoint, match=f"shard {url}/rank-00000-of-00001.safetensors is missing"):
         ckptd.load(url)
+
+
+def test_a_spawned_daemon_takes_an_s3_root_from_ckptd_roots(s3, bucket, run_dir, root, monkeypatch) -> None:
+    monkeypatch.setenv("CKPTD_ROOTS", f"{root}:s3://{bucket}/run")  # the ':' of s3:// is no separator
+    client = ckptd.Client(run_dir=run_dir, spawn=True, timeout=20)
+    pid = int((run_dir / "ckptd.pid").read_text())
+    try:
+        assert client.save_async(state(seed=1), f"s3://{bucket}/run/step-1", step=1).result(30).path == \
+            f"s3://{bucket}/run/step-1"
+        client.save_async(state(seed=2), root / "local", step=2).result(30)
+        with pytest.raises(ckptd.PathNotAllowed):
+            client.save_async(state(seed=3), f"s3://{bucket}/elsewhere/x", step=3).result(30)
+    finally:
+        client.close()
+        os.kill(pid, 15)
+        wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=60, what="the spawned daemon gone")
+    assert ckptd.load(f"s3://{bucket}/run/step-1")["step"] == 1
