@@ -167,11 +167,11 @@ def os_error(exc: Exception, path: Path | str) -> OSError:
         return PermissionError(errno.EACCES, f"no usable AWS credentials for bucket {bucket!r} (set AWS_ACCESS_KEY_ID "
                                f"and AWS_SECRET_ACCESS_KEY, or ~/.aws/credentials): {_first_line(text)}",
                                object_url(path))
-    if kind in ("PermissionDeniedError", "UnauthenticatedError") or "AccessDenied" in text or "403" in text:
-        return PermissionError(errno.EACCES, f"access denied to bucket {bucket!r}: {_first_line(text)}",
-                               object_url(path))
     if isinstance(exc, FileNotFoundError) or kind == "NotFoundError":
         return FileNotFoundError(errno.ENOENT, "no such object", object_url(path))
+    if kind in ("PermissionDeniedError", "UnauthenticatedError") or "AccessDenied" in text or "403 Forbidden" in text:
+        return PermissionError(errno.EACCES, f"access denied to bucket {bucket!r}: {_first_line(text)}",
+                               object_url(path))
     if any(word in lowered for word in ("connect", "timed out", "timeout", "dns error", "error sending request")):
         return ConnectionError(errno.EHOSTUNREACH, f"endpoint {_endpoint()} unreachable for bucket {bucket!r}: "
                                f"{_first_line(text)}", object_url(path))
