@@ -142,9 +142,15 @@ class DaemonConfig:
         for local, remote in self.mirrors.items():
             if is_object_path(local) or not is_object_path(remote):
                 raise ValueError(f"--mirror {local}={remote}: mirror a local directory to an s3:// prefix")
-        self.mirrors = {_real(d): Path(r) for d, r in self.mirrors.items()}
-        if self.mirror_keep is not None and self.mirror_keep < 1:
-            raise ValueError(f"mirror_keep must be at least 1, got {self.mirror_keep}")
+            if not os.path.isdir(local):
+                raise ValueError(f"--mirror {local}: no such directory (create it first)")
+        mirrors = {_real(d): Path(r) for d, r in self.mirrors.items()}
+        if len(mirrors) != len(self.mirrors):
+            raise ValueError(f"--mirror names one directory twice: {sorted(map(str, self.mirrors))}")
+        self.mirrors = mirrors
+        if self.mirror_keep is not None and (self.mirror_keep < 1 or not self.mirrors):
+            raise ValueError(f"mirror_keep must be at least 1 and needs a --mirror, got {self.mirror_keep}"
+                             f"{'' if self.mirrors else ' without --mirror'}")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a TCP port between 1 and 65535, got {self.metrics_port}")
         if self.metrics_textfile is not None and not Path(self.metrics_textfile).absolute().parent.is_dir():

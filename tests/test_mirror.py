@@ -4,6 +4,8 @@ a real daemon uploading to a real S3 endpoint on localhost (moto's server, ``tes
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +90,15 @@ def test_a_permanently_failed_upload_is_shown_at_once_and_its_checkpoint_never_d
     assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-2"]
     shown = daemon.cli("status").stdout
     assert "UNMIRRORED" in shown and "step-1" in shown and "does not exist" in shown
+
+
+@pytest.mark.parametrize("args, error", [
+    (("--mirror-keep", "2"), "without --mirror"),
+    (("--mirror", "{root}/nowhere=s3://b/m"), "no such directory"),
+    (("--mirror", "{root}=s3://b/m", "--mirror", "{root}/../ckpts=s3://b/n"), "one directory twice"),
+])
+def test_start_refuses_a_mirror_it_cannot_serve(args, error, root, run_dir) -> None:
+    done = subprocess.run([sys.executable, "-m", "ckptd", "start", "--foreground", "--run-dir", str(run_dir),
+                           "--root", str(root), *(a.format(root=root) for a in args)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and error in done.stderr, done.stderr
