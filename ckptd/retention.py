@@ -34,8 +34,11 @@ def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: s
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-    ordered = [path for _, path in committed_in(storage, newest.parent)]  # a later save may have committed since
-    victims = [p for p in ordered[: max(0, len(ordered) - keep_last)] if p != newest and p not in in_flight]
+    found = committed_in(storage, newest.parent)
+    created = next((key[1] for key, path in found if path == newest), float("inf"))
+    others = [(key, path) for key, path in found if path != newest]
+    victims = [p for key, p in others[: max(0, len(others) - (keep_last - 1))]
+               if p not in in_flight and key[1] <= created]  # one committed after newest (this runs later) stays
     deleted = []
     for victim in victims:
         reason = why_not_replaceable(storage, victim)
