@@ -135,7 +135,11 @@ def resolve_path(storage: Storage, raw: str, roots: tuple[Path, ...]) -> Path:
     the write outside the roots.
     """
     path = Path(raw)
-    if not path.is_absolute() and not is_object_path(path):
+    try:
+        is_object = is_object_path(raw)
+    except ValueError as exc:
+        raise PathNotAllowed(f"checkpoint path: {exc}") from None
+    if not path.is_absolute() and not is_object:
         raise PathNotAllowed(f"checkpoint path {raw!r} must be absolute (or an s3:// URL)")
     if path.name in ("", ".", "..") or path.name.endswith(INCOMPLETE_SUFFIX):
         raise PathNotAllowed(f"checkpoint path {raw!r} must end in a name that is not {INCOMPLETE_SUFFIX!r}")
@@ -233,7 +237,7 @@ class Commits:
         leftover = storage.stat(pending.incomplete) is not None and not pending.coordinated
         reason = why_not_leftover(storage, pending.incomplete) if leftover else None
         if reason is not None:
-            raise CheckpointExists(f"{pending.incomplete} is in the way of this save and is not a dead save's "
+            raise CheckpointExists(f"{display(pending.incomplete)} is in the way of this save and is not a dead save's "
                                    f"leftover ({reason}); move it away or save under another path")
         try:
             storage.mkdir(parent, parents=True, exist_ok=True)

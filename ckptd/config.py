@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def default_memory_budget() -> int:
 
 def _roots_from_env() -> tuple[Path, ...]:
     raw = os.environ.get("CKPTD_ROOTS", "")
-    return tuple(Path(p) for p in raw.split(os.pathsep) if p) or (Path("/"),)
+    return tuple(Path(p) for p in re.split(r":(?!//)", raw) if p) or (Path("/"),)  # a ':' of s3:// is no separator
 
 
 def _real(path: Path | str) -> Path:
@@ -48,7 +49,7 @@ class DaemonConfig:
     """Private (0700) directory holding the socket, pid file and log."""
     roots: tuple[Path, ...] = field(default_factory=_roots_from_env)
     """Checkpoints may only be written below these (after resolving symlinks).
-    Default: ``$CKPTD_ROOTS`` (``:``-separated), else ``/``, i.e. anywhere the
+    Default: ``$CKPTD_ROOTS`` (``:``-separated; the ``:`` of an ``s3://`` root is kept), else ``/``, i.e. anywhere the
     daemon's user may write."""
     max_concurrent_writes: int = 2
     """Shard files written at once, node-wide; further commits queue FIFO."""
@@ -141,9 +142,15 @@ class DaemonConfig:
         for local, remote in self.mirrors.items():
             if is_object_path(local) or not is_object_path(remote):
                 raise ValueError(f"--mirror {local}={remote}: mirror a local directory to an s3:// prefix")
-        self.mirrors = {_real(d): Path(r) for d, r in self.mirrors.items()}
-        if self.mirror_keep is not None and self.mirror_keep < 1:
-            raise ValueError(f"mirror_keep must be at least 1, got {self.mirror_keep}")
+            if not os.path.isdir(local):
+                raise ValueError(f"--mirror {local}: no such directory (create it first)")
+        mirrors = {_real(d): Path(r) for d, r in self.mirrors.items()}
+        if len(mirrors) != len(self.mirrors):
+            raise ValueError(f"--mirror names one directory twice: {sorted(map(str, self.mirrors))}")
+        self.mirrors = mirrors
+        if self.mirror_keep is not None and (self.mirror_keep < 1 or not self.mirrors):
+            raise ValueError(f"mirror_keep must be at least 1 and needs a --mirror, got {self.mirror_keep}"
+                             f"{'' if self.mirrors else ' without --mirror'}")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a TCP port between 1 and 65535, got {self.metrics_port}")
         if self.metrics_textfile is not None and not Path(self.metrics_textfile).absolute().parent.is_dir():

@@ -69,6 +69,9 @@ def render_status(info: dict[str, Any]) -> str:
             lines.append(f"  {printable(u['source'])} -> {printable(u['dest'])}  {u['state']} (attempt {u['attempts']})  "
                          f"{progress_bar(frac)} {100 * frac:5.1f}%  {u['throughput_bps'] / 1e6:.0f} MB/s"
                          + (f"  last error: {printable(u['error'])}" if u["error"] else ""))
+        for u in mirror.get("unmirrored", []):
+            lines.append(f"  UNMIRRORED {printable(u['source'])} -> {printable(u['dest'])}  failed: "
+                         f"{printable(u['error'] or '?')} (kept locally; retried at the next start)")
     loads = info.get("loads") or {}
     if loads.get("held") or loads.get("waiting"):
         lines.append(f"loads: {len(loads['held'])} holding a lease, {len(loads['waiting'])} waiting"

@@ -28,13 +28,17 @@ def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: s
     """Delete committed checkpoints beside ``newest`` beyond the newest ``keep_last``.
 
     ``newest`` (the checkpoint just committed) is never deleted, whatever its
-    step; neither is anything in ``in_flight``, nor a checkpoint that holds
+    step, and neither is one newer than it that committed meanwhile (this
+    runs later, off the loop thread); neither is anything in ``in_flight``, nor a checkpoint that holds
     files ckptd did not write (it is logged and kept). Returns what was deleted.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-    others = [path for _, path in committed_in(storage, newest.parent) if path != newest]
-    victims = [p for p in others[: max(0, len(others) - (keep_last - 1))] if p not in in_flight]
+    found = committed_in(storage, newest.parent)
+    created = next((key[1] for key, path in found if path == newest), float("inf"))
+    others = [(key, path) for key, path in found if path != newest]
+    victims = [p for key, p in others[: max(0, len(others) - (keep_last - 1))]
+               if p not in in_flight and key[1] <= created]  # one committed after newest (this runs later) stays
     deleted = []
     for victim in victims:
         reason = why_not_replaceable(storage, victim)

@@ -239,14 +239,23 @@ class Saves:
             self.mirrors.submit(pending.path)
         keep = pending.keep_last or self.config.retention_for(pending.path)
         if keep is not None:
-            in_flight = set(state.commits.pending) | (self.mirrors.busy() if self.mirrors is not None else set())
-            self.workers.submit("maintenance", lambda: apply_retention(self.storage, pending.path, keep, in_flight),
-                                lambda f: self._retention_done(pending, f))
+            self.retain(pending.path, keep)
 
-    def _retention_done(self, pending: PendingCheckpoint, fut: Future) -> None:
+    def retain(self, newest: Path, keep: int) -> None:
+        """Retention beside ``newest`` on the maintenance thread; never deletes what the mirror lacks."""
+        in_flight = set(self.state.commits.pending)
+        mirrors = self.mirrors
+
+        def run() -> list[Path]:
+            unmirrored = mirrors.unmirrored_beside(newest) if mirrors is not None else set()
+            return apply_retention(self.storage, newest, keep, in_flight | unmirrored)
+
+        self.workers.submit("maintenance", run, lambda f: self._retention_done(newest, f))
+
+    def _retention_done(self, newest: Path, fut: Future) -> None:
         if fut.exception() is not None:
-            log.error("event=retention_failed path=%s error=%r", pending.path, fut.exception())
-            self.state.stats.error(f"retention after {pending.path} failed: {fut.exception()!r}")
+            log.error("event=retention_failed path=%s error=%r", newest, fut.exception())
+            self.state.stats.error(f"retention after {newest} failed: {fut.exception()!r}")
 
     # -- failures -------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import zmq
@@ -56,6 +57,9 @@ class Server:
         self.known_dirs = KnownDirs(storage, config.run_dir)
         self.mirrors = Mirrors(storage, config.mirrors, config.mirror_keep) if config.mirrors else None
         self.saves = Saves(self.state, self.workers, storage, config, self._send, self.known_dirs, self.mirrors)
+        if self.mirrors is not None:
+            self.mirrors.after_upload = self._after_upload
+            self.mirrors.start()
         self.holding = Holding(self.state, self.workers, storage, config, self._send, self.saves)
         self.saves.on_end = self.holding.persisted
         self.metrics = None
@@ -117,7 +121,7 @@ class Server:
 
     def close(self) -> None:
         if self.mirrors is not None:
-            self.mirrors.close()  # queued uploads are dropped; the one running finishes before the process exits
+            self.mirrors.close()  # what is left is logged, and queued again at the next start
         self.holding.close()
         self.workers.close()
         self.router.close()
@@ -226,6 +230,12 @@ class Server:
             if not self.state.pid_connected(pid):
                 self.workers.submit("maintenance", lambda pid=pid: self.state.slots.reclaim(pid))
 
+    def _after_upload(self, newest: Path) -> None:
+        """Local retention beside a checkpoint just mirrored (it may now delete what it had to keep)."""
+        keep = self.config.retention_for(newest)
+        if keep is not None:
+            self.workers.call_soon(lambda: self.saves.retain(newest, keep))
+
     def _busy(self) -> bool:
         return self.state.busy or self.workers.in_flight > 0
 
@@ -258,4 +268,5 @@ class Server:
         if now >= self._drain_deadline:
             self.saves.fail_waiting_for_ranks()
             self.state.abandon_staging(None, "the daemon was stopped before the client finished staging")
-        return not self._busy() and not self.state.commits.pending
+        uploads_done = self.mirrors is None or self.mirrors.idle() or now >= self._drain_deadline
+        return uploads_done and not self._busy() and not self.state.commits.pending

@@ -56,6 +56,11 @@ class Workers:
 
         self.pools[pool].submit(work).add_done_callback(report)
 
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop thread (safe from any thread)."""
+        self._finished.put(fn)
+        os.eventfd_write(self.wake_fd, 1)
+
     def _done(self, fut: Future, then: Callable[[Future], None] | None) -> None:
         self.in_flight -= 1
         try:

@@ -31,6 +31,7 @@ from ckptd.protocol.checksums import updater
 from ckptd.protocol.errors import CkptdError, WriteFailed
 from ckptd.protocol.index import CHECKSUM_ALGORITHM, ShardRecord
 from ckptd.protocol.messages import Commit
+from ckptd.protocol.objects import display
 
 from .slots import MappedSlot
 from .storage import Storage
@@ -154,7 +155,7 @@ def write_shard(job: WriteJob, storage: Storage, checksums: Executor, *, direct:
         raise
     except OSError as exc:
         job.progress.fail("the write failed")
-        raise WriteFailed(f"writing {job.dest} failed: {exc.strerror or exc}") from None
+        raise WriteFailed(f"writing {display(job.dest)} failed: {exc.strerror or exc}") from None
     except BaseException:
         job.progress.fail("the write failed")
         raise

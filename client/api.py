@@ -15,7 +15,7 @@ from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.errors import Busy, InternalError, NoSpace
 from ckptd.protocol.layout import ShardLayout
 from ckptd.protocol.messages import Bye, Commit, Done, Held, Persist, Ping, Snapshot, Staged
-from ckptd.protocol.objects import is_object_path
+from ckptd.protocol.objects import is_object_path, object_url, user_path
 
 from .checks import check_bool, check_client_args, check_int, check_keep_last, check_path, check_seconds, check_step
 from .connection import Connection
@@ -176,7 +176,7 @@ class Client:
         if self._closed:
             raise RuntimeError("this ckptd client is closed")
         raw = check_path("path", path)
-        target = raw if is_object_path(raw) else os.path.abspath(raw)
+        target = object_url(raw) if is_object_path(raw) else os.path.abspath(raw)
         step, keep_last = check_step(step), check_keep_last(keep_last)
         check_bool("overwrite", overwrite)
         check_bool("block", block)
@@ -322,12 +322,12 @@ class Client:
         if isinstance(outcome, BaseException):
             fut.set_exception(outcome)
         elif isinstance(outcome, Held):
-            fut.set_result(SaveResult(Path(outcome.path), outcome.bytes_held, time.monotonic() - req.started,
+            fut.set_result(SaveResult(user_path(outcome.path), outcome.bytes_held, time.monotonic() - req.started,
                                       req.step))
         elif not isinstance(outcome, Done):
             fut.set_exception(InternalError(f"daemon answered a commit with {outcome.type!r}"))
         else:
-            fut.set_result(SaveResult(Path(outcome.path), outcome.bytes_written, time.monotonic() - req.started,
+            fut.set_result(SaveResult(user_path(outcome.path), outcome.bytes_written, time.monotonic() - req.started,
                                       req.step))
 
     def _forget(self, fut: Future) -> None:

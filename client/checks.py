@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from ckptd.protocol.messages import MAX_INT, MAX_TIMEOUT, MAX_WORLD_SIZE
+from ckptd.protocol.objects import check_url
 
 
 def check_int(name: str, value: Any, *, low: int = 0, high: int = MAX_INT, optional: bool = False) -> int | None:
@@ -53,6 +54,10 @@ def check_path(name: str, value: Any) -> str:
         raise TypeError(f"{name} must be a text path, got {type(path).__name__}")
     if not path or "\x00" in path:
         raise ValueError(f"{name} must be a non-empty path without NUL bytes, got {path!r:.80}")
+    try:
+        check_url(value)  # a str as typed: s3:/b (one slash) is a typo; a Path of s3://b prints so
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
     return path
 
 

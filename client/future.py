@@ -16,8 +16,8 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class SaveResult:
-    path: Path
-    """Final path of the committed checkpoint."""
+    path: Path | str
+    """Final path of the committed checkpoint: a Path, or the ``s3://bucket/key`` URL (a str) on an object store."""
     bytes_written: int
     """Bytes of this rank's shard."""
     seconds: float

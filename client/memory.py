@@ -28,6 +28,7 @@ from ckptd.protocol.endpoint import endpoint_for
 from ckptd.protocol.errors import BadMessage, DaemonUnavailable, InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
 from ckptd.protocol.index import latest as latest_on_disk
+from ckptd.protocol.objects import user_path
 from ckptd.protocol.inspect import check_checksum
 from ckptd.protocol.layout import MAX_HEADER_BYTES, TensorEntry, parse_header
 from ckptd.protocol.messages import SnapshotList, Snapshots
@@ -189,7 +190,7 @@ def open_checkpoint(path: Path, *, verify: bool, run_dir: str | os.PathLike | No
     return ChunkFiles(path, index, verify=verify, defer=defer)
 
 
-def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None) -> Path | None:
+def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None) -> Path | str | None:
     """The newest checkpoint under ``root``: committed on disk, or a complete snapshot in node memory.
 
     Newest means the highest step, then the most recent. With
@@ -215,7 +216,7 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
     candidates = _agreed(candidates)
     if not candidates:
         return None
-    return Path(max(candidates, key=lambda p: (candidates[p], p)))
+    return user_path(max(candidates, key=lambda p: (candidates[p], p)))  # an object: its s3:// URL
 
 
 def _agreed(candidates: dict[str, tuple[int, float]]) -> dict[str, tuple[int, float]]:

@@ -208,18 +208,32 @@ def map_shard(shard: Path, record: ShardRecord, *, verify: bool,
 
 
 def _fetch_object(shard: Path, record: ShardRecord) -> _mmap.mmap:
-    """The object ``shard`` in anonymous memory, ``objects.PARALLEL_READS`` ranged reads at a time."""
+    """The object ``shard`` in anonymous memory, ``objects.PARALLEL_READS`` ranged reads at a time.
+
+    A failure part way (the endpoint gone or hung) releases the memory and
+    is an ``InvalidCheckpoint`` naming the object and the cause.
+    """
+    where = objects.display(shard)
     try:
         meta = objects.head(shard)
-        check_shard_size(objects.display(shard), meta["size"] if meta else -1, record)
-        mapping = _mmap.mmap(-1, record.size)
-        try:
-            objects.read_into(shard, memoryview(mapping))
-        except BaseException:
-            mapping.close()
-            raise
     except OSError as exc:
-        raise InvalidCheckpoint(f"cannot read shard {objects.display(shard)}: {exc.strerror or exc}") from None
+        raise InvalidCheckpoint(f"cannot read shard {where}: {exc.strerror or exc}") from None
+    if meta is None:
+        raise InvalidCheckpoint(f"shard {where} is missing (the index lists it; {record.size} bytes)")
+    check_shard_size(where, meta["size"], record)
+    mapping = _mmap.mmap(-1, record.size)
+    view = memoryview(mapping)
+    failure = None
+    try:
+        objects.read_into(shard, view)
+    except OSError as exc:
+        failure = f"cannot read shard {where}: {exc.strerror or exc}"
+    finally:
+        view.release()  # before close: a view still exported would keep the mapping (BufferError)
+        if failure is not None:
+            mapping.close()
+    if failure is not None:
+        raise InvalidCheckpoint(failure)
     return mapping
 
 

@@ -229,6 +229,7 @@ def check_tiling(name: str, shape: tuple[int, ...], chunks: list[ChunkRecord]) -
 
 def read_index(path: Path | str) -> CheckpointIndex:
     """The index of the committed checkpoint at ``path``, or ``InvalidCheckpoint``."""
+    objects.check_url(path)
     path = Path(path)
     if path.name.endswith(INCOMPLETE_SUFFIX):
         raise InvalidCheckpoint(f"{path} is an unfinished checkpoint (.incomplete) and is never loaded")
@@ -257,13 +258,14 @@ def committed_in(directory: Path | str) -> list[tuple[tuple[int, float], Path]]:
     A missing step sorts first. ``.incomplete`` directories, symlinks and
     directories without a valid index are not checkpoints and are left out.
     """
+    objects.check_url(directory)
     try:
         if objects.is_object_path(directory):  # every sub-prefix (a store has no links)
             paths = [Path(directory) / name for name in objects.listing(directory)[0]]
         else:
             paths = [Path(e.path) for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
     except OSError as exc:
-        if objects.is_object_path(directory) and "bucket" in str(exc.strerror):  # a typo must not read as "none yet"
+        if objects.is_object_path(directory):  # a typo, no credentials or no endpoint must not read as "none yet"
             raise InvalidCheckpoint(f"cannot list {objects.display(directory)}: {exc.strerror}") from None
         return []
     found = []
@@ -305,7 +307,11 @@ def missing_or_truncated(path: Path | str, index: CheckpointIndex,
         shard = Path(path) / record.file
         try:
             regular, size = file_stat(shard)
+        except FileNotFoundError:
+            return f"shard {objects.display(shard)} is missing"
         except OSError as exc:
+            if objects.is_object_path(shard):  # the store failed to answer: that says nothing of the shard
+                raise InvalidCheckpoint(f"cannot read {objects.display(shard)}: {exc.strerror}") from None
             return f"shard {shard} is missing or unreadable: {exc.strerror}"
         if not regular:
             return f"shard {shard} is not a regular file"
@@ -326,6 +332,8 @@ def latest(root: Path | str) -> Path | None:
         try:
             if missing_or_truncated(path, read_index(path)) is None:
                 return path
-        except InvalidCheckpoint:  # removed or replaced since the scan
+        except InvalidCheckpoint as exc:  # removed or replaced since the scan
+            if objects.is_object_path(path) and exc.message.startswith("cannot read"):
+                raise  # a store that stopped answering is no reason to fall back to an older checkpoint
             continue
     return None

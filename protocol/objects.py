@@ -27,12 +27,15 @@ import configparser
 import errno
 import io
 import os
+import re
 import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterable
 
 SCHEME = "s3:"
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+"""A URL's scheme at the start of a name (``gs:``, ``S3:``, ``s3a:``...)."""
 PARALLEL_READS = 8
 """Ranged GETs in flight for one shard."""
 READ_PART = 16 * 1024 * 1024
@@ -42,13 +45,42 @@ RETRIES = {"max_retries": 3, "backoff": {"init_backoff": timedelta(milliseconds=
            "retry_timeout": timedelta(seconds=20)}
 """Transient errors are retried a little, then reported: a stopped endpoint fails a save in seconds."""
 
+INSTANCE_METADATA = "169.254.169.254"
+"""Where the library looks for credentials the environment and files do not hold."""
+
 _stores: dict[str, Any] = {}
 _lock = threading.Lock()
 
 
 def is_object_path(path: Path | str) -> bool:
-    """Whether ``path`` names an object (``s3://...``, or a ``Path`` made from one)."""
-    return Path(path).parts[:1] == (SCHEME,)
+    """Whether ``path`` names an object (``s3://...``, or a ``Path`` made from one).
+
+    ValueError for any other URL (``gs://``, ``S3://``, ``s3a://``) and for
+    ``s3:`` without a slash, so a misspelt URL never becomes a local
+    relative path. (``s3:/b/k``, what ``Path("s3://b/k")`` prints, is an
+    object here; ``check_url`` refuses it where a user typed it.)
+    """
+    first = Path(path).parts[:1]
+    if first == (SCHEME,):
+        return True
+    text = os.fspath(path)
+    scheme = _URL.match(text)
+    if scheme is not None and (text[scheme.end():].startswith("/") or scheme.group(1).lower() == "s3"):
+        raise ValueError(f"{text!r} is not a name ckptd can use: only s3://bucket/prefix names an object store "
+                         f"(not {scheme.group(1)}:), anything else is a local path")
+    return False
+
+
+def check_url(path: Path | str) -> None:
+    """Refuse a string spelt ``s3:/bucket/key`` (one slash): a typo of ``s3://``, never read as local."""
+    if isinstance(path, str) and path.startswith(SCHEME) and not path.startswith(SCHEME + "//"):
+        raise ValueError(f"{path!r} is not an s3:// URL: write s3://bucket/prefix")
+    is_object_path(path)
+
+
+def user_path(path: Path | str) -> Path | str:
+    """A checkpoint name as ckptd hands it back: the ``s3://bucket/key`` URL (a str) for an object, else a Path."""
+    return object_url(path) if is_object_path(path) else Path(path)
 
 
 def object_url(path: Path | str) -> str:
@@ -57,8 +89,16 @@ def object_url(path: Path | str) -> str:
 
 
 def display(path: Path | str) -> str:
-    """How a checkpoint name reads in a message: ``s3://...`` for an object, else as it is."""
-    return object_url(path) if is_object_path(path) else str(path)
+    """How a name reads in a message: ``s3://...`` for an object, else as it is.
+
+    An object's ``.incomplete`` part is left out: on a store it names the
+    same prefix as the checkpoint (``ckptd/objects.py``), so the message
+    names the keys that exist.
+    """
+    if not is_object_path(path):
+        return str(path)
+    return object_url("/".join(p[: -len(".incomplete")] if p.endswith(".incomplete") else p
+                               for p in Path(path).parts))
 
 
 def split(path: Path | str) -> tuple[str, str]:
@@ -104,17 +144,51 @@ def store(bucket: str) -> Any:
         return _stores[bucket]
 
 
+def _endpoint() -> str:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the AWS S3 endpoint"
+
+
 def os_error(exc: Exception, path: Path | str) -> OSError:
-    """An ``obstore`` failure as an ``OSError`` naming the object (and a missing bucket)."""
+    """An ``obstore`` failure as an ``OSError`` naming the object, and what went wrong in words.
+
+    A missing bucket names the bucket; refused credentials are a
+    ``PermissionError``; missing credentials and an endpoint that cannot be
+    reached (or does not answer) say so and name the endpoint.
+    """
     text = str(exc)
+    kind = type(exc).__name__
     bucket = Path(path).parts[1] if len(Path(path).parts) > 1 else "?"
     if "NoSuchBucket" in text:
         return FileNotFoundError(errno.ENOENT, f"bucket {bucket!r} does not exist", object_url(path))
-    if type(exc).__name__ == "AlreadyExistsError":
+    if kind == "AlreadyExistsError":
         return FileExistsError(errno.EEXIST, "already exists", object_url(path))
-    if isinstance(exc, FileNotFoundError):
+    lowered = text.lower()
+    if "credential" in lowered or INSTANCE_METADATA in text:  # no keys: the library asked the instance metadata
+        return PermissionError(errno.EACCES, f"no usable AWS credentials for bucket {bucket!r} (set AWS_ACCESS_KEY_ID "
+                               f"and AWS_SECRET_ACCESS_KEY, or ~/.aws/credentials): {_first_line(text)}",
+                               object_url(path))
+    if isinstance(exc, FileNotFoundError) or kind == "NotFoundError":
         return FileNotFoundError(errno.ENOENT, "no such object", object_url(path))
-    return OSError(errno.EIO, f"object store request failed: {text.splitlines()[0][:300]}", object_url(path))
+    if kind in ("PermissionDeniedError", "UnauthenticatedError") or "AccessDenied" in text or "403 Forbidden" in text:
+        return PermissionError(errno.EACCES, f"access denied to bucket {bucket!r}: {_first_line(text)}",
+                               object_url(path))
+    if any(word in lowered for word in ("connect", "timed out", "timeout", "dns error", "error sending request")):
+        return ConnectionError(errno.EHOSTUNREACH, f"endpoint {_endpoint()} unreachable for bucket {bucket!r}: "
+                               f"{_first_line(text)}", object_url(path))
+    return OSError(errno.EIO, f"object store request failed: {_first_line(text)}", object_url(path))
+
+
+def _first_line(text: str) -> str:
+    return text.splitlines()[0][:300] if text else "(no detail)"
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """Whether retrying cannot help: no bucket, access refused, the name taken, the source gone."""
+    from .errors import InvalidCheckpoint
+
+    if isinstance(exc, FileNotFoundError):
+        return "bucket" in str(exc.strerror)
+    return isinstance(exc, (FileExistsError, PermissionError, InvalidCheckpoint))
 
 
 def call(path: Path | str, fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -4,12 +4,15 @@ as against AWS."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import wait_until
-from s3server import S3Server
+from s3server import S3Server, free_port
 
 import ckptd
 from ckptd.protocol.errors import InvalidCheckpoint, WriteFailed
@@ -47,7 +50,7 @@ def test_a_save_to_s3_round_trips_through_the_bucket(s3, bucket, daemon_factory,
     client = client_factory()
     url = f"s3://{bucket}/run/step-1"
     result = client.save_async(state(200_000, 1), url, step=1).result(30)
-    assert result.path == Path(url)
+    assert result.path == url  # an object's name comes back as its URL
     assert keys(s3, bucket) == ["run/step-1/ckptd.json", "run/step-1/rank-00000-of-00001.safetensors"]
     loaded = ckptd.load(url)
     assert torch.equal(loaded["w"], state(200_000, 1)["w"]) and loaded["step"] == 1
@@ -64,7 +67,7 @@ def test_latest_and_list_read_a_prefix_and_retention_keeps_the_newest(s3, bucket
     for step in (1, 2, 3):
         client.save_async(state(seed=step), f"s3://{bucket}/run/step-{step}", step=step, keep_last=2).result(30)
     wait_until(lambda: not any(k.startswith("run/step-1/") for k in keys(s3, bucket)), what="step-1 deleted by retention")
-    assert str(ckptd.latest(f"s3://{bucket}/run")) == str(Path(f"s3://{bucket}/run/step-3"))
+    assert ckptd.latest(f"s3://{bucket}/run") == f"s3://{bucket}/run/step-3"
     assert ckptd.load(ckptd.latest(f"s3://{bucket}/run"))["step"] == 3
     listed = daemon.cli("list", f"s3://{bucket}/run", "--json")
     assert listed.returncode == 0, listed.stderr
@@ -98,7 +101,7 @@ def test_an_endpoint_that_stops_mid_upload_fails_the_save_and_a_later_save_works
     wait_until(lambda: any(s.get("written", 0) > 0 for s in daemon.status()["saves"]), what="the upload under way")
     s3.stop()
     try:
-        with pytest.raises(WriteFailed, match=f"object store request failed: .*{bucket}") as failure:
+        with pytest.raises(WriteFailed, match=f"endpoint {s3.url} unreachable for bucket '{bucket}'") as failure:
             fut.result(120)
         assert "rank-00000-of-00001.safetensors" in str(failure.value)
         assert daemon.status()["daemon"]["pid"] == daemon.proc.pid  # still serving
@@ -171,7 +174,7 @@ def test_a_mirror_upload_retries_while_the_endpoint_is_down_and_shows_it(s3, buc
         client.save_async(state(seed=1), root / "step-1", step=1).result(30)  # the local save does not wait
         wait_until(lambda: daemon.status()["mirror"]["retries"] >= 1, timeout=60, what="a failed attempt")
         upload = daemon.status()["mirror"]["uploads"][0]
-        assert upload["state"] in ("retrying", "uploading") and "object store request failed" in upload["error"]
+        assert upload["state"] in ("retrying", "uploading") and f"endpoint {s3.url} unreachable" in upload["error"]
         assert ckptd.load(root / "step-1")["step"] == 1
     finally:
         s3.start()
@@ -252,3 +255,96 @@ def test_sharded_state_with_global_tensors_saves_to_and_loads_from_s3(s3, bucket
         target = {"model": {"w": torch.zeros(1024), "n": 0}, "mine": torch.zeros(2, dtype=torch.int64)}
         ckptd.load_into(target, url, rank=r)
         assert torch.equal(target["model"]["w"], model["w"]) and target["mine"].tolist() == [r, r]
+
+
+def _latest_in_child(url: str, env: dict[str, str]) -> str:
+    """``ckptd.latest(url)`` in a fresh process (its own stores and credentials): what it returned or raised."""
+    code = ("import ckptd\ntry:\n    print('returned', ckptd.latest(%r))\n"
+            "except Exception as e:\n    print('raised', type(e).__name__, e)" % url)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_latest_raises_when_the_store_cannot_be_listed_and_returns_none_only_for_an_empty_prefix(
+        s3, bucket, daemon_factory, client_factory, root) -> None:
+    daemon_factory("--root", f"s3://{bucket}")
+    client_factory().save_async(state(seed=1), f"s3://{bucket}/run/step-1", step=1).result(30)
+    env = {**os.environ, **s3.env}
+    assert _latest_in_child(f"s3://{bucket}/empty", env).startswith("returned None")
+    down = _latest_in_child(f"s3://{bucket}/run", {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"})
+    assert down.startswith(f"raised InvalidCheckpoint cannot list s3://{bucket}/run: endpoint http://127.0.0.1:"), down
+    assert "unreachable" in down
+    no_keys = {k: v for k, v in env.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    anonymous = _latest_in_child(f"s3://{bucket}/run", {**no_keys, "HOME": "/nonexistent"})
+    assert anonymous.startswith(f"raised InvalidCheckpoint cannot list s3://{bucket}/run: no usable AWS credentials"), \
+        anonymous
+
+
+@pytest.mark.parametrize("typo", ["S3://{b}/run/x", "gs://{b}/run/x", "s3a://{b}/run/x", "s3:{b}/run/x", "s3:/{b}/run/x"])
+def test_a_misspelt_url_is_refused_everywhere_and_never_written_locally(typo, s3, bucket, daemon_factory,
+                                                                       client_factory, root, tmp_path,
+                                                                       monkeypatch) -> None:
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    monkeypatch.chdir(root)  # a typo taken as a relative path would land here
+    url = typo.format(b=bucket)
+    client = client_factory()
+    with pytest.raises(ValueError, match="s3://bucket/prefix"):
+        client.save_async(state(), url, step=1)
+    for read in (ckptd.load, ckptd.latest, ckptd.read_index):
+        with pytest.raises(ValueError, match="s3://bucket/prefix"):
+            read(url)
+    if not url.startswith("s3:/"):  # the daemon sees a URL (one slash is what a Path of s3:// prints)
+        listed = daemon.cli("list", url)
+        assert listed.returncode != 0 and "s3://bucket/prefix" in listed.stderr, listed
+    assert list(root.iterdir()) == [] and keys(s3, bucket) == []
+
+
+def test_an_endpoint_that_stops_mid_download_fails_the_load_naming_the_object(s3, bucket, daemon_factory,
+                                                                            client_factory, root, monkeypatch) -> None:
+    import obstore
+
+    from ckptd.protocol import objects
+
+    daemon_factory("--root", f"s3://{bucket}")
+    url = f"s3://{bucket}/run/step-1"
+    client_factory().save_async({"w": torch.ones(2**20)}, url, step=1).result(30)  # 4 MiB
+    monkeypatch.setattr(objects, "READ_PART", 2**20)
+    monkeypatch.setattr(objects, "PARALLEL_READS", 1)  # four batches of one ranged GET
+    batches = []
+    real = obstore.get_ranges
+
+    def then_stop(*args, **kwargs):  # the real GET, then the endpoint goes away before the next batch
+        batches.append(real(*args, **kwargs))
+        s3.stop()
+        return batches[-1]
+
+    monkeypatch.setattr(obstore, "get_ranges", then_stop)
+    try:
+        with pytest.raises(InvalidCheckpoint, match=f"cannot read shard {url}/rank-00000-of-00001.safetensors: "
+                                                    f"endpoint {s3.url} unreachable"):
+            ckptd.load(url)
+    finally:
+        s3.start()
+    assert len(batches) == 1  # it failed part way, on the second batch
+    s3.client().delete_object(Bucket=bucket, Key="run/step-1/rank-00000-of-00001.safetensors")
+    monkeypatch.setattr(obstore, "get_ranges", real)
+    with pytest.raises(InvalidCheckpoint, match=f"shard {url}/rank-00000-of-00001.safetensors is missing"):
+        ckptd.load(url)
+
+
+def test_a_spawned_daemon_takes_an_s3_root_from_ckptd_roots(s3, bucket, run_dir, root, monkeypatch) -> None:
+    monkeypatch.setenv("CKPTD_ROOTS", f"{root}:s3://{bucket}/run")  # the ':' of s3:// is no separator
+    client = ckptd.Client(run_dir=run_dir, spawn=True, timeout=20)
+    pid = int((run_dir / "ckptd.pid").read_text())
+    try:
+        assert client.save_async(state(seed=1), f"s3://{bucket}/run/step-1", step=1).result(30).path == \
+            f"s3://{bucket}/run/step-1"
+        client.save_async(state(seed=2), root / "local", step=2).result(30)
+        with pytest.raises(ckptd.PathNotAllowed):
+            client.save_async(state(seed=3), f"s3://{bucket}/elsewhere/x", step=3).result(30)
+    finally:
+        client.close()
+        os.kill(pid, 15)
+        wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=60, what="the spawned daemon gone")
+    assert ckptd.load(f"s3://{bucket}/run/step-1")["step"] == 1

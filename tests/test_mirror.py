@@ -1,0 +1,104 @@
+"""Mirror uploads survive a stop and a crash, and local retention never deletes what the mirror lacks:
+a real daemon uploading to a real S3 endpoint on localhost (moto's server, ``tests/s3server.py``)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import wait_until
+from test_object_storage import bucket, keys, s3, state  # noqa: F401 - fixtures
+
+import ckptd
+
+pytestmark = pytest.mark.usefixtures("bucket")
+
+
+def mirrored(s3, bucket: str) -> list[str]:
+    """Checkpoints whose index is on the mirror (what makes them exist for readers)."""
+    return sorted(k.split("/")[1] for k in keys(s3, bucket, "mirror/") if k.endswith("/ckptd.json"))
+
+
+def retention_has_run(client, root: Path) -> None:
+    """Retention runs in order on one maintenance thread: once this later pair's retention has deleted
+    other/a, every retention asked for before it has run too."""
+    (root / "other").mkdir(exist_ok=True)
+    client.save_async(state(), root / "other" / "a", step=1).result(30)
+    client.save_async(state(), root / "other" / "b", step=2, keep_last=1).result(30)
+    wait_until(lambda: not (root / "other" / "a").exists(), what="retention in other/")
+
+
+def test_uploads_cut_off_by_a_crash_are_resumed_at_the_next_start_and_kept_locally_until_then(
+        s3, bucket, daemon_factory, client_factory, root) -> None:
+    run = root / "run"
+    run.mkdir()
+    args = ("--mirror", f"{run}=s3://{bucket}/mirror", "--keep", f"{run}=1")
+    daemon = daemon_factory(*args)
+    client = client_factory()
+    s3.stop()
+    try:
+        for step in (1, 2):
+            client.save_async(state(seed=step), run / f"step-{step}", step=step).result(30)
+        wait_until(lambda: daemon.status()["mirror"]["retries"] >= 1, timeout=60, what="a failed upload attempt")
+        client.close()
+        daemon.proc.send_signal(signal.SIGKILL)
+        assert daemon.proc.wait(10) == -signal.SIGKILL  # the crash happened
+        daemon = daemon_factory(*args)
+        client = client_factory()
+        client.save_async(state(seed=3), run / "step-3", step=3).result(30)  # --keep 1: wants only step-3
+        retention_has_run(client, root)
+        assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-2", "step-3"]  # none of them is uploaded
+        queued = {Path(u["source"]).name for u in daemon.status()["mirror"]["uploads"]}
+        assert queued == {"step-1", "step-2", "step-3"}
+    finally:
+        s3.start()
+    wait_until(lambda: mirrored(s3, bucket) == ["step-1", "step-2", "step-3"], timeout=60,
+               what=lambda: f"all three on the mirror (status: {daemon.status()['mirror']})")
+    assert ckptd.load(f"s3://{bucket}/mirror/step-1")["step"] == 1
+    # once they are on the mirror, local retention catches up without waiting for another save
+    wait_until(lambda: sorted(p.name for p in run.iterdir()) == ["step-3"], what="local retention after the uploads")
+
+
+def test_a_stop_finishes_the_queued_uploads(s3, bucket, daemon_factory, client_factory, root) -> None:
+    daemon = daemon_factory("--mirror", f"{root}=s3://{bucket}/mirror")
+    client = client_factory()
+    for step in (1, 2, 3, 4):
+        client.save_async(state(4 * 2**20, step), root / f"step-{step}", step=step).result(30)  # 16 MiB each
+    client.close()
+    assert daemon.stop(120) == 0  # SIGTERM right after the commits: the uploads are queued or running
+    assert mirrored(s3, bucket) == ["step-1", "step-2", "step-3", "step-4"]
+
+
+def test_a_permanently_failed_upload_is_shown_at_once_and_its_checkpoint_never_deleted(
+        s3, bucket, daemon_factory, client_factory, root) -> None:
+    run = root / "run"
+    run.mkdir()
+    missing = f"{bucket}-missing"
+    daemon = daemon_factory("--mirror", f"{run}=s3://{missing}/e", "--keep", f"{run}=1")
+    client = client_factory()
+    client.save_async(state(seed=1), run / "step-1", step=1).result(30)
+    wait_until(lambda: daemon.status()["mirror"]["failed"] == 1, timeout=60, what="the upload failed for good")
+    mirror = daemon.status()["mirror"]
+    assert mirror["retries"] == 0  # a missing bucket is not retried
+    [failed] = mirror["unmirrored"]
+    assert failed["attempts"] == 1 and f"bucket '{missing}' does not exist" in failed["error"]
+    client.save_async(state(seed=2), run / "step-2", step=2).result(30)
+    retention_has_run(client, root)
+    assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-2"]
+    shown = daemon.cli("status").stdout
+    assert "UNMIRRORED" in shown and "step-1" in shown and "does not exist" in shown
+
+
+@pytest.mark.parametrize("args, error", [
+    (("--mirror-keep", "2"), "without --mirror"),
+    (("--mirror", "{root}/nowhere=s3://b/m"), "no such directory"),
+    (("--mirror", "{root}=s3://b/m", "--mirror", "{root}/../ckpts=s3://b/n"), "one directory twice"),
+])
+def test_start_refuses_a_mirror_it_cannot_serve(args, error, root, run_dir) -> None:
+    done = subprocess.run([sys.executable, "-m", "ckptd", "start", "--foreground", "--run-dir", str(run_dir),
+                           "--root", str(root), *(a.format(root=root) for a in args)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and error in done.stderr, done.stderr
