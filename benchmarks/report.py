@@ -85,12 +85,14 @@ TARGETS = [Target(*row) for row in (  # text, measured, reference (None: the val
     ("restore from memory ≤ 1.5 × memcpy into fresh tensors", "snapshots.restore", "snapshots.memcpy_fresh", 1.5, 13),
     ("restore from memory ≤ 0.3 × a cold disk load", "snapshots.restore", "snapshots.cold_load", 0.3, 13),
     ("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", "sharded_load_ckptd.cold", "sharded_load_dcp.cold", 0.8, 10))]
-CAUSES = [  # of misses, as measured (per-thread /proc CPU, perf_counter, thread_time; issue 15's report has the runs)
-    "FSDP2 blocking (3.28 × memcpy, issue 10): contention of 4 ranks and the daemon for 2 cores (`CPU busy ÷ cores`).",
+CAUSES = [  # of misses, as measured in runs of their own (per-thread /proc CPU, perf_counter, thread_time)
+    "FSDP2 blocking: 4 ranks and the daemon share 2 cores; a rank saving alone blocks 1.5-2 × its own memcpy.",
     "Daemon CPU/GB (0.14): checksum thread 0.081 (CRC32C, 12.4 GB/s per core), writer 0.056 (0.050 kernel: O_DIRECT pins).",
     "Owning load: fresh memory's page faults, reading 0.55 GB warm into new tensors 0.28-0.31 s, into a reused buffer 0.07.",
     "1,000 × 256 B: per-tensor Python work, 7 ms of the caller's CPU per save (flatten, commit) plus the daemon's decode.",
     "Ranks at once: `CPU busy ÷ cores` under 1 while the machine's load average is far above its cores: others' processes.",
+    "Restore from memory vs a cold load: a memcpy of the same bytes into fresh tensors is itself 0.5 × this disk's cold "
+    "load (page faults on fresh memory), so 0.3 × is out of reach here; restore is one read of the slot plus CRC32C.",
 ]
 
 def field(rec: dict, name: str) -> float | None:
