@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import zmq
 
@@ -212,3 +212,12 @@ class StatusPoller(threading.Thread):
     def stop(self) -> None:
         self.halt.set()
         self.join(60)
+
+
+def wait_for_ranks(out: Path, marker: str, count: int, ctx: Any, deadline: float, what: str) -> None:
+    """Until ``count`` rank processes of ``ctx`` have touched ``out/<marker>-<rank>``; fails at ``deadline``
+    (monotonic) with ``what``, or at once when a rank has exited with an error."""
+    while len(list(out.glob(f"{marker}-*"))) < count:
+        assert time.monotonic() < deadline, what
+        assert all(p.exitcode in (None, 0) for p in ctx.processes), "a rank crashed"
+        time.sleep(0.05)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import ckptd
 
-from helpers import short_tempdir, start_daemon
+from helpers import short_tempdir, start_daemon, wait_for_ranks
 from zygote import start_ranks
 
 WORLD = 4
@@ -62,10 +62,7 @@ def test_two_nodes_commit_once_and_a_dead_daemon_fails_every_rank_then_recovers(
     ctx = start_ranks(_worker, (str(tmp_path / "init"), [str(run_a), str(run_b)], str(root), str(out)), WORLD)
     try:
         deadline = time.monotonic() + 120
-        while len(list(out.glob("ready-*"))) < WORLD:
-            assert time.monotonic() < deadline, "ranks never finished their first save"
-            assert all(p.exitcode in (None, 0) for p in ctx.processes), "a rank crashed"
-            time.sleep(0.05)
+        wait_for_ranks(out, "ready", WORLD, ctx, deadline, "ranks never finished their first save")
         # the first checkpoint: one directory, four shards, one index, committed by daemon A
         index = ckptd.read_index(root / "first")
         assert index.world_size == WORLD and sorted(f.rank for f in index.files) == [0, 1, 2, 3]
@@ -78,9 +75,7 @@ def test_two_nodes_commit_once_and_a_dead_daemon_fails_every_rank_then_recovers(
             assert time.monotonic() < deadline, "node B never started writing"
             time.sleep(0.05)
         daemon_b.kill()
-        while len(list(out.glob("settled-*"))) < WORLD:  # every rank's doomed save has ended
-            assert time.monotonic() < deadline, "the doomed save never ended on every rank"
-            time.sleep(0.05)
+        wait_for_ranks(out, "settled", WORLD, ctx, deadline, "the doomed save never ended on every rank")
         daemon_b = start_daemon(run_b, root)
         (out / "restarted").touch()
         ctx.join(120)

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import ckptd
 
-from helpers import short_tempdir, start_daemon
+from helpers import short_tempdir, start_daemon, wait_for_ranks
+from zygote import start_ranks
 
 WORLD = 2
 
@@ -62,14 +62,10 @@ def test_ranks_agree_on_latest_and_never_choose_a_snapshot_one_node_lost(root: P
     out.mkdir()
     daemon_a = start_daemon(run_a, root, "--persist-on-exit", "never")
     daemon_b = start_daemon(run_b, root, "--persist-on-exit", "never")
-    ctx = mp.start_processes(_worker, args=(str(tmp_path / "init"), [str(run_a), str(run_b)], str(root), str(out)),
-                             nprocs=WORLD, join=False, start_method="spawn")
+    ctx = start_ranks(_worker, (str(tmp_path / "init"), [str(run_a), str(run_b)], str(root), str(out)), WORLD)
     try:
         deadline = time.monotonic() + 120
-        while len(list(out.glob("held-*"))) < WORLD:
-            assert time.monotonic() < deadline, "the ranks never held their snapshot"
-            assert all(p.exitcode in (None, 0) for p in ctx.processes), "a rank crashed"
-            time.sleep(0.05)
+        wait_for_ranks(out, "held", WORLD, ctx, deadline, "the ranks never held their snapshot")
         assert [s["ranks_held"] for s in daemon_a.status()["memory"]["snapshots"]] == [[0]]
         assert [s["ranks_held"] for s in daemon_b.status()["memory"]["snapshots"]] == [[1]]
         daemon_b.kill()  # node B's memory is gone
