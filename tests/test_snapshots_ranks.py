@@ -20,17 +20,10 @@ import torch.distributed as dist
 
 import ckptd
 
-from helpers import short_tempdir, start_daemon, wait_for_ranks
+from helpers import short_tempdir, start_daemon, wait_for_ranks, wait_until
 from zygote import start_ranks
 
 WORLD = 2
-
-
-def _wait_for(path: Path) -> None:
-    deadline = time.monotonic() + 60
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
 
 
 def _worker(rank: int, init_file: str, run_dirs: list[str], root: str, out: str) -> None:
@@ -45,7 +38,7 @@ def _worker(rank: int, init_file: str, run_dirs: list[str], root: str, out: str)
         log["before"] = str(ckptd.latest(top, run_dir=run_dir))
         log["before_step"] = ckptd.load(log["before"], run_dir=run_dir)["step"]
         Path(out, f"held-{rank}").touch()
-        _wait_for(Path(out, "restarted"))
+        wait_until(Path(out, "restarted").exists, 60, "the test never restarted node B's daemon")
         log["after"] = str(ckptd.latest(top, run_dir=run_dir))
         loaded = ckptd.load(log["after"], run_dir=run_dir)
         log["after_ok"] = torch.equal(loaded["rank"], state(0)["rank"]) and loaded["step"] == 0
