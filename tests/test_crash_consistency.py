@@ -255,21 +255,21 @@ def test_a_frozen_daemon_fails_pending_saves_after_the_timeout_and_save_async_re
     client.save_async(make_state(1), root / "warm").result(30)
     os.kill(daemon.proc.pid, signal.SIGSTOP)
     try:
-        t = time.monotonic()
         first = client.save_async(make_state(2), root / "frozen-1")
         # the only in-flight place is taken: this call waits, but only until the first fails
+        # (the test's timeout catches a call that waits forever)
         second = client.save_async(make_state(3), root / "frozen-2")
-        returned = time.monotonic() - t
+        assert first.done(), "the second save_async returned while the first still held the only place"
         with pytest.raises(ckptd.DaemonUnavailable, match="not answered"):
             first.result(10)
         with pytest.raises(ckptd.DaemonUnavailable):
             second.result(10)
-        assert returned < 2.0 + 3, f"save_async blocked {returned:.1f} s on a frozen daemon"
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)
     # thawed, it answers again and the client reconnects; what it did meanwhile is all or nothing.
-    # The client's reconnect probe waits 1 s; the thawed daemon first works off the two commits
-    # sent while it was frozen, which on a loaded machine takes longer: wait for its answer.
+    # The thawed daemon first works off the commits sent while it was frozen, which on a loaded
+    # machine can take longer than the client's 2 s timeout: wait until it has none left.
+    wait_until(lambda: not daemon.status()["saves"], 30, "the thawed daemon worked off the frozen saves")
     assert daemon.status()["daemon"]["pid"] == daemon.proc.pid
     state = make_state(4)
     client.save_async(state, root / "thawed", step=4).result(30)
@@ -294,9 +294,7 @@ def test_with_spawn_a_save_after_the_daemon_died_respawns_one_and_succeeds(run_d
         with pytest.raises(ckptd.DaemonUnavailable):
             fut.result(15)  # "died", or (its zombie not reaped yet) "has not answered" after 2 s
         state = make_state(2)
-        t = time.monotonic()
         result = client.save_async(state, root / "respawned", step=2).result(30)
-        assert time.monotonic() - t < 30
         assert result.path == root / "respawned"
         assert_whole(root / "respawned", {0: state})
         second_pid = int((run_dir / "ckptd.pid").read_text())
