@@ -16,15 +16,19 @@ import sys
 import time
 from pathlib import Path
 
-from ckptd.protocol.endpoint import SOCKET_NAME, SPAWN_LOCK_NAME
+from ckptd.protocol.endpoint import LOG_NAME, SOCKET_NAME, SPAWN_LOCK_NAME
 from ckptd.protocol.errors import DaemonUnavailable
 from ckptd.protocol.request import answers
 
 SPAWNED_IDLE_EXIT_S = 120.0
+SPAWN_START_S = 30.0
+"""The least time a spawned daemon gets to come up: starting Python on a loaded node takes seconds,
+so a client's short silence ``timeout`` (meant for a daemon that stops answering) must not cut it short."""
 
 
 def ensure_daemon(run_dir: Path, endpoint: str, *, spawn: bool, timeout: float = 30.0) -> None:
-    """Return once a daemon answers on ``endpoint``, spawning one if allowed."""
+    """Return once a daemon answers on ``endpoint``, spawning one if allowed (waiting up to
+    ``max(timeout, SPAWN_START_S)`` for it to start)."""
     if answers(endpoint, timeout=1.0):
         return
     if not spawn:
@@ -39,7 +43,14 @@ def ensure_daemon(run_dir: Path, endpoint: str, *, spawn: bool, timeout: float =
             return
         cmd = [sys.executable, "-m", "ckptd", "start", "--run-dir", str(run_dir),
                "--exit-when-idle", str(SPAWNED_IDLE_EXIT_S)]
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+        timeout = max(timeout, SPAWN_START_S)
+        try:
+            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise DaemonUnavailable(
+                f"started a ckptd daemon on {run_dir}, but it did not finish starting within {timeout:.0f} s; "
+                f"see {run_dir / LOG_NAME}, or start one yourself with `ckptd start --run-dir {run_dir}`"
+            ) from None
         if proc.returncode != 0:
             raise DaemonUnavailable(f"could not start a ckptd daemon on {run_dir}: {proc.stderr.strip()}")
     deadline = time.monotonic() + timeout

@@ -20,7 +20,7 @@ from ckptd.protocol.messages import Commit, Error, Hello, Status, StatusReply, W
 from ckptd.protocol.layout import plan_layout
 from ckptd.render import render_status
 
-from helpers import dead_pid, raw_socket, start_daemon, wait_until
+from helpers import dead_pid, raw_socket, start_daemon, status, wait_until
 
 SLOW = [{"op": "write", "match": "slow", "errno": 0, "delay": 1.5}]
 
@@ -137,6 +137,22 @@ def test_a_client_spawns_a_detached_daemon_once_even_when_ranks_race(run_dir, ro
     finally:
         for c in clients:
             c.close()
+        out = subprocess.run([sys.executable, "-m", "ckptd", "stop", "--run-dir", str(run_dir)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+
+
+def test_a_client_with_a_short_silence_timeout_still_gives_a_spawned_daemon_time_to_start(
+    run_dir, root, monkeypatch
+) -> None:
+    """``timeout`` is how long a running daemon may stay silent; starting Python takes longer than 0.1 s."""
+    monkeypatch.setenv("CKPTD_ROOTS", str(root))
+    client = ckptd.Client(run_dir=run_dir, spawn=True, heartbeat=0.05, timeout=0.1)
+    try:
+        pid = int((run_dir / "ckptd.pid").read_text())
+        assert status(run_dir)["daemon"]["pid"] == pid
+    finally:
+        client.close()
         out = subprocess.run([sys.executable, "-m", "ckptd", "stop", "--run-dir", str(run_dir)],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
