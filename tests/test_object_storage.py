@@ -302,33 +302,31 @@ def test_a_misspelt_url_is_refused_everywhere_and_never_written_locally(typo, s3
 
 def test_an_endpoint_that_stops_mid_download_fails_the_load_naming_the_object(s3, bucket, daemon_factory,
                                                                             client_factory, root, monkeypatch) -> None:
-    import obstore
-
     from ckptd.protocol import objects
 
     daemon_factory("--root", f"s3://{bucket}")
     url = f"s3://{bucket}/run/step-1"
     client_factory().save_async({"w": torch.ones(2**20)}, url, step=1).result(30)  # 4 MiB
     monkeypatch.setattr(objects, "READ_PART", 2**20)
-    monkeypatch.setattr(objects, "PARALLEL_READS", 1)  # four batches of one ranged GET
-    batches = []
-    real = obstore.get_ranges
+    monkeypatch.setattr(objects, "PARALLEL_READS", 1)  # four ranged GETs, one at a time
+    fetched = []
+    real = objects.get_range
 
-    def then_stop(*args, **kwargs):  # the real GET, then the endpoint goes away before the next batch
-        batches.append(real(*args, **kwargs))
+    def then_stop(*args, **kwargs):  # the real GET, then the endpoint goes away before the next one
+        fetched.append(real(*args, **kwargs))
         s3.stop()
-        return batches[-1]
+        return fetched[-1]
 
-    monkeypatch.setattr(obstore, "get_ranges", then_stop)
+    monkeypatch.setattr(objects, "get_range", then_stop)
     try:
         with pytest.raises(InvalidCheckpoint, match=f"cannot read shard {url}/rank-00000-of-00001.safetensors: "
                                                     f"endpoint {s3.url} unreachable"):
             ckptd.load(url)
     finally:
         s3.start()
-    assert len(batches) == 1  # it failed part way, on the second batch
+    assert len(fetched) == 1  # it failed part way, on the second request
     s3.client().delete_object(Bucket=bucket, Key="run/step-1/rank-00000-of-00001.safetensors")
-    monkeypatch.setattr(obstore, "get_ranges", real)
+    monkeypatch.setattr(objects, "get_range", real)
     with pytest.raises(InvalidCheckpoint, match=f"shard {url}/rank-00000-of-00001.safetensors is missing"):
         ckptd.load(url)
 
@@ -348,3 +346,67 @@ def test_a_spawned_daemon_takes_an_s3_root_from_ckptd_roots(s3, bucket, run_dir,
         os.kill(pid, 15)
         wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=60, what="the spawned daemon gone")
     assert ckptd.load(f"s3://{bucket}/run/step-1")["step"] == 1
+
+
+@pytest.fixture
+def two_rank_model(s3, bucket, daemon_factory, client_factory, root) -> tuple[str, torch.Tensor, dict[str, int]]:
+    """A 4 MiB global tensor saved by two ranks beside 8 MiB of per-rank state each; (url, the tensor, shard sizes)."""
+    daemon_factory("--root", f"s3://{bucket}")
+    clients = [client_factory(rank=r, world_size=2) for r in (0, 1)]
+    w = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(3))
+    url = f"s3://{bucket}/run/sharded"
+    futures = [c.save_async({"model": {"w": w}, "mine": torch.full((2**20,), r)}, url, replicated=("model",))
+               for r, c in enumerate(clients)]
+    for f in futures:
+        f.result(60)
+    sizes = {o["Key"].rsplit("/", 1)[-1]: o["Size"]
+             for o in s3.client().list_objects_v2(Bucket=bucket, Prefix="run/sharded/")["Contents"]}
+    return url, w, {name: size for name, size in sizes.items() if name.endswith(".safetensors")}
+
+
+def _count_fetched(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Bytes of every ranged GET from now on (the real GETs, counted)."""
+    from ckptd.protocol import objects
+
+    fetched, real = [], objects.get_range
+
+    def counting(*args, **kwargs):
+        data = real(*args, **kwargs)
+        fetched.append(len(data))
+        return data
+
+    monkeypatch.setattr(objects, "get_range", counting)
+    return fetched
+
+
+def test_load_into_from_s3_fetches_only_the_ranges_the_targets_need(two_rank_model, monkeypatch) -> None:
+    from client.ranged import HEADER_GUESS
+
+    url, w, sizes = two_rank_model
+    headers = 2 * HEADER_GUESS  # at most this much of each shard is fetched for its header
+    for target in (torch.zeros(1024, 1024), torch.zeros(1024, 1024).t().contiguous().t()):  # contiguous, strided
+        fetched = _count_fetched(monkeypatch)
+        ckptd.load_into({"w": target}, url, key="model", strict=False, verify=False)
+        assert torch.equal(target, w)
+        assert w.nbytes <= sum(fetched) <= w.nbytes + headers  # not the 8 MiB of each rank's "mine"
+    fetched = _count_fetched(monkeypatch)
+    target = torch.zeros(1024, 1024)
+    ckptd.load_into({"w": target}, url, key="model", strict=False)  # verified: each byte of the shard it reads, once
+    assert torch.equal(target, w)
+    shard = sizes["rank-00000-of-00002.safetensors"]  # rank 0 wrote the whole of w; rank 1's shard is not read
+    assert shard <= sum(fetched) <= shard + headers
+
+
+def test_a_damaged_or_missing_shard_object_fails_load_into_naming_it(s3, bucket, two_rank_model) -> None:
+    url, w, sizes = two_rank_model
+    name = "rank-00000-of-00002.safetensors"  # the shard holding w
+    key = f"run/sharded/{name}"
+    data = bytearray(s3.client().get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[-5] ^= 0xFF  # one byte of the shard the load reads
+    s3.client().put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    target = {"w": torch.zeros(1024, 1024)}
+    with pytest.raises(InvalidCheckpoint, match=f"shard {url}/{name} fails its checksum"):
+        ckptd.load_into(target, url, key="model", strict=False)
+    s3.client().delete_object(Bucket=bucket, Key=key)
+    with pytest.raises(InvalidCheckpoint, match=f"shard {url}/{name} is missing"):
+        ckptd.load_into(target, url, key="model", strict=False)
