@@ -100,7 +100,9 @@ def test_an_endpoint_that_stops_mid_upload_fails_the_save_and_a_later_save_works
     fut = client.save_async({"w": torch.ones(96 * 2**20 // 4)}, url, step=1)  # 96 MiB: many parts
     wait_until(lambda: any(s.get("written", 0) > 0 for s in daemon.status()["saves"]), what="the upload under way")
     s3.stop()
-    try:
+    try:  # every byte handed to the upload, which retries its parts: the shard is completing, not in fsync
+        wait_until(lambda: [s["state"] for s in daemon.status()["saves"]] == ["completing"], what="the upload completing")
+        assert f"root s3://{bucket}: object store (free space: not applicable)" in daemon.cli("status").stdout
         with pytest.raises(WriteFailed, match=f"endpoint {s3.url} unreachable for bucket '{bucket}'") as failure:
             fut.result(120)
         assert "rank-00000-of-00001.safetensors" in str(failure.value)
@@ -130,9 +132,21 @@ def test_an_s3_checkpoint_is_never_replaced_in_place(s3, bucket, daemon_factory,
     client = client_factory()
     url = f"s3://{bucket}/run/step-1"
     client.save_async(state(seed=1), url, step=1).result(30)
+    before = s3.client().list_objects_v2(Bucket=bucket)["Contents"]
     with pytest.raises(ckptd.CheckpointExists, match="never replaced in place"):
         client.save_async(state(seed=2), url, step=1, overwrite=True).result(30)
     assert ckptd.load(url)["step"] == 1
+    assert s3.client().list_objects_v2(Bucket=bucket)["Contents"] == before  # refused before anything was written
+
+
+def test_a_save_without_credentials_fails_as_a_write_that_names_them(s3, bucket, daemon_factory, client_factory,
+                                                                     root, monkeypatch) -> None:
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HOME", "/nonexistent")  # no ~/.aws either
+    daemon_factory("--root", f"s3://{bucket}")
+    with pytest.raises(WriteFailed, match=f"cannot create s3://{bucket}/run/a: no usable AWS credentials"):
+        client_factory().save_async(state(), f"s3://{bucket}/run/a", step=1).result(60)
 
 
 def test_verify_and_inspect_read_an_s3_checkpoint(s3, bucket, daemon_factory, client_factory, root) -> None:
@@ -339,7 +353,8 @@ def test_a_spawned_daemon_takes_an_s3_root_from_ckptd_roots(s3, bucket, run_dir,
         assert client.save_async(state(seed=1), f"s3://{bucket}/run/step-1", step=1).result(30).path == \
             f"s3://{bucket}/run/step-1"
         client.save_async(state(seed=2), root / "local", step=2).result(30)
-        with pytest.raises(ckptd.PathNotAllowed):
+        with pytest.raises(ckptd.PathNotAllowed, match=f"allowed roots \\(.*s3://{bucket}/run\\); to save there, "
+                                                       f"start the daemon with --root s3://{bucket}/elsewhere"):
             client.save_async(state(seed=3), f"s3://{bucket}/elsewhere/x", step=3).result(30)
     finally:
         client.close()
