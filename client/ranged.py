@@ -26,9 +26,7 @@ from ckptd.protocol.checksums import Behind
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.inspect import check_checksum, check_shard_size
-
-HEADER_GUESS = 64 * 1024
-"""Bytes fetched first for the header: most headers fit, a longer one takes a second request."""
+from ckptd.protocol.layout import HEADER_GUESS
 
 Span = tuple[int, int, memoryview]
 """Bytes ``[begin, end)`` of the shard and the memory (``end - begin`` bytes) they land in."""

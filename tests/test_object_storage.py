@@ -395,7 +395,7 @@ def _count_fetched(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_load_into_from_s3_fetches_only_the_ranges_the_targets_need(two_rank_model, monkeypatch) -> None:
-    from client.ranged import HEADER_GUESS
+    from ckptd.protocol.layout import HEADER_GUESS
 
     url, w, sizes = two_rank_model
     headers = 2 * HEADER_GUESS  # at most this much of each shard is fetched for its header
