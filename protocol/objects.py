@@ -266,8 +266,9 @@ def get_range(path: Path | str, start: int, end: int, *, etag: str | None = None
 
 
 def requests(spans: Iterable[tuple[int, int]], *, whole: int | None = None) -> list[tuple[int, int]]:
-    """The ranged GETs that fetch ``spans`` (byte ranges): overlapping and near ones merged, each at most
-    ``READ_PART`` bytes, in object order; ``whole``: the object's size, every byte (a checksum needs them all)."""
+    """The ranged GETs that fetch ``spans`` (byte ranges): overlapping and near ones merged, cut into
+    ``READ_PART`` bytes (the last piece of a range up to a quarter more), in object order; ``whole``: the
+    object's size, every byte (a checksum needs them all)."""
     wanted = [(0, whole)] if whole is not None else sorted(s for s in spans if s[1] > s[0])
     merged: list[list[int]] = []
     for begin, end in wanted:
@@ -275,7 +276,13 @@ def requests(spans: Iterable[tuple[int, int]], *, whole: int | None = None) -> l
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([begin, end])
-    return [(s, min(s + READ_PART, end)) for begin, end in merged for s in range(begin, end, READ_PART)]
+    out = []
+    for begin, end in merged:
+        cuts = list(range(begin, end, READ_PART))[1:]
+        if cuts and end - cuts[-1] < READ_PART // 4:  # a short tail joins the request before it: one request fewer
+            cuts.pop()
+        out += zip([begin, *cuts], [*cuts, end])
+    return out
 
 
 def fetch(path: Path | str, ranges: list[tuple[int, int]], land: Callable[[int, Any], None], *,
@@ -286,7 +293,7 @@ def fetch(path: Path | str, ranges: list[tuple[int, int]], land: Callable[[int, 
     (the copies into the targets overlap the transfers); ``in_order(data)``
     on the caller's thread, in object order (a running checksum). A new
     request starts only when the oldest response is taken, so at most
-    ``PARALLEL_READS`` responses of at most ``READ_PART`` bytes are held.
+    ``PARALLEL_READS`` responses (each ``requests`` bounds) are held.
     """
     def one(start: int, end: int) -> Any:
         data = get_range(path, start, end, etag=etag)
