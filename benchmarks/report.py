@@ -90,6 +90,8 @@ CAUSES = [  # of misses, as measured in runs of their own (per-thread /proc CPU,
     "Owning load: fresh memory's page faults, reading 0.55 GB warm into new tensors 0.28-0.31 s, into a reused buffer 0.07.",
     "1,000 × 256 B: per-tensor Python work, 7 ms of the caller's CPU per save (flatten, commit) plus the daemon's decode.",
     "Ranks at once: `CPU busy ÷ cores` under 1 while the machine's load average is far above its cores: others' processes.",
+    "s3:// on moto (256 MiB): moto's CPU is the wall time (2.2-2.9 CPU-s a phase, one GIL); any ranged GET of a 16-part "
+    "object costs it 0.15 CPU-s (it joins the parts), so both loads make 16; an s3:// save costs the daemon 0.37 CPU-s.",
     "Restore from memory vs a cold load: a memcpy of the same bytes into fresh tensors is itself 0.5 × this disk's cold "
     "load (page faults on fresh memory), so 0.3 × is out of reach here; restore is one read of the slot plus CRC32C.",
 ]
