@@ -27,9 +27,9 @@ from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ChunkRecord, ShardRecord, TensorRecord
 from ckptd.protocol.inspect import check_checksum, check_shard_size, open_shard
 from ckptd.protocol.objects import is_object_path
+from ckptd.protocol.ranged import ObjectShard
 
 from .dtypes import TORCH_DTYPES
-from .ranged import ObjectShard
 from .verified import Identity, identity, is_verified, remember
 
 MAX_READ = 1 << 30
@@ -87,7 +87,7 @@ class ChunkFiles:
 
         An object is fetched whole into anonymous memory, unless ``defer``:
         then only its header is, and ``copy`` fetches the ranges its copies
-        read (``client/ranged.py``); ``fetch_whole`` the rest.
+        read (``protocol/ranged.py``); ``fetch_whole`` the rest.
         """
         record = next(f for f in self.index.files if f.file == file)
         algorithm = self.index.checksum_algorithm

@@ -425,3 +425,15 @@ def test_a_damaged_or_missing_shard_object_fails_load_into_naming_it(s3, bucket,
     s3.client().delete_object(Bucket=bucket, Key=key)
     with pytest.raises(InvalidCheckpoint, match=f"shard {url}/{name} is missing"):
         ckptd.load_into(target, url, key="model", strict=False)
+
+
+def test_export_reads_a_checkpoint_from_s3(s3, bucket, daemon_factory, client_factory, root, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    url = f"s3://{bucket}/run/step-1"
+    client_factory().save_async(state(200_000, 1), url, step=1).result(30)
+    exported = daemon.cli("export", url, str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(tensors) == ["b", "w"] and torch.equal(tensors["w"], state(200_000, 1)["w"])

@@ -1,4 +1,6 @@
-"""A shard on an object store (``s3://``), read by parallel ranged GETs of the bytes a load needs.
+"""A shard on an object store (``s3://``), read by parallel ranged GETs of the bytes a reader needs.
+
+Loads (``client/reshard.py``) and ``ckptd export`` use it; it holds no tensors.
 
 A local shard is mapped and the page cache brings in what a copy touches;
 an object has no page cache, so its bytes are fetched by request. The
