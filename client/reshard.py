@@ -89,17 +89,19 @@ class ChunkFiles:
         then only its header is, and ``copy`` fetches the ranges its copies
         read (``protocol/ranged.py``); ``fetch_whole`` the rest.
         """
+        if file in self._maps:
+            return self._maps[file]
         record = next(f for f in self.index.files if f.file == file)
         algorithm = self.index.checksum_algorithm
         if is_object_path(self.path):
-            if file not in self._objects:
-                self._objects[file] = ObjectShard(self.path / file, record, algorithm)
-                self._maps[file] = torch.frombuffer(self._objects[file].mapping, dtype=torch.uint8)
-            if not self.defer:
-                self._objects[file].read_whole(verify=self.verify)
-            elif not self._objects[file].whole:
-                self._objects[file].header()
-        elif file not in self._maps:
+            shard = ObjectShard(self.path / file, record, algorithm)
+            if self.defer:
+                shard.header()
+            else:
+                shard.read_whole(verify=self.verify)
+            self._objects[file] = shard
+            self._maps[file] = torch.frombuffer(shard.mapping, dtype=torch.uint8)
+        else:
             mapping, ident = map_shard(self.path / file, record, verify=self.verify and not self.defer,
                                        algorithm=algorithm)
             if self.verify and self.defer and not is_verified(ident, record, algorithm):
