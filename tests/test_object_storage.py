@@ -412,14 +412,26 @@ def test_load_into_from_s3_fetches_only_the_ranges_the_targets_need(two_rank_mod
     assert shard <= sum(fetched) <= shard + headers
 
 
-def test_a_damaged_or_missing_shard_object_fails_load_into_naming_it(s3, bucket, two_rank_model) -> None:
+def test_a_damaged_replaced_or_missing_shard_object_fails_load_into_naming_it(s3, bucket, two_rank_model,
+                                                                             monkeypatch) -> None:
+    from ckptd.protocol import objects
+
     url, w, sizes = two_rank_model
     name = "rank-00000-of-00002.safetensors"  # the shard holding w
     key = f"run/sharded/{name}"
     data = bytearray(s3.client().get_object(Bucket=bucket, Key=key)["Body"].read())
     data[-5] ^= 0xFF  # one byte of the shard the load reads
-    s3.client().put_object(Bucket=bucket, Key=key, Body=bytes(data))
-    target = {"w": torch.zeros(1024, 1024)}
+    real, target = objects.get_range, {"w": torch.zeros(1024, 1024)}
+
+    def replaced_first(*args, **kwargs):  # the object is replaced after the load opened it, before its first GET
+        monkeypatch.setattr(objects, "get_range", real)
+        s3.client().put_object(Bucket=bucket, Key=key, Body=bytes(data))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(objects, "get_range", replaced_first)
+    with pytest.raises(InvalidCheckpoint, match=f"cannot read shard {url}/{name}: the object changed while it was "
+                                                "being read"):
+        ckptd.load_into(target, url, key="model", strict=False)
     with pytest.raises(InvalidCheckpoint, match=f"shard {url}/{name} fails its checksum"):
         ckptd.load_into(target, url, key="model", strict=False)
     s3.client().delete_object(Bucket=bucket, Key=key)
