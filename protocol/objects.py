@@ -26,9 +26,9 @@ from __future__ import annotations
 import configparser
 import errno
 import io
+import itertools
 import os
 import re
-import itertools
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
