@@ -15,7 +15,7 @@ from pathlib import Path
 from ckptd.protocol.errors import BadMessage, InvalidCheckpoint
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME, MAX_INDEX_BYTES, CheckpointIndex
 from ckptd.protocol.index import missing_or_truncated as shard_problem
-from ckptd.protocol.layout import MAX_HEADER_BYTES, TensorEntry, parse_header
+from ckptd.protocol.layout import HEADER_GUESS, MAX_HEADER_BYTES, TensorEntry, parse_header
 
 from .storage import Kind, Storage
 
@@ -72,10 +72,11 @@ def missing_or_truncated(storage: Storage, path: Path, index: CheckpointIndex) -
 def read_shard_header(storage: Storage, path: Path, size: int) -> tuple[list[TensorEntry], dict[str, str], int]:
     """Parse a shard's header; ``InvalidCheckpoint`` naming the file if it is wrong."""
     try:
-        prefix = storage.read(path, 0, 8)
-        if len(prefix) == 8:
-            hlen = int.from_bytes(prefix, "little")
-            prefix += storage.read(path, 8, min(hlen, MAX_HEADER_BYTES, max(size - 8, 0)))
+        prefix = storage.read(path, 0, min(size, HEADER_GUESS))  # one read (an object store's request) for most
+        if len(prefix) >= 8:
+            want = 8 + min(int.from_bytes(prefix[:8], "little"), MAX_HEADER_BYTES, max(size - 8, 0))
+            if want > len(prefix):
+                prefix += storage.read(path, len(prefix), want - len(prefix))
     except OSError as exc:
         raise InvalidCheckpoint(f"cannot read shard {path}: {exc.strerror or exc}") from None
     try:

@@ -146,9 +146,12 @@ def resolve_path(storage: Storage, raw: str, roots: tuple[Path, ...]) -> Path:
     try:
         final = storage.resolve(path.parent) / path.name
         if not any(final.is_relative_to(root) and final != root for root in roots):
-            allowed = ", ".join(str(r) for r in roots)
-            raise PathNotAllowed(f"checkpoint path {final} is not strictly below the daemon's allowed roots ({allowed})")
-        st = storage.stat(final)
+            allowed = ", ".join(display(r) for r in roots)
+            hint = (f"; to save there, start the daemon with --root {display(final.parent)} (a daemon the client "
+                    f"spawns reads its roots from $CKPTD_ROOTS)") if is_object else ""
+            raise PathNotAllowed(f"checkpoint path {display(final)} is not strictly below the daemon's allowed roots "
+                                 f"({allowed}){hint}")
+        st = None if is_object else storage.stat(final)  # an object is never a link: no request before Accepted
         if st is not None and st.kind is Kind.LINK:
             raise PathNotAllowed(f"checkpoint path {final} is a symbolic link")
     except OSError as exc:  # a name too long, a loop of links...
@@ -229,24 +232,26 @@ class Commits:
         other nodes' daemons, so there it is created if missing and never removed.
         """
         storage, parent = self.storage, pending.path.parent
-        if storage.stat(pending.path) is not None:
-            refuse_existing(storage, pending.path, pending.overwrite)
-        st = storage.stat(parent, follow=True)
-        if st is not None and st.kind is not Kind.DIR:
-            raise WriteFailed(f"cannot create {pending.incomplete}: {parent} is not a directory")
-        leftover = storage.stat(pending.incomplete) is not None and not pending.coordinated
-        reason = why_not_leftover(storage, pending.incomplete) if leftover else None
-        if reason is not None:
-            raise CheckpointExists(f"{display(pending.incomplete)} is in the way of this save and is not a dead save's "
-                                   f"leftover ({reason}); move it away or save under another path")
         try:
+            if storage.stat(pending.path) is not None:  # for an object, the first check (admission skips it)
+                refuse_existing(storage, pending.path, pending.overwrite)
+            st = None if is_object_path(parent) else storage.stat(parent, follow=True)  # a prefix is never a file
+            if st is not None and st.kind is not Kind.DIR:
+                raise WriteFailed(f"cannot create {pending.incomplete}: {parent} is not a directory")
+            leftover = storage.stat(pending.incomplete) is not None and not pending.coordinated
+            reason = why_not_leftover(storage, pending.incomplete) if leftover else None
+            if reason is not None:
+                raise CheckpointExists(f"{display(pending.incomplete)} is in the way of this save and is not a dead "
+                                       f"save's leftover ({reason}); move it away or save under another path")
             storage.mkdir(parent, parents=True, exist_ok=True)
             if leftover:
                 storage.remove_tree(pending.incomplete)
             storage.mkdir(pending.incomplete, exist_ok=pending.coordinated)
             storage.touch(pending.incomplete / owner_marker())
-        except OSError as exc:
-            raise WriteFailed(f"cannot create {pending.incomplete}: {exc.strerror or exc}") from None
+        except CkptdError:
+            raise
+        except OSError as exc:  # on a store too: unreachable, credentials refused, no such bucket
+            raise WriteFailed(f"cannot create {display(pending.incomplete)}: {exc.strerror or exc}") from None
 
     def shard_done(self, pending: PendingCheckpoint, record: ShardRecord | None) -> bool:
         """Record a shard's end (None: it failed); True when the checkpoint can be finalized."""

@@ -19,7 +19,9 @@ counted. ``prefix`` keeps only names starting with it and strips it, so
 The export is written into a hidden ``.NAME.*.incomplete`` sibling of
 ``OUTDIR``, fsync'd, and renamed into place, so ``OUTDIR`` is either absent
 (or empty) or complete. Each source file's checksum is verified once, before
-its bytes are used.
+its bytes are used. A checkpoint on an object store (``s3://``) is read the
+same way, each shard fetched into memory by parallel ranged GETs when first
+used (so up to the whole checkpoint is held in memory at once).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from ckptd.protocol.chunks import GLOBAL_KEY
 from ckptd.protocol.index import CheckpointIndex, ChunkRecord, TensorRecord, read_index
 from ckptd.protocol.inspect import check_checksum, check_shard_size, open_shard, read_shard_header
 from ckptd.protocol.layout import DTYPE_SIZES, plan_layout
+from ckptd.protocol.objects import is_object_path
+from ckptd.protocol.ranged import ObjectShard
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -166,13 +170,17 @@ class _Sources:
     def view(self, file: str) -> memoryview:
         if file not in self.maps:
             record = next(f for f in self.index.files if f.file == file)
-            path = self.checkpoint / file
-            with open_shard(path) as f:
-                size = os.fstat(f.fileno()).st_size
-                check_shard_size(path, size, record)
-                mapped = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ) if size else None
-            algorithm = self.index.checksum_algorithm
-            check_checksum(path, checksum(mapped, algorithm) if mapped is not None else 0, record, algorithm)
+            path, algorithm = self.checkpoint / file, self.index.checksum_algorithm
+            if is_object_path(path):  # fetched into memory by ranged GETs, checked as it arrives
+                shard = ObjectShard(path, record, algorithm)
+                shard.read_whole(verify=True)
+                mapped = shard.mapping
+            else:
+                with open_shard(path) as f:
+                    size = os.fstat(f.fileno()).st_size
+                    check_shard_size(path, size, record)
+                    mapped = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ) if size else None
+                check_checksum(path, checksum(mapped, algorithm) if mapped is not None else 0, record, algorithm)
             self.maps[file] = mapped
             self.views[file] = memoryview(mapped) if mapped is not None else memoryview(b"")
         return self.views[file]

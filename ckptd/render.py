@@ -91,7 +91,8 @@ def render_status(info: dict[str, Any]) -> str:
         rate = f"{last['gbps']:.2f} GB/s" if last["gbps"] else "?"
         lines.append(f"  last: {printable(last['path'])} step {last['step']}  {human_bytes(last['bytes'])} in {last['seconds']:.2f} s ({rate})")
     for r in info["roots"]:
-        lines.append(f"root {r['path']}: {human_bytes(r['free_bytes'])} free of {human_bytes(r['total_bytes'])}")
+        lines.append(f"root {r['path']}: " + ("object store (free space: not applicable)" if r.get("object_store") else
+                                               f"{human_bytes(r['free_bytes'])} free of {human_bytes(r['total_bytes'])}"))
     shm = info.get("shm")
     if shm:
         lines.append(f"shared memory {shm['dir']}: {human_bytes(shm['free_bytes'])} free of "

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 import psutil
 
 from ckptd.protocol import __version__
+from ckptd.protocol.objects import display, is_object_path
 from ckptd.protocol.shm import shm_usage
 
 from .config import DaemonConfig
@@ -142,7 +143,7 @@ class Stats:
             "shm": {"dir": str(view.shm_dir), "total_bytes": None, "free_bytes": None},
             "loads": dict(view.lease_snapshot()),
             "memory": dict(view.memory_snapshot()),
-            "roots": [{"path": str(r), "free_bytes": None, "total_bytes": None} for r in self.config.roots],
+            "roots": [{"path": display(r), "free_bytes": None, "total_bytes": None} for r in self.config.roots],
         }
         return info
 
@@ -161,6 +162,8 @@ def _throughput(jobs: list, now: float) -> float:
 
 
 def _root_usage(storage: Storage, root: Path) -> dict[str, Any]:
+    if is_object_path(root):  # a store enforces its own quotas: it has no free space to show
+        return {"path": display(root), "free_bytes": None, "total_bytes": None, "object_store": True}
     try:
         space = storage.space(root)
         return {"path": str(root), "free_bytes": space.free, "total_bytes": space.total}

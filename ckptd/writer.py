@@ -31,7 +31,7 @@ from ckptd.protocol.checksums import updater
 from ckptd.protocol.errors import CkptdError, WriteFailed
 from ckptd.protocol.index import CHECKSUM_ALGORITHM, ShardRecord
 from ckptd.protocol.messages import Commit
-from ckptd.protocol.objects import display
+from ckptd.protocol.objects import display, is_object_path
 
 from .slots import MappedSlot
 from .storage import Storage
@@ -52,6 +52,8 @@ class WriteState(str, Enum):
     """Waiting for the client to finish copying the bytes it writes next."""
     WRITING = "writing"
     FSYNC = "fsync"
+    COMPLETING = "completing"
+    """An object's upload finishing: its last parts, then the request that makes it whole (an object's fsync)."""
     DURABLE = "durable"
     FAILED = "failed"
 
@@ -148,7 +150,7 @@ def write_shard(job: WriteJob, storage: Storage, checksums: Executor, *, direct:
             job.written = min(offset, nbytes)
         if end != nbytes:
             storage.truncate(fd, nbytes)
-        job.state = WriteState.FSYNC
+        job.state = WriteState.COMPLETING if is_object_path(job.dest) else WriteState.FSYNC
         storage.fsync(fd)
     except WriteFailed:
         job.progress.fail("the write failed")  # lets the checksum thread go

@@ -138,6 +138,8 @@ def _load_rank(files: ChunkFiles, rank: int, device: torch.device | None,
     if isinstance(files, HeldFiles):  # a snapshot in node memory
         metadata, tensors = files.read(record, copy=not mmap)
     elif mmap or is_object_path(shard):  # an object is read whole into memory the tensors then view
+        if not mmap:
+            files.fetch_whole(record.file)  # not only what load_into's copies would fetch: the tensors are returned
         metadata, tensors = _map_tensors(files, record)
     else:
         metadata, tensors = _read_tensors(shard, record, verify=files.verify, algorithm=index.checksum_algorithm)

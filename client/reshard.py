@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from ckptd.protocol import objects
 from ckptd.protocol.checksums import Behind, checksum
 from ckptd.protocol.chunks import Box, overlap
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ChunkRecord, ShardRecord, TensorRecord
 from ckptd.protocol.inspect import check_checksum, check_shard_size, open_shard
 from ckptd.protocol.objects import is_object_path
+from ckptd.protocol.ranged import ObjectShard
 
 from .dtypes import TORCH_DTYPES
 from .verified import Identity, identity, is_verified, remember
@@ -66,7 +66,8 @@ class ChunkFiles:
         self.path, self.index, self.verify, self.defer = path, index, verify, defer
         self._maps: dict[str, torch.Tensor] = {}
         self._raw: dict[str, _mmap.mmap] = {}
-        self._idents: dict[str, Identity | None] = {}  # None: an object, copied from memory
+        self._idents: dict[str, Identity] = {}
+        self._objects: dict[str, ObjectShard] = {}
         self._pending: dict[str, tuple[_mmap.mmap, ShardRecord, Identity]] = {}
 
     def ref(self, name: str) -> GlobalRef:
@@ -82,14 +83,28 @@ class ChunkFiles:
         return data[chunk.begin : chunk.end].view(ref.dtype).view(chunk.sizes)
 
     def mapped(self, file: str) -> torch.Tensor:
-        """The whole file as bytes, mapped and (with ``verify``, unless deferred) checksummed on the first call."""
-        if file not in self._maps:
-            record = next(f for f in self.index.files if f.file == file)
-            algorithm = self.index.checksum_algorithm
-            deferred = self.defer and not is_object_path(self.path)  # an object is read whole: checked at once
-            mapping, ident = map_shard(self.path / file, record, verify=self.verify and not deferred,
+        """The whole file as bytes, mapped and (with ``verify``, unless deferred) checksummed on the first call.
+
+        An object is fetched whole into anonymous memory, unless ``defer``:
+        then only its header is, and ``copy`` fetches the ranges its copies
+        read (``protocol/ranged.py``); ``fetch_whole`` the rest.
+        """
+        if file in self._maps:
+            return self._maps[file]
+        record = next(f for f in self.index.files if f.file == file)
+        algorithm = self.index.checksum_algorithm
+        if is_object_path(self.path):
+            shard = ObjectShard(self.path / file, record, algorithm)
+            if self.defer:
+                shard.header()
+            else:
+                shard.read_whole(verify=self.verify)
+            self._objects[file] = shard
+            self._maps[file] = torch.frombuffer(shard.mapping, dtype=torch.uint8)
+        else:
+            mapping, ident = map_shard(self.path / file, record, verify=self.verify and not self.defer,
                                        algorithm=algorithm)
-            if self.verify and self.defer and ident is not None and not is_verified(ident, record, algorithm):
+            if self.verify and self.defer and not is_verified(ident, record, algorithm):
                 self._pending[file] = (mapping, record, ident)
             self._raw[file], self._idents[file] = mapping, ident
             self._maps[file] = torch.frombuffer(mapping, dtype=torch.uint8)
@@ -108,19 +123,48 @@ class ChunkFiles:
         wrong (the targets then hold what was copied) or when the file
         changed since it was mapped.
         """
-        by_file: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {f: [] for f in self._pending}
+        unchecked = [f for f, o in self._objects.items() if self.verify and not o.verified]
+        by_file: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {f: [] for f in [*self._pending, *unchecked]}
         spans = {f: (t.data_ptr(), t.numel()) for f, t in self._maps.items()}
         for dst, src in copies:
             start = src.data_ptr()
             owner = next((f for f, (base, n) in spans.items() if base <= start < base + n), None)
-            if owner is None or src.numel() == 0 or self._idents.get(owner) is None:  # not a file's mapping
-                dst.copy_(src)
+            if owner is None or src.numel() == 0 or not (owner in self._idents or self._fetches(owner)):
+                dst.copy_(src)  # not a file's mapping (node memory), or an object already in memory
                 continue
             last = sum((n - 1) * st for n, st in zip(src.shape, src.stride())) * src.element_size()
             begin = start - spans[owner][0]
             by_file.setdefault(owner, []).append((begin, begin + last + src.element_size(), dst, src))
         for file, pairs in by_file.items():
-            self._copy_file(file, sorted(pairs, key=lambda p: p[0]))
+            if file in self._objects:
+                self._copy_object(file, pairs)
+            else:
+                self._copy_file(file, sorted(pairs, key=lambda p: p[0]))
+
+    def _fetches(self, file: str) -> bool:
+        """Whether ``copy`` fetches what it reads of ``file``: an object not (yet) all in memory."""
+        return file in self._objects and not self._objects[file].whole
+
+    def fetch_whole(self, file: str) -> None:
+        """Bring all of an object ``file`` into memory (its tensors are handed out); nothing for a local file."""
+        self.mapped(file)
+        if file in self._objects:
+            self._objects[file].read_whole(verify=self.verify)
+
+    def _copy_object(self, file: str, pairs: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
+        """Ranged GETs of what the copies read: straight into a contiguous host target, else into the mapping
+        and copied from there."""
+        shard, landed, later = self._objects[file], [], []
+        for begin, end, dst, src in pairs:
+            if _readable(dst, src, end - begin):
+                landed.append((begin, end, bytes_of(dst)))
+                torch.autograd.graph.increment_version(dst)  # as copy_ would: autograd sees the change
+            else:
+                landed.append((begin, end, memoryview(shard.mapping)[begin:end]))
+                later.append((dst, src))
+        shard.read(landed, verify=self.verify)
+        for dst, src in later:
+            dst.copy_(src)
 
     def _copy_file(self, file: str, pairs: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
         pending = self._pending.pop(file, None)
@@ -183,58 +227,28 @@ def map_shard(shard: Path, record: ShardRecord, *, verify: bool,
     """The shard mapped copy-on-write, after checking that it is a regular file of the index's size (and, unless
     this process verified the same unchanged file before, its checksum); with the file's identity.
 
-    An object (``s3://``) is read instead, with parallel ranged reads, into
+    An object (``s3://``) is fetched instead, with parallel ranged reads, into
     anonymous memory of its size (which the tensors then view), and checked
-    every time: it has no identity to remember.
+    as it arrives, every time: it has no identity to remember.
     """
     if record.size < 8:
         raise InvalidCheckpoint(f"shard {shard} of {record.size} bytes is too short for a safetensors header")
     if is_object_path(shard):
-        mapping, ident = _fetch_object(shard, record), None
-    else:
-        with open_shard(shard) as f:
-            check_shard_size(shard, os.fstat(f.fileno()).st_size, record)
-            ident = identity(f.fileno())
-            mapping = _mmap.mmap(f.fileno(), record.size, _mmap.MAP_PRIVATE, _mmap.PROT_READ | _mmap.PROT_WRITE)
-    if verify and (ident is None or not is_verified(ident, record, algorithm)):
+        fetched = ObjectShard(shard, record, algorithm)
+        fetched.read_whole(verify=verify)
+        return fetched.mapping, None
+    with open_shard(shard) as f:
+        check_shard_size(shard, os.fstat(f.fileno()).st_size, record)
+        ident = identity(f.fileno())
+        mapping = _mmap.mmap(f.fileno(), record.size, _mmap.MAP_PRIVATE, _mmap.PROT_READ | _mmap.PROT_WRITE)
+    if verify and not is_verified(ident, record, algorithm):
         try:
             check_checksum(shard, checksum(mapping, algorithm), record, algorithm)
         except BaseException:
             mapping.close()
             raise
-        if ident is not None:
-            remember(ident, record, algorithm)
+        remember(ident, record, algorithm)
     return mapping, ident
-
-
-def _fetch_object(shard: Path, record: ShardRecord) -> _mmap.mmap:
-    """The object ``shard`` in anonymous memory, ``objects.PARALLEL_READS`` ranged reads at a time.
-
-    A failure part way (the endpoint gone or hung) releases the memory and
-    is an ``InvalidCheckpoint`` naming the object and the cause.
-    """
-    where = objects.display(shard)
-    try:
-        meta = objects.head(shard)
-    except OSError as exc:
-        raise InvalidCheckpoint(f"cannot read shard {where}: {exc.strerror or exc}") from None
-    if meta is None:
-        raise InvalidCheckpoint(f"shard {where} is missing (the index lists it; {record.size} bytes)")
-    check_shard_size(where, meta["size"], record)
-    mapping = _mmap.mmap(-1, record.size)
-    view = memoryview(mapping)
-    failure = None
-    try:
-        objects.read_into(shard, view)
-    except OSError as exc:
-        failure = f"cannot read shard {where}: {exc.strerror or exc}"
-    finally:
-        view.release()  # before close: a view still exported would keep the mapping (BufferError)
-        if failure is not None:
-            mapping.close()
-    if failure is not None:
-        raise InvalidCheckpoint(failure)
-    return mapping
 
 
 def region(t: torch.Tensor, box: Box, origin: tuple[int, ...]) -> torch.Tensor:
@@ -274,8 +288,11 @@ def read_full(files: ChunkFiles, ref: GlobalRef, device: torch.device | None = N
     copies, problem = plan_region(files, ref, ((0,) * len(shape), shape), out)
     if problem is not None:
         raise InvalidCheckpoint(f"checkpoint {files.path}: {problem}")
-    for dst, src in copies:
-        dst.copy_(src)
+    if is_object_path(files.path):
+        files.copy(copies)  # fetches what the copies read, unless the object is in memory already
+    else:
+        for dst, src in copies:
+            dst.copy_(src)
     return out
 
 

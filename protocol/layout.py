@@ -29,6 +29,9 @@ DATA_ALIGNMENT = 4096
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 """The safetensors library's own limit on the JSON header."""
+HEADER_GUESS = 64 * 1024
+"""Bytes a reader asks for first to get a shard's header: most headers fit, a longer one takes a second read
+(on an object store each read is a request)."""
 
 DTYPE_SIZES: dict[str, int] = {
     "BOOL": 1,

@@ -26,12 +26,15 @@ from __future__ import annotations
 import configparser
 import errno
 import io
+import itertools
 import os
 import re
 import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 SCHEME = "s3:"
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
@@ -160,6 +163,8 @@ def os_error(exc: Exception, path: Path | str) -> OSError:
     bucket = Path(path).parts[1] if len(Path(path).parts) > 1 else "?"
     if "NoSuchBucket" in text:
         return FileNotFoundError(errno.ENOENT, f"bucket {bucket!r} does not exist", object_url(path))
+    if kind == "PreconditionError":
+        return OSError(errno.ESTALE, "the object changed while it was being read", object_url(path))
     if kind == "AlreadyExistsError":
         return FileExistsError(errno.EEXIST, "already exists", object_url(path))
     lowered = text.lower()
@@ -243,23 +248,73 @@ def read_all(path: Path | str) -> bytes:
     return bytes(call(path, obstore.get).bytes())
 
 
-def read_into(path: Path | str, buffer: memoryview, *, offset: int = 0) -> None:
-    """Fill ``buffer`` with the object's bytes from ``offset``: ranged GETs, ``PARALLEL_READS`` at a time.
+MERGE_GAP = 256 * 1024
+"""Ranges closer than this are fetched as one request: a short stretch of unneeded bytes costs less than a request."""
 
-    Each batch is one ``get_ranges`` call, whose requests run in parallel in
-    the library (without the GIL); at most one batch is held beside ``buffer``.
+
+def get_range(path: Path | str, start: int, end: int, *, etag: str | None = None) -> Any:
+    """Bytes ``[start, end)`` of the object, as the library's read-only buffer: the one place a ranged GET is made.
+
+    With ``etag`` the read succeeds only on that version of the object, so
+    the ranges of one load all come from the same object.
     """
     import obstore
-    total = len(buffer)
-    starts = list(range(0, total, READ_PART))
-    for first in range(0, len(starts), PARALLEL_READS):
-        batch = starts[first : first + PARALLEL_READS]
-        ends = [min(s + READ_PART, total) for s in batch]
-        parts = call(path, obstore.get_ranges, starts=[offset + s for s in batch], ends=[offset + e for e in ends])
-        for start, end, data in zip(batch, ends, parts):
-            if len(data) != end - start:
-                raise OSError(errno.EIO, f"object ended early ({len(data)} of {end - start} bytes)", object_url(path))
-            buffer[start:end] = memoryview(data)
+    options: dict[str, Any] = {"range": (start, end)}
+    if etag is not None:
+        options["if_match"] = etag
+    return call(path, lambda where, key: obstore.get(where, key, options=options).bytes())
+
+
+def requests(spans: Iterable[tuple[int, int]], *, whole: int | None = None) -> list[tuple[int, int]]:
+    """The ranged GETs that fetch ``spans`` (byte ranges): overlapping and near ones merged, cut into
+    ``READ_PART`` bytes (the last piece of a range up to a quarter more), in object order; ``whole``: the
+    object's size, every byte (a checksum needs them all)."""
+    wanted = [(0, whole)] if whole is not None else sorted(s for s in spans if s[1] > s[0])
+    merged: list[list[int]] = []
+    for begin, end in wanted:
+        if merged and begin <= merged[-1][1] + MERGE_GAP:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([begin, end])
+    out = []
+    for begin, end in merged:
+        cuts = list(range(begin, end, READ_PART))[1:]
+        if cuts and end - cuts[-1] < READ_PART // 4:  # a short tail joins the request before it: one request fewer
+            cuts.pop()
+        out += zip([begin, *cuts], [*cuts, end])
+    return out
+
+
+def fetch(path: Path | str, ranges: list[tuple[int, int]], land: Callable[[int, Any], None], *,
+          etag: str | None = None, in_order: Callable[[Any], None] | None = None) -> None:
+    """GET each of ``ranges`` (in object order), ``PARALLEL_READS`` in flight at every moment.
+
+    ``land(start, data)`` runs on a reader thread as each response arrives
+    (the copies into the targets overlap the transfers); ``in_order(data)``
+    on the caller's thread, in object order (a running checksum). A new
+    request starts only when the oldest response is taken, so at most
+    ``PARALLEL_READS`` responses (each ``requests`` bounds) are held.
+    """
+    def one(start: int, end: int) -> Any:
+        data = get_range(path, start, end, etag=etag)
+        if len(data) != end - start:
+            raise OSError(errno.EIO, f"object ended early ({len(data)} of {end - start} bytes at {start})",
+                          object_url(path))
+        land(start, data)
+        return data
+
+    todo = iter(ranges)
+    with ThreadPoolExecutor(PARALLEL_READS, thread_name_prefix="ckptd-get") as pool:
+        pending = deque(pool.submit(one, *r) for r in itertools.islice(todo, PARALLEL_READS))
+        try:
+            while pending:
+                data = pending.popleft().result()
+                pending.extend(pool.submit(one, *r) for r in itertools.islice(todo, 1))
+                if in_order is not None:
+                    in_order(data)
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 class ObjectFile(io.RawIOBase):

@@ -100,7 +100,9 @@ def test_an_endpoint_that_stops_mid_upload_fails_the_save_and_a_later_save_works
     fut = client.save_async({"w": torch.ones(96 * 2**20 // 4)}, url, step=1)  # 96 MiB: many parts
     wait_until(lambda: any(s.get("written", 0) > 0 for s in daemon.status()["saves"]), what="the upload under way")
     s3.stop()
-    try:
+    try:  # every byte handed to the upload, which retries its parts: the shard is completing, not in fsync
+        wait_until(lambda: [s["state"] for s in daemon.status()["saves"]] == ["completing"], what="the upload completing")
+        assert f"root s3://{bucket}: object store (free space: not applicable)" in daemon.cli("status").stdout
         with pytest.raises(WriteFailed, match=f"endpoint {s3.url} unreachable for bucket '{bucket}'") as failure:
             fut.result(120)
         assert "rank-00000-of-00001.safetensors" in str(failure.value)
@@ -130,9 +132,21 @@ def test_an_s3_checkpoint_is_never_replaced_in_place(s3, bucket, daemon_factory,
     client = client_factory()
     url = f"s3://{bucket}/run/step-1"
     client.save_async(state(seed=1), url, step=1).result(30)
+    before = s3.client().list_objects_v2(Bucket=bucket)["Contents"]
     with pytest.raises(ckptd.CheckpointExists, match="never replaced in place"):
         client.save_async(state(seed=2), url, step=1, overwrite=True).result(30)
     assert ckptd.load(url)["step"] == 1
+    assert s3.client().list_objects_v2(Bucket=bucket)["Contents"] == before  # refused before anything was written
+
+
+def test_a_save_without_credentials_fails_as_a_write_that_names_them(s3, bucket, daemon_factory, client_factory,
+                                                                     root, monkeypatch) -> None:
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HOME", "/nonexistent")  # no ~/.aws either
+    daemon_factory("--root", f"s3://{bucket}")
+    with pytest.raises(WriteFailed, match=f"cannot create s3://{bucket}/run/a: no usable AWS credentials"):
+        client_factory().save_async(state(), f"s3://{bucket}/run/a", step=1).result(60)
 
 
 def test_verify_and_inspect_read_an_s3_checkpoint(s3, bucket, daemon_factory, client_factory, root) -> None:
@@ -302,33 +316,31 @@ def test_a_misspelt_url_is_refused_everywhere_and_never_written_locally(typo, s3
 
 def test_an_endpoint_that_stops_mid_download_fails_the_load_naming_the_object(s3, bucket, daemon_factory,
                                                                             client_factory, root, monkeypatch) -> None:
-    import obstore
-
     from ckptd.protocol import objects
 
     daemon_factory("--root", f"s3://{bucket}")
     url = f"s3://{bucket}/run/step-1"
     client_factory().save_async({"w": torch.ones(2**20)}, url, step=1).result(30)  # 4 MiB
     monkeypatch.setattr(objects, "READ_PART", 2**20)
-    monkeypatch.setattr(objects, "PARALLEL_READS", 1)  # four batches of one ranged GET
-    batches = []
-    real = obstore.get_ranges
+    monkeypatch.setattr(objects, "PARALLEL_READS", 1)  # four ranged GETs, one at a time
+    fetched = []
+    real = objects.get_range
 
-    def then_stop(*args, **kwargs):  # the real GET, then the endpoint goes away before the next batch
-        batches.append(real(*args, **kwargs))
+    def then_stop(*args, **kwargs):  # the real GET, then the endpoint goes away before the next one
+        fetched.append(real(*args, **kwargs))
         s3.stop()
-        return batches[-1]
+        return fetched[-1]
 
-    monkeypatch.setattr(obstore, "get_ranges", then_stop)
+    monkeypatch.setattr(objects, "get_range", then_stop)
     try:
         with pytest.raises(InvalidCheckpoint, match=f"cannot read shard {url}/rank-00000-of-00001.safetensors: "
                                                     f"endpoint {s3.url} unreachable"):
             ckptd.load(url)
     finally:
         s3.start()
-    assert len(batches) == 1  # it failed part way, on the second batch
+    assert len(fetched) == 1  # it failed part way, on the second request
     s3.client().delete_object(Bucket=bucket, Key="run/step-1/rank-00000-of-00001.safetensors")
-    monkeypatch.setattr(obstore, "get_ranges", real)
+    monkeypatch.setattr(objects, "get_range", real)
     with pytest.raises(InvalidCheckpoint, match=f"shard {url}/rank-00000-of-00001.safetensors is missing"):
         ckptd.load(url)
 
@@ -341,10 +353,99 @@ def test_a_spawned_daemon_takes_an_s3_root_from_ckptd_roots(s3, bucket, run_dir,
         assert client.save_async(state(seed=1), f"s3://{bucket}/run/step-1", step=1).result(30).path == \
             f"s3://{bucket}/run/step-1"
         client.save_async(state(seed=2), root / "local", step=2).result(30)
-        with pytest.raises(ckptd.PathNotAllowed):
+        with pytest.raises(ckptd.PathNotAllowed, match=f"allowed roots \\(.*s3://{bucket}/run\\); to save there, "
+                                                       f"start the daemon with --root s3://{bucket}/elsewhere"):
             client.save_async(state(seed=3), f"s3://{bucket}/elsewhere/x", step=3).result(30)
     finally:
         client.close()
         os.kill(pid, 15)
         wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=60, what="the spawned daemon gone")
     assert ckptd.load(f"s3://{bucket}/run/step-1")["step"] == 1
+
+
+@pytest.fixture
+def two_rank_model(s3, bucket, daemon_factory, client_factory, root) -> tuple[str, torch.Tensor, dict[str, int]]:
+    """A 4 MiB global tensor saved by two ranks beside 8 MiB of per-rank state each; (url, the tensor, shard sizes)."""
+    daemon_factory("--root", f"s3://{bucket}")
+    clients = [client_factory(rank=r, world_size=2) for r in (0, 1)]
+    w = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(3))
+    url = f"s3://{bucket}/run/sharded"
+    futures = [c.save_async({"model": {"w": w}, "mine": torch.full((2**20,), r)}, url, replicated=("model",))
+               for r, c in enumerate(clients)]
+    for f in futures:
+        f.result(60)
+    sizes = {o["Key"].rsplit("/", 1)[-1]: o["Size"]
+             for o in s3.client().list_objects_v2(Bucket=bucket, Prefix="run/sharded/")["Contents"]}
+    return url, w, {name: size for name, size in sizes.items() if name.endswith(".safetensors")}
+
+
+def _count_fetched(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Bytes of every ranged GET from now on (the real GETs, counted)."""
+    from ckptd.protocol import objects
+
+    fetched, real = [], objects.get_range
+
+    def counting(*args, **kwargs):
+        data = real(*args, **kwargs)
+        fetched.append(len(data))
+        return data
+
+    monkeypatch.setattr(objects, "get_range", counting)
+    return fetched
+
+
+def test_load_into_from_s3_fetches_only_the_ranges_the_targets_need(two_rank_model, monkeypatch) -> None:
+    from ckptd.protocol.layout import HEADER_GUESS
+
+    url, w, sizes = two_rank_model
+    headers = 2 * HEADER_GUESS  # at most this much of each shard is fetched for its header
+    for target in (torch.zeros(1024, 1024), torch.zeros(1024, 1024).t().contiguous().t()):  # contiguous, strided
+        fetched = _count_fetched(monkeypatch)
+        ckptd.load_into({"w": target}, url, key="model", strict=False, verify=False)
+        assert torch.equal(target, w)
+        assert w.nbytes <= sum(fetched) <= w.nbytes + headers  # not the 8 MiB of each rank's "mine"
+    fetched = _count_fetched(monkeypatch)
+    target = torch.zeros(1024, 1024)
+    ckptd.load_into({"w": target}, url, key="model", strict=False)  # verified: each byte of the shard it reads, once
+    assert torch.equal(target, w)
+    shard = sizes["rank-00000-of-00002.safetensors"]  # rank 0 wrote the whole of w; rank 1's shard is not read
+    assert shard <= sum(fetched) <= shard + headers
+
+
+def test_a_damaged_replaced_or_missing_shard_object_fails_load_into_naming_it(s3, bucket, two_rank_model,
+                                                                             monkeypatch) -> None:
+    from ckptd.protocol import objects
+
+    url, w, sizes = two_rank_model
+    name = "rank-00000-of-00002.safetensors"  # the shard holding w
+    key = f"run/sharded/{name}"
+    data = bytearray(s3.client().get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[-5] ^= 0xFF  # one byte of the shard the load reads
+    real, target = objects.get_range, {"w": torch.zeros(1024, 1024)}
+
+    def replaced_first(*args, **kwargs):  # the object is replaced after the load opened it, before its first GET
+        monkeypatch.setattr(objects, "get_range", real)
+        s3.client().put_object(Bucket=bucket, Key=key, Body=bytes(data))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(objects, "get_range", replaced_first)
+    with pytest.raises(InvalidCheckpoint, match=f"cannot read shard {url}/{name}: the object changed while it was "
+                                                "being read"):
+        ckptd.load_into(target, url, key="model", strict=False)
+    with pytest.raises(InvalidCheckpoint, match=f"shard {url}/{name} fails its checksum"):
+        ckptd.load_into(target, url, key="model", strict=False)
+    s3.client().delete_object(Bucket=bucket, Key=key)
+    with pytest.raises(InvalidCheckpoint, match=f"shard {url}/{name} is missing"):
+        ckptd.load_into(target, url, key="model", strict=False)
+
+
+def test_export_reads_a_checkpoint_from_s3(s3, bucket, daemon_factory, client_factory, root, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    url = f"s3://{bucket}/run/step-1"
+    client_factory().save_async(state(200_000, 1), url, step=1).result(30)
+    exported = daemon.cli("export", url, str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(tensors) == ["b", "w"] and torch.equal(tensors["w"], state(200_000, 1)["w"])
