@@ -29,7 +29,9 @@ so a client's short silence ``timeout`` (meant for a daemon that stops answering
 def ensure_daemon(run_dir: Path, endpoint: str, *, spawn: bool, timeout: float = 30.0) -> None:
     """Return once a daemon answers on ``endpoint``, spawning one if allowed (waiting up to
     ``max(timeout, SPAWN_START_S)`` for it to start)."""
-    if answers(endpoint, timeout=1.0):
+    # A running daemon gets the client's own silence timeout to answer (a loaded node can take
+    # seconds); an absent one is told at once by its missing socket or dead pid (``no_daemon_at``).
+    if answers(endpoint, timeout=timeout):
         return
     if not spawn:
         raise DaemonUnavailable(
@@ -39,7 +41,7 @@ def ensure_daemon(run_dir: Path, endpoint: str, *, spawn: bool, timeout: float =
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     with open(run_dir / SPAWN_LOCK_NAME, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # other ranks wait here while one spawns
-        if answers(endpoint, timeout=1.0):
+        if answers(endpoint, timeout=timeout):
             return
         cmd = [sys.executable, "-m", "ckptd", "start", "--run-dir", str(run_dir),
                "--exit-when-idle", str(SPAWNED_IDLE_EXIT_S)]

@@ -214,7 +214,8 @@ def test_every_pending_save_fails_within_seconds_when_the_daemon_dies_and_save_a
     with pytest.raises(ckptd.DaemonUnavailable, match="no ckptd daemon answers"):
         client.save_async(make_state(9), root / "refused")
     assert time.monotonic() - t < 5
-    assert not any(root.iterdir()) or leftovers(root) == [f"slow-{i}.incomplete" for i in range(3)]
+    # a save killed before it made its directory leaves none: any of the three may be missing
+    assert {p.name for p in root.iterdir()} <= {f"slow-{i}.incomplete" for i in range(3)}
     # the daemon comes back: the same client saves again, the sweep cleans up
     daemon_factory()
     state = make_state(10)
@@ -246,7 +247,7 @@ def test_a_frozen_daemon_fails_pending_saves_after_the_timeout_and_save_async_re
     daemon_factory, client_factory, root
 ) -> None:
     daemon = daemon_factory()
-    client = client_factory(heartbeat=0.2, timeout=2.0, max_inflight=1)
+    client = client_factory(heartbeat=0.2, timeout=4.0, max_inflight=1)  # 4 s: a loaded machine is slow
     client.save_async(make_state(1), root / "warm").result(30)
     os.kill(daemon.proc.pid, signal.SIGSTOP)
     try:
@@ -263,7 +264,7 @@ def test_a_frozen_daemon_fails_pending_saves_after_the_timeout_and_save_async_re
         os.kill(daemon.proc.pid, signal.SIGCONT)
     # thawed, it answers again and the client reconnects; what it did meanwhile is all or nothing.
     # The thawed daemon first works off the commits sent while it was frozen, which on a loaded
-    # machine can take longer than the client's 2 s timeout: wait until it has none left.
+    # machine can take longer than the client's timeout: wait until it has none left.
     wait_until(lambda: not daemon.status()["saves"], 30, "the thawed daemon worked off the frozen saves")
     assert daemon.status()["daemon"]["pid"] == daemon.proc.pid
     state = make_state(4)
