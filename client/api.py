@@ -25,7 +25,7 @@ from .future import SaveFuture, SaveResult
 from .ranks import detect_ranks
 from .slots import Slot, SlotPool
 from .spawn import ensure_daemon
-from .staging import DeviceCopies, LayoutCache, stage, streamable, write_header
+from .staging import DeviceCopies, LayoutCache, stage, streamable
 
 
 MAX_RESERVE = 1 << 50
@@ -231,12 +231,12 @@ class Client:
         try:
             layout = self._layouts.layout(req.flat)
             req.slot = self._slots.take(layout.nbytes)
+            views = self._layouts.views(layout, req.slot)  # the header is in the slot from here on
             if self.stream_commit and streamable(req.flat, layout):
-                write_header(layout, req.slot)
                 commit_id, accepted = self._send_commit(req, shard, layout, staged=layout.data_start)
                 report = lambda upto: self._conn.notify(Staged(commit_id, upto, ""))  # noqa: E731
                 try:
-                    stage(req.flat, layout, req.slot, progress=report)
+                    stage(req.flat, layout, req.slot, progress=report, views=views)
                 except BaseException as exc:
                     self._conn.notify(Staged(commit_id, layout.data_start, f"staging failed: {exc!r}"))
                     raise
@@ -245,7 +245,7 @@ class Client:
                 if not on_worker:
                     self._until_delivered(accepted, notices=True)
                 return
-            copies = stage(req.flat, layout, req.slot, views=self._layouts.views(layout, req.slot))
+            copies = stage(req.flat, layout, req.slot, views=views)
         except BaseException as exc:
             _fail(exc, fut.staged, shard)  # frees the slot and the in-flight place
             if not isinstance(exc, Exception):

@@ -110,10 +110,10 @@ def stage(flat: Flat, layout: ShardLayout, slot: Slot, progress: Callable[[int],
           views: list[torch.Tensor] | None = None) -> DeviceCopies | None:
     """Copy every tensor into ``slot`` (after ``write_header``, or ``views``), in file order.
 
-    ``progress(upto)`` is called every ``PROGRESS_EVERY`` bytes with the file
-    offset below which the slot is final; without it, the host copies go in
-    one batched call (``torch._foreach_copy_``: no Python per tensor).
-    ``views``: the slot's typed views per entry (``LayoutCache.views``).
+    Host copies go in batched calls (``torch._foreach_copy_``: no Python per
+    tensor); with ``progress``, one batch per ``PROGRESS_EVERY`` bytes, each
+    followed by ``progress(upto)``, the file offset below which the slot is
+    final. ``views``: the slot's typed views per entry (``LayoutCache.views``).
     Returns the CUDA copies still running, if any.
     """
     buf = slot.tensor
@@ -130,14 +130,14 @@ def stage(flat: Flat, layout: ShardLayout, slot: Slot, progress: Callable[[int],
             src.shape)
         if src.device.type == "cuda":
             on_cuda[src.device].append((dst, src))
-        elif progress is None:
-            batch[0].append(dst)
-            batch[1].append(src)
-        else:
-            dst.copy_(src)
-            if start + entry.end - reported >= PROGRESS_EVERY:
-                reported = start + entry.end
-                progress(reported)
+            continue
+        batch[0].append(dst)
+        batch[1].append(src)
+        if progress is not None and start + entry.end - reported >= PROGRESS_EVERY:
+            torch._foreach_copy_(*batch)
+            batch = ([], [])
+            reported = start + entry.end
+            progress(reported)
     if batch[0]:
         torch._foreach_copy_(*batch)
     if not on_cuda:
