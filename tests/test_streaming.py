@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 import ckptd
 from ckptd.client.staging import STREAM_MIN_BYTES
+from ckptd.protocol.checksums import updater
+from ckptd.protocol.index import CHECKSUM_ALGORITHM
+from ckptd.writer import CRC_CHUNK, Progress, _checksum
 
 from helpers import wait_until
 
@@ -92,3 +97,33 @@ def test_the_daemon_writes_what_is_staged_while_the_copy_is_paused(daemon_factor
     back = ckptd.load(root / "paused")
     assert all(torch.equal(back[k], v.as_subclass(torch.Tensor)) for k, v in state.items())
     assert ckptd.verify_checkpoint(root / "paused").ok
+
+
+class WatchedProgress(Progress):
+    """A shard's staging progress that records how far each wait asked for."""
+
+    def __init__(self, staged: int, total: int) -> None:
+        super().__init__(staged, total, deadline=time.monotonic() + 60)
+        self.asked: list[int] = []
+        self.waiting = threading.Event()
+
+    def wait_for(self, upto: int) -> None:
+        self.asked.append(upto)
+        self.waiting.set()
+        super().wait_for(upto)
+
+
+def test_the_checksum_waits_for_the_end_of_the_copy_then_covers_every_byte() -> None:
+    """Beside the copy it would take a core from torch's copy; it starts once the slot is final."""
+    total = 3 * CRC_CHUNK + 12345
+    data = mmap.mmap(-1, total)
+    data[:] = bytes(range(256)) * (total // 256) + bytes(total % 256)
+    progress = WatchedProgress(staged=2 * CRC_CHUNK, total=total)  # the copy is two chunks in
+    with ThreadPoolExecutor(1) as pool:
+        crc = pool.submit(_checksum, memoryview(data), total, progress)
+        try:
+            assert progress.waiting.wait(30), "the checksum never waited for the copy"
+            assert progress.asked == [total] and not crc.done()
+        finally:
+            progress.advance(total)
+        assert crc.result(30) == updater(CHECKSUM_ALGORITHM)(data, 0)
