@@ -16,6 +16,7 @@ other devices are copied synchronously.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
@@ -104,6 +105,20 @@ def write_header(layout: ShardLayout, slot: Slot) -> None:
 def streamable(flat: Flat, layout: ShardLayout) -> bool:
     """Big, host-only shards can be committed first and written while they are copied."""
     return layout.nbytes >= STREAM_MIN_BYTES and all(t.device.type != "cuda" for _, t in flat.tensors)
+
+
+def overlap_pays() -> bool:
+    """Whether a streamed commit (the daemon writes while the copy runs) costs the caller nothing here.
+
+    Only where torch's copy leaves a core to the daemon: torch copies on
+    ``torch.get_num_threads()`` threads, and a core it shares with the
+    daemon's writer holds the whole copy back. Measured on 2 cores (1 GiB,
+    fastest of 8-10 saves): with torch on both, streaming blocked 0.103 s
+    instead of 0.088 s (durable 0.42 s instead of 0.53 s); with torch on one
+    (``torch.set_num_threads(1)``, as torchrun sets for several ranks a node),
+    0.115 s either way, durable 0.40 s instead of 0.71 s.
+    """
+    return torch.get_num_threads() < len(os.sched_getaffinity(0))
 
 
 def stage(flat: Flat, layout: ShardLayout, slot: Slot, progress: Callable[[int], None] | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -77,26 +78,42 @@ class PausingTensor(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-def test_the_daemon_writes_what_is_staged_while_the_copy_is_paused(daemon_factory, client_factory, root) -> None:
+CORES = len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("stream_commit, torch_threads, streams", [
+    (True, CORES, True), (None, 1, CORES > 1), (None, CORES, False)],
+    ids=["stream_commit=True", "default, torch on one thread", "default, torch on every core"])
+def test_the_daemon_writes_what_is_staged_while_the_copy_is_paused(daemon_factory, client_factory, root,
+                                                                    stream_commit, torch_threads, streams) -> None:
+    """Streamed where asked, or by default where torch's copy leaves a core free (``overlap_pays``)."""
     daemon = daemon_factory()
+    PausingTensor.reached.clear()
+    PausingTensor.release.clear()
     state = {"a": torch.randn(STREAM_MIN_BYTES // 4), "b": torch.randn(STREAM_MIN_BYTES // 4),
              "zz": torch.arange(100, dtype=torch.uint8).as_subclass(PausingTensor)}  # copied last
-    fut = client_factory(stream_commit=True, background_staging=True).save_async(state, root / "paused", step=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(torch_threads)
     try:
+        fut = client_factory(stream_commit=stream_commit, background_staging=True).save_async(state, root / "p")
         assert PausingTensor.reached.wait(60), "the copy never reached the last tensor"
         def writing() -> dict | None:
             saves = daemon.status()["saves"]
             return saves[0] if saves and saves[0]["written"] > 0 else None
-        wait_until(writing, 30, "the daemon wrote nothing while the copy was paused")
-        now = writing()
-        assert now is not None and 0 < now["written"] <= now["staged"] < now["bytes"]
+        if streams:
+            wait_until(writing, 30, "the daemon wrote nothing while the copy was paused")
+            now = writing()
+            assert now is not None and 0 < now["written"] <= now["staged"] < now["bytes"]
+        else:
+            assert daemon.status()["saves"] == []  # committed only once copied
         assert not fut.staged.done() and not fut.done()
     finally:
         PausingTensor.release.set()
+        torch.set_num_threads(threads)
     fut.result(60)
-    back = ckptd.load(root / "paused")
+    back = ckptd.load(root / "p")
     assert all(torch.equal(back[k], v.as_subclass(torch.Tensor)) for k, v in state.items())
-    assert ckptd.verify_checkpoint(root / "paused").ok
+    assert ckptd.verify_checkpoint(root / "p").ok
 
 
 class WatchedProgress(Progress):
