@@ -225,9 +225,9 @@ class Client:
     def _stage(self, req: "_Request", fut: SaveFuture, shard: Future, on_worker: bool) -> None:
         """Copy into a slot; CUDA copies still running are awaited on the worker thread.
 
-        Streaming (``stream_commit``), a big host-only shard is committed right after
-        its header, and the daemon writes each part as soon as ``Staged`` says
-        it is final.
+        Streamed (``stream_commit``, by default ``overlap_pays``), a big
+        host-only shard is committed right after its header, and the daemon
+        writes each part as soon as ``Staged`` says it is final.
         """
         try:
             layout = self._layouts.layout(req.flat)
