@@ -2,7 +2,7 @@
 reads about processes and files (memory, CPU time, peaks, eviction, from ``/proc``).
 
 Blocking: a ``copy_`` per tensor into a buffer touched before (pinned for CUDA), as staging does (into a new
-``/dev/shm`` file: without reused slots). Durable: an O_DIRECT write in 8 MiB ``pwrite`` calls + ``fsync``. Loading: a
+``/dev/shm`` file: without reused slots). Durable: an O_DIRECT write in the daemon's ``pwrite`` size + ``fsync``. Loading: a
 sequential read into one reused buffer. ``Sampler`` keeps the peaks of groups of processes (the case, the daemon,
 DCP's writer, the ranks): RSS, ``RssAnon`` (private), ``RssFile`` (mapped files), ``RssShmem`` (slots, staging copies).
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 import psutil
 import torch
+from ckptd.config import DEFAULT_CHUNK_BYTES
 
 CHUNK, PAGE = 8 << 20, 4096
 
@@ -64,12 +65,12 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     return m
 
 def write_file(path: Path, data: memoryview, nbytes: int, *, direct: bool = True) -> None:
-    """Create ``path``, write ``nbytes`` of ``data`` in ``CHUNK`` pieces, fsync."""
+    """Create ``path``, write ``nbytes`` of ``data`` in pieces the daemon's size, fsync."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
     with open(path, "wb", buffering=0, opener=lambda p, _: os.open(p, flags, 0o644)) as f:
         end, offset = len(data) if direct else nbytes, 0
         while offset < end:
-            offset += os.pwrite(f.fileno(), data[offset:min(offset + CHUNK, end)], offset)
+            offset += os.pwrite(f.fileno(), data[offset:min(offset + DEFAULT_CHUNK_BYTES, end)], offset)
         os.ftruncate(f.fileno(), nbytes)
         os.fsync(f.fileno())
 

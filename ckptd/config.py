@@ -14,7 +14,9 @@ from ckptd.protocol.objects import is_object_path
 
 from .storage import load_storage
 
-DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
+DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+"""Bytes per ``pwrite`` of a shard. Fewer, larger O_DIRECT writes cost the kernel less per byte: 1 GiB from a slot on
+ext4 here took 0.07 CPU-seconds in 8 MiB writes, 0.03 in 64 MiB ones (the same pages pinned, fewer calls)."""
 
 
 MIN_MEMORY_BUDGET = 1 << 20

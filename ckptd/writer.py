@@ -8,9 +8,10 @@ checksum runs at the same time on another thread over the same bytes
 wall time while it is faster than the disk.
 
 A client may commit before it has finished copying (``Commit.staged`` below
-``nbytes``) and report progress with ``Staged`` notices; the write and the
-checksum then follow the copy chunk by chunk, so staging and writing overlap
-and a big save is durable about one copy-time sooner.
+``nbytes``) and report progress with ``Staged`` notices; the write then
+follows the copy chunk by chunk, so staging and writing overlap and a big
+save is durable about one copy-time sooner. The checksum waits for the end
+of the copy (``_checksum`` says why).
 
 A write goes through the states below; ``ckptd status`` shows them::
 
@@ -187,11 +188,19 @@ def _await_bytes(job: WriteJob, upto: int) -> None:
 
 
 def _checksum(view: memoryview, nbytes: int, progress: Progress) -> int:
-    """The shard's checksum, following the client's copy chunk by chunk (runs beside the write)."""
+    """The shard's checksum, once the client's copy has ended (runs beside the write).
+
+    Never beside the copy: torch copies on every core, and a checksum thread
+    taking one of them stalls the whole copy on that core's share. Measured
+    on 2 cores (1 GiB): the copy took 0.27 s beside a CRC32C pass instead of
+    0.072 s alone (0.088 s beside the O_DIRECT writer). The slot does not
+    change once staged, so these are the bytes written; the commit waits for
+    the checksum, which still ends long before the write does.
+    """
     update, crc, offset = updater(CHECKSUM_ALGORITHM), 0, 0
+    progress.wait_for(nbytes)
     while offset < nbytes:
         end = min(offset + CRC_CHUNK, nbytes)
-        progress.wait_for(end)
         with view[offset:end] as part:
             crc = update(part, crc)
         offset = end

@@ -95,5 +95,7 @@ def check_client_args(*, max_inflight: Any, rank: Any, world_size: Any, local_ra
     check_keep_last(keep_last)
     check_seconds("heartbeat", heartbeat, high=3600.0)
     check_seconds("timeout", timeout)
-    for name, flag in (("spawn", spawn), ("background_staging", background_staging), ("stream_commit", stream_commit)):
+    for name, flag in (("spawn", spawn), ("background_staging", background_staging)):
         check_bool(name, flag)
+    if stream_commit is not None:
+        check_bool("stream_commit", stream_commit)
