@@ -115,6 +115,13 @@ def cpu_seconds(pid: int | None = None) -> float:
         return sum(psutil.Process(pid).cpu_times()[:2])
     return 0.0
 
+def machine_seconds(path: Path) -> dict[str, float]:
+    """The whole machine's CPU seconds (busy, iowait, steal) and the busy seconds of the disk under ``path``."""
+    t, dev = psutil.cpu_times(), os.stat(path).st_dev
+    disk = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve().name
+    return {"busy": t.user + t.nice + t.system + t.irq + t.softirq, "iowait": t.iowait, "steal": t.steal,
+            "disk": psutil.disk_io_counters(perdisk=True)[disk].busy_time / 1e3, "wall": time.monotonic()}
+
 def reset_peak_rss() -> None:
     """Reset this process's ``VmHWM`` to its current RSS (``clear_refs`` 5)."""
     Path("/proc/self/clear_refs").write_text("5")

@@ -156,18 +156,20 @@ def multi_table(recs: Records) -> str:
     raw = recs.get("multi_raw")
     single, parallel = med(raw, "single"), med(raw, "parallel")
     rows = [[f"raw O_DIRECT write + fsync, {n}", fmt(v), fmt(div(nbytes(raw) / GB, v), 2), fmt(div(single, v), 2),
-             fmt(div(parallel, v), 2)] + ["–"] * 7
+             fmt(div(parallel, v), 2)] + ["–"] * 9
             for n, v in (("1 writer", single), (f"{raw['params']['ranks']} writers at once", parallel))] if raw else []
     for r in (r for r in recs.values() if r["method"] == "multi_saves"):
-        agg = med(r, "aggregate")
+        agg, node = med(r, "aggregate"), r.get("node") or {"busy": None}
+        others = node["busy"] - r["ranks_cpu"] - r["daemon_cpu"] if node["busy"] else None  # the rest of the machine
         rows.append([r["label"], fmt(agg), fmt(FIELDS["gbps"](r), 2), fmt(div(single, agg), 2),
                      fmt(div(parallel, agg), 2), fmt(med(r, "blocking")), fmt(med(r, "durable")),
                      fmt(r["ranks_peak"]["VmRSS"] / GIB, 2), fmt(r["daemon"]["RssAnon"] / MIB, 0),
-                     fmt(r["ranks_cpu"], 2), fmt(r["daemon_cpu"], 2),
-                     fmt(div(r["ranks_cpu"] + r["daemon_cpu"], agg * r["cores"]) if agg else None, 2)])
+                     fmt(r["ranks_cpu"], 2), fmt(r["daemon_cpu"], 2), fmt(others, 2),
+                     fmt(div(node["busy"], node.get("wall", 0) * r["cores"]), 2),
+                     fmt(div(node.get("disk"), node.get("wall")), 2)])
     return table(["what", "aggregate s", "GB/s", "÷ raw, 1 writer", "÷ raw, N writers", "per-rank blocking s",
                   "per-rank durable s", "ranks peak RSS GiB", "daemon RssAnon MiB", "ranks CPU s/round",
-                  "daemon CPU s/round", "CPU busy ÷ cores"], rows)
+                  "daemon CPU s/round", "others' CPU s/round", "machine CPU busy ÷ cores", "disk busy ÷ wall"], rows)
 
 def scaling_table(recs: Records) -> str:
     rows = []
