@@ -255,8 +255,9 @@ def render(records: list[dict], meta: dict[str, Any]) -> str:
                "the timed saves); trainer extra: its peak RSS during the timed saves over its RSS with the state "
                "built."),
               ("multi", "Clients on one node at once", multi_table,
-               "Each client its own process and state, all calling at the same moment through one daemon; "
-               "aggregate from the first call to the last future resolved."),
+               "Each client its own process (one intra-op thread, as under torchrun) and state, all calling at once "
+               "through one daemon; aggregate from the first call to the last future resolved. Others' CPU: the "
+               "machine's busy CPU (`/proc/stat`) less the ranks' and the daemon's; disk busy: the scratch disk's."),
               ("scaling", "Scaling: ckptd with sync staging", scaling_table,
                "One process per size: memcpy and O_DIRECT limits at that size, then ckptd's saves."),
               ("load", "Loading", load_table,
