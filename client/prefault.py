@@ -58,6 +58,7 @@ class Prefault:
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._keep = list(tensors)  # their memory stays theirs while the thread works on it
         self._tensors, offset = [], 0
         for t in tensors:
             self._tensors.append((offset, t.data_ptr(), t.nbytes))
