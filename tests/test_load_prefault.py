@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
+import struct
 
 import pytest
 import torch
@@ -45,8 +47,9 @@ def test_owning_load_reads_tensors_spanning_many_reads_exactly_and_checks_them(c
         assert torch.equal(loaded[k], state[k]), k
         assert loaded[k].untyped_storage().nbytes() == state[k].nbytes, f"{k} owns exactly its own bytes"
     shard = root / "big" / "rank-00000-of-00001.safetensors"
-    with open(shard, "r+b") as f:  # one byte deep in the big tensor's second read
-        f.seek(shard.stat().st_size - state["odd"].nbytes - state["small"].nbytes - STEP // 2)
+    with open(shard, "r+b") as f:  # one byte in the big tensor's second read
+        hlen = struct.unpack("<Q", f.read(8))[0]
+        f.seek(8 + hlen + json.loads(f.read(hlen))["big"]["data_offsets"][0] + STEP + 100)
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
