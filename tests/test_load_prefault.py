@@ -29,8 +29,9 @@ def resident_pages(t: torch.Tensor) -> tuple[int, int]:
 
 
 def test_prefault_populates_fresh_tensors_before_anything_writes_them() -> None:
-    fresh = [torch.empty(3 * STEP + 12345, dtype=torch.uint8), torch.empty(STEP // 3, dtype=torch.uint8)]
-    assert resident_pages(fresh[0])[0] < resident_pages(fresh[0])[1] // 2, "a new large tensor starts untouched"
+    # Fresh anonymous memory, as a large torch.empty gets from malloc in a new process (here: whatever ran before).
+    fresh = [torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8) for n in (3 * STEP + 12345, STEP // 3)]
+    assert [resident_pages(t)[0] for t in fresh] == [0, 0], "fresh memory starts untouched"
     with Prefault(fresh):
         wait_until(lambda: all(r == n for r, n in map(resident_pages, fresh)), 60,
                    lambda: f"every page resident; resident, total: {list(map(resident_pages, fresh))}")
