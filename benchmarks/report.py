@@ -88,9 +88,9 @@ TARGETS = [Target(*row) for row in (  # text, measured, reference (None: the val
 CAUSES = [  # of misses, as measured in runs of their own (per-thread /proc CPU, perf_counter, thread_time)
     "FSDP2 blocking: 1.29 × with torch's 2 intra-op threads per rank (8 on 2 cores), 0.94 × with one per rank (as now).",
     "Daemon CPU/GB (0.14): checksum thread 0.081 (CRC32C, 12.4 GB/s per core), writer 0.056 (0.050 kernel: O_DIRECT pins).",
-    "Owning load: fresh pages' faults (~0.5 CPU-s/GB) now on a helper thread: reader 0.47 → 0.26 CPU-s, a gain if a core is idle.",
+    "Owning load: fresh pages' faults, 0.45-0.5 CPU-s per GB (a raw read: 0.15), now on a helper thread: a gain if a core is idle.",
     "1,000 × 256 B: per-tensor Python work, 7 ms of the caller's CPU per save (flatten, commit) plus the daemon's decode.",
-    "Ranks at once: 2 intra-op threads per rank spun 4.1 CPU-s/round (1 thread: 0.24); the rest: `others' CPU`, `disk busy`.",
+    "Ranks at once: 2 intra-op threads per rank spun 4.1 CPU-s/round (1: 0.21); others' processes: 3.9 of 4.4 CPU-s/round.",
     "Restore from memory vs a cold load: a memcpy of the same bytes into fresh tensors is itself 0.5 × this disk's cold "
     "load (page faults on fresh memory), so 0.3 × is out of reach here; restore is one read of the slot plus CRC32C.",
 ]
@@ -155,14 +155,15 @@ def save_table(recs: Records) -> str:
 def multi_table(recs: Records) -> str:
     raw = recs.get("multi_raw")
     single, parallel = med(raw, "single"), med(raw, "parallel")
-    rows = [[f"raw O_DIRECT write + fsync, {n}", fmt(v), fmt(div(nbytes(raw) / GB, v), 2), fmt(div(single, v), 2),
-             fmt(div(parallel, v), 2)] + ["–"] * 9
-            for n, v in (("1 writer", single), (f"{raw['params']['ranks']} writers at once", parallel))] if raw else []
+    bw = [div(nbytes(raw) / GB, v) if raw else None for v in (single, parallel)]  # ratios below: of bandwidths
+    rows = [[f"raw O_DIRECT write + fsync, {n}", fmt(v), fmt(b, 2), *(fmt(div(b, x), 2) for x in bw)] + ["–"] * 9
+            for n, v, b in (("1 writer", single, bw[0]), (f"{raw['params']['ranks']} writers at once", parallel, bw[1]))
+            ] if raw else []
     for r in (r for r in recs.values() if r["method"] == "multi_saves"):
-        agg, node = med(r, "aggregate"), r.get("node") or {"busy": None}
+        agg, node, gbps = med(r, "aggregate"), r.get("node") or {"busy": None}, FIELDS["gbps"](r)
         others = node["busy"] - r["ranks_cpu"] - r["daemon_cpu"] if node["busy"] else None  # the rest of the machine
-        rows.append([r["label"], fmt(agg), fmt(FIELDS["gbps"](r), 2), fmt(div(single, agg), 2),
-                     fmt(div(parallel, agg), 2), fmt(med(r, "blocking")), fmt(med(r, "durable")),
+        rows.append([r["label"], fmt(agg), fmt(gbps, 2), *(fmt(div(gbps, x), 2) for x in bw), fmt(med(r, "blocking")),
+                     fmt(med(r, "durable")),
                      fmt(r["ranks_peak"]["VmRSS"] / GIB, 2), fmt(r["daemon"]["RssAnon"] / MIB, 0),
                      fmt(r["ranks_cpu"], 2), fmt(r["daemon_cpu"], 2), fmt(others, 2),
                      fmt(div(node["busy"], node.get("wall", 0) * r["cores"]), 2),
