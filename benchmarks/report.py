@@ -86,7 +86,7 @@ TARGETS = [Target(*row) for row in (  # text, measured, reference (None: the val
     ("restore from memory ≤ 0.3 × a cold disk load", "snapshots.restore", "snapshots.cold_load", 0.3, 13),
     ("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", "sharded_load_ckptd.cold", "sharded_load_dcp.cold", 0.8, 10))]
 CAUSES = [  # of misses, as measured in runs of their own (per-thread /proc CPU, perf_counter, thread_time)
-    "FSDP2 blocking: 1.29 × with torch's 2 intra-op threads per rank (8 on 2 cores), 0.94 × with one per rank (as now).",
+    "FSDP2 blocking: one intra-op thread per rank (as now): 0.94 × and 1.60 × in runs at load average 8 and 16 (2: 1.29 ×).",
     "Daemon CPU/GB (0.14): checksum thread 0.081 (CRC32C, 12.4 GB/s per core), writer 0.056 (0.050 kernel: O_DIRECT pins).",
     "Owning load: fresh pages' faults, 0.45-0.5 CPU-s per GB (a raw read: 0.15), now on a helper thread: a gain if a core is idle.",
     "1,000 × 256 B: per-tensor Python work, 7 ms of the caller's CPU per save (flatten, commit) plus the daemon's decode.",
