@@ -116,6 +116,13 @@ def cpu_seconds(pid: int | None = None) -> float:
         return sum(psutil.Process(pid).cpu_times()[:2])
     return 0.0
 
+def machine_seconds(path: Path, groups: dict[str, list[int]]) -> dict[str, float]:
+    """CPU s of each group of pids and of the machine, busy s of the disk under ``path``, the time (for deltas)."""
+    t, dev = psutil.cpu_times(), os.stat(path).st_dev
+    disk = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve().name
+    return {**{k: sum(map(cpu_seconds, pids)) for k, pids in groups.items()}, "busy": t.user + t.nice + t.system +
+            t.irq + t.softirq, "disk": psutil.disk_io_counters(perdisk=True)[disk].busy_time / 1e3, "wall": time.monotonic()}
+
 def reset_peak_rss() -> None:
     """Reset this process's ``VmHWM`` to its current RSS (``clear_refs`` 5)."""
     Path("/proc/self/clear_refs").write_text("5")

@@ -57,7 +57,7 @@ def _loader(method: str, ref: dict, target: Any) -> tuple[Callable[[], Any], Cal
                 lambda _: loaded({"m": model.state_dict(), "o": opt.state_dict()})), files_under(ck)
         return (lambda: ckptd.load_into(sd, ck)), (lambda _: loaded(sd)), files_under(ck)
     if method.startswith("ckptd_load"):
-        kwargs = {"ckptd_load_noverify": {"verify": False}, "ckptd_load_cpu": {"map_location": "cpu"}}.get(method, {})
+        kwargs = {"map_location": "cpu"} if method.endswith("cpu") else {"mmap": True, "verify": method == "ckptd_load"}
         return (lambda: ckptd.load(ck, **kwargs)), loaded, files_under(ck)
     if method.startswith("torch_load"):
         return (lambda: torch.load(tf, mmap=method.endswith("mmap"))), loaded, [tf]

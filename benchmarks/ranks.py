@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 from . import limits, saves
-from .limits import Sampler, cpu_seconds, evict, files_under, memory
+from .limits import Sampler, evict, files_under, machine_seconds, memory
 from .saves import BenchDaemon
 from .state import build, iter_tensors
 
@@ -46,6 +46,7 @@ def _saver(rank: int, ranks: int, shared: bool, size_gib: float, device: str, pa
             go.wait()  # the parent removes the round's checkpoints
 
 def _start(target: Any, args_of: list[tuple], daemon: bool = True) -> list[mp.Process]:
+    torch.set_num_threads(1)  # inherited: one intra-op thread per rank, as torchrun sets it for several per node
     procs = [_fork.Process(target=target, args=a, daemon=daemon) for a in args_of]
     for p in procs:
         p.start()
@@ -65,11 +66,11 @@ def save_rounds(daemon: BenchDaemon, scratch: Path, *, ranks: int, shared: bool,
     procs = _start(_saver, [(r, ranks, shared, size_gib, device, paths, str(daemon.run_dir), go, out)
                             for r in range(ranks)])
     reps: dict[str, list[float]] = {"aggregate": [], "blocking": [], "durable": []}
-    pids = [p.pid for p in procs]
-    with Sampler({"ranks": pids, "daemon": [daemon.pid]}) as sampler:
+    groups = {"ranks": [p.pid for p in procs], "daemon": [daemon.pid]}
+    with Sampler(groups) as sampler:
         for rnd, path in enumerate(paths):
             if rnd == 1:
-                cpu0 = [sum(cpu_seconds(p) for p in pids), cpu_seconds(daemon.pid)]
+                node0 = machine_seconds(scratch, groups)
             go.wait()
             msgs = [out.get(timeout=BARRIER_TIMEOUT_S) for _ in range(ranks)]
             if rnd:
@@ -80,11 +81,11 @@ def save_rounds(daemon: BenchDaemon, scratch: Path, *, ranks: int, shared: bool,
                 for p in [path] if shared else [f"{path}-r{r}" for r in range(ranks)]:
                     shutil.rmtree(p, ignore_errors=True)
             go.wait()
-        cpu = [sum(cpu_seconds(p) for p in pids) - cpu0[0], cpu_seconds(daemon.pid) - cpu0[1]] if rounds else [0, 0]
+        node = {k: (v - node0[k]) / rounds for k, v in machine_seconds(scratch, groups).items()} if rounds else {}
     _join(procs)
     return {"reps": reps, "nbytes": sum(m["nbytes"] for m in msgs), "ranks_peak": sampler.peaks["ranks"],
-            "daemon": sampler.peaks["daemon"], "ranks_cpu": cpu[0] / max(rounds, 1),
-            "daemon_cpu": cpu[1] / max(rounds, 1), "path": paths[-1], "cores": os.cpu_count()}
+            "daemon": sampler.peaks["daemon"], "ranks_cpu": node.get("ranks", 0), "daemon_cpu": node.get("daemon", 0),
+            "node": node, "path": paths[-1], "cores": os.cpu_count()}
 
 def multi_saves(scratch: Path, *, ranks: int, shared: bool, size_gib: float, device: str, repeat: int) -> dict:
     with BenchDaemon(scratch) as daemon:

@@ -85,17 +85,16 @@ TARGETS = [Target(*row) for row in (  # text, measured, reference (None: the val
     ("restore from memory ≤ 0.3 × a cold disk load", "snapshots.restore", "snapshots.cold_load", 0.3, 13),
     ("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", "sharded_load_ckptd.cold", "sharded_load_dcp.cold", 0.8, 10))]
 CAUSES = [  # of misses, as measured in runs of their own (per-thread /proc CPU, perf_counter, thread_time)
-    "FSDP2 blocking: 4 ranks and the daemon share 2 cores; a rank saving alone blocks 1.5-2 × its own memcpy.",
+    "FSDP2 blocking: one intra-op thread per rank (as now): 0.94 × and 1.60 × in runs at load average 8 and 16 (2: 1.29 ×).",
     "Daemon CPU/GB (0.12): CRC32C thread 0.07 (14-15 GB/s per core, 256 KiB-64 MiB buffers alike, GIL released), writer "
     "0.025 in 64 MiB O_DIRECT writes (0.07 in 8 MiB: kernel cost per call), loop + commit 0.02: CRC32C is 70% of 0.1.",
-    "Durable (sync staging): the default streams only where torch's copy leaves a core free, not on 2 cores. Streamed "
-    "(stream_commit=True) 1 GiB was durable at 0.83 × raw but blocked 0.103 s vs 0.088: the O_DIRECT writer beside a copy "
-    "on both cores (copy 0.072 → 0.088 s). The old 2.86 × was the checksum beside it (0.27 s): it now waits for the copy.",
+    "Durable: streaming is the default only where torch's copy leaves a core free; streamed on 2 cores, 1 GiB was durable "
+    "at 0.83 × raw but blocked 0.103 s vs 0.088 (the O_DIRECT writer beside a copy on both cores: 0.072 → 0.088 s).",
     "Sync blocking: the copy into the slot is the memcpy (fastest 0.072 vs 0.068-0.071 s); the rest is flatten 2.6 ms "
     "and the commit's round trip, 10 ms at best on this loaded machine (the accept round trip: fixed-costs work).",
-    "Owning load: fresh memory's page faults, reading 0.55 GB warm into new tensors 0.28-0.31 s, into a reused buffer 0.07.",
+    "Owning load: fresh pages' faults, 0.45-0.5 CPU-s per GB (a raw read: 0.15), now on a helper thread: a gain if a core is idle.",
     "1,000 × 256 B: per-tensor Python work, 7 ms of the caller's CPU per save (flatten, commit) plus the daemon's decode.",
-    "Ranks at once: `CPU busy ÷ cores` under 1 while the machine's load average is far above its cores: others' processes.",
+    "Ranks at once: 2 intra-op threads per rank spun 4.1 CPU-s/round (1: 0.21); others' processes: 3.9 of 4.4 CPU-s/round.",
     "s3:// on moto (256 MiB): moto's CPU is the wall time (2.2-2.9 CPU-s a phase, one GIL); any ranged GET of a 16-part "
     "object costs it 0.15 CPU-s (it joins the parts), so both loads make 16; an s3:// save costs the daemon 0.37 CPU-s.",
     "Restore from memory vs a cold load: a memcpy of the same bytes into fresh tensors is itself 0.5 × this disk's cold "
@@ -162,19 +161,22 @@ def save_table(recs: Records) -> str:
 def multi_table(recs: Records) -> str:
     raw = recs.get("multi_raw")
     single, parallel = med(raw, "single"), med(raw, "parallel")
-    rows = [[f"raw O_DIRECT write + fsync, {n}", fmt(v), fmt(div(nbytes(raw) / GB, v), 2), fmt(div(single, v), 2),
-             fmt(div(parallel, v), 2)] + ["–"] * 7
-            for n, v in (("1 writer", single), (f"{raw['params']['ranks']} writers at once", parallel))] if raw else []
+    bw = [div(nbytes(raw) / GB, v) if raw else None for v in (single, parallel)]  # ratios below: of bandwidths
+    rows = [[f"raw O_DIRECT write + fsync, {n}", fmt(v), fmt(b, 2), *(fmt(div(b, x), 2) for x in bw)] + ["–"] * 9
+            for n, v, b in (("1 writer", single, bw[0]), (f"{raw['params']['ranks']} writers at once", parallel, bw[1]))
+            ] if raw else []
     for r in (r for r in recs.values() if r["method"] == "multi_saves"):
-        agg = med(r, "aggregate")
-        rows.append([r["label"], fmt(agg), fmt(FIELDS["gbps"](r), 2), fmt(div(single, agg), 2),
-                     fmt(div(parallel, agg), 2), fmt(med(r, "blocking")), fmt(med(r, "durable")),
+        agg, node, gbps = med(r, "aggregate"), r.get("node") or {"busy": None}, FIELDS["gbps"](r)
+        others = node["busy"] - r["ranks_cpu"] - r["daemon_cpu"] if node["busy"] else None  # the rest of the machine
+        rows.append([r["label"], fmt(agg), fmt(gbps, 2), *(fmt(div(gbps, x), 2) for x in bw), fmt(med(r, "blocking")),
+                     fmt(med(r, "durable")),
                      fmt(r["ranks_peak"]["VmRSS"] / GIB, 2), fmt(r["daemon"]["RssAnon"] / MIB, 0),
-                     fmt(r["ranks_cpu"], 2), fmt(r["daemon_cpu"], 2),
-                     fmt(div(r["ranks_cpu"] + r["daemon_cpu"], agg * r["cores"]) if agg else None, 2)])
+                     fmt(r["ranks_cpu"], 2), fmt(r["daemon_cpu"], 2), fmt(others, 2),
+                     fmt(div(node["busy"], node.get("wall", 0) * r["cores"]), 2),
+                     fmt(div(node.get("disk"), node.get("wall")), 2)])
     return table(["what", "aggregate s", "GB/s", "÷ raw, 1 writer", "÷ raw, N writers", "per-rank blocking s",
                   "per-rank durable s", "ranks peak RSS GiB", "daemon RssAnon MiB", "ranks CPU s/round",
-                  "daemon CPU s/round", "CPU busy ÷ cores"], rows)
+                  "daemon CPU s/round", "others' CPU s/round", "machine CPU busy ÷ cores", "disk busy ÷ wall"], rows)
 
 def scaling_table(recs: Records) -> str:
     rows = []
@@ -260,8 +262,9 @@ def render(records: list[dict], meta: dict[str, Any]) -> str:
                "the timed saves); trainer extra: its peak RSS during the timed saves over its RSS with the state "
                "built."),
               ("multi", "Clients on one node at once", multi_table,
-               "Each client its own process and state, all calling at the same moment through one daemon; "
-               "aggregate from the first call to the last future resolved."),
+               "Each client its own process (one intra-op thread, as under torchrun) and state, all calling at once "
+               "through one daemon; aggregate from the first call to the last future resolved. Others' CPU: the "
+               "machine's busy CPU (`/proc/stat`) less the ranks' and the daemon's; disk busy: the scratch disk's."),
               ("scaling", "Scaling: ckptd with sync staging", scaling_table,
                "One process per size: memcpy and O_DIRECT limits at that size, then ckptd's saves."),
               ("load", "Loading", load_table,

@@ -3,10 +3,12 @@
 By default every tensor owns its memory: the shard is read once, front to
 back, straight into one fresh buffer per tensor (no temporary copy of the
 file), and the checksum from the index is computed over the same bytes as
-they arrive. Nothing keeps the file open or mapped afterwards, so when
-retention deletes the checkpoint its space comes back, and ``torch.save`` of
-one loaded tensor writes that tensor, not the shard. With ``map_location``
-each tensor is moved to that device as soon as it is read.
+they arrive; a helper thread faults the new tensors' pages in ahead of the
+read (``prefault.py``), so that work overlaps the disk instead of following
+it. Nothing keeps the file open or mapped afterwards, so when retention
+deletes the checkpoint its space comes back, and ``torch.save`` of one loaded
+tensor writes that tensor, not the shard. With ``map_location`` each tensor
+is moved to that device as soon as it is read.
 
 ``mmap=True`` (as in ``torch.load``) instead maps the shard copy-on-write and
 returns views of the mapping: no read at all, the page cache serves the
@@ -38,6 +40,7 @@ from .flatten import unflatten
 from .lease import load_lease
 from .ranks import detect_ranks
 from .memory import HeldFiles, open_checkpoint
+from .prefault import STEP as READ_STEP, Prefault
 from .reshard import MAX_READ, ChunkFiles, bytes_of, read_full
 from .verified import identity, is_verified, remember
 
@@ -172,22 +175,24 @@ def _read_tensors(shard: Path, record: ShardRecord, *, verify: bool,
         ident = identity(f.fileno())
         verify = verify and not is_verified(ident, record, algorithm)
         entries, metadata, data_start = read_header_from(f, record.size, shard)
-        with Behind(algorithm) as crc:  # each tensor's checksum runs while the next one is read
+        entries = sorted(entries, key=lambda e: e.begin)  # contiguous, no holes: checked by the header parse
+        bufs = [torch.empty(e.nbytes, dtype=torch.uint8) for e in entries]
+        # Each range's checksum runs while the next is read, and the fresh tensors' pages are faulted in ahead.
+        with Behind(algorithm) as crc, Prefault(bufs) as ahead:
             if verify:
                 crc.add(os.pread(f.fileno(), data_start, 0))
             f.seek(data_start)
-            tensors = {}
-            for e in sorted(entries, key=lambda e: e.begin):  # contiguous, no holes: checked by the header parse
-                buf = torch.empty(e.nbytes, dtype=torch.uint8)
-                if e.nbytes:
-                    view = bytes_of(buf)
-                    _read_into(f, view, shard)
+            for e, buf in zip(entries, bufs):
+                for lo in range(0, e.nbytes, READ_STEP):
+                    piece = bytes_of(buf)[lo : lo + READ_STEP]
+                    ahead.reading(e.begin + lo + len(piece))
+                    _read_into(f, piece, shard)
                     if verify:
-                        crc.add(view)
-                tensors[e.name] = _typed(buf, e)
+                        crc.add(piece)
             if verify:
                 check_checksum(shard, crc.value(), record, algorithm)
                 remember(ident, record, algorithm)
+        tensors = {e.name: _typed(buf, e) for e, buf in zip(entries, bufs)}
     return metadata, tensors
 
 

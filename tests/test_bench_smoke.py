@@ -74,6 +74,9 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
             assert any(v > 0 for v in values), r["case"]
     saved = [r for r in records if r["method"] == "ckptd" or r["case"] == "sharded_ckptd"]
     assert all(r["writer"]["RssAnon"] > 0 and r["reps"]["daemon_s"][0] > 0 for r in saved), "daemon figures missing"
+    for r in (r for r in records if r["method"] == "multi_saves"):  # whom each round's CPU went to, and the disk
+        assert {"ranks", "daemon", "busy", "disk"} <= set(r["node"]) and r["node"]["wall"] > 0, r["node"]
+        assert r["node"]["busy"] > 0 and r["node"]["disk"] >= 0 and r["ranks_cpu"] == r["node"]["ranks"], r["node"]
     by_name = {r["case"]: r for r in records}
     for name in sharded[:4]:  # every rank of the save held a shard: its own bytes are a part of the whole
         state = by_name[name]["state"]
