@@ -44,8 +44,9 @@ class MappedSlot:
     """Kept open so that ``fstat`` tells whether the client has unlinked the slot."""
     users: int = 0
     """Writes in flight over this mapping; it is only closed at zero."""
-    header: tuple[bytes, int, tuple, int] | None = None
-    """The last header checked in this slot: its bytes, the shard size, its entries by offset, its data start."""
+    header: tuple[bytes, int, tuple, int, tuple | None] | None = None
+    """The last header parsed in this slot: its bytes, the shard size, its entries by offset, its data start, and
+    the checked table (``CheckedTable``) it last matched."""
 
     @property
     def unlinked(self) -> bool:
