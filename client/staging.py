@@ -75,9 +75,10 @@ class LayoutCache:
         one and every tensor is on the host; False where ``stage`` must do it."""
         if layout is not self._layout or not self._on_host:
             return False
-        tensors = flat.tensors
-        with torch.no_grad():
-            torch._foreach_copy_(self.views(layout, slot), [tensors[i][1] for i in self._order])
+        tensors, views = flat.tensors, self.views(layout, slot)
+        if views:
+            with torch.no_grad():
+                torch._foreach_copy_(views, [tensors[i][1] for i in self._order])
         return True
 
     def table(self, layout: ShardLayout) -> CheckedTable:
