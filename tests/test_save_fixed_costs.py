@@ -17,7 +17,7 @@ from ckptd.protocol.errors import ErrorCode
 from ckptd.protocol.layout import plan_layout, validate_entries
 from ckptd.protocol.messages import Commit, Error, Hello, decode
 
-from helpers import raw_socket
+from helpers import raw_socket, wait_until
 
 
 def mixed(step: int) -> dict:
@@ -146,3 +146,32 @@ def test_a_commit_may_name_only_a_table_its_own_connection_sent_and_the_daemon_c
         sender.close()
         other.close()
     assert daemon.status()["daemon"]["pid"] == daemon.proc.pid
+
+
+def mapped_kib(pid: int, path: str) -> int:
+    """Resident KiB of process ``pid``'s mapping of file ``path`` (0 if it maps none)."""
+    block, rss = False, 0
+    for line in open(f"/proc/{pid}/smaps"):
+        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+            block = line.rstrip().endswith(path)
+        elif block and line.startswith("Rss:"):
+            rss += int(line.split()[1])
+    return rss
+
+
+@pytest.mark.timeout(60)
+def test_admission_maps_a_new_slot_without_faulting_it_in_and_the_write_reads_it_whole(
+        daemon_factory, client_factory, root, tmp_path) -> None:
+    """The first save waits for Accepted; pre-faulting a GiB there cost ~0.1 s of it. The write faults pages in."""
+    go = tmp_path / "go"
+    daemon = daemon_factory(faults=[{"op": "touch", "match": "first.incomplete", "errno": 0, "wait_for": str(go)}])
+    client = client_factory()
+    state = {"w": torch.arange(8 << 20, dtype=torch.float32)}  # 32 MiB
+    pending = client.save_async(state, root / "first")  # returns once the daemon accepted (mapped) the slot
+    (slot,) = client.slot_names
+    wait_until(lambda: "event=fault op=touch" in (daemon.run_dir / "ckptd.log").read_text(), 20, "the write waits")
+    resident = mapped_kib(daemon.proc.pid, slot)
+    go.touch()
+    assert pending.result(30).bytes_written > 32 << 20
+    assert resident < 4 << 10, f"the daemon's mapping of the slot held {resident} KiB before the write"
+    assert torch.equal(ckptd.load(root / "first")["w"], state["w"])
