@@ -304,10 +304,10 @@ class Client:
         full = kind(conn.next_id(), req.slot.name, layout.nbytes, layout.data_start, table, req.path, self.rank,
                     self.world_size, req.step, req.overwrite, coordinated=self._coordinator is not None,
                     keep_last=req.keep_last, timeout=self.commit_timeout, waited=req.waited, staged=staged,
-                    layout=table.digest)
-        known = (conn, conn.daemon_pid, table.digest)
+                    layout=table.digest if table else "")  # no tensors: nothing to name
+        known = (conn, conn.daemon_pid, full.layout)
         # The daemon keeps the last tables this connection sent: a save of the same structure names its table.
-        commit = dataclasses.replace(full, tensors=()) if self._known_layout == known else full
+        commit = dataclasses.replace(full, tensors=()) if full.layout and self._known_layout == known else full
         accepted: Future = Future()
         accepted.add_done_callback(lambda f: f.exception() is None and setattr(self, "_known_layout", known))
         reply = conn.request(commit, accepted=accepted, resend=full)
