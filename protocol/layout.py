@@ -130,8 +130,8 @@ class CheckedTable(tuple):
 
     @functools.cached_property
     def digest(self) -> str:
-        """Names this table (BLAKE2b of its rows): a commit may refer to a table sent before by this name."""
-        rows = "\n".join(f"{e.name}\0{e.dtype}\0{list(e.shape)}\0{e.begin}\0{e.end}" for e in self)
+        """Names this table (BLAKE2b of its rows as JSON): a commit may refer to a table sent before by this name."""
+        rows = json.dumps([[e.name, e.dtype, list(e.shape), e.begin, e.end] for e in self], ensure_ascii=False)
         return hashlib.blake2b(rows.encode("utf-8", "surrogatepass"), digest_size=LAYOUT_DIGEST_LEN // 2).hexdigest()
 
 
