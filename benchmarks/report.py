@@ -89,10 +89,10 @@ CAUSES = [  # of misses, as measured in runs of their own (per-thread /proc CPU,
     "FSDP2 blocking: 4 ranks and the daemon share 2 cores; a rank saving alone blocks 1.5-2 × its own memcpy.",
     "Daemon CPU/GB (0.14): checksum thread 0.081 (CRC32C, 12.4 GB/s per core), writer 0.056 (0.050 kernel: O_DIRECT pins).",
     "Owning load: fresh memory's page faults, reading 0.55 GB warm into new tensors 0.28-0.31 s, into a reused buffer 0.07.",
-    "1,000 × 256 B (medians 4.8-6.2 ms at load average 5-7): caller CPU 3.2 ms per save (flatten 1.4, batched copy "
-    "0.45, layout key 0.3; 6.7 when the table went each save), accept round trip 1.3-1.8 ms (a bare ping 0.5-0.7).",
-    "First save: a new slot costs 0.53 CPU-s per GiB here (fallocate 0.24, fault-in); the daemon's 0.1-0.2 s "
-    "MAP_POPULATE on admission is gone (first accept 0.006-0.03 s).",
+    "1,000 × 256 B: medians 4.6, 4.6 ms at load average 1.7, 5-6.6 ms at 5-7: caller CPU 3.2 ms per save (flatten 1.4, "
+    "batched copy 0.45, layout key 0.3; 6.7 when the table went each save), accept round trip 1.3-1.8 ms under load.",
+    "First save: 1.12-1.53 × a steady one in 3 runs at load 1.7; a new slot costs 0.53 CPU-s/GiB under memory pressure "
+    "(fallocate 0.24), near 0.02 s when free; the daemon's MAP_POPULATE on admission (0.1-0.2 s) is gone.",
     "Ranks at once: `CPU busy ÷ cores` under 1 while the machine's load average is far above its cores: others' processes.",
     "Restore from memory vs a cold load: a memcpy of the same bytes into fresh tensors is itself 0.5 × this disk's cold "
     "load (page faults on fresh memory), so 0.3 × is out of reach here; restore is one read of the slot plus CRC32C.",
