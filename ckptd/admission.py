@@ -54,8 +54,7 @@ def examine(storage: Storage, slots: SlotMaps, msg: Commit, *, pid: int, roots: 
     """
     slot = slots.acquire(msg.slot, pid=pid, nbytes=round_up(msg.nbytes))
     try:
-        entries, data_start = _header(slot, msg)
-        if data_start != msg.header_len or entries != tuple(sorted(msg.tensors, key=_by_offset)):
+        if not _header_matches(slot, msg):
             raise BadSlot(f"slot {msg.slot!r} holds a header that does not match the commit's tensor table")
         final = resolve_path(storage, msg.path, roots)
         # Before the room check: "exists" is the answer that helps. On an object store the same check runs
@@ -76,20 +75,26 @@ def _by_offset(e: TensorEntry) -> tuple[int, int]:
     return e.begin, e.end
 
 
-def _header(slot: MappedSlot, msg: Commit) -> tuple[tuple[TensorEntry, ...], int]:
-    """The slot's header entries (sorted by offset) and data start, parsed again only when its bytes changed.
+def _header_matches(slot: MappedSlot, msg: Commit) -> bool:
+    """Whether the slot's header holds the commit's tensor table (``msg.tensors``: checked, by offset).
 
     A training loop saves the same structure every time, so the header in a
-    reused slot is the one checked last time: comparing its bytes costs
-    microseconds, parsing a thousand entries milliseconds.
+    reused slot is the one parsed last time (same bytes), and usually matched
+    against the very same checked table (``NodeState.resolve_layout``):
+    comparing bytes costs microseconds, parsing and comparing a thousand
+    entries milliseconds.
     """
     raw = slot.map[: msg.header_len]
-    if slot.header is not None and slot.header[:2] == (raw, msg.nbytes):
-        return slot.header[2], slot.header[3]
-    entries, _, data_start = parse_header(raw, msg.nbytes)
-    ordered = tuple(sorted(entries, key=_by_offset))
-    slot.header = (raw, msg.nbytes, ordered, data_start)
-    return ordered, data_start
+    if slot.header is None or slot.header[:2] != (raw, msg.nbytes):
+        entries, _, data_start = parse_header(raw, msg.nbytes)
+        slot.header = (raw, msg.nbytes, tuple(sorted(entries, key=_by_offset)), data_start, None)
+    _, _, ordered, data_start, matched = slot.header
+    if matched is msg.tensors:
+        return True
+    if data_start != msg.header_len or ordered != msg.tensors:
+        return False
+    slot.header = (*slot.header[:4], msg.tensors)
+    return True
 
 
 def check_room(target: Path, space: Space, nbytes: int, reserved: int, *, margin_fraction: float, margin_min: int,

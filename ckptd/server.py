@@ -148,6 +148,8 @@ class Server:
         try:
             msg = decode(payload)
             rid = msg.id
+            if isinstance(msg, Commit):  # and Snapshot
+                msg = self.state.resolve_layout(ident, msg)
             handler = self._handlers.get(type(msg))
             if handler is None:
                 raise BadMessage(f"{msg.type!r} is a reply; the daemon does not accept it as a request")

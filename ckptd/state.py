@@ -11,12 +11,15 @@ it through the narrow ``stats.NodeView``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from ckptd.protocol.errors import UnknownClient
+from ckptd.protocol.errors import BadMessage, UnknownClient
+from ckptd.protocol.layout import CheckedTable
 from ckptd.protocol.messages import Commit
 
 from .admission import Examined
@@ -31,6 +34,8 @@ from .writer import Progress, WriteJob
 
 MAX_PID = 1 << 22
 """The kernel's largest possible pid_max."""
+LAYOUTS_PER_CLIENT = 8
+"""Checked tensor tables kept per client (most recently used): a client refers to the last one it sent."""
 
 
 @dataclass
@@ -41,6 +46,8 @@ class ClientRecord:
     waited_s: float = 0.0
     """Total seconds this client blocked on backpressure before its saves."""
     last_waited_s: float = 0.0
+    layouts: OrderedDict[str, CheckedTable] = field(default_factory=OrderedDict)
+    """Tensor tables this connection sent, as checked at decode, by digest (``resolve_layout``)."""
 
 
 class NodeState:
@@ -104,6 +111,33 @@ class NodeState:
         if client is None:
             raise UnknownClient("this client has not said hello (or the daemon restarted); send hello first")
         return client
+
+    def resolve_layout(self, ident: bytes, msg: Commit) -> Commit:
+        """``msg`` with its tensor table: a table it carries is kept under its digest, a digest is replaced by
+        the table this connection sent under it (checked then, by this daemon: never taken on the client's word).
+
+        A training loop saves one structure again and again; a thousand small
+        tensors cost milliseconds to decode and check, and a digest costs none.
+        """
+        client = self.client(ident)
+        layouts = client.layouts
+        if msg.tensors or not msg.layout:
+            if msg.layout:
+                assert isinstance(msg.tensors, CheckedTable)  # Commit.__post_init__ checked it against the digest
+                layouts[msg.layout] = msg.tensors
+                layouts.move_to_end(msg.layout)
+                while len(layouts) > LAYOUTS_PER_CLIENT:
+                    layouts.popitem(last=False)
+            return msg
+        table = layouts.get(msg.layout)
+        if table is None:
+            raise BadMessage(f"commit names layout {msg.layout!r}, which this connection did not send (or it is "
+                             f"older than the last {LAYOUTS_PER_CLIENT}): send the tensor table")
+        if table.data_len != msg.nbytes - msg.header_len:
+            raise BadMessage(f"layout {msg.layout!r} covers {table.data_len} bytes of data, but the commit's shard "
+                             f"holds {msg.nbytes - msg.header_len}")
+        layouts.move_to_end(msg.layout)
+        return dataclasses.replace(msg, tensors=table)
 
     def teardown(self, ident: bytes, reason: str) -> tuple[ClientRecord | None, list[Grant]]:
         """The one way a client goes, whether it said Bye or died.

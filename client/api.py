@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import threading
 import time
@@ -113,6 +114,8 @@ class Client:
         self._heartbeat, self._timeout = heartbeat, timeout
         self._slots = SlotPool(max_inflight + 1)
         self._layouts = LayoutCache()
+        self._known_layout: tuple[Connection, int | None, str] | None = None
+        """The last tensor table the daemon accepted on which connection (and daemon): a commit names it by digest."""
         self._inflight = threading.BoundedSemaphore(max_inflight)
         self._background_staging = background_staging
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptd-stage")
@@ -247,7 +250,8 @@ class Client:
                 if not on_worker:
                     self._until_delivered(accepted, notices=True)
                 return
-            copies = stage(req.flat, layout, req.slot, views=views)
+            copies = None if self._layouts.copy(req.flat, layout, req.slot) else stage(
+                req.flat, layout, req.slot, views=views)
         except BaseException as exc:
             _fail(exc, fut.staged, shard)  # frees the slot and the in-flight place
             if not isinstance(exc, Exception):
@@ -298,13 +302,17 @@ class Client:
             pass  # the save's own future reports what went wrong
 
     def _send_commit(self, req: "_Request", shard: Future, layout: ShardLayout, *, staged: int) -> tuple[int, Future]:
-        kind = Commit if req.persist else Snapshot
-        commit = kind(self._conn.next_id(), req.slot.name, layout.nbytes, layout.data_start, layout.entries,
-                        req.path, self.rank, self.world_size, req.step, req.overwrite,
-                        coordinated=self._coordinator is not None, keep_last=req.keep_last,
-                        timeout=self.commit_timeout, waited=req.waited, staged=staged)
+        kind, conn, table = Commit if req.persist else Snapshot, self._conn, self._layouts.table(layout)
+        full = kind(conn.next_id(), req.slot.name, layout.nbytes, layout.data_start, table, req.path, self.rank,
+                    self.world_size, req.step, req.overwrite, coordinated=self._coordinator is not None,
+                    keep_last=req.keep_last, timeout=self.commit_timeout, waited=req.waited, staged=staged,
+                    layout=table.digest if table else "")  # no tensors: nothing to name
+        known = (conn, conn.daemon_pid, full.layout)
+        # The daemon keeps the last tables this connection sent: a save of the same structure names its table.
+        commit = dataclasses.replace(full, tensors=()) if full.layout and self._known_layout == known else full
         accepted: Future = Future()
-        reply = self._conn.request(commit, accepted=accepted)
+        accepted.add_done_callback(lambda f: f.exception() is None and setattr(self, "_known_layout", known))
+        reply = conn.request(commit, accepted=accepted, resend=full)
         reply.add_done_callback(lambda r: self._lend_if_held(req, r))  # before the save resolves (and frees the slot)
         reply.add_done_callback(lambda r: _chain(r, shard))
         return commit.id, accepted

@@ -37,6 +37,8 @@ class _Pending:
     wire: bytes
     future: Future
     accepted: Future | None = None
+    resend: Message | None = None
+    """What to send a restarted daemon instead of ``wire`` (a commit with its whole tensor table)."""
     retried: bool = False
     sent_at: float = field(default_factory=time.monotonic)
 
@@ -72,10 +74,12 @@ class Connection:
         assert isinstance(welcome, Welcome)
         return welcome
 
-    def request(self, msg: Message, *, accepted: Future | None = None) -> Future:
+    def request(self, msg: Message, *, accepted: Future | None = None, resend: Message | None = None) -> Future:
         """Send ``msg``; the future resolves with the final reply or fails typed.
 
         ``accepted`` (for commits) resolves when the daemon admits the request.
+        ``resend``: what a restarted daemon gets instead (it knows none of the
+        layouts a commit may name by digest).
         The message is encoded here, on the caller's thread: one that cannot
         be encoded fails its own future and never reaches the I/O thread,
         whose failure would fail every other request too.
@@ -89,7 +93,7 @@ class Connection:
         except Exception as exc:
             fut.set_exception(ValueError(f"cannot encode {msg.type} request: {exc}"))
             return fut
-        self._outbox.put((msg.id, wire, _Pending(wire, fut, accepted)))
+        self._outbox.put((msg.id, wire, _Pending(wire, fut, accepted, resend)))
         os.eventfd_write(self._wake, 1)
         return fut
 
@@ -182,7 +186,7 @@ class Connection:
         if isinstance(reply, Error) and reply.code == ErrorCode.UNKNOWN_CLIENT and not pending.retried:
             pending.retried = True  # the daemon restarted: introduce ourselves again
             sock.send(self._numbered_hello().to_wire())
-            sock.send(pending.wire)
+            sock.send(pending.resend.to_wire() if pending.resend is not None else pending.wire)
             return
         del self._pending[reply.id]
         if isinstance(reply, Error):

@@ -20,6 +20,7 @@ and this rank stages only the chunk it owns (see ``sharding``).
 from __future__ import annotations
 
 import base64
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -108,7 +109,7 @@ def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0) -> F
                 _check_tensor(obj, path)
                 name = name_for(path)
                 tensors.append((name, obj))
-                ref = msgpack.ExtType(EXT_TENSOR, name.encode())
+                ref = _tensor_ref(name)
             by_identity[id(obj)] = ref
             return ref
         if isinstance(obj, dict):
@@ -155,7 +156,15 @@ def _check_replicated(state: Any, replicated: tuple[str, ...]) -> None:
         raise ValueError(f"replicated names keys the state does not hold: {missing} (it holds {list(state)})")
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _tensor_ref(name: str) -> msgpack.ExtType:
+    """The structure's reference to tensor ``name``: the same names every save, made once (they are immutable)."""
+    return msgpack.ExtType(EXT_TENSOR, name.encode())
+
+
 def _check_tensor(t: torch.Tensor, path: list[Any]) -> None:
+    if t.layout is torch.strided and t.dtype in SAFETENSORS_DTYPES and not t.is_meta:
+        return  # what nearly every tensor is: three reads instead of four
     if t.layout != torch.strided:
         raise TypeError(f"{_describe(path)} is a {t.layout} tensor; only dense (strided) tensors can be saved")
     if t.dtype not in SAFETENSORS_DTYPES:

@@ -21,6 +21,7 @@ back when it drops the snapshot: ``reclaim``).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import errno
 import itertools
 import mmap
@@ -37,6 +38,9 @@ PAGE = 4096
 GROWTH_QUANTUM = 1 << 20
 """Slots are sized in whole MiB so that small growth reuses the slot."""
 
+MADV_POPULATE_WRITE = 23
+"""Linux 5.14+: fault every page of a range in for writing, in the kernel."""
+_libc = ctypes.CDLL(None, use_errno=True)
 _counter = itertools.count()
 _live: "weakref.WeakSet[Slot]" = weakref.WeakSet()
 
@@ -54,10 +58,13 @@ class Slot:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:  # Ctrl-C included: never leave a half-made slot behind
             os.posix_fallocate(fd, 0, self.size)
-            # MAP_POPULATE pre-faults every page now, not during a save, in the
-            # kernel: no parallel torch op, which can hang in a forked child.
-            self.map = mmap.mmap(fd, self.size, mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                                 mmap.PROT_READ | mmap.PROT_WRITE)
+            # Every page is faulted in now, not during a save, in the kernel: no
+            # parallel torch op, which can hang in a forked child.
+            self.map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if not _populate_for_writing(self.map):
+                self.map.close()
+                self.map = mmap.mmap(fd, self.size, mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                     mmap.PROT_READ | mmap.PROT_WRITE)
             self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
         except BaseException as exc:
             os.unlink(self.path)
@@ -98,6 +105,21 @@ class Slot:
             self.map.close()
         except BufferError:  # a caller still holds a view: leave it to GC
             pass
+
+
+def _populate_for_writing(m: mmap.mmap) -> bool:
+    """Fault every page of ``m`` in, writable (False where the kernel cannot: then ``MAP_POPULATE`` does).
+
+    Measured on 1 GiB here (fallocate included): 0.53 CPU-s against 0.65 for
+    ``MAP_POPULATE``, which faults a shared mapping in for reading. Through
+    ctypes, so other threads (a training step, with background staging) run
+    meanwhile: ``mmap.madvise`` holds the GIL.
+    """
+    buf = (ctypes.c_char * len(m)).from_buffer(m)
+    try:
+        return _libc.madvise(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(len(m)), MADV_POPULATE_WRITE) == 0
+    finally:
+        del buf  # the export would keep the mapping from closing
 
 
 class SlotPool:

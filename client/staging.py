@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from ckptd.protocol.layout import ShardLayout, plan_layout
+from ckptd.protocol.layout import CheckedTable, ShardLayout, plan_layout, validate_entries
 
 from .dtypes import SAFETENSORS_DTYPES, TORCH_DTYPES
 from .flatten import Flat
@@ -50,17 +50,45 @@ class LayoutCache:
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._layout: ShardLayout | None = None
+        self._table: CheckedTable | None = None
+        self._order: list[int] = []
+        """For each entry of the layout, the index of its tensor in ``Flat.tensors``."""
+        self._on_host = False
+        """Every tensor of the layout is on the host: one batched copy stages them all."""
         self._views: dict[int, tuple[Slot, list[torch.Tensor]]] = {}
 
     def layout(self, flat: Flat) -> ShardLayout:
         """Where each tensor of ``flat`` goes in the shard."""
-        specs = [(name, SAFETENSORS_DTYPES[t.dtype], tuple(t.shape)) for name, t in flat.tensors]
-        key = (flat.structure, tuple(specs), tuple(sorted(flat.chunks.items())),
-               tuple(sorted(flat.global_shapes.items())))
+        key = (flat.structure, tuple((name, t.dtype, t.shape, t.is_cpu) for name, t in flat.tensors),
+               tuple(sorted(flat.chunks.items())), tuple(sorted(flat.global_shapes.items())))
         if key != self._key:
-            self._key, self._layout, self._views = key, plan_layout(specs, flat.metadata()), {}
+            specs = [(name, SAFETENSORS_DTYPES[t.dtype], tuple(t.shape)) for name, t in flat.tensors]
+            layout = plan_layout(specs, flat.metadata())
+            index = {name: i for i, (name, _) in enumerate(flat.tensors)}
+            self._key, self._layout, self._table, self._views = key, layout, None, {}
+            self._order = [index[e.name] for e in layout.entries]
+            self._on_host = all(t.is_cpu for _, t in flat.tensors)
         assert self._layout is not None
         return self._layout
+
+    def copy(self, flat: Flat, layout: ShardLayout, slot: Slot) -> bool:
+        """Stage ``flat`` into ``slot`` in one batched host copy (no Python per tensor) if ``layout`` is the cached
+        one and every tensor is on the host; False where ``stage`` must do it."""
+        if layout is not self._layout or not self._on_host:
+            return False
+        tensors, views = flat.tensors, self.views(layout, slot)
+        if views:
+            with torch.no_grad():
+                torch._foreach_copy_(views, [tensors[i][1] for i in self._order])
+        return True
+
+    def table(self, layout: ShardLayout) -> CheckedTable:
+        """``layout``'s tensor table, checked (as the daemon checks it) once per layout; its digest names it."""
+        if layout is not self._layout:
+            return validate_entries(layout.entries, layout.nbytes - layout.data_start)
+        if self._table is None:
+            self._table = validate_entries(layout.entries, layout.nbytes - layout.data_start)
+        return self._table
 
     def views(self, layout: ShardLayout, slot: Slot) -> list[torch.Tensor]:
         """Typed views of ``slot`` for each entry of ``layout``, in entry order; the header written.

@@ -16,6 +16,8 @@ Client (building), daemon (checking what a client staged) and loader
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
 import struct
@@ -113,36 +115,65 @@ def encode_header(entries: Sequence[TensorEntry], metadata: Mapping[str, str]) -
     return struct.pack("<Q", padded) + body + b" " * (padded - len(body))
 
 
-def validate_entries(entries: Sequence[TensorEntry], data_len: int) -> None:
-    """Check a tensor table against the allow-list and the data it indexes.
+LAYOUT_DIGEST_LEN = 32
+"""Characters of a ``CheckedTable.digest`` (hex of 16 bytes)."""
+
+
+class CheckedTable(tuple):
+    """A tensor table that ``validate_entries`` passed, in offset order, and the data length it was checked against.
+
+    Only ``validate_entries`` makes one: a table decoded from the wire is a
+    plain tuple until it is checked, so a ``CheckedTable`` is always this
+    process's own validation result, never a client's claim. Checking one
+    again against the same length is free, which is what lets the daemon
+    reuse a layout a client refers to by ``digest``.
+    """
+
+    data_len: int
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """Names this table (BLAKE2b of its rows as JSON): a commit may refer to a table sent before by this name."""
+        rows = json.dumps([[e.name, e.dtype, list(e.shape), e.begin, e.end] for e in self], ensure_ascii=False)
+        return hashlib.blake2b(rows.encode("utf-8", "surrogatepass"), digest_size=LAYOUT_DIGEST_LEN // 2).hexdigest()
+
+
+def validate_entries(entries: Sequence[TensorEntry], data_len: int) -> CheckedTable:
+    """Check a tensor table against the allow-list and the data it indexes; returns it checked, in offset order.
 
     Raises ``BadMessage`` naming the first tensor that is wrong: unknown
     dtype, negative dimension, size that disagrees with shape x itemsize,
     bytes outside the data, overlap, or a hole (safetensors allows none).
     """
+    if isinstance(entries, CheckedTable) and entries.data_len == data_len:
+        return entries
     names = set()
-    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
+    ordered = sorted(entries, key=lambda e: (e.begin, e.end))
+    expected = 0
+    for e in ordered:
         if e.name in names:
             raise BadMessage(f"tensor {e.name!r} appears twice")
         names.add(e.name)
-        if e.dtype not in DTYPE_SIZES:
+        size = DTYPE_SIZES.get(e.dtype)
+        if size is None:
             raise BadMessage(f"tensor {e.name!r}: dtype {e.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
         if any(d < 0 for d in e.shape):
             raise BadMessage(f"tensor {e.name!r}: negative dimension in shape {list(e.shape)}")
-        want = element_count(e.shape) * DTYPE_SIZES[e.dtype]
-        if e.nbytes != want:
+        want = element_count(e.shape) * size
+        if e.end - e.begin != want:
             raise BadMessage(
-                f"tensor {e.name!r}: shape {list(e.shape)} x {DTYPE_SIZES[e.dtype]} bytes = {want}, "
+                f"tensor {e.name!r}: shape {list(e.shape)} x {size} bytes = {want}, "
                 f"but its offsets span {e.nbytes}"
             )
-    expected = 0
-    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
         if e.begin != expected:
             kind = "overlaps the tensor before it" if e.begin < expected else "leaves a hole before it"
             raise BadMessage(f"tensor {e.name!r} at offset {e.begin} {kind} (expected {expected})")
         expected = e.end
     if expected != data_len:
         raise BadMessage(f"tensors cover {expected} bytes of data but the shard holds {data_len}")
+    table = CheckedTable(ordered)
+    table.data_len = data_len
+    return table
 
 
 def parse_header(prefix: bytes | memoryview, file_size: int) -> tuple[list[TensorEntry], dict[str, str], int]:

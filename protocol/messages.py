@@ -13,7 +13,7 @@ Conversation::
 
     client                      daemon
     Hello            ──▶        Welcome
-    Commit           ──▶        Accepted ... later Done | Error
+    Commit           ──▶        Accepted ... later Done | Error   (its tensor table, or the digest of one sent before)
     Snapshot         ──▶        Accepted ... later Held | Error   (kept in node memory, not written)
     Persist          ──▶        Done | Error      (write a held snapshot to disk)
     Snapshots        ──▶        SnapshotList      (what the daemon holds in memory)
@@ -43,7 +43,7 @@ import msgpack
 from .errors import BadMessage, PathNotAllowed, UnsupportedVersion
 from .shm import SLOT_PREFIX
 from .index import INCOMPLETE_SUFFIX, ShardRecord
-from .layout import DATA_ALIGNMENT, TensorEntry, validate_entries
+from .layout import DATA_ALIGNMENT, LAYOUT_DIGEST_LEN, TensorEntry, validate_entries
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -124,6 +124,11 @@ class Commit(Message):
     client is still copying and reports progress with ``Staged`` notices; the
     daemon writes each part as soon as it is final (staging and writing
     overlap)."""
+    layout: str = ""
+    """The table's ``CheckedTable.digest`` (empty: none). With ``tensors``
+    it must match them, and the daemon keeps the checked table for this
+    connection; with no ``tensors`` it names a table this connection sent
+    before, which the daemon then uses (refusing a name it does not hold)."""
     type: ClassVar[str] = "commit"
 
     def __post_init__(self) -> None:
@@ -137,7 +142,13 @@ class Commit(Message):
                 f"header length {self.header_len} must be a multiple of {DATA_ALIGNMENT} "
                 f"no larger than the shard ({self.nbytes} bytes)"
             )
-        validate_entries(self.tensors, self.nbytes - self.header_len)
+        if self.tensors or not self.layout:  # else a reference, resolved by the daemon (NodeState.resolve_layout)
+            table = validate_entries(self.tensors, self.nbytes - self.header_len)
+            if self.layout and table.digest != self.layout:
+                raise BadMessage(f"layout {self.layout!r} is not the digest of the commit's tensor table")
+            object.__setattr__(self, "tensors", table)  # checked once: the daemon keeps and reuses it
+        if self.layout and len(self.layout) != LAYOUT_DIGEST_LEN:
+            raise BadMessage(f"layout {self.layout[:40]!r} must be a digest of {LAYOUT_DIGEST_LEN} characters or empty")
         _check_common(self.keep_last, self.timeout)
         if not self.header_len <= self.staged <= self.nbytes:
             raise BadMessage(f"staged {self.staged} must lie between the header ({self.header_len}) and nbytes ({self.nbytes})")
@@ -426,9 +437,10 @@ def decode(data: bytes) -> Message:
         raise BadMessage(f"{kind}: unexpected fields {sorted(map(str, extra))}")
     values = {}
     for name in names:
-        if name not in wire:
+        if name in wire:
+            values[name] = _check(wire[name], hints[name], f"{kind}.{name}")
+        elif name not in _optional_fields(cls):
             raise BadMessage(f"{kind}: missing field {name!r}")
-        values[name] = _check(wire[name], hints[name], f"{kind}.{name}")
     return cls(**values)
 
 
@@ -436,6 +448,12 @@ def decode(data: bytes) -> Message:
 def _wire_fields(cls: type[Message]) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+@functools.cache
+def _optional_fields(cls: type[Message]) -> frozenset[str]:
+    """Fields added later, with a default: a peer that predates one may leave it out."""
+    return frozenset(f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING)
 
 
 def request_id(data: bytes) -> int:

@@ -1,6 +1,10 @@
-"""A save's fixed costs: the layout is planned once while the structure holds, slots can be reserved up front."""
+"""A save's fixed costs: the layout is planned once while the structure holds, a commit names a table the daemon
+checked before by its digest, slots can be reserved up front."""
 
 from __future__ import annotations
+
+import dataclasses
+import os
 
 import pytest
 import torch
@@ -9,6 +13,11 @@ import ckptd
 from ckptd.client.flatten import flatten
 from ckptd.client.slots import Slot
 from ckptd.client.staging import LayoutCache
+from ckptd.protocol.errors import ErrorCode
+from ckptd.protocol.layout import plan_layout, validate_entries
+from ckptd.protocol.messages import Commit, Error, Hello, decode
+
+from helpers import raw_socket, wait_until
 
 
 def mixed(step: int) -> dict:
@@ -66,3 +75,103 @@ def test_a_bad_reserve_bytes_is_refused_naming_it(daemon, run_dir, value, error)
     with pytest.raises(error, match="reserve_bytes"):
         ckptd.Client(run_dir=run_dir, spawn=False, reserve_bytes=value)
 
+
+
+def small_state(step: int) -> dict:
+    """A thousand small tensors, the same structure every step (plain values too): what a fixed cost is paid on."""
+    return {"w": {f"t{i}": torch.full((16,), float(step * 1000 + i)) for i in range(1000)}, "mixed": mixed(1)}
+
+
+def sent_commits(client) -> list[Commit]:
+    """Record the commits ``client`` puts on its socket (a spy: they still go out unchanged)."""
+    conn, seen = client._conn, []
+    request = conn.request
+    conn.request = lambda msg, **kw: (seen.append(msg) if isinstance(msg, Commit) else None, request(msg, **kw))[1]
+    return seen
+
+
+def test_a_save_of_an_unchanged_structure_names_its_table_and_is_written_whole(client, root) -> None:
+    seen = sent_commits(client)
+    for step in range(3):
+        client.save_async(small_state(step), root / f"s{step}").result(30)
+    client.save_async({**small_state(3), "extra": torch.ones(2)}, root / "changed").result(30)
+    assert [len(c.tensors) for c in seen] == [1005, 0, 0, 1006]  # the table goes once per structure
+    assert len({c.layout for c in seen[:3]}) == 1 and seen[3].layout != seen[0].layout
+    for step in range(3):
+        loaded = ckptd.load(root / f"s{step}")
+        assert all(torch.equal(loaded["w"][k], v) for k, v in small_state(step)["w"].items())
+    assert torch.equal(ckptd.load(root / "changed")["extra"], torch.ones(2))
+
+
+def test_a_client_whose_daemon_restarted_sends_the_table_it_named_again(daemon_factory, client_factory, root) -> None:
+    daemon = daemon_factory()
+    client = client_factory(heartbeat=0.2, timeout=5.0)
+    client.save_async(small_state(1), root / "before").result(30)
+    daemon.kill()
+    daemon_factory()  # knows no table of this client
+    client.save_async(small_state(2), root / "after").result(30)
+    assert torch.equal(ckptd.load(root / "after")["w"]["t7"], small_state(2)["w"]["t7"])
+
+
+def test_a_commit_may_name_only_a_table_its_own_connection_sent_and_the_daemon_checked(daemon, root) -> None:
+    """The daemon keeps the table it decoded and checked itself, per connection: a digest is never taken on trust."""
+    layout = plan_layout([("w", "F32", (4,)), ("b", "F32", (2,))], {})
+    table = validate_entries(layout.entries, layout.nbytes - layout.data_start)
+    full = Commit(7, f"ckptd-{os.getuid()}-{os.getpid()}-0", layout.nbytes, layout.data_start, table,
+                  str(root / "x"), 0, 1, None, False, False, None, 60.0, 0.0, layout.nbytes, layout=table.digest)
+    naming = dataclasses.replace(full, tensors=())
+    sender, other = raw_socket(daemon), raw_socket(daemon)
+    try:
+        for sock in (sender, other):
+            sock.send(Hello(1, os.getpid(), os.getuid(), "test").to_wire())
+            assert decode(sock.recv()).type == "welcome"
+
+        def reply(sock, msg) -> Error:
+            sock.send(msg.to_wire())
+            answer = decode(sock.recv())
+            assert isinstance(answer, Error), answer
+            return answer
+
+        refused = reply(sender, naming)  # not sent yet
+        assert refused.code == ErrorCode.BAD_MESSAGE and table.digest in refused.message
+        wire = full.to_wire().replace(table.digest.encode(), b"0" * 32)  # a digest that is not the table's
+        sender.send(wire)
+        assert "is not the digest of" in decode(sender.recv()).message
+        assert reply(sender, full).code == ErrorCode.BAD_SLOT  # checked and kept, then refused: no such slot
+        assert reply(sender, naming).code == ErrorCode.BAD_SLOT  # the daemon found the table: on to the slot
+        assert "did not send" in reply(other, naming).message  # another connection's table
+        wrong_size = dataclasses.replace(naming, nbytes=naming.nbytes + 4, staged=naming.nbytes + 4)
+        assert "covers 24 bytes of data" in reply(sender, wrong_size).message
+    finally:
+        sender.close()
+        other.close()
+    assert daemon.status()["daemon"]["pid"] == daemon.proc.pid
+
+
+def mapped_kib(pid: int, path: str) -> int:
+    """Resident KiB of process ``pid``'s mapping of file ``path`` (0 if it maps none)."""
+    block, rss = False, 0
+    for line in open(f"/proc/{pid}/smaps"):
+        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+            block = line.rstrip().endswith(path)
+        elif block and line.startswith("Rss:"):
+            rss += int(line.split()[1])
+    return rss
+
+
+@pytest.mark.timeout(60)
+def test_admission_maps_a_new_slot_without_faulting_it_in_and_the_write_reads_it_whole(
+        daemon_factory, client_factory, root, tmp_path) -> None:
+    """The first save waits for Accepted; pre-faulting a GiB there cost ~0.1 s of it. The write faults pages in."""
+    go = tmp_path / "go"
+    daemon = daemon_factory(faults=[{"op": "touch", "match": "first.incomplete", "errno": 0, "wait_for": str(go)}])
+    client = client_factory()
+    state = {"w": torch.arange(8 << 20, dtype=torch.float32)}  # 32 MiB
+    pending = client.save_async(state, root / "first")  # returns once the daemon accepted (mapped) the slot
+    (slot,) = client.slot_names
+    wait_until(lambda: "event=fault op=touch" in (daemon.run_dir / "ckptd.log").read_text(), 20, "the write waits")
+    resident = mapped_kib(daemon.proc.pid, slot)
+    go.touch()
+    assert pending.result(30).bytes_written > 32 << 20
+    assert resident < 4 << 10, f"the daemon's mapping of the slot held {resident} KiB before the write"
+    assert torch.equal(ckptd.load(root / "first")["w"], state["w"])

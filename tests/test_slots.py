@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import textwrap
 import time
 
 import torch
 
+from ckptd.client.slots import Slot
 from helpers import SHM, own_segments
 from zygote import Script
+
+
+def test_a_new_slot_is_faulted_in_for_writing_before_any_save_copies_into_it() -> None:
+    slot = Slot(64 << 20)
+    try:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        slot.tensor.fill_(7)  # 16,384 pages
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        assert faults < 1000, f"writing a new slot took {faults} page faults: it was not populated"
+        assert bytes(slot.map[-4:]) == b"\x07" * 4
+    finally:
+        slot.close()
 
 
 def test_second_save_of_the_same_size_creates_no_new_segment(client, root) -> None:
