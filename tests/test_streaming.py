@@ -25,7 +25,7 @@ class ExplodingTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.detach:
+        if func in (torch.Tensor.detach, torch._foreach_copy_):  # copied alone, or in one batched copy
             raise RuntimeError("this tensor cannot be read")
         return super().__torch_function__(func, types, args, kwargs or {})
 
@@ -72,7 +72,7 @@ class PausingTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.detach:
+        if func in (torch.Tensor.detach, torch._foreach_copy_):  # copied alone, or in one batched copy
             cls.reached.set()
             assert cls.release.wait(60), "the test never let the copy go on"
         return super().__torch_function__(func, types, args, kwargs or {})
