@@ -37,15 +37,15 @@ except (OSError, AttributeError):  # no libc madvise here: the reader faults pag
     _madvise = None
 
 
-def _populate(start: int, end: int) -> bool:
-    """Populate for writing every page holding a byte of [start, end); False if the kernel refused.
+def populate(start: int, end: int) -> bool:
+    """Populate for writing every page holding a byte of [start, end); False if the kernel refused or lacks the call.
 
     Rounding outward is safe: a page holding any byte of a tensor is mapped, and populating a page already
     present changes nothing (a missing one reads as zeros either way).
     """
     lo = start // mmap.PAGESIZE * mmap.PAGESIZE
     hi = -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
-    return _madvise(lo, hi - lo, MADV_POPULATE_WRITE) == 0
+    return _madvise is not None and _madvise(lo, hi - lo, MADV_POPULATE_WRITE) == 0
 
 
 class Prefault:
@@ -77,7 +77,7 @@ class Prefault:
                     return
                 lo = max(lo, self._reader - offset)  # what the reader reached is its to fault in
                 hi = min(nbytes, lo + STEP)
-                if lo < hi and not _populate(address + lo, address + hi):
+                if lo < hi and not populate(address + lo, address + hi):
                     return  # refused (an old kernel, no memory): the reader faults pages in itself
 
     def reading(self, end: int) -> None:

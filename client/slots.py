@@ -34,13 +34,12 @@ import torch
 from ckptd.protocol.errors import NoSpace
 from ckptd.protocol.shm import shm_dir, shm_shortage_message, slot_name
 
+from .prefault import populate
+
 PAGE = 4096
 GROWTH_QUANTUM = 1 << 20
 """Slots are sized in whole MiB so that small growth reuses the slot."""
 
-MADV_POPULATE_WRITE = 23
-"""Linux 5.14+: fault every page of a range in for writing, in the kernel."""
-_libc = ctypes.CDLL(None, use_errno=True)
 _counter = itertools.count()
 _live: "weakref.WeakSet[Slot]" = weakref.WeakSet()
 
@@ -117,7 +116,7 @@ def _populate_for_writing(m: mmap.mmap) -> bool:
     """
     buf = (ctypes.c_char * len(m)).from_buffer(m)
     try:
-        return _libc.madvise(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(len(m)), MADV_POPULATE_WRITE) == 0
+        return populate(ctypes.addressof(buf), ctypes.addressof(buf) + len(m))
     finally:
         del buf  # the export would keep the mapping from closing
 
