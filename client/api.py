@@ -31,6 +31,8 @@ from .staging import DeviceCopies, LayoutCache, overlap_pays, stage, streamable
 
 MAX_RESERVE = 1 << 50
 """``reserve_bytes`` above this (1 PiB) is a mistake, not a slot size."""
+HEADER_ROOM = 1 << 20
+"""Added to ``reserve_bytes`` for the shard's header, so a state of exactly that many tensor bytes fits."""
 
 
 class Client:
@@ -90,7 +92,8 @@ class Client:
             reserve_bytes: create (and pre-fault) a slot this big now, so the
                 first save of a state up to that size copies as fast as the
                 later ones instead of also faulting in fresh shared memory
-                (the bytes of one shard: about the state's tensor bytes).
+                (the state's tensor bytes: room for the shard's header is
+                added).
         """
         check_client_args(max_inflight=max_inflight, rank=rank, world_size=world_size, local_rank=local_rank,
                           commit_timeout=commit_timeout, keep_last=keep_last, heartbeat=heartbeat, timeout=timeout,
@@ -133,7 +136,7 @@ class Client:
                 self._coordinator = Coordinator(group, lambda: self._conn, self.rank)
         if reserve:
             try:
-                self._slots.reserve(reserve)
+                self._slots.reserve(reserve + HEADER_ROOM)
             except NoSpace as exc:
                 self.close()
                 raise NoSpace(f"reserve_bytes={reserve}: {exc}") from None
@@ -346,8 +349,12 @@ class Client:
             self._snapshotting.pop(fut, None)
 
     def _reconnect_if_lost(self) -> None:
-        """After the daemon died, reach (or respawn) a daemon before the next save."""
-        if self._conn.lost is None:
+        """After the daemon died or stopped, reach (or respawn) a daemon before the next save.
+
+        A client with nothing pending learns of it only here, by the daemon's
+        pid: sending the save first would lose it to a daemon that is gone.
+        """
+        if self._conn.lost is None and self._conn.daemon_running():
             return
         self._conn.close()
         self._conn = self._connect()

@@ -97,5 +97,6 @@ def check_client_args(*, max_inflight: Any, rank: Any, world_size: Any, local_ra
     check_seconds("timeout", timeout)
     for name, flag in (("spawn", spawn), ("background_staging", background_staging)):
         check_bool(name, flag)
-    if stream_commit is not None:
-        check_bool("stream_commit", stream_commit)
+    if stream_commit is not None and type(stream_commit) is not bool:
+        raise TypeError(f"stream_commit must be True, False or None (chosen by the core count), "
+                        f"got {type(stream_commit).__name__} {stream_commit!r:.40}")

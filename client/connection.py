@@ -194,18 +194,26 @@ class Connection:
         else:
             pending.future.set_result(reply)
 
+    def daemon_running(self) -> bool:
+        """Whether the daemon that welcomed this connection still runs (True before any welcome)."""
+        if self.daemon_pid is None:
+            return True
+        try:
+            os.kill(self.daemon_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
     def _lost_reason(self, silent_for: float) -> str | None:
         # A dead pid counts only after a heartbeat of silence: a restarted
         # daemon answers first, and its Welcome brings the new pid.
-        if self.daemon_pid is not None and silent_for > self.heartbeat:
-            try:
-                os.kill(self.daemon_pid, 0)
-            except ProcessLookupError:
-                return f"the ckptd daemon (pid {self.daemon_pid}) died with saves pending"
-            except PermissionError:
-                pass
+        if silent_for > self.heartbeat and not self.daemon_running():
+            return f"the ckptd daemon (pid {self.daemon_pid}) exited (it died or was stopped) with saves pending"
         if silent_for > self.timeout:
-            return f"the ckptd daemon at {self.endpoint} has not answered for {silent_for:.0f} s"
+            return (f"the ckptd daemon at {self.endpoint} has not answered for {silent_for:.0f} s; "
+                    "the outcome of a save it already had is unknown: it may still commit")
         return None
 
     def _fail_all(self, exc: DaemonUnavailable) -> None:

@@ -109,8 +109,9 @@ def _own_rank(path: Path, index: CheckpointIndex) -> int:
     if rank >= index.world_size:
         raise InvalidCheckpoint(
             f"checkpoint {path} was saved by ranks 0..{index.world_size - 1}; this process is rank {rank}, which "
-            "has no state there. Pass rank= to read another rank's state on purpose, or use "
-            "ckptd.load_into to reshard the global tensors into this rank's target"
+            "has no state there. Pass rank= to read another rank's state on purpose" + (
+                ", or use ckptd.load_into to reshard its global (DTensor) tensors into this rank's target"
+                if index.tensors else " (it holds no global tensors that ckptd.load_into could reshard)")
         )
     return rank
 

@@ -158,6 +158,27 @@ def test_a_client_with_a_short_silence_timeout_still_gives_a_spawned_daemon_time
         assert out.returncode == 0, out.stderr
 
 
+def test_an_idle_client_whose_daemon_was_stopped_spawns_a_new_one_for_its_next_save(run_dir, root, monkeypatch) -> None:
+    """Nothing was pending when the daemon stopped, so only its pid tells: the next save must not go to nobody."""
+    monkeypatch.setenv("CKPTD_ROOTS", str(root))
+    client = ckptd.Client(run_dir=run_dir, spawn=True)
+    try:
+        client.save_async({"w": torch.ones(4)}, root / "before").result(30)
+        first_pid = int((run_dir / "ckptd.pid").read_text())
+        out = subprocess.run([sys.executable, "-m", "ckptd", "stop", "--run-dir", str(run_dir)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        wait_until(lambda: not Path(f"/proc/{first_pid}").exists(), 30, "the stopped daemon exited")
+        state = {"w": torch.arange(4.0)}
+        client.save_async(state, root / "after").result(30)
+        assert torch.equal(ckptd.load(root / "after")["w"], state["w"])
+        assert int((run_dir / "ckptd.pid").read_text()) != first_pid
+    finally:
+        client.close()
+        subprocess.run([sys.executable, "-m", "ckptd", "stop", "--run-dir", str(run_dir)],
+                       capture_output=True, text=True, timeout=60)
+
+
 def test_daemon_started_with_exit_when_idle_exits_after_its_last_client(run_dir, root, client_factory) -> None:
     daemon = start_daemon(run_dir, root, "--exit-when-idle", "2")  # long enough to say hello on a loaded machine
     try:

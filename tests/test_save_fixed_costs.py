@@ -58,7 +58,7 @@ def test_the_layout_and_slot_views_are_reused_while_the_structure_holds() -> Non
 
 
 def test_a_reserved_slot_serves_the_first_save(daemon, client_factory, root) -> None:
-    state = {"w": torch.arange(300_000.0)}
+    state = {"w": torch.arange(float((2 << 20) // 4))}  # exactly the reserved tensor bytes: the header fits beside
     client = client_factory(reserve_bytes=2 << 20)
     reserved = client.slot_names
     assert len(reserved) == 1  # made at construction, before any save
