@@ -81,26 +81,24 @@ TARGETS = [Target(*row) for row in (  # text, measured, reference (None: the val
     ("s3:// load ≤ 1.11 × obstore ranged gets (download ≥ 0.9 × raw)", "objects.load", "objects.raw_down", 1.11, 14),
     ("s3:// save blocking ≤ 1.1 × a local save's", "objects.blocking", "objects.local_blocking", 1.1, 14),
     ("snapshot blocking ≤ 1.1 × a disk save's blocking", "snapshots.blocking", "snapshots.disk_blocking", 1.1, 13),
-    ("restore from memory ≤ 1.5 × memcpy into fresh tensors", "snapshots.restore", "snapshots.memcpy_fresh", 1.5, 13),
+    ("restore from memory ≤ 1.5 × memcpy into fresh memory", "snapshots.restore", "snapshots.memcpy_fresh", 1.5, 13),
     ("restore from memory ≤ 0.3 × a cold disk load", "snapshots.restore", "snapshots.cold_load", 0.3, 13),
     ("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", "sharded_load_ckptd.cold", "sharded_load_dcp.cold", 0.8, 10))]
 CAUSES = [  # of misses, as measured in runs of their own (per-thread /proc CPU, perf_counter, thread_time)
     "FSDP2 blocking: one intra-op thread per rank (as now): 0.94 × and 1.60 × in runs at load average 8 and 16 (2: 1.29 ×).",
     "Daemon CPU/GB (0.12): CRC32C thread 0.07 (14-15 GB/s per core, 256 KiB-64 MiB buffers alike, GIL released), writer "
     "0.025 in 64 MiB O_DIRECT writes (0.07 in 8 MiB: kernel cost per call), loop + commit 0.02: CRC32C is 70% of 0.1.",
-    "Durable: streaming is the default only where torch's copy leaves a core free; streamed on 2 cores, 1 GiB was durable "
-    "at 0.83 × raw but blocked 0.103 s vs 0.088 (the O_DIRECT writer beside a copy on both cores: 0.072 → 0.088 s).",
-    "Sync blocking: the copy into the slot is the memcpy (fastest 0.072 vs 0.068-0.071 s); the rest is flatten 2.6 ms "
-    "and the commit's round trip, 10 ms at best on this loaded machine (the accept round trip: fixed-costs work).",
+    "Durable: streamed (the default only where torch's copy leaves a core free) 1 GiB was durable at 0.83 × raw, blocking 1.17 ×.",
+    "Sync blocking: side by side 0.082 s vs the same per-tensor memcpy 0.077 (1.06 ×); the limit itself spans 0.065-0.077 "
+    "s between runs. Background staged: its copy takes 0.12-0.13 s on the staging thread, 0.075 on the caller's; with "
+    "OMP_WAIT_POLICY=passive both take 0.11-0.12: the staging thread's OpenMP team beside the caller's spinning one.",
     "Owning load: fresh pages' faults, 0.45-0.5 CPU-s per GB (a raw read: 0.15), now on a helper thread: a gain if a core is idle.",
-    "1,000 × 256 B: medians 4.6, 4.6 ms at load average 1.7, 5-6.6 ms at 5-7: caller CPU 3.2 ms per save (flatten 1.4, "
-    "batched copy 0.45, layout key 0.3; 6.7 when the table went each save), accept round trip 1.3-1.8 ms under load.",
-    "First save: 1.12-1.53 × a steady one in 3 runs at load 1.7; a new slot costs 0.53 CPU-s/GiB under memory pressure "
-    "(fallocate 0.24), near 0.02 s when free; the daemon's MAP_POPULATE on admission (0.1-0.2 s) is gone.",
+    "1,000 × 256 B: 4.6 ms at load 1.7, 5-6.6 at 5-7: caller CPU 3.2 ms (flatten 1.4, copy 0.45), accept round trip 1.3-1.8.",
+    "First save: 1.12-1.53 × a steady one at load 1.7; a new slot costs 0.53 CPU-s/GiB under memory pressure, 0.02 s when free.",
     "Ranks at once: 2 intra-op threads per rank spun 4.1 CPU-s/round (1: 0.21); others' processes: 3.9 of 4.4 CPU-s/round.",
     "s3:// on moto (256 MiB): moto's CPU is the wall time (2.2-2.9 CPU-s a phase, one GIL); any ranged GET of a 16-part "
     "object costs it 0.15 CPU-s (it joins the parts), so both loads make 16; an s3:// save costs the daemon 0.37 CPU-s.",
-    "Restore from memory vs a cold load: a memcpy of the same bytes into fresh tensors is itself 0.5 × this disk's cold "
+    "Restore from memory vs a cold load: a memcpy of the same bytes into fresh memory is itself 0.5 × this disk's cold "
     "load (page faults on fresh memory), so 0.3 × is out of reach here; restore is one read of the slot plus CRC32C.",
 ]
 
