@@ -4,6 +4,7 @@ a real daemon uploading to a real S3 endpoint on localhost (moto's server, ``tes
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import wait_until
 from test_object_storage import bucket, keys, s3, state  # noqa: F401 - fixtures
+
+from ckptd.protocol.endpoint import LOG_NAME
 
 import ckptd
 
@@ -70,6 +73,31 @@ def test_a_stop_finishes_the_queued_uploads(s3, bucket, daemon_factory, client_f
     client.close()
     assert daemon.stop(120) == 0  # SIGTERM right after the commits: the uploads are queued or running
     assert mirrored(s3, bucket) == ["step-1", "step-2", "step-3", "step-4"]
+
+
+def test_a_stop_with_a_stalled_endpoint_leaves_the_uploads_and_store_requests_at_the_drain_deadline(
+        bucket, daemon_factory, client_factory, root, run_dir, monkeypatch) -> None:
+    stalled = socket.create_server(("127.0.0.1", 0), backlog=64)  # connects, never answers (a stopped endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{stalled.getsockname()[1]}")
+    run = root / "run"
+    run.mkdir()
+    try:
+        daemon = daemon_factory("--mirror", f"{run}=s3://{bucket}/mirror", "--drain-timeout", "1")
+        client = client_factory()
+        for step in (1, 2):  # keep_last: retention asks the (stalled) store what the mirror holds
+            client.save_async(state(seed=step), run / f"step-{step}", step=step, keep_last=1).result(30)
+        wait_until(lambda: any(u["state"] == "uploading" for u in daemon.status()["mirror"]["uploads"]),
+                   what="an upload waiting on the stalled endpoint")
+        client.close()
+        # each request to the stalled endpoint waits out a 30 s timeout: the stop must not wait for them
+        assert daemon.stop(25) == 0
+    finally:
+        stalled.close()
+    log = (run_dir / LOG_NAME).read_text()
+    assert "event=exit" in log and "event=mirrored" not in log
+    [left] = [line for line in log.splitlines() if "event=mirror_left" in line]
+    assert "count=2" in left and str(run / "step-1") in left and str(run / "step-2") in left
+    assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-2"]  # neither is on the mirror
 
 
 def test_a_permanently_failed_upload_is_shown_at_once_and_its_checkpoint_never_deleted(
