@@ -3,17 +3,23 @@ a real daemon uploading to a real S3 endpoint on localhost (moto's server, ``tes
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from helpers import wait_until
 from test_object_storage import bucket, keys, s3, state  # noqa: F401 - fixtures
 
+from ckptd.mirror import Mirrors
+from ckptd.objects import Routed
 from ckptd.protocol.endpoint import LOG_NAME
+from ckptd.protocol.objects import is_object_path
+from ckptd.storage import LocalStorage
 
 import ckptd
 
@@ -98,6 +104,39 @@ def test_a_stop_with_a_stalled_endpoint_leaves_the_uploads_and_store_requests_at
     [left] = [line for line in log.splitlines() if "event=mirror_left" in line]
     assert "count=2" in left and str(run / "step-1") in left and str(run / "step-2") in left
     assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-2"]  # neither is on the mirror
+
+
+class HeldRemovals(Routed):
+    """The daemon's storage, whose removals on the store wait until the test lets them go on."""
+
+    def __init__(self) -> None:
+        super().__init__(LocalStorage())
+        self.reached, self.go_on = threading.Event(), threading.Event()
+
+    def remove_tree(self, path: Path) -> None:
+        if is_object_path(path):
+            self.reached.set()
+            self.go_on.wait(60)
+        super().remove_tree(path)
+
+
+def test_a_stop_lists_as_left_only_the_uploads_not_done(s3, bucket, daemon, client_factory, root, caplog) -> None:
+    run = root / "run"
+    run.mkdir()
+    client = client_factory()
+    for step in (1, 2):
+        client.save_async(state(seed=step), run / f"step-{step}", step=step).result(30)
+    storage = HeldRemovals()
+    mirrors = Mirrors(storage, {run: Path(f"s3://{bucket}/mirror")}, keep=1)
+    mirrors.start()  # queues both; the mirror's retention after step-2's upload holds (deleting step-1)
+    try:
+        assert storage.reached.wait(60)
+        with caplog.at_level(logging.INFO, logger="ckptd"):
+            mirrors.close()
+    finally:
+        storage.go_on.set()
+    assert [r.getMessage() for r in caplog.records if "event=mirror_left" in r.getMessage()] == []
+    wait_until(lambda: mirrored(s3, bucket) == ["step-2"], what="the mirror's retention, let go on")
 
 
 def test_a_permanently_failed_upload_is_shown_at_once_and_its_checkpoint_never_deleted(
