@@ -57,6 +57,8 @@ def test_a_save_to_s3_round_trips_through_the_bucket(s3, bucket, daemon_factory,
     target = {"w": torch.zeros(200_000), "b": torch.zeros(7, dtype=torch.int64), "step": 0}
     ckptd.load_into(target, url)
     assert torch.equal(target["w"], state(200_000, 1)["w"])
+    with pytest.raises(TypeError, match="target must be a state dict.*got int"):
+        ckptd.load_into(5, url)
     assert not s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
 
 
