@@ -75,10 +75,21 @@ def is_object_path(path: Path | str) -> bool:
 
 
 def check_url(path: Path | str) -> None:
-    """Refuse a string spelt ``s3:/bucket/key`` (one slash): a typo of ``s3://``, never read as local."""
+    """Refuse a string spelt ``s3:/bucket/key`` (one slash): a typo of ``s3://``, never read as local; and an
+    object name the store would refuse (``.``/``..`` or empty segments, control characters), before any work."""
     if isinstance(path, str) and path.startswith(SCHEME) and not path.startswith(SCHEME + "//"):
         raise ValueError(f"{path!r} is not an s3:// URL: write s3://bucket/prefix")
-    is_object_path(path)
+    if not is_object_path(path):
+        return
+    text = os.fspath(path)
+    segments = text[len(SCHEME + "//"):].removesuffix("/").split("/") if isinstance(path, str) else Path(path).parts[1:]
+    if not segments or not segments[0]:
+        raise ValueError(f"{text!r} names no bucket: write s3://bucket/prefix")
+    for segment in segments:
+        if segment in ("", ".", ".."):
+            raise ValueError(f"{text!r} has a segment {segment!r}: object names have no empty, '.' or '..' segments")
+        if any(ord(c) < 32 or c == "\x7f" for c in segment):
+            raise ValueError(f"{text!r} holds a control character, which an object name cannot")
 
 
 def user_path(path: Path | str) -> Path | str:

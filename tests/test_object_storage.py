@@ -5,6 +5,7 @@ as against AWS."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -310,10 +311,25 @@ def test_a_misspelt_url_is_refused_everywhere_and_never_written_locally(typo, s3
     for read in (ckptd.load, ckptd.latest, ckptd.read_index):
         with pytest.raises(ValueError, match="s3://bucket/prefix"):
             read(url)
-    if not url.startswith("s3:/"):  # the daemon sees a URL (one slash is what a Path of s3:// prints)
-        listed = daemon.cli("list", url)
-        assert listed.returncode != 0 and "s3://bucket/prefix" in listed.stderr, listed
+    listed = daemon.cli("list", url)
+    assert listed.returncode == 2 and "s3://bucket/prefix" in listed.stderr, listed
     assert list(root.iterdir()) == [] and keys(s3, bucket) == []
+
+
+@pytest.mark.parametrize("name, error", [("run/q/../e3x", "segment '..'"), ("run/./e3x", "segment '.'"),
+                                         ("run//e3x", "segment ''"), ("run/e\x013x", "control character")])
+def test_an_object_name_the_store_refuses_is_a_value_error_at_the_call(name, error, s3, bucket, daemon_factory,
+                                                                        client_factory, root) -> None:
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    url = f"s3://{bucket}/{name}"
+    with pytest.raises(ValueError, match=f"path: .*{re.escape(error)}"):
+        client_factory().save_async(state(), url, step=1)
+    for command in (("verify", url), ("list", url)):
+        refused = daemon.cli(*command)
+        assert refused.returncode == 2 and error in refused.stderr, refused
+    mirror = daemon.cli("start", "--root", str(root), "--mirror", f"{root}=s3://{bucket}/{name}")
+    assert mirror.returncode == 2 and error in mirror.stderr, mirror
+    assert keys(s3, bucket) == []
 
 
 def test_an_endpoint_that_stops_mid_download_fails_the_load_naming_the_object(s3, bucket, daemon_factory,
