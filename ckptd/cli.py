@@ -20,7 +20,7 @@ from pathlib import Path
 from ckptd.protocol.endpoint import default_run_dir
 from ckptd.protocol.errors import CkptdError, DaemonUnavailable
 from ckptd.protocol.messages import Error, SnapshotList, Snapshots, Status, StatusReply, Stop
-from ckptd.protocol.objects import check_url, is_object_path, object_url
+from ckptd.protocol.objects import check_url, display, is_object_path, object_url
 
 from .config import DaemonConfig
 from .control import request
@@ -118,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     except DaemonUnavailable as exc:
         print(f"ckptd: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    except (CkptdError, OSError) as exc:
+    except OSError as exc:  # its words and the name, not Python's "[Errno 13]"
+        named = f"{display(exc.filename)}: {exc.strerror}" if exc.strerror and exc.filename else exc
+        print(f"ckptd: {named}", file=sys.stderr)
+        return EXIT_ERROR
+    except CkptdError as exc:
         print(f"ckptd: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except ValueError as exc:

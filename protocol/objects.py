@@ -159,7 +159,9 @@ def store(bucket: str) -> Any:
 
 
 def _endpoint() -> str:
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the AWS S3 endpoint"
+    """The endpoint as a message names it: ``endpoint http://...``, or AWS's own."""
+    url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return f"endpoint {url}" if url else "the AWS S3 endpoint"
 
 
 def os_error(exc: Exception, path: Path | str) -> OSError:
@@ -186,10 +188,11 @@ def os_error(exc: Exception, path: Path | str) -> OSError:
     if isinstance(exc, FileNotFoundError) or kind == "NotFoundError":
         return FileNotFoundError(errno.ENOENT, "no such object", object_url(path))
     if kind in ("PermissionDeniedError", "UnauthenticatedError") or "AccessDenied" in text or "403 Forbidden" in text:
-        return PermissionError(errno.EACCES, f"access denied to bucket {bucket!r}: {_first_line(text)}",
+        return PermissionError(errno.EACCES, f"access denied to bucket {bucket!r} (check the credentials in use "
+                               f"and the bucket policy): {_first_line(text)}",
                                object_url(path))
     if any(word in lowered for word in ("connect", "timed out", "timeout", "dns error", "error sending request")):
-        return ConnectionError(errno.EHOSTUNREACH, f"endpoint {_endpoint()} unreachable for bucket {bucket!r}: "
+        return ConnectionError(errno.EHOSTUNREACH, f"{_endpoint()} unreachable for bucket {bucket!r}: "
                                f"{_first_line(text)}", object_url(path))
     return OSError(errno.EIO, f"object store request failed: {_first_line(text)}", object_url(path))
 

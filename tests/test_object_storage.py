@@ -467,3 +467,17 @@ def test_export_reads_a_checkpoint_from_s3(s3, bucket, daemon_factory, client_fa
     assert exported.returncode == 0, exported.stderr
     tensors = load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(tensors) == ["b", "w"] and torch.equal(tensors["w"], state(200_000, 1)["w"])
+
+
+def test_store_failures_read_as_sentences_and_say_what_to_check(s3, bucket, daemon_factory, monkeypatch) -> None:
+    from ckptd.protocol.objects import os_error
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # AWS's own endpoint
+    unreachable = os_error(OSError("error sending request: dns error"), f"s3://{bucket}/x")
+    assert unreachable.strerror.startswith(f"the AWS S3 endpoint unreachable for bucket '{bucket}'"), unreachable
+    denied = os_error(Exception("AccessDenied: Access Denied"), f"s3://{bucket}/x")
+    assert "check the credentials in use and the bucket policy" in denied.strerror
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.url)
+    listed = daemon_factory().cli("list", f"s3://{bucket}-missing/run")
+    assert listed.returncode == 3, listed
+    assert listed.stderr == f"ckptd: s3://{bucket}-missing/run: bucket '{bucket}-missing' does not exist\n", listed
