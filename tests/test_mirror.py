@@ -163,9 +163,15 @@ def test_a_permanently_failed_upload_is_shown_at_once_and_its_checkpoint_never_d
     (("--mirror-keep", "2"), "without --mirror"),
     (("--mirror", "{root}/nowhere=s3://b/m"), "no such directory"),
     (("--mirror", "{root}=s3://b/m", "--mirror", "{root}/../ckpts=s3://b/n"), "one directory twice"),
+    (("--mirror", "{root}=s3://b/mx", "--mirror", "{root}/a=s3://b/mx"), "one prefix holds the other"),
+    (("--mirror", "{root}=s3://b/mx", "--mirror", "{root}/a=s3://b/mx/a"), "one prefix holds the other"),
+    (("--mirror", "{root}=s3://b"), "not its root"),
+    (("--mirror", "{root}=s3://b/"), "not its root"),
+    (("--mirror", "{outside}=s3://b/m"), "outside every --root"),
 ])
 def test_start_refuses_a_mirror_it_cannot_serve(args, error, root, run_dir) -> None:
+    (root / "a").mkdir()
     done = subprocess.run([sys.executable, "-m", "ckptd", "start", "--foreground", "--run-dir", str(run_dir),
-                           "--root", str(root), *(a.format(root=root) for a in args)],
+                           "--root", str(root), *(a.format(root=root, outside=run_dir) for a in args)],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and error in done.stderr, done.stderr
+    assert done.returncode == 2 and error in done.stderr, done.stderr
