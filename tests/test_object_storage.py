@@ -481,3 +481,26 @@ def test_store_failures_read_as_sentences_and_say_what_to_check(s3, bucket, daem
     listed = daemon_factory().cli("list", f"s3://{bucket}-missing/run")
     assert listed.returncode == 3, listed
     assert listed.stderr == f"ckptd: s3://{bucket}-missing/run: bucket '{bucket}-missing' does not exist\n", listed
+
+
+def test_latest_raises_rather_than_skip_a_checkpoint_whose_index_the_store_failed_to_return(
+        s3, bucket, daemon_factory, client_factory, monkeypatch) -> None:
+    from ckptd.protocol import objects
+
+    daemon_factory("--root", f"s3://{bucket}")
+    client = client_factory()
+    for step in (1, 2):
+        client.save_async(state(seed=step), f"s3://{bucket}/run/step-{step}", step=step).result(30)
+    real = objects.read_all
+
+    def failing_once(path):  # the store fails the newest index's GET once (a timeout while retention deletes)
+        if str(path).endswith("step-2/ckptd.json") and not failed:
+            failed.append(path)
+            raise objects.os_error(OSError("error sending request: operation timed out"), path)
+        return real(path)
+
+    failed: list = []
+    monkeypatch.setattr(objects, "read_all", failing_once)
+    with pytest.raises(ckptd.InvalidCheckpoint, match="cannot read .*step-2/ckptd.json"):
+        ckptd.latest(f"s3://{bucket}/run")  # never the older step-1
+    assert failed and ckptd.latest(f"s3://{bucket}/run") == f"s3://{bucket}/run/step-2"
