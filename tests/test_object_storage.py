@@ -504,3 +504,14 @@ def test_latest_raises_rather_than_skip_a_checkpoint_whose_index_the_store_faile
     with pytest.raises(ckptd.InvalidCheckpoint, match="cannot read .*step-2/ckptd.json"):
         ckptd.latest(f"s3://{bucket}/run")  # never the older step-1
     assert failed and ckptd.latest(f"s3://{bucket}/run") == f"s3://{bucket}/run/step-2"
+
+
+def test_inspect_and_verify_of_an_object_name_it_by_its_url(s3, bucket, daemon_factory, client_factory) -> None:
+    from ckptd.protocol.inspect import inspect_checkpoint, verify_checkpoint
+
+    daemon_factory("--root", f"s3://{bucket}")
+    url = f"s3://{bucket}/run/step-1"
+    client_factory().save_async(state(seed=1), url, step=1).result(30)
+    assert inspect_checkpoint(url).path == url and inspect_checkpoint(Path(url)).path == url
+    report = verify_checkpoint(url)
+    assert report.ok and report.path == url
