@@ -153,7 +153,7 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
         run_foreground(config)
         return EXIT_OK
     argv = ["--run-dir", str(run_dir), "--max-concurrent-writes", str(config.max_concurrent_writes)]
-    argv += [a for r in config.roots for a in ("--root", str(r))]
+    argv += [a for r in config.roots for a in ("--root", display(r))]
     if args.exit_when_idle is not None:
         argv += ["--exit-when-idle", str(args.exit_when_idle)]
     if args.buffered_io:
