@@ -20,7 +20,7 @@ from pathlib import Path
 from ckptd.protocol.endpoint import default_run_dir
 from ckptd.protocol.errors import CkptdError, DaemonUnavailable
 from ckptd.protocol.messages import Error, SnapshotList, Snapshots, Status, StatusReply, Stop
-from ckptd.protocol.objects import is_object_path, object_url
+from ckptd.protocol.objects import check_url, display, is_object_path, object_url
 
 from .config import DaemonConfig
 from .control import request
@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 
     start = with_run_dir(sub.add_parser("start", help="start this node's daemon"))
     start.add_argument("--foreground", action="store_true", help="run in this process (for supervisors and tests)")
-    start.add_argument("--root", action="append", type=Path, default=None, metavar="DIR",
+    start.add_argument("--root", action="append", type=_path_arg, default=None, metavar="DIR",
                        help="allow checkpoints below DIR (repeatable; default $CKPTD_ROOTS or /)")
     start.add_argument("--max-concurrent-writes", type=_positive_int, default=2, metavar="N",
                        help="shard files written at once on this node (default 2)")
@@ -87,15 +87,15 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--count", type=_positive_int, default=None, help="with --watch: stop after this many redraws")
 
     listing = with_run_dir(sub.add_parser("list", help="list the checkpoints under a directory (no daemon needed)"))
-    listing.add_argument("root", type=Path)
+    listing.add_argument("root", type=_path_arg)
     listing.add_argument("--json", action="store_true")
 
     verify = with_run_dir(sub.add_parser("verify", help="check a checkpoint's index, headers and checksums"))
-    verify.add_argument("path", type=Path)
+    verify.add_argument("path", type=_path_arg)
     verify.add_argument("--json", action="store_true")
 
     inspect = with_run_dir(sub.add_parser("inspect", help="describe a checkpoint without reading tensor data"))
-    inspect.add_argument("path", type=Path)
+    inspect.add_argument("path", type=_path_arg)
     inspect.add_argument("--json", action="store_true")
 
     _export_parser(sub)
@@ -118,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     except DaemonUnavailable as exc:
         print(f"ckptd: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    except (CkptdError, OSError) as exc:
+    except OSError as exc:  # its words and the name, not Python's "[Errno 13]"
+        named = f"{display(exc.filename)}: {exc.strerror}" if exc.strerror and exc.filename else exc
+        print(f"ckptd: {named}", file=sys.stderr)
+        return EXIT_ERROR
+    except CkptdError as exc:
         print(f"ckptd: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except ValueError as exc:
@@ -149,7 +153,7 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
         run_foreground(config)
         return EXIT_OK
     argv = ["--run-dir", str(run_dir), "--max-concurrent-writes", str(config.max_concurrent_writes)]
-    argv += [a for r in config.roots for a in ("--root", str(r))]
+    argv += [a for r in config.roots for a in ("--root", display(r))]
     if args.exit_when_idle is not None:
         argv += ["--exit-when-idle", str(args.exit_when_idle)]
     if args.buffered_io:
@@ -217,11 +221,20 @@ def _keep_arg(text: str) -> tuple[Path, int]:
     return Path(directory), int(count)
 
 
+def _path_arg(text: str) -> Path:
+    """A local path or an s3:// URL, checked as the client checks one (``check_url``) before a Path collapses it."""
+    try:
+        check_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return Path(text)
+
+
 def _mirror_arg(text: str) -> tuple[Path, Path]:
     local, sep, remote = text.partition("=")
-    if not sep or not local or not is_object_path(remote):
+    if not sep or not local or not remote.startswith("s3://"):
         raise argparse.ArgumentTypeError(f"expected DIR=s3://BUCKET/PREFIX, got {text!r}")
-    return Path(local), Path(remote)
+    return Path(local), _path_arg(remote)
 
 
 def _list(args: argparse.Namespace, run_dir: Path) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.shm import shm_usage
 
-from ckptd.protocol.objects import is_object_path
+from ckptd.protocol.objects import is_object_path, object_url
 
 from .storage import load_storage
 
@@ -150,6 +150,7 @@ class DaemonConfig:
         if len(mirrors) != len(self.mirrors):
             raise ValueError(f"--mirror names one directory twice: {sorted(map(str, self.mirrors))}")
         self.mirrors = mirrors
+        _check_mirrors(self.mirrors, self.roots)
         if self.mirror_keep is not None and (self.mirror_keep < 1 or not self.mirrors):
             raise ValueError(f"mirror_keep must be at least 1 and needs a --mirror, got {self.mirror_keep}"
                              f"{'' if self.mirrors else ' without --mirror'}")
@@ -177,3 +178,19 @@ class DaemonConfig:
         """The configured keep_last for a checkpoint's directory, if any."""
         matches = [d for d in self.keep_last if checkpoint.parent.is_relative_to(d)]
         return self.keep_last[max(matches, key=lambda d: len(d.parts))] if matches else None
+
+
+def _check_mirrors(mirrors: dict[Path, Path], roots: tuple[Path, ...]) -> None:
+    """Refuse mirrors that cannot work: the prefixes of two rules would hold each other's checkpoints (the
+    create-only index makes one rule's uploads fail), a bucket's root is no prefix, a DIR outside every root
+    never gets a checkpoint."""
+    for local, remote in mirrors.items():
+        shown = f"--mirror {local}={object_url(remote)}"
+        if len(remote.parts) < 3:
+            raise ValueError(f"{shown}: mirror to a prefix in the bucket (s3://bucket/prefix), not its root")
+        if not any(local.is_relative_to(r) for r in roots if not is_object_path(r)):
+            raise ValueError(f"{shown}: the directory is outside every --root, so no checkpoint is ever saved there")
+        for other_local, other in mirrors.items():
+            if other_local != local and remote.is_relative_to(other):
+                raise ValueError(f"{shown} and --mirror {other_local}={object_url(other)}: one prefix holds the other; "
+                                 f"give each directory a prefix of its own")

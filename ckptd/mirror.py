@@ -237,19 +237,19 @@ class Mirrors:
         except Exception as exc:  # noqa: BLE001 - every failure is reported, transient ones retried
             self._failed(checkpoint, upload, exc)
             return
-        log.info("event=mirrored path=%s dest=%s bytes=%d", checkpoint, upload.dest, upload.sent)
-        try:
-            if self.keep is not None:
-                apply_retention(self.storage, dest, self.keep, set())
-        except Exception as exc:  # noqa: BLE001 - the upload stands; retention reports its own failure
-            log.error("event=mirror_retention_failed path=%s error=%r", checkpoint, exc)
-        with self._cond:
+        with self._cond:  # logged with its removal from ``uploads``: ``close`` lists only what is left
             self._mirrored.add(checkpoint)
             upload.state, upload.error = "uploaded", None
             upload.seconds = time.monotonic() - upload.started
             self.counts["uploaded"] += 1
             self.uploads.pop(checkpoint, None)
             self.recent.append(upload)
+            log.info("event=mirrored path=%s dest=%s bytes=%d", checkpoint, upload.dest, upload.sent)
+        try:
+            if self.keep is not None:
+                apply_retention(self.storage, dest, self.keep, set())
+        except Exception as exc:  # noqa: BLE001 - the upload stands; retention reports its own failure
+            log.error("event=mirror_retention_failed path=%s error=%r", checkpoint, exc)
         try:
             beside = committed_in(self.storage, checkpoint.parent)
             if self.after_upload is not None and beside:

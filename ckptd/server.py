@@ -270,5 +270,8 @@ class Server:
         if now >= self._drain_deadline:
             self.saves.fail_waiting_for_ranks()
             self.state.abandon_staging(None, "the daemon was stopped before the client finished staging")
-        uploads_done = self.mirrors is None or self.mirrors.idle() or now >= self._drain_deadline
+        if now >= self._drain_deadline:  # uploads and maintenance (store requests that may stall) are abandoned
+            busy = self.state.busy or self.workers.in_flight > self.workers.abandonable_in_flight
+            return not busy and not self.state.commits.pending
+        uploads_done = self.mirrors is None or self.mirrors.idle()
         return uploads_done and not self._busy() and not self.state.commits.pending

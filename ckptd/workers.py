@@ -12,7 +12,12 @@ The loop thread never does file I/O. Everything that does runs here:
 - ``commit``: one thread; index, rename, fsync of the parent.
 - ``maintenance``: one thread for retention, tree removals, the start-up
   sweep, reclaiming dead clients' slots, dropping mappings of unlinked slots. A slow
-  tree removal delays only other maintenance, never a commit.
+  tree removal delays only other maintenance, never a commit. Its work may
+  ask the mirror's store (retention keeps what the mirror lacks), and a
+  stalled store holds a request for its whole timeout: a drain past its
+  deadline abandons it (``abandonable``), and its thread is a daemon thread
+  so that it cannot hold up the exit either. Everything it does is
+  crash-safe, so abandoning it is as safe as a crash.
 - ``status``: one thread for the free-space numbers of ``ckptd status`` and metrics.
 
 ``submit(pool, work, then)`` runs ``work`` on a pool; ``then(future)`` runs
@@ -31,6 +36,8 @@ from typing import Callable
 
 log = logging.getLogger("ckptd")
 POOLS = ("admit", "write", "checksum", "commit", "maintenance", "status")
+ABANDONABLE = "maintenance"
+"""The pool a drain past its deadline neither waits for nor joins."""
 
 
 _PR_SET_NAME = 15
@@ -46,16 +53,49 @@ def _name_os_thread() -> None:
         pass
 
 
+class DaemonPool:
+    """One daemon thread, FIFO, with ``ThreadPoolExecutor``'s ``submit``: the interpreter joins every
+    executor thread at exit, so work that may stall (a store request) must run on a thread it does not join."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Future, Callable[[], object]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Callable[[], object]) -> Future:
+        fut: Future = Future()
+        self._queue.put((fut, work))
+        return fut
+
+    def abandon(self) -> None:
+        """Run nothing more; what runs now is left to finish or die with the process."""
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        _name_os_thread()
+        while (item := self._queue.get()) is not None:
+            fut, work = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(work())
+                except BaseException as exc:  # noqa: BLE001 - reported through the future, as an executor does
+                    fut.set_exception(exc)
+
+
 class Workers:
     """The pools and the completion queue; ``in_flight`` counts work not yet applied."""
 
     def __init__(self, write_slots: int) -> None:
         sizes = {"write": write_slots, "checksum": write_slots}
         self.pools = {name: ThreadPoolExecutor(sizes.get(name, 1), thread_name_prefix=f"ckptd-{name}",
-                                               initializer=_name_os_thread) for name in POOLS}
+                                               initializer=_name_os_thread) for name in POOLS if name != ABANDONABLE}
+        self.abandonable = DaemonPool(f"ckptd-{ABANDONABLE}")
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._finished: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.in_flight = 0
+        self.abandonable_in_flight = 0
+        self.closed = False
+        """Of ``in_flight``, the work on the ``ABANDONABLE`` pool."""
 
     @property
     def checksums(self) -> ThreadPoolExecutor:
@@ -64,20 +104,27 @@ class Workers:
     def submit(self, pool: str, work: Callable[[], object], then: Callable[[Future], None] | None = None) -> None:
         """Run ``work`` on ``pool``; ``then(future)`` runs later on the loop thread (``apply_finished``)."""
         self.in_flight += 1
+        abandonable = pool == ABANDONABLE
+        self.abandonable_in_flight += abandonable
 
         def report(fut: Future) -> None:
-            self._finished.put(lambda: self._done(fut, then))
+            if self.closed:  # abandoned work that finished during the exit: its fd may be another's now
+                return
+            self._finished.put(lambda: self._done(fut, then, abandonable))
             os.eventfd_write(self.wake_fd, 1)
 
-        self.pools[pool].submit(work).add_done_callback(report)
+        (self.abandonable if abandonable else self.pools[pool]).submit(work).add_done_callback(report)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop thread (safe from any thread)."""
+        """Run ``fn`` on the loop thread (safe from any thread; dropped once closed)."""
+        if self.closed:
+            return
         self._finished.put(fn)
         os.eventfd_write(self.wake_fd, 1)
 
-    def _done(self, fut: Future, then: Callable[[Future], None] | None) -> None:
+    def _done(self, fut: Future, then: Callable[[Future], None] | None, abandonable: bool) -> None:
         self.in_flight -= 1
+        self.abandonable_in_flight -= abandonable
         try:
             if then is not None:
                 then(fut)
@@ -99,8 +146,16 @@ class Workers:
                 return
 
     def close(self) -> None:
-        """Wait for every pool, apply what finished, release the wake-up fd."""
-        for name in POOLS:
-            self.pools[name].shutdown(wait=True)
+        """Wait for every pool but the abandonable one, apply what finished, release the wake-up fd.
+
+        The loop only ends with abandonable work in flight past a drain's
+        deadline: that work is abandoned, and logged.
+        """
+        self.abandonable.abandon()
+        for pool in self.pools.values():
+            pool.shutdown(wait=True)
         self.apply_finished()
+        if self.abandonable_in_flight:
+            log.warning("event=maintenance_abandoned count=%d note=crash_safe", self.abandonable_in_flight)
+        self.closed = True
         os.close(self.wake_fd)

@@ -69,6 +69,10 @@ class _Plan:
     uncovered: list[str] = field(default_factory=list)
 
 
+TARGETS = (dict, list, torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
+"""What ``load_into`` copies into in place (a list or tensor: the part of the checkpoint ``key`` selects)."""
+
+
 def load_into(
     target: Any,
     path: str | os.PathLike,
@@ -89,6 +93,9 @@ def load_into(
     and dtype mismatches always are. An optimizer that has no state yet
     (before its first step) is restored with its own ``load_state_dict``.
     """
+    if not isinstance(target, TARGETS):
+        raise TypeError(f"target must be a state dict, a torch.nn.Module or a torch.optim.Optimizer, "
+                        f"got {type(target).__name__}")
     path = Path(check_path("path", path))
     rank = check_load_rank(rank, allow_all=False)
     if key is not None and not isinstance(key, str):

@@ -252,6 +252,11 @@ def read_index(path: Path | str) -> CheckpointIndex:
     return CheckpointIndex.from_json(data, objects.display(index_file))
 
 
+def _store_failed(path: Path | str, exc: InvalidCheckpoint) -> bool:
+    """Whether reading ``path`` failed because its store did not answer (not because the checkpoint is gone)."""
+    return objects.is_object_path(path) and exc.message.startswith("cannot read")
+
+
 def committed_in(directory: Path | str) -> list[tuple[tuple[int, float], Path]]:
     """Committed checkpoints directly under ``directory``, oldest first, keyed by (step, created).
 
@@ -274,7 +279,9 @@ def committed_in(directory: Path | str) -> list[tuple[tuple[int, float], Path]]:
             continue
         try:
             index = read_index(path)
-        except InvalidCheckpoint:
+        except InvalidCheckpoint as exc:
+            if _store_failed(path, exc):
+                raise  # a store that failed to answer says nothing of this checkpoint: skipping it could skip the newest
             continue
         found.append(((index.step if index.step is not None else -1, index.created), path))
     return sorted(found)
@@ -333,7 +340,7 @@ def latest(root: Path | str) -> Path | None:
             if missing_or_truncated(path, read_index(path)) is None:
                 return path
         except InvalidCheckpoint as exc:  # removed or replaced since the scan
-            if objects.is_object_path(path) and exc.message.startswith("cannot read"):
+            if _store_failed(path, exc):
                 raise  # a store that stopped answering is no reason to fall back to an older checkpoint
             continue
     return None

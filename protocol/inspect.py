@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import BinaryIO, Collection
 
 from . import objects
+from .objects import display, user_path
 from .checksums import stream_checksum
 from .errors import BadMessage, InvalidCheckpoint
 from .files import open_regular
@@ -35,7 +36,8 @@ class ShardInfo:
 class CheckpointInfo:
     """What a checkpoint holds, from its index and shard headers."""
 
-    path: Path
+    path: Path | str
+    """As ckptd hands a name back (``user_path``): the ``s3://`` URL, a str, for an object."""
     index: CheckpointIndex
     shards: tuple[ShardInfo, ...]
 
@@ -132,12 +134,13 @@ def inspect_checkpoint(path: Path | str) -> CheckpointInfo:
         shard = path / record.file
         entries, _, _ = read_shard_header(shard, _size_of(shard))
         shards.append(ShardInfo(record.file, record.rank, record.size, tuple(sorted(entries, key=lambda e: e.name))))
-    return CheckpointInfo(path, index, tuple(shards))
+    return CheckpointInfo(user_path(path), index, tuple(shards))
 
 
 @dataclass
 class VerifyReport:
-    path: Path
+    path: Path | str
+    """As ckptd hands a name back (``user_path``): the ``s3://`` URL, a str, for an object."""
     problems: list[str] = field(default_factory=list)
     checked_bytes: int = 0
 
@@ -148,14 +151,14 @@ class VerifyReport:
 
 def verify_checkpoint(path: Path | str) -> VerifyReport:
     """Check everything load relies on (index, each shard's size, header, structure, checksum); every problem."""
-    report = VerifyReport(Path(path))
+    report = VerifyReport(user_path(path))
     try:
         index = read_index(path)
     except InvalidCheckpoint as exc:
         report.problems.append(exc.message)
         return report
     for record in index.files:
-        shard = report.path / record.file
+        shard = Path(path) / record.file
         try:
             size = _size_of(shard)
             check_shard_size(shard, size, record)
@@ -173,14 +176,14 @@ def verify_checkpoint(path: Path | str) -> VerifyReport:
 def check_shard_size(shard: Path, size: int, record: ShardRecord) -> None:
     """A shard must hold exactly the bytes its index records (load and verify alike)."""
     if size != record.size:
-        raise InvalidCheckpoint(f"shard {shard} holds {size} bytes; the index says {record.size} (truncated?)")
+        raise InvalidCheckpoint(f"shard {display(shard)} holds {size} bytes; the index says {record.size} (truncated?)")
 
 
 def check_checksum(shard: Path, crc: int, record: ShardRecord, algorithm: str) -> None:
     """A shard's checksum must be the one its index records (load and verify alike)."""
     if crc != record.checksum:
         raise InvalidCheckpoint(
-            f"shard {shard} fails its checksum ({algorithm} {crc:#010x}, index says "
+            f"shard {display(shard)} fails its checksum ({algorithm} {crc:#010x}, index says "
             f"{record.checksum:#010x}): its bytes changed after it was written"
         )
 

@@ -75,10 +75,21 @@ def is_object_path(path: Path | str) -> bool:
 
 
 def check_url(path: Path | str) -> None:
-    """Refuse a string spelt ``s3:/bucket/key`` (one slash): a typo of ``s3://``, never read as local."""
+    """Refuse a string spelt ``s3:/bucket/key`` (one slash): a typo of ``s3://``, never read as local; and an
+    object name the store would refuse (``.``/``..`` or empty segments, control characters), before any work."""
     if isinstance(path, str) and path.startswith(SCHEME) and not path.startswith(SCHEME + "//"):
         raise ValueError(f"{path!r} is not an s3:// URL: write s3://bucket/prefix")
-    is_object_path(path)
+    if not is_object_path(path):
+        return
+    text = os.fspath(path)
+    segments = text[len(SCHEME + "//"):].removesuffix("/").split("/") if isinstance(path, str) else Path(path).parts[1:]
+    if not segments or not segments[0]:
+        raise ValueError(f"{text!r} names no bucket: write s3://bucket/prefix")
+    for segment in segments:
+        if segment in ("", ".", ".."):
+            raise ValueError(f"{text!r} has a segment {segment!r}: object names have no empty, '.' or '..' segments")
+        if any(ord(c) < 32 or c == "\x7f" for c in segment):
+            raise ValueError(f"{text!r} holds a control character, which an object name cannot")
 
 
 def user_path(path: Path | str) -> Path | str:
@@ -148,7 +159,9 @@ def store(bucket: str) -> Any:
 
 
 def _endpoint() -> str:
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the AWS S3 endpoint"
+    """The endpoint as a message names it: ``endpoint http://...``, or AWS's own."""
+    url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return f"endpoint {url}" if url else "the AWS S3 endpoint"
 
 
 def os_error(exc: Exception, path: Path | str) -> OSError:
@@ -175,10 +188,11 @@ def os_error(exc: Exception, path: Path | str) -> OSError:
     if isinstance(exc, FileNotFoundError) or kind == "NotFoundError":
         return FileNotFoundError(errno.ENOENT, "no such object", object_url(path))
     if kind in ("PermissionDeniedError", "UnauthenticatedError") or "AccessDenied" in text or "403 Forbidden" in text:
-        return PermissionError(errno.EACCES, f"access denied to bucket {bucket!r}: {_first_line(text)}",
+        return PermissionError(errno.EACCES, f"access denied to bucket {bucket!r} (check the credentials in use "
+                               f"and the bucket policy): {_first_line(text)}",
                                object_url(path))
     if any(word in lowered for word in ("connect", "timed out", "timeout", "dns error", "error sending request")):
-        return ConnectionError(errno.EHOSTUNREACH, f"endpoint {_endpoint()} unreachable for bucket {bucket!r}: "
+        return ConnectionError(errno.EHOSTUNREACH, f"{_endpoint()} unreachable for bucket {bucket!r}: "
                                f"{_first_line(text)}", object_url(path))
     return OSError(errno.EIO, f"object store request failed: {_first_line(text)}", object_url(path))
 

@@ -3,14 +3,23 @@ a real daemon uploading to a real S3 endpoint on localhost (moto's server, ``tes
 
 from __future__ import annotations
 
+import logging
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from helpers import wait_until
 from test_object_storage import bucket, keys, s3, state  # noqa: F401 - fixtures
+
+from ckptd.mirror import Mirrors
+from ckptd.objects import Routed
+from ckptd.protocol.endpoint import LOG_NAME
+from ckptd.protocol.objects import is_object_path
+from ckptd.storage import LocalStorage
 
 import ckptd
 
@@ -72,6 +81,64 @@ def test_a_stop_finishes_the_queued_uploads(s3, bucket, daemon_factory, client_f
     assert mirrored(s3, bucket) == ["step-1", "step-2", "step-3", "step-4"]
 
 
+def test_a_stop_with_a_stalled_endpoint_leaves_the_uploads_and_store_requests_at_the_drain_deadline(
+        bucket, daemon_factory, client_factory, root, run_dir, monkeypatch) -> None:
+    stalled = socket.create_server(("127.0.0.1", 0), backlog=64)  # connects, never answers (a stopped endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{stalled.getsockname()[1]}")
+    run = root / "run"
+    run.mkdir()
+    try:
+        daemon = daemon_factory("--mirror", f"{run}=s3://{bucket}/mirror", "--drain-timeout", "1")
+        client = client_factory()
+        for step in (1, 2):  # keep_last: retention asks the (stalled) store what the mirror holds
+            client.save_async(state(seed=step), run / f"step-{step}", step=step, keep_last=1).result(30)
+        wait_until(lambda: any(u["state"] == "uploading" for u in daemon.status()["mirror"]["uploads"]),
+                   what="an upload waiting on the stalled endpoint")
+        client.close()
+        # each request to the stalled endpoint waits out a 30 s timeout: the stop must not wait for them
+        assert daemon.stop(25) == 0
+    finally:
+        stalled.close()
+    log = (run_dir / LOG_NAME).read_text()
+    assert "event=exit" in log and "event=mirrored" not in log
+    [left] = [line for line in log.splitlines() if "event=mirror_left" in line]
+    assert "count=2" in left and str(run / "step-1") in left and str(run / "step-2") in left
+    assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-2"]  # neither is on the mirror
+
+
+class HeldRemovals(Routed):
+    """The daemon's storage, whose removals on the store wait until the test lets them go on."""
+
+    def __init__(self) -> None:
+        super().__init__(LocalStorage())
+        self.reached, self.go_on = threading.Event(), threading.Event()
+
+    def remove_tree(self, path: Path) -> None:
+        if is_object_path(path):
+            self.reached.set()
+            self.go_on.wait(60)
+        super().remove_tree(path)
+
+
+def test_a_stop_lists_as_left_only_the_uploads_not_done(s3, bucket, daemon, client_factory, root, caplog) -> None:
+    run = root / "run"
+    run.mkdir()
+    client = client_factory()
+    for step in (1, 2):
+        client.save_async(state(seed=step), run / f"step-{step}", step=step).result(30)
+    storage = HeldRemovals()
+    mirrors = Mirrors(storage, {run: Path(f"s3://{bucket}/mirror")}, keep=1)
+    mirrors.start()  # queues both; the mirror's retention after step-2's upload holds (deleting step-1)
+    try:
+        assert storage.reached.wait(60)
+        with caplog.at_level(logging.INFO, logger="ckptd"):
+            mirrors.close()
+    finally:
+        storage.go_on.set()
+    assert [r.getMessage() for r in caplog.records if "event=mirror_left" in r.getMessage()] == []
+    wait_until(lambda: mirrored(s3, bucket) == ["step-2"], what="the mirror's retention, let go on")
+
+
 def test_a_permanently_failed_upload_is_shown_at_once_and_its_checkpoint_never_deleted(
         s3, bucket, daemon_factory, client_factory, root) -> None:
     run = root / "run"
@@ -96,9 +163,15 @@ def test_a_permanently_failed_upload_is_shown_at_once_and_its_checkpoint_never_d
     (("--mirror-keep", "2"), "without --mirror"),
     (("--mirror", "{root}/nowhere=s3://b/m"), "no such directory"),
     (("--mirror", "{root}=s3://b/m", "--mirror", "{root}/../ckpts=s3://b/n"), "one directory twice"),
+    (("--mirror", "{root}=s3://b/mx", "--mirror", "{root}/a=s3://b/mx"), "one prefix holds the other"),
+    (("--mirror", "{root}=s3://b/mx", "--mirror", "{root}/a=s3://b/mx/a"), "one prefix holds the other"),
+    (("--mirror", "{root}=s3://b"), "not its root"),
+    (("--mirror", "{root}=s3://b/"), "not its root"),
+    (("--mirror", "{outside}=s3://b/m"), "outside every --root"),
 ])
 def test_start_refuses_a_mirror_it_cannot_serve(args, error, root, run_dir) -> None:
+    (root / "a").mkdir()
     done = subprocess.run([sys.executable, "-m", "ckptd", "start", "--foreground", "--run-dir", str(run_dir),
-                           "--root", str(root), *(a.format(root=root) for a in args)],
+                           "--root", str(root), *(a.format(root=root, outside=run_dir) for a in args)],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and error in done.stderr, done.stderr
+    assert done.returncode == 2 and error in done.stderr, done.stderr

@@ -126,6 +126,13 @@ def test_bad_load_arguments_are_refused_naming_the_argument(tmp_path, call, kwar
         ckptd.load(None)
 
 
+@pytest.mark.parametrize("target", [5, "model", None, (1, 2)])
+def test_load_into_a_target_it_cannot_fill_is_a_type_error_naming_it(client, root, target) -> None:
+    client.save_async(small_state(1), root / "saved", step=1).result(30)
+    with pytest.raises(TypeError, match=f"target must be a state dict.*got {type(target).__name__}"):
+        ckptd.load_into(target, root / "saved")
+
+
 # -- 2. fork --------------------------------------------------------------------
 
 FORK_SCRIPT = textwrap.dedent("""

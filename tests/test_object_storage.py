@@ -5,6 +5,7 @@ as against AWS."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,8 @@ def test_a_save_to_s3_round_trips_through_the_bucket(s3, bucket, daemon_factory,
     target = {"w": torch.zeros(200_000), "b": torch.zeros(7, dtype=torch.int64), "step": 0}
     ckptd.load_into(target, url)
     assert torch.equal(target["w"], state(200_000, 1)["w"])
+    with pytest.raises(TypeError, match="target must be a state dict.*got int"):
+        ckptd.load_into(5, url)
     assert not s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
 
 
@@ -308,10 +311,25 @@ def test_a_misspelt_url_is_refused_everywhere_and_never_written_locally(typo, s3
     for read in (ckptd.load, ckptd.latest, ckptd.read_index):
         with pytest.raises(ValueError, match="s3://bucket/prefix"):
             read(url)
-    if not url.startswith("s3:/"):  # the daemon sees a URL (one slash is what a Path of s3:// prints)
-        listed = daemon.cli("list", url)
-        assert listed.returncode != 0 and "s3://bucket/prefix" in listed.stderr, listed
+    listed = daemon.cli("list", url)
+    assert listed.returncode == 2 and "s3://bucket/prefix" in listed.stderr, listed
     assert list(root.iterdir()) == [] and keys(s3, bucket) == []
+
+
+@pytest.mark.parametrize("name, error", [("run/q/../e3x", "segment '..'"), ("run/./e3x", "segment '.'"),
+                                         ("run//e3x", "segment ''"), ("run/e\x013x", "control character")])
+def test_an_object_name_the_store_refuses_is_a_value_error_at_the_call(name, error, s3, bucket, daemon_factory,
+                                                                        client_factory, root) -> None:
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    url = f"s3://{bucket}/{name}"
+    with pytest.raises(ValueError, match=f"path: .*{re.escape(error)}"):
+        client_factory().save_async(state(), url, step=1)
+    for command in (("verify", url), ("list", url)):
+        refused = daemon.cli(*command)
+        assert refused.returncode == 2 and error in refused.stderr, refused
+    mirror = daemon.cli("start", "--root", str(root), "--mirror", f"{root}=s3://{bucket}/{name}")
+    assert mirror.returncode == 2 and error in mirror.stderr, mirror
+    assert keys(s3, bucket) == []
 
 
 def test_an_endpoint_that_stops_mid_download_fails_the_load_naming_the_object(s3, bucket, daemon_factory,
@@ -449,3 +467,51 @@ def test_export_reads_a_checkpoint_from_s3(s3, bucket, daemon_factory, client_fa
     assert exported.returncode == 0, exported.stderr
     tensors = load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(tensors) == ["b", "w"] and torch.equal(tensors["w"], state(200_000, 1)["w"])
+
+
+def test_store_failures_read_as_sentences_and_say_what_to_check(s3, bucket, daemon_factory, monkeypatch) -> None:
+    from ckptd.protocol.objects import os_error
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # AWS's own endpoint
+    unreachable = os_error(OSError("error sending request: dns error"), f"s3://{bucket}/x")
+    assert unreachable.strerror.startswith(f"the AWS S3 endpoint unreachable for bucket '{bucket}'"), unreachable
+    denied = os_error(Exception("AccessDenied: Access Denied"), f"s3://{bucket}/x")
+    assert "check the credentials in use and the bucket policy" in denied.strerror
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.url)
+    listed = daemon_factory().cli("list", f"s3://{bucket}-missing/run")
+    assert listed.returncode == 3, listed
+    assert listed.stderr == f"ckptd: s3://{bucket}-missing/run: bucket '{bucket}-missing' does not exist\n", listed
+
+
+def test_latest_raises_rather_than_skip_a_checkpoint_whose_index_the_store_failed_to_return(
+        s3, bucket, daemon_factory, client_factory, monkeypatch) -> None:
+    from ckptd.protocol import objects
+
+    daemon_factory("--root", f"s3://{bucket}")
+    client = client_factory()
+    for step in (1, 2):
+        client.save_async(state(seed=step), f"s3://{bucket}/run/step-{step}", step=step).result(30)
+    real = objects.read_all
+
+    def failing_once(path):  # the store fails the newest index's GET once (a timeout while retention deletes)
+        if str(path).endswith("step-2/ckptd.json") and not failed:
+            failed.append(path)
+            raise objects.os_error(OSError("error sending request: operation timed out"), path)
+        return real(path)
+
+    failed: list = []
+    monkeypatch.setattr(objects, "read_all", failing_once)
+    with pytest.raises(ckptd.InvalidCheckpoint, match="cannot read .*step-2/ckptd.json"):
+        ckptd.latest(f"s3://{bucket}/run")  # never the older step-1
+    assert failed and ckptd.latest(f"s3://{bucket}/run") == f"s3://{bucket}/run/step-2"
+
+
+def test_inspect_and_verify_of_an_object_name_it_by_its_url(s3, bucket, daemon_factory, client_factory) -> None:
+    from ckptd.protocol.inspect import inspect_checkpoint, verify_checkpoint
+
+    daemon_factory("--root", f"s3://{bucket}")
+    url = f"s3://{bucket}/run/step-1"
+    client_factory().save_async(state(seed=1), url, step=1).result(30)
+    assert inspect_checkpoint(url).path == url and inspect_checkpoint(Path(url)).path == url
+    report = verify_checkpoint(url)
+    assert report.ok and report.path == url
