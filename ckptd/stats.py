@@ -68,7 +68,7 @@ class Stats:
         self.committed_count += 1
         self.committed_bytes += total
         self.last_committed = {
-            "path": str(pending.path),
+            "path": display(pending.path),
             "step": pending.step,
             "bytes": total,
             "seconds": round(seconds, 6),
@@ -85,7 +85,7 @@ class Stats:
         now = time.monotonic()
         saves = [
             {
-                "path": str(job.checkpoint),
+                "path": display(job.checkpoint),
                 "rank": job.commit.rank,
                 "world_size": job.commit.world_size,
                 "state": job.state.value,
@@ -99,7 +99,7 @@ class Stats:
         ]
         checkpoints = [
             {
-                "path": str(p.path),
+                "path": display(p.path),
                 "step": p.step,
                 "world_size": p.world_size,
                 "ranks_durable": len(p.shards),

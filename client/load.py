@@ -32,7 +32,7 @@ from ckptd.protocol.errors import BadMessage, InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
 from ckptd.protocol.inspect import check_checksum, check_shard_size, check_shard_structure, open_shard, read_header_from
 from ckptd.protocol.layout import TensorEntry, parse_header
-from ckptd.protocol.objects import is_object_path
+from ckptd.protocol.objects import display, is_object_path
 
 from .checks import check_bool, check_limit, check_load_rank, check_path
 from .dtypes import TORCH_DTYPES
@@ -108,7 +108,7 @@ def _own_rank(path: Path, index: CheckpointIndex) -> int:
     rank = detect_ranks().rank
     if rank >= index.world_size:
         raise InvalidCheckpoint(
-            f"checkpoint {path} was saved by ranks 0..{index.world_size - 1}; this process is rank {rank}, which "
+            f"checkpoint {display(path)} was saved by ranks 0..{index.world_size - 1}; this process is rank {rank}, which "
             "has no state there. Pass rank= to read another rank's state on purpose" + (
                 ", or use ckptd.load_into to reshard its global (DTensor) tensors into this rank's target"
                 if index.tensors else " (it holds no global tensors that ckptd.load_into could reshard)")

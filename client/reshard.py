@@ -26,7 +26,7 @@ from ckptd.protocol.chunks import Box, overlap
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ChunkRecord, ShardRecord, TensorRecord
 from ckptd.protocol.inspect import check_checksum, check_shard_size, open_shard
-from ckptd.protocol.objects import is_object_path
+from ckptd.protocol.objects import display, is_object_path
 from ckptd.protocol.ranged import ObjectShard
 
 from .dtypes import TORCH_DTYPES
@@ -73,7 +73,7 @@ class ChunkFiles:
     def ref(self, name: str) -> GlobalRef:
         record = self.index.tensors.get(name)
         if record is None:
-            raise InvalidCheckpoint(f"checkpoint {self.path}: structure names global tensor {name!r}, "
+            raise InvalidCheckpoint(f"checkpoint {display(self.path)}: structure names global tensor {name!r}, "
                                     "which the index does not list")
         return GlobalRef(name, record)
 
@@ -287,7 +287,7 @@ def read_full(files: ChunkFiles, ref: GlobalRef, device: torch.device | None = N
     out = torch.empty(shape, dtype=ref.dtype, device=device or "cpu")
     copies, problem = plan_region(files, ref, ((0,) * len(shape), shape), out)
     if problem is not None:
-        raise InvalidCheckpoint(f"checkpoint {files.path}: {problem}")
+        raise InvalidCheckpoint(f"checkpoint {display(files.path)}: {problem}")
     if is_object_path(files.path):
         files.copy(copies)  # fetches what the copies read, unless the object is in memory already
     else:

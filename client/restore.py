@@ -32,6 +32,7 @@ import torch
 
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import read_index
+from ckptd.protocol.objects import display
 
 from .checks import check_bool, check_limit, check_load_rank, check_path
 from .lease import load_lease
@@ -117,14 +118,14 @@ def load_into(
         saved = _load_rank(files, rank, None, files.ref, mmap=not fresh_optimizer)
         if key is not None:
             if not isinstance(saved, dict) or key not in saved:
-                raise InvalidCheckpoint(f"checkpoint {path} (rank {rank}) holds no top-level key {key!r}")
+                raise InvalidCheckpoint(f"checkpoint {display(path)} (rank {rank}) holds no top-level key {key!r}")
             saved = saved[key]
         if fresh_optimizer:
             saved = _read_globals(saved, files)
             files.copy([])  # checks what the reads above left unchecked
             target.load_state_dict(saved)
             return LoadReport(copied=sum(1 for _ in _tensors(saved)))
-        return _apply(target, saved, strict, f"checkpoint {path}", files)
+        return _apply(target, saved, strict, f"checkpoint {display(path)}", files)
 
 
 def _read_globals(obj: Any, files: ChunkFiles) -> Any:

@@ -80,12 +80,13 @@ def test_latest_and_list_read_a_prefix_and_retention_keeps_the_newest(s3, bucket
 
 def test_a_checkpoint_is_invisible_until_its_index_is_written(s3, bucket, daemon_factory, client_factory, root) -> None:
     """Rank 0's shard is whole on the store while rank 1 has not committed: readers see no checkpoint."""
-    daemon_factory("--root", f"s3://{bucket}")
+    daemon = daemon_factory("--root", f"s3://{bucket}")
     ranks = [client_factory(rank=r, world_size=2) for r in range(2)]
     url = f"s3://{bucket}/run/step-5"
     first = ranks[0].save_async(state(seed=5), url, step=5)
     wait_until(lambda: "run/step-5/rank-00000-of-00002.safetensors" in keys(s3, bucket), what="rank 0's shard uploaded")
     assert not first.done()
+    pending = [c["path"] for c in daemon.status()["checkpoints"]]  # checked below, once nothing waits on rank 1
     assert ckptd.latest(f"s3://{bucket}/run") is None
     with pytest.raises(InvalidCheckpoint, match="no checkpoint at s3://"):
         ckptd.load(url, rank=0)
@@ -93,6 +94,9 @@ def test_a_checkpoint_is_invisible_until_its_index_is_written(s3, bucket, daemon
     ranks[1].save_async(state(seed=6), url, step=5).result(30)
     first.result(30)
     assert ckptd.load(url, rank=1)["step"] == 6
+    assert pending == [url]  # status names a checkpoint on a store by its URL
+    with pytest.raises(InvalidCheckpoint, match=f"checkpoint {url} into the target"):  # errors name the URL
+        ckptd.load_into({"not-saved": torch.zeros(1)}, url, rank=1)
 
 
 def test_an_endpoint_that_stops_mid_upload_fails_the_save_and_a_later_save_works(s3, bucket, daemon_factory,
