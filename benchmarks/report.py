@@ -98,6 +98,8 @@ CAUSES = [  # of misses, as measured in runs of their own (per-thread /proc CPU,
     "Ranks at once: 2 intra-op threads per rank spun 4.1 CPU-s/round (1: 0.21); others' processes: 3.9 of 4.4 CPU-s/round.",
     "s3:// on moto (256 MiB): moto's CPU is the wall time (2.2-2.9 CPU-s a phase, one GIL); any ranged GET of a 16-part "
     "object costs it 0.15 CPU-s (it joins the parts), so both loads make 16; an s3:// save costs the daemon 0.37 CPU-s.",
+    "Spread between make bench runs of this round (same code, shared disk): load_into cold 0.98 and 1.28 × raw, snapshot "
+    "blocking 0.94 and 1.21 × a disk save's, FSDP2 reshard load 0.55 and 0.81 × dcp.load.",
     "Restore from memory vs a cold load: a memcpy of the same bytes into fresh memory is itself 0.5 × this disk's cold "
     "load (page faults on fresh memory), so 0.3 × is out of reach here; restore is one read of the slot plus CRC32C.",
 ]
