@@ -51,6 +51,7 @@ from ckptd.protocol.messages import Commit, Finalize
 from ckptd.protocol.objects import display, is_object_path
 
 from .catalog import read_shard_header
+from .contributors import Contributors
 from .ownership import (
     check_replaceable,
     is_owner_marker,
@@ -92,6 +93,8 @@ class PendingCheckpoint:
     state: CheckpointState = CheckpointState.PREPARING
     owns_directory: bool = False
     """Whether ``prepare`` made ``p.incomplete`` for this attempt: only then may a failure remove it."""
+    contributors: Contributors = field(default_factory=lambda: Contributors(""))
+    """The job incarnation and processes whose shards this attempt holds (no other may join)."""
 
     @property
     def incomplete(self) -> Path:
@@ -126,6 +129,7 @@ class FailedCheckpoint:
     error: CkptdError
     ranks_seen: set[int]
     expires: float
+    contributors: Contributors
 
 
 def resolve_path(storage: Storage, raw: str, roots: tuple[Path, ...]) -> Path:
@@ -187,40 +191,51 @@ class Commits:
         self.pending: dict[Path, PendingCheckpoint] = {}
         self.failed: dict[Path, FailedCheckpoint] = {}
 
-    def admit(self, commit: Commit, client: bytes, final: Path) -> tuple[PendingCheckpoint, Path]:
-        """Register one rank's commit to ``final``; returns its checkpoint and shard file path.
+    def admit(self, commit: Commit, client: bytes, final: Path, pid: int) -> tuple[PendingCheckpoint, Path]:
+        """Register one rank's commit (from process ``pid``) to ``final``; returns its checkpoint and shard file path.
 
         A new checkpoint starts ``preparing``: its directory is made by
-        ``prepare`` on a worker before any of its shards is written.
+        ``prepare`` on a worker before any of its shards is written. A rank
+        of another job incarnation than the attempt's is refused
+        (``Contributors``); one whose attempt was abandoned is not: the caller
+        failed that attempt first.
         """
-        self._refuse_late_rank_of_failed(final, commit.rank)
+        self._refuse_late_rank_of_failed(final, commit)
         pending = self.pending.get(final)
         if pending is None:
             pending = PendingCheckpoint(final, commit.world_size, commit.step, commit.overwrite,
-                                        commit.coordinated, commit.keep_last, commit.timeout)
+                                        commit.coordinated, commit.keep_last, commit.timeout,
+                                        contributors=Contributors(commit.job))
             self.pending[final] = pending
         elif (pending.world_size, pending.step, pending.coordinated) != (commit.world_size, commit.step, commit.coordinated):
             raise Conflict(
                 f"checkpoint {final} is being written with world size {pending.world_size} and step "
                 f"{pending.step}; this commit says world size {commit.world_size}, step {commit.step}"
             )
+        pending.contributors.refuse_other_job(final, commit)
         if commit.rank in pending.ranks_seen:
             raise Conflict(f"rank {commit.rank} of checkpoint {final} is already being written")
+        pending.contributors.join(commit, pid)
         pending.timeout = min(pending.timeout, commit.timeout)
         pending.ranks_seen.add(commit.rank)
         pending.writing += 1
         pending.waiting.append((client, commit.id, commit.rank))
         return pending, pending.incomplete / shard_name(commit.rank, commit.world_size)
 
-    def _refuse_late_rank_of_failed(self, final: Path, rank: int) -> None:
-        """A rank arriving after its checkpoint failed gets the same error; its retry starts afresh."""
+    def _refuse_late_rank_of_failed(self, final: Path, commit: Commit) -> None:
+        """A rank arriving after its checkpoint failed gets the same error; its retry starts afresh.
+
+        A rank of another incarnation, or arriving after the failed attempt's
+        processes died, is no late rank of it: a restarted job starts afresh.
+        """
         failed = self.failed.get(final)
         if failed is None:
             return
-        if time.monotonic() > failed.expires or rank in failed.ranks_seen:
+        if (time.monotonic() > failed.expires or commit.rank in failed.ranks_seen
+                or commit.job != failed.contributors.job or failed.contributors.dead()):
             del self.failed[final]
             return
-        failed.ranks_seen.add(rank)
+        failed.ranks_seen.add(commit.rank)
         raise type(failed.error)(failed.error.message)
 
     def prepare(self, pending: PendingCheckpoint) -> None:
@@ -287,7 +302,7 @@ class Commits:
         if not pending.coordinated:  # across nodes the ranks' own agreement tells late ranks
             remembered = max(pending.timeout, FAILED_MEMORY_S)  # a bare copy: no traceback pins frames
             self.failed[pending.path] = FailedCheckpoint(type(error)(error.message), set(pending.ranks_seen),
-                                                         time.monotonic() + remembered)
+                                                         time.monotonic() + remembered, pending.contributors)
 
     def from_finalize(self, msg: Finalize, client: bytes, final: Path) -> PendingCheckpoint:
         """The checkpoint global rank 0 asks this daemon to commit (at ``final``, resolved)."""

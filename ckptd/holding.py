@@ -29,7 +29,7 @@ from typing import Callable
 
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed, RanksMissing, ShuttingDown, WriteFailed
 from ckptd.protocol.messages import Accepted, Done, Error, Held, Message, Persist, Snapshot, SnapshotList, Snapshots
-from ckptd.protocol.objects import is_object_path
+from ckptd.protocol.objects import display, is_object_path
 from ckptd.protocol.shm import slot_name
 
 from .admission import Examined, examine
@@ -77,7 +77,15 @@ class Holding:
             self.send(ident, error_reply(self.state, msg.id, fut.exception()))
             return
         examined: Examined = fut.result()
+        current = self.snapshots.held.get(examined.final)
+        if current is not None:
+            self._abandon_if_orphaned(current)
+            current = self.snapshots.held.get(examined.final)
+        conflict = current.contributors.replicated_conflict(examined.final, msg) if current is not None else None
         try:
+            if conflict is not None:  # the snapshot fails on every rank, this one included
+                self.fail(current, conflict)
+                raise conflict
             snap, evicted = self.snapshots.admit(msg, examined.final, examined.slot, pid, ident)
         except CkptdError as exc:
             self.state.slots.release(examined.slot)
@@ -143,6 +151,20 @@ class Holding:
         for shard in snap.shards.values():  # held ones go back under their names; the others when checksummed
             if shard.checksum is not None:
                 self.workers.submit("maintenance", lambda sh=shard: self.state.slots.give_back(sh.slot, sh.msg.slot))
+
+    def _abandon_if_orphaned(self, snap: HeldSnapshot) -> None:
+        """Fail a snapshot still missing ranks whose contributors died: no rank of their job can complete it."""
+        if snap.acknowledged or snap.coordinated:
+            return
+        why = snap.contributors.why_abandoned(sorted(set(range(snap.world_size)) - set(snap.shards)))
+        if why is not None:
+            self.fail(snap, RanksMissing(f"snapshot {display(snap.path)} was abandoned: {why}; nothing was held, and "
+                                         f"a new run of the job snapshotting this path starts afresh"))
+
+    def abandon_orphaned(self) -> None:
+        """Housekeeping: drop every snapshot whose contributors died before it was complete."""
+        for snap in list(self.snapshots.held.values()):
+            self._abandon_if_orphaned(snap)
 
     def fail_overdue(self) -> None:
         for snap in self.snapshots.overdue(time.monotonic()):
@@ -234,7 +256,7 @@ class Holding:
             msg = dataclasses.replace(shard.msg, id=0, coordinated=False)
             progress = Progress(msg.nbytes, msg.nbytes, deadline=math.inf)
             self.saves.admit_examined(b"", msg, progress, Examined(snap.path, shard.slot, fut.result(), None),
-                                      internal=True, expected_checksum=shard.checksum)
+                                      pid=os.getpid(), internal=True, expected_checksum=shard.checksum)
 
     def persisted(self, path: Path, error: CkptdError | None) -> None:
         """The save pipeline committed (``error`` None) or failed checkpoint ``path``.

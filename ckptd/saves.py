@@ -30,6 +30,7 @@ from typing import Callable
 from ckptd.protocol.errors import CkptdError, InternalError, RanksMissing, ShuttingDown, WriteFailed
 from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.messages import Abort, Accepted, Commit, Done, Durable, Error, Finalize, Message, Ok
+from ckptd.protocol.objects import display
 
 from .admission import Examined, check_room, examine
 from .commit import CheckpointState, PendingCheckpoint, resolve_path
@@ -75,7 +76,7 @@ class Saves:
         progress = self.state.begin_save(ident, client, msg, deadline=time.monotonic() + msg.timeout)
         pid, slots, roots = client.pid, self.state.slots, self.config.roots
         self.workers.submit("admit", lambda: examine(self.storage, slots, msg, pid=pid, roots=roots),
-                            lambda fut: self._examined(ident, msg, progress, fut))
+                            lambda fut: self._examined(ident, msg, pid, progress, fut))
 
     def staged(self, ident: bytes, upto: int, error: str | None, request_id: int) -> None:
         progress = self.state.saves.get((ident, request_id))
@@ -86,30 +87,30 @@ class Saves:
         else:
             progress.advance(upto)
 
-    def _examined(self, ident: bytes, msg: Commit, progress: Progress, fut: Future) -> None:
+    def _examined(self, ident: bytes, msg: Commit, pid: int, progress: Progress, fut: Future) -> None:
         if fut.exception() is not None:
             self._refuse(ident, msg, fut.exception())
             return
-        self._admit(ident, msg, progress, fut.result())
+        self.admit_examined(ident, msg, progress, fut.result(), pid=pid)
 
     def _refuse(self, ident: bytes, msg: Commit, exc: BaseException) -> None:
         self.state.end_save(ident, msg.id)
         self.send(ident, error_reply(self.state, msg.id, exc))
 
-    def _admit(self, ident: bytes, msg: Commit, progress: Progress, examined: Examined) -> None:
-        self.admit_examined(ident, msg, progress, examined)
-
-    def admit_examined(self, ident: bytes, msg: Commit, progress: Progress, examined: Examined, *,
+    def admit_examined(self, ident: bytes, msg: Commit, progress: Progress, examined: Examined, *, pid: int,
                        internal: bool = False, expected_checksum: int | None = None) -> None:
-        """Queue an examined shard's write.
+        """Queue an examined shard's write, sent by process ``pid``.
 
         ``internal``: the daemon persists a held snapshot, even while draining;
         a refusal fails the checkpoint (``on_end``) so the snapshot is not left
         persisting. ``expected_checksum``: the write must produce it.
         """
         state, final = self.state, examined.final
+        current = state.commits.pending.get(final)
+        if current is not None and not internal:
+            self._abandon_if_orphaned(current)
         if final in state.closing:  # a failed attempt's directory is still in the way: wait for it
-            state.deferred.setdefault(final, []).append((ident, msg, progress, examined))
+            state.deferred.setdefault(final, []).append((ident, msg, pid, progress, examined))
             return
         try:
             if state.draining and final not in state.commits.pending and not internal:
@@ -119,7 +120,8 @@ class Saves:
             check_room(final, examined.space, msg.nbytes, state.reserved_on(examined.space.device),
                        margin_fraction=cfg.space_margin_fraction, margin_min=cfg.space_margin_bytes,
                        shm_min_free=cfg.shm_min_free, shm_free=examined.shm_free)
-            pending, dest = state.commits.admit(msg, ident, final)
+            conflict = current.contributors.replicated_conflict(final, msg) if current is not None else None
+            pending, dest = state.commits.admit(msg, ident, final, pid)
         except BaseException as exc:
             state.slots.release(examined.slot)
             self._refuse(ident, msg, exc)
@@ -137,6 +139,11 @@ class Saves:
         # The daemon holds the save now (its slot mapped, its job listed): the client may go on, before the
         # checkpoint's directory exists (a failure to make it fails the save through its future).
         self.send(ident, Accepted(msg.id))
+        if conflict is not None:  # every rank is told, this one included; its shard is never written
+            self.fail(pending, conflict)
+        if pending.state is CheckpointState.FAILED:
+            self._write_finished(job, pending, None)
+            return
         if pending.state is not CheckpointState.PREPARING:
             self._start(job, pending)
             return
@@ -299,8 +306,23 @@ class Saves:
         elif fut.result() is not None:
             aside: Path = fut.result()
             self.workers.submit("maintenance", lambda: self.storage.remove_tree(aside))
-        for ident, msg, progress, examined in state.deferred.pop(pending.path, []):
-            self._admit(ident, msg, progress, examined)
+        for ident, msg, pid, progress, examined in state.deferred.pop(pending.path, []):
+            self.admit_examined(ident, msg, progress, examined, pid=pid)
+
+    def _abandon_if_orphaned(self, pending: PendingCheckpoint) -> None:
+        """Fail an attempt still missing ranks whose contributors died: no rank of their job can complete it."""
+        if pending.state not in (CheckpointState.PREPARING, CheckpointState.WRITING) or pending.coordinated:
+            return
+        why = pending.contributors.why_abandoned(pending.missing)
+        if why is not None:
+            self.fail(pending, RanksMissing(
+                f"checkpoint {display(pending.path)} was abandoned: {why}; nothing was committed, and a new run of "
+                f"the job saving this path starts afresh"))
+
+    def abandon_orphaned(self) -> None:
+        """Housekeeping: abandon every attempt whose contributors died before it was complete."""
+        for pending in list(self.state.commits.pending.values()):
+            self._abandon_if_orphaned(pending)
 
     def fail_overdue(self) -> None:
         for pending, error in self.state.commits.overdue(time.monotonic()):

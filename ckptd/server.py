@@ -231,6 +231,8 @@ class Server:
             self._teardown(ident, f"the client (pid {pid}) died before it finished staging")
             if not self.state.pid_connected(pid):
                 self.workers.submit("maintenance", lambda pid=pid: self.state.slots.reclaim(pid))
+        self.saves.abandon_orphaned()
+        self.holding.abandon_orphaned()
 
     def _after_upload(self, newest: Path) -> None:
         """Local retention beside a checkpoint just mirrored (it may now delete what it had to keep)."""

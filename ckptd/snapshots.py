@@ -34,10 +34,9 @@ from ckptd.protocol.errors import Conflict, NoSpace
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
 from ckptd.protocol.messages import Snapshot
 
+from .contributors import Contributors
 from .render import human_bytes
 from .slots import MappedSlot
-
-KEEP_SNAPSHOTS_DEFAULT = 1
 
 
 @dataclass
@@ -75,6 +74,8 @@ class HeldSnapshot:
     persist_waiting: list[tuple[bytes, int]] = field(default_factory=list)
     """(client, request id) of every ``Persist`` owed a ``Done`` or an ``Error`` for this snapshot."""
     persist_started: float = 0.0
+    contributors: Contributors = field(default_factory=lambda: Contributors(""))
+    """The job incarnation and processes whose shards this snapshot holds (no other may join)."""
 
     @property
     def checksummed(self) -> bool:
@@ -140,11 +141,15 @@ class Snapshots:
                                                                                     msg.coordinated):
             raise Conflict(f"snapshot {final} is being held with world size {snap.world_size} and step {snap.step}; "
                            f"this rank says world size {msg.world_size}, step {msg.step}")
+        if snap is not None:
+            snap.contributors.refuse_other_job(final, msg)
         if snap is not None and msg.rank in snap.shards:
             raise Conflict(f"rank {msg.rank} of snapshot {final} is already held")
         evicted = self._make_room(final, slot.size)
         if snap is None:
-            snap = self.held[final] = HeldSnapshot(final, msg.world_size, msg.step, msg.coordinated, msg.timeout)
+            snap = self.held[final] = HeldSnapshot(final, msg.world_size, msg.step, msg.coordinated, msg.timeout,
+                                                   contributors=Contributors(msg.job))
+        snap.contributors.join(msg, pid)
         snap.timeout = min(snap.timeout, msg.timeout)
         snap.shards[msg.rank] = HeldShard(msg, slot, pid, client)
         snap.waiting.append((client, msg.id, pid, msg.nbytes))

@@ -64,7 +64,7 @@ class NodeState:
         """Admitted writes waiting for their checkpoint's directory (it is ``preparing``)."""
         self.closing: set[Path] = set()
         """Failed checkpoints whose ``.incomplete`` is not yet out of the way; a retry waits in ``deferred``."""
-        self.deferred: dict[Path, list[tuple[bytes, Commit, Progress, Examined]]] = {}
+        self.deferred: dict[Path, list[tuple[bytes, Commit, int, Progress, Examined]]] = {}
         self.commits = Commits(storage, config.roots)
         self.leases = LoadLeases(config.max_concurrent_loads)
         self.slots = slots if slots is not None else SlotMaps()

@@ -20,7 +20,8 @@ from ckptd.protocol.objects import is_object_path, object_url, user_path
 
 from .checks import check_bool, check_client_args, check_int, check_keep_last, check_path, check_seconds, check_step
 from .connection import Connection
-from .coordinate import Coordinator, SaveSpec, spans_several_daemons
+from .coordinate import Coordinator, SaveSpec, agree_on_places
+from .incarnation import drawn, from_launcher
 from .flatten import Flat, flatten
 from .future import SaveFuture, SaveResult
 from .ranks import detect_ranks
@@ -61,6 +62,7 @@ class Client:
         heartbeat: float = 1.0,
         timeout: float = 30.0,
         reserve_bytes: int | None = None,
+        job: str | None = None,
     ) -> None:
         """
         Args:
@@ -94,10 +96,16 @@ class Client:
                 later ones instead of also faulting in fresh shared memory
                 (the state's tensor bytes: room for the shard's header is
                 added).
+            job: a name for this run of the job, the same on every rank and
+                different after a restart (default: the launcher's, from
+                torchrun or Slurm; else drawn by rank 0 when torch.distributed
+                is initialized). A checkpoint is only ever made of one run's
+                shards: a restarted job saving the same path never joins the
+                dead run's save.
         """
         check_client_args(max_inflight=max_inflight, rank=rank, world_size=world_size, local_rank=local_rank,
                           commit_timeout=commit_timeout, keep_last=keep_last, heartbeat=heartbeat, timeout=timeout,
-                          spawn=spawn, background_staging=background_staging, stream_commit=stream_commit)
+                          spawn=spawn, background_staging=background_staging, stream_commit=stream_commit, job=job)
         reserve = check_int("reserve_bytes", reserve_bytes, high=MAX_RESERVE, optional=True)
         self._pid = os.getpid()
         """The process that owns this client's slots, thread and socket."""
@@ -130,8 +138,10 @@ class Client:
         self._closed = False
         self._conn = self._connect()
         self._coordinator: Coordinator | None = None
+        self.job = job or from_launcher()
+        """This run's incarnation, sent with every save (``incarnation.py``)."""
         if detected.distributed and self.world_size > 1:
-            group = spans_several_daemons(self.endpoint, commit_timeout)
+            group, self.job = agree_on_places(self.endpoint, commit_timeout, self.job or drawn())
             if group is not None:
                 self._coordinator = Coordinator(group, lambda: self._conn, self.rank)
         if reserve:
@@ -309,7 +319,8 @@ class Client:
         full = kind(conn.next_id(), req.slot.name, layout.nbytes, layout.data_start, table, req.path, self.rank,
                     self.world_size, req.step, req.overwrite, coordinated=self._coordinator is not None,
                     keep_last=req.keep_last, timeout=self.commit_timeout, waited=req.waited, staged=staged,
-                    layout=table.digest if table else "")  # no tensors: nothing to name
+                    layout=table.digest if table else "",  # no tensors: nothing to name
+                    job=self.job, replicated=req.flat.replicated)
         known = (conn, conn.daemon_pid, full.layout)
         # The daemon keeps the last tables this connection sent: a save of the same structure names its table.
         commit = dataclasses.replace(full, tensors=()) if full.layout and self._known_layout == known else full

@@ -13,7 +13,7 @@ import math
 import os
 from typing import Any
 
-from ckptd.protocol.messages import MAX_INT, MAX_TIMEOUT, MAX_WORLD_SIZE
+from ckptd.protocol.messages import MAX_INT, MAX_JOB, MAX_TIMEOUT, MAX_WORLD_SIZE
 from ckptd.protocol.objects import check_url
 
 
@@ -85,7 +85,7 @@ def check_load_rank(value: Any, *, allow_all: bool) -> int | str | None:
 
 def check_client_args(*, max_inflight: Any, rank: Any, world_size: Any, local_rank: Any, commit_timeout: Any,
                       keep_last: Any, heartbeat: Any, timeout: Any, spawn: Any, background_staging: Any,
-                      stream_commit: Any) -> None:
+                      stream_commit: Any, job: Any) -> None:
     """Every argument of ``Client()``; ranks are checked again once detected."""
     check_int("max_inflight", max_inflight, low=1, high=1024)
     check_int("rank", rank, high=MAX_WORLD_SIZE - 1, optional=True)
@@ -97,6 +97,11 @@ def check_client_args(*, max_inflight: Any, rank: Any, world_size: Any, local_ra
     check_seconds("timeout", timeout)
     for name, flag in (("spawn", spawn), ("background_staging", background_staging)):
         check_bool(name, flag)
+    if job is not None:
+        if not isinstance(job, str):
+            raise TypeError(f"job must be a str or None, got {type(job).__name__} {job!r:.40}")
+        if not 0 < len(job) <= MAX_JOB or not job.isprintable():
+            raise ValueError(f"job must be 1 to {MAX_JOB} printable characters, got {job!r:.60}")
     if stream_commit is not None and type(stream_commit) is not bool:
         raise TypeError(f"stream_commit must be True, False or None (chosen by the core count), "
                         f"got {type(stream_commit).__name__} {stream_commit!r:.40}")

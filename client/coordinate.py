@@ -59,17 +59,19 @@ class _Save:
     resolve: Callable[[Done | BaseException], None]
 
 
-def spans_several_daemons(endpoint: str, timeout: float) -> dist.ProcessGroup | None:
-    """A gloo group for coordination if the ranks talk to more than one daemon, else None.
+def agree_on_places(endpoint: str, timeout: float, job: str) -> tuple[dist.ProcessGroup | None, str]:
+    """A gloo group for coordination if the ranks talk to more than one daemon (else None), and rank 0's ``job``.
 
     Collective: every rank must call it (``Client()`` does, on every rank).
+    The ranks take rank 0's job incarnation, so a name one rank drew at
+    random is every rank's (``incarnation.py``).
     """
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-    places = all_gather_msgpack([socket.gethostname(), endpoint], group)
-    if len({tuple(p) for p in places}) == 1:
+    places = all_gather_msgpack([socket.gethostname(), endpoint, job], group)
+    if len({tuple(p[:2]) for p in places}) == 1:
         dist.destroy_process_group(group)
-        return None
-    return group
+        return None, places[0][2]
+    return group, places[0][2]
 
 
 class Coordinator:

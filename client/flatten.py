@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import base64
 import functools
+import hashlib
+import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,6 +31,7 @@ import msgpack
 import torch
 
 from ckptd.protocol.chunks import Box, chunk_metadata
+from ckptd.protocol.messages import REPLICATED_DIGEST_LEN
 from ckptd.protocol.structure import (
     EXT_DTYPE,
     EXT_GLOBAL,
@@ -56,6 +59,9 @@ class Flat:
     chunks: dict[str, Box] = field(default_factory=dict)
     """Owned chunks of global tensors among ``tensors``: name -> (offsets, sizes)."""
     global_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    replicated: dict[str, str] = field(default_factory=dict)
+    """Per ``replicated=`` key, a digest of its tensors' names, shapes and dtypes: the daemon checks that
+    every rank sends the same (rank 0 writes them for all)."""
 
     def metadata(self) -> dict[str, str]:
         dims = ((name, t.dim()) for name, t in self.tensors)
@@ -74,11 +80,13 @@ def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0) -> F
     written by rank 0 only; DTensors anywhere are global tensors whose
     chunks their owners write.
     """
+    _check_replicated(state, replicated)
     tensors: list[tuple[str, torch.Tensor]] = []
     names: set[str] = set()
     by_identity: dict[int, msgpack.ExtType] = {}
     chunks: dict[str, Box] = {}
     global_shapes: dict[str, tuple[int, ...]] = {}
+    under_replicated: dict[str, list[tuple[str, str, list[int]]]] = {key: [] for key in replicated}
 
     def global_ref(chunk: LocalChunk, path: list[Any]) -> msgpack.ExtType:
         _check_tensor(chunk.local, path)
@@ -105,6 +113,7 @@ def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0) -> F
                 ref = global_ref(dtensor_chunk(obj, lambda: _describe(path)), path)
             elif path and path[0] in replicated:
                 ref = global_ref(whole_chunk(obj, rank), path)
+                under_replicated[path[0]].append((ref.data.decode(), str(obj.dtype), list(obj.shape)))
             else:
                 _check_tensor(obj, path)
                 name = name_for(path)
@@ -141,9 +150,14 @@ def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0) -> F
             "use tensors, dicts, lists, tuples, str, bytes, int, float, bool, None or torch.dtype"
         )
 
-    _check_replicated(state, replicated)
     packed = msgpack.packb(walk(state, []), use_bin_type=True)
-    return Flat(tensors, packed, chunks, global_shapes)
+    digests = {key: _digest(rows) for key, rows in under_replicated.items()}
+    return Flat(tensors, packed, chunks, global_shapes, digests)
+
+
+def _digest(rows: list[tuple[str, str, list[int]]]) -> str:
+    """What ranks must agree on under one replicated key, in ``REPLICATED_DIGEST_LEN`` hex characters."""
+    return hashlib.blake2b(json.dumps(rows).encode(), digest_size=REPLICATED_DIGEST_LEN // 2).hexdigest()
 
 
 def _check_replicated(state: Any, replicated: tuple[str, ...]) -> None:

@@ -108,6 +108,14 @@ def load_into(
     index = files.index
     if rank is None:
         rank = detect_ranks().rank if index.world_size > 1 else 0
+        if rank >= index.world_size and not _same_on_every_saved_rank(files, key):
+            part = f" under key {key!r}" if key is not None else ""
+            raise InvalidCheckpoint(
+                f"checkpoint {display(path)} was saved by ranks 0..{index.world_size - 1}; this process is rank "
+                f"{rank}, and the per-rank state{part} (everything but DTensors and replicated= keys) differs between "
+                f"the saved ranks, so loading it here would give rank {rank} another rank's state (a data loader "
+                f"position, an RNG state). Pass rank=0 (or another saved rank) to take that rank's per-rank state "
+                f"on purpose")
     rank = structure_rank(index, rank)
     with load_lease(limit, run_dir=run_dir):
         # Views of a mapping: no second copy of the checkpoint. Nothing holds
@@ -126,6 +134,33 @@ def load_into(
             target.load_state_dict(saved)
             return LoadReport(copied=sum(1 for _ in _tensors(saved)))
         return _apply(target, saved, strict, f"checkpoint {display(path)}", files)
+
+
+def _same_on_every_saved_rank(files: ChunkFiles, key: str | None) -> bool:
+    """Whether every saved rank holds the same per-rank state (under ``key``): then a rank beyond the saved
+    world may take it, as it takes every rank's share of the global tensors."""
+    first: Any = None
+    for r in range(files.index.world_size):
+        saved = _load_rank(files, r, None, files.ref, mmap=True)
+        if key is not None:
+            saved = saved.get(key) if isinstance(saved, dict) else None
+        if r == 0:
+            first = saved
+        elif not _equal(first, saved):
+            return False
+    return True
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Equal trees: the same containers and keys, tensors of one dtype and shape with equal bytes, equal values."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 def _read_globals(obj: Any, files: ChunkFiles) -> Any:

@@ -55,6 +55,10 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_TIMEOUT = 7 * 24 * 3600
 """Longest commit timeout a message may carry, in seconds (one week)."""
 MAX_NAME_BYTES = 255
+MAX_JOB = 256
+"""Longest job incarnation a commit may carry, in characters."""
+MAX_REPLICATED_KEYS = 4096
+REPLICATED_DIGEST_LEN = 32
 """NAME_MAX of Linux filesystems: the longest name of one directory entry, in bytes."""
 
 
@@ -129,6 +133,13 @@ class Commit(Message):
     it must match them, and the daemon keeps the checked table for this
     connection; with no ``tensors`` it names a table this connection sent
     before, which the daemon then uses (refusing a name it does not hold)."""
+    job: str = ""
+    """The incarnation of the job that saves: its ranks from one launch share it, a restarted job has a new
+    one (``client/incarnation.py``). An attempt only ever holds shards of one incarnation; empty: unknown,
+    and the attempt is told apart by its ranks' processes alone."""
+    replicated: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Digest of the tensors (names, shapes, dtypes) under each ``replicated=`` top-level key: rank 0 writes
+    them for every rank, so every rank of the checkpoint must send the same map."""
     type: ClassVar[str] = "commit"
 
     def __post_init__(self) -> None:
@@ -152,6 +163,13 @@ class Commit(Message):
         _check_common(self.keep_last, self.timeout)
         if not self.header_len <= self.staged <= self.nbytes:
             raise BadMessage(f"staged {self.staged} must lie between the header ({self.header_len}) and nbytes ({self.nbytes})")
+        if len(self.job) > MAX_JOB or not self.job.isprintable():
+            raise BadMessage(f"job {self.job[:40]!r} must be at most {MAX_JOB} printable characters")
+        if len(self.replicated) > MAX_REPLICATED_KEYS or not all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_STRING and len(v) == REPLICATED_DIGEST_LEN
+                for k, v in self.replicated.items()):
+            raise BadMessage(f"replicated must map at most {MAX_REPLICATED_KEYS} key names to digests of "
+                             f"{REPLICATED_DIGEST_LEN} characters")
 
 
 @dataclass(frozen=True)
@@ -453,7 +471,8 @@ def _wire_fields(cls: type[Message]) -> dict[str, Any]:
 @functools.cache
 def _optional_fields(cls: type[Message]) -> frozenset[str]:
     """Fields added later, with a default: a peer that predates one may leave it out."""
-    return frozenset(f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING)
+    return frozenset(f.name for f in dataclasses.fields(cls)
+                     if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)
 
 
 def request_id(data: bytes) -> int:

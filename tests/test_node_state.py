@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
 import pytest
 
 from ckptd.commit import CheckpointState
@@ -110,14 +111,14 @@ def test_reserved_bytes_are_what_is_admitted_and_not_yet_written_per_device(stat
 
 def test_ranks_join_one_pending_checkpoint_until_it_is_complete(state, tmp_path) -> None:
     final = tmp_path / "two"
-    first, dest = state.commits.admit(commit(1, rank=0, world_size=2), b"a", final)
+    first, dest = state.commits.admit(commit(1, rank=0, world_size=2), b"a", final, os.getpid())
     assert first.state is CheckpointState.PREPARING and dest == tmp_path / "two.incomplete/rank-00000-of-00002.safetensors"
-    second, _ = state.commits.admit(commit(2, rank=1, world_size=2), b"b", final)
+    second, _ = state.commits.admit(commit(2, rank=1, world_size=2), b"b", final, os.getpid())
     assert second is first and first.writing == 2 and first.missing == []
     with pytest.raises(Conflict, match="rank 1 .* already being written"):
-        state.commits.admit(commit(3, rank=1, world_size=2), b"b", final)
+        state.commits.admit(commit(3, rank=1, world_size=2), b"b", final, os.getpid())
     with pytest.raises(Conflict, match="world size 2"):
-        state.commits.admit(commit(4, rank=0, world_size=3), b"c", final)
+        state.commits.admit(commit(4, rank=0, world_size=3), b"c", final, os.getpid())
     first.state = CheckpointState.WRITING
     assert not state.commits.shard_done(first, ShardRecord("rank-00000-of-00002.safetensors", 0, SHARD, 1, 0))
     assert state.commits.shard_done(first, ShardRecord("rank-00001-of-00002.safetensors", 1, SHARD, 1, 0))
@@ -127,12 +128,12 @@ def test_ranks_join_one_pending_checkpoint_until_it_is_complete(state, tmp_path)
 
 def test_a_failed_checkpoint_fails_its_late_ranks_the_same_way_and_a_retry_starts_afresh(state, tmp_path) -> None:
     final = tmp_path / "lonely"
-    pending, _ = state.commits.admit(commit(1, rank=0, world_size=2), b"a", final)
+    pending, _ = state.commits.admit(commit(1, rank=0, world_size=2), b"a", final, os.getpid())
     state.commits.fail(pending, RanksMissing("ranks [1] never came"))
     assert pending.state is CheckpointState.FAILED and final not in state.commits.pending
     with pytest.raises(RanksMissing, match="ranks \\[1\\] never came"):
-        state.commits.admit(commit(2, rank=1, world_size=2), b"b", final)
-    retry, _ = state.commits.admit(commit(3, rank=0, world_size=2), b"a", final)
+        state.commits.admit(commit(2, rank=1, world_size=2), b"b", final, os.getpid())
+    retry, _ = state.commits.admit(commit(3, rank=0, world_size=2), b"a", final, os.getpid())
     assert retry is not pending and retry.state is CheckpointState.PREPARING
 
 
