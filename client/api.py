@@ -236,7 +236,7 @@ class Client:
 
     def _spec(self, req: "_Request") -> SaveSpec:
         return SaveSpec(req.path, self.world_size, req.step, req.overwrite, req.keep_last, self.commit_timeout,
-                        snapshot=not req.persist)
+                        snapshot=not req.persist, replicated=tuple(sorted(req.flat.replicated.items())))
 
     def _stage(self, req: "_Request", fut: SaveFuture, shard: Future, on_worker: bool) -> None:
         """Copy into a slot; CUDA copies still running are awaited on the worker thread.

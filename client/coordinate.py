@@ -30,7 +30,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from ckptd.protocol.errors import CkptdError, RanksMissing, error_for_code
+from ckptd.protocol.errors import CkptdError, Conflict, RanksMissing, error_for_code
 from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.messages import Abort, Done, Durable, Finalize, Held
 
@@ -49,6 +49,8 @@ class SaveSpec:
     timeout: float
     snapshot: bool = False
     """A memory snapshot: the ranks agree that every one is held; nothing is finalized."""
+    replicated: tuple[tuple[str, str], ...] = ()
+    """This rank's digest per ``replicated=`` key (``Flat.replicated``): every rank must hold the same."""
 
 
 @dataclass
@@ -113,7 +115,7 @@ class Coordinator:
             mine = ("error", f"rank {self.rank}: {exc.message}", int(exc.code))
         except BaseException as exc:
             mine = ("error", f"rank {self.rank}: {exc!r}", 0)
-        everyone = all_gather_msgpack(mine, self.group)
+        everyone = all_gather_msgpack([*mine, list(save.spec.replicated)], self.group)
         outcome = self._commit_or_abort(save.spec, everyone) if self.rank == 0 else None
         kind, *data = broadcast_msgpack(outcome, self.group)
         if kind == "done":
@@ -126,6 +128,9 @@ class Coordinator:
     def _commit_or_abort(self, spec: SaveSpec, everyone: list) -> tuple:
         """Global rank 0 only: Finalize if every shard is durable, else Abort."""
         failures = [entry[1] for entry in everyone if entry[0] != "ok"]
+        disagreement = _replicated_disagreement(spec.path, [dict(map(tuple, entry[-1])) for entry in everyone])
+        if disagreement is not None and not failures:
+            failures, everyone = [disagreement.message], [("error", disagreement.message, int(disagreement.code))]
         if spec.snapshot:  # held on every rank, or not: nothing to write, nothing to remove
             if failures:
                 code = next((e[2] for e in everyone if e[0] != "ok"), 0)
@@ -147,6 +152,19 @@ class Coordinator:
         except CkptdError as exc:
             return ("error", exc.message, int(exc.code))
         return ("done", done.path, done.seconds)
+
+
+def _replicated_disagreement(path: str, digests: list[dict[str, str]]) -> Conflict | None:
+    """A ``Conflict`` naming the keys and ranks if the ranks' replicated keys differ (each daemon checks only
+    its own node's ranks; across nodes, global rank 0 does before it finalizes)."""
+    for rank, theirs in enumerate(digests):
+        if theirs != digests[0]:
+            keys = sorted(k for k in digests[0].keys() | theirs.keys() if digests[0].get(k) != theirs.get(k))
+            return Conflict(f"checkpoint {path}: ranks 0 and {rank} disagree on replicated key(s) "
+                            f"{', '.join(map(repr, keys))} (tensor names, shapes or dtypes differ, or one rank does "
+                            f"not save the key as replicated). Rank 0 writes replicated keys once for every rank, so "
+                            f"every rank must hold the same tensors there; nothing was saved")
+    return None
 
 
 def _to_tensor(data: bytes, length: int) -> torch.Tensor:

@@ -33,6 +33,15 @@ def _worker(rank: int, init_file: str, run_dirs: list[str], root: str, out: str)
         client = ckptd.Client(run_dir=run_dirs[rank // 2], spawn=False, commit_timeout=30, timeout=5, heartbeat=0.2)
         state = {"rank": torch.full((1000,), rank, dtype=torch.int32), "step": 1}
         log["first"] = str(client.save_async(state, Path(root) / "first", step=1).result(60).path)
+        # node B's ranks hold an extra tensor under a replicated key: each daemon sees its own ranks agree, global
+        # rank 0 sees the nodes differ; every rank is told, nothing is saved
+        shared = {"w": torch.ones(8), **({"extra": torch.ones(2)} if rank >= 2 else {})}
+        try:
+            client.save_async({**state, "shared": shared}, Path(root) / "mixed", step=1,
+                              replicated=("shared",)).result(60)
+            log["mixed"] = "succeeded"
+        except ckptd.CkptdError as exc:
+            log["mixed"] = f"{type(exc).__name__}: {exc}"
         Path(out, f"ready-{rank}").touch()
         started = time.monotonic()
         try:
@@ -89,11 +98,13 @@ def test_two_nodes_commit_once_and_a_dead_daemon_fails_every_rank_then_recovers(
     logs = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(WORLD)]
     for r, log in enumerate(logs):
         assert "crash" not in log, log["crash"]
+        assert log["mixed"].startswith("Conflict") and "'extra'" in log["mixed"] and "ranks 0 and 2" in log["mixed"], (
+            r, log["mixed"])
         assert log["doomed"].startswith("DaemonUnavailable"), (r, log["doomed"])
         assert "rank 2" in log["doomed"] or "rank 3" in log["doomed"]
         assert log["doomed_s"] < 30
         assert log["after"] == str(root / "after")
-    assert not (root / "doomed").exists()
+    assert not (root / "doomed").exists() and not (root / "mixed").exists()
     deadline = time.monotonic() + 10
     while (root / "doomed.incomplete").exists():
         assert time.monotonic() < deadline, "the aborted checkpoint was not cleaned up"

@@ -1,0 +1,63 @@
+"""The layers stay apart: the protocol depends on nothing of ours, the daemon never loads torch, the client
+never reaches into the daemon.
+
+Read from the source (every ``import`` statement, at any depth, so a
+function-level import counts too), and checked once in a fresh interpreter
+for the daemon's torch-free start.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import REPO
+
+DAEMON_SIDE = frozenset({"integrations", "dcp"})
+"""Modules under ``ckptd/`` that are the client's (torch-side), not the daemon's."""
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, absolute (relative imports resolved against its package)."""
+    package = {"protocol": "ckptd.protocol", "client": "ckptd.client"}.get(path.parent.name, "ckptd")
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            module = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
+            found.update(f"{module}.{alias.name}" for alias in node.names)  # ``from ckptd import commit``
+    return found
+
+
+def _sources(layer: str) -> list[Path]:
+    return sorted((REPO / layer).glob("*.py"))
+
+
+def test_the_protocol_imports_neither_the_daemon_nor_the_client_nor_torch() -> None:
+    bad = {f"{p.name}: {m}" for p in _sources("protocol") for m in _imports(p)
+           if m == "torch" or m.startswith("torch.") or (m.startswith("ckptd") and not m.startswith("ckptd.protocol"))}
+    assert not bad, f"protocol/ must depend on msgpack, its optional store client and the standard library: {bad}"
+
+
+def test_the_daemon_never_imports_torch_or_the_client() -> None:
+    daemon = [p for p in _sources("ckptd") if p.stem not in DAEMON_SIDE]
+    bad = {f"{p.name}: {m}" for p in daemon for m in _imports(p)
+           if m == "torch" or m.startswith("torch.") or m.startswith("ckptd.client") or m == "lightning"}
+    assert not bad, f"the daemon must stay torch-free: {bad}"
+
+
+def test_the_client_never_imports_daemon_internals() -> None:
+    bad = {f"{p.name}: {m}" for p in _sources("client") for m in _imports(p)
+           if m.startswith("ckptd.") and not m.startswith(("ckptd.protocol", "ckptd.client"))}
+    assert not bad, f"client/ may use ckptd.protocol only: {bad}"
+
+
+def test_starting_the_daemons_modules_loads_no_torch() -> None:
+    code = ("import sys, ckptd.server, ckptd.cli, ckptd.daemon; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
