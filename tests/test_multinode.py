@@ -98,7 +98,7 @@ def test_two_nodes_commit_once_and_a_dead_daemon_fails_every_rank_then_recovers(
     logs = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(WORLD)]
     for r, log in enumerate(logs):
         assert "crash" not in log, log["crash"]
-        assert log["mixed"].startswith("Conflict") and "'extra'" in log["mixed"] and "ranks 0 and 2" in log["mixed"], (
+        assert log["mixed"].startswith("Conflict") and "'shared'" in log["mixed"] and "ranks 0 and 2" in log["mixed"], (
             r, log["mixed"])
         assert log["doomed"].startswith("DaemonUnavailable"), (r, log["doomed"])
         assert "rank 2" in log["doomed"] or "rank 3" in log["doomed"]
