@@ -47,7 +47,7 @@ from ckptd.protocol.index import (
     incomplete_path,
     shard_name,
 )
-from ckptd.protocol.messages import Commit, Finalize
+from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Commit, Finalize
 from ckptd.protocol.objects import display, is_object_path
 
 from .catalog import read_shard_header
@@ -82,7 +82,7 @@ class PendingCheckpoint:
     overwrite: bool
     coordinated: bool = False
     keep_last: int | None = None
-    timeout: float = 600.0
+    timeout: float = DEFAULT_COMMIT_TIMEOUT
     started_at: float = field(default_factory=time.monotonic)
     shards: dict[int, ShardRecord] = field(default_factory=dict)
     ranks_seen: set[int] = field(default_factory=set)

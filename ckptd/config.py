@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
+from ckptd.protocol.layout import PAGE_SIZE
 from ckptd.protocol.shm import shm_usage
 
 from ckptd.protocol.objects import is_object_path, object_url
@@ -62,7 +63,7 @@ class DaemonConfig:
     """Write with O_DIRECT where the filesystem supports it (measured faster
     and it keeps checkpoint bytes out of the page cache)."""
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    """Bytes per write call; a multiple of 4096 for O_DIRECT."""
+    """Bytes per write call; a multiple of the page size for O_DIRECT."""
     log_to_stderr: bool = False
     """Also log to stderr (``ckptd start --foreground``)."""
     mirrors: dict[Path, Path] = field(default_factory=dict)
@@ -126,8 +127,8 @@ class DaemonConfig:
         self.roots = tuple(_real(r) for r in self.roots)
         if self.max_concurrent_writes < 1:
             raise ValueError(f"max_concurrent_writes must be at least 1, got {self.max_concurrent_writes}")
-        if self.chunk_bytes < 4096 or self.chunk_bytes % 4096:
-            raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
+        if self.chunk_bytes < PAGE_SIZE or self.chunk_bytes % PAGE_SIZE:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {PAGE_SIZE}, got {self.chunk_bytes}")
         if self.exit_when_idle is not None and self.exit_when_idle <= 0:
             raise ValueError(f"exit_when_idle must be positive seconds, got {self.exit_when_idle}")
         if not 0 < self.housekeeping_interval < float("inf"):

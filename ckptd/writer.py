@@ -31,17 +31,17 @@ from pathlib import Path
 from ckptd.protocol.checksums import updater
 from ckptd.protocol.errors import CkptdError, WriteFailed
 from ckptd.protocol.index import CHECKSUM_ALGORITHM, ShardRecord
+from ckptd.protocol.layout import PAGE_SIZE
 from ckptd.protocol.messages import Commit
 from ckptd.protocol.objects import display, is_object_path
 
 from .slots import MappedSlot
 from .storage import Storage
 
-PAGE = 4096
 CRC_CHUNK = 16 * 1024 * 1024
 
 
-def round_up(n: int, to: int = PAGE) -> int:
+def round_up(n: int, to: int = PAGE_SIZE) -> int:
     return -(-n // to) * to
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.errors import Busy, InternalError, NoSpace
 from ckptd.protocol.layout import ShardLayout
-from ckptd.protocol.messages import Bye, Commit, Done, Held, Persist, Ping, Snapshot, Staged
+from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Bye, Commit, Done, Held, Persist, Ping, Snapshot, Staged
 from ckptd.protocol.objects import is_object_path, object_url, user_path
 
 from .checks import check_bool, check_client_args, check_int, check_keep_last, check_path, check_seconds, check_step
@@ -56,7 +56,7 @@ class Client:
         rank: int | None = None,
         world_size: int | None = None,
         local_rank: int | None = None,
-        commit_timeout: float = 600.0,
+        commit_timeout: float = DEFAULT_COMMIT_TIMEOUT,
         keep_last: int | None = None,
         stream_commit: bool | None = None,
         heartbeat: float = 1.0,

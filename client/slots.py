@@ -32,11 +32,11 @@ import weakref
 import torch
 
 from ckptd.protocol.errors import NoSpace
+from ckptd.protocol.layout import PAGE_SIZE
 from ckptd.protocol.shm import shm_dir, shm_shortage_message, slot_name
 
 from .prefault import populate
 
-PAGE = 4096
 GROWTH_QUANTUM = 1 << 20
 """Slots are sized in whole MiB so that small growth reuses the slot."""
 
@@ -48,7 +48,7 @@ class Slot:
     """One shared-memory segment and a uint8 tensor over it."""
 
     def __init__(self, size: int) -> None:
-        self.size = max(PAGE, -(-size // GROWTH_QUANTUM) * GROWTH_QUANTUM)
+        self.size = max(PAGE_SIZE, -(-size // GROWTH_QUANTUM) * GROWTH_QUANTUM)
         self.owner_pid = os.getpid()
         """Only this process unlinks the slot (not a forked child)."""
         self.name = slot_name(os.getuid(), self.owner_pid, next(_counter))

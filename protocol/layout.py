@@ -26,8 +26,11 @@ from typing import Iterable, Mapping, Sequence
 
 from .errors import BadMessage
 
-DATA_ALIGNMENT = 4096
-"""Tensor data starts at a multiple of this many bytes from the file start."""
+PAGE_SIZE = 4096
+"""The page size ckptd aligns to: slots, O_DIRECT writes and the start of a shard's data."""
+DATA_ALIGNMENT = PAGE_SIZE
+"""Tensor data starts at a multiple of this many bytes from the file start (so the data can be written
+O_DIRECT straight from the slot)."""
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 """The safetensors library's own limit on the JSON header."""

@@ -52,6 +52,8 @@ MAX_STRING = 64 * 1024
 MAX_INT = 2**63 - 1
 MAX_WORLD_SIZE = 1 << 20
 """More ranks than any job runs; bounds what the daemon keeps per checkpoint."""
+DEFAULT_COMMIT_TIMEOUT = 600.0
+"""Seconds every rank of a checkpoint has to commit its shard, unless the client says otherwise."""
 MAX_TIMEOUT = 7 * 24 * 3600
 """Longest commit timeout a message may carry, in seconds (one week)."""
 MAX_NAME_BYTES = 255
