@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -20,9 +19,10 @@ from pathlib import Path
 from ckptd.protocol.endpoint import default_run_dir
 from ckptd.protocol.errors import CkptdError, DaemonUnavailable
 from ckptd.protocol.messages import Error, SnapshotList, Snapshots, Status, StatusReply, Stop
-from ckptd.protocol.objects import check_url, display, is_object_path, object_url
+from ckptd.protocol.objects import display, is_object_path
 
 from .config import DaemonConfig
+from .options import add_start_options, config_kwargs, detached_argv, path_arg, positive_int, seconds
 from .control import request
 from .render import human_bytes, printable, render_status
 
@@ -41,67 +41,32 @@ def _parser() -> argparse.ArgumentParser:
 
     start = with_run_dir(sub.add_parser("start", help="start this node's daemon"))
     start.add_argument("--foreground", action="store_true", help="run in this process (for supervisors and tests)")
-    start.add_argument("--root", action="append", type=_path_arg, default=None, metavar="DIR",
-                       help="allow checkpoints below DIR (repeatable; default $CKPTD_ROOTS or /)")
-    start.add_argument("--max-concurrent-writes", type=_positive_int, default=2, metavar="N",
-                       help="shard files written at once on this node (default 2)")
-    start.add_argument("--exit-when-idle", type=_seconds, default=None, metavar="SECONDS",
-                       help="exit after this long with no clients and no work")
-    start.add_argument("--buffered-io", action="store_true", help="do not use O_DIRECT")
-    start.add_argument("--keep", action="append", default=None, metavar="DIR=K", type=_keep_arg,
-                       help="retention: keep only the K newest checkpoints in DIR and below (repeatable)")
-    start.add_argument("--mirror", action="append", default=None, metavar="DIR=s3://BUCKET/PREFIX", type=_mirror_arg,
-                       help="upload every checkpoint committed under DIR to the prefix after its commit (repeatable)")
-    start.add_argument("--mirror-keep", type=_positive_int, default=None, metavar="N",
-                       help="keep only the N newest mirrored checkpoints beside each upload on the store")
-    start.add_argument("--max-concurrent-loads", type=_positive_int, default=None, metavar="N",
-                       help="default cap on ranks of this node loading at once (loads that ask for it)")
-    start.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
-                       help="serve Prometheus metrics on this port (needs prometheus-client)")
-    start.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
-                       help="address for --metrics-port (default 127.0.0.1)")
-    start.add_argument("--metrics-textfile", type=Path, default=None, metavar="FILE",
-                       help="write Prometheus metrics to FILE every second")
-    start.add_argument("--sweep", choices=("remove", "move", "off"), default="remove",
-                       help="on start, remove (default), move aside, or keep orphaned .incomplete directories")
-    start.add_argument("--drain-timeout", type=float, default=60.0, metavar="SECONDS",
-                       help="on stop, wait this long for checkpoints still missing ranks (default 60)")
-    start.add_argument("--storage", default=os.environ.get("CKPTD_STORAGE") or None, metavar="MODULE:CLASS",
-                       help="checkpoint storage implementation (default $CKPTD_STORAGE, else the local filesystem)")
-    start.add_argument("--housekeeping-interval", type=_seconds, default=1.0, metavar="SECONDS",
-                       help="how often to look for dead clients and overdue checkpoints (default 1)")
-    start.add_argument("--memory-budget", type=_memory_budget, default=None, metavar="BYTES",
-                       help="node memory for held snapshots, e.g. 8GiB (default: half of /dev/shm's free space, "
-                            "at most a quarter of the RAM)")
-    start.add_argument("--keep-snapshots", type=_positive_int, default=1, metavar="K",
-                       help="newest memory snapshots kept per checkpoint directory (default 1)")
-    start.add_argument("--persist-on-exit", choices=("newest", "never"), default="newest",
-                       help="when a trainer closes or dies, write its newest snapshot to disk (default newest)")
+    add_start_options(start)
     start.add_argument("--quiet", action="store_true", help="with --foreground: log to the log file only")
 
     status = with_run_dir(sub.add_parser("status", help="show what the daemon is doing"))
     status.add_argument("--json", action="store_true", help="print the status snapshot as JSON")
-    status.add_argument("--timeout", type=_seconds, default=5.0, help="seconds to wait for an answer")
+    status.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for an answer")
     status.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
-    status.add_argument("--interval", type=_seconds, default=1.0, help="seconds between redraws with --watch")
-    status.add_argument("--count", type=_positive_int, default=None, help="with --watch: stop after this many redraws")
+    status.add_argument("--interval", type=seconds, default=1.0, help="seconds between redraws with --watch")
+    status.add_argument("--count", type=positive_int, default=None, help="with --watch: stop after this many redraws")
 
     listing = with_run_dir(sub.add_parser("list", help="list the checkpoints under a directory (no daemon needed)"))
-    listing.add_argument("root", type=_path_arg)
+    listing.add_argument("root", type=path_arg)
     listing.add_argument("--json", action="store_true")
 
     verify = with_run_dir(sub.add_parser("verify", help="check a checkpoint's index, headers and checksums"))
-    verify.add_argument("path", type=_path_arg)
+    verify.add_argument("path", type=path_arg)
     verify.add_argument("--json", action="store_true")
 
     inspect = with_run_dir(sub.add_parser("inspect", help="describe a checkpoint without reading tensor data"))
-    inspect.add_argument("path", type=_path_arg)
+    inspect.add_argument("path", type=path_arg)
     inspect.add_argument("--json", action="store_true")
 
     _export_parser(sub)
 
     stop = with_run_dir(sub.add_parser("stop", help="finish in-flight saves, then exit"))
-    stop.add_argument("--timeout", type=_seconds, default=300.0,
+    stop.add_argument("--timeout", type=seconds, default=300.0,
                       help="seconds to wait for the daemon to answer and drain (default 300)")
     return p
 
@@ -135,106 +100,13 @@ def main(argv: list[str] | None = None) -> int:
 def _start(args: argparse.Namespace, run_dir: Path) -> int:
     from .daemon import run_foreground, start_detached
 
-    kwargs = {"run_dir": run_dir, "max_concurrent_writes": args.max_concurrent_writes,
-              "exit_when_idle": args.exit_when_idle, "direct_io": not args.buffered_io,
-              "keep_last": dict(args.keep or []), "sweep": args.sweep,
-              "mirrors": dict(args.mirror or []), "mirror_keep": args.mirror_keep,
-              "max_concurrent_loads": args.max_concurrent_loads, "metrics_port": args.metrics_port,
-              "metrics_addr": args.metrics_addr, "metrics_textfile": args.metrics_textfile,
-              "drain_timeout": args.drain_timeout, "storage": args.storage,
-              "housekeeping_interval": args.housekeeping_interval, "keep_snapshots": args.keep_snapshots,
-              "persist_on_exit": args.persist_on_exit}
-    if args.memory_budget is not None:
-        kwargs["memory_budget"] = args.memory_budget
-    if args.root:
-        kwargs["roots"] = tuple(args.root)
-    config = DaemonConfig(**kwargs, log_to_stderr=args.foreground and not args.quiet)
+    config = DaemonConfig(run_dir=run_dir, **config_kwargs(args), log_to_stderr=args.foreground and not args.quiet)
     if args.foreground:
         run_foreground(config)
         return EXIT_OK
-    argv = ["--run-dir", str(run_dir), "--max-concurrent-writes", str(config.max_concurrent_writes)]
-    argv += [a for r in config.roots for a in ("--root", display(r))]
-    if args.exit_when_idle is not None:
-        argv += ["--exit-when-idle", str(args.exit_when_idle)]
-    if args.buffered_io:
-        argv.append("--buffered-io")
-    argv += [a for d, k in config.keep_last.items() for a in ("--keep", f"{d}={k}")]
-    argv += [a for d, r in config.mirrors.items() for a in ("--mirror", f"{d}={object_url(r)}")]
-    if config.mirror_keep is not None:
-        argv += ["--mirror-keep", str(config.mirror_keep)]
-    argv += ["--sweep", config.sweep, "--drain-timeout", str(config.drain_timeout),
-             "--housekeeping-interval", str(config.housekeeping_interval),
-             "--keep-snapshots", str(config.keep_snapshots), "--persist-on-exit", config.persist_on_exit]
-    if args.memory_budget is not None:
-        argv += ["--memory-budget", str(config.memory_budget)]
-    if config.max_concurrent_loads is not None:
-        argv += ["--max-concurrent-loads", str(config.max_concurrent_loads)]
-    if config.metrics_port is not None:
-        argv += ["--metrics-port", str(config.metrics_port), "--metrics-addr", config.metrics_addr]
-    if config.metrics_textfile is not None:
-        argv += ["--metrics-textfile", str(config.metrics_textfile.absolute())]
-    if config.storage is not None:
-        argv += ["--storage", config.storage]
-    pid = start_detached(argv, run_dir)
+    pid = start_detached(["--run-dir", str(run_dir), *detached_argv(config, args)], run_dir)
     print(f"ckptd started (pid {pid}) on {config.endpoint}")
     return EXIT_OK
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
-    return int(text)
-
-
-def _memory_budget(text: str) -> int:
-    from .export import parse_size
-
-    if text.strip().lstrip("-").isdigit():  # a plain number (0, -1): the range check names the bounds
-        return int(text)
-    try:
-        return parse_size(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of bytes, optionally with a suffix (8GiB, 500MB), "
-                                         f"got {text!r}") from None
-
-
-def _port(text: str) -> int:
-    if not text.strip().isdigit() or not 1 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a TCP port between 1 and 65535, got {text!r}")
-    return int(text)
-
-
-def _keep_arg(text: str) -> tuple[Path, int]:
-    directory, sep, count = text.rpartition("=")
-    if not sep or not directory or not count.isdigit() or int(count) < 1:
-        raise argparse.ArgumentTypeError(f"expected DIR=K with K >= 1, got {text!r}")
-    return Path(directory), int(count)
-
-
-def _path_arg(text: str) -> Path:
-    """A local path or an s3:// URL, checked as the client checks one (``check_url``) before a Path collapses it."""
-    try:
-        check_url(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return Path(text)
-
-
-def _mirror_arg(text: str) -> tuple[Path, Path]:
-    local, sep, remote = text.partition("=")
-    if not sep or not local or not remote.startswith("s3://"):
-        raise argparse.ArgumentTypeError(f"expected DIR=s3://BUCKET/PREFIX, got {text!r}")
-    return Path(local), _path_arg(remote)
 
 
 def _list(args: argparse.Namespace, run_dir: Path) -> int:

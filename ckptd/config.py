@@ -112,9 +112,9 @@ class DaemonConfig:
     persist_on_exit: str = "newest"
     """When the last client of a snapshot's ranks closes or dies, ``newest``
     persists its newest snapshot not yet on disk; ``never`` leaves it in memory only."""
-    storage: str | None = None
-    """``module:Class`` of the checkpoint storage (``ckptd.storage.Storage``);
-    None: the local filesystem. Tests load their fault-injecting one here."""
+    storage: str | None = field(default_factory=lambda: os.environ.get("CKPTD_STORAGE") or None)
+    """``module:Class`` of the checkpoint storage (``ckptd.storage.Storage``); default ``$CKPTD_STORAGE``,
+    else None: the local filesystem. Tests load their fault-injecting one here."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir).absolute()

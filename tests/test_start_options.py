@@ -1,0 +1,58 @@
+"""``ckptd start``'s options have one source: the parser, the config and a detached start's argv agree."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from ckptd.cli import _parser
+from ckptd.config import DaemonConfig
+from ckptd.options import START_OPTIONS, config_kwargs, detached_argv
+
+NOT_OPTIONS = {"run_dir", "log_to_stderr", "chunk_bytes", "space_margin_fraction", "space_margin_bytes",
+               "shm_min_free"}
+"""Config fields that are no start option: the run dir has its own (every command's), the rest are tuning
+knobs the tests and benchmarks set in code."""
+
+
+def _start_args(argv: list[str]) -> argparse.Namespace:
+    return _parser().parse_args(["start", *argv])
+
+
+def test_every_config_field_a_user_sets_is_a_start_option_and_nothing_else_is() -> None:
+    fields = {f.name for f in dataclasses.fields(DaemonConfig)} - NOT_OPTIONS
+    assert {o.field for o in START_OPTIONS} == fields
+
+
+def test_a_detached_start_hands_its_child_exactly_the_config_the_parent_built(tmp_path: Path) -> None:
+    roots = [tmp_path / "a", tmp_path / "b"]
+    for r in roots:
+        r.mkdir()
+    argv = ["--root", str(roots[0]), "--root", str(roots[1]), "--max-concurrent-writes", "3",
+            "--exit-when-idle", "2.5", "--buffered-io", "--keep", f"{roots[0]}=4", "--max-concurrent-loads", "2",
+            "--metrics-textfile", str(tmp_path / "m.prom"), "--sweep", "move", "--drain-timeout", "7.25",
+            "--housekeeping-interval", "0.5", "--memory-budget", "64MiB", "--keep-snapshots", "2",
+            "--persist-on-exit", "never", "--metrics-addr", "0.0.0.0"]
+    parent = DaemonConfig(run_dir=tmp_path / "run", **config_kwargs(_start_args(argv)))
+    child_argv = detached_argv(parent, _start_args(argv))
+    child = DaemonConfig(run_dir=tmp_path / "run", **config_kwargs(_start_args(child_argv)))
+    assert dataclasses.asdict(child) == dataclasses.asdict(parent)
+    assert parent.direct_io is False and parent.memory_budget == 64 << 20 and parent.drain_timeout == 7.25
+    assert "--metrics-port" not in child_argv  # not given: the child applies the default itself
+
+
+def test_options_not_given_leave_the_configs_own_defaults(tmp_path: Path) -> None:
+    built = DaemonConfig(run_dir=tmp_path, **config_kwargs(_start_args(["--root", str(tmp_path)])))
+    default = DaemonConfig(run_dir=tmp_path, roots=(tmp_path,))
+    assert dataclasses.asdict(built) | {"memory_budget": 0} == dataclasses.asdict(default) | {"memory_budget": 0}
+
+
+def test_the_help_quotes_the_configs_defaults() -> None:
+    text = _parser()._subparsers._group_actions[0].choices["start"].format_help()  # type: ignore[union-attr]
+    flat = " ".join(text.split())
+    for option in START_OPTIONS:
+        default = option.default_text()
+        if default:
+            assert f"(default {default})" in flat, option.flag
+    assert "(default 60)" in flat and "(default remove)" in flat
