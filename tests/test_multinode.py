@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import ckptd
 
-from helpers import short_tempdir, start_daemon, wait_for_ranks
+from helpers import join_ranks, short_tempdir, start_daemon, wait_for_ranks
 from zygote import start_ranks
 
 WORLD = 4
@@ -78,7 +78,7 @@ def test_two_nodes_commit_once_and_a_dead_daemon_fails_every_rank_then_recovers(
         wait_for_ranks(out, "settled", WORLD, ctx, deadline, "the doomed save never ended on every rank")
         daemon_b = start_daemon(run_b, root)
         (out / "restarted").touch()
-        ctx.join(120)
+        join_ranks(ctx, time.monotonic() + 120)
     finally:
         for p in ctx.processes:
             if p.is_alive():

@@ -127,7 +127,8 @@ def test_snapshots_are_held_not_written_and_the_pool_reuses_released_slots(daemo
 def test_a_snapshot_missing_on_one_rank_is_never_chosen_and_the_complete_one_is_kept(
     daemon, client_factory, root, run_dir
 ) -> None:
-    rank0, rank1 = (client_factory(rank=r, world_size=2, commit_timeout=3) for r in (0, 1))
+    # long enough to see the lonely snapshot held (and not chosen) before it fails, on a loaded machine too
+    rank0, rank1 = (client_factory(rank=r, world_size=2, commit_timeout=10) for r in (0, 1))
     states = [{"r": torch.full((1000,), r), "step": 1} for r in (0, 1)]
     futures = [c.save_async(s, root / "s1", step=1, persist=False) for c, s in zip((rank0, rank1), states)]
     assert [f.result(30).path for f in futures] == [root / "s1"] * 2
