@@ -94,7 +94,7 @@ def test_two_nodes_commit_once_and_a_dead_daemon_fails_every_rank_then_recovers(
         assert log["doomed_s"] < 30
         assert log["after"] == str(root / "after")
     assert not (root / "doomed").exists()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while (root / "doomed.incomplete").exists():
         assert time.monotonic() < deadline, "the aborted checkpoint was not cleaned up"
         time.sleep(0.05)
