@@ -13,6 +13,8 @@ which the next start-up sweep removes.
 from __future__ import annotations
 
 import logging
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME
@@ -54,6 +56,44 @@ def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: s
         deleted.append(victim)
         log.info("event=retention_deleted path=%s", victim)
     return deleted
+
+
+@dataclass(frozen=True)
+class Retention:
+    """One request to apply retention beside ``newest``, with the saves in flight when it was made."""
+
+    newest: Path
+    keep_last: int
+    in_flight: frozenset[Path]
+
+
+class RetentionQueue:
+    """At most one retention run waiting per directory (and ``keep_last``): a newer request replaces it.
+
+    Retention runs on the daemon's one maintenance thread. On a busy node
+    that thread falls behind the commits, and one run queued per commit made
+    the backlog, and the checkpoints it had yet to delete, grow without bound.
+    One run for the newest checkpoint does what the runs waiting for older
+    ones would have done, so those need not run. A run that has started is
+    never replaced: a request made meanwhile gets a run of its own after it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[tuple[Path, int], Retention] = {}
+
+    def offer(self, request: Retention) -> tuple[Path, int] | None:
+        """Queue ``request``; the key to ``take`` it by if a run must be submitted, None if one is waiting."""
+        key = (request.newest.parent, request.keep_last)
+        with self._lock:
+            waiting = key in self._waiting
+            self._waiting[key] = request
+        return None if waiting else key
+
+    def take(self, key: tuple[Path, int]) -> Retention:
+        """What a run starting now does: the newest request offered under ``key``."""
+        with self._lock:
+            return self._waiting.pop(key)
 
 
 def deleting_path(path: Path) -> Path:

@@ -36,7 +36,7 @@ from .admission import Examined, check_room, examine
 from .commit import CheckpointState, PendingCheckpoint, resolve_path
 from .config import DaemonConfig
 from .mirror import Mirrors
-from .retention import apply_retention
+from .retention import Retention, RetentionQueue, apply_retention
 from .state import NodeState
 from .storage import Storage
 from .sweep import KnownDirs
@@ -65,6 +65,7 @@ class Saves:
         self.mirrors = mirrors
         self.send = send
         self.known_dirs = known_dirs
+        self.retentions = RetentionQueue()
         self.on_end: Callable[[Path, CkptdError | None], None] = lambda path, error: None
         """Told when a checkpoint commits (None) or fails (why): the memory tier marks a persisted snapshot."""
 
@@ -249,13 +250,19 @@ class Saves:
             self.retain(pending.path, keep)
 
     def retain(self, newest: Path, keep: int) -> None:
-        """Retention beside ``newest`` on the maintenance thread; never deletes what the mirror lacks."""
-        in_flight = set(self.state.commits.pending)
+        """Retention beside ``newest`` on the maintenance thread; never deletes what the mirror lacks.
+
+        A run still waiting for the thread there does this request instead (``RetentionQueue``).
+        """
+        key = self.retentions.offer(Retention(newest, keep, frozenset(self.state.commits.pending)))
+        if key is None:
+            return
         mirrors = self.mirrors
 
         def run() -> list[Path]:
-            unmirrored = mirrors.unmirrored_beside(newest) if mirrors is not None else set()
-            return apply_retention(self.storage, newest, keep, in_flight | unmirrored)
+            request = self.retentions.take(key)
+            unmirrored = mirrors.unmirrored_beside(request.newest) if mirrors is not None else set()
+            return apply_retention(self.storage, request.newest, request.keep_last, set(request.in_flight) | unmirrored)
 
         self.workers.submit("maintenance", run, lambda f: self._retention_done(newest, f))
 

@@ -199,11 +199,15 @@ class Client:
         check_bool("block", block)
         check_bool("persist", persist)
         flat = flatten(state_dict, replicated=replicated, rank=self.rank)
-        self._reconnect_if_lost()
         acquired = self._inflight.acquire(timeout=self.commit_timeout) if block else self._inflight.acquire(False)
         if not acquired:  # never block a training loop forever, even on a hung filesystem
             waited = f" for {self.commit_timeout:g} s" if block else ""
             raise Busy(f"{self.max_inflight} save(s) still in flight{waited}; wait for one or raise max_inflight")
+        try:  # after the wait for a place: the save that held it may have failed because the daemon was lost
+            self._reconnect_if_lost()
+        except BaseException:
+            self._inflight.release()
+            raise
         fut = SaveFuture()
         with self._lock:
             self._futures.add(fut)

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from ckptd.protocol.endpoint import LOG_NAME, SOCKET_NAME, SPAWN_LOCK_NAME
+from ckptd.protocol.endpoint import LOG_NAME, SOCKET_NAME, SPAWN_LOCK_NAME, running_daemon_pid
 from ckptd.protocol.errors import DaemonUnavailable
 from ckptd.protocol.request import answers
 
@@ -34,6 +34,12 @@ def ensure_daemon(run_dir: Path, endpoint: str, *, spawn: bool, timeout: float =
     if answers(endpoint, timeout=timeout):
         return
     if not spawn:
+        pid = running_daemon_pid(endpoint)
+        if pid is not None:  # alive but silent: starting one would not help, waiting may
+            raise DaemonUnavailable(
+                f"the ckptd daemon at {endpoint} (pid {pid}) is running but did not answer within {timeout:g} s: "
+                f"it is stopped or starved of CPU; see {run_dir / LOG_NAME}, and retry once it answers"
+            )
         raise DaemonUnavailable(
             f"no ckptd daemon answers at {endpoint}; start one with `ckptd start --run-dir {run_dir}` "
             "or create the client with spawn=True"

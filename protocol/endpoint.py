@@ -59,6 +59,21 @@ def no_daemon_at(endpoint: str) -> str | None:
     return leftover_socket(sock)
 
 
+def running_daemon_pid(endpoint: str) -> int | None:
+    """The pid of the live daemon that owns ``endpoint``'s socket, or None (none, or not an ``ipc://`` endpoint).
+
+    Tells a daemon that is alive but does not answer (stopped, or starved on
+    a loaded node) from one that is gone, so the error can say which.
+    """
+    if not endpoint.startswith("ipc://") or no_daemon_at(endpoint) is not None:
+        return None
+    try:
+        text = (Path(endpoint[len("ipc://") :]).parent / PID_NAME).read_text().strip()
+    except OSError:  # it exited just now
+        return None
+    return int(text) if text.isdigit() else None
+
+
 def leftover_socket(sock: Path) -> str | None:
     """Why the daemon socket ``sock`` is a dead daemon's leftover, or None if a daemon may own it.
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd.storage import LocalStorage, Space
+from ckptd.storage import Entry, LocalStorage, Space
 
 log = logging.getLogger("ckptd")
 SPEC = "tests.faults:FaultyStorage"
@@ -30,7 +30,9 @@ class Fault:
 
     ``op`` is one of open, write, fsync, write_file, fsync_dir, rename,
     exchange (the swap of an overwrite; its path is the final name), touch
-    (owner markers), unlink, remove_tree, and space: the filesystem reports
+    (owner markers), unlink, remove_tree, resolve (a checkpoint's parent, on the
+    daemon's admit pool), scandir (a directory listed: retention lists the
+    checkpoints' directory), and space: the filesystem reports
     no free space (until the ``wait_for`` file exists, if one is named). Each fault that acts logs
     ``event=fault`` first, so a test can tell which call it hit.
     """
@@ -118,6 +120,12 @@ class FaultyStorage(LocalStorage):
 
     def unlink(self, path: Path) -> None:
         self._around("unlink", str(path), super().unlink, path)
+
+    def scandir(self, path: Path) -> list[Entry]:
+        return self._around("scandir", str(path), super().scandir, path)
+
+    def resolve(self, path: Path) -> Path:
+        return self._around("resolve", str(path), super().resolve, path)
 
     def space(self, path: Path) -> Space:
         room = super().space(path)

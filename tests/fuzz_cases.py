@@ -27,17 +27,21 @@ NORMAL_REPLY = {
     "bye": "ok",
     "lease": "granted",
     "release": "ok",
+    "snapshot": "accepted",
+    "persist": "done",
+    "snapshots": "snapshot_list",
 }
-FINAL_REPLIES = {"done", "error", "durable"}
-"""What may follow an ``accepted``: the commit's outcome (or, coordinated, its shard's durability)."""
+FINAL_REPLIES = {"done", "error", "durable", "held"}
+"""What may follow an ``accepted``: the commit's outcome (or, coordinated, its shard's durability; for a
+snapshot, that it is held)."""
 REPLY_TYPES = ["welcome", "accepted", "done", "durable", "error", "status_reply", "pong", "ok", "granted"]
 NEVER_SENT = {"stop"}
 """The one request that may stop the daemon; the fuzzer does not send it."""
 SILENT_WHEN_VALID = {"staged"}
 """Notices: a valid one gets no reply at all (an invalid one gets its Error)."""
-LATE_FIRST_REPLY = {"commit", "finalize", "abort", "status", "lease"}
+LATE_FIRST_REPLY = {"commit", "snapshot", "finalize", "abort", "persist", "status", "lease"}
 """Requests whose one reply may come after later requests are answered (their I/O runs on the daemon's
-worker pools; the lease queue)."""
+worker pools: admission, and the path resolution of finalize, abort and persist; the lease queue)."""
 COMMIT_FIELDS = {f.name for f in dataclasses.fields(Commit)} - {"id"}
 
 

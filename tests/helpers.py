@@ -102,10 +102,11 @@ class Daemon:
 
 
 def raw_socket(daemon: Daemon) -> zmq.Socket:
-    """A DEALER on the daemon's endpoint that waits at most 5 s for a reply (for hand-made requests)."""
+    """A DEALER on the daemon's endpoint that waits at most 30 s for a reply (for hand-made requests;
+    generous, as a loaded node may take seconds to answer)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
     sock.connect(daemon.endpoint)
     return sock
 
@@ -221,3 +222,14 @@ def wait_for_ranks(out: Path, marker: str, count: int, ctx: Any, deadline: float
         assert time.monotonic() < deadline, what
         assert all(p.exitcode in (None, 0) for p in ctx.processes), "a rank crashed"
         time.sleep(0.05)
+
+
+def join_ranks(ctx: Any, deadline: float, what: str = "the ranks did not finish") -> None:
+    """Until every rank process of ``ctx`` has exited; fails at ``deadline`` (monotonic) with ``what``.
+
+    ``ProcessContext.join(timeout)`` returns after the first rank's exit, not the last: joined once, the
+    slower rank is still running (and is then killed by the test's clean-up before it wrote its results).
+    It raises at once when a rank exited with an error.
+    """
+    while not ctx.join(max(0.1, min(5.0, deadline - time.monotonic()))):
+        assert time.monotonic() < deadline, what

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from helpers import join_ranks
 from zygote import start_ranks
 
 
@@ -91,8 +92,7 @@ def run_ranks(fn: Callable, world: int, tmp: Path, name: str, *args: Any) -> lis
     ctx = start_ranks(fn, (world, str(init), *args), world)
     deadline = time.monotonic() + 300
     try:
-        while not ctx.join(5):  # returns after each rank's exit; raises if one failed
-            assert time.monotonic() < deadline, "the ranks did not finish"
+        join_ranks(ctx, deadline)
     finally:
         for p in ctx.processes:
             if p.is_alive():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from helpers import ckptd_cli
+from helpers import ckptd_cli, wait_until
 
 
 def test_status_exits_zero_and_prints_a_readable_table(daemon) -> None:
@@ -76,7 +76,6 @@ def test_status_watch_redraws_with_progress_bars_while_a_save_runs(daemon_factor
 
 def test_prometheus_metrics_are_served_and_written_to_a_textfile(daemon_factory, client_factory, root, tmp_path) -> None:
     import socket
-    import time
     import urllib.request
 
     import torch
@@ -87,8 +86,12 @@ def test_prometheus_metrics_are_served_and_written_to_a_textfile(daemon_factory,
     textfile = tmp_path / "ckptd.prom"
     daemon_factory("--metrics-port", str(port), "--metrics-textfile", str(textfile))
     client_factory().save_async({"w": torch.ones(1000)}, root / "c").result(30)
-    time.sleep(1.5)  # the snapshot is taken once a second
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    scrape = lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()  # noqa: E731
+    # the snapshot is taken once a second, the textfile written with it
+    wait_until(lambda: "ckptd_checkpoints_committed_total 1.0" in scrape(), 60, "the commit in the served metrics")
+    wait_until(lambda: textfile.exists() and "ckptd_checkpoints_committed_total 1.0" in textfile.read_text(), 60,
+               "the commit in the textfile")
+    body = scrape()
     assert "ckptd_up 1.0" in body
     assert "ckptd_checkpoints_committed_total 1.0" in body
     assert f'ckptd_root_free_bytes{{root="{root}"}}' in body

@@ -101,7 +101,7 @@ def test_a_daemon_killed_at_any_point_of_a_save_leaves_the_path_absent_or_whole_
     later = make_state(3)
     client.save_async(later, root / "after-restart", step=3).result(30)
     assert_whole(root / "after-restart", {0: later})
-    wait_until(lambda: not leftovers(root), 5,
+    wait_until(lambda: not leftovers(root), 60,
                lambda: f"the start-up sweep removes the dead daemon's leftovers; still there: {leftovers(root)}")
     # and the save that was cut short can be made again
     retry = make_state(4)
@@ -142,7 +142,7 @@ def test_a_daemon_killed_while_overwriting_leaves_the_old_or_the_new_checkpoint_
     assert ckptd.latest(root) == final
 
     daemon_factory()
-    wait_until(lambda: not leftovers(root) and not markers(final), 5,
+    wait_until(lambda: not leftovers(root) and not markers(final), 60,
                lambda: f"the start-up sweep removes the dead daemon's leftovers; still there: "
                        f"{leftovers(root)}, markers {markers(final)}")
     newer = make_state(7)
@@ -185,10 +185,10 @@ def test_a_daemon_killed_inside_retention_leaves_every_checkpoint_whole_or_gone_
         assert not (root / "step-1").exists(), f"killed {point}, the victim is still visible"
 
     daemon_factory()
-    wait_until(lambda: not leftovers(root) and not any(markers(p) for p in root.iterdir()), 5,
+    wait_until(lambda: not leftovers(root) and not any(markers(p) for p in root.iterdir()), 60,
                lambda: f"the start-up sweep removes the half-deleted victim; still there: {sorted(os.listdir(root))}")
     client.save_async(make_state(3), root / "step-3", step=3, keep_last=1).result(30)
-    wait_until(lambda: sorted(os.listdir(root)) == ["step-3"], 10,
+    wait_until(lambda: sorted(os.listdir(root)) == ["step-3"], 60,
                lambda: f"retention deletes every older checkpoint; there: {sorted(os.listdir(root))}")
 
 
@@ -204,7 +204,7 @@ def test_every_pending_save_fails_within_seconds_when_the_daemon_dies_and_save_a
     daemon = daemon_factory(faults=SLOW)
     client = client_factory(heartbeat=0.2, timeout=5.0, max_inflight=3)
     futures = [client.save_async(make_state(i), root / f"slow-{i}") for i in range(3)]
-    wait_until(lambda: len(daemon.status()["saves"]) == 3, 10, "three saves in flight")
+    wait_until(lambda: len(daemon.status()["saves"]) == 3, 60, "three saves in flight")
     daemon.kill()  # SIGKILL and reap
     for fut in futures:  # "died": seen as a death, not after the 5 s silence timeout
         with pytest.raises(ckptd.DaemonUnavailable, match="died"):
@@ -221,7 +221,7 @@ def test_every_pending_save_fails_within_seconds_when_the_daemon_dies_and_save_a
     state = make_state(10)
     client.save_async(state, root / "after", step=10).result(30)
     assert_whole(root / "after", {0: state})
-    wait_until(lambda: not leftovers(root), 10, "the sweep removes the killed saves' directories")
+    wait_until(lambda: not leftovers(root), 60, "the sweep removes the killed saves' directories")
 
 
 @pytest.mark.timeout(60)
@@ -252,14 +252,13 @@ def test_a_frozen_daemon_fails_pending_saves_after_the_timeout_and_save_async_re
     os.kill(daemon.proc.pid, signal.SIGSTOP)
     try:
         first = client.save_async(make_state(2), root / "frozen-1")
-        # the only in-flight place is taken: this call waits, but only until the first fails
-        # (the test's timeout catches a call that waits forever)
-        second = client.save_async(make_state(3), root / "frozen-2")
+        # the only in-flight place is taken: this call waits, but only until the first fails (the test's
+        # timeout catches a call that waits forever); then it finds the daemon alive but silent, and says so
+        with pytest.raises(ckptd.DaemonUnavailable, match=rf"\(pid {daemon.proc.pid}\) is running but did not answer"):
+            client.save_async(make_state(3), root / "frozen-2")
         assert first.done(), "the second save_async returned while the first still held the only place"
         with pytest.raises(ckptd.DaemonUnavailable, match="not answered"):
             first.result(10)
-        with pytest.raises(ckptd.DaemonUnavailable):
-            second.result(10)
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)
     # thawed, it answers again and the client reconnects; what it did meanwhile is all or nothing.
@@ -270,9 +269,9 @@ def test_a_frozen_daemon_fails_pending_saves_after_the_timeout_and_save_async_re
     state = make_state(4)
     client.save_async(state, root / "thawed", step=4).result(30)
     assert_whole(root / "thawed", {0: state})
-    for name in ("frozen-1", "frozen-2"):
-        if (root / name).exists():
-            assert ckptd.read_index(root / name).world_size == 1
+    if (root / "frozen-1").exists():  # the daemon had it: it may have committed it once thawed
+        assert ckptd.read_index(root / "frozen-1").world_size == 1
+    assert not (root / "frozen-2").exists()  # refused before it was sent
 
 
 @pytest.mark.timeout(90)
@@ -300,7 +299,7 @@ def test_with_spawn_a_save_after_the_daemon_died_respawns_one_and_succeeds(run_d
         out = subprocess.run([sys.executable, "-m", "ckptd", "stop", "--run-dir", str(run_dir)],
                              capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    wait_until(lambda: not leftovers(root), 10, "the respawned daemon swept the killed save's directory")
+    wait_until(lambda: not leftovers(root), 60, "the respawned daemon swept the killed save's directory")
 
 
 # -- 5. disks that fail or fill up ---------------------------------------------
@@ -327,7 +326,7 @@ def test_an_io_error_fails_the_save_with_write_failed_removes_its_bytes_and_the_
     client.save_async(before, root / "before").result(30)
     with pytest.raises(ckptd.WriteFailed, match=os.strerror(fault["errno"])):
         client.save_async(make_state(2, mib=20), root / NAME).result(30)
-    wait_until(lambda: not leftovers(root), 10, "the failed save's directory is removed")
+    wait_until(lambda: not leftovers(root), 60, "the failed save's directory is removed")
     assert sorted(p.name for p in root.iterdir()) == ["before"]
     assert any(NAME in e["message"] for e in daemon.status()["errors"])
     after = make_state(3)
@@ -382,14 +381,14 @@ def test_a_disk_that_fills_up_during_the_write_fails_the_save_cleanly_and_gets_i
     free_before = free_bytes(root)
     nbytes = free_before - MARGIN - 2**20  # just under what admission allows
     fut = client.save_async(big_state(nbytes), root / "too-big")
-    wait_until(lambda: any("/too-big" in s["path"] for s in daemon.status()["saves"]), 10,
+    wait_until(lambda: any("/too-big" in s["path"] for s in daemon.status()["saves"]), 60,
                "the big save is admitted")
     fill(root / "filler", 100 * 2**20)
     free_filled = free_bytes(root)
     assert free_filled < nbytes
     with pytest.raises(ckptd.WriteFailed, match="No space left on device"):
         fut.result(30)
-    wait_until(lambda: not leftovers(root), 10, "the partial shard is removed")
+    wait_until(lambda: not leftovers(root), 60, "the partial shard is removed")
     assert not (root / "too-big").exists()
     assert free_bytes(root) == free_filled, "the partial write's space must be given back"
     (root / "filler").unlink()

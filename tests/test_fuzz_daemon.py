@@ -36,10 +36,11 @@ import zmq
 import ckptd
 from ckptd.protocol.errors import ErrorCode
 from ckptd.protocol.layout import TensorEntry
-from ckptd.protocol.messages import Error, Hello, Status, StatusReply, decode
+from ckptd.protocol.messages import Error, Hello, Persist, Status, StatusReply, decode
 
 from fuzz_arena import PID, SLOT_BASE, UID, cap_memory, commit_fields, make_arena, make_commit, slot_name, staged_slot
-from fuzzing import run_fuzz
+from fuzz_cases import Case
+from fuzzing import Fuzzer, run_fuzz
 from helpers import SHM, raw_socket, short_tempdir, start_daemon
 
 
@@ -83,10 +84,10 @@ def test_a_slot_name_that_is_a_fifo_is_refused_without_blocking_the_daemon(daemo
     try:
         commit = make_commit(**commit_fields(2, fifo.name, 4096, 4096, (), str(root / "fifo")))
         sock.send(commit.to_wire())
-        if not sock.poll(5000):
+        if not sock.poll(30_000):
             # unblock the daemon (it is stuck in open(2) for reading) so the teardown can stop it
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-            pytest.fail("the daemon blocked opening a FIFO named as a slot and answered nothing for 5 s")
+            pytest.fail("the daemon blocked opening a FIFO named as a slot and answered nothing for 30 s")
         reply = decode(sock.recv())
         assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_SLOT, reply
         assert isinstance(ask(sock, Status(3)), StatusReply)
@@ -123,6 +124,39 @@ def test_a_path_with_a_name_longer_than_name_max_is_refused_with_a_typed_error(d
 
 
 @pytest.mark.timeout(60)
+def test_the_fuzzer_takes_a_persist_answered_after_its_ping_as_its_one_reply(daemon_factory, root, tmp_path) -> None:
+    # A persist's path is resolved on the daemon's admit pool (one thread, in order), so its answer may
+    # follow the fuzzer's ping: held up here behind another persist whose path resolution waits for ``gate``.
+    gate = tmp_path / "gate"
+    daemon = daemon_factory(faults=[{"op": "resolve", "match": "held-up", "errno": 0, "wait_for": str(gate)}])
+    other = raw_socket(daemon)
+    assert ask(other, Hello(1, PID, UID, "fuzz")).type == "welcome"
+    other.send(Persist(2, str(root / "held-up" / "snap")).to_wire())
+    arena = make_arena(root, tmp_path / "outside")
+    fuzzer = Fuzzer(daemon, arena)
+    before_pong: list[list] = []
+    collect = fuzzer.answers_before_pong
+
+    def then_open_the_gate(case: Case) -> list:
+        before_pong.append(collect(case))
+        gate.touch()
+        return before_pong[-1]
+
+    fuzzer.answers_before_pong = then_open_the_gate  # type: ignore[method-assign]
+    doc = {"v": 1, "type": "persist", "id": 3111, "path": "/"}
+    try:
+        fuzzer.run(Case([msgpack.packb(doc)], "persist", 3111, True, doc))
+    finally:
+        fuzzer.close()
+        arena.close()
+    assert before_pong[0] == [], "the persist was answered before the ping: nothing here was late"
+    assert fuzzer.counts["error PATH_NOT_ALLOWED"] == 1, fuzzer.counts
+    late = decode(other.recv())  # the held-up persist: no snapshot is held there
+    other.close()
+    assert isinstance(late, Error) and late.id == 2 and "holds no snapshot" in late.message, late
+
+
+@pytest.mark.timeout(60)
 def test_a_checkpoint_path_equal_to_the_root_is_refused_and_nothing_is_written_beside_the_root(
     client, root, tmp_path
 ) -> None:
@@ -154,21 +188,21 @@ def test_a_commit_for_a_huge_world_size_neither_hangs_nor_exhausts_the_daemon(da
         wire = {**fields, "world_size": 2**62, "v": 1, "type": "commit", "staged": arena.nbytes,
                 "tensors": [[e.name, e.dtype, list(e.shape), e.begin, e.end] for e in table]}
         sock.send(msgpack.packb(wire))
-        assert sock.poll(3000), "no answer to a commit for 2^62 ranks"
+        assert sock.poll(30_000), "no answer to a commit for 2^62 ranks"
         reply = decode(sock.recv())
         assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_MESSAGE, reply
         time.sleep(2.5)  # two housekeeping rounds, which look for ranks that never committed
         assert daemon.proc.poll() is None, (
             f"the daemon exited ({daemon.proc.poll()}): {daemon.proc.stderr.read().decode(errors='replace')[-1200:]}")
         sock.send(Status(3).to_wire())
-        assert sock.poll(3000), "the daemon stopped answering after a commit for 2^62 ranks"
+        assert sock.poll(30_000), "the daemon stopped answering after a commit for 2^62 ranks"
         while (reply := decode(sock.recv())).type != "status_reply":
             pass
         finalize = {"v": 1, "type": "finalize", "id": 4, "path": str(root / "huge2"), "world_size": 2**40,
                     "step": None, "overwrite": False, "keep_last": None,
                     "files": [["rank-00000-of-00001.safetensors", 0, 4096, 0, 0]]}
         sock.send(msgpack.packb(finalize))
-        assert sock.poll(3000), "the daemon stopped answering after a finalize for 2^40 ranks"
+        assert sock.poll(30_000), "the daemon stopped answering after a finalize for 2^40 ranks"
         reply = decode(sock.recv())
         assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_MESSAGE, reply
         sock.close()

@@ -70,7 +70,7 @@ def run_load(daemon, client_factory, root: Path, *, clients: int, saves: int, ma
     warm = client_factory()
     warm.save_async(state_for(99, 0, 2**20), root / "warm").result(30)
     warm.close()
-    wait_until(lambda: not daemon.status()["clients"], 10, "the warm-up client is gone")
+    wait_until(lambda: not daemon.status()["clients"], 60, "the warm-up client is gone")
     baseline = Footprint.of(daemon.proc.pid)
 
     poller = StatusPoller(daemon)

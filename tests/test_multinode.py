@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import ckptd
 
-from helpers import short_tempdir, start_daemon, wait_for_ranks
+from helpers import join_ranks, short_tempdir, start_daemon, wait_for_ranks
 from zygote import start_ranks
 
 WORLD = 4
@@ -87,7 +87,7 @@ def test_two_nodes_commit_once_and_a_dead_daemon_fails_every_rank_then_recovers(
         wait_for_ranks(out, "settled", WORLD, ctx, deadline, "the doomed save never ended on every rank")
         daemon_b = start_daemon(run_b, root)
         (out / "restarted").touch()
-        ctx.join(120)
+        join_ranks(ctx, time.monotonic() + 120)
     finally:
         for p in ctx.processes:
             if p.is_alive():
@@ -105,7 +105,7 @@ def test_two_nodes_commit_once_and_a_dead_daemon_fails_every_rank_then_recovers(
         assert log["doomed_s"] < 30
         assert log["after"] == str(root / "after")
     assert not (root / "doomed").exists() and not (root / "mixed").exists()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while (root / "doomed.incomplete").exists():
         assert time.monotonic() < deadline, "the aborted checkpoint was not cleaned up"
         time.sleep(0.05)

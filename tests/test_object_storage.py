@@ -178,8 +178,11 @@ def test_a_mirror_uploads_committed_checkpoints_index_last_and_keeps_its_own_ret
         client.save_async(state(seed=step), root / f"step-{step}", step=step).result(30)
     wait_until(lambda: daemon.status()["mirror"]["uploaded"] == 3, timeout=60,
                what=lambda: f"three uploads (status: {daemon.status()['mirror']})")
+    # the mirror's retention (--mirror-keep 2) runs after the third upload is counted
+    mirrored = lambda: sorted({k.split("/")[1] for k in keys(s3, bucket, "mirror/")})  # noqa: E731
+    wait_until(lambda: mirrored() == ["step-2", "step-3"], timeout=60,
+               what=lambda: f"step-1 off the mirror: {mirrored()}")
     assert ckptd.load(ckptd.latest(f"s3://{bucket}/mirror"))["step"] == 3
-    assert sorted({k.split("/")[1] for k in keys(s3, bucket, "mirror/")}) == ["step-2", "step-3"]  # --mirror-keep 2
     assert sorted(p.name for p in root.iterdir()) == ["step-1", "step-2", "step-3"]  # local retention is its own
     recent = daemon.status()["mirror"]["recent"][-1]
     assert recent["state"] == "uploaded" and recent["sent"] == recent["total"] > 0
@@ -231,7 +234,7 @@ def test_local_retention_keeps_a_checkpoint_whose_upload_has_not_finished(s3, bu
 
 def test_a_failed_save_removes_what_it_wrote_to_the_bucket(s3, bucket, daemon_factory, client_factory, root) -> None:
     daemon_factory("--root", f"s3://{bucket}")
-    rank0 = client_factory(rank=0, world_size=2, commit_timeout=1.0)
+    rank0 = client_factory(rank=0, world_size=2, commit_timeout=10.0)  # time to see rank 0's shard uploaded
     url = f"s3://{bucket}/run/step-1"
     fut = rank0.save_async(state(seed=1), url, step=1)
     wait_until(lambda: "run/step-1/rank-00000-of-00002.safetensors" in keys(s3, bucket), what="rank 0's shard uploaded")

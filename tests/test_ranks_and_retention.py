@@ -19,10 +19,10 @@ SLOW = [{"op": "write", "match": "slow", "errno": 0, "delay": 1.0}]
 def test_four_ranks_on_one_node_commit_once_after_all_are_durable(daemon, client_factory, root) -> None:
     clients = [client_factory(rank=r, world_size=4) for r in range(4)]
     futures = [c.save_async({"r": torch.tensor(r)}, root / "ckpt", step=5) for r, c in enumerate(clients[:3])]
-    time.sleep(0.5)
+    durable = lambda: [c["ranks_durable"] for c in daemon.status()["checkpoints"]]  # noqa: E731
+    wait_until(lambda: durable() == [3], 60, lambda: f"three ranks durable: {durable()}")
     assert not any(f.done() for f in futures), "no rank may resolve before every rank is durable"
     assert not (root / "ckpt").exists()
-    assert daemon.status()["checkpoints"][0]["ranks_durable"] == 3
     futures.append(clients[3].save_async({"r": torch.tensor(3)}, root / "ckpt", step=5))
     results = [f.result(30) for f in futures]
     assert {r.path for r in results} == {root / "ckpt"}
@@ -43,8 +43,9 @@ def test_ranks_come_from_torchrun_environment(daemon, run_dir, monkeypatch) -> N
 
 
 def test_a_rank_that_never_commits_fails_every_rank_naming_it(daemon, client_factory, root) -> None:
-    a = client_factory(rank=0, world_size=3, commit_timeout=1.0)
-    b = client_factory(rank=2, world_size=3, commit_timeout=1.0)
+    # long enough for both to commit on a loaded machine: only rank 1 must be missing
+    a = client_factory(rank=0, world_size=3, commit_timeout=5.0)
+    b = client_factory(rank=2, world_size=3, commit_timeout=5.0)
     fa = a.save_async({"x": 1}, root / "ckpt")
     fb = b.save_async({"x": 2}, root / "ckpt")
     for fut in (fa, fb):
@@ -87,11 +88,16 @@ def test_backpressure_blocks_or_raises_busy_and_status_shows_the_wait(daemon_fac
     assert not (root / "slow-x").exists()
 
 
-def test_write_slots_cap_concurrent_writes_node_wide_fifo(daemon_factory, client_factory, root) -> None:
-    daemon = daemon_factory("--max-concurrent-writes", "1", faults=SLOW)
-    futures = [client_factory().save_async({"w": torch.ones(10)}, root / f"slow-{i}") for i in range(3)]
-    writes = daemon.status()["writes"]
-    assert (writes["max_concurrent"], writes["writing"], writes["queued"]) == (1, 1, 2)
+def test_write_slots_cap_concurrent_writes_node_wide_fifo(daemon_factory, client_factory, root, tmp_path) -> None:
+    gate = tmp_path / "gate"  # the first write waits for it: the other two queue behind it however slow the node
+    daemon = daemon_factory("--max-concurrent-writes", "1",
+                            faults=[{"op": "write", "match": "slow-0", "errno": 0, "wait_for": str(gate)}, *SLOW])
+    clients = [client_factory() for _ in range(3)]
+    futures = [c.save_async({"w": torch.ones(10)}, root / f"slow-{i}") for i, c in enumerate(clients)]
+    writes = lambda: {k: daemon.status()["writes"][k] for k in ("max_concurrent", "writing", "queued")}  # noqa: E731
+    wait_until(lambda: writes() == {"max_concurrent": 1, "writing": 1, "queued": 2}, 30,
+               lambda: f"one write at a time, two queued: {writes()}")
+    gate.touch()
     finished = []
     for i, f in enumerate(futures):
         f.add_done_callback(lambda _, i=i: finished.append(i))
@@ -112,6 +118,29 @@ def test_retention_never_deletes_the_checkpoint_just_committed(client, root) -> 
     client.save_async({"s": 10}, root / "step-10", step=10).result(30)
     client.save_async({"s": 5}, root / "rewound-5", step=5, keep_last=1).result(30)
     wait_until(lambda: [p.name for p in root.iterdir()] == ["rewound-5"])
+
+
+def test_retention_that_fell_behind_the_commits_catches_up_in_one_run_for_the_newest(
+    daemon_factory, client_factory, root, tmp_path
+) -> None:
+    # The one maintenance thread is held in the first retention's listing of run/ (until ``gate`` exists)
+    # while twenty more commits there ask for retention: a busy node's thread falling behind.
+    run, gate = root / "run", tmp_path / "gate"
+    run.mkdir()
+    daemon = daemon_factory(faults=[{"op": "scandir", "match": str(run.resolve()), "exact": True, "errno": 0,
+                                     "wait_for": str(gate)}])
+    log = daemon.run_dir / "ckptd.log"
+    listings = lambda: log.read_text().count("event=fault op=scandir")  # noqa: E731  one per retention run
+    client = client_factory()
+    client.save_async({"s": 0}, run / "s0", step=0, keep_last=2).result(30)
+    wait_until(lambda: listings() == 1, 30, "the first retention is held in its listing of run/")
+    for step in range(1, 21):
+        client.save_async({"s": step}, run / f"s{step}", step=step, keep_last=2).result(30)
+    gate.touch()
+    wait_until(lambda: sorted(p.name for p in run.iterdir()) == ["s19", "s20"], 60,
+               lambda: f"retention caught up: run/ holds {sorted(p.name for p in run.iterdir())}")
+    # the held run, one for the newest request, and at most one asked for while that one ran
+    assert listings() <= 3, f"{listings()} retention runs for 21 commits: the backlog grew with every commit"
 
 
 def test_daemon_configured_retention_applies_per_directory(daemon_factory, client_factory, root) -> None:

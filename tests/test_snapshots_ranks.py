@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import ckptd
 
-from helpers import short_tempdir, start_daemon, wait_for_ranks, wait_until
+from helpers import join_ranks, short_tempdir, start_daemon, wait_for_ranks, wait_until
 from zygote import start_ranks
 
 WORLD = 2
@@ -65,7 +65,7 @@ def test_ranks_agree_on_latest_and_never_choose_a_snapshot_one_node_lost(root: P
         assert daemon_b.proc.returncode == -9
         daemon_b = start_daemon(run_b, root, "--persist-on-exit", "never")
         (out / "restarted").touch()
-        ctx.join(120)
+        join_ranks(ctx, time.monotonic() + 120)
     finally:
         for p in ctx.processes:
             if p.is_alive():
