@@ -9,6 +9,8 @@ refused by its checksum.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,13 @@ def test_bad_arguments_are_named():
         ckptd.dcp.StorageReader("/tmp/x", verify="yes")
     with pytest.raises(CheckpointException, match="no checkpoint at /nonexistent/ckpt"):
         dcp.load({"a": torch.zeros(1)}, storage_reader=ckptd.dcp.StorageReader("/nonexistent/ckpt"))
+
+
+def test_ckptd_dcp_is_a_module_that_imports_by_its_public_name():
+    code = ("import ckptd.dcp\n"
+            "from ckptd.dcp import StorageReader\n"
+            "import ckptd\n"
+            "assert ckptd.dcp.StorageReader is StorageReader, StorageReader\n"
+            "assert 'dcp' in dir(ckptd)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
