@@ -12,7 +12,10 @@ directory (``epoch=1-step=10.ckpt/rank-00000-of-00001.safetensors`` and
 committed. Keeping Lightning's name unchanged is what lets ``ModelCheckpoint``
 (top-k bookkeeping, ``best_model_path``, ``ckpt_path="best"``/``"last"``)
 work unmodified. ``ckptd.latest(dirpath)`` works on such a directory too: the
-save's ``step`` is Lightning's ``global_step``.
+save's ``step`` is Lightning's ``global_step``. ``save_last="link"`` makes
+``last.ckpt`` a symlink to a checkpoint directory; a later save to
+``last.ckpt`` replaces the link, never its target. ``s3://`` URLs load like
+paths (``fit(ckpt_path="s3://...")``).
 
 Ranks. Lightning's strategies that use a ``CheckpointIO`` (single device,
 DDP) hand it one full checkpoint on global rank 0 only, so the plugin's client
