@@ -9,7 +9,8 @@ How a block runs follows from its info string and its first line, never from a l
   times: a block that resumes from what it saved then runs its resume path too.
 * ``sh``/``bash``: a ``bash -e`` script from the repository root, with the venv's commands on PATH;
   ``make TARGET`` lines are dry runs (``make -n``), since ``make test`` would run itself.
-* ``text tree=repo``: a layout of the repository; each top-level entry it names exists.
+* ``text tree=repo``: a layout of the repository; each top-level directory it names exists, and each
+  ``file.py`` named in a directory's description exists in that directory.
   ``text tree=checkpoint``: a checkpoint ``p/``; the files it lists are exactly those of a committed one.
 * ``json``: valid JSON; its ``tensors`` equal the index of a checkpoint saved with those tensors.
 
@@ -236,10 +237,16 @@ def run_shell(block: Block, scene: Scene, env: dict[str, str]) -> str:
 
 def check_tree(block: Block, scene: Scene) -> None:
     lines = [line for line in block.text.splitlines() if line.strip()]
-    if block.attrs.get("tree") == "repo":
-        tops = [line.split()[0] for line in lines if not line[0].isspace()]
-        assert tops, f"README.md line {block.line}: a repository layout naming nothing"
-        missing = [t for t in tops if not (REPO / t).exists()]
+    if block.attrs.get("tree") == "repo":  # each top-level directory, and each file.py its description names
+        named: list[str] = []
+        top = ""
+        for line in lines:
+            if not line[0].isspace():
+                top = line.split()[0]
+                named.append(top)
+            named += [top + f for f in re.findall(r"\b[\w/]+\.py\b", line if line[0].isspace() else line[len(top):])]
+        assert named, f"README.md line {block.line}: a repository layout naming nothing"
+        missing = [n for n in named if not (REPO / n).exists()]
         assert not missing, f"README.md line {block.line} names {missing}, which the repository lacks"
         return
     assert block.attrs.get("tree") == "checkpoint", f"README.md line {block.line}: text needs tree=repo|checkpoint"
