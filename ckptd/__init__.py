@@ -17,17 +17,18 @@ from ckptd.protocol.inspect import CheckpointInfo, VerifyReport, verify_checkpoi
 from ckptd.protocol.inspect import inspect_checkpoint as inspect
 
 _CLIENT_NAMES = ("Client", "SaveFuture", "SaveResult", "load", "load_into", "LoadReport", "latest")
-_CLIENT_MODULES = ("dcp",)
-"""Torch-side modules reachable as ``ckptd.<name>`` (``ckptd.dcp.StorageReader``)."""
+_TORCH_MODULES = ("dcp",)
+"""Torch-side submodules of this package (``ckptd/dcp.py``), also reachable as attributes
+(``ckptd.dcp.StorageReader`` after a bare ``import ckptd``); imported on first use."""
 
 
 def __getattr__(name: str) -> Any:
     if name in _CLIENT_NAMES:
         return getattr(importlib.import_module("ckptd.client"), name)
-    if name in _CLIENT_MODULES:
-        return importlib.import_module(f"ckptd.client.{name}")
+    if name in _TORCH_MODULES:
+        return importlib.import_module(f"ckptd.{name}")
     raise AttributeError(f"module 'ckptd' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_CLIENT_NAMES) + list(_CLIENT_MODULES))
+    return sorted(list(globals()) + list(_CLIENT_NAMES) + list(_TORCH_MODULES))

@@ -10,10 +10,15 @@ DCP derives from the target):
 
 * a global tensor (DTensor, ``replicated=`` key): its dtype, global shape and
   every saved chunk (offsets, sizes), straight from the index;
-* a per-rank tensor: one chunk, the whole tensor, as rank 0 saved it (DCP
-  treats a plain tensor as the same on every rank, as its own writer does);
+* a per-rank tensor: one chunk, the whole tensor;
 * anything else (ints, strings, lists of plain values...): ``BytesStorageMetadata``,
   served as DCP's planner expects (``torch.save`` bytes of the value).
+
+Every rank's shard is described, so a key only some ranks saved (torchtitan's
+``dataloader.dp_rank_N``) loads on the rank that asks for it. A per-rank
+name that several ranks saved (DCP treats a plain tensor or value as one
+item) is read as this process's rank saved it when that rank is in the
+saved world, else as the lowest rank that saved it.
 
 Reads view chunks in place in the mapped shard files (``ChunkFiles``): each
 file is mapped and its checksum verified once, on first use, and a read
@@ -32,7 +37,7 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint import StorageReader as _DCPStorageReader
@@ -48,11 +53,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ckptd.protocol.errors import InvalidCheckpoint
-from ckptd.protocol.index import ChunkRecord, TensorRecord, read_index
+from ckptd.protocol.index import CheckpointIndex, ChunkRecord, ShardRecord, TensorRecord, read_index
 from ckptd.protocol.inspect import check_shard_structure, read_shard_header
 
 from .checks import check_bool, check_path
 from .flatten import unflatten
+from .ranks import detect_rank
 from .reshard import ChunkFiles, GlobalRef, read_full, region
 
 __all__ = ["StorageReader"]
@@ -69,11 +75,13 @@ class StorageReader(_DCPStorageReader):
         self._files: ChunkFiles | None = None
         self._items: dict[str, Any] = {}
         """DCP name -> GlobalRef (a tensor) or the plain value."""
+        self._value_files: dict[str, str] = {}
+        """DCP name of a plain value -> the shard file whose header holds it."""
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.path = Path(check_path("checkpoint_id", checkpoint_id))
-        self._files, self._items = None, {}
+        self._files, self._items, self._value_files = None, {}, {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -86,10 +94,6 @@ class StorageReader(_DCPStorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         index = read_index(self.path)
         files = ChunkFiles(self.path, index, verify=self.verify)
-        record = index.shard(0)
-        entries, metadata, data_start = read_shard_header(self.path / record.file, record.size)
-        structure = check_shard_structure([e.name for e in entries], metadata, record, index, self.path / record.file)
-        per_rank = {e.name: e for e in entries}
         refs: dict[int, GlobalRef] = {}
         keep: list[torch.Tensor] = []  # placeholders stay alive so their ids stay unique
 
@@ -98,6 +102,35 @@ class StorageReader(_DCPStorageReader):
             refs[id(t)] = ref
             keep.append(t)
             return t
+
+        described: dict[str, Any] = {}
+        items: dict[str, Any] = {}
+        value_files: dict[str, str] = {}
+        for rank in _reading_order(index.world_size):
+            record = index.shard(rank)
+            for name, value in self._rank_state(index, record, files, placeholder).items():
+                if name in described:
+                    continue  # a name several ranks saved: the first in the reading order describes it
+                ref = refs.get(id(value)) if isinstance(value, torch.Tensor) else None
+                if ref is not None:
+                    chunks = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
+                              for c in ref.record.chunks]
+                    described[name] = TensorStorageMetadata(TensorProperties(dtype=ref.dtype),
+                                                            torch.Size(ref.record.shape), chunks)
+                    items[name] = ref
+                else:
+                    described[name] = BytesStorageMetadata()
+                    items[name] = _materialize(value, refs, files)
+                    value_files[name] = record.file
+        self._files, self._items, self._value_files = files, items, value_files
+        return Metadata(state_dict_metadata=described, storage_data=(files, items, value_files))
+
+    def _rank_state(self, index: CheckpointIndex, record: ShardRecord, files: ChunkFiles,
+                    placeholder: Callable[[GlobalRef], torch.Tensor]) -> dict[str, Any]:
+        """One rank's saved state flattened by DCP's names, tensors as placeholders (no tensor data read)."""
+        entries, metadata, data_start = read_shard_header(self.path / record.file, record.size)
+        structure = check_shard_structure([e.name for e in entries], metadata, record, index, self.path / record.file)
+        per_rank = {e.name: e for e in entries}
 
         def tensor_for(name: str) -> torch.Tensor:
             e = per_rank.get(name)
@@ -114,24 +147,11 @@ class StorageReader(_DCPStorageReader):
         if not isinstance(state, dict):
             raise InvalidCheckpoint(f"checkpoint {self.path} holds a {type(state).__name__}; DCP loads dict states only")
         flat, _ = flatten_state_dict(state)
-        described: dict[str, Any] = {}
-        items: dict[str, Any] = {}
-        for name, value in flat.items():
-            ref = refs.get(id(value)) if isinstance(value, torch.Tensor) else None
-            if ref is not None:
-                chunks = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in ref.record.chunks]
-                described[name] = TensorStorageMetadata(TensorProperties(dtype=ref.dtype),
-                                                        torch.Size(ref.record.shape), chunks)
-                items[name] = ref
-            else:
-                described[name] = BytesStorageMetadata()
-                items[name] = _materialize(value, refs, files)
-        self._files, self._items = files, items
-        return Metadata(state_dict_metadata=described, storage_data=(files, items))
+        return flat
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if isinstance(metadata.storage_data, tuple) and len(metadata.storage_data) == 2:
-            self._files, self._items = metadata.storage_data
+        if isinstance(metadata.storage_data, tuple) and len(metadata.storage_data) == 3:
+            self._files, self._items, self._value_files = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -146,7 +166,7 @@ class StorageReader(_DCPStorageReader):
             fqn = item.storage_index.fqn
             value = self._items[fqn]
             if item.type == LoadItemType.BYTE_IO:
-                self._files.mapped(self._files.index.shard(0).file)  # plain values come from rank 0's header: verify it
+                self._files.mapped(self._value_files[fqn])  # the value came from this file's header: verify it
                 buffer = io.BytesIO()
                 torch.save(value, buffer)
                 buffer.seek(0)
@@ -165,6 +185,13 @@ class StorageReader(_DCPStorageReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+
+def _reading_order(world_size: int) -> list[int]:
+    """The saved ranks in the order they describe a name: this process's rank first (a rank of the same
+    world reads back what it saved), then from rank 0 up (a rank beyond the saved world reads rank 0's)."""
+    own = detect_rank()[0]
+    return sorted(range(world_size), key=lambda r: (r != own, r))
 
 
 def _materialize(value: Any, refs: dict[int, GlobalRef], files: ChunkFiles) -> Any:

@@ -9,6 +9,8 @@ refused by its checksum.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,41 @@ def test_bad_arguments_are_named():
         ckptd.dcp.StorageReader("/tmp/x", verify="yes")
     with pytest.raises(CheckpointException, match="no checkpoint at /nonexistent/ckpt"):
         dcp.load({"a": torch.zeros(1)}, storage_reader=ckptd.dcp.StorageReader("/nonexistent/ckpt"))
+
+
+def test_ckptd_dcp_is_a_module_that_imports_by_its_public_name():
+    code = ("import ckptd.dcp\n"
+            "from ckptd.dcp import StorageReader\n"
+            "import ckptd\n"
+            "assert ckptd.dcp.StorageReader is StorageReader, StorageReader\n"
+            "assert 'dcp' in dir(ckptd)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def _load_per_rank_keys(rank: int, world: int, init: str, path: str, out: str) -> None:
+    def body() -> dict:
+        state = {"model": {"w": torch.zeros(4)}, "dataloader": {f"dp_rank_{rank}": {"pos": 0, "tokens": torch.zeros(3)}},
+                 "rng": torch.zeros(2), "step": 0}
+        dcp.load(state, storage_reader=ckptd.dcp.StorageReader(path))
+        loader = state["dataloader"][f"dp_rank_{rank}"]
+        return {"w": state["model"]["w"].tolist(), "pos": loader["pos"], "tokens": loader["tokens"].tolist(),
+                "rng": state["rng"].tolist(), "step": state["step"]}
+
+    run_rank(rank, world, init, out, "perrank", body)
+
+
+@pytest.mark.timeout(300)
+def test_dcp_load_on_two_ranks_reads_each_ranks_own_keys(daemon, client_factory, root: Path, tmp_path: Path):
+    """torchtitan keeps each data-parallel rank's loader under its own key (``dataloader.dp_rank_N``)."""
+    path = root / "per-rank"
+    futures = []
+    for rank in range(2):
+        state = {"model": {"w": torch.arange(4.0)}, "step": 9, "rng": torch.full((2,), float(rank)),
+                 "dataloader": {f"dp_rank_{rank}": {"pos": 100 + rank, "tokens": torch.full((3,), 10.0 * rank)}}}
+        futures.append(client_factory(rank=rank, world_size=2).save_async(state, path, step=9, replicated=("model",)))
+    for fut in futures:
+        fut.result(60)
+    logs = run_ranks(_load_per_rank_keys, 2, tmp_path, "perrank", str(path), str(tmp_path))
+    assert logs == [{"w": [0.0, 1.0, 2.0, 3.0], "pos": 100 + r, "tokens": [10.0 * r] * 3, "rng": [float(r)] * 2,
+                     "step": 9} for r in range(2)]

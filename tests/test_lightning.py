@@ -31,6 +31,7 @@ import ckptd  # noqa: E402
 from ckptd.integrations.lightning import CkptdCheckpointIO  # noqa: E402
 
 from helpers import wait_until
+from test_object_storage import bucket, s3  # noqa: F401 - fixtures: a real S3 endpoint (tests/s3server.py)
 
 SCORES = [0.9, 0.5, 0.2, 0.1]
 """The monitored score of epochs 0-3 (lower is better): after three epochs the best two are
@@ -235,3 +236,71 @@ def test_paths_namespaces_and_enums_in_hyperparameters_load_as_plain_values_and_
     finally:
         io.teardown()
     assert entries(root) == ["h.ckpt"]
+
+
+class WorseAtEpochTwo(TinyModel):
+    """Scores 0.9, 0.5, then 0.7: a run resumed for epoch 2 saves no top-k checkpoint."""
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("score", torch.tensor([0.9, 0.5, 0.7][self.current_epoch]))
+
+
+@pytest.mark.timeout(120)
+def test_save_last_link_links_on_the_first_save_and_a_resume_from_the_link_saves_over_it(daemon, root: Path) -> None:
+    """``last.ckpt`` links to each new best; the resumed run's epoch 2 is no better, and its callback (restored
+    from the link's target) has linked nothing yet, so it saves ``last.ckpt`` itself, where the link is: the
+    link gives way to the checkpoint, as Lightning's own CheckpointIO replaces it with the file."""
+    dirpath = root / "run"  # not there yet: the first save's link is made before the daemon writes
+
+    def trainer_for(max_epochs: int, recorder: Recorder) -> L.Trainer:
+        return L.Trainer(
+            accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, num_sanity_val_steps=0,
+            callbacks=[ModelCheckpoint(dirpath=dirpath, monitor="score", mode="min", save_top_k=1, save_last="link"),
+                       recorder],
+            plugins=[CkptdCheckpointIO(run_dir=daemon.run_dir, spawn=False, timeout=10.0)])
+
+    torch.manual_seed(0)
+    first = Recorder()
+    trainer_for(2, first).fit(WorseAtEpochTwo(), loader(), loader())
+    last = dirpath / "last.ckpt"
+    assert last.is_symlink() and os.readlink(last) == "epoch=1-step=8.ckpt"
+    assert entries(dirpath) == ["epoch=1-step=8.ckpt", "last.ckpt"]
+
+    torch.manual_seed(1)  # different initial weights: only the checkpoint can make them equal
+    second = Recorder()
+    trainer_for(3, second).fit(WorseAtEpochTwo(), loader(), loader(), ckpt_path="last")  # read through the link
+    assert second.at_start["global_step"] == 8 and second.at_start["epoch"] == 2
+    assert_equal_tensors(second.at_start["weights"], first.saved[1]["weights"])
+    assert entries(dirpath) == ["epoch=1-step=8.ckpt", "last.ckpt"]
+    assert not last.is_symlink() and ckptd.read_index(last).step == 12  # the link gave way to the checkpoint
+    (resaved,) = second.saved.values()  # the resumed run saved only last.ckpt
+    assert resaved["global_step"] == 12
+    assert_equal_tensors(ckptd.load(last)["state_dict"], resaved["weights"])
+    assert ckptd.read_index(dirpath / "epoch=1-step=8.ckpt").step == 8  # the link's target is untouched
+
+
+@pytest.mark.timeout(120)
+def test_fit_resumes_from_an_s3_url_and_load_checkpoint_reads_it(s3, bucket, daemon_factory, root: Path) -> None:
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    url = f"s3://{bucket}/run/resume.ckpt"
+    torch.manual_seed(0)
+    first = Recorder()
+    trainer, _ = make_trainer(root, daemon.run_dir, 2, first)
+    trainer.fit(TinyModel(), loader(), loader())
+    trainer.save_checkpoint(url)  # through the plugin, straight to the bucket
+    trainer.strategy.checkpoint_io.teardown()  # committed (fit's own teardown ran before this save)
+
+    io = CkptdCheckpointIO(run_dir=daemon.run_dir, spawn=False, timeout=10.0)
+    loaded = io.load_checkpoint(url)
+    assert loaded["global_step"] == 8 and loaded["epoch"] == 2  # saved after fit: the next epoch is 2
+    assert_equal_tensors(loaded["state_dict"], first.saved[1]["weights"])
+    with pytest.raises(ckptd.InvalidCheckpoint, match=f"no checkpoint at s3://{bucket}/run/never.ckpt"):
+        io.load_checkpoint(f"s3://{bucket}/run/never.ckpt")
+
+    torch.manual_seed(1)  # different initial weights: only the checkpoint can make them equal
+    second = Recorder()
+    trainer2, _ = make_trainer(root, daemon.run_dir, 3, second)
+    trainer2.fit(TinyModel(), loader(), loader(), ckpt_path=url)
+    assert second.at_start["global_step"] == 8 and second.at_start["epoch"] == 2
+    assert_equal_tensors(second.at_start["weights"], first.saved[1]["weights"])

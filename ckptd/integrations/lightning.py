@@ -12,7 +12,10 @@ directory (``epoch=1-step=10.ckpt/rank-00000-of-00001.safetensors`` and
 committed. Keeping Lightning's name unchanged is what lets ``ModelCheckpoint``
 (top-k bookkeeping, ``best_model_path``, ``ckpt_path="best"``/``"last"``)
 work unmodified. ``ckptd.latest(dirpath)`` works on such a directory too: the
-save's ``step`` is Lightning's ``global_step``.
+save's ``step`` is Lightning's ``global_step``. ``save_last="link"`` makes
+``last.ckpt`` a symlink to a checkpoint directory; a later save to
+``last.ckpt`` replaces the link, never its target. ``s3://`` URLs load like
+paths (``fit(ckpt_path="s3://...")``).
 
 Ranks. Lightning's strategies that use a ``CheckpointIO`` (single device,
 DDP) hand it one full checkpoint on global rank 0 only, so the plugin's client
@@ -93,6 +96,7 @@ except ImportError:  # only the older standalone package is installed
 from ckptd.client import Client, SaveFuture, load
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint
 from ckptd.protocol.index import incomplete_path, read_index
+from ckptd.protocol.objects import is_object_path, object_url
 from ckptd.retention import remove_checkpoint
 from ckptd.storage import LocalStorage
 
@@ -293,8 +297,8 @@ class CkptdCheckpointIO(CheckpointIO):
 
     @staticmethod
     def _key(path: str | os.PathLike) -> str:
-        """One name per checkpoint: a ``save_last="link"`` symlink and its target share it."""
-        return os.path.realpath(os.fspath(path))
+        """One name per checkpoint: a ``save_last="link"`` symlink and its target share it; an object's URL."""
+        return object_url(path) if is_object_path(path) else os.path.realpath(os.fspath(path))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
@@ -302,11 +306,21 @@ class CkptdCheckpointIO(CheckpointIO):
 
         An existing checkpoint at ``path`` is replaced (``overwrite=True``),
         as Lightning's own ``TorchCheckpointIO`` does: ``ModelCheckpoint``
-        re-saves ``last.ckpt`` under one name.
+        re-saves ``last.ckpt`` under one name. A symlink at ``path`` (what
+        ``save_last="link"`` made) is replaced by the checkpoint, its target
+        left alone, as ``TorchCheckpointIO`` replaces it with the file. A
+        local parent directory is made before this returns, as
+        ``TorchCheckpointIO`` makes it: ``save_last="link"`` links
+        ``last.ckpt`` beside the checkpoint at once, before the daemon has
+        written anything.
         """
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options; got {storage_options!r}")
         self._raise_failed(wait=False)
+        if not is_object_path(path):
+            if os.path.islink(path):
+                os.unlink(path)  # a save_last="link" link: the checkpoint replaces the link, never its target
+            os.makedirs(os.path.dirname(os.path.abspath(os.fspath(path))), exist_ok=True)
         key = self._key(path)
         self._wait_for(key)  # an earlier save to this path commits first; its failure is raised later
         plain, lossy = to_plain(checkpoint)
@@ -334,6 +348,7 @@ class CkptdCheckpointIO(CheckpointIO):
         callable called as ``f(tensor, "cpu")`` whose tensor result replaces
         the tensor. The load goes through the plugin's ``run_dir``, so a
         daemon that limits concurrent loads per node is the one asked.
+        ``path`` may be an ``s3://`` URL.
         """
         key = self._key(path)
         failed = self._wait_for(key)
@@ -341,7 +356,7 @@ class CkptdCheckpointIO(CheckpointIO):
             with self._lock:  # raised now, so not again by the next save
                 self._unreported = [(k, f) for k, f in self._unreported if k != key]
             raise failed
-        if not os.path.lexists(path):
+        if not is_object_path(path) and not os.path.lexists(path):
             raise FileNotFoundError(f"Checkpoint not found: {path}")
         device = map_location if isinstance(map_location, (str, torch.device)) else None
         if isinstance(map_location, int):
