@@ -208,7 +208,7 @@ class Holding:
                 f"snapshot {final} spans several nodes; persisting it is not supported: save with persist=True")))
             return
         if snap.persisted:
-            self.send(ident, Done(rid, str(snap.path), snap.nbytes_staged, 0.0))
+            self.send(ident, Done(rid, str(snap.path), snap.nbytes, 0.0))
             return
         snap.persist_waiting.append((ident, rid))
         if snap.acknowledged and not snap.persisting:
@@ -269,7 +269,7 @@ class Holding:
     def _answer_persists(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
         for ident, rid in snap.persist_waiting:
             if error is None:
-                self.send(ident, Done(rid, str(snap.path), snap.nbytes_staged, time.monotonic() - snap.persist_started))
+                self.send(ident, Done(rid, str(snap.path), snap.nbytes, time.monotonic() - snap.persist_started))
             else:
                 self.send(ident, Error(rid, error.code, error.message))
         snap.persist_waiting = []

@@ -12,8 +12,10 @@ snapshots of the same job dropped: per directory and client, the newest
 snapshot is dropped only after a newer one is completely held, and never for
 another job's.
 
-The memory budget counts the slots held (whole slots: that is what stays
-resident). A snapshot that would exceed it first evicts the oldest snapshots
+The memory budget counts the snapshots' bytes (their shards' sizes), not
+the slots they are held in: a client's slot only grows, so one snapshot
+larger than the budget (refused) would otherwise leave a slot that no later
+snapshot of that client fits in however small it is. A snapshot that would exceed it first evicts the oldest snapshots
 that are already persisted to disk; if that is not enough it is refused with
 a message naming the budget and what is held. A held slot is renamed to a
 name of the daemon's own pid, so no sweep of dead clients' slots takes it. A
@@ -88,12 +90,13 @@ class HeldSnapshot:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.slot.size for s in self.shards.values())
+        """The checkpoint's bytes (its shards' sizes): what the memory budget counts."""
+        return sum(s.msg.nbytes for s in self.shards.values())
 
     @property
-    def nbytes_staged(self) -> int:
-        """The checkpoint's bytes (its shards' sizes, not the slots')."""
-        return sum(s.msg.nbytes for s in self.shards.values())
+    def slot_bytes(self) -> int:
+        """The slots holding it (a slot grown for a larger state earlier is larger than its shard)."""
+        return sum(s.slot.size for s in self.shards.values())
 
     @property
     def order(self) -> tuple[int, float]:
@@ -103,7 +106,7 @@ class HeldSnapshot:
         """The snapshot as ``Snapshots`` and ``ckptd status`` report it (keys documented in the README)."""
         return {
             "path": str(self.path), "step": self.step, "world_size": self.world_size, "created": self.created,
-            "bytes": self.nbytes_staged, "held_bytes": self.nbytes,
+            "bytes": self.nbytes, "held_bytes": self.slot_bytes,
             "ranks_held": sorted(r for r, s in self.shards.items() if s.checksum is not None),
             "complete": self.acknowledged, "persisted": self.persisted, "persisting": self.persisting,
             "persists_waiting": len(self.persist_waiting),
@@ -142,7 +145,7 @@ class Snapshots:
                            f"this rank says world size {msg.world_size}, step {msg.step}")
         if snap is not None and msg.rank in snap.shards:
             raise Conflict(f"rank {msg.rank} of snapshot {final} is already held")
-        evicted = self._make_room(final, slot.size)
+        evicted = self._make_room(final, msg.nbytes)
         if snap is None:
             snap = self.held[final] = HeldSnapshot(final, msg.world_size, msg.step, msg.coordinated, msg.timeout)
         snap.timeout = min(snap.timeout, msg.timeout)

@@ -147,7 +147,7 @@ def test_the_budget_evicts_persisted_snapshots_then_refuses_saying_what_to_do(
 ) -> None:
     daemon = daemon_factory("--memory-budget", "2MiB", "--keep-snapshots", "2")
     client = client_factory()
-    small = {"w": torch.ones(100_000)}  # one MiB slot each
+    small = {"w": torch.ones(200_000)}  # 0.77 MiB each: two fit, three do not
     client.save_async(small, root / "a", step=1, persist=False).result(30)
     client.save_async(small, root / "b", step=2, persist=False).result(30)
     client.persist(root / "a")
@@ -157,9 +157,27 @@ def test_the_budget_evicts_persisted_snapshots_then_refuses_saying_what_to_do(
     with pytest.raises(ckptd.NoSpace) as refused:
         client.save_async(small, root / "d", step=4, persist=False).result(30)
     message = str(refused.value)
-    assert "memory budget is 2.0 MiB" in message and "2.0 MiB are held in 2 snapshot(s)" in message
+    assert "memory budget is 2.0 MiB" in message and "1.5 MiB are held in 2 snapshot(s)" in message
     assert "--memory-budget" in message and "persist" in message
     assert [s["path"] for s in daemon.status()["memory"]["snapshots"]] == held  # nothing newest was dropped
+    daemon.stop()
+
+
+def test_a_snapshot_larger_than_the_budget_is_refused_and_later_small_ones_are_held(
+    daemon_factory, client_factory, root, run_dir
+) -> None:
+    daemon = daemon_factory("--memory-budget", "2MiB")
+    client = client_factory()
+    with pytest.raises(ckptd.NoSpace, match="memory budget is 2.0 MiB"):
+        client.save_async({"w": torch.ones(1_000_000)}, root / "big", step=1, persist=False).result(30)
+    assert max(SHM.joinpath(n).stat().st_size for n in client.slot_names) > 2 * 2**20  # the slot grew
+    for step in range(2, 6):  # staged into that grown slot, or the next: the budget counts the bytes, not the slot
+        small = {"w": torch.full((50_000,), float(step))}
+        client.save_async(small, root / f"s{step}", step=step, persist=False).result(30)
+        assert ckptd.load(root / f"s{step}", run_dir=run_dir)["w"].equal(small["w"])
+    memory = daemon.status()["memory"]
+    assert [s["path"] for s in memory["snapshots"]] == [str(root / "s5")]
+    assert memory["held_bytes"] == memory["snapshots"][0]["bytes"] < 2**20
     daemon.stop()
 
 
@@ -219,13 +237,14 @@ def test_status_text_and_prometheus_metrics_show_the_snapshots_and_the_budget(
     client = client_factory()
     client.save_async(state_at(8), root / "s8", step=8, persist=False).result(30)
     text = daemon.cli("status").stdout
-    assert "memory snapshots: 2.0 MiB held of a 64.0 MiB budget" in text, text
+    assert "memory snapshots: 1.1 MiB held of a 64.0 MiB budget" in text, text  # its bytes, not its 2 MiB slot
     assert f"{root / 's8'}  step 8" in text and "ranks held 1/1  memory only" in text, text
 
     def scraped() -> dict[str, float]:
         lines = metrics.read_text().splitlines() if metrics.exists() else []
         return {k: float(v) for k, v in (line.split() for line in lines if line.startswith("ckptd_memory_"))}
-    want = {"ckptd_memory_budget_bytes": 64 * 2**20, "ckptd_memory_held_bytes": 2 * 2**20,
+    nbytes = daemon.status()["memory"]["snapshots"][0]["bytes"]
+    want = {"ckptd_memory_budget_bytes": 64 * 2**20, "ckptd_memory_held_bytes": nbytes,
             "ckptd_memory_snapshots": 1, "ckptd_memory_snapshots_unpersisted": 1}
     wait_until(lambda: scraped() == want, 10, lambda: f"the metrics say {scraped()}")
     daemon.stop()
