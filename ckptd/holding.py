@@ -285,13 +285,26 @@ class Holding:
             self.workers.submit("maintenance", lambda: _unlink(self.state.slots.shm_dir, owed))
 
     def close(self) -> None:
-        """The daemon exits: what it holds goes (its newest snapshots were persisted while it drained)."""
+        """The daemon exits (its loop is over, its workers closed): no slot it took over outlives it.
+
+        This unlinks on the calling thread: maintenance may have been
+        abandoned at the drain deadline (a stalled store request ahead of
+        it), and its thread dies with the process, so unlinks queued there
+        would leave gigabytes in ``/dev/shm``. What goes: the slots still
+        held (the newest snapshots were persisted while it drained), the
+        slots owed back to clients that were not told yet, and every slot
+        still under this daemon's own name (a release or give-back queued
+        behind abandoned maintenance).
+        """
         held = shards_of(self.snapshots.held.values())
+        owed = [n for names in self.snapshots.released.values() for n in names]
         self.snapshots.held.clear()
-        names = [sh.slot.name for sh in held] + [n for owed in self.snapshots.released.values() for n in owed]
-        for shard in held:
+        self.snapshots.released.clear()
+        for shard in held:  # a shard never taken over keeps its client's name: the client's to unlink
             self.state.slots.release(shard.slot)
-        self.workers.submit("maintenance", lambda: _unlink(self.state.slots.shm_dir, names))
+        _unlink(self.state.slots.shm_dir, owed)
+        own = self.state.slots.reclaim(os.getpid())
+        log.info("event=slots_unlinked held=%d owed=%d own=%d", len(held), len(owed), own)
 
     def drain(self) -> None:
         """SIGTERM: persist the newest snapshot of every directory before the daemon exits."""

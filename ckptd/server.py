@@ -87,6 +87,10 @@ class Server:
             Stop: self._on_stop,
         }
         directories = list(dict.fromkeys([*config.roots, *self.known_dirs.dirs]))
+        # Slots under this daemon's own pid are a dead predecessor's (in a container a restarted daemon often gets
+        # its pid), which the sweep of dead pids cannot tell: unlinked now, before this daemon takes any over.
+        if reclaimed := self.state.slots.reclaim(os.getpid()):
+            log.info("event=slots_reclaimed count=%d owner=predecessor_with_this_pid", reclaimed)
         self.workers.submit("maintenance", reclaim_orphaned_slots)
         self.workers.submit("maintenance", lambda: sweep_incomplete(storage, directories, config.sweep))
 
@@ -122,8 +126,8 @@ class Server:
     def close(self) -> None:
         if self.mirrors is not None:
             self.mirrors.close()  # what is left is logged, and queued again at the next start
-        self.holding.close()
         self.workers.close()
+        self.holding.close()  # after the workers: what they finished may have taken over or released slots
         self.router.close()
         self.ctx.term()
         self.state.slots.close()
