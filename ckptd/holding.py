@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Callable
 
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed, RanksMissing, ShuttingDown, WriteFailed
-from ckptd.protocol.messages import Accepted, Done, Error, Held, Message, Persist, Snapshot, SnapshotList, Snapshots
+from ckptd.protocol.messages import (
+    Accepted, Done, Error, Held, Message, Ok, Persist, Pin, Snapshot, SnapshotList, Snapshots, Unpin,
+)
 from ckptd.protocol.objects import is_object_path
 from ckptd.protocol.shm import slot_name
 
@@ -86,7 +88,7 @@ class Holding:
             return
         for old in evicted:
             log.info("event=snapshot_evicted path=%s step=%s reason=budget", old.path, old.step)
-        self._release(shards_of(evicted))
+        self._release(shards_of(evicted))  # never pinned: the budget evicts none a reader holds
         self.send(ident, Accepted(msg.id))
         slot, slots, name = examined.slot, self.state.slots, slot_name(os.getuid(), os.getpid(), next(self._names))
 
@@ -117,7 +119,7 @@ class Holding:
         if not snap.complete:
             return
         snap.acknowledged = True
-        self._release(shards_of(self.snapshots.newer_than_kept(snap)), then=lambda: self._tell_held(snap))
+        self._drop(self.snapshots.newer_than_kept(snap), then=lambda: self._tell_held(snap))
         if snap.persist_waiting:
             self.start_persist(snap)
 
@@ -149,6 +151,30 @@ class Holding:
             missing = sorted(set(range(snap.world_size)) - set(snap.shards))
             self.fail(snap, RanksMissing(f"snapshot {snap.path}: ranks {missing} of {snap.world_size} never "
                                          f"snapshotted within {snap.timeout:g} s; nothing was held"))
+
+    def _drop(self, snaps: list[HeldSnapshot], then: Callable[[], None] = lambda: None) -> None:
+        """Release the slots of snapshots dropped from the books, except those a reader pins: parked until it
+        unpins (a reader copies straight out of the slot, which must not go back to its trainer meanwhile)."""
+        pinned = [s for s in snaps if s.readers]
+        for snap in pinned:
+            log.info("event=snapshot_drop_deferred path=%s step=%s readers=%d", snap.path, snap.step,
+                     sum(snap.readers.values()))
+        self.snapshots.parked += pinned
+        self._release(shards_of([s for s in snaps if not s.readers]), then)
+
+    def pin(self, ident: bytes, msg: Pin) -> SnapshotList:
+        """A reader's lease on a held snapshot: its listing, its slots kept as they are until ``Unpin``."""
+        self.state.client(ident)  # a reader that said hello: its death ends its pins (``reader_gone``)
+        snap = self.snapshots.pin(ident, Path(msg.path))
+        return SnapshotList(msg.id, () if snap is None else (snap.describe(),))
+
+    def unpin(self, ident: bytes, msg: Unpin) -> Ok:
+        self._release(shards_of(self.snapshots.unpin(ident, Path(msg.path))))
+        return Ok(msg.id)
+
+    def reader_gone(self, ident: bytes) -> None:
+        """A connection closed or its process died: its pins end."""
+        self._release(shards_of(self.snapshots.unpin(ident)))
 
     def _release(self, shards: list[HeldShard], then: Callable[[], None] = lambda: None) -> None:
         """Drop held shards: a live, connected client gets its slot back (under its old name), others' are
@@ -255,7 +281,7 @@ class Holding:
                     self.fail(snap, why)
                     return
                 self.snapshots.remove(snap)
-                self._release(shards_of([snap]))
+                self._drop([snap])
                 self._answer_persists(snap, why)
             return
         snap.persisting, snap.persisted = False, error is None
@@ -296,9 +322,10 @@ class Holding:
         still under this daemon's own name (a release or give-back queued
         behind abandoned maintenance).
         """
-        held = shards_of(self.snapshots.held.values())
+        held = shards_of([*self.snapshots.held.values(), *self.snapshots.parked])
         owed = [n for names in self.snapshots.released.values() for n in names]
         self.snapshots.held.clear()
+        self.snapshots.parked.clear()
         self.snapshots.released.clear()
         for shard in held:  # a shard never taken over keeps its client's name: the client's to unlink
             self.state.slots.release(shard.slot)

@@ -22,8 +22,8 @@ import zmq
 from ckptd.protocol import __version__
 from ckptd.protocol.errors import BadMessage, ErrorCode
 from ckptd.protocol.messages import (
-    MAX_MESSAGE_BYTES, Abort, Bye, Commit, Error, Finalize, Granted, Hello, Lease, Message, Ok, Persist, Ping, Pong,
-    Release, Snapshot, Snapshots, Staged, Status, StatusReply, Stop, Welcome, decode, request_id,
+    MAX_MESSAGE_BYTES, Abort, Bye, Commit, Error, Finalize, Granted, Hello, Lease, Message, Ok, Persist, Pin, Ping,
+    Pong, Release, Snapshot, Snapshots, Staged, Status, StatusReply, Stop, Unpin, Welcome, decode, request_id,
 )
 
 from .config import DaemonConfig
@@ -76,6 +76,8 @@ class Server:
             Snapshot: self.holding.snapshot,
             Persist: self.holding.persist,
             Snapshots: self.holding.listing,
+            Pin: self.holding.pin,
+            Unpin: self.holding.unpin,
             Staged: lambda ident, m: self.saves.staged(ident, m.upto, m.error, m.id),
             Finalize: self.saves.finalize,
             Abort: self.saves.abort,
@@ -217,6 +219,7 @@ class Server:
     def _teardown(self, ident: bytes, reason: str) -> None:
         client, grants = self.state.teardown(ident, reason)
         self._send_grants(grants)
+        self.holding.reader_gone(ident)
         if client is not None:
             log.info("event=client_gone pid=%d", client.pid)
             if not self.state.pid_connected(client.pid):

@@ -77,6 +77,8 @@ class HeldSnapshot:
     persist_waiting: list[tuple[bytes, int]] = field(default_factory=list)
     """(client, request id) of every ``Persist`` owed a ``Done`` or an ``Error`` for this snapshot."""
     persist_started: float = 0.0
+    readers: dict[bytes, int] = field(default_factory=dict)
+    """Pins by reader connection (``Pin``): while any is held its slots stay as they are, dropped or not."""
 
     @property
     def checksummed(self) -> bool:
@@ -125,10 +127,13 @@ class Snapshots:
         self.held: dict[Path, HeldSnapshot] = {}
         self.released: dict[int, list[str]] = {}
         """Slots dropped from snapshots whose client is alive, by its pid: named in its next ``Held``."""
+        self.parked: list[HeldSnapshot] = []
+        """Dropped while pinned by a reader: no longer listed, their slots released when the last reader unpins."""
 
     @property
     def held_bytes(self) -> int:
-        return sum(s.nbytes for s in self.held.values())
+        """What the budget counts: the snapshots held and those parked for their readers."""
+        return sum(s.nbytes for s in self.held.values()) + sum(s.nbytes for s in self.parked)
 
     def admit(self, msg: Snapshot, final: Path, slot: MappedSlot, pid: int, client: bytes
               ) -> tuple[HeldSnapshot, list[HeldSnapshot]]:
@@ -156,7 +161,8 @@ class Snapshots:
     def _make_room(self, final: Path, needed: int) -> list[HeldSnapshot]:
         """Evict the oldest persisted snapshots until ``needed`` more bytes fit; ``NoSpace`` if they cannot."""
         evicted: list[HeldSnapshot] = []
-        candidates = sorted((s for s in self.held.values() if s.persisted and not s.persisting), key=lambda s: s.order)
+        candidates = sorted((s for s in self.held.values() if s.persisted and not s.persisting and not s.readers),
+                            key=lambda s: s.order)  # a pinned one's memory would stay until its readers are done
         while self.held_bytes + needed > self.budget and candidates:
             victim = candidates.pop(0)
             del self.held[victim.path]
@@ -210,6 +216,28 @@ class Snapshots:
             if current is None or s.order > current.order:
                 best[s.path.parent] = s
         return [s for s in best.values() if not (s.persisted or s.persisting)]
+
+    def pin(self, reader: bytes, path: Path) -> HeldSnapshot | None:
+        """One more pin of the complete snapshot at ``path`` by ``reader``; None if none is held there."""
+        snap = self.held.get(path)
+        if snap is None or not snap.acknowledged:
+            return None
+        snap.readers[reader] = snap.readers.get(reader, 0) + 1
+        return snap
+
+    def unpin(self, reader: bytes, path: Path | None = None) -> list[HeldSnapshot]:
+        """End one pin of ``path`` by ``reader`` (None: all its pins, the reader is gone); returns the parked
+        snapshots that no reader pins any more, dropped from the books: their slots are to be released."""
+        for snap in [*self.parked, *self.held.values()]:
+            if reader in snap.readers and path in (None, snap.path):
+                snap.readers[reader] -= 1
+                if path is None or snap.readers[reader] == 0:
+                    del snap.readers[reader]
+                if path is not None:
+                    break
+        free = [s for s in self.parked if not s.readers]
+        self.parked = [s for s in self.parked if s.readers]
+        return free
 
     def take_released(self, pid: int) -> tuple[str, ...]:
         return tuple(self.released.pop(pid, []))

@@ -70,6 +70,16 @@ class ChunkFiles:
         self._objects: dict[str, ObjectShard] = {}
         self._pending: dict[str, tuple[_mmap.mmap, ShardRecord, Identity]] = {}
 
+    remembers_verified = True
+    """Whether a file verified once is remembered as verified while unchanged (``verified.py``)."""
+
+    def source(self, file: str) -> Path:
+        """Where ``file``'s bytes are read from."""
+        return self.path / file
+
+    def close(self) -> None:
+        """Done reading (a snapshot's reader lease ends); the tensors handed out stay valid."""
+
     def ref(self, name: str) -> GlobalRef:
         record = self.index.tensors.get(name)
         if record is None:
@@ -169,7 +179,7 @@ class ChunkFiles:
     def _copy_file(self, file: str, pairs: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
         pending = self._pending.pop(file, None)
         record = next(f for f in self.index.files if f.file == file)
-        algorithm, path, done = self.index.checksum_algorithm, self.path / file, 0
+        algorithm, path, done = self.index.checksum_algorithm, self.source(file), 0
         with open_shard(path) as f, memoryview(self._raw[file]) as mapped, Behind(algorithm) as crc:
             if identity(f.fileno())[:5] != self._idents[file][:5]:
                 raise InvalidCheckpoint(f"shard {path} changed while it was being loaded")
@@ -190,7 +200,8 @@ class ChunkFiles:
             if pending is not None:
                 _read_for(crc, f.fileno(), done, record.size, path)
                 check_checksum(path, crc.value(), record, algorithm)
-                remember(pending[2], record, algorithm)
+                if self.remembers_verified:
+                    remember(pending[2], record, algorithm)
 
 
 def _readable(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> bool:
