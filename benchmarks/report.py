@@ -83,6 +83,10 @@ TARGETS = [Target(*row) for row in (  # text, measured, reference (None: the val
     ("snapshot blocking ≤ 1.1 × a disk save's blocking", "snapshots.blocking", "snapshots.disk_blocking", 1.1, 13),
     ("restore from memory ≤ 1.5 × memcpy into fresh memory", "snapshots.restore", "snapshots.memcpy_fresh", 1.5, 13),
     ("restore from memory ≤ 0.3 × a cold disk load", "snapshots.restore", "snapshots.cold_load", 0.3, 13),
+    ("load_into from memory ≤ 2 × memcpy into the same targets", "snapshots.restore_into", "snapshots.memcpy_into",
+     2.0, 20),
+    ("load_into from memory, verify=False ≤ 1.2 × memcpy into the same targets", "snapshots.restore_into_unverified",
+     "snapshots.memcpy_into", 1.2, 20),
     ("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", "sharded_load_ckptd.cold", "sharded_load_dcp.cold", 0.8, 10))]
 CAUSES = [  # of misses, as measured in runs of their own (per-thread /proc CPU, perf_counter, thread_time)
     "FSDP2 blocking: one intra-op thread per rank (as now): 0.94 × and 1.60 × in runs at load average 8 and 16 (2: 1.29 ×).",

@@ -36,6 +36,9 @@ MAX_READ = 1 << 30
 """Bytes asked of one read(2); Linux returns at most ~2 GiB per call anyway."""
 GAP_READ = 16 << 20
 """Bytes per read of a range only the checksum needs."""
+FOLD_READ = 8 << 20
+"""Bytes per read straight into a target whose checksum follows: the checksum thread reads each piece while the next
+is read, from the cache rather than from memory."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +192,12 @@ class ChunkFiles:
                     done = begin
                 if _readable(dst, src, end - begin):
                     into = bytes_of(dst)
-                    _pread_into(f.fileno(), into, begin, path)
+                    for lo in range(0, len(into), FOLD_READ):  # each piece checksummed while in cache
+                        piece = into[lo : lo + FOLD_READ]
+                        _pread_into(f.fileno(), piece, begin + lo, path)
+                        if pending is not None and begin + lo + len(piece) > done:
+                            crc.add(piece[max(done, begin + lo) - begin - lo :])
+                            done = begin + lo + len(piece)
                     torch.autograd.graph.increment_version(dst)  # as copy_ would: autograd sees the change
                 else:
                     dst.copy_(src)
