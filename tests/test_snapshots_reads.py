@@ -11,6 +11,9 @@ memory holds; ``keep_last`` applies when the snapshot is persisted on exit.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,4 +135,30 @@ def test_keep_last_of_a_snapshot_applies_when_it_is_persisted_on_exit(daemon, cl
     client.close()
     wait_until(lambda: (root / "k2" / "ckptd.json").exists() and not (root / "k1").exists(), 20,
                "k2 persisted on exit and k1 removed by its keep_last")
+    daemon.stop()
+
+
+RESTORER = r'''
+import json, resource, sys, torch, ckptd
+run_dir, path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+target = {"w": torch.zeros(n)}  # touched: a trainer's tensors exist before it restores into them
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+ckptd.load_into(target, path, run_dir=run_dir)
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+print(json.dumps({"grew": grew, "restored": bool(target["w"].equal(torch.full((n,), 7.0)))}))
+'''
+
+
+def test_load_into_from_memory_copies_straight_into_the_targets_without_a_copy_of_the_snapshot(
+    daemon, client_factory, root, run_dir
+) -> None:
+    n = 50_000_000  # 200 MB
+    client = client_factory()
+    client.save_async({"w": torch.full((n,), 7.0)}, root / "s1", step=1, persist=False).result(60)
+    out = subprocess.run([sys.executable, "-c", RESTORER, str(run_dir), str(root / "s1"), str(n)],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["restored"]
+    assert report["grew"] < n * 4 // 4, f"the restore's peak memory grew by {report['grew']} bytes"
     daemon.stop()
