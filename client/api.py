@@ -400,11 +400,12 @@ class Client:
         deadline = time.monotonic() + wait
         with self._lock:
             mine = [f for f, p in self._snapshotting.items() if p == target]
+            refused = self._refused.get(target)
         _, late = concurrent.futures.wait(mine, wait)
         if late:
             raise TimeoutError(f"persist({target!r}): this client's snapshot of it was not held within {wait:g} s")
-        with self._lock:
-            refused = self._refused.get(target)
+        if mine:  # the newest decides (its future may be done before ``_forget`` has run)
+            refused = mine[-1].exception()
         if refused is not None:  # nothing of it is held: the daemon could only say it holds no snapshot there
             why = getattr(refused, "message", None) or str(refused) or type(refused).__name__
             kind = type(refused) if isinstance(refused, CkptdError) else InvalidCheckpoint

@@ -260,10 +260,11 @@ class ReaderLease:
 
 
 def _pinned(path: Path, run_dir: str | os.PathLike | None) -> ReaderLease | None:
-    """A lease on the snapshot at ``path``; None from a daemon that predates pins (it refuses the request)."""
+    """A lease on the snapshot at ``path``; None from a daemon that predates pins (it refuses the request) or that
+    stopped answering since it listed the snapshot."""
     try:
         return ReaderLease(path, run_dir)
-    except BadMessage:
+    except (BadMessage, DaemonUnavailable, TimeoutError):  # gone or too old: read unpinned, which notices a drop
         return None
 
 

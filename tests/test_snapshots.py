@@ -298,3 +298,16 @@ def test_a_daemon_started_under_its_dead_predecessors_pid_unlinks_the_segments_l
             (SHM / name).unlink()
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_killed_daemons_held_snapshots_are_unlinked_by_the_next_start(daemon_factory, client_factory, root) -> None:
+    daemon = daemon_factory()
+    client = client_factory()
+    client.save_async(state_at(1), root / "s1", step=1, persist=False).result(30)
+    left = segments_of(daemon.proc.pid)
+    assert left, "the daemon holds the snapshot's slot under its own pid"
+    daemon.kill()
+    assert segments_of(daemon.proc.pid) == left  # a SIGKILL unlinks nothing
+    daemon_factory()
+    wait_until(lambda: segments_of(daemon.proc.pid) == [], 30,
+               lambda: f"the next start unlinks the dead daemon's slots: {segments_of(daemon.proc.pid)}")
