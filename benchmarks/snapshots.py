@@ -5,8 +5,8 @@ from the call to its return (sync staging); restores are ``ckptd.load`` of the n
 checksums verified), set against a memcpy of the same bytes into one fresh buffer (as restore reads a shard; fresh
 tensors of up to 32 MiB would reuse the heap glibc kept from the last repetition) and a cold ``ckptd.load`` of its
 persisted copy. ``load_into`` of the newest snapshot into a state of the same shapes (touched once, as a trainer's
-are), with and without the checksum, is set against a memcpy of the same bytes into the same targets (``memmove`` per tensor, one thread, as the load's
-reads are).
+are), with and without the checksum, is set against a memcpy of the same bytes into the same targets (``memmove`` per
+tensor, on one thread, as the load's reads are).
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@
     Persist  ──admit pool: free space ──loop: each held shard into the save pipeline
              (``Saves.admit_examined``: .incomplete, write, fsync, index, rename)
 
+    Pin      ──loop: the snapshot's listing, and a reader's lease on it (a drop waits for its Unpin)
+
 Persisting reuses the disk save's pipeline from the held slot: there is no
 second writer. It runs when a client asks (``Persist``), when the last
 client of a snapshot's ranks dies or closes (``persist_on_exit``), and for

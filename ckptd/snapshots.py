@@ -15,12 +15,18 @@ another job's.
 The memory budget counts the snapshots' bytes (their shards' sizes), not
 the slots they are held in: a client's slot only grows, so one snapshot
 larger than the budget (refused) would otherwise leave a slot that no later
-snapshot of that client fits in however small it is. A snapshot that would exceed it first evicts the oldest snapshots
-that are already persisted to disk; if that is not enough it is refused with
-a message naming the budget and what is held. A held slot is renamed to a
-name of the daemon's own pid, so no sweep of dead clients' slots takes it. A
-dropped slot whose client is alive goes back to that client under its old
-name (named in its next ``Held``); a dead or gone client's slot is unlinked.
+snapshot of that client fits in however small it is. A snapshot that would
+exceed it first evicts the oldest snapshots that are already persisted to
+disk; if that is not enough it is refused with a message naming the budget
+and what is held. A held slot is renamed to a name of the daemon's own pid,
+so no sweep of dead clients' slots takes it. A dropped slot whose client is
+alive goes back to that client under its old name (named in its next
+``Held``); a dead or gone client's slot is unlinked.
+
+A reader pins a snapshot while it copies out of its slots (``Pin``, a
+reader's lease). One dropped meanwhile is parked: no longer listed, still
+counted in the budget, never evicted, and its slots are released only when
+its last reader unpins, says goodbye or dies.
 
 Bookkeeping only, on the loop thread: ``holding.py`` does the I/O around it.
 """
