@@ -162,3 +162,34 @@ def test_load_into_from_memory_copies_straight_into_the_targets_without_a_copy_o
     assert report["restored"]
     assert report["grew"] < n * 4 // 4, f"the restore's peak memory grew by {report['grew']} bytes"
     daemon.stop()
+
+
+PINNER = r'''
+import sys, time
+from pathlib import Path
+from ckptd.client.memory import open_checkpoint
+files = open_checkpoint(Path(sys.argv[2]), verify=True, run_dir=sys.argv[1], defer=True)  # pins it
+print(files.index.shard(0).file, flush=True)
+time.sleep(120)  # the test kills us mid-read
+'''
+
+
+def test_the_pins_of_a_reader_that_dies_end_and_its_snapshot_is_released(daemon, client_factory, root,
+                                                                         run_dir) -> None:
+    client = client_factory()
+    client.save_async(full(1), root / "s1", step=1, persist=False).result(30)
+    reader = subprocess.Popen([sys.executable, "-c", PINNER, str(run_dir), str(root / "s1")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        slot = reader.stdout.readline().strip()
+        assert slot, reader.stderr.read()[-3000:]
+        client.save_async(full(2), root / "s2", step=2, persist=False).result(30)  # drops s1: deferred, pinned
+        wait_until(lambda: "event=snapshot_drop_deferred" in (run_dir / "ckptd.log").read_text(), 10,
+                   "the drop waits for the reader")
+        assert slot in segments_of(daemon.proc.pid)
+    finally:
+        reader.kill()
+        reader.wait(10)
+    wait_until(lambda: slot not in segments_of(daemon.proc.pid), 30, "the dead reader's pin ends, the slot goes")
+    assert held_paths(run_dir) == {str(root / "s2")}
+    daemon.stop()
