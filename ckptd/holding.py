@@ -9,6 +9,8 @@
     Persist  ──admit pool: free space ──loop: each held shard into the save pipeline
              (``Saves.admit_examined``: .incomplete, write, fsync, index, rename)
 
+    Pin      ──loop: the snapshot's listing, and a reader's lease on it (a drop waits for its Unpin)
+
 Persisting reuses the disk save's pipeline from the held slot: there is no
 second writer. It runs when a client asks (``Persist``), when the last
 client of a snapshot's ranks dies or closes (``persist_on_exit``), and for
@@ -28,7 +30,9 @@ from pathlib import Path
 from typing import Callable
 
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed, RanksMissing, ShuttingDown, WriteFailed
-from ckptd.protocol.messages import Accepted, Done, Error, Held, Message, Persist, Snapshot, SnapshotList, Snapshots
+from ckptd.protocol.messages import (
+    Accepted, Done, Error, Held, Message, Ok, Persist, Pin, Snapshot, SnapshotList, Snapshots, Unpin,
+)
 from ckptd.protocol.objects import display, is_object_path
 from ckptd.protocol.shm import slot_name
 
@@ -94,7 +98,7 @@ class Holding:
             return
         for old in evicted:
             log.info("event=snapshot_evicted path=%s step=%s reason=budget", old.path, old.step)
-        self._release(shards_of(evicted))
+        self._release(shards_of(evicted))  # never pinned: the budget evicts none a reader holds
         self.send(ident, Accepted(msg.id))
         slot, slots, name = examined.slot, self.state.slots, slot_name(os.getuid(), os.getpid(), next(self._names))
 
@@ -125,7 +129,7 @@ class Holding:
         if not snap.complete:
             return
         snap.acknowledged = True
-        self._release(shards_of(self.snapshots.newer_than_kept(snap)), then=lambda: self._tell_held(snap))
+        self._drop(self.snapshots.newer_than_kept(snap), then=lambda: self._tell_held(snap))
         if snap.persist_waiting:
             self.start_persist(snap)
 
@@ -171,6 +175,30 @@ class Holding:
             missing = sorted(set(range(snap.world_size)) - set(snap.shards))
             self.fail(snap, RanksMissing(f"snapshot {snap.path}: ranks {missing} of {snap.world_size} never "
                                          f"snapshotted within {snap.timeout:g} s; nothing was held"))
+
+    def _drop(self, snaps: list[HeldSnapshot], then: Callable[[], None] = lambda: None) -> None:
+        """Release the slots of snapshots dropped from the books, except those a reader pins: parked until it
+        unpins (a reader copies straight out of the slot, which must not go back to its trainer meanwhile)."""
+        pinned = [s for s in snaps if s.readers]
+        for snap in pinned:
+            log.info("event=snapshot_drop_deferred path=%s step=%s readers=%d", snap.path, snap.step,
+                     sum(snap.readers.values()))
+        self.snapshots.parked += pinned
+        self._release(shards_of([s for s in snaps if not s.readers]), then)
+
+    def pin(self, ident: bytes, msg: Pin) -> SnapshotList:
+        """A reader's lease on a held snapshot: its listing, its slots kept as they are until ``Unpin``."""
+        self.state.client(ident)  # a reader that said hello: its death ends its pins (``reader_gone``)
+        snap = self.snapshots.pin(ident, Path(msg.path))
+        return SnapshotList(msg.id, () if snap is None else (snap.describe(),))
+
+    def unpin(self, ident: bytes, msg: Unpin) -> Ok:
+        self._release(shards_of(self.snapshots.unpin(ident, Path(msg.path))))
+        return Ok(msg.id)
+
+    def reader_gone(self, ident: bytes) -> None:
+        """A connection closed or its process died: its pins end."""
+        self._release(shards_of(self.snapshots.unpin(ident)))
 
     def _release(self, shards: list[HeldShard], then: Callable[[], None] = lambda: None) -> None:
         """Drop held shards: a live, connected client gets its slot back (under its old name), others' are
@@ -230,7 +258,7 @@ class Holding:
                 f"snapshot {final} spans several nodes; persisting it is not supported: save with persist=True")))
             return
         if snap.persisted:
-            self.send(ident, Done(rid, str(snap.path), snap.nbytes_staged, 0.0))
+            self.send(ident, Done(rid, str(snap.path), snap.nbytes, 0.0))
             return
         snap.persist_waiting.append((ident, rid))
         if snap.acknowledged and not snap.persisting:
@@ -277,7 +305,7 @@ class Holding:
                     self.fail(snap, why)
                     return
                 self.snapshots.remove(snap)
-                self._release(shards_of([snap]))
+                self._drop([snap])
                 self._answer_persists(snap, why)
             return
         snap.persisting, snap.persisted = False, error is None
@@ -291,7 +319,7 @@ class Holding:
     def _answer_persists(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
         for ident, rid in snap.persist_waiting:
             if error is None:
-                self.send(ident, Done(rid, str(snap.path), snap.nbytes_staged, time.monotonic() - snap.persist_started))
+                self.send(ident, Done(rid, str(snap.path), snap.nbytes, time.monotonic() - snap.persist_started))
             else:
                 self.send(ident, Error(rid, error.code, error.message))
         snap.persist_waiting = []
@@ -307,13 +335,27 @@ class Holding:
             self.workers.submit("maintenance", lambda: _unlink(self.state.slots.shm_dir, owed))
 
     def close(self) -> None:
-        """The daemon exits: what it holds goes (its newest snapshots were persisted while it drained)."""
-        held = shards_of(self.snapshots.held.values())
+        """The daemon exits (its loop is over, its workers closed): no slot it took over outlives it.
+
+        This unlinks on the calling thread: maintenance may have been
+        abandoned at the drain deadline (a stalled store request ahead of
+        it), and its thread dies with the process, so unlinks queued there
+        would leave gigabytes in ``/dev/shm``. What goes: the slots still
+        held (the newest snapshots were persisted while it drained), the
+        slots owed back to clients that were not told yet, and every slot
+        still under this daemon's own name (a release or give-back queued
+        behind abandoned maintenance).
+        """
+        held = shards_of([*self.snapshots.held.values(), *self.snapshots.parked])
+        owed = [n for names in self.snapshots.released.values() for n in names]
         self.snapshots.held.clear()
-        names = [sh.slot.name for sh in held] + [n for owed in self.snapshots.released.values() for n in owed]
-        for shard in held:
+        self.snapshots.parked.clear()
+        self.snapshots.released.clear()
+        for shard in held:  # a shard never taken over keeps its client's name: the client's to unlink
             self.state.slots.release(shard.slot)
-        self.workers.submit("maintenance", lambda: _unlink(self.state.slots.shm_dir, names))
+        _unlink(self.state.slots.shm_dir, owed)
+        own = self.state.slots.reclaim(os.getpid())
+        log.info("event=slots_unlinked held=%d owed=%d own=%d", len(held), len(owed), own)
 
     def drain(self) -> None:
         """SIGTERM: persist the newest snapshot of every directory before the daemon exits."""

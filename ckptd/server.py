@@ -22,8 +22,8 @@ import zmq
 from ckptd.protocol import __version__
 from ckptd.protocol.errors import BadMessage, ErrorCode
 from ckptd.protocol.messages import (
-    MAX_MESSAGE_BYTES, Abort, Bye, Commit, Error, Finalize, Granted, Hello, Lease, Message, Ok, Persist, Ping, Pong,
-    Release, Snapshot, Snapshots, Staged, Status, StatusReply, Stop, Welcome, decode, request_id,
+    MAX_MESSAGE_BYTES, Abort, Bye, Commit, Error, Finalize, Granted, Hello, Lease, Message, Ok, Persist, Pin, Ping,
+    Pong, Release, Snapshot, Snapshots, Staged, Status, StatusReply, Stop, Unpin, Welcome, decode, request_id,
 )
 
 from .config import DaemonConfig
@@ -76,6 +76,8 @@ class Server:
             Snapshot: self.holding.snapshot,
             Persist: self.holding.persist,
             Snapshots: self.holding.listing,
+            Pin: self.holding.pin,
+            Unpin: self.holding.unpin,
             Staged: lambda ident, m: self.saves.staged(ident, m.upto, m.error, m.id),
             Finalize: self.saves.finalize,
             Abort: self.saves.abort,
@@ -87,6 +89,10 @@ class Server:
             Stop: self._on_stop,
         }
         directories = list(dict.fromkeys([*config.roots, *self.known_dirs.dirs]))
+        # Slots under this daemon's own pid are a dead predecessor's (in a container a restarted daemon often gets
+        # its pid), which the sweep of dead pids cannot tell: unlinked now, before this daemon takes any over.
+        if reclaimed := self.state.slots.reclaim(os.getpid()):
+            log.info("event=slots_reclaimed count=%d owner=predecessor_with_this_pid", reclaimed)
         self.workers.submit("maintenance", reclaim_orphaned_slots)
         self.workers.submit("maintenance", lambda: sweep_incomplete(storage, directories, config.sweep))
 
@@ -122,8 +128,8 @@ class Server:
     def close(self) -> None:
         if self.mirrors is not None:
             self.mirrors.close()  # what is left is logged, and queued again at the next start
-        self.holding.close()
         self.workers.close()
+        self.holding.close()  # after the workers: what they finished may have taken over or released slots
         self.router.close()
         self.ctx.term()
         self.state.slots.close()
@@ -213,6 +219,7 @@ class Server:
     def _teardown(self, ident: bytes, reason: str) -> None:
         client, grants = self.state.teardown(ident, reason)
         self._send_grants(grants)
+        self.holding.reader_gone(ident)
         if client is not None:
             log.info("event=client_gone pid=%d", client.pid)
             if not self.state.pid_connected(client.pid):

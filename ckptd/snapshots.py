@@ -12,13 +12,21 @@ snapshots of the same job dropped: per directory and client, the newest
 snapshot is dropped only after a newer one is completely held, and never for
 another job's.
 
-The memory budget counts the slots held (whole slots: that is what stays
-resident). A snapshot that would exceed it first evicts the oldest snapshots
-that are already persisted to disk; if that is not enough it is refused with
-a message naming the budget and what is held. A held slot is renamed to a
-name of the daemon's own pid, so no sweep of dead clients' slots takes it. A
-dropped slot whose client is alive goes back to that client under its old
-name (named in its next ``Held``); a dead or gone client's slot is unlinked.
+The memory budget counts the snapshots' bytes (their shards' sizes), not
+the slots they are held in: a client's slot only grows, so one snapshot
+larger than the budget (refused) would otherwise leave a slot that no later
+snapshot of that client fits in however small it is. A snapshot that would
+exceed it first evicts the oldest snapshots that are already persisted to
+disk; if that is not enough it is refused with a message naming the budget
+and what is held. A held slot is renamed to a name of the daemon's own pid,
+so no sweep of dead clients' slots takes it. A dropped slot whose client is
+alive goes back to that client under its old name (named in its next
+``Held``); a dead or gone client's slot is unlinked.
+
+A reader pins a snapshot while it copies out of its slots (``Pin``, a
+reader's lease). One dropped meanwhile is parked: no longer listed, still
+counted in the budget, never evicted, and its slots are released only when
+its last reader unpins, says goodbye or dies.
 
 Bookkeeping only, on the loop thread: ``holding.py`` does the I/O around it.
 """
@@ -76,6 +84,8 @@ class HeldSnapshot:
     persist_started: float = 0.0
     contributors: Contributors = field(default_factory=lambda: Contributors(""))
     """The job incarnation and processes whose shards this snapshot holds (no other may join)."""
+    readers: dict[bytes, int] = field(default_factory=dict)
+    """Pins by reader connection (``Pin``): while any is held its slots stay as they are, dropped or not."""
 
     @property
     def checksummed(self) -> bool:
@@ -89,12 +99,13 @@ class HeldSnapshot:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.slot.size for s in self.shards.values())
+        """The checkpoint's bytes (its shards' sizes): what the memory budget counts."""
+        return sum(s.msg.nbytes for s in self.shards.values())
 
     @property
-    def nbytes_staged(self) -> int:
-        """The checkpoint's bytes (its shards' sizes, not the slots')."""
-        return sum(s.msg.nbytes for s in self.shards.values())
+    def slot_bytes(self) -> int:
+        """The slots holding it (a slot grown for a larger state earlier is larger than its shard)."""
+        return sum(s.slot.size for s in self.shards.values())
 
     @property
     def order(self) -> tuple[int, float]:
@@ -104,7 +115,7 @@ class HeldSnapshot:
         """The snapshot as ``Snapshots`` and ``ckptd status`` report it (keys documented in the README)."""
         return {
             "path": str(self.path), "step": self.step, "world_size": self.world_size, "created": self.created,
-            "bytes": self.nbytes_staged, "held_bytes": self.nbytes,
+            "bytes": self.nbytes, "held_bytes": self.slot_bytes,
             "ranks_held": sorted(r for r, s in self.shards.items() if s.checksum is not None),
             "complete": self.acknowledged, "persisted": self.persisted, "persisting": self.persisting,
             "persists_waiting": len(self.persist_waiting),
@@ -123,10 +134,13 @@ class Snapshots:
         self.held: dict[Path, HeldSnapshot] = {}
         self.released: dict[int, list[str]] = {}
         """Slots dropped from snapshots whose client is alive, by its pid: named in its next ``Held``."""
+        self.parked: list[HeldSnapshot] = []
+        """Dropped while pinned by a reader: no longer listed, their slots released when the last reader unpins."""
 
     @property
     def held_bytes(self) -> int:
-        return sum(s.nbytes for s in self.held.values())
+        """What the budget counts: the snapshots held and those parked for their readers."""
+        return sum(s.nbytes for s in self.held.values()) + sum(s.nbytes for s in self.parked)
 
     def admit(self, msg: Snapshot, final: Path, slot: MappedSlot, pid: int, client: bytes
               ) -> tuple[HeldSnapshot, list[HeldSnapshot]]:
@@ -145,7 +159,7 @@ class Snapshots:
             snap.contributors.refuse_other_job(final, msg)
         if snap is not None and msg.rank in snap.shards:
             raise Conflict(f"rank {msg.rank} of snapshot {final} is already held")
-        evicted = self._make_room(final, slot.size)
+        evicted = self._make_room(final, msg.nbytes)
         if snap is None:
             snap = self.held[final] = HeldSnapshot(final, msg.world_size, msg.step, msg.coordinated, msg.timeout,
                                                    contributors=Contributors(msg.job))
@@ -158,7 +172,8 @@ class Snapshots:
     def _make_room(self, final: Path, needed: int) -> list[HeldSnapshot]:
         """Evict the oldest persisted snapshots until ``needed`` more bytes fit; ``NoSpace`` if they cannot."""
         evicted: list[HeldSnapshot] = []
-        candidates = sorted((s for s in self.held.values() if s.persisted and not s.persisting), key=lambda s: s.order)
+        candidates = sorted((s for s in self.held.values() if s.persisted and not s.persisting and not s.readers),
+                            key=lambda s: s.order)  # a pinned one's memory would stay until its readers are done
         while self.held_bytes + needed > self.budget and candidates:
             victim = candidates.pop(0)
             del self.held[victim.path]
@@ -212,6 +227,28 @@ class Snapshots:
             if current is None or s.order > current.order:
                 best[s.path.parent] = s
         return [s for s in best.values() if not (s.persisted or s.persisting)]
+
+    def pin(self, reader: bytes, path: Path) -> HeldSnapshot | None:
+        """One more pin of the complete snapshot at ``path`` by ``reader``; None if none is held there."""
+        snap = self.held.get(path)
+        if snap is None or not snap.acknowledged:
+            return None
+        snap.readers[reader] = snap.readers.get(reader, 0) + 1
+        return snap
+
+    def unpin(self, reader: bytes, path: Path | None = None) -> list[HeldSnapshot]:
+        """End one pin of ``path`` by ``reader`` (None: all its pins, the reader is gone); returns the parked
+        snapshots that no reader pins any more, dropped from the books: their slots are to be released."""
+        for snap in [*self.parked, *self.held.values()]:
+            if reader in snap.readers and path in (None, snap.path):
+                snap.readers[reader] -= 1
+                if path is None or snap.readers[reader] == 0:
+                    del snap.readers[reader]
+                if path is not None:
+                    break
+        free = [s for s in self.parked if not s.readers]
+        self.parked = [s for s in self.parked if s.readers]
+        return free
 
     def take_released(self, pid: int) -> tuple[str, ...]:
         return tuple(self.released.pop(pid, []))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
-from ckptd.protocol.errors import Busy, InternalError, NoSpace
+from ckptd.protocol.errors import Busy, CkptdError, InternalError, InvalidCheckpoint, NoSpace
 from ckptd.protocol.layout import ShardLayout
 from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Bye, Commit, Done, Held, Persist, Ping, Snapshot, Staged
 from ckptd.protocol.objects import is_object_path, object_url, user_path
@@ -34,6 +34,8 @@ MAX_RESERVE = 1 << 50
 """``reserve_bytes`` above this (1 PiB) is a mistake, not a slot size."""
 HEADER_ROOM = 1 << 20
 """Added to ``reserve_bytes`` for the shard's header, so a state of exactly that many tensor bytes fits."""
+REFUSALS_KEPT = 64
+"""Paths whose last snapshot failed that ``persist`` can still say why for."""
 
 
 class Client:
@@ -134,6 +136,9 @@ class Client:
         self._futures: set[SaveFuture] = set()
         self._snapshotting: dict[SaveFuture, str] = {}
         """Pending snapshots (``persist=False``) by path: ``persist`` of one waits for it to be held."""
+        self._refused: dict[str, BaseException] = {}
+        """Why this client's last snapshot of a path failed (the newest ``REFUSALS_KEPT`` paths): the daemon
+        holds nothing there to say why, so ``persist`` of the path reports it."""
         self._lock = threading.Lock()
         self._closed = False
         self._conn = self._connect()
@@ -211,6 +216,7 @@ class Client:
         fut = SaveFuture()
         with self._lock:
             self._futures.add(fut)
+            self._refused.pop(target, None)
             if not persist:
                 self._snapshotting[fut] = target
         fut.add_done_callback(self._forget)
@@ -361,7 +367,12 @@ class Client:
     def _forget(self, fut: Future) -> None:
         with self._lock:
             self._futures.discard(fut)
-            self._snapshotting.pop(fut, None)
+            path = self._snapshotting.pop(fut, None)
+            if path is not None and fut.exception() is not None:
+                self._refused.pop(path, None)  # re-inserted as the newest
+                self._refused[path] = fut.exception()
+                while len(self._refused) > REFUSALS_KEPT:
+                    del self._refused[next(iter(self._refused))]
 
     def _reconnect_if_lost(self) -> None:
         """After the daemon died or stopped, reach (or respawn) a daemon before the next save.
@@ -392,7 +403,9 @@ class Client:
         call it, right after ``save_async(..., persist=False)``: it waits for
         this client's snapshot of ``path`` to be held and for the snapshot to
         be complete, and a snapshot already persisted returns at once. Raises
-        ``InvalidCheckpoint`` if the daemon holds no snapshot there.
+        what this client's last snapshot of ``path`` failed with (a
+        ``CheckpointExists`` on a restart, say), else ``InvalidCheckpoint``
+        if the daemon holds no snapshot there.
         """
         self._check_process()
         if self._closed:
@@ -402,9 +415,17 @@ class Client:
         deadline = time.monotonic() + wait
         with self._lock:
             mine = [f for f, p in self._snapshotting.items() if p == target]
-        _, late = concurrent.futures.wait(mine, wait)  # its failure is the save's to report; the daemon says why
+            refused = self._refused.get(target)
+        _, late = concurrent.futures.wait(mine, wait)
         if late:
             raise TimeoutError(f"persist({target!r}): this client's snapshot of it was not held within {wait:g} s")
+        if mine:  # the newest decides (its future may be done before ``_forget`` has run)
+            refused = mine[-1].exception()
+        if refused is not None:  # nothing of it is held: the daemon could only say it holds no snapshot there
+            why = getattr(refused, "message", None) or str(refused) or type(refused).__name__
+            kind = type(refused) if isinstance(refused, CkptdError) else InvalidCheckpoint
+            raise kind(f"persist({target!r}): this client's snapshot of it failed, so nothing is held to "
+                       f"persist: {why}") from refused
         self._reconnect_if_lost()
         try:
             done = self._conn.call(Persist(self._conn.next_id(), target), timeout=max(0.0, deadline - time.monotonic()))

@@ -85,20 +85,23 @@ def load(
     limit = check_limit(max_concurrent_per_node)
     device = _device(map_location)
     files = open_checkpoint(path, verify=verify, run_dir=run_dir)  # the daemon's memory when it holds path
-    index = files.index
-    assembled: dict[str, torch.Tensor] = {}
+    try:
+        index = files.index
+        assembled: dict[str, torch.Tensor] = {}
 
-    def full_tensor(name: str) -> torch.Tensor:  # a global tensor, assembled once however many ranks name it
-        if name not in assembled:
-            assembled[name] = read_full(files, files.ref(name), device)
-        return assembled[name]
+        def full_tensor(name: str) -> torch.Tensor:  # a global tensor, assembled once however many ranks name it
+            if name not in assembled:
+                assembled[name] = read_full(files, files.ref(name), device)
+            return assembled[name]
 
-    with load_lease(limit, run_dir=run_dir):
-        if rank == "all":
-            return [_load_rank(files, r, device, full_tensor, mmap=mmap) for r in range(index.world_size)]
-        if rank is None:
-            rank = _own_rank(path, index)
-        return _load_rank(files, rank, device, full_tensor, mmap=mmap)
+        with load_lease(limit, run_dir=run_dir):
+            if rank == "all":
+                return [_load_rank(files, r, device, full_tensor, mmap=mmap) for r in range(index.world_size)]
+            if rank is None:
+                rank = _own_rank(path, index)
+            return _load_rank(files, rank, device, full_tensor, mmap=mmap)
+    finally:
+        files.close()  # a held snapshot's reader lease ends
 
 
 def _own_rank(path: Path, index: CheckpointIndex) -> int:

@@ -27,18 +27,20 @@ import torch
 from ckptd.protocol.checksums import Behind
 from ckptd.protocol.chunks import tensor_table
 from ckptd.protocol.endpoint import endpoint_for
-from ckptd.protocol.errors import BadMessage, DaemonUnavailable, InvalidCheckpoint
+from ckptd.protocol.errors import BadMessage, CkptdError, DaemonUnavailable, InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
 from ckptd.protocol.index import latest as latest_on_disk
 from ckptd.protocol.objects import user_path
 from ckptd.protocol.inspect import check_checksum
 from ckptd.protocol.layout import MAX_HEADER_BYTES, TensorEntry, parse_header
-from ckptd.protocol.messages import SnapshotList, Snapshots
+from ckptd.protocol.messages import Bye, Pin, SnapshotList, Snapshots, Unpin
 from ckptd.protocol.objects import is_object_path
 from ckptd.protocol.request import request
 from ckptd.protocol.shm import shm_dir
 
+from .connection import Connection
 from .reshard import GAP_READ, ChunkFiles, bytes_of, map_shard
+from .verified import identity
 
 ASK_TIMEOUT = 5.0
 """Seconds to wait for the daemon's list of snapshots (it answers from memory)."""
@@ -82,9 +84,14 @@ class HeldFiles(ChunkFiles):
     read; if it was persisted, the disk copy is read instead.
     """
 
-    def __init__(self, path: Path, held: dict[str, Any], *, verify: bool,
-                 run_dir: str | os.PathLike | None = None) -> None:
-        self.path, self.run_dir = path, run_dir
+    remembers_verified = False  # a slot is rewritten in place when its trainer reuses it
+
+    def __init__(self, path: Path, held: dict[str, Any], *, verify: bool, defer: bool = False,
+                 run_dir: str | os.PathLike | None = None, lease: "ReaderLease | None" = None) -> None:
+        self.path, self.run_dir, self.lease = path, run_dir, lease
+        self.direct = defer and lease is not None
+        """Copies go straight from the pinned slots into the targets (``load_into``), checksummed as they go."""
+        self._copies: dict[str, torch.Tensor] = {}
         self.slots = {name: (rank, size, crc) for rank, name, size, crc, _ in held["shards"]}
         files = tuple(ShardRecord(name, rank, size, crc, tensors) for rank, name, size, crc, tensors in held["shards"])
         self._headers = {f.file: self._header(f) for f in files}
@@ -94,7 +101,14 @@ class HeldFiles(ChunkFiles):
             raise InvalidCheckpoint(f"snapshot {path} cannot be read from memory: {exc}") from None
         index = CheckpointIndex(world_size=held["world_size"], step=held["step"], created=held["created"],
                                 files=files, tensors=tensors, checksum_algorithm=held["checksum_algorithm"])
-        super().__init__(path, index, verify=verify)
+        super().__init__(path, index, verify=verify, defer=defer)
+
+    def source(self, file: str) -> Path:
+        return shm_dir() / file
+
+    def close(self) -> None:
+        if self.lease is not None:
+            self.lease.close()
 
     def _header(self, f: ShardRecord) -> tuple[list[TensorEntry], dict[str, str], int]:
         try:
@@ -110,8 +124,33 @@ class HeldFiles(ChunkFiles):
             raise InvalidCheckpoint(f"snapshot {self.path}, rank {f.rank}: bad header in memory: {exc}") from None
 
     def mapped(self, file: str) -> torch.Tensor:
-        """The held shard's bytes, read into this process's memory and checksummed there, once."""
+        """The held shard's bytes: the pinned slot itself (``direct``: ``copy`` checksums what it copies out),
+        else read into this process's memory and checksummed there, once."""
+        return self._slot(file) if self.direct else self._owned(file)
+
+    def _slot(self, file: str) -> torch.Tensor:
+        """The pinned slot, mapped read-only; its checksum is left for ``copy`` (``ChunkFiles``' deferred files)."""
         if file not in self._maps:
+            rank, size, _ = self.slots[file]
+            try:
+                with open(self.source(file), "rb", buffering=0) as slot:
+                    if os.fstat(slot.fileno()).st_size < size:
+                        raise InvalidCheckpoint(f"snapshot {self.path}: its slot {file} is shorter than its shard")
+                    mapping = mmap.mmap(slot.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ)
+                    ident = identity(slot.fileno())
+            except (OSError, ValueError) as exc:
+                raise InvalidCheckpoint(f"snapshot {self.path}: its slot {file} is gone ({exc})") from None
+            self._raw[file], self._idents[file] = mapping, ident
+            if self.verify:
+                self._pending[file] = (mapping, self.index.shard(rank), ident)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only: only ever copied from
+                self._maps[file] = torch.frombuffer(mapping, dtype=torch.uint8)
+        return self._maps[file]
+
+    def _owned(self, file: str) -> torch.Tensor:
+        """The held shard's bytes, read into this process's memory and checksummed there, once."""
+        if file not in self._copies:
             rank, size, _ = self.slots[file]
             record = self.index.shard(rank)
             data = torch.empty(size, dtype=torch.uint8)
@@ -123,8 +162,8 @@ class HeldFiles(ChunkFiles):
                     raise InvalidCheckpoint(f"snapshot {self.path}: the header of rank {rank} changed while read")
             except InvalidCheckpoint as exc:
                 data = self._instead_of_dropped(record, exc)
-            self._maps[file] = data
-        return self._maps[file]
+            self._copies[file] = data
+        return self._copies[file]
 
     def _read_slot(self, record: ShardRecord, into: memoryview) -> int | None:
         """Copy the slot into ``into`` in large pieces, each checksummed right behind its copy (``verify``).
@@ -183,25 +222,77 @@ class HeldFiles(ChunkFiles):
         return torch.frombuffer(mapping, dtype=torch.uint8)
 
     def read(self, record: ShardRecord, *, copy: bool) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-        """One rank's tensors, views of its verified bytes (this process's own memory either way: ``copy`` is moot)."""
+        """One rank's tensors: views of its verified bytes in this process's own memory, or (``direct`` and not
+        ``copy``) of the pinned slot, for ``load_into`` to copy out of while the lease holds."""
         from .load import _typed  # load imports this module
 
-        data = self.mapped(record.file)
+        data = self._owned(record.file) if copy or not self.direct else self._slot(record.file)
         entries, metadata, data_start = self._headers[record.file]
         return metadata, {e.name: _typed(data[data_start + e.begin : data_start + e.end], e) for e in entries}
 
 
+class ReaderLease:
+    """A reader's pin on a held snapshot (``Pin``): until ``close`` the daemon keeps its slots as they are (a drop
+    waits for it), so ``load_into`` copies straight out of them. ``held`` is the snapshot as the daemon lists it
+    now, None if it holds it no more. The daemon ends the pins of a reader that says goodbye or dies."""
+
+    def __init__(self, path: Path, run_dir: str | os.PathLike | None = None) -> None:
+        endpoint = endpoint_for(Path(run_dir).absolute()) if run_dir is not None else endpoint_for()
+        self.path = _resolved(path)
+        self._conn = Connection(endpoint, heartbeat=1.0, timeout=ASK_TIMEOUT)
+        try:
+            self._conn.introduce()
+            reply = self._conn.call(Pin(self._conn.next_id(), self.path))
+        except BaseException:
+            self._conn.close()
+            raise
+        self.held: dict[str, Any] | None = next(iter(reply.snapshots), None)
+
+    def close(self) -> None:
+        try:
+            if self.held is not None:
+                self._conn.call(Unpin(self._conn.next_id(), self.path))
+            self._conn.call(Bye(self._conn.next_id()))
+        except (CkptdError, TimeoutError):  # the daemon is gone: so are its pins
+            pass
+        finally:
+            self._conn.close()
+
+
+def _pinned(path: Path, run_dir: str | os.PathLike | None) -> ReaderLease | None:
+    """A lease on the snapshot at ``path``; None from a daemon that predates pins (it refuses the request) or that
+    stopped answering since it listed the snapshot."""
+    try:
+        return ReaderLease(path, run_dir)
+    except (BadMessage, DaemonUnavailable, TimeoutError):  # gone or too old: read unpinned, which notices a drop
+        return None
+
+
 def open_checkpoint(path: Path, *, verify: bool, run_dir: str | os.PathLike | None = None,
                     defer: bool = False) -> ChunkFiles:
-    """The checkpoint's files: from the daemon's memory when it holds ``path``, else from disk."""
-    held = find_held(path, run_dir)
+    """The checkpoint's files: from the daemon's memory when it holds ``path``, else from disk.
+
+    A held snapshot is pinned while it is read (``close`` ends the lease), and with ``defer`` (``load_into``)
+    copied straight out of its slots into the targets, checksummed in the same pass.
+    """
+    held, lease = find_held(path, run_dir), None
+    if held is not None and (lease := _pinned(path, run_dir)) is not None:
+        held = lease.held
+        if held is None:  # dropped since it was listed
+            lease.close()
     if held is not None:
         try:
-            return HeldFiles(path, held, verify=verify, run_dir=run_dir)
+            return HeldFiles(path, held, verify=verify, defer=defer, run_dir=run_dir, lease=lease)
         except InvalidCheckpoint as exc:
+            if lease is not None:
+                lease.close()
             if not path.exists():
                 raise InvalidCheckpoint(f"memory snapshot {path} was dropped by the daemon as it was opened, and it "
                                         f"is not on disk: {exc}") from None
+        except BaseException:
+            if lease is not None:
+                lease.close()
+            raise
     try:
         index = read_index(path)
     except InvalidCheckpoint as exc:

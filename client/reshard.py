@@ -36,6 +36,9 @@ MAX_READ = 1 << 30
 """Bytes asked of one read(2); Linux returns at most ~2 GiB per call anyway."""
 GAP_READ = 16 << 20
 """Bytes per read of a range only the checksum needs."""
+FOLD_READ = 8 << 20
+"""Bytes per read straight into a target whose checksum follows: the checksum thread reads each piece while the next
+is read, from the cache rather than from memory."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,16 @@ class ChunkFiles:
         self._idents: dict[str, Identity] = {}
         self._objects: dict[str, ObjectShard] = {}
         self._pending: dict[str, tuple[_mmap.mmap, ShardRecord, Identity]] = {}
+
+    remembers_verified = True
+    """Whether a file verified once is remembered as verified while unchanged (``verified.py``)."""
+
+    def source(self, file: str) -> Path:
+        """Where ``file``'s bytes are read from."""
+        return self.path / file
+
+    def close(self) -> None:
+        """Done reading (a snapshot's reader lease ends); the tensors handed out stay valid."""
 
     def ref(self, name: str) -> GlobalRef:
         record = self.index.tensors.get(name)
@@ -169,7 +182,7 @@ class ChunkFiles:
     def _copy_file(self, file: str, pairs: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
         pending = self._pending.pop(file, None)
         record = next(f for f in self.index.files if f.file == file)
-        algorithm, path, done = self.index.checksum_algorithm, self.path / file, 0
+        algorithm, path, done = self.index.checksum_algorithm, self.source(file), 0
         with open_shard(path) as f, memoryview(self._raw[file]) as mapped, Behind(algorithm) as crc:
             if identity(f.fileno())[:5] != self._idents[file][:5]:
                 raise InvalidCheckpoint(f"shard {path} changed while it was being loaded")
@@ -179,7 +192,12 @@ class ChunkFiles:
                     done = begin
                 if _readable(dst, src, end - begin):
                     into = bytes_of(dst)
-                    _pread_into(f.fileno(), into, begin, path)
+                    for lo in range(0, len(into), FOLD_READ):  # each piece checksummed while in cache
+                        piece = into[lo : lo + FOLD_READ]
+                        _pread_into(f.fileno(), piece, begin + lo, path)
+                        if pending is not None and begin + lo + len(piece) > done:
+                            crc.add(piece[max(done, begin + lo) - begin - lo :])
+                            done = begin + lo + len(piece)
                     torch.autograd.graph.increment_version(dst)  # as copy_ would: autograd sees the change
                 else:
                     dst.copy_(src)
@@ -190,7 +208,8 @@ class ChunkFiles:
             if pending is not None:
                 _read_for(crc, f.fileno(), done, record.size, path)
                 check_checksum(path, crc.value(), record, algorithm)
-                remember(pending[2], record, algorithm)
+                if self.remembers_verified:
+                    remember(pending[2], record, algorithm)
 
 
 def _readable(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> bool:

@@ -105,35 +105,38 @@ def load_into(
     check_bool("verify", verify)
     limit = check_limit(max_concurrent_per_node)
     files = open_checkpoint(path, verify=verify, run_dir=run_dir, defer=True)  # the daemon's memory when it holds path
-    index = files.index
-    if rank is None:
-        rank = detect_ranks().rank if index.world_size > 1 else 0
-        if rank >= index.world_size and not _same_on_every_saved_rank(files, key):
-            part = f" under key {key!r}" if key is not None else ""
-            raise InvalidCheckpoint(
-                f"checkpoint {display(path)} was saved by ranks 0..{index.world_size - 1}; this process is rank "
-                f"{rank}, and the per-rank state{part} (everything but DTensors and replicated= keys) differs between "
-                f"the saved ranks, so loading it here would give rank {rank} another rank's state (a data loader "
-                f"position, an RNG state). Pass rank=0 (or another saved rank) to take that rank's per-rank state "
-                f"on purpose")
-    rank = structure_rank(index, rank)
-    with load_lease(limit, run_dir=run_dir):
-        # Views of a mapping: no second copy of the checkpoint. Nothing holds
-        # them past this call, so the mapping goes when it returns. A fresh
-        # optimizer keeps what its load_state_dict is given (``.to`` does not
-        # copy), so it gets tensors that own their memory instead.
-        fresh_optimizer = isinstance(target, torch.optim.Optimizer) and not target.state
-        saved = _load_rank(files, rank, None, files.ref, mmap=not fresh_optimizer)
-        if key is not None:
-            if not isinstance(saved, dict) or key not in saved:
-                raise InvalidCheckpoint(f"checkpoint {display(path)} (rank {rank}) holds no top-level key {key!r}")
-            saved = saved[key]
-        if fresh_optimizer:
-            saved = _read_globals(saved, files)
-            files.copy([])  # checks what the reads above left unchecked
-            target.load_state_dict(saved)
-            return LoadReport(copied=sum(1 for _ in _tensors(saved)))
-        return _apply(target, saved, strict, f"checkpoint {display(path)}", files)
+    try:
+        index = files.index
+        if rank is None:
+            rank = detect_ranks().rank if index.world_size > 1 else 0
+            if rank >= index.world_size and not _same_on_every_saved_rank(files, key):
+                part = f" under key {key!r}" if key is not None else ""
+                raise InvalidCheckpoint(
+                    f"checkpoint {display(path)} was saved by ranks 0..{index.world_size - 1}; this process is rank "
+                    f"{rank}, and the per-rank state{part} (everything but DTensors and replicated= keys) differs "
+                    f"between the saved ranks, so loading it here would give rank {rank} another rank's state (a data "
+                    f"loader position, an RNG state). Pass rank=0 (or another saved rank) to take that rank's per-rank "
+                    f"state on purpose")
+        rank = structure_rank(index, rank)
+        with load_lease(limit, run_dir=run_dir):
+            # Views of a mapping: no second copy of the checkpoint. Nothing holds
+            # them past this call, so the mapping goes when it returns. A fresh
+            # optimizer keeps what its load_state_dict is given (``.to`` does not
+            # copy), so it gets tensors that own their memory instead.
+            fresh_optimizer = isinstance(target, torch.optim.Optimizer) and not target.state
+            saved = _load_rank(files, rank, None, files.ref, mmap=not fresh_optimizer)
+            if key is not None:
+                if not isinstance(saved, dict) or key not in saved:
+                    raise InvalidCheckpoint(f"checkpoint {display(path)} (rank {rank}) holds no top-level key {key!r}")
+                saved = saved[key]
+            if fresh_optimizer:
+                saved = _read_globals(saved, files)
+                files.copy([])  # checks what the reads above left unchecked
+                target.load_state_dict(saved)
+                return LoadReport(copied=sum(1 for _ in _tensors(saved)))
+            return _apply(target, saved, strict, f"checkpoint {display(path)}", files)
+    finally:
+        files.close()  # a held snapshot's reader lease ends: the daemon may drop it now
 
 
 def _same_on_every_saved_rank(files: ChunkFiles, key: str | None) -> bool:

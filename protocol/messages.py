@@ -17,6 +17,8 @@ Conversation::
     Snapshot         ──▶        Accepted ... later Held | Error   (kept in node memory, not written)
     Persist          ──▶        Done | Error      (write a held snapshot to disk)
     Snapshots        ──▶        SnapshotList      (what the daemon holds in memory)
+    Pin              ──▶        SnapshotList      (that snapshot, kept as it is until Unpin: a reader's lease)
+    Unpin            ──▶        Ok
     Staged           ──▶        (nothing: a notice; one for a save that ended is ignored)
                                 (coordinated: Accepted ... Durable | Error)
     Finalize         ──▶        Done | Error      (global rank 0, several nodes)
@@ -228,6 +230,24 @@ class SnapshotList(Message):
     type: ClassVar[str] = "snapshot_list"
 
 
+@dataclass(frozen=True)
+class Pin(Message):
+    """A reader's lease on held snapshot ``path`` (resolved, as ``SnapshotList`` names it): until ``Unpin``,
+    ``Bye`` or the reader's death the daemon keeps its slots as they are (a drop waits), so the reader copies
+    straight out of them. Answered by a ``SnapshotList`` of that snapshot, or of none if it is not held complete."""
+
+    path: str
+    type: ClassVar[str] = "pin"
+
+
+@dataclass(frozen=True)
+class Unpin(Message):
+    """End one ``Pin`` of snapshot ``path`` by this client (``Ok``)."""
+
+    path: str
+    type: ClassVar[str] = "unpin"
+
+
 def _check_path(path: str) -> None:
     """Refuse a checkpoint path whose name cannot exist on disk while it is written.
 
@@ -409,7 +429,8 @@ class Ok(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.type: cls
     for cls in (Hello, Welcome, Commit, Staged, Accepted, Durable, Finalize, Abort, Done, Lease, Granted, Release, Error,
-                Status, StatusReply, Ping, Pong, Bye, Stop, Ok, Snapshot, Held, Persist, Snapshots, SnapshotList)
+                Status, StatusReply, Ping, Pong, Bye, Stop, Ok, Snapshot, Held, Persist, Snapshots, SnapshotList,
+                Pin, Unpin)
 }
 
 

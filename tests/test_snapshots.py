@@ -22,7 +22,7 @@ import torch
 import ckptd
 from ckptd.client.memory import held_snapshots
 
-from helpers import SHM, ckptd_cli, segments_of, wait_until
+from helpers import SHM, ckptd_cli, segments_of, status, wait_until
 
 STATE_SRC = r'''
 def state_at(step):
@@ -148,7 +148,7 @@ def test_the_budget_evicts_persisted_snapshots_then_refuses_saying_what_to_do(
 ) -> None:
     daemon = daemon_factory("--memory-budget", "2MiB", "--keep-snapshots", "2")
     client = client_factory()
-    small = {"w": torch.ones(100_000)}  # one MiB slot each
+    small = {"w": torch.ones(200_000)}  # 0.77 MiB each: two fit, three do not
     client.save_async(small, root / "a", step=1, persist=False).result(30)
     client.save_async(small, root / "b", step=2, persist=False).result(30)
     client.persist(root / "a")
@@ -158,9 +158,27 @@ def test_the_budget_evicts_persisted_snapshots_then_refuses_saying_what_to_do(
     with pytest.raises(ckptd.NoSpace) as refused:
         client.save_async(small, root / "d", step=4, persist=False).result(30)
     message = str(refused.value)
-    assert "memory budget is 2.0 MiB" in message and "2.0 MiB are held in 2 snapshot(s)" in message
+    assert "memory budget is 2.0 MiB" in message and "1.5 MiB are held in 2 snapshot(s)" in message
     assert "--memory-budget" in message and "persist" in message
     assert [s["path"] for s in daemon.status()["memory"]["snapshots"]] == held  # nothing newest was dropped
+    daemon.stop()
+
+
+def test_a_snapshot_larger_than_the_budget_is_refused_and_later_small_ones_are_held(
+    daemon_factory, client_factory, root, run_dir
+) -> None:
+    daemon = daemon_factory("--memory-budget", "2MiB")
+    client = client_factory()
+    with pytest.raises(ckptd.NoSpace, match="memory budget is 2.0 MiB"):
+        client.save_async({"w": torch.ones(1_000_000)}, root / "big", step=1, persist=False).result(30)
+    assert max(SHM.joinpath(n).stat().st_size for n in client.slot_names) > 2 * 2**20  # the slot grew
+    for step in range(2, 6):  # staged into that grown slot, or the next: the budget counts the bytes, not the slot
+        small = {"w": torch.full((50_000,), float(step))}
+        client.save_async(small, root / f"s{step}", step=step, persist=False).result(30)
+        assert ckptd.load(root / f"s{step}", run_dir=run_dir)["w"].equal(small["w"])
+    memory = daemon.status()["memory"]
+    assert [s["path"] for s in memory["snapshots"]] == [str(root / "s5")]
+    assert memory["held_bytes"] == memory["snapshots"][0]["bytes"] < 2**20
     daemon.stop()
 
 
@@ -220,13 +238,77 @@ def test_status_text_and_prometheus_metrics_show_the_snapshots_and_the_budget(
     client = client_factory()
     client.save_async(state_at(8), root / "s8", step=8, persist=False).result(30)
     text = daemon.cli("status").stdout
-    assert "memory snapshots: 2.0 MiB held of a 64.0 MiB budget" in text, text
+    assert "memory snapshots: 1.1 MiB held of a 64.0 MiB budget" in text, text  # its bytes, not its 2 MiB slot
     assert f"{root / 's8'}  step 8" in text and "ranks held 1/1  memory only" in text, text
 
     def scraped() -> dict[str, float]:
         lines = metrics.read_text().splitlines() if metrics.exists() else []
         return {k: float(v) for k, v in (line.split() for line in lines if line.startswith("ckptd_memory_"))}
-    want = {"ckptd_memory_budget_bytes": 64 * 2**20, "ckptd_memory_held_bytes": 2 * 2**20,
+    nbytes = daemon.status()["memory"]["snapshots"][0]["bytes"]
+    want = {"ckptd_memory_budget_bytes": 64 * 2**20, "ckptd_memory_held_bytes": nbytes,
             "ckptd_memory_snapshots": 1, "ckptd_memory_snapshots_unpersisted": 1}
     wait_until(lambda: scraped() == want, 60, lambda: f"the metrics say {scraped()}")
     daemon.stop()
+
+
+def test_a_stop_that_abandons_stalled_maintenance_still_unlinks_every_snapshot_it_held(
+    daemon_factory, client_factory, root, run_dir, tmp_path
+) -> None:
+    disk = root / "disk"
+    disk.mkdir()
+    stall = {"op": "remove_tree", "match": str(disk / "old"), "errno": 0, "wait_for": str(tmp_path / "never")}
+    daemon = daemon_factory("--drain-timeout", "1", "--keep-snapshots", "2", faults=[stall])
+    client = client_factory()
+    for step in (1, 2, 3):  # s1 is dropped for s3 (its slot goes back to the client), s2 and s3 stay held
+        client.save_async(state_at(step), root / f"s{step}", step=step, persist=False).result(30)
+    assert len(segments_of(daemon.proc.pid)) == 2
+    client.save_async({"x": torch.ones(10)}, disk / "old", step=1).result(30)
+    client.save_async({"x": torch.ones(10)}, disk / "new", step=2, keep_last=1).result(30)  # retention stalls
+    log = run_dir / "ckptd.log"
+    wait_until(lambda: "event=fault op=remove_tree" in log.read_text(), 30, "retention stalls in the store")
+    assert daemon.stop() == 0
+    assert "event=maintenance_abandoned" in log.read_text()  # the stall outlived the drain
+    assert segments_of(daemon.proc.pid) == [], "the daemon left held snapshots in /dev/shm"
+    assert equal_states(ckptd.load(root / "s3"), state_at(3))  # the newest was persisted while it drained
+
+
+PREDECESSOR = r'''
+import os, sys
+from pathlib import Path
+Path(sys.argv[1], f"ckptd-{os.getuid()}-{os.getpid()}-7").write_bytes(b"x" * 65536)  # left under this pid
+os.execv(sys.executable, [sys.executable, "-m", "ckptd", *sys.argv[2:]])  # the same pid starts the daemon
+'''
+
+
+def test_a_daemon_started_under_its_dead_predecessors_pid_unlinks_the_segments_left_under_it(run_dir, root) -> None:
+    cmd = [sys.executable, "-c", PREDECESSOR, str(SHM), "start", "--foreground", "--quiet", "--run-dir", str(run_dir),
+           "--root", str(root)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        def serving() -> bool:
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            try:
+                return status(run_dir, timeout=2)["daemon"]["pid"] == proc.pid
+            except AssertionError:  # not answering yet
+                return False
+        wait_until(serving, 60, "the daemon answers")
+        assert segments_of(proc.pid) == [], "a start-up left its predecessor's segment in /dev/shm"
+        assert "owner=predecessor_with_this_pid" in (run_dir / "ckptd.log").read_text()
+    finally:
+        for name in segments_of(proc.pid):
+            (SHM / name).unlink()
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_a_killed_daemons_held_snapshots_are_unlinked_by_the_next_start(daemon_factory, client_factory, root) -> None:
+    daemon = daemon_factory()
+    client = client_factory()
+    client.save_async(state_at(1), root / "s1", step=1, persist=False).result(30)
+    left = segments_of(daemon.proc.pid)
+    assert left, "the daemon holds the snapshot's slot under its own pid"
+    daemon.kill()
+    assert segments_of(daemon.proc.pid) == left  # a SIGKILL unlinks nothing
+    daemon_factory()
+    wait_until(lambda: segments_of(daemon.proc.pid) == [], 30,
+               lambda: f"the next start unlinks the dead daemon's slots: {segments_of(daemon.proc.pid)}")

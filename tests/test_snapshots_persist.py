@@ -151,3 +151,19 @@ def test_a_persist_that_times_out_says_what_it_waited_for(daemon_factory, client
         client.persist(root / "slow", timeout=0.5)
     go.touch()
     daemon.stop()
+
+
+def test_persist_after_a_refused_snapshot_says_why_it_was_refused(daemon, client_factory, root) -> None:
+    client = client_factory()
+    client.save_async(full(1), root / "s1", step=1).result(30)  # on disk: the run restarts at step 1
+    refused = client.save_async(full(2), root / "s1", step=1, persist=False)
+    with pytest.raises(ckptd.CheckpointExists) as at_save:
+        refused.result(30)
+    with pytest.raises(ckptd.CheckpointExists) as at_persist:
+        client.persist(root / "s1")
+    message = str(at_persist.value)
+    assert "snapshot of it failed" in message and at_save.value.message in message, message
+    assert "holds no snapshot" not in message
+    client.save_async(full(3), root / "s3", step=3, persist=False).result(30)  # another path: still persists
+    assert client.persist(root / "s3") == root / "s3"
+    assert ckptd.load(root / "s1")["w"].equal(full(1)["w"])  # the refused snapshot touched nothing

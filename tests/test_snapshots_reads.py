@@ -1,8 +1,9 @@
 """Reading and keeping memory snapshots while their trainer goes on: what a new user broke.
 
 The trainer's next save reuses the slot of a snapshot the daemon dropped:
-what a reader loaded must not change under it, and a read the drop overtakes
-says so (or reads the persisted copy). Eviction keeps each job's newest
+what a reader loaded must not change under it; a reader pins what it reads,
+so a drop waits for it, and one that cannot pin (a daemon that predates it)
+says the drop overtook it (or reads the persisted copy). Eviction keeps each job's newest
 snapshots by step, never another job's; a snapshot that could never be
 persisted is refused when saved; ``ckptd list`` shows a directory that only
 memory holds; ``keep_last`` applies when the snapshot is persisted on exit.
@@ -10,13 +11,18 @@ memory holds; ``keep_last`` applies when the snapshot is persisted on exit.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import ckptd
-from ckptd.client.memory import held_snapshots, open_checkpoint
+from ckptd.client.memory import HeldFiles, find_held, held_snapshots, open_checkpoint
 
-from helpers import wait_until
+from helpers import segments_of, wait_until
 
 
 def full(value: float, n: int = 50_000) -> dict:
@@ -40,15 +46,17 @@ def test_tensors_loaded_from_memory_stay_as_verified_when_the_trainer_reuses_the
     daemon.stop()
 
 
-def test_a_snapshot_dropped_while_it_is_read_says_so_or_is_read_from_its_disk_copy(
+def test_a_snapshot_dropped_while_an_unpinned_reader_reads_it_says_so_or_is_read_from_its_disk_copy(
     daemon, client_factory, root, run_dir
 ) -> None:
+    def unpinned(path: Path) -> HeldFiles:  # what a reader gets from a daemon that predates reader leases
+        return HeldFiles(path, find_held(path, run_dir), verify=True, run_dir=run_dir)
     client = client_factory()
     client.save_async(full(1), root / "mem-only", step=1, persist=False).result(30)
-    lost = open_checkpoint(root / "mem-only", verify=True, run_dir=run_dir)
+    lost = unpinned(root / "mem-only")
     client.save_async(full(2), root / "kept", step=2, persist=False).result(30)
     client.persist(root / "kept")
-    kept = open_checkpoint(root / "kept", verify=True, run_dir=run_dir)
+    kept = unpinned(root / "kept")
     for step in (3, 4):  # each drops the one before; step 4 is staged into the slot "kept" was read from
         client.save_async(full(step), root / f"s{step}", step=step, persist=False).result(30)
     with pytest.raises(ckptd.InvalidCheckpoint, match="was dropped by the daemon while rank 0 was being read"):
@@ -57,6 +65,29 @@ def test_a_snapshot_dropped_while_it_is_read_says_so_or_is_read_from_its_disk_co
     assert tensors["w"].equal(full(2)["w"])  # the persisted copy, same checksum
     with pytest.raises(ckptd.InvalidCheckpoint, match="nor does this node's daemon hold a memory snapshot"):
         ckptd.load(root / "mem-only", run_dir=run_dir)
+    daemon.stop()
+
+
+def test_a_snapshot_dropped_while_a_reader_pins_it_stays_readable_until_the_reader_is_done(
+    daemon, client_factory, root, run_dir
+) -> None:
+    client = client_factory()
+    client.save_async(full(1), root / "s1", step=1, persist=False).result(30)
+    reader = open_checkpoint(root / "s1", verify=True, run_dir=run_dir, defer=True)  # pins it
+    slot = reader.index.shard(0).file
+    for step in (2, 3):  # s2 drops s1, and s3 is staged into another slot: s1's is not given back while pinned
+        client.save_async(full(step), root / f"s{step}", step=step, persist=False).result(30)
+    assert held_paths(run_dir) == {str(root / "s3")}  # dropped: no longer listed
+    assert "event=snapshot_drop_deferred" in (run_dir / "ckptd.log").read_text()
+    target = {"w": torch.zeros(50_000)}
+    _, saved = reader.read(reader.index.shard(0), copy=False)
+    reader.copy([(target["w"], saved["w"])])  # straight out of the pinned slot, checksummed as it goes
+    assert target["w"].equal(full(1)["w"])
+    assert slot in segments_of(daemon.proc.pid)
+    reader.close()
+    wait_until(lambda: slot not in segments_of(daemon.proc.pid), 10, "the slot is released once unpinned")
+    client.save_async(full(4), root / "s4", step=4, persist=False).result(30)
+    assert ckptd.load(root / "s4", run_dir=run_dir)["w"].equal(full(4)["w"])
     daemon.stop()
 
 
@@ -104,4 +135,61 @@ def test_keep_last_of_a_snapshot_applies_when_it_is_persisted_on_exit(daemon, cl
     client.close()
     wait_until(lambda: (root / "k2" / "ckptd.json").exists() and not (root / "k1").exists(), 20,
                "k2 persisted on exit and k1 removed by its keep_last")
+    daemon.stop()
+
+
+RESTORER = r'''
+import json, resource, sys, torch, ckptd
+run_dir, path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+target = {"w": torch.zeros(n)}  # touched: a trainer's tensors exist before it restores into them
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+ckptd.load_into(target, path, run_dir=run_dir)
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+print(json.dumps({"grew": grew, "restored": bool(target["w"].equal(torch.full((n,), 7.0)))}))
+'''
+
+
+def test_load_into_from_memory_copies_straight_into_the_targets_without_a_copy_of_the_snapshot(
+    daemon, client_factory, root, run_dir
+) -> None:
+    n = 50_000_000  # 200 MB
+    client = client_factory()
+    client.save_async({"w": torch.full((n,), 7.0)}, root / "s1", step=1, persist=False).result(60)
+    out = subprocess.run([sys.executable, "-c", RESTORER, str(run_dir), str(root / "s1"), str(n)],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["restored"]
+    assert report["grew"] < n * 4 // 4, f"the restore's peak memory grew by {report['grew']} bytes"
+    daemon.stop()
+
+
+PINNER = r'''
+import sys, time
+from pathlib import Path
+from ckptd.client.memory import open_checkpoint
+files = open_checkpoint(Path(sys.argv[2]), verify=True, run_dir=sys.argv[1], defer=True)  # pins it
+print(files.index.shard(0).file, flush=True)
+time.sleep(120)  # the test kills us mid-read
+'''
+
+
+def test_the_pins_of_a_reader_that_dies_end_and_its_snapshot_is_released(daemon, client_factory, root,
+                                                                         run_dir) -> None:
+    client = client_factory()
+    client.save_async(full(1), root / "s1", step=1, persist=False).result(30)
+    reader = subprocess.Popen([sys.executable, "-c", PINNER, str(run_dir), str(root / "s1")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        slot = reader.stdout.readline().strip()
+        assert slot, reader.stderr.read()[-3000:]
+        client.save_async(full(2), root / "s2", step=2, persist=False).result(30)  # drops s1: deferred, pinned
+        wait_until(lambda: "event=snapshot_drop_deferred" in (run_dir / "ckptd.log").read_text(), 10,
+                   "the drop waits for the reader")
+        assert slot in segments_of(daemon.proc.pid)
+    finally:
+        reader.kill()
+        reader.wait(10)
+    wait_until(lambda: slot not in segments_of(daemon.proc.pid), 30, "the dead reader's pin ends, the slot goes")
+    assert held_paths(run_dir) == {str(root / "s2")}
     daemon.stop()

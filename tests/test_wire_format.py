@@ -32,6 +32,7 @@ from ckptd.protocol.messages import (
     Message,
     Ok,
     Persist,
+    Pin,
     Ping,
     Pong,
     Release,
@@ -42,6 +43,7 @@ from ckptd.protocol.messages import (
     Status,
     StatusReply,
     Stop,
+    Unpin,
     Welcome,
     decode,
 )
@@ -216,6 +218,14 @@ GOLDEN: dict[str, tuple[Message, str]] = {
         "686f74739183a470617468ae2f636b70742f737465702d313031a47374657065a6"
         "736861726473919500b1636b7074642d313030302d343234322d31cd10200102",
     ),
+    "pin": (
+        Pin(id=9, path="/ckpt/step-101"),
+        "84a17601a474797065a370696ea2696409a470617468ae2f636b70742f737465702d313031",
+    ),
+    "unpin": (
+        Unpin(id=10, path="/ckpt/step-101"),
+        "84a17601a474797065a5756e70696ea269640aa470617468ae2f636b70742f737465702d313031",
+    ),
 }
 
 
@@ -272,6 +282,8 @@ def test_message_type_names_are_frozen():
         "persist": "Persist",
         "snapshots": "Snapshots",
         "snapshot_list": "SnapshotList",
+        "pin": "Pin",
+        "unpin": "Unpin",
     }
 
 
