@@ -284,11 +284,14 @@ AFTER: dict[str, str] = {
 @pytest.mark.timeout(BLOCK_TIMEOUT_S * 2 + 60)
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
 def test_readme_block_runs(block: Block, scene: Scene) -> None:
+    if block.lang not in ("python", "sh", "bash", "text", "json"):
+        pytest.fail(f"README.md line {block.line}: a block in {block.lang or 'no language'}; the runner runs "
+                    "python, sh and bash, and checks text tree=repo|checkpoint and json")
     run_dir = short_tempdir("ckreadme-")
     env = dict(scene.env, CKPTD_RUN_DIR=str(run_dir))
     starts_own = block.lang in ("sh", "bash") and "ckptd start" in block.text
     daemon = None
-    if block.lang in ("python", "sh", "bash", "text", "json") and not starts_own:
+    if not starts_own:
         daemon = start_daemon(run_dir, scene.base / "ckpts", "--root", f"s3://{scene.bucket}")
     try:
         with pytest.MonkeyPatch.context() as mp:
@@ -300,12 +303,9 @@ def test_readme_block_runs(block: Block, scene: Scene) -> None:
             elif block.lang == "text":
                 output = ""
                 check_tree(block, scene)
-            elif block.lang == "json":
+            else:
                 output = ""
                 check_json(block, scene)
-            else:
-                pytest.fail(f"README.md line {block.line}: a block in {block.lang or 'no language'}; the runner "
-                            "runs python, sh and bash, and checks text tree=repo|checkpoint and json")
         for claim, shown in AFTER.items():
             if claim in block.text:
                 assert shown in output, f"README.md line {block.line} did not show {shown!r}:\n{output[-6000:]}"
