@@ -42,6 +42,11 @@ log = logging.getLogger("ckptd")
 POLL_MS = 200
 
 
+ABANDON_GRACE_S = 5.0
+"""Seconds past the drain's deadline that maintenance still gets before the exit abandons it: a local removal
+ends well within it, a request to a stalled store is not waited for longer."""
+
+
 class Server:
     """Serve one node until stopped; ``serve_forever`` returns when drained."""
 
@@ -279,8 +284,10 @@ class Server:
         if now >= self._drain_deadline:
             self.saves.fail_waiting_for_ranks()
             self.state.abandon_staging(None, "the daemon was stopped before the client finished staging")
-        if now >= self._drain_deadline:  # uploads and maintenance (store requests that may stall) are abandoned
+        if now >= self._drain_deadline:  # uploads and maintenance (store requests that may stall) are abandoned,
+            # after a grace for what the deadline itself started (removing the directories of the attempts it failed)
             busy = self.state.busy or self.workers.in_flight > self.workers.abandonable_in_flight
-            return not busy and not self.state.commits.pending
+            graced = self.workers.abandonable_in_flight and now < self._drain_deadline + ABANDON_GRACE_S
+            return not busy and not self.state.commits.pending and not graced
         uploads_done = self.mirrors is None or self.mirrors.idle()
         return uploads_done and not self._busy() and not self.state.commits.pending

@@ -252,6 +252,23 @@ def test_stopping_with_a_checkpoint_missing_ranks_fails_it_with_shutting_down_an
 
 
 @pytest.mark.timeout(90)
+def test_a_stop_waits_for_the_removal_its_deadline_started_before_it_exits(daemon_factory, client_factory,
+                                                                          root) -> None:
+    """The drain's deadline fails the checkpoint and sets its directory aside; removing it (slowed here to
+    1.5 s) is maintenance, which the exit abandons, but only after a grace a local removal ends within."""
+    daemon = daemon_factory("--drain-timeout", "1",
+                            faults=[{"op": "remove_tree", "match": "discarded", "errno": 0, "delay": 1.5}])
+    rank0 = client_factory(rank=0, world_size=2, heartbeat=0.2, timeout=5.0)
+    fut = rank0.save_async(state(1), root / "half", step=1)  # rank 1 never comes
+    _stop(daemon, "sigterm")
+    with pytest.raises(ckptd.ShuttingDown):
+        fut.result(30)
+    assert daemon.proc.wait(30) == 0
+    assert "event=fault op=remove_tree" in (daemon.run_dir / "ckptd.log").read_text()
+    assert sorted(os.listdir(root)) == [], "the failed attempt's directory must be removed before the exit"
+
+
+@pytest.mark.timeout(90)
 def test_a_drain_lets_the_missing_rank_commit_and_refuses_new_checkpoints(daemon_factory, client_factory, root) -> None:
     daemon = daemon_factory("--drain-timeout", "120")
     rank0 = client_factory(rank=0, world_size=2, heartbeat=0.2, timeout=5.0)
