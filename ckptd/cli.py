@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from ckptd.protocol.endpoint import default_run_dir
+from ckptd.protocol.names import DRAIN_FAILED_NAME
 from ckptd.protocol.errors import CkptdError, DaemonUnavailable
 from ckptd.protocol.messages import Error, SnapshotList, Snapshots, Status, StatusReply, Stop
 from ckptd.protocol.objects import display, is_object_path
@@ -205,7 +206,7 @@ def _status(args: argparse.Namespace, run_dir: Path) -> int:
 
 
 def _stop(args: argparse.Namespace, run_dir: Path) -> int:
-    from .daemon import DRAIN_FAILED_NAME, wait_for_exit
+    from .daemon import wait_for_exit
 
     deadline = time.monotonic() + args.timeout  # the whole command, answers and drain alike
     status = request(run_dir, Status(1), timeout=min(5.0, args.timeout))

@@ -22,7 +22,6 @@ All bookkeeping here runs on the loop thread; ``resolve_path``,
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -48,6 +47,7 @@ from ckptd.protocol.index import (
     shard_name,
 )
 from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Commit, Finalize
+from ckptd.protocol.names import discarded_path
 from ckptd.protocol.objects import display, is_object_path
 
 from .catalog import read_shard_header
@@ -414,7 +414,7 @@ class Commits:
         """
         if not pending.owns_directory:
             return None
-        aside = pending.path.with_name(f"{pending.path.name}.discarded-{uuid.uuid4().hex[:12]}{INCOMPLETE_SUFFIX}")
+        aside = discarded_path(pending.path)
         try:
             self.storage.rename(pending.incomplete, aside)
         except FileNotFoundError:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from ckptd.protocol.endpoint import LOG_NAME, PID_NAME, SOCKET_NAME
+from ckptd.protocol.names import DRAIN_FAILED_NAME, ERR_NAME, LOG_NAME, PID_NAME, SOCKET_NAME
 from ckptd.protocol.errors import CkptdError
 
 from .config import DaemonConfig
@@ -29,8 +29,6 @@ from .server import Server
 from .storage import load_storage
 
 log = logging.getLogger("ckptd")
-ERR_NAME = "ckptd.err"
-DRAIN_FAILED_NAME = "ckptd.drain-failed"
 """Written when a drain could not persist held snapshots (one line each): ``ckptd stop`` reports it."""
 LOG_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 3

@@ -20,38 +20,35 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 from pathlib import Path
 from typing import Callable
 
 from ckptd.protocol.errors import CheckpointExists, InvalidCheckpoint
-from ckptd.protocol.index import INDEX_NAME, shard_name
+from ckptd.protocol.names import INDEX_NAME, owner_marker_name, parse_owner_marker, parse_shard_name, shard_name
 
 from .catalog import read_index
 from .slots import pid_alive
 from .storage import Kind, Storage
 
 log = logging.getLogger("ckptd")
-OWNER_PREFIX = ".ckptd-owner-"
-"""Marker naming the host and daemon pid writing a directory (for the start-up sweep)."""
-_SHARD = re.compile(r"rank-(\d+)-of-(\d+)\.safetensors")
 MAX_NAMED = 5
 """Foreign entries named in an error; the rest are counted."""
 
 
 def owner_marker() -> str:
     """This daemon's marker name."""
-    return f"{OWNER_PREFIX}{socket.gethostname()}-{os.getpid()}"
+    return owner_marker_name(socket.gethostname(), os.getpid())
 
 
 def is_owner_marker(name: str) -> bool:
-    return name.startswith(OWNER_PREFIX)
+    return parse_owner_marker(name) is not None
 
 
 def _owner(name: str) -> tuple[str, int | None]:
-    host, _, pid = name[len(OWNER_PREFIX):].rpartition("-")
-    return host, int(pid) if pid.isdigit() else None
+    owner = parse_owner_marker(name)
+    assert owner is not None, name
+    return owner
 
 
 def marker_owners(storage: Storage, directory: Path) -> list[tuple[str, int | None]]:
@@ -80,8 +77,8 @@ def remove_markers(storage: Storage, directory: Path, *, dead_only: bool = False
 
 
 def _is_shard_name(name: str) -> bool:
-    m = _SHARD.fullmatch(name)
-    return m is not None and shard_name(int(m[1]), int(m[2])) == name
+    parsed = parse_shard_name(name)
+    return parsed is not None and shard_name(*parsed) == name
 
 
 def _foreign(storage: Storage, directory: Path, ours: Callable[[str], bool]) -> list[str]:

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME
+from ckptd.protocol.names import INDEX_NAME, deleting_path
 
 from .catalog import committed_in
 from .ownership import owner_marker, remove_markers, why_not_replaceable
@@ -94,11 +94,6 @@ class RetentionQueue:
         """What a run starting now does: the newest request offered under ``key``."""
         with self._lock:
             return self._waiting.pop(key)
-
-
-def deleting_path(path: Path) -> Path:
-    """Where a checkpoint being deleted waits for its removal (a ``.incomplete`` name: never loaded)."""
-    return path.with_name(f"{path.name}.deleting{INCOMPLETE_SUFFIX}")
 
 
 def remove_checkpoint(storage: Storage, path: Path, *, marker: str | None) -> bool:

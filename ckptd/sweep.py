@@ -13,14 +13,12 @@ import logging
 import time
 from pathlib import Path
 
-from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME
+from ckptd.protocol.names import INCOMPLETE_SUFFIX, INDEX_NAME, KNOWN_DIRS_NAME, SWEPT_DIR
 
 from .ownership import dead_here, marker_owners, remove_markers
 from .storage import Kind, Storage
 
 log = logging.getLogger("ckptd")
-SWEPT_DIR = ".ckptd-swept"
-KNOWN_DIRS_NAME = "ckptd.dirs"
 MAX_KNOWN_DIRS = 1000
 
 

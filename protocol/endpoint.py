@@ -12,10 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-SOCKET_NAME = "ckptd.sock"
-PID_NAME = "ckptd.pid"
-LOG_NAME = "ckptd.log"
-SPAWN_LOCK_NAME = "spawn.lock"
+from .names import LOG_NAME, PID_NAME, SOCKET_NAME, SPAWN_LOCK_NAME  # noqa: F401 (also named from here)
+
 MAX_IPC_PATH = 107
 """sun_path holds 108 bytes including the terminating NUL."""
 

@@ -31,9 +31,8 @@ from . import checksums, objects
 from .errors import InvalidCheckpoint
 from .files import read_regular
 from .layout import DTYPE_SIZES
+from .names import INCOMPLETE_SUFFIX, INDEX_NAME, incomplete_path, shard_name  # noqa: F401 (also named from here)
 
-INDEX_NAME = "ckptd.json"
-INCOMPLETE_SUFFIX = ".incomplete"
 FORMAT_NAME = "ckptd"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -42,14 +41,6 @@ CHECKSUM_ALGORITHM = checksums.DEFAULT
 MAX_INDEX_BYTES = 256 * 1024 * 1024
 """An index larger than this is not one ckptd wrote (refused, not read into memory)."""
 """What new checkpoints name; older ones name ``crc32`` and still verify (``protocol.checksums``)."""
-
-
-def shard_name(rank: int, world_size: int) -> str:
-    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
-
-
-def incomplete_path(path: Path) -> Path:
-    return path.with_name(path.name + INCOMPLETE_SUFFIX)
 
 
 @dataclass(frozen=True)

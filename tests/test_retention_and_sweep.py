@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.ownership import OWNER_PREFIX, owner_marker
+from ckptd.ownership import owner_marker
+from ckptd.protocol.names import OWNER_PREFIX, SWEPT_DIR
 from ckptd.protocol.index import INDEX_NAME, CheckpointIndex, ShardRecord, shard_name
 from ckptd.retention import apply_retention
 from ckptd.storage import LocalStorage
 from ckptd.slots import reclaim_orphaned_slots
-from ckptd.sweep import SWEPT_DIR, KnownDirs, MAX_KNOWN_DIRS, is_orphaned, sweep_incomplete
+from ckptd.sweep import KnownDirs, MAX_KNOWN_DIRS, is_orphaned, sweep_incomplete
 
 from helpers import dead_pid
 
