@@ -44,7 +44,7 @@ from .state import NodeState
 from .slots import SlotMaps
 from .storage import Kind, Storage
 from .workers import Workers
-from .writer import Progress, _checksum
+from .writer import Progress, checksum_when_staged
 
 log = logging.getLogger("ckptd")
 Send = Callable[[bytes, Message], None]
@@ -103,7 +103,7 @@ class Holding:
         slot, slots, name = examined.slot, self.state.slots, slot_name(os.getuid(), os.getpid(), next(self._names))
 
         def checksum_and_adopt() -> int:
-            crc = _checksum(memoryview(slot.map), msg.nbytes, progress)
+            crc = checksum_when_staged(memoryview(slot.map), msg.nbytes, progress)
             slots.adopt(slot, name)
             return crc
         self.workers.submit("checksum", checksum_and_adopt, lambda f: self._checksummed(ident, msg, snap, f))

@@ -11,7 +11,7 @@ A client may commit before it has finished copying (``Commit.staged`` below
 ``nbytes``) and report progress with ``Staged`` notices; the write then
 follows the copy chunk by chunk, so staging and writing overlap and a big
 save is durable about one copy-time sooner. The checksum waits for the end
-of the copy (``_checksum`` says why).
+of the copy (``checksum_when_staged`` says why).
 
 A write goes through the states below; ``ckptd status`` shows them::
 
@@ -125,7 +125,7 @@ def write_shard(job: WriteJob, storage: Storage, checksums: Executor, *, direct:
     job.state, job.started_at = WriteState.WRITING, time.monotonic()
     nbytes = job.commit.nbytes
     view = memoryview(job.slot.map)
-    crc = checksums.submit(_checksum, view, nbytes, job.progress)
+    crc = checksums.submit(checksum_when_staged, view, nbytes, job.progress)
     fd = -1
     try:
         fd, direct = storage.open_new(job.dest, direct=direct)
@@ -187,7 +187,7 @@ def _await_bytes(job: WriteJob, upto: int) -> None:
         job.state = WriteState.WRITING
 
 
-def _checksum(view: memoryview, nbytes: int, progress: Progress) -> int:
+def checksum_when_staged(view: memoryview, nbytes: int, progress: Progress) -> int:
     """The shard's checksum, once the client's copy has ended (runs beside the write).
 
     Never beside the copy: torch copies on every core, and a checksum thread

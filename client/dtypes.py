@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ckptd.protocol.layout import TensorEntry
+
 _NAMES = {
     "bool": "BOOL",
     "uint8": "U8",
@@ -28,3 +30,8 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 """Every torch dtype this torch build has and safetensors can hold."""
 
 TORCH_DTYPES: dict[str, torch.dtype] = {st: dt for dt, st in SAFETENSORS_DTYPES.items()}
+
+
+def typed_view(raw: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The tensor ``entry`` describes, viewing ``raw`` (its bytes, as uint8) without a copy."""
+    return raw.view(TORCH_DTYPES[entry.dtype]).view(entry.shape)

@@ -29,13 +29,13 @@ import torch
 
 from ckptd.protocol.checksums import Behind
 from ckptd.protocol.errors import BadMessage, InvalidCheckpoint
-from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
+from ckptd.protocol.index import CheckpointIndex, ShardRecord
 from ckptd.protocol.inspect import check_checksum, check_shard_size, check_shard_structure, open_shard, read_header_from
-from ckptd.protocol.layout import TensorEntry, parse_header
+from ckptd.protocol.layout import parse_header
 from ckptd.protocol.objects import display, is_object_path
 
 from .checks import check_bool, check_limit, check_load_rank, check_path
-from .dtypes import TORCH_DTYPES
+from .dtypes import typed_view
 from .flatten import unflatten
 from .lease import load_lease
 from .ranks import detect_ranks
@@ -96,10 +96,10 @@ def load(
 
         with load_lease(limit, run_dir=run_dir):
             if rank == "all":
-                return [_load_rank(files, r, device, full_tensor, mmap=mmap) for r in range(index.world_size)]
+                return [load_rank(files, r, device, full_tensor, mmap=mmap) for r in range(index.world_size)]
             if rank is None:
                 rank = _own_rank(path, index)
-            return _load_rank(files, rank, device, full_tensor, mmap=mmap)
+            return load_rank(files, rank, device, full_tensor, mmap=mmap)
     finally:
         files.close()  # a held snapshot's reader lease ends
 
@@ -136,7 +136,7 @@ def _device(map_location: Any) -> torch.device | None:
     return device
 
 
-def _load_rank(files: ChunkFiles, rank: int, device: torch.device | None,
+def load_rank(files: ChunkFiles, rank: int, device: torch.device | None,
                global_for: Callable[[str], Any] | None = None, *, mmap: bool) -> Any:
     """Rank ``rank``'s state: read into owned tensors, or (``mmap``) views of ``files``' mapping of its shard."""
     index = files.index
@@ -196,7 +196,7 @@ def _read_tensors(shard: Path, record: ShardRecord, *, verify: bool,
             if verify:
                 check_checksum(shard, crc.value(), record, algorithm)
                 remember(ident, record, algorithm)
-        tensors = {e.name: _typed(buf, e) for e, buf in zip(entries, bufs)}
+        tensors = {e.name: typed_view(buf, e) for e, buf in zip(entries, bufs)}
     return metadata, tensors
 
 
@@ -216,8 +216,6 @@ def _map_tensors(files: ChunkFiles, record: ShardRecord) -> tuple[dict[str, str]
         entries, metadata, data_start = parse_header(memoryview(buf.numpy()), record.size)
     except BadMessage as exc:
         raise InvalidCheckpoint(f"shard {files.path / record.file} has a bad header: {exc.message}") from None
-    return metadata, {e.name: _typed(buf[data_start + e.begin : data_start + e.end], e) for e in entries}
+    return metadata, {e.name: typed_view(buf[data_start + e.begin : data_start + e.end], e) for e in entries}
 
 
-def _typed(raw: torch.Tensor, e: TensorEntry) -> torch.Tensor:
-    return raw.view(TORCH_DTYPES[e.dtype]).view(e.shape)

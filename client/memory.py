@@ -39,6 +39,7 @@ from ckptd.protocol.request import request
 from ckptd.protocol.shm import shm_dir
 
 from .connection import Connection
+from .dtypes import typed_view
 from .reshard import GAP_READ, ChunkFiles, bytes_of, map_shard
 from .verified import identity
 
@@ -224,11 +225,10 @@ class HeldFiles(ChunkFiles):
     def read(self, record: ShardRecord, *, copy: bool) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
         """One rank's tensors: views of its verified bytes in this process's own memory, or (``direct`` and not
         ``copy``) of the pinned slot, for ``load_into`` to copy out of while the lease holds."""
-        from .load import _typed  # load imports this module
 
         data = self._owned(record.file) if copy or not self.direct else self._slot(record.file)
         entries, metadata, data_start = self._headers[record.file]
-        return metadata, {e.name: _typed(data[data_start + e.begin : data_start + e.end], e) for e in entries}
+        return metadata, {e.name: typed_view(data[data_start + e.begin : data_start + e.end], e) for e in entries}
 
 
 class ReaderLease:

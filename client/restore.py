@@ -31,12 +31,11 @@ from typing import Any
 import torch
 
 from ckptd.protocol.errors import InvalidCheckpoint
-from ckptd.protocol.index import read_index
 from ckptd.protocol.objects import display
 
 from .checks import check_bool, check_limit, check_load_rank, check_path
 from .lease import load_lease
-from .load import _load_rank
+from .load import load_rank
 from .memory import open_checkpoint
 from .ranks import detect_ranks
 from .reshard import ChunkFiles, GlobalRef, plan_region, read_full, region, structure_rank
@@ -124,7 +123,7 @@ def load_into(
             # optimizer keeps what its load_state_dict is given (``.to`` does not
             # copy), so it gets tensors that own their memory instead.
             fresh_optimizer = isinstance(target, torch.optim.Optimizer) and not target.state
-            saved = _load_rank(files, rank, None, files.ref, mmap=not fresh_optimizer)
+            saved = load_rank(files, rank, None, files.ref, mmap=not fresh_optimizer)
             if key is not None:
                 if not isinstance(saved, dict) or key not in saved:
                     raise InvalidCheckpoint(f"checkpoint {display(path)} (rank {rank}) holds no top-level key {key!r}")
@@ -144,7 +143,7 @@ def _same_on_every_saved_rank(files: ChunkFiles, key: str | None) -> bool:
     world may take it, as it takes every rank's share of the global tensors."""
     first: Any = None
     for r in range(files.index.world_size):
-        saved = _load_rank(files, r, None, files.ref, mmap=True)
+        saved = load_rank(files, r, None, files.ref, mmap=True)
         if key is not None:
             saved = saved.get(key) if isinstance(saved, dict) else None
         if r == 0:
