@@ -15,9 +15,12 @@ replicated items included; the writer maps DCP's two phases onto ckptd's:
   index and renames ``path.incomplete`` to ``path``. So the checkpoint becomes
   visible only once every rank is durable, as with ``Client.save_async``.
 
-A rank whose ``write_data`` fails sends ``Abort`` before it raises: DCP then
-never calls ``finish``, and the other ranks' durable shards must not wait for
-the commit timeout (nor keep a retry of the path waiting).
+If a rank's ``write_data`` fails, DCP never calls ``finish``, and the other
+ranks' durable shards must not wait for the commit timeout (nor keep a retry
+of the path waiting). So at the end of ``write_data`` the ranks agree, on a
+gloo group of the writers' own, whether every shard is durable; if not, rank
+0 sends ``Abort`` (every commit has been answered by then, so no shard can
+join the attempt after it) and every rank raises.
 
 Non-tensor items (what DCP would ``torch.save`` into bytes) are kept in the
 shard's structure, msgpack-encoded as ``Client.save_async`` keeps them, from
@@ -36,9 +39,11 @@ from __future__ import annotations
 import os
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import StorageWriter as _DCPStorageWriter
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -47,10 +52,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptd.protocol.chunks import Box
+from ckptd.protocol.errors import RanksMissing
 from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.messages import Abort, Durable, Finalize
 
 from .api import Client, checkpoint_target
+from .coordinate import all_gather_msgpack
 from .checks import check_bool, check_keep_last, check_path, check_seconds, check_step
 from .flatten import Flat, _check_tensor, flatten
 
@@ -62,6 +69,7 @@ SHARD_RESULT = "ckptd.shard"
 _process_clients: dict[tuple[int, str | None, float], Client] = {}
 """Clients made by writers that arrived pickled (DCP's PROCESS executor): one per process and daemon, reused."""
 _process_clients_lock = threading.Lock()
+_groups: dict[tuple[int, int], "dist.ProcessGroup"] = {}
 
 
 class StorageWriter(_DCPStorageWriter):
@@ -85,21 +93,29 @@ class StorageWriter(_DCPStorageWriter):
         check_bool("overwrite", overwrite)
         self.overwrite = overwrite
         self.keep_last = check_keep_last(keep_last)
-        self.run_dir = None if run_dir is None else os.path.abspath(check_path("run_dir", run_dir))
-        self.commit_timeout = check_seconds("commit_timeout", commit_timeout)
         if client is not None and not isinstance(client, Client):
             raise TypeError(f"client must be a ckptd.Client, got {type(client).__name__}")
+        if client is not None:  # a copy in another process reaches the same daemon the same way
+            run_dir, commit_timeout = client.run_dir, client.commit_timeout
+        self.run_dir = None if run_dir is None else os.path.abspath(check_path("run_dir", run_dir))
+        self.commit_timeout = check_seconds("commit_timeout", commit_timeout)
         self._owns_client = client is None
         self._client: Client | None = client or Client(run_dir=self.run_dir, commit_timeout=self.commit_timeout)
         self._is_coordinator = False
+        self._group = agreement_group(self.commit_timeout)  # collective: every rank makes its writer
 
     # -- pickling for DCP's PROCESS executor ------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_client"] = None  # a client belongs to its process (its slots, its socket)
+        state["_client"] = None  # a client belongs to its process (its slots, its socket), and so does a group
+        state["_group"] = None
         state["_owns_client"] = False
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._group = agreement_group(self.commit_timeout)  # DCP's process: every rank unpickles its copy
 
     @property
     def client(self) -> Client:
@@ -149,7 +165,7 @@ class StorageWriter(_DCPStorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Stage this rank's planned items as one shard and commit it; resolves once it is durable."""
-        client = self.client
+        client, failure = self.client, None
         try:
             started = time.monotonic()
             flat = _planned_shard(plan, planner)
@@ -159,9 +175,19 @@ class StorageWriter(_DCPStorageWriter):
             saved.result()
             durable = reply.result()
             assert isinstance(durable, Durable)
-        except BaseException as exc:
-            self._abort(f"rank {client.rank}: {exc!r}")
-            raise
+        except Exception as exc:
+            failure = exc
+        # Every rank's commit has its answer now: if one failed, DCP will never call finish, so the attempt is
+        # aborted here, after the last shard joined it (an earlier Abort would leave a later shard pending).
+        outcome = ["ok"] if failure is None else ["error", f"rank {client.rank}: {failure!r}"]
+        everyone = all_gather_msgpack(outcome, self._group) if self._group is not None else [outcome]
+        failures = [entry[1] for entry in everyone if entry[0] != "ok"]
+        if failures:
+            if client.rank == 0:
+                self._abort("; ".join(failures))
+            if failure is not None:
+                raise failure
+            raise RanksMissing(f"checkpoint {self.path} was not committed: {'; '.join(failures)}")
         results = [WriteResult(item.index, _item_bytes(item), None) for item in plan.items]
         record = (durable.file, durable.rank, durable.size, durable.checksum, durable.tensors)
         results.append(WriteResult(MetadataIndex(SHARD_RESULT), durable.size, record))
@@ -182,12 +208,32 @@ class StorageWriter(_DCPStorageWriter):
         return None
 
     def _abort(self, reason: str) -> None:
-        """Fail this attempt at once on this node's daemon (best effort: the save's own error is what is raised)."""
+        """Fail this attempt on this node's daemon (best effort: the save's own error is what is raised).
+
+        Other nodes' daemons time their shards out (``commit_timeout``), as
+        with ``Client.save_async``'s own agreement across nodes.
+        """
         try:
             conn = self.client._conn
             conn.call(Abort(conn.next_id(), self.path, reason))
         except Exception:
             pass
+
+
+def agreement_group(timeout: float) -> "dist.ProcessGroup | None":
+    """This process's gloo group on which writers agree whether every rank's shard is durable (None: one rank).
+
+    Made once per process (collectively, on the first writer) and kept: a
+    group per save would cost a rendezvous each time. Never the training
+    group, which may not be gloo.
+    """
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    key = (os.getpid(), id(dist.group.WORLD))
+    with _process_clients_lock:
+        if key not in _groups:
+            _groups[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        return _groups[key]
 
 
 def _item_bytes(item: Any) -> int:
