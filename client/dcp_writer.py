@@ -48,6 +48,7 @@ from torch.distributed.checkpoint import StorageWriter as _DCPStorageWriter
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -63,6 +64,7 @@ from .flatten import Flat, _check_tensor, flatten
 
 __all__ = ["StorageWriter"]
 
+
 SHARD_RESULT = "ckptd.shard"
 """The fqn of the one extra ``WriteResult`` per rank that carries its shard's record to ``finish``."""
 
@@ -75,9 +77,14 @@ _groups: dict[tuple[int, int], "dist.ProcessGroup"] = {}
 class StorageWriter(_DCPStorageWriter):
     """Writes a ckptd checkpoint for ``torch.distributed.checkpoint.save`` and ``async_save``."""
 
+    def __new__(cls, *args: Any, stage_in_slot: bool = False, **kwargs: Any) -> "StorageWriter":
+        check_bool("stage_in_slot", stage_in_slot)
+        return super().__new__(_SlotStagingWriter if stage_in_slot and cls is StorageWriter else cls)
+
     def __init__(self, path: str | os.PathLike, *, step: int | None = None, overwrite: bool = False,
                  keep_last: int | None = None, client: Client | None = None,
-                 run_dir: str | os.PathLike | None = None, commit_timeout: float = 600.0) -> None:
+                 run_dir: str | os.PathLike | None = None, commit_timeout: float = 600.0,
+                 stage_in_slot: bool = False) -> None:
         """
         Args:
             path: the checkpoint (a directory; ``checkpoint_id`` replaces it).
@@ -86,6 +93,13 @@ class StorageWriter(_DCPStorageWriter):
                 here, collectively under torch.distributed, and closed by
                 ``close()``).
             run_dir, commit_timeout: for the client made here.
+            stage_in_slot: be ``async_save``'s stager (DCP's ``AsyncStager``):
+                staging is the copy of this rank's planned items into the
+                slot, so every byte is copied once, and ``async_save``
+                returns once that copy is done. For the THREAD executor only:
+                the PROCESS executor runs the save, and so the copy, in
+                another process, and needs a staged copy of its own (without
+                this, DCP's default stager makes one).
         """
         super().__init__()
         self.path = checkpoint_target(path)
@@ -136,6 +150,7 @@ class StorageWriter(_DCPStorageWriter):
     # -- DCP's StorageWriter contract -------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._save_begins()
         if checkpoint_id is not None:
             self.path = checkpoint_target(checkpoint_id)
 
@@ -172,11 +187,13 @@ class StorageWriter(_DCPStorageWriter):
             saved, reply = client._save_flat(flat, self.path, step=self.step, overwrite=self.overwrite,
                                             keep_last=self.keep_last, block=True, persist=True, started=started,
                                             coordinated=True)
+            saved.staged.add_done_callback(lambda f: self._staging_over(f.exception()))
             saved.result()
             durable = reply.result()
             assert isinstance(durable, Durable)
         except Exception as exc:
             failure = exc
+            self._staging_over(exc)
         # Every rank's commit has its answer now: if one failed, DCP will never call finish, so the attempt is
         # aborted here, after the last shard joined it (an earlier Abort would leave a later shard pending).
         outcome = ["ok"] if failure is None else ["error", f"rank {client.rank}: {failure!r}"]
@@ -205,7 +222,14 @@ class StorageWriter(_DCPStorageWriter):
                            files), timeout=self.commit_timeout)
 
     def storage_meta(self) -> None:
+        self._save_begins()  # the first call of a save's planning, on the thread that runs the save
         return None
+
+    def _save_begins(self) -> None:
+        """A save of this writer runs on the calling thread (``stage_in_slot`` watches it)."""
+
+    def _staging_over(self, error: BaseException | None) -> None:
+        """This rank's items are in the slot (or never will be): the caller may change its tensors."""
 
     def _abort(self, reason: str) -> None:
         """Fail this attempt on this node's daemon (best effort: the save's own error is what is raised).
@@ -286,3 +310,83 @@ def _planned_shard(plan: SavePlan, planner: SavePlanner) -> Flat:
         chunks[fqn] = box
         shapes[fqn] = tuple(item.tensor_data.size)
     return Flat(tensors, structure.structure, chunks, shapes)
+
+
+class _SlotStagingWriter(StorageWriter, AsyncStager):
+    """``StorageWriter(stage_in_slot=True)``: its own ``async_save`` stager (see ``StorageWriter.__init__``).
+
+    ``stage`` hands DCP the caller's live state (nothing copied), and
+    ``synchronize_staging``, which ``async_save`` calls before it returns,
+    waits until the save's ``write_data`` has copied this rank's planned
+    items into the slot: DCP's planning runs first, so the copy honours its
+    de-duplication. If the save fails before it gets there, the wait ends
+    with it (the save's thread ended). The live state refuses to be pickled,
+    so the PROCESS executor fails at once, before any tensor is shared.
+    """
+
+    _synchronize_after_execute = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._staged = threading.Event()
+        self._staged.set()
+        self._staging_error: BaseException | None = None
+        self._save_thread: threading.Thread | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for name in ("_staged", "_staging_error", "_save_thread"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._staged, self._staging_error, self._save_thread = threading.Event(), None, None
+        self._staged.set()
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if not self._staged.is_set():
+            raise RuntimeError("this StorageWriter(stage_in_slot=True) is still staging an async_save; "
+                               "use one writer per save in flight")
+        self._staged.clear()
+        self._staging_error, self._save_thread = None, None
+        return _LiveState(state_dict, self)
+
+    def synchronize_staging(self) -> None:
+        while not self._staged.wait(0.05):
+            thread = self._save_thread
+            if thread is not None and not thread.is_alive():
+                break  # the save ended before its items were staged: it failed, and its future says why
+        if isinstance(self._staging_error, _ProcessExecutor):
+            raise self._staging_error
+
+    def close(self) -> None:
+        StorageWriter.close(self)
+
+    def _save_begins(self) -> None:
+        self._save_thread = threading.current_thread()
+
+    def _staging_over(self, error: BaseException | None) -> None:
+        if not self._staged.is_set():
+            self._staging_error = error
+            self._staged.set()
+
+
+class _ProcessExecutor(ValueError):
+    """``stage_in_slot`` under the PROCESS executor."""
+
+
+class _LiveState(dict):
+    """The caller's state, handed to DCP unstaged: it is copied into the slot by ``write_data``, in this process."""
+
+    def __init__(self, state: dict[str, Any], writer: _SlotStagingWriter) -> None:
+        super().__init__(state)
+        self._writer = writer
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        error = _ProcessExecutor(
+            "StorageWriter(stage_in_slot=True) stages by copying into this process's slot, so it works with "
+            "async_save's THREAD executor only; for AsyncCheckpointerType.PROCESS drop stage_in_slot (DCP then "
+            "stages a copy for the other process)")
+        self._writer._staging_over(error)
+        raise error

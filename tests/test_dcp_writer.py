@@ -1,8 +1,9 @@
 """``ckptd.dcp.StorageWriter``: DCP's own ``save`` and ``async_save`` write ckptd checkpoints through a real daemon.
 
 Two gloo ranks save an FSDP2 model with its AdamW state, a DTensor and plain
-values with ``dcp.save``, ``dcp.async_save`` (THREAD) and ``dcp.async_save``
-(PROCESS); each checkpoint is read back in one process (world size 1, so
+values with ``dcp.save``, ``dcp.async_save`` (THREAD), ``dcp.async_save``
+(PROCESS) and ``dcp.async_save`` with the writer as its own stager (the
+state is overwritten as soon as it returns; PROCESS is refused there); each checkpoint is read back in one process (world size 1, so
 resharded) by ``ckptd.load``, ``ckptd.load_into``, ``dcp.load`` with
 ``ckptd.dcp.StorageReader`` and DCP's ``HuggingFaceStorageReader``. A rank
 whose write fails leaves nothing pending: the path is free for a retry at once.
@@ -23,7 +24,7 @@ from ckptd.dcp import StorageReader, StorageWriter
 from helpers import short_tempdir, start_daemon, wait_until
 from sharded_ranks import fsdp, full, run_rank, run_ranks
 
-MODES = ("save", "thread", "process")
+MODES = ("save", "thread", "process", "slot")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def _state(rank: int, world: int) -> dict:
             "grid": distribute_tensor(grid, init_device_mesh("cpu", (world,)), [Shard(1)])}
 
 
-def _save_three_ways(rank: int, world: int, init: str, run_dir: str, root: str, out: str) -> None:
+def _save_every_way(rank: int, world: int, init: str, run_dir: str, root: str, out: str) -> None:
     def body() -> dict:
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -65,18 +66,46 @@ def _save_three_ways(rank: int, world: int, init: str, run_dir: str, root: str, 
                                                                          step=3),
                                      async_checkpointer_type=AsyncCheckpointerType.PROCESS)
             process.result(300)
+            # Its own stager: async_save returns once the planned items are in the slot; changes after that
+            # are not in the checkpoint.
+            slot = dcp.async_save(state, storage_writer=StorageWriter(Path(root, "slot"), client=writer.client,
+                                                                      step=4, stage_in_slot=True))
+            _scribble(state)
+            slot.result(120)
+            try:
+                dcp.async_save(state, storage_writer=StorageWriter(Path(root, "refused"), client=writer.client,
+                                                                   stage_in_slot=True),
+                               async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+                refused = "saved"
+            except ValueError as exc:
+                refused = str(exc)
         finally:
             writer.close()
-        return {"ok": True}
+        return {"refused": refused}
 
     run_rank(rank, world, init, out, "save", body)
+
+
+def _scribble(state: object) -> None:
+    """Overwrite every tensor of ``state`` in place (a DTensor's local shard)."""
+    if isinstance(state, dict):
+        for v in state.values():
+            _scribble(v)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            _scribble(v)
+    elif isinstance(state, torch.Tensor):
+        with torch.no_grad():
+            getattr(state, "_local_tensor", state).fill_(-1)
 
 
 @pytest.fixture(scope="module")
 def saved(daemon_at, tmp_path_factory) -> tuple[Path, dict]:
     root, run_dir = daemon_at
     out = tmp_path_factory.mktemp("dcpw-out")
-    run_ranks(_save_three_ways, 2, out, "save", str(run_dir), str(root), str(out))
+    logs = run_ranks(_save_every_way, 2, out, "save", str(run_dir), str(root), str(out))
+    assert all("THREAD executor only" in log["refused"] for log in logs), logs
+    assert not (root / "refused").exists()
     return root, torch.load(out / "reference.pt")
 
 
