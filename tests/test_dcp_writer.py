@@ -11,7 +11,9 @@ whose write fails leaves nothing pending: the path is free for a retry at once.
 
 from __future__ import annotations
 
+import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -216,3 +218,36 @@ def test_a_value_msgpack_cannot_hold_is_refused_naming_its_key(daemon_at):
                                                                                            client=client))
     assert not (root / "refused").exists()
     wait_until(lambda: not list(root.glob("refused*")), timeout=60, what="the refused attempt's directory to go")
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "dcp_train.py"
+
+
+def _run_example(daemon, ckpt_dir: Path, procs: int, steps: int) -> str:
+    from zygote import run_module
+
+    env = dict(os.environ, CKPTD_RUN_DIR=str(daemon.run_dir), OMP_NUM_THREADS="1")
+    args = ["--nproc-per-node", str(procs), "--standalone", str(EXAMPLE), "--steps", str(steps), "--save-every", "3",
+            "--ckpt-dir", str(ckpt_dir)]
+    out = run_module("torch.distributed.run", *args, env=env, cwd=str(EXAMPLE.parent.parent), timeout=150)
+    assert out.returncode == 0, f"torchrun exited {out.returncode}\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+@pytest.mark.timeout(400)
+def test_the_dcp_example_trains_on_two_ranks_and_resumes_on_three(daemon, root: Path) -> None:
+    ckpt_dir = root / "dcp"
+    first = _run_example(daemon, ckpt_dir, 2, 6)
+    assert f"no checkpoint under {ckpt_dir}; starting from step 0 on 2 ranks" in first
+    assert "committed steps [3, 6]" in first and "rank 1: trained to step 6" in first
+    six = ckpt_dir / "step-000006"
+    assert ckptd.read_index(six).world_size == 2 and ckptd.read_index(six).step == 6
+
+    second = _run_example(daemon, ckpt_dir, 3, 9)
+    match = re.search(r"resumed from step 6 on 3 ranks \((.*)\), weights digest (\S+)", second)
+    assert match and match.group(1) == str(six), second
+    saved = ckptd.load(six)
+    assert saved["step"] == 6
+    assert float(match.group(2)) == sum(t.double().sum().item() for t in saved["model"].values())
+    assert "committed steps [9]" in second and "rank 2: trained to step 9" in second
+    assert ckptd.read_index(ckpt_dir / "step-000009").world_size == 3
