@@ -58,8 +58,8 @@ from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.messages import Abort, Durable, Finalize
 
 from .api import Client, checkpoint_target
-from .coordinate import all_gather_msgpack
 from .checks import check_bool, check_keep_last, check_path, check_seconds, check_step
+from .coordinate import all_gather_msgpack
 from .flatten import Flat, _check_tensor, flatten
 
 __all__ = ["StorageWriter"]
@@ -70,8 +70,9 @@ SHARD_RESULT = "ckptd.shard"
 
 _process_clients: dict[tuple[int, str | None, float], Client] = {}
 """Clients made by writers that arrived pickled (DCP's PROCESS executor): one per process and daemon, reused."""
-_process_clients_lock = threading.Lock()
+_per_process_lock = threading.Lock()
 _groups: dict[tuple[int, int], "dist.ProcessGroup"] = {}
+"""Each process's agreement group (``agreement_group``)."""
 
 
 class StorageWriter(_DCPStorageWriter):
@@ -136,7 +137,7 @@ class StorageWriter(_DCPStorageWriter):
         """This process's client: the one given or made here, or (unpickled in another process) that process's."""
         if self._client is None or self._client._pid != os.getpid():
             key = (os.getpid(), self.run_dir, self.commit_timeout)
-            with _process_clients_lock:
+            with _per_process_lock:
                 if key not in _process_clients:
                     _process_clients[key] = Client(run_dir=self.run_dir, commit_timeout=self.commit_timeout)
                 self._client = _process_clients[key]
@@ -254,7 +255,7 @@ def agreement_group(timeout: float) -> "dist.ProcessGroup | None":
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     key = (os.getpid(), id(dist.group.WORLD))
-    with _process_clients_lock:
+    with _per_process_lock:
         if key not in _groups:
             _groups[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         return _groups[key]
