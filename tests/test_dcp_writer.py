@@ -207,6 +207,10 @@ def test_the_writer_pickles_without_its_client_and_checks_its_arguments(daemon_a
             StorageWriter(root / "p", client=client, step=-1)
         with pytest.raises(TypeError, match="overwrite"):
             StorageWriter(root / "p", client=client, overwrite="yes")
+        with pytest.raises(TypeError, match="stage_in_slot"):
+            StorageWriter(root / "p", client=client, stage_in_slot="yes")
+        assert not hasattr(writer, "stage")  # not a stager: DCP's own stages a copy for either executor
+        assert hasattr(StorageWriter(root / "p", client=client, stage_in_slot=True), "stage")
         assert StorageWriter.validate_checkpoint_id(root / "p") and not StorageWriter.validate_checkpoint_id(5)
 
 
