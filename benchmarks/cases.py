@@ -20,6 +20,7 @@ DCP_MODES = {"save": "DCP save", "thread": "DCP async_save THREAD", "process": "
              "process_stager": "DCP async_save PROCESS + reused DefaultStager"}
 SHARDED_MODES = {"memcpy": "memcpy of each rank's local bytes (limit)", "ckptd": "ckptd save_async, sync staging",
                  "process": DCP_MODES["process"], "process_stager": DCP_MODES["process_stager"],
+                 "ckptd_dcp": "DCP async_save THREAD, ckptd.dcp.StorageWriter(stage_in_slot=True)",
                  "load_ckptd": "ckptd.load_into DTensors", "load_dcp": "dcp.load"}
 
 @dataclass

@@ -141,6 +141,8 @@ def _saves(rank: int, scratch: Path, mode: str, size_gib: float, repeat: int, da
         out = {"reps": {"seconds": saves.across_ranks(seconds)}}
     elif mode == "ckptd":
         out = saves.ckptd_saves(bench.state, scratch, repeat, memory()["VmRSS"], daemon)
+    elif mode == "ckptd_dcp":
+        out = saves.ckptd_dcp_saves(bench.state, scratch, repeat, memory()["VmRSS"], daemon)
     else:
         out = saves.dcp_saves(bench.state, scratch, repeat, memory()["VmRSS"], mode=mode)
     everyone = saves.across_ranks([bench.nbytes], dist.ReduceOp.SUM)[0]
@@ -200,7 +202,7 @@ def run_ranks(world: int, body: Callable[..., dict], *args: Any) -> dict:
 def sharded(scratch: Path, *, mode: str, ranks: int, size_gib: float, repeat: int) -> dict:
     """One sharded case: saves by ``mode`` on ``ranks`` ranks, or (``load_*``) loads on half as many."""
     if not mode.startswith("load_"):
-        with BenchDaemon(scratch) if mode == "ckptd" else contextlib.nullcontext() as daemon:
+        with BenchDaemon(scratch) if mode.startswith("ckptd") else contextlib.nullcontext() as daemon:
             return run_ranks(ranks, _saves, scratch, mode, size_gib, repeat, daemon)
     (ref := scratch / "sharded" / "ref.json").parent.mkdir(parents=True, exist_ok=True)
     if not ref.exists():

@@ -108,6 +108,24 @@ def ckptd_saves(state: Any, scratch: Path, repeat: int, rss_built: int, daemon: 
     with ckptd.Client(run_dir=daemon.run_dir, spawn=False, max_inflight=1, **options) as client:
         return measure_saves(save, scratch / "ckptd", repeat, rss_built, writer=lambda: daemon.pid)
 
+def ckptd_dcp_saves(state: Any, scratch: Path, repeat: int, rss_built: int, daemon: BenchDaemon) -> dict:
+    """``dcp.async_save`` (THREAD) through ``ckptd.dcp.StorageWriter(stage_in_slot=True)``: it returns once the
+    rank's planned items are in its slot (blocking = staged); DCP plans on a gloo group of its own, as a training
+    loop must give it (its collectives run on a thread beside the training's)."""
+    from ckptd.dcp import StorageWriter
+
+    group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    def save(target: Path, i: int) -> dict:
+        writer = StorageWriter(target, client=client, step=i, stage_in_slot=True)
+        upload = dcp.async_save(state, storage_writer=writer, process_group=group)
+        t1 = time.perf_counter()
+        upload.result()
+        return {"blocking": t1, "staged": t1, "durable": time.perf_counter(),
+                "bytes_written": sum(p.stat().st_size for p in target.rglob("*") if p.is_file()),
+                "daemon_s": daemon.status()["completed"]["last"]["seconds"]}
+    with ckptd.Client(run_dir=daemon.run_dir, spawn=False, max_inflight=1) as client:
+        return measure_saves(save, scratch / "ckptd-dcp", repeat, rss_built, writer=lambda: daemon.pid)
+
 def torch_save_synced(state: Any, path: Path) -> int:
     """``torch.save`` + flush + fsync; the bytes written."""
     with open(path, "wb") as f:

@@ -15,7 +15,9 @@ from typing import Any
 from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.errors import Busy, CkptdError, InternalError, InvalidCheckpoint, NoSpace
 from ckptd.protocol.layout import ShardLayout
-from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Bye, Commit, Done, Held, Persist, Ping, Snapshot, Staged
+from ckptd.protocol.messages import (
+    DEFAULT_COMMIT_TIMEOUT, Bye, Commit, Done, Durable, Held, Persist, Ping, Snapshot, Staged,
+)
 from ckptd.protocol.objects import is_object_path, object_url, user_path
 
 from .checks import check_bool, check_client_args, check_int, check_keep_last, check_path, check_seconds, check_step
@@ -197,13 +199,24 @@ class Client:
         self._check_process()
         if self._closed:
             raise RuntimeError("this ckptd client is closed")
-        raw = check_path("path", path)
-        target = object_url(raw) if is_object_path(raw) else os.path.abspath(raw)
+        target = checkpoint_target(path)
         step, keep_last = check_step(step), check_keep_last(keep_last)
         check_bool("overwrite", overwrite)
         check_bool("block", block)
         check_bool("persist", persist)
         flat = flatten(state_dict, replicated=replicated, rank=self.rank)
+        return self._save_flat(flat, target, step=step, overwrite=overwrite, keep_last=keep_last, block=block,
+                               persist=persist, started=started)[0]
+
+    def _save_flat(self, flat: Flat, target: str, *, step: int | None, overwrite: bool, keep_last: int | None,
+                   block: bool, persist: bool, started: float, coordinated: bool = False) -> tuple[SaveFuture, Future]:
+        """Stage an already flattened state and commit it; (the save's future, the daemon's reply to the commit).
+
+        ``coordinated``: the commit is answered by ``Durable`` and the caller
+        finalizes (``ckptd.dcp.StorageWriter``, whose coordinator sends
+        ``Finalize`` from DCP's ``finish``); the save's future resolves at
+        ``Durable``, not through this client's coordinator.
+        """
         acquired = self._inflight.acquire(timeout=self.commit_timeout) if block else self._inflight.acquire(False)
         if not acquired:  # never block a training loop forever, even on a hung filesystem
             waited = f" for {self.commit_timeout:g} s" if block else ""
@@ -221,12 +234,12 @@ class Client:
                 self._snapshotting[fut] = target
         fut.add_done_callback(self._forget)
         req = _Request(flat, target, step, overwrite, keep_last or self.keep_last, started,
-                       waited=time.monotonic() - started, persist=persist)
+                       waited=time.monotonic() - started, persist=persist, coordinated=coordinated)
         # This rank's daemon reply (Done, or Durable on several nodes) lands in
         # ``shard``. The coordinator gets its place now, in call order, which is
         # the same on every rank whatever staging does later.
         shard: Future = Future()
-        if self._coordinator is None:
+        if self._coordinator is None or coordinated:
             shard.add_done_callback(lambda r: self._resolve(fut, req, r.exception() or r.result()))
         else:
             self._coordinator.submit(shard, self._spec(req), lambda outcome: self._resolve(fut, req, outcome))
@@ -234,7 +247,7 @@ class Client:
             self._worker.submit(self._stage, req, fut, shard, True)
         else:
             self._stage(req, fut, shard, False)
-        return fut
+        return fut, shard
 
     def _check_process(self) -> None:
         """A forked child has no I/O thread and must not touch its parent's slots: fail at once."""
@@ -327,7 +340,7 @@ class Client:
     def _send_commit(self, req: "_Request", shard: Future, layout: ShardLayout, *, staged: int) -> tuple[int, Future]:
         kind, conn, table = Commit if req.persist else Snapshot, self._conn, self._layouts.table(layout)
         full = kind(conn.next_id(), req.slot.name, layout.nbytes, layout.data_start, table, req.path, self.rank,
-                    self.world_size, req.step, req.overwrite, coordinated=self._coordinator is not None,
+                    self.world_size, req.step, req.overwrite, coordinated=self._coordinator is not None or req.coordinated,
                     keep_last=req.keep_last, timeout=self.commit_timeout, waited=req.waited, staged=staged,
                     layout=table.digest if table else "",  # no tensors: nothing to name
                     job=self.job, replicated=req.flat.replicated)
@@ -358,6 +371,9 @@ class Client:
         elif isinstance(outcome, Held):
             fut.set_result(SaveResult(user_path(outcome.path), outcome.bytes_held, time.monotonic() - req.started,
                                       req.step))
+        elif isinstance(outcome, Durable):  # a coordinated commit its caller finalizes
+            fut.set_result(SaveResult(user_path(req.path), outcome.size,
+                                      time.monotonic() - req.started, req.step))
         elif not isinstance(outcome, Done):
             fut.set_exception(InternalError(f"daemon answered a commit with {outcome.type!r}"))
         else:
@@ -482,6 +498,14 @@ class _Request:
     waited: float
     persist: bool = True
     slot: Slot | None = None
+    coordinated: bool = False
+    """Answered by ``Durable``; the caller finalizes (see ``Client._save_flat``)."""
+
+
+def checkpoint_target(path: str | os.PathLike) -> str:
+    """The checkpoint name a save sends: an ``s3://`` URL as is, a local path made absolute."""
+    raw = check_path("path", path)
+    return object_url(raw) if is_object_path(raw) else os.path.abspath(raw)
 
 
 def _fail(exc: BaseException, *futures: Future) -> None:

@@ -73,12 +73,15 @@ def _describe(path: list[Any]) -> str:
     return "state_dict" + "".join(f"[{p!r}]" for p in path)
 
 
-def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0) -> Flat:
+def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0,
+            written_elsewhere: dict[int, str] | None = None) -> Flat:
     """Split ``state`` into named tensors and a structure description.
 
     Tensors under the top-level keys in ``replicated`` are global tensors
     written by rank 0 only; DTensors anywhere are global tensors whose
-    chunks their owners write.
+    chunks their owners write. ``written_elsewhere`` (tensor id -> name):
+    global tensors whose chunks another plan places (DCP's, for
+    ``ckptd.dcp.StorageWriter``); the structure only names them.
     """
     _check_replicated(state, replicated)
     tensors: list[tuple[str, torch.Tensor]] = []
@@ -107,6 +110,8 @@ def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0) -> F
 
     def walk(obj: Any, path: list[Any]) -> Any:
         if isinstance(obj, torch.Tensor):
+            if written_elsewhere is not None and id(obj) in written_elsewhere:
+                return msgpack.ExtType(EXT_GLOBAL, written_elsewhere[id(obj)].encode())
             if id(obj) in by_identity:  # the same tensor object twice: stored once
                 return by_identity[id(obj)]
             if type(obj) is not torch.Tensor and is_dtensor(obj):  # a plain tensor needs no isinstance

@@ -15,7 +15,7 @@ import ckptd
 from ckptd.client.staging import STREAM_MIN_BYTES
 from ckptd.protocol.checksums import updater
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
-from ckptd.writer import CRC_CHUNK, Progress, _checksum
+from ckptd.writer import CRC_CHUNK, Progress, checksum_when_staged
 
 from helpers import wait_until
 
@@ -137,7 +137,7 @@ def test_the_checksum_waits_for_the_end_of_the_copy_then_covers_every_byte() -> 
     data[:] = bytes(range(256)) * (total // 256) + bytes(total % 256)
     progress = WatchedProgress(staged=2 * CRC_CHUNK, total=total)  # the copy is two chunks in
     with ThreadPoolExecutor(1) as pool:
-        crc = pool.submit(_checksum, memoryview(data), total, progress)
+        crc = pool.submit(checksum_when_staged, memoryview(data), total, progress)
         try:
             assert progress.waiting.wait(30), "the checksum never waited for the copy"
             assert progress.asked == [total] and not crc.done()

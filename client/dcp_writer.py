@@ -1,0 +1,393 @@
+"""``ckptd.dcp.StorageWriter``: torch.distributed.checkpoint saves through the node's ckptd daemon.
+
+``dcp.save(state, storage_writer=StorageWriter(path))`` and ``dcp.async_save``
+(THREAD or PROCESS) plan with DCP's own planner, de-duplication of
+replicated items included; the writer maps DCP's two phases onto ckptd's:
+
+* ``write_data`` (every rank): the items DCP planned for this rank become one
+  shard, tensors and chunks exactly as planned (a DTensor's chunk at its
+  offsets, a plain tensor as the one chunk of a global tensor on the rank DCP
+  picked), copied once into the rank's reused shared-memory slot and
+  committed to the node's daemon as a coordinated commit; it returns once the
+  shard is durable (``Durable``), with the shard's record as its result.
+* ``finish`` (DCP's coordinator only, after every rank's ``write_data``
+  succeeded): ``Finalize`` with every rank's record; the daemon writes the
+  index and renames ``path.incomplete`` to ``path``. So the checkpoint becomes
+  visible only once every rank is durable, as with ``Client.save_async``.
+
+If a rank's ``write_data`` fails, DCP never calls ``finish``, and the other
+ranks' durable shards must not wait for the commit timeout (nor keep a retry
+of the path waiting). So at the end of ``write_data`` the ranks agree, on a
+gloo group of the writers' own, whether every shard is durable; if not, rank
+0 sends ``Abort`` (every commit has been answered by then, so no shard can
+join the attempt after it) and every rank raises.
+
+Non-tensor items (what DCP would ``torch.save`` into bytes) are kept in the
+shard's structure, msgpack-encoded as ``Client.save_async`` keeps them, from
+the rank's own state dict: nothing is pickled, and a value msgpack cannot hold
+is refused naming its key. The result is an ordinary ckptd checkpoint:
+``ckptd.load``, ``ckptd.load_into``, ``dcp.load`` with
+``ckptd.dcp.StorageReader`` and DCP's ``HuggingFaceStorageReader`` read it.
+
+The writer pickles without its client (DCP's PROCESS executor sends it to a
+process of its own); there it uses one client per process, made on first use
+and reused for every later save, so its slots are reused too.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import StorageWriter as _DCPStorageWriter
+from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ckptd.protocol.chunks import Box
+from ckptd.protocol.errors import RanksMissing
+from ckptd.protocol.index import ShardRecord
+from ckptd.protocol.messages import Abort, Durable, Finalize
+
+from .api import Client, checkpoint_target
+from .checks import check_bool, check_keep_last, check_path, check_seconds, check_step
+from .coordinate import all_gather_msgpack
+from .flatten import Flat, _check_tensor, flatten
+
+__all__ = ["StorageWriter"]
+
+
+SHARD_RESULT = "ckptd.shard"
+"""The fqn of the one extra ``WriteResult`` per rank that carries its shard's record to ``finish``."""
+
+_process_clients: dict[tuple[int, str | None, float], Client] = {}
+"""Clients made by writers that arrived pickled (DCP's PROCESS executor): one per process and daemon, reused."""
+_per_process_lock = threading.Lock()
+_groups: dict[tuple[int, int], "dist.ProcessGroup"] = {}
+"""Each process's agreement group (``agreement_group``)."""
+
+
+class StorageWriter(_DCPStorageWriter):
+    """Writes a ckptd checkpoint for ``torch.distributed.checkpoint.save`` and ``async_save``."""
+
+    def __new__(cls, *args: Any, stage_in_slot: bool = False, **kwargs: Any) -> "StorageWriter":
+        check_bool("stage_in_slot", stage_in_slot)
+        return super().__new__(_SlotStagingWriter if stage_in_slot and cls is StorageWriter else cls)
+
+    def __init__(self, path: str | os.PathLike, *, step: int | None = None, overwrite: bool = False,
+                 keep_last: int | None = None, client: Client | None = None,
+                 run_dir: str | os.PathLike | None = None, commit_timeout: float = 600.0,
+                 stage_in_slot: bool = False) -> None:
+        """
+        Args:
+            path: the checkpoint (a directory; ``checkpoint_id`` replaces it).
+            step, overwrite, keep_last: as for ``Client.save_async``.
+            client: the ``ckptd.Client`` to save through (default: one made
+                here, collectively under torch.distributed, and closed by
+                ``close()``).
+            run_dir, commit_timeout: for the client made here.
+            stage_in_slot: be ``async_save``'s stager (DCP's ``AsyncStager``):
+                staging is the copy of this rank's planned items into the
+                slot, so every byte is copied once, and ``async_save``
+                returns once that copy is done. For the THREAD executor only:
+                the PROCESS executor runs the save, and so the copy, in
+                another process, and needs a staged copy of its own (without
+                this, DCP's default stager makes one).
+        """
+        super().__init__()
+        self.path = checkpoint_target(path)
+        self.step = check_step(step)
+        check_bool("overwrite", overwrite)
+        self.overwrite = overwrite
+        self.keep_last = check_keep_last(keep_last)
+        if client is not None and not isinstance(client, Client):
+            raise TypeError(f"client must be a ckptd.Client, got {type(client).__name__}")
+        if client is not None:  # a copy in another process reaches the same daemon the same way
+            run_dir, commit_timeout = client.run_dir, client.commit_timeout
+        self.run_dir = None if run_dir is None else os.path.abspath(check_path("run_dir", run_dir))
+        self.commit_timeout = check_seconds("commit_timeout", commit_timeout)
+        self._owns_client = client is None
+        self._client: Client | None = client or Client(run_dir=self.run_dir, commit_timeout=self.commit_timeout)
+        self._is_coordinator = False
+        self._group = agreement_group(self.commit_timeout)  # collective: every rank makes its writer
+
+    # -- pickling for DCP's PROCESS executor ------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_client"] = None  # a client belongs to its process (its slots, its socket), and so does a group
+        state["_group"] = None
+        state["_owns_client"] = False
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._group = agreement_group(self.commit_timeout)  # DCP's process: every rank unpickles its copy
+
+    @property
+    def client(self) -> Client:
+        """This process's client: the one given or made here, or (unpickled in another process) that process's."""
+        if self._client is None or self._client._pid != os.getpid():
+            key = (os.getpid(), self.run_dir, self.commit_timeout)
+            with _per_process_lock:
+                if key not in _process_clients:
+                    _process_clients[key] = Client(run_dir=self.run_dir, commit_timeout=self.commit_timeout)
+                self._client = _process_clients[key]
+        return self._client
+
+    def close(self) -> None:
+        """Close the client this writer made (waits for its pending saves)."""
+        if self._owns_client and self._client is not None:
+            self._client.close()
+
+    # -- DCP's StorageWriter contract -------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._save_begins()
+        if checkpoint_id is not None:
+            self.path = checkpoint_target(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            checkpoint_target(checkpoint_id)
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        if rank is not None and rank != self.client.rank:
+            raise ValueError(f"DCP saves as rank {rank} but the ckptd client is rank {self.client.rank} of "
+                             f"{self.client.world_size}: save with the process group the client's ranks come from")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if len(plans) != self.client.world_size:
+            raise ValueError(f"DCP planned {len(plans)} ranks but the ckptd client's world size is "
+                             f"{self.client.world_size}: save with the process group the client's ranks come from")
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Stage this rank's planned items as one shard and commit it; resolves once it is durable."""
+        client, failure = self.client, None
+        try:
+            started = time.monotonic()
+            flat = _planned_shard(plan, planner)
+            saved, reply = client._save_flat(flat, self.path, step=self.step, overwrite=self.overwrite,
+                                            keep_last=self.keep_last, block=True, persist=True, started=started,
+                                            coordinated=True)
+            saved.staged.add_done_callback(lambda f: self._staging_over(f.exception()))
+            saved.result()
+            durable = reply.result()
+            assert isinstance(durable, Durable)
+        except Exception as exc:
+            failure = exc
+            self._staging_over(exc)
+        # Every rank's commit has its answer now: if one failed, DCP will never call finish, so the attempt is
+        # aborted here, after the last shard joined it (an earlier Abort would leave a later shard pending).
+        outcome = ["ok"] if failure is None else ["error", f"rank {client.rank}: {failure!r}"]
+        everyone = all_gather_msgpack(outcome, self._group) if self._group is not None else [outcome]
+        failures = [entry[1] for entry in everyone if entry[0] != "ok"]
+        if failures:
+            if client.rank == 0:
+                self._abort("; ".join(failures))
+            if failure is not None:
+                raise failure
+            raise RanksMissing(f"checkpoint {self.path} was not committed: {'; '.join(failures)}")
+        results = [WriteResult(item.index, _item_bytes(item), None) for item in plan.items]
+        record = (durable.file, durable.rank, durable.size, durable.checksum, durable.tensors)
+        results.append(WriteResult(MetadataIndex(SHARD_RESULT), durable.size, record))
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Every rank is durable: commit (index, rename, fsync) through this node's daemon."""
+        records = [r.storage_data for rank_results in results for r in rank_results if r.index.fqn == SHARD_RESULT]
+        files = tuple(sorted((ShardRecord(*record) for record in records), key=lambda f: f.rank))
+        client = self.client
+        conn = client._conn
+        conn.call(Finalize(conn.next_id(), self.path, client.world_size, self.step, self.overwrite, self.keep_last,
+                           files), timeout=self.commit_timeout)
+
+    def storage_meta(self) -> None:
+        self._save_begins()  # the first call of a save's planning, on the thread that runs the save
+        return None
+
+    def _save_begins(self) -> None:
+        """A save of this writer runs on the calling thread (``stage_in_slot`` watches it)."""
+
+    def _staging_over(self, error: BaseException | None) -> None:
+        """This rank's items are in the slot (or never will be): the caller may change its tensors."""
+
+    def _abort(self, reason: str) -> None:
+        """Fail this attempt on this node's daemon (best effort: the save's own error is what is raised).
+
+        Other nodes' daemons time their shards out (``commit_timeout``), as
+        with ``Client.save_async``'s own agreement across nodes.
+        """
+        try:
+            conn = self.client._conn
+            conn.call(Abort(conn.next_id(), self.path, reason))
+        except Exception:
+            pass
+
+
+def agreement_group(timeout: float) -> "dist.ProcessGroup | None":
+    """This process's gloo group on which writers agree whether every rank's shard is durable (None: one rank).
+
+    Made once per process (collectively, on the first writer) and kept: a
+    group per save would cost a rendezvous each time. Never the training
+    group, which may not be gloo.
+    """
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    key = (os.getpid(), id(dist.group.WORLD))
+    with _per_process_lock:
+        if key not in _groups:
+            _groups[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        return _groups[key]
+
+
+def _item_bytes(item: Any) -> int:
+    if item.tensor_data is None:
+        return 0
+    props, sizes = item.tensor_data.properties, item.tensor_data.chunk.sizes
+    return torch.Size(sizes).numel() * torch.empty((), dtype=props.dtype).element_size()
+
+
+def _planned_shard(plan: SavePlan, planner: SavePlanner) -> Flat:
+    """This rank's shard: the tensor items DCP planned for it, and the structure of its whole state.
+
+    Every tensor is a global tensor named by its DCP fqn; this rank writes
+    the chunks its plan holds, and the structure names all of them, so any
+    rank's structure describes the whole state. Plain values are encoded in
+    the structure, from this rank's own state dict.
+    """
+    state = getattr(planner, "state_dict", None)
+    if not isinstance(state, dict):
+        raise ValueError(f"ckptd.dcp.StorageWriter needs a planner that keeps the state it plans "
+                         f"(DefaultSavePlanner or a subclass), got {type(planner).__name__}")
+    names = {id(v): fqn for fqn, v in state.items() if isinstance(v, torch.Tensor)}
+    mappings = getattr(planner, "mappings", None)
+    nested = unflatten_state_dict(state, mappings) if getattr(planner, "flatten_state_dict", False) and mappings \
+        else state
+    structure = flatten(nested, written_elsewhere=names)
+    if structure.tensors:
+        name = structure.tensors[0][0]
+        raise ValueError(f"state_dict key {name!r} holds a tensor that DCP saves as bytes (inside a value it does "
+                         "not traverse); ckptd stores tensors only where DCP plans them: keep it in a dict or list")
+    tensors: list[tuple[str, torch.Tensor]] = []
+    chunks: dict[str, Box] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO:
+            continue  # in the structure already
+        fqn = item.index.fqn
+        if fqn in chunks:
+            raise ValueError(f"state_dict key {fqn!r}: this rank holds several chunks of it; ckptd stores one chunk "
+                             "of a tensor per rank (DTensor), not ShardedTensor's several")
+        data = planner.resolve_data(item)
+        assert isinstance(data, torch.Tensor), f"DCP resolved tensor item {fqn!r} to {type(data).__name__}"
+        chunk = item.tensor_data.chunk
+        box = (tuple(chunk.offsets), tuple(chunk.sizes))
+        if tuple(data.shape) != box[1]:
+            raise ValueError(f"state_dict key {fqn!r}: DCP planned a chunk of {list(box[1])} but resolved "
+                             f"{list(data.shape)}")
+        _check_tensor(data, [fqn])
+        tensors.append((fqn, data.detach()))
+        chunks[fqn] = box
+        shapes[fqn] = tuple(item.tensor_data.size)
+    return Flat(tensors, structure.structure, chunks, shapes)
+
+
+class _SlotStagingWriter(StorageWriter, AsyncStager):
+    """``StorageWriter(stage_in_slot=True)``: its own ``async_save`` stager (see ``StorageWriter.__init__``).
+
+    ``stage`` hands DCP the caller's live state (nothing copied), and
+    ``synchronize_staging``, which ``async_save`` calls before it returns,
+    waits until the save's ``write_data`` has copied this rank's planned
+    items into the slot: DCP's planning runs first, so the copy honours its
+    de-duplication. If the save fails before it gets there, the wait ends
+    with it (the save's thread ended). The live state refuses to be pickled,
+    so the PROCESS executor fails at once, before any tensor is shared.
+    """
+
+    _synchronize_after_execute = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._staged = threading.Event()
+        self._staged.set()
+        self._staging_error: BaseException | None = None
+        self._save_thread: threading.Thread | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for name in ("_staged", "_staging_error", "_save_thread"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._staged, self._staging_error, self._save_thread = threading.Event(), None, None
+        self._staged.set()
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if not self._staged.is_set():
+            raise RuntimeError("this StorageWriter(stage_in_slot=True) is still staging an async_save; "
+                               "use one writer per save in flight")
+        self._staged.clear()
+        self._staging_error, self._save_thread = None, None
+        return _LiveState(state_dict, self)
+
+    def synchronize_staging(self) -> None:
+        while not self._staged.wait(0.05):
+            thread = self._save_thread
+            if thread is not None and not thread.is_alive():
+                break  # the save ended before its items were staged: it failed, and its future says why
+        if isinstance(self._staging_error, _ProcessExecutor):
+            raise self._staging_error
+
+    def close(self) -> None:
+        StorageWriter.close(self)
+
+    def _save_begins(self) -> None:
+        self._save_thread = threading.current_thread()
+
+    def _staging_over(self, error: BaseException | None) -> None:
+        if not self._staged.is_set():
+            self._staging_error = error
+            self._staged.set()
+
+
+class _ProcessExecutor(ValueError):
+    """``stage_in_slot`` under the PROCESS executor."""
+
+
+class _LiveState(dict):
+    """The caller's state, handed to DCP unstaged: it is copied into the slot by ``write_data``, in this process."""
+
+    def __init__(self, state: dict[str, Any], writer: _SlotStagingWriter) -> None:
+        super().__init__(state)
+        self._writer = writer
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        error = _ProcessExecutor(
+            "StorageWriter(stage_in_slot=True) stages by copying into this process's slot, so it works with "
+            "async_save's THREAD executor only; for AsyncCheckpointerType.PROCESS drop stage_in_slot (DCP then "
+            "stages a copy for the other process)")
+        self._writer._staging_over(error)
+        raise error

@@ -1,0 +1,257 @@
+"""``ckptd.dcp.StorageWriter``: DCP's own ``save`` and ``async_save`` write ckptd checkpoints through a real daemon.
+
+Two gloo ranks save an FSDP2 model with its AdamW state, a DTensor and plain
+values with ``dcp.save``, ``dcp.async_save`` (THREAD), ``dcp.async_save``
+(PROCESS) and ``dcp.async_save`` with the writer as its own stager (the
+state is overwritten as soon as it returns; PROCESS is refused there); each checkpoint is read back in one process (world size 1, so
+resharded) by ``ckptd.load``, ``ckptd.load_into``, ``dcp.load`` with
+``ckptd.dcp.StorageReader`` and DCP's ``HuggingFaceStorageReader``. A rank
+whose write fails leaves nothing pending: the path is free for a retry at once.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import ckptd
+from ckptd.dcp import StorageReader, StorageWriter
+from helpers import short_tempdir, start_daemon, wait_until
+from sharded_ranks import fsdp, full, run_rank, run_ranks
+
+MODES = ("save", "thread", "process", "slot")
+
+
+@pytest.fixture(scope="module")
+def daemon_at(tmp_path_factory):
+    root, run_dir = tmp_path_factory.mktemp("dcpw") / "ckpts", short_tempdir("ckdcpw-")
+    root.mkdir()
+    daemon = start_daemon(run_dir, root)
+    yield root, run_dir
+    daemon.kill()
+
+
+def _state(rank: int, world: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    m, optim = fsdp(world)
+    msd, osd = get_state_dict(m, optim)
+    grid = torch.arange(6 * 5, dtype=torch.float64).reshape(6, 5)
+    return {"model": msd, "optim": osd, "epoch": 3, "note": "first run", "sizes": [1, 2, 3],
+            "grid": distribute_tensor(grid, init_device_mesh("cpu", (world,)), [Shard(1)])}
+
+
+def _save_every_way(rank: int, world: int, init: str, run_dir: str, root: str, out: str) -> None:
+    def body() -> dict:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        state = _state(rank, world)
+        reference = full(state)  # a collective: every rank takes part
+        if rank == 0:
+            torch.save(reference, Path(out) / "reference.pt")
+        writer = StorageWriter(Path(root, "save"), run_dir=run_dir, step=1, commit_timeout=120)
+        try:
+            dcp.save(state, storage_writer=writer)
+            thread = dcp.async_save(state, storage_writer=StorageWriter(Path(root, "thread"), client=writer.client,
+                                                                        step=2))
+            thread.result(120)
+            process = dcp.async_save(state, storage_writer=StorageWriter(Path(root, "process"), client=writer.client,
+                                                                         step=3),
+                                     async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            process.result(300)
+            # Its own stager: async_save returns once the planned items are in the slot; changes after that
+            # are not in the checkpoint.
+            slot = dcp.async_save(state, storage_writer=StorageWriter(Path(root, "slot"), client=writer.client,
+                                                                      step=4, stage_in_slot=True))
+            _scribble(state)
+            slot.result(120)
+            try:
+                dcp.async_save(state, storage_writer=StorageWriter(Path(root, "refused"), client=writer.client,
+                                                                   stage_in_slot=True),
+                               async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+                refused = "saved"
+            except ValueError as exc:
+                refused = str(exc)
+        finally:
+            writer.close()
+        return {"refused": refused}
+
+    run_rank(rank, world, init, out, "save", body)
+
+
+def _scribble(state: object) -> None:
+    """Overwrite every tensor of ``state`` in place (a DTensor's local shard)."""
+    if isinstance(state, dict):
+        for v in state.values():
+            _scribble(v)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            _scribble(v)
+    elif isinstance(state, torch.Tensor):
+        with torch.no_grad():
+            getattr(state, "_local_tensor", state).fill_(-1)
+
+
+@pytest.fixture(scope="module")
+def saved(daemon_at, tmp_path_factory) -> tuple[Path, dict]:
+    root, run_dir = daemon_at
+    out = tmp_path_factory.mktemp("dcpw-out")
+    logs = run_ranks(_save_every_way, 2, out, "save", str(run_dir), str(root), str(out))
+    assert all("THREAD executor only" in log["refused"] for log in logs), logs
+    assert not (root / "refused").exists()
+    return root, torch.load(out / "reference.pt")
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return set(a) == set(b) and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", MODES)
+def test_each_way_of_saving_commits_a_checkpoint_ckptd_load_reads_whole(saved, mode: str):
+    root, reference = saved
+    index = ckptd.read_index(root / mode)
+    assert index.world_size == 2 and index.step == MODES.index(mode) + 1
+    assert not list(root.glob("*.incomplete"))
+    loaded = ckptd.load(root / mode)
+    assert _equal(loaded, reference), mode
+    assert ckptd.verify_checkpoint(root / mode).ok
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dcp_load_with_ckptd_reader_reshards_onto_one_process(saved, mode: str):
+    root, reference = saved
+    state = {"model": {k: torch.zeros_like(v) for k, v in reference["model"].items()},
+             "grid": torch.zeros(6, 5, dtype=torch.float64), "epoch": 0, "note": ""}
+    dcp.load(state, storage_reader=StorageReader(root / mode))
+    assert _equal(state, {k: reference[k] for k in state})
+
+
+def test_load_into_and_dcps_safetensors_reader_read_it_too(saved):
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    root, reference = saved
+    target = {k: torch.zeros_like(v) for k, v in reference["model"].items()}
+    ckptd.load_into(target, root / "save", key="model")
+    assert _equal(target, reference["model"])
+    want = {"model.0.weight": reference["model"]["0.weight"], "grid": reference["grid"],
+            "optim.state.0.weight.exp_avg": reference["optim"]["state"]["0.weight"]["exp_avg"]}
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(got, storage_reader=HuggingFaceStorageReader(str(root / "process")))
+    assert _equal(got, want)
+
+
+def _fail_then_retry(rank: int, world: int, init: str, run_dir: str, path: str, out: str) -> None:
+    def body() -> dict:
+        import torch.distributed as dist
+
+        writer = StorageWriter(path, run_dir=run_dir, commit_timeout=600)  # far longer than this test waits
+        log: dict = {}
+        try:
+            bad = {"w": torch.full((4,), float(rank)), "extra": object() if rank == 1 else 1}
+            try:
+                dcp.save(bad, storage_writer=writer)
+                log["first"] = "saved"
+            except CheckpointException as exc:
+                log["first"] = str(exc)
+            # Nothing of the failed attempt may stay pending: its directory goes, and the path is free.
+            wait_until(lambda: not list(Path(path).parent.glob("*.incomplete")), timeout=60,
+                       what="the failed attempt's directory to go")
+            dist.barrier()
+            dcp.save({"w": torch.full((4,), 7.0), "extra": 1}, storage_writer=writer)
+            log["retry"] = "saved"
+        finally:
+            writer.close()
+        return log
+
+    run_rank(rank, world, init, out, "fail", body)
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_whose_write_fails_aborts_the_attempt_and_the_retry_commits(daemon_at, tmp_path: Path):
+    root, run_dir = daemon_at
+    path = root / "failing" / "ckpt"
+    path.parent.mkdir()
+    logs = run_ranks(_fail_then_retry, 2, tmp_path, "fail", str(run_dir), str(path), str(tmp_path))
+    assert all(log["first"] != "saved" for log in logs), logs
+    assert "state_dict['extra']" in logs[1]["first"], logs[1]  # the refusal names the key
+    assert all(log["retry"] == "saved" for log in logs), logs
+    assert torch.equal(ckptd.load(path)["w"], torch.full((4,), 7.0))
+
+
+def test_the_writer_pickles_without_its_client_and_checks_its_arguments(daemon_at):
+    root, run_dir = daemon_at
+    with ckptd.Client(run_dir=run_dir, spawn=False) as client:
+        writer = StorageWriter(root / "p", client=client, step=4)
+        copy = pickle.loads(pickle.dumps(writer))
+        assert copy._client is None and copy.path == str(root / "p") and copy.step == 4
+        assert copy.run_dir == str(run_dir)
+        with pytest.raises(TypeError, match="client"):
+            StorageWriter(root / "p", client="me")
+        with pytest.raises(ValueError, match="step"):
+            StorageWriter(root / "p", client=client, step=-1)
+        with pytest.raises(TypeError, match="overwrite"):
+            StorageWriter(root / "p", client=client, overwrite="yes")
+        with pytest.raises(TypeError, match="stage_in_slot"):
+            StorageWriter(root / "p", client=client, stage_in_slot="yes")
+        assert not hasattr(writer, "stage")  # not a stager: DCP's own stages a copy for either executor
+        assert hasattr(StorageWriter(root / "p", client=client, stage_in_slot=True), "stage")
+        assert StorageWriter.validate_checkpoint_id(root / "p") and not StorageWriter.validate_checkpoint_id(5)
+
+
+def test_a_value_msgpack_cannot_hold_is_refused_naming_its_key(daemon_at):
+    root, run_dir = daemon_at
+    with ckptd.Client(run_dir=run_dir, spawn=False) as client:
+        with pytest.raises(CheckpointException, match=r"state_dict\['opt'\]\['fn'\]"):
+            dcp.save({"w": torch.ones(2), "opt": {"fn": len}}, storage_writer=StorageWriter(root / "refused",
+                                                                                           client=client))
+    assert not (root / "refused").exists()
+    wait_until(lambda: not list(root.glob("refused*")), timeout=60, what="the refused attempt's directory to go")
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "dcp_train.py"
+
+
+def _run_example(daemon, ckpt_dir: Path, procs: int, steps: int) -> str:
+    from zygote import run_module
+
+    env = dict(os.environ, CKPTD_RUN_DIR=str(daemon.run_dir), OMP_NUM_THREADS="1")
+    args = ["--nproc-per-node", str(procs), "--standalone", str(EXAMPLE), "--steps", str(steps), "--save-every", "3",
+            "--ckpt-dir", str(ckpt_dir)]
+    out = run_module("torch.distributed.run", *args, env=env, cwd=str(EXAMPLE.parent.parent), timeout=150)
+    assert out.returncode == 0, f"torchrun exited {out.returncode}\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+@pytest.mark.timeout(400)
+def test_the_dcp_example_trains_on_two_ranks_and_resumes_on_three(daemon, root: Path) -> None:
+    ckpt_dir = root / "dcp"
+    first = _run_example(daemon, ckpt_dir, 2, 6)
+    assert f"no checkpoint under {ckpt_dir}; starting from step 0 on 2 ranks" in first
+    assert "committed steps [3, 6]" in first and "rank 1: trained to step 6" in first
+    six = ckpt_dir / "step-000006"
+    assert ckptd.read_index(six).world_size == 2 and ckptd.read_index(six).step == 6
+
+    second = _run_example(daemon, ckpt_dir, 3, 9)
+    match = re.search(r"resumed from step 6 on 3 ranks \((.*)\), weights digest (\S+)", second)
+    assert match and match.group(1) == str(six), second
+    saved = ckptd.load(six)
+    assert saved["step"] == 6
+    assert float(match.group(2)) == sum(t.double().sum().item() for t in saved["model"].values())
+    assert "committed steps [9]" in second and "rank 2: trained to step 9" in second
+    assert ckptd.read_index(ckpt_dir / "step-000009").world_size == 3
