@@ -60,7 +60,7 @@ from ckptd.protocol.messages import Abort, Durable, Finalize
 from .api import Client, checkpoint_target
 from .checks import check_bool, check_keep_last, check_path, check_seconds, check_step
 from .coordinate import all_gather_msgpack
-from .flatten import Flat, _check_tensor, flatten
+from .flatten import Flat, check_tensor, flatten
 
 __all__ = ["StorageWriter"]
 
@@ -306,7 +306,7 @@ def _planned_shard(plan: SavePlan, planner: SavePlanner) -> Flat:
         if tuple(data.shape) != box[1]:
             raise ValueError(f"state_dict key {fqn!r}: DCP planned a chunk of {list(box[1])} but resolved "
                              f"{list(data.shape)}")
-        _check_tensor(data, [fqn])
+        check_tensor(data, [fqn])
         tensors.append((fqn, data.detach()))
         chunks[fqn] = box
         shapes[fqn] = tuple(item.tensor_data.size)

@@ -92,7 +92,7 @@ def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0,
     under_replicated: dict[str, list[tuple[str, str, list[int]]]] = {key: [] for key in replicated}
 
     def global_ref(chunk: LocalChunk, path: list[Any]) -> msgpack.ExtType:
-        _check_tensor(chunk.local, path)
+        check_tensor(chunk.local, path)
         name = name_for(path)
         if chunk.owned:
             tensors.append((name, chunk.local))
@@ -120,7 +120,7 @@ def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0,
                 ref = global_ref(whole_chunk(obj, rank), path)
                 under_replicated[path[0]].append((ref.data.decode(), str(obj.dtype), list(obj.shape)))
             else:
-                _check_tensor(obj, path)
+                check_tensor(obj, path)
                 name = name_for(path)
                 tensors.append((name, obj))
                 ref = _tensor_ref(name)
@@ -181,7 +181,7 @@ def _tensor_ref(name: str) -> msgpack.ExtType:
     return msgpack.ExtType(EXT_TENSOR, name.encode())
 
 
-def _check_tensor(t: torch.Tensor, path: list[Any]) -> None:
+def check_tensor(t: torch.Tensor, path: list[Any]) -> None:
     if t.layout is torch.strided and t.dtype in SAFETENSORS_DTYPES and not t.is_meta:
         return  # what nearly every tensor is: three reads instead of four
     if t.layout != torch.strided:
