@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import enum
 import inspect
 import logging
@@ -275,6 +276,7 @@ class CkptdCheckpointIO(CheckpointIO):
                              "decides which checkpoints to remove, and ckptd's retention would fight it")
         kwargs: dict[str, Any] = dict(run_dir=run_dir, spawn=spawn, max_inflight=max_inflight,
                                       background_staging=background_staging, **client_kwargs)
+        self._ranks_given = "rank" in kwargs or "world_size" in kwargs
         kwargs.setdefault("rank", 0)
         kwargs.setdefault("world_size", 1)
         inspect.signature(Client).bind(**kwargs)  # a misspelt option fails here, not at the first save
@@ -294,6 +296,22 @@ class CkptdCheckpointIO(CheckpointIO):
             if self._client is None:
                 self._client = Client(**self._client_kwargs)
             return self._client
+
+    def save_every_rank(self) -> None:
+        """Make every rank save its own shard of each checkpoint (what a sharded strategy needs).
+
+        The client then takes its rank and world size from torch.distributed
+        instead of being rank 0 of 1. Called by the sharded strategies on the
+        plugin they are given, before its first save.
+        """
+        if self._ranks_given and (self._client_kwargs["rank"], self._client_kwargs["world_size"]) != (None, None):
+            raise ValueError("a CkptdCheckpointIO for a sharded strategy takes no rank/world_size: every rank saves "
+                             "its own shard, with its rank from torch.distributed")
+        with self._lock:
+            if self._client is not None:
+                raise RuntimeError("this CkptdCheckpointIO has saved as one rank already; give the sharded strategy "
+                                   "a new one")
+            self._client_kwargs["rank"] = self._client_kwargs["world_size"] = None
 
     @staticmethod
     def _key(path: str | os.PathLike) -> str:
@@ -318,8 +336,9 @@ class CkptdCheckpointIO(CheckpointIO):
             raise TypeError(f"{type(self).__name__} takes no storage_options; got {storage_options!r}")
         self._raise_failed(wait=False)
         if not is_object_path(path):
-            if os.path.islink(path):
-                os.unlink(path)  # a save_last="link" link: the checkpoint replaces the link, never its target
+            if os.path.islink(path):  # a save_last="link" link: the checkpoint replaces the link, never its target
+                with contextlib.suppress(FileNotFoundError):  # every rank of a sharded save gets here
+                    os.unlink(path)
             os.makedirs(os.path.dirname(os.path.abspath(os.fspath(path))), exist_ok=True)
         key = self._key(path)
         self._wait_for(key)  # an earlier save to this path commits first; its failure is raised later
@@ -338,8 +357,12 @@ class CkptdCheckpointIO(CheckpointIO):
             self._unreported.append((key, fut))
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: MapLocation = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+                        weights_only: bool | None = None, *, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
         """The checkpoint dict saved at ``path``, after any save in flight to it commits.
+
+        The dict is rank 0's, as Lightning's sharded strategies keep rank 0's
+        metadata; ``exclude`` leaves top-level keys out unread (what a sharded
+        strategy restores in place with ``ckptd.load_into`` instead).
 
         ``weights_only`` is accepted for Lightning's signature and has nothing
         to do: ckptd never unpickles, so every load is as safe as
@@ -361,7 +384,7 @@ class CkptdCheckpointIO(CheckpointIO):
         device = map_location if isinstance(map_location, (str, torch.device)) else None
         if isinstance(map_location, int):
             device = torch.device(map_location)  # as torch.load reads an int: that accelerator index
-        checkpoint = load(path, map_location=device, run_dir=self._client_kwargs["run_dir"])
+        checkpoint = load(path, rank=0, map_location=device, run_dir=self._client_kwargs["run_dir"], exclude=exclude)
         if not isinstance(checkpoint, dict):
             raise InvalidCheckpoint(f"{path} holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict")
         _restore_hparams_types(checkpoint)

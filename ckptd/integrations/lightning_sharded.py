@@ -1,0 +1,149 @@
+"""``CkptdModelParallelStrategy``: Lightning's FSDP2/tensor-parallel checkpoints, saved by ckptd.
+
+Use it as ``Trainer(strategy=CkptdModelParallelStrategy())`` where you would
+write ``Trainer(strategy=ModelParallelStrategy())``. Lightning's own strategy
+saves its sharded state with ``torch.distributed.checkpoint`` and never asks a
+``CheckpointIO``; this one hands each rank's part of the checkpoint to the
+node's ckptd daemon instead: every rank copies only the DTensor chunks it
+owns into shared memory and goes back to training, and the checkpoint
+directory appears, committed, once every rank's shard is durable.
+
+What is saved. Lightning's checkpoint dict, unchanged in shape: ``state_dict``
+and ``optimizer_states`` hold DTensors (saved as chunks of the global
+tensors, nothing gathered), and the rest (loops, callbacks, ``global_step``,
+hyperparameters) is plain. ``ckptd.load(path)`` in one plain process
+therefore gives a whole, consolidated Lightning checkpoint.
+
+What loads it. ``fit/validate/test(ckpt_path=...)`` restore the model and
+optimizers in place with ``ckptd.load_into``, which reads into each rank's
+DTensors only the byte ranges its shards hold, so a checkpoint resumes on
+another number of ranks or another mesh. The rest of the dict is rank 0's,
+as with Lightning's own sharded checkpoints.
+
+Paths, ``ModelCheckpoint`` top-k and ``save_last`` (files or links) behave
+as with ``CkptdCheckpointIO`` (see ``ckptd.integrations.lightning``):
+checkpoints keep Lightning's names and are directories, and
+``ModelCheckpoint`` removes them through this strategy's ``CkptdCheckpointIO``,
+which waits for a save still in flight first. A ``CkptdCheckpointIO`` in
+``Trainer(plugins=[...])`` configures it; any other ``CheckpointIO`` is refused.
+
+Lightning's ``FSDPStrategy`` (FSDP1) is not offered: its sharded state dicts
+hold ``ShardedTensor``s, which ckptd does not save; FSDP2 through this
+strategy is the sharded path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+try:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+except ImportError:
+    try:
+        from pytorch_lightning.strategies import ModelParallelStrategy
+    except ImportError as exc:
+        raise ImportError(
+            "ckptd.integrations.lightning_sharded needs Lightning 2.4 or newer: pip install 'ckptd[lightning]'"
+        ) from exc
+
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from ckptd.client import load_into
+
+from .lightning import CkptdCheckpointIO
+
+__all__ = ["CkptdModelParallelStrategy"]
+
+SHARDED_KEYS = ("state_dict", "optimizer_states")
+"""Lightning's checkpoint entries that hold DTensors: restored in place, never read whole."""
+
+
+class CkptdModelParallelStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` whose sharded checkpoints are asynchronous ckptd saves."""
+
+    def __init__(self, *args: Any, checkpoint_io: CkptdCheckpointIO | None = None, **kwargs: Any) -> None:
+        """
+        Args:
+            *args, **kwargs: ``ModelParallelStrategy``'s (``data_parallel_size``,
+                ``tensor_parallel_size``, ``process_group_backend``, ``timeout``).
+            checkpoint_io: how to reach the daemon, e.g.
+                ``CkptdCheckpointIO(run_dir=..., max_inflight=2)`` (or pass it
+                in ``Trainer(plugins=[...])``). Its rank and world size come
+                from torch.distributed: every rank saves its own shard.
+
+        ``save_distributed_checkpoint=False`` is refused: it gathers the whole
+        model on rank 0, which is what this strategy exists to avoid, and
+        ``ckptd.load(path)`` already gives the whole state from a sharded
+        checkpoint.
+        """
+        if kwargs.get("save_distributed_checkpoint", True) is not True:
+            raise ValueError("CkptdModelParallelStrategy saves sharded checkpoints only; drop "
+                             "save_distributed_checkpoint=False (ckptd.load(path) gives the full state of a sharded "
+                             "checkpoint in one process)")
+        super().__init__(*args, **kwargs)
+        self.checkpoint_io = checkpoint_io if checkpoint_io is not None else CkptdCheckpointIO()
+
+    @property
+    def checkpoint_io(self) -> CkptdCheckpointIO:
+        """The plugin that reaches the daemon; also what ``ModelCheckpoint`` removes checkpoints through."""
+        assert isinstance(self._checkpoint_io, CkptdCheckpointIO)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CkptdCheckpointIO) -> None:
+        """Also reached by ``Trainer(plugins=[CkptdCheckpointIO(...)])``; any other plugin is refused."""
+        if not isinstance(io, CkptdCheckpointIO):
+            raise TypeError(f"{type(self).__name__} saves through a CkptdCheckpointIO, not a {type(io).__name__}: "
+                            "its sharded checkpoints are ckptd checkpoints")
+        io.save_every_rank()
+        self._checkpoint_io = io
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike,
+                        storage_options: Any | None = None) -> None:
+        """Every rank stages its shard of ``checkpoint`` for ``filepath``; returns once staged."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options; got {storage_options!r}")
+        path = self.broadcast(filepath)  # rank 0's name: every rank saves its shard of one checkpoint
+        self.checkpoint_io.save_checkpoint(checkpoint, path)
+
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        """Restore the model and optimizers from ``checkpoint_path`` in place; the rest of the dict.
+
+        ``weights_only`` has nothing to do: ckptd never unpickles.
+        """
+        path = self.broadcast(checkpoint_path)
+        assert self.model is not None and self.lightning_module is not None
+        io = self.checkpoint_io
+        rest = io.load_checkpoint(path, exclude=SHARDED_KEYS)  # waits for a save in flight to path first
+        strict = self.lightning_module.strict_loading
+        run_dir = io._client_kwargs["run_dir"]
+        model_state = get_model_state_dict(self.model)
+        load_into(model_state, path, key="state_dict", strict=strict, run_dir=run_dir)
+        set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=strict))
+        if self.optimizers:
+            # get_optimizer_state_dict creates the moments of an optimizer that has not stepped yet
+            optimizer_states = [get_optimizer_state_dict(self.model, opt) for opt in self.optimizers]
+            load_into(optimizer_states, path, key="optimizer_states", run_dir=run_dir)
+            for opt, state in zip(self.optimizers, optimizer_states):
+                set_optimizer_state_dict(self.model, opt, optim_state_dict=state)
+        return rest
+
+    def teardown(self) -> None:
+        """Wait for every save in flight (its ranks coordinate the commit), then Lightning's teardown.
+
+        ``ModelParallelStrategy.teardown`` never tears its ``CheckpointIO`` down;
+        a rank that exited first would leave the other ranks' commit waiting.
+        A save that failed in the background is raised here.
+        """
+        try:
+            self.checkpoint_io.teardown()
+        finally:
+            super().teardown()
+
