@@ -297,6 +297,29 @@ class CkptdCheckpointIO(CheckpointIO):
                 self._client = Client(**self._client_kwargs)
             return self._client
 
+    @property
+    def run_dir(self) -> str | os.PathLike | None:
+        """The daemon's run directory this plugin saves and loads through (None: the default)."""
+        return self._client_kwargs["run_dir"]
+
+    def wait(self, path: str | os.PathLike | None = None) -> None:
+        """Wait until the save in flight to ``path`` (None: every save) is committed; raise if it failed.
+
+        Saves are asynchronous: where another process reads a checkpoint
+        this one has just saved (Fabric's ``fabric.save`` on rank 0, then
+        ``fabric.load`` on every rank), call this on the saving rank, then
+        ``fabric.barrier()``.
+        """
+        if path is None:
+            self._raise_failed(wait=True)
+            return
+        key = self._key(path)
+        failed = self._wait_for(key)
+        if failed is not None:
+            with self._lock:  # raised now, so not again by the next save
+                self._unreported = [(k, f) for k, f in self._unreported if k != key]
+            raise failed
+
     def save_every_rank(self) -> None:
         """Make every rank save its own shard of each checkpoint (what a sharded strategy needs).
 
@@ -373,18 +396,13 @@ class CkptdCheckpointIO(CheckpointIO):
         daemon that limits concurrent loads per node is the one asked.
         ``path`` may be an ``s3://`` URL.
         """
-        key = self._key(path)
-        failed = self._wait_for(key)
-        if failed is not None:
-            with self._lock:  # raised now, so not again by the next save
-                self._unreported = [(k, f) for k, f in self._unreported if k != key]
-            raise failed
+        self.wait(path)
         if not is_object_path(path) and not os.path.lexists(path):
             raise FileNotFoundError(f"Checkpoint not found: {path}")
         device = map_location if isinstance(map_location, (str, torch.device)) else None
         if isinstance(map_location, int):
             device = torch.device(map_location)  # as torch.load reads an int: that accelerator index
-        checkpoint = load(path, rank=0, map_location=device, run_dir=self._client_kwargs["run_dir"], exclude=exclude)
+        checkpoint = load(path, rank=0, map_location=device, run_dir=self.run_dir, exclude=exclude)
         if not isinstance(checkpoint, dict):
             raise InvalidCheckpoint(f"{path} holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict")
         _restore_hparams_types(checkpoint)

@@ -54,15 +54,43 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.nn import Module
+from torch.optim import Optimizer
 
 from ckptd.client import load_into
 
 from .lightning import CkptdCheckpointIO
 
-__all__ = ["CkptdModelParallelStrategy"]
+__all__ = ["CkptdModelParallelStrategy", "restore_module", "restore_optimizers"]
 
 SHARDED_KEYS = ("state_dict", "optimizer_states")
 """Lightning's checkpoint entries that hold DTensors: restored in place, never read whole."""
+
+
+def restore_module(module: Module, path: str | os.PathLike, key: str, *, strict: bool,
+                   run_dir: str | os.PathLike | None) -> None:
+    """Copy the model state saved under ``key`` into ``module``'s DTensors in place (any mesh, any world size)."""
+    state = get_model_state_dict(module)
+    load_into(state, path, key=key, strict=strict, run_dir=run_dir)
+    set_model_state_dict(module, state, options=StateDictOptions(strict=strict))
+
+
+def restore_optimizers(module: Module, optimizers: Optimizer | list[Optimizer], path: str | os.PathLike, key: str, *,
+                       run_dir: str | os.PathLike | None) -> None:
+    """Copy the optimizer state saved under ``key`` into ``optimizers`` (of ``module``) in place.
+
+    A list of optimizers reads a saved list (Lightning's ``optimizer_states``);
+    one optimizer reads one saved state dict (Fabric's ``state["optimizer"]``).
+    ``get_optimizer_state_dict`` creates the moments of an optimizer that has
+    not stepped yet, so there is a DTensor to copy each saved one into.
+    """
+    listed = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
+    if not listed:
+        return
+    states = [get_optimizer_state_dict(module, opt) for opt in listed]
+    load_into(states[0] if isinstance(optimizers, Optimizer) else states, path, key=key, run_dir=run_dir)
+    for opt, state in zip(listed, states):
+        set_optimizer_state_dict(module, opt, optim_state_dict=state)
 
 
 class CkptdModelParallelStrategy(ModelParallelStrategy):
@@ -122,17 +150,8 @@ class CkptdModelParallelStrategy(ModelParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         io = self.checkpoint_io
         rest = io.load_checkpoint(path, exclude=SHARDED_KEYS)  # waits for a save in flight to path first
-        strict = self.lightning_module.strict_loading
-        run_dir = io._client_kwargs["run_dir"]
-        model_state = get_model_state_dict(self.model)
-        load_into(model_state, path, key="state_dict", strict=strict, run_dir=run_dir)
-        set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=strict))
-        if self.optimizers:
-            # get_optimizer_state_dict creates the moments of an optimizer that has not stepped yet
-            optimizer_states = [get_optimizer_state_dict(self.model, opt) for opt in self.optimizers]
-            load_into(optimizer_states, path, key="optimizer_states", run_dir=run_dir)
-            for opt, state in zip(self.optimizers, optimizer_states):
-                set_optimizer_state_dict(self.model, opt, optim_state_dict=state)
+        restore_module(self.model, path, "state_dict", strict=self.lightning_module.strict_loading, run_dir=io.run_dir)
+        restore_optimizers(self.model, self.optimizers, path, "optimizer_states", run_dir=io.run_dir)
         return rest
 
     def teardown(self) -> None:
