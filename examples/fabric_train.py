@@ -38,8 +38,8 @@ def shard(model: nn.Module, mesh) -> nn.Module:
 
 def make_fabric(strategy: str, world: int) -> Fabric:
     if strategy == "fsdp":
-        return Fabric(accelerator="cpu", devices=world,
-                      strategy=CkptdFabricModelParallelStrategy(shard, data_parallel_size=world, tensor_parallel_size=1))
+        sharded = CkptdFabricModelParallelStrategy(shard, data_parallel_size=world, tensor_parallel_size=1)
+        return Fabric(accelerator="cpu", devices=world, strategy=sharded)
     return Fabric(accelerator="cpu", devices=world, strategy=strategy, plugins=[CkptdCheckpointIO()])
 
 
