@@ -8,9 +8,9 @@ and AdamW moments it starts from; this process computes the same digests from
 the checkpoint with ``ckptd.load`` (no process group), so the resharded
 restore is checked against what was saved.
 
-Lightning's ``FSDPStrategy`` (FSDP1) is not covered: its sharded state dicts
-hold ``ShardedTensor``s, which ckptd does not save (see the module docstring
-of ``ckptd.integrations.lightning_sharded``).
+Lightning's ``FSDPStrategy`` (FSDP1) needs a GPU in a Trainer;
+``CkptdFSDPStrategy``'s save and load are tested on real FSDP1-sharded
+modules on two CPU ranks instead (``tests/fsdp1_ranks.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 import ckptd  # noqa: E402
 from ckptd.integrations.lightning import CkptdCheckpointIO  # noqa: E402
-from ckptd.integrations.lightning_sharded import CkptdModelParallelStrategy  # noqa: E402
+from ckptd.integrations.lightning_sharded import CkptdFSDPStrategy, CkptdModelParallelStrategy  # noqa: E402
 
 from zygote import run_module  # noqa: E402
 
@@ -104,3 +104,28 @@ def test_load_exclude_leaves_top_level_keys_out(client, root: Path) -> None:
     client.save_async([torch.ones(1)], root / "list").result()
     with pytest.raises(TypeError, match="saved a list, not a dict"):
         ckptd.load(root / "list", exclude=("x",))
+
+
+@pytest.mark.timeout(300)
+def test_fsdp1_strategy_saves_and_loads_real_fsdp1_shards_on_two_ranks(daemon, root: Path) -> None:
+    """Lightning's Trainer allows ``FSDPStrategy`` only on GPUs ("The strategy `fsdp` requires a GPU accelerator"),
+    so ``tests/fsdp1_ranks.py`` drives ``CkptdFSDPStrategy``'s state dicts, ``save_checkpoint`` and
+    ``load_checkpoint`` on real FSDP1-wrapped modules on two CPU ranks, as the Trainer would."""
+    path = root / "fsdp1.ckpt"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = run_module("torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                     str(REPO / "tests" / "fsdp1_ranks.py"), str(daemon.run_dir), str(path),
+                     env=env, cwd=str(REPO), timeout=240)
+    assert out.returncode == 0, f"torchrun exited {out.returncode}\n{out.stdout}\n{out.stderr[-6000:]}"
+    match = re.search(r"saved \((\S+), (\S+)\) loaded \((\S+), (\S+)\) rest \['epoch', 'global_step'\] step 5",
+                      out.stdout)
+    assert match, out.stdout
+    assert match.group(1, 2) == match.group(3, 4)  # the fresh model and optimizer hold what was saved
+    index = ckptd.read_index(path)
+    assert index.world_size == 2 and "state_dict.net.0.weight" in index.tensors  # each rank's chunks of it
+    whole = ckptd.load(path)
+    assert float(match.group(1)) == sum(t.double().sum().item() for t in whole["state_dict"].values())
+    assert float(match.group(2)) == sum(s["exp_avg"].double().sum().item()
+                                        for s in whole["optimizer_states"][0]["state"].values())
+    with pytest.raises(ValueError, match="state_dict_type='full'"):
+        CkptdFSDPStrategy(state_dict_type="full")

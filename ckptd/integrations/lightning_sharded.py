@@ -1,4 +1,4 @@
-"""``CkptdModelParallelStrategy``: Lightning's FSDP2/tensor-parallel checkpoints, saved by ckptd.
+"""``CkptdModelParallelStrategy`` and ``CkptdFSDPStrategy``: Lightning's sharded checkpoints, saved by ckptd.
 
 Use it as ``Trainer(strategy=CkptdModelParallelStrategy())`` where you would
 write ``Trainer(strategy=ModelParallelStrategy())``. Lightning's own strategy
@@ -27,9 +27,9 @@ checkpoints keep Lightning's names and are directories, and
 which waits for a save still in flight first. A ``CkptdCheckpointIO`` in
 ``Trainer(plugins=[...])`` configures it; any other ``CheckpointIO`` is refused.
 
-Lightning's ``FSDPStrategy`` (FSDP1) is not offered: its sharded state dicts
-hold ``ShardedTensor``s, which ckptd does not save; FSDP2 through this
-strategy is the sharded path.
+``CkptdFSDPStrategy`` does the same for Lightning's ``FSDPStrategy`` (FSDP1,
+GPUs only in Lightning): ``strategy=CkptdFSDPStrategy(...)`` for
+``strategy=FSDPStrategy(...)``.
 """
 
 from __future__ import annotations
@@ -38,10 +38,12 @@ import os
 from typing import Any
 
 try:
-    from lightning.pytorch.strategies import ModelParallelStrategy
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 except ImportError:
     try:
-        from pytorch_lightning.strategies import ModelParallelStrategy
+        from pytorch_lightning.core.optimizer import LightningOptimizer
+        from pytorch_lightning.strategies import FSDPStrategy, ModelParallelStrategy
     except ImportError as exc:
         raise ImportError(
             "ckptd.integrations.lightning_sharded needs Lightning 2.4 or newer: pip install 'ckptd[lightning]'"
@@ -54,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -61,7 +64,7 @@ from ckptd.client import load_into
 
 from .lightning import CkptdCheckpointIO
 
-__all__ = ["CkptdModelParallelStrategy", "restore_module", "restore_optimizers"]
+__all__ = ["CkptdFSDPStrategy", "CkptdModelParallelStrategy", "restore_module", "restore_optimizers"]
 
 SHARDED_KEYS = ("state_dict", "optimizer_states")
 """Lightning's checkpoint entries that hold DTensors: restored in place, never read whole."""
@@ -93,30 +96,19 @@ def restore_optimizers(module: Module, optimizers: Optimizer | list[Optimizer], 
         set_optimizer_state_dict(module, opt, optim_state_dict=state)
 
 
-class CkptdModelParallelStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` whose sharded checkpoints are asynchronous ckptd saves."""
+class CkptdShardedCheckpoints:
+    """What the sharded strategies share: every rank saves its shard through a ``CkptdCheckpointIO``.
 
-    def __init__(self, *args: Any, checkpoint_io: CkptdCheckpointIO | None = None, **kwargs: Any) -> None:
-        """
-        Args:
-            *args, **kwargs: ``ModelParallelStrategy``'s (``data_parallel_size``,
-                ``tensor_parallel_size``, ``process_group_backend``, ``timeout``).
-            checkpoint_io: how to reach the daemon, e.g.
-                ``CkptdCheckpointIO(run_dir=..., max_inflight=2)`` (or pass it
-                in ``Trainer(plugins=[...])``). Its rank and world size come
-                from torch.distributed: every rank saves its own shard.
+    Mixed in before a Lightning strategy whose ``lightning_module_state_dict``
+    and ``optimizer_state`` give DTensors; ``self.model``, ``self.optimizers``
+    and ``self.broadcast`` are the strategy's.
+    """
 
-        ``save_distributed_checkpoint=False`` is refused: it gathers the whole
-        model on rank 0, which is what this strategy exists to avoid, and
-        ``ckptd.load(path)`` already gives the whole state from a sharded
-        checkpoint.
-        """
-        if kwargs.get("save_distributed_checkpoint", True) is not True:
-            raise ValueError("CkptdModelParallelStrategy saves sharded checkpoints only; drop "
-                             "save_distributed_checkpoint=False (ckptd.load(path) gives the full state of a sharded "
-                             "checkpoint in one process)")
-        super().__init__(*args, **kwargs)
-        self.checkpoint_io = checkpoint_io if checkpoint_io is not None else CkptdCheckpointIO()
+    _checkpoint_io: Any
+    model: Any
+    optimizers: list[Optimizer]
+    lightning_module: Any
+    broadcast: Any
 
     @property
     def checkpoint_io(self) -> CkptdCheckpointIO:
@@ -159,6 +151,7 @@ class CkptdModelParallelStrategy(ModelParallelStrategy):
 
         ``ModelParallelStrategy.teardown`` never tears its ``CheckpointIO`` down;
         a rank that exited first would leave the other ranks' commit waiting.
+        (A second teardown, as ``FSDPStrategy``'s own, finds nothing to do.)
         A save that failed in the background is raised here.
         """
         try:
@@ -166,3 +159,73 @@ class CkptdModelParallelStrategy(ModelParallelStrategy):
         finally:
             super().teardown()
 
+
+class CkptdModelParallelStrategy(CkptdShardedCheckpoints, ModelParallelStrategy):
+    """``ModelParallelStrategy`` whose sharded checkpoints are asynchronous ckptd saves."""
+
+    def __init__(self, *args: Any, checkpoint_io: CkptdCheckpointIO | None = None, **kwargs: Any) -> None:
+        """
+        Args:
+            *args, **kwargs: ``ModelParallelStrategy``'s (``data_parallel_size``,
+                ``tensor_parallel_size``, ``process_group_backend``, ``timeout``).
+            checkpoint_io: how to reach the daemon, e.g.
+                ``CkptdCheckpointIO(run_dir=..., max_inflight=2)`` (or pass it
+                in ``Trainer(plugins=[...])``). Its rank and world size come
+                from torch.distributed: every rank saves its own shard.
+
+        ``save_distributed_checkpoint=False`` is refused: it gathers the whole
+        model on rank 0, which is what this strategy exists to avoid, and
+        ``ckptd.load(path)`` already gives the whole state from a sharded
+        checkpoint.
+        """
+        if kwargs.get("save_distributed_checkpoint", True) is not True:
+            raise ValueError("CkptdModelParallelStrategy saves sharded checkpoints only; drop "
+                             "save_distributed_checkpoint=False (ckptd.load(path) gives the full state of a sharded "
+                             "checkpoint in one process)")
+        super().__init__(*args, **kwargs)
+        self.checkpoint_io = checkpoint_io if checkpoint_io is not None else CkptdCheckpointIO()
+
+
+class CkptdFSDPStrategy(CkptdShardedCheckpoints, FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` (FSDP1) whose checkpoints are asynchronous sharded ckptd saves.
+
+    FSDP1 gives DTensor state dicts only when it wraps the model with a
+    device mesh (else ``ShardedTensor``s, which ckptd does not save), so a
+    one-dimensional mesh over every rank is made when none is given; with
+    ``FULL_SHARD`` that shards exactly as FSDP's default process group does.
+    Lightning allows ``FSDPStrategy`` only on GPUs.
+    """
+
+    def __init__(self, *args: Any, checkpoint_io: CkptdCheckpointIO | None = None, **kwargs: Any) -> None:
+        """
+        Args:
+            *args, **kwargs: ``FSDPStrategy``'s.
+            checkpoint_io: as for ``CkptdModelParallelStrategy``.
+
+        ``state_dict_type`` is ``"sharded"``; ``"full"`` is refused (it gathers
+        the model on rank 0, and ``ckptd.load(path)`` gives the full state of
+        a sharded checkpoint anyway).
+        """
+        if kwargs.setdefault("state_dict_type", "sharded") != "sharded":
+            raise ValueError("CkptdFSDPStrategy saves sharded checkpoints only; drop state_dict_type="
+                             f"{kwargs['state_dict_type']!r} (ckptd.load(path) gives the full state of a sharded "
+                             "checkpoint in one process)")
+        super().__init__(*args, **kwargs)
+        self.checkpoint_io = checkpoint_io if checkpoint_io is not None else CkptdCheckpointIO()
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.kwargs.get("device_mesh") is None:
+            self.kwargs["device_mesh"] = init_device_mesh(self.root_device.type, (self.world_size,))
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's sharded state: DTensors (FSDP1 wrapped with a mesh), on the CPU."""
+        assert self.model is not None
+        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=True))
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's sharded state, keyed by parameter name as ``load_checkpoint`` restores it."""
+        assert self.model is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(cpu_offload=True))
