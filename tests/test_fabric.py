@@ -124,3 +124,7 @@ def test_the_sharded_strategy_refuses_what_it_cannot_save(tmp_path: Path) -> Non
         strategy.save_checkpoint(tmp_path / "c", {"model": nn.Linear(1, 1)})  # not sharded: never set up
     with pytest.raises(ValueError, match="needs state="):
         strategy.load_checkpoint(tmp_path / "c", nn.Linear(1, 1))
+    io = CkptdCheckpointIO(run_dir=tmp_path)  # a plugin configures the strategy's saves: every rank saves its shard
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=CkptdFabricModelParallelStrategy(lambda m, mesh: m),
+                    plugins=[io])
+    assert fabric.strategy.checkpoint_io is io and io._client_kwargs["rank"] is None

@@ -89,6 +89,13 @@ def test_the_strategy_refuses_what_would_gather_or_save_elsewhere(tmp_path: Path
     assert strategy.checkpoint_io._client_kwargs["rank"] is None  # every rank saves its shard
     with pytest.raises(TypeError, match="not a TorchCheckpointIO"):
         strategy.checkpoint_io = L.pytorch.plugins.TorchCheckpointIO()
+    io = CkptdCheckpointIO(run_dir=tmp_path, spawn=False)  # a plugin configures the strategy's saves
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=CkptdModelParallelStrategy(), plugins=[io],
+                        logger=False)
+    assert trainer.strategy.checkpoint_io is io and io._client_kwargs["world_size"] is None
+    with pytest.raises(TypeError, match="not a TorchCheckpointIO"):
+        L.Trainer(accelerator="cpu", devices=1, strategy=CkptdModelParallelStrategy(),
+                  plugins=[L.pytorch.plugins.TorchCheckpointIO()], logger=False)
     with pytest.raises(ValueError, match="takes no rank/world_size"):
         CkptdModelParallelStrategy(checkpoint_io=CkptdCheckpointIO(run_dir=tmp_path, rank=0, world_size=1))
 

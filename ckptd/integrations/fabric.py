@@ -71,11 +71,14 @@ class CkptdFabricModelParallelStrategy(ModelParallelStrategy):
                              "save_distributed_checkpoint=False (ckptd.load(path) gives the full state of a sharded "
                              "checkpoint in one process)")
         super().__init__(parallelize_fn, *args, **kwargs)
-        self.checkpoint_io = checkpoint_io if checkpoint_io is not None else CkptdCheckpointIO()
+        if checkpoint_io is not None:  # else one from Trainer/Fabric(plugins=[...]), or the default
+            self.checkpoint_io = checkpoint_io
 
     @property
     def checkpoint_io(self) -> CkptdCheckpointIO:
         """The plugin that reaches the daemon."""
+        if self._checkpoint_io is None:
+            self.checkpoint_io = CkptdCheckpointIO()
         assert isinstance(self._checkpoint_io, CkptdCheckpointIO)
         return self._checkpoint_io
 

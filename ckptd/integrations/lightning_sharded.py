@@ -113,6 +113,8 @@ class CkptdShardedCheckpoints:
     @property
     def checkpoint_io(self) -> CkptdCheckpointIO:
         """The plugin that reaches the daemon; also what ``ModelCheckpoint`` removes checkpoints through."""
+        if self._checkpoint_io is None:
+            self.checkpoint_io = CkptdCheckpointIO()
         assert isinstance(self._checkpoint_io, CkptdCheckpointIO)
         return self._checkpoint_io
 
@@ -183,7 +185,8 @@ class CkptdModelParallelStrategy(CkptdShardedCheckpoints, ModelParallelStrategy)
                              "save_distributed_checkpoint=False (ckptd.load(path) gives the full state of a sharded "
                              "checkpoint in one process)")
         super().__init__(*args, **kwargs)
-        self.checkpoint_io = checkpoint_io if checkpoint_io is not None else CkptdCheckpointIO()
+        if checkpoint_io is not None:  # else one from Trainer/Fabric(plugins=[...]), or the default
+            self.checkpoint_io = checkpoint_io
 
 
 class CkptdFSDPStrategy(CkptdShardedCheckpoints, FSDPStrategy):
@@ -211,7 +214,8 @@ class CkptdFSDPStrategy(CkptdShardedCheckpoints, FSDPStrategy):
                              f"{kwargs['state_dict_type']!r} (ckptd.load(path) gives the full state of a sharded "
                              "checkpoint in one process)")
         super().__init__(*args, **kwargs)
-        self.checkpoint_io = checkpoint_io if checkpoint_io is not None else CkptdCheckpointIO()
+        if checkpoint_io is not None:  # else one from Trainer/Fabric(plugins=[...]), or the default
+            self.checkpoint_io = checkpoint_io
 
     def setup_environment(self) -> None:
         super().setup_environment()
