@@ -74,13 +74,15 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", type=Path, required=True)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--resume", action="store_true", help="continue from last.ckpt")
+    parser.add_argument("--data-parallel", type=int, help="ranks FSDP2 shards over (default: every rank)")
     args = parser.parse_args()
     torch.manual_seed(0)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = L.Trainer(
         accelerator="cpu", devices=world, max_epochs=args.epochs,
         # the line that switches sharded checkpoints to ckptd (else ModelParallelStrategy(...))
-        strategy=CkptdModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+        strategy=CkptdModelParallelStrategy(data_parallel_size=args.data_parallel or world,
+                                            tensor_parallel_size=world // (args.data_parallel or world)),
         callbacks=[ModelCheckpoint(dirpath=args.ckpt_dir, monitor="score", save_top_k=2, save_last=True)],
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(Regressor(), loader(), loader(), ckpt_path="last" if args.resume else None)

@@ -82,6 +82,20 @@ def test_trainer_saves_sharded_top_k_and_last_and_resumes_on_three_ranks(daemon,
     assert not [p for p in root.rglob("*") if p.name.endswith(".incomplete")]
 
 
+@pytest.mark.timeout(300)
+def test_a_model_sharded_over_some_ranks_only_is_refused_when_saved(daemon, root: Path) -> None:
+    """Lightning's default mesh on one node is 1 x world (tensor-parallel); FSDP2 over its data-parallel axis
+    alone leaves every rank with the same chunks: refused at the first save, naming the tensor and the fix."""
+    env = dict(os.environ, CKPTD_RUN_DIR=str(daemon.run_dir), OMP_NUM_THREADS="1")
+    out = run_module("torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(EXAMPLE),
+                     "--ckpt-dir", str(root / "lit"), "--epochs", "1", "--data-parallel", "1",
+                     env=env, cwd=str(REPO), timeout=240)
+    assert out.returncode != 0
+    assert ("ValueError: state_dict['net.0.weight'] is sharded over 1 of the 2 ranks" in out.stderr
+            and "data_parallel_size=<world size>" in out.stderr), out.stderr[-6000:]
+    assert not (root / "lit").exists() or not [p for p in (root / "lit").iterdir() if not p.name.endswith("incomplete")]
+
+
 def test_the_strategy_refuses_what_would_gather_or_save_elsewhere(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="save_distributed_checkpoint=False"):
         CkptdModelParallelStrategy(save_distributed_checkpoint=False)
