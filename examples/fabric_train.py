@@ -30,15 +30,16 @@ from ckptd.integrations.fabric import CkptdCheckpointIO, CkptdFabricModelParalle
 
 
 def shard(model: nn.Module, mesh) -> nn.Module:
-    """FSDP2 over the data-parallel ranks: Fabric calls this when it sets the model up."""
+    """FSDP2 over the data-parallel ranks (all of them here): Fabric calls this when it sets the model up."""
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh["data_parallel"])
     return fully_shard(model, mesh=mesh["data_parallel"])
 
 
-def make_fabric(strategy: str, world: int) -> Fabric:
+def make_fabric(strategy: str, world: int, data_parallel: int) -> Fabric:
     if strategy == "fsdp":
-        sharded = CkptdFabricModelParallelStrategy(shard, data_parallel_size=world, tensor_parallel_size=1)
+        sharded = CkptdFabricModelParallelStrategy(shard, data_parallel_size=data_parallel,
+                                                   tensor_parallel_size=world // data_parallel)
         return Fabric(accelerator="cpu", devices=world, strategy=sharded)
     return Fabric(accelerator="cpu", devices=world, strategy=strategy, plugins=[CkptdCheckpointIO()])
 
@@ -54,9 +55,10 @@ def main() -> None:
     parser.add_argument("--strategy", choices=["auto", "ddp", "fsdp"], default="auto")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save-every", type=int, default=3)
+    parser.add_argument("--data-parallel", type=int, help="ranks FSDP2 shards over (default: every rank)")
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    fabric = make_fabric(args.strategy, world)
+    fabric = make_fabric(args.strategy, world, args.data_parallel or world)
     fabric.launch()
     fabric.seed_everything(0)
     model = fabric.setup(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)))

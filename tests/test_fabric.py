@@ -114,6 +114,17 @@ def test_fabric_on_two_ranks_saves_and_resumes_on_three(daemon, root: Path, stra
     assert not [p for p in root.rglob("*") if p.name.endswith(".incomplete")]
 
 
+@pytest.mark.timeout(300)
+def test_fabric_refuses_a_model_sharded_over_some_ranks_only(daemon, root: Path) -> None:
+    """FSDP2 over a data-parallel axis of 1 of 2 ranks: both ranks hold the same chunks; refused at fabric.save."""
+    env = dict(os.environ, CKPTD_RUN_DIR=str(daemon.run_dir), OMP_NUM_THREADS="1")
+    out = run_module("torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(EXAMPLE),
+                     "--ckpt-dir", str(root / "fsdp"), "--strategy", "fsdp", "--data-parallel", "1",
+                     env=env, cwd=str(REPO), timeout=240)
+    assert out.returncode != 0
+    assert "ValueError: state['model']['0.weight'] is sharded over 1 of the 2 ranks" in out.stderr, out.stderr[-6000:]
+
+
 def test_the_sharded_strategy_refuses_what_it_cannot_save(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="save_distributed_checkpoint=False"):
         CkptdFabricModelParallelStrategy(lambda m, mesh: m, save_distributed_checkpoint=False)

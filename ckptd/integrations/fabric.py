@@ -36,7 +36,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from .lightning import CkptdCheckpointIO
-from .lightning_sharded import restore_module, restore_optimizers
+from .lightning_sharded import check_sharded_over_every_rank, restore_module, restore_optimizers
 
 __all__ = ["CkptdCheckpointIO", "CkptdFabricModelParallelStrategy"]
 
@@ -99,7 +99,7 @@ class CkptdFabricModelParallelStrategy(ModelParallelStrategy):
         if filter is not None:
             raise ValueError(f"{type(self).__name__} saves whole sharded states: filter= is not supported (a "
                              "filtered sharded checkpoint could not be loaded back)")
-        _, module = _sharded_module(state, "saving")
+        module_key, module = _sharded_module(state, "saving")
         options = StateDictOptions(cpu_offload=True)
         converted: dict[str, Any] = {}
         for key, obj in state.items():
@@ -109,6 +109,7 @@ class CkptdFabricModelParallelStrategy(ModelParallelStrategy):
                 converted[key] = get_optimizer_state_dict(module, obj, options=options)
             else:
                 converted[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
+        check_sharded_over_every_rank(converted[module_key], self.world_size, f"state[{module_key!r}]")
         self.checkpoint_io.save_checkpoint(converted, self.broadcast(path))
 
     def load_checkpoint(self, path: str | os.PathLike, state: Any = None, strict: bool = True,

@@ -71,7 +71,7 @@ SHARDED_KEYS = ("state_dict", "optimizer_states")
 """Lightning's checkpoint entries that hold DTensors: restored in place, never read whole."""
 
 
-def check_sharded_over_every_rank(state: dict[str, Any], world_size: int) -> None:
+def check_sharded_over_every_rank(state: dict[str, Any], world_size: int, where: str) -> None:
     """Refuse a model whose DTensors live on a sub-mesh: every rank outside it holds the same chunks.
 
     ckptd would refuse those duplicate chunks only at commit, in the
@@ -80,7 +80,7 @@ def check_sharded_over_every_rank(state: dict[str, Any], world_size: int) -> Non
     for key, value in state.items():
         if isinstance(value, DTensor) and value.device_mesh.size() != world_size:
             raise ValueError(
-                f"state_dict[{key!r}] is sharded over {value.device_mesh.size()} of the {world_size} ranks, so the "
+                f"{where}[{key!r}] is sharded over {value.device_mesh.size()} of the {world_size} ranks, so the "
                 "other ranks hold copies of the same chunks, which a ckptd checkpoint cannot take. Shard the model "
                 "over every rank (without tensor parallelism: data_parallel_size=<world size>, "
                 "tensor_parallel_size=1)")
@@ -148,7 +148,7 @@ class CkptdShardedCheckpoints:
         """Every rank stages its shard of ``checkpoint`` for ``filepath``; returns once staged."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options; got {storage_options!r}")
-        check_sharded_over_every_rank(checkpoint.get("state_dict", {}), self.world_size)
+        check_sharded_over_every_rank(checkpoint.get("state_dict", {}), self.world_size, "state_dict")
         path = self.broadcast(filepath)  # rank 0's name: every rank saves its shard of one checkpoint
         self.checkpoint_io.save_checkpoint(checkpoint, path)
 
