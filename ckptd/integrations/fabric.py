@@ -109,7 +109,7 @@ class CkptdFabricModelParallelStrategy(ModelParallelStrategy):
                 converted[key] = get_optimizer_state_dict(module, obj, options=options)
             else:
                 converted[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
-        check_sharded_over_every_rank(converted[module_key], self.world_size, f"state[{module_key!r}]")
+        check_sharded_over_every_rank(converted[module_key], f"state[{module_key!r}]")
         self.checkpoint_io.save_checkpoint(converted, self.broadcast(path))
 
     def load_checkpoint(self, path: str | os.PathLike, state: Any = None, strict: bool = True,
@@ -125,7 +125,7 @@ class CkptdFabricModelParallelStrategy(ModelParallelStrategy):
         module_key, module = _sharded_module(state, "loading")
         optimizers = {k: o for k, o in state.items() if isinstance(o, Optimizer)}
         io = self.checkpoint_io
-        rest = io.load_checkpoint(path, exclude=(module_key, *optimizers))  # waits for a save in flight first
+        rest = io.load_checkpoint(path, rank=0, exclude=(module_key, *optimizers))  # waits for a save in flight first
         requested = [k for k in state if k != module_key and k not in optimizers]
         missing = [k for k in requested if k not in rest]
         if strict and missing:

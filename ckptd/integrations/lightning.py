@@ -380,12 +380,14 @@ class CkptdCheckpointIO(CheckpointIO):
             self._unreported.append((key, fut))
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: MapLocation = None,
-                        weights_only: bool | None = None, *, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+                        weights_only: bool | None = None, *, rank: int | None = None,
+                        exclude: tuple[str, ...] = ()) -> dict[str, Any]:
         """The checkpoint dict saved at ``path``, after any save in flight to it commits.
 
-        The dict is rank 0's, as Lightning's sharded strategies keep rank 0's
-        metadata; ``exclude`` leaves top-level keys out unread (what a sharded
-        strategy restores in place with ``ckptd.load_into`` instead).
+        ``rank`` and ``exclude`` are for the sharded strategies (see
+        ``ckptd.load``): they read rank 0's dict, as Lightning keeps rank 0's
+        metadata, without the keys they restore in place with
+        ``ckptd.load_into``.
 
         ``weights_only`` is accepted for Lightning's signature and has nothing
         to do: ckptd never unpickles, so every load is as safe as
@@ -402,7 +404,7 @@ class CkptdCheckpointIO(CheckpointIO):
         device = map_location if isinstance(map_location, (str, torch.device)) else None
         if isinstance(map_location, int):
             device = torch.device(map_location)  # as torch.load reads an int: that accelerator index
-        checkpoint = load(path, rank=0, map_location=device, run_dir=self.run_dir, exclude=exclude)
+        checkpoint = load(path, rank=rank, map_location=device, run_dir=self.run_dir, exclude=exclude)
         if not isinstance(checkpoint, dict):
             raise InvalidCheckpoint(f"{path} holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict")
         _restore_hparams_types(checkpoint)

@@ -49,6 +49,7 @@ except ImportError:
             "ckptd.integrations.lightning_sharded needs Lightning 2.4 or newer: pip install 'ckptd[lightning]'"
         ) from exc
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -71,12 +72,14 @@ SHARDED_KEYS = ("state_dict", "optimizer_states")
 """Lightning's checkpoint entries that hold DTensors: restored in place, never read whole."""
 
 
-def check_sharded_over_every_rank(state: dict[str, Any], world_size: int, where: str) -> None:
+def check_sharded_over_every_rank(state: dict[str, Any], where: str) -> None:
     """Refuse a model whose DTensors live on a sub-mesh: every rank outside it holds the same chunks.
 
     ckptd would refuse those duplicate chunks only at commit, in the
-    background; this names the cause while the save is being made.
+    background; this names the cause while the save is being made. The
+    ranks that save are torch.distributed's, as the ckptd client's are.
     """
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
     for key, value in state.items():
         if isinstance(value, DTensor) and value.device_mesh.size() != world_size:
             raise ValueError(
@@ -148,7 +151,7 @@ class CkptdShardedCheckpoints:
         """Every rank stages its shard of ``checkpoint`` for ``filepath``; returns once staged."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options; got {storage_options!r}")
-        check_sharded_over_every_rank(checkpoint.get("state_dict", {}), self.world_size, "state_dict")
+        check_sharded_over_every_rank(checkpoint.get("state_dict", {}), "state_dict")
         path = self.broadcast(filepath)  # rank 0's name: every rank saves its shard of one checkpoint
         self.checkpoint_io.save_checkpoint(checkpoint, path)
 
@@ -160,7 +163,7 @@ class CkptdShardedCheckpoints:
         path = self.broadcast(checkpoint_path)
         assert self.model is not None and self.lightning_module is not None
         io = self.checkpoint_io
-        rest = io.load_checkpoint(path, exclude=SHARDED_KEYS)  # waits for a save in flight to path first
+        rest = io.load_checkpoint(path, rank=0, exclude=SHARDED_KEYS)  # waits for a save in flight to path first
         restore_module(self.model, path, "state_dict", strict=self.lightning_module.strict_loading, run_dir=io.run_dir)
         restore_optimizers(self.model, self.optimizers, path, "optimizer_states", run_dir=io.run_dir)
         return rest
