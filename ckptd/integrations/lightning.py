@@ -20,7 +20,9 @@ paths (``fit(ckpt_path="s3://...")``).
 Ranks. Lightning's strategies that use a ``CheckpointIO`` (single device,
 DDP) hand it one full checkpoint on global rank 0 only, so the plugin's client
 is rank 0 of a world of 1 unless ``rank``/``world_size`` are given: a
-checkpoint has one shard, and every rank can load it.
+checkpoint has one shard, and every rank can load it. Lightning's sharded
+strategies never ask a ``CheckpointIO``; ``ckptd.integrations.lightning_sharded``
+has ckptd versions of them, which save through this plugin on every rank.
 
 What the checkpoint may hold. ckptd stores tensors and plain values and never
 pickles. Lightning's own entries (``epoch``, ``global_step``,
