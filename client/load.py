@@ -41,7 +41,7 @@ from .lease import load_lease
 from .ranks import detect_ranks
 from .memory import HeldFiles, open_checkpoint
 from .prefault import STEP as READ_STEP, Prefault
-from .reshard import MAX_READ, ChunkFiles, bytes_of, read_full
+from .reshard import MAX_READ, ChunkFiles, GlobalRef, bytes_of, read_full
 from .verified import identity, is_verified, remember
 
 MapLocation = str | torch.device | None
@@ -56,6 +56,7 @@ def load(
     mmap: bool = False,
     max_concurrent_per_node: int | None = None,
     run_dir: str | os.PathLike | None = None,
+    exclude: tuple[str, ...] = (),
 ) -> Any:
     """The state saved by ``rank`` at ``path`` (``rank="all"``: a list, one per rank).
 
@@ -77,9 +78,15 @@ def load(
             most this many ranks load at once (None: the daemon's default,
             if a daemon runs and has one).
         run_dir: the daemon to ask for the lease.
+        exclude: top-level keys of a saved dict to leave out. Their global
+            tensors are never assembled: a rank that restores the sharded
+            part with ``ckptd.load_into`` reads the rest this way without
+            holding a whole copy of the model.
     """
     path = Path(check_path("path", path))
     rank = check_load_rank(rank, allow_all=True)
+    if not isinstance(exclude, (tuple, list)) or not all(isinstance(k, str) for k in exclude):
+        raise TypeError(f"exclude must be a tuple of top-level key names, got {exclude!r}")
     check_bool("verify", verify)
     check_bool("mmap", mmap)
     limit = check_limit(max_concurrent_per_node)
@@ -94,14 +101,34 @@ def load(
                 assembled[name] = read_full(files, files.ref(name), device)
             return assembled[name]
 
+        def state_of(r: int) -> Any:
+            if not exclude:
+                return load_rank(files, r, device, full_tensor, mmap=mmap)
+            state = load_rank(files, r, device, files.ref, mmap=mmap)  # global tensors as references for now
+            if not isinstance(state, dict):
+                raise TypeError(f"exclude names top-level keys, but rank {r} of {display(path)} saved a "
+                                f"{type(state).__name__}, not a dict")
+            return _assemble({k: v for k, v in state.items() if k not in exclude}, full_tensor)
+
         with load_lease(limit, run_dir=run_dir):
             if rank == "all":
-                return [load_rank(files, r, device, full_tensor, mmap=mmap) for r in range(index.world_size)]
+                return [state_of(r) for r in range(index.world_size)]
             if rank is None:
                 rank = _own_rank(path, index)
-            return load_rank(files, rank, device, full_tensor, mmap=mmap)
+            return state_of(rank)
     finally:
         files.close()  # a held snapshot's reader lease ends
+
+
+def _assemble(obj: Any, full_tensor: Callable[[str], torch.Tensor]) -> Any:
+    """``obj`` with each global tensor reference replaced by the whole tensor."""
+    if isinstance(obj, GlobalRef):
+        return full_tensor(obj.name)
+    if isinstance(obj, dict):
+        return {k: _assemble(v, full_tensor) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_assemble(v, full_tensor) for v in obj)
+    return obj
 
 
 def _own_rank(path: Path, index: CheckpointIndex) -> int:

@@ -20,7 +20,9 @@ paths (``fit(ckpt_path="s3://...")``).
 Ranks. Lightning's strategies that use a ``CheckpointIO`` (single device,
 DDP) hand it one full checkpoint on global rank 0 only, so the plugin's client
 is rank 0 of a world of 1 unless ``rank``/``world_size`` are given: a
-checkpoint has one shard, and every rank can load it.
+checkpoint has one shard, and every rank can load it. Lightning's sharded
+strategies never ask a ``CheckpointIO``; ``ckptd.integrations.lightning_sharded``
+has ckptd versions of them, which save through this plugin on every rank.
 
 What the checkpoint may hold. ckptd stores tensors and plain values and never
 pickles. Lightning's own entries (``epoch``, ``global_step``,
@@ -65,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import enum
 import inspect
 import logging
@@ -275,6 +278,7 @@ class CkptdCheckpointIO(CheckpointIO):
                              "decides which checkpoints to remove, and ckptd's retention would fight it")
         kwargs: dict[str, Any] = dict(run_dir=run_dir, spawn=spawn, max_inflight=max_inflight,
                                       background_staging=background_staging, **client_kwargs)
+        self._ranks_given = "rank" in kwargs or "world_size" in kwargs
         kwargs.setdefault("rank", 0)
         kwargs.setdefault("world_size", 1)
         inspect.signature(Client).bind(**kwargs)  # a misspelt option fails here, not at the first save
@@ -294,6 +298,45 @@ class CkptdCheckpointIO(CheckpointIO):
             if self._client is None:
                 self._client = Client(**self._client_kwargs)
             return self._client
+
+    @property
+    def run_dir(self) -> str | os.PathLike | None:
+        """The daemon's run directory this plugin saves and loads through (None: the default)."""
+        return self._client_kwargs["run_dir"]
+
+    def wait(self, path: str | os.PathLike | None = None) -> None:
+        """Wait until the save in flight to ``path`` (None: every save) is committed; raise if it failed.
+
+        Saves are asynchronous: where another process reads a checkpoint
+        this one has just saved (Fabric's ``fabric.save`` on rank 0, then
+        ``fabric.load`` on every rank), call this on the saving rank, then
+        ``fabric.barrier()``.
+        """
+        if path is None:
+            self._raise_failed(wait=True)
+            return
+        key = self._key(path)
+        failed = self._wait_for(key)
+        if failed is not None:
+            with self._lock:  # raised now, so not again by the next save
+                self._unreported = [(k, f) for k, f in self._unreported if k != key]
+            raise failed
+
+    def save_every_rank(self) -> None:
+        """Make every rank save its own shard of each checkpoint (what a sharded strategy needs).
+
+        The client then takes its rank and world size from torch.distributed
+        instead of being rank 0 of 1. Called by the sharded strategies on the
+        plugin they are given, before its first save.
+        """
+        if self._ranks_given and (self._client_kwargs["rank"], self._client_kwargs["world_size"]) != (None, None):
+            raise ValueError("a CkptdCheckpointIO for a sharded strategy takes no rank/world_size: every rank saves "
+                             "its own shard, with its rank from torch.distributed")
+        with self._lock:
+            if self._client is not None:
+                raise RuntimeError("this CkptdCheckpointIO has saved as one rank already; give the sharded strategy "
+                                   "a new one")
+            self._client_kwargs["rank"] = self._client_kwargs["world_size"] = None
 
     @staticmethod
     def _key(path: str | os.PathLike) -> str:
@@ -318,8 +361,9 @@ class CkptdCheckpointIO(CheckpointIO):
             raise TypeError(f"{type(self).__name__} takes no storage_options; got {storage_options!r}")
         self._raise_failed(wait=False)
         if not is_object_path(path):
-            if os.path.islink(path):
-                os.unlink(path)  # a save_last="link" link: the checkpoint replaces the link, never its target
+            if os.path.islink(path):  # a save_last="link" link: the checkpoint replaces the link, never its target
+                with contextlib.suppress(FileNotFoundError):  # every rank of a sharded save gets here
+                    os.unlink(path)
             os.makedirs(os.path.dirname(os.path.abspath(os.fspath(path))), exist_ok=True)
         key = self._key(path)
         self._wait_for(key)  # an earlier save to this path commits first; its failure is raised later
@@ -338,8 +382,14 @@ class CkptdCheckpointIO(CheckpointIO):
             self._unreported.append((key, fut))
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: MapLocation = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+                        weights_only: bool | None = None, *, rank: int | None = None,
+                        exclude: tuple[str, ...] = ()) -> dict[str, Any]:
         """The checkpoint dict saved at ``path``, after any save in flight to it commits.
+
+        ``rank`` and ``exclude`` are for the sharded strategies (see
+        ``ckptd.load``): they read rank 0's dict, as Lightning keeps rank 0's
+        metadata, without the keys they restore in place with
+        ``ckptd.load_into``.
 
         ``weights_only`` is accepted for Lightning's signature and has nothing
         to do: ckptd never unpickles, so every load is as safe as
@@ -350,18 +400,13 @@ class CkptdCheckpointIO(CheckpointIO):
         daemon that limits concurrent loads per node is the one asked.
         ``path`` may be an ``s3://`` URL.
         """
-        key = self._key(path)
-        failed = self._wait_for(key)
-        if failed is not None:
-            with self._lock:  # raised now, so not again by the next save
-                self._unreported = [(k, f) for k, f in self._unreported if k != key]
-            raise failed
+        self.wait(path)
         if not is_object_path(path) and not os.path.lexists(path):
             raise FileNotFoundError(f"Checkpoint not found: {path}")
         device = map_location if isinstance(map_location, (str, torch.device)) else None
         if isinstance(map_location, int):
             device = torch.device(map_location)  # as torch.load reads an int: that accelerator index
-        checkpoint = load(path, map_location=device, run_dir=self._client_kwargs["run_dir"])
+        checkpoint = load(path, rank=rank, map_location=device, run_dir=self.run_dir, exclude=exclude)
         if not isinstance(checkpoint, dict):
             raise InvalidCheckpoint(f"{path} holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict")
         _restore_hparams_types(checkpoint)
