@@ -236,7 +236,7 @@ class Saves:
         for ident, rid, rank in pending.waiting:
             self.send(ident, Done(rid, str(pending.path), pending.shards[rank].size, seconds))
         if self.mirrors is not None:
-            self.mirrors.submit(pending.path)
+            self.mirrors.submit(pending.path, pending.keep_last)
         keep = pending.keep_last or self.config.retention_for(pending.path)
         if keep is not None:
             self.retain(pending.path, keep)

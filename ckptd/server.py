@@ -232,9 +232,10 @@ class Server:
             if not self.state.pid_connected(pid):
                 self.workers.submit("maintenance", lambda pid=pid: self.state.slots.reclaim(pid))
 
-    def _after_upload(self, newest: Path) -> None:
-        """Local retention beside a checkpoint just mirrored (it may now delete what it had to keep)."""
-        keep = self.config.retention_for(newest)
+    def _after_upload(self, newest: Path, keep_last: int | None) -> None:
+        """Local retention beside a checkpoint just mirrored (it may now delete what it had to keep), with the
+        uploaded save's ``keep_last`` or the directory's ``--keep``."""
+        keep = keep_last or self.config.retention_for(newest)
         if keep is not None:
             self.workers.call_soon(lambda: self.saves.retain(newest, keep))
 
