@@ -22,6 +22,7 @@ import psutil
 
 from ckptd.protocol.endpoint import LOG_NAME, PID_NAME, SOCKET_NAME
 from ckptd.protocol.errors import CkptdError
+from ckptd.protocol.objects import check_bucket, display, is_object_path
 
 from .config import DaemonConfig
 from .control import probe
@@ -92,6 +93,7 @@ def run_foreground(config: DaemonConfig) -> None:
     if sock.exists():  # we hold the lock, so it is a dead daemon's socket
         sock.unlink()
     try:  # a start that fails (metrics port in use...) leaves no socket or pid file behind
+        check_stores(config)
         server = Server(config, load_storage(config.storage))
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.request_stop())
@@ -109,6 +111,20 @@ def run_foreground(config: DaemonConfig) -> None:
             except FileNotFoundError:
                 pass
         os.close(lock_fd)
+
+
+def check_stores(config: DaemonConfig) -> None:
+    """Refuse (ValueError) an ``s3://`` root or mirror target whose bucket does not exist: every save or upload
+    there would fail. An endpoint that does not answer now may come back: that is only logged."""
+    targets = [(f"--root {display(r)}", r) for r in config.roots if is_object_path(r)]
+    targets += [(f"--mirror {d}={display(r)}", r) for d, r in config.mirrors.items()]
+    for shown, target in targets:
+        try:
+            check_bucket(target)
+        except FileNotFoundError as exc:
+            raise ValueError(f"{shown}: {exc.strerror} (create it first, or name another)") from None
+        except OSError as exc:
+            log.warning("event=store_unchecked target=%s error=%s", display(target), exc.strerror or exc)
 
 
 def start_detached(argv: list[str], run_dir: Path, *, timeout: float = 30.0) -> int:
