@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import psutil
 
@@ -79,9 +79,17 @@ def setup_logging(run_dir: Path, *, to_stderr: bool) -> None:
         handlers.append(logging.StreamHandler(sys.stderr))
     for h in handlers:
         h.setFormatter(fmt)
+        h.addFilter(_object_urls)
         log.addHandler(h)
     log.setLevel(logging.INFO)
     log.propagate = False
+
+
+def _object_urls(record: logging.LogRecord) -> bool:
+    """Log an object's name as its URL (``s3://bucket/key``), as every message does, never as ``Path`` prints it."""
+    if isinstance(record.args, tuple):
+        record.args = tuple(display(a) if isinstance(a, PurePath) and is_object_path(a) else a for a in record.args)
+    return True
 
 
 def run_foreground(config: DaemonConfig) -> None:

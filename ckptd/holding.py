@@ -29,7 +29,7 @@ from typing import Callable
 
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed, RanksMissing, ShuttingDown, WriteFailed
 from ckptd.protocol.messages import Accepted, Done, Error, Held, Message, Persist, Snapshot, SnapshotList, Snapshots
-from ckptd.protocol.objects import is_object_path
+from ckptd.protocol.objects import display, is_object_path
 from ckptd.protocol.shm import slot_name
 
 from .admission import Examined, examine
@@ -147,7 +147,7 @@ class Holding:
     def fail_overdue(self) -> None:
         for snap in self.snapshots.overdue(time.monotonic()):
             missing = sorted(set(range(snap.world_size)) - set(snap.shards))
-            self.fail(snap, RanksMissing(f"snapshot {snap.path}: ranks {missing} of {snap.world_size} never "
+            self.fail(snap, RanksMissing(f"snapshot {display(snap.path)}: ranks {missing} of {snap.world_size} never "
                                          f"snapshotted within {snap.timeout:g} s; nothing was held"))
 
     def _release(self, shards: list[HeldShard], then: Callable[[], None] = lambda: None) -> None:

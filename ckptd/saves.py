@@ -266,7 +266,7 @@ class Saves:
             pending = self.state.commits.pending.get(final) or PendingCheckpoint(
                 final, 1, None, False, coordinated=True, state=CheckpointState.WRITING, owns_directory=True)
             if pending.state is not CheckpointState.FAILED:
-                self.fail(pending, RanksMissing(f"checkpoint {final} was aborted: {msg.reason}"))
+                self.fail(pending, RanksMissing(f"checkpoint {display(final)} was aborted: {msg.reason}"))
             self.send(ident, Ok(msg.id))
 
         self.resolve_then(ident, msg.id, msg.path, abort)

@@ -25,6 +25,7 @@ from ckptd.protocol.messages import (
     MAX_MESSAGE_BYTES, Abort, Bye, Commit, Error, Finalize, Granted, Hello, Lease, Message, Ok, Persist, Ping, Pong,
     Release, Snapshot, Snapshots, Staged, Status, StatusReply, Stop, Welcome, decode, request_id,
 )
+from ckptd.protocol.objects import display
 
 from .config import DaemonConfig
 from .holding import Holding
@@ -98,7 +99,7 @@ class Server:
         poller.register(self.workers.wake_fd, zmq.POLLIN)
         next_housekeeping = time.monotonic()
         log.info("event=start pid=%d endpoint=%s roots=%s", os.getpid(), self.config.endpoint,
-                 ",".join(map(str, self.config.roots)))
+                 ",".join(map(display, self.config.roots)))
         while True:
             events = dict(poller.poll(POLL_MS))
             if self.router in events:
