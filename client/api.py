@@ -16,7 +16,7 @@ from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.errors import Busy, InternalError, NoSpace
 from ckptd.protocol.layout import ShardLayout
 from ckptd.protocol.messages import Bye, Commit, Done, Held, Persist, Ping, Snapshot, Staged
-from ckptd.protocol.objects import is_object_path, object_url, user_path
+from ckptd.protocol.objects import absolute, user_path
 
 from .checks import check_bool, check_client_args, check_int, check_keep_last, check_path, check_seconds, check_step
 from .connection import Connection
@@ -183,7 +183,7 @@ class Client:
         if self._closed:
             raise RuntimeError("this ckptd client is closed")
         raw = check_path("path", path)
-        target = object_url(raw) if is_object_path(raw) else os.path.abspath(raw)
+        target = absolute(raw)
         step, keep_last = check_step(step), check_keep_last(keep_last)
         check_bool("overwrite", overwrite)
         check_bool("block", block)
@@ -368,7 +368,7 @@ class Client:
             pending = list(self._futures)
         concurrent.futures.wait(pending, timeout)
 
-    def persist(self, path: str | os.PathLike, *, timeout: float | None = None) -> Path:
+    def persist(self, path: str | os.PathLike, *, timeout: float | None = None) -> Path | str:
         """Write the memory snapshot ``path`` (held by this node's daemon) to disk; returns once it is committed.
 
         The daemon writes it from the memory it holds, exactly like a save
@@ -377,12 +377,13 @@ class Client:
         call it, right after ``save_async(..., persist=False)``: it waits for
         this client's snapshot of ``path`` to be held and for the snapshot to
         be complete, and a snapshot already persisted returns at once. Raises
-        ``InvalidCheckpoint`` if the daemon holds no snapshot there.
+        ``InvalidCheckpoint`` if the daemon holds no snapshot there. Returns the
+        checkpoint's name as ``SaveResult.path`` does (an object: its URL).
         """
         self._check_process()
         if self._closed:
             raise RuntimeError("this ckptd client is closed")
-        target = os.path.abspath(check_path("path", path))
+        target = absolute(check_path("path", path))
         wait = self.commit_timeout if timeout is None else check_seconds("timeout", timeout)
         deadline = time.monotonic() + wait
         with self._lock:
@@ -396,7 +397,7 @@ class Client:
         except TimeoutError:
             raise TimeoutError(f"persist({target!r}) was not committed to disk within {wait:g} s") from None
         assert isinstance(done, Done)
-        return Path(done.path)
+        return user_path(done.path)
 
     @property
     def slot_names(self) -> list[str]:

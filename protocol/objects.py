@@ -100,6 +100,20 @@ def user_path(path: Path | str) -> Path | str:
     return object_url(path) if is_object_path(path) else Path(path)
 
 
+def absolute(path: str | os.PathLike) -> str:
+    """A checkpoint name as a client sends it to the daemon (every call that takes a path or URL): an
+    object's ``s3://`` URL, or the absolute local path (the daemon resolves its links)."""
+    return object_url(path) if is_object_path(path) else os.path.abspath(path)
+
+
+def resolved(path: str | os.PathLike) -> str:
+    """A name as the daemon keys it, to compare with the names it reports: an object's ``s3://`` URL, or the
+    local path with its parent's links and ``..`` resolved."""
+    if is_object_path(path):
+        return object_url(path)
+    return os.path.join(os.path.realpath(os.path.dirname(os.fspath(path)) or "."), os.path.basename(path))
+
+
 def object_url(path: Path | str) -> str:
     """``s3://bucket/key`` for a name ``is_object_path`` accepts."""
     return "s3://" + "/".join(Path(path).parts[1:])

@@ -55,3 +55,20 @@ def test_every_message_and_listing_names_an_object_by_its_url(s3, bucket, daemon
     assert daemon.stop(60) == 0
     log = (run_dir / LOG_NAME).read_text()
     assert f"s3://{bucket}/run/step-1" in log and one_slash(log) == [], one_slash(log)
+
+
+def test_a_memory_snapshot_of_an_object_name_is_found_listed_loaded_and_persisted_by_its_url(
+        s3, bucket, daemon_factory, client_factory, run_dir) -> None:
+    daemon_factory("--root", f"s3://{bucket}")
+    client = client_factory()
+    prefix, url = f"s3://{bucket}/run", f"s3://{bucket}/run/step-5"
+    client.save_async(state(seed=5), url, step=5, persist=False).result(30)
+    assert keys(s3, bucket) == []  # held in memory only
+    assert ckptd.latest(prefix, run_dir=run_dir) == url
+    assert torch.equal(ckptd.load(url, run_dir=run_dir)["w"], state(seed=5)["w"])
+    listed = ckptd_cli("list", prefix, "--json", "--run-dir", str(run_dir))
+    assert listed.returncode == 0, listed
+    assert [(e["path"], e["state"]) for e in json.loads(listed.stdout)] == [(url, "memory")]
+    assert client.persist(url) == url
+    assert keys(s3, bucket, "run/step-5/") == ["run/step-5/ckptd.json", "run/step-5/rank-00000-of-00001.safetensors"]
+    assert ckptd.load(url)["step"] == 5  # from the bucket, no daemon asked
