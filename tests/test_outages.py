@@ -1,0 +1,44 @@
+"""Brief endpoint outages against a real daemon: the S3 server (moto, ``tests/s3server.py``) behind a TCP
+proxy the test cuts and restores (``tests/proxy.py``), so connections fail the way a restarting endpoint's do."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+from helpers import wait_until
+from proxy import TcpProxy
+from test_object_storage import bucket, keys, s3, state  # noqa: F401 - fixtures
+
+import ckptd
+from ckptd.protocol.endpoint import LOG_NAME
+
+
+@pytest.fixture
+def proxy(s3, bucket, monkeypatch):
+    """The endpoint as this process and the daemons it starts see it: through the proxy."""
+    with TcpProxy("127.0.0.1", s3.port) as p:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
+        yield p
+
+
+def test_a_stop_during_a_brief_outage_still_persists_a_memory_only_snapshot(proxy, bucket, daemon_factory,
+                                                                           client_factory, run_dir) -> None:
+    daemon = daemon_factory("--root", f"s3://{bucket}", "--drain-timeout", "60")
+    client = client_factory()
+    url = f"s3://{bucket}/run/step-5"
+    client.save_async(state(seed=5), url, step=5, persist=False).result(30)  # held in memory only
+    proxy.cut()
+    log = run_dir / LOG_NAME
+    try:
+        daemon.proc.send_signal(signal.SIGTERM)  # the drain persists the snapshot: its first write fails
+        wait_until(lambda: "event=persist_failed" in log.read_text(), timeout=60, what="a persist failed by the outage")
+        assert daemon.proc.poll() is None  # still draining
+    finally:
+        proxy.restore()
+    assert daemon.proc.wait(90) == 0
+    assert ckptd.latest(f"s3://{bucket}/run") == url  # persisted: not lost with the daemon's memory
+    loaded = ckptd.load(url)
+    assert loaded["step"] == 5 and torch.equal(loaded["w"], state(seed=5)["w"])
+    assert "event=persist_retry" in log.read_text()
