@@ -42,3 +42,28 @@ def test_a_stop_during_a_brief_outage_still_persists_a_memory_only_snapshot(prox
     loaded = ckptd.load(url)
     assert loaded["step"] == 5 and torch.equal(loaded["w"], state(seed=5)["w"])
     assert "event=persist_retry" in log.read_text()
+
+
+def test_what_a_failed_save_wrote_is_removed_once_the_endpoint_is_back(proxy, s3, bucket, daemon_factory,
+                                                                      client_factory, run_dir) -> None:
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    rank0 = client_factory(rank=0, world_size=2, commit_timeout=2.0)
+    url = f"s3://{bucket}/run/step-1"
+    fut = rank0.save_async(state(seed=1), url, step=1)
+    wait_until(lambda: "run/step-1/rank-00000-of-00002.safetensors" in keys(s3, bucket), what="rank 0's shard uploaded")
+    proxy.cut()  # rank 1 never commits; the removal after the timeout meets the outage
+    log = run_dir / LOG_NAME
+    try:
+        with pytest.raises(ckptd.RanksMissing):
+            fut.result(60)
+        wait_until(lambda: "event=discard_failed" in log.read_text(), timeout=60, what="the removal failed")
+        assert keys(s3, bucket, "run/")  # the shard and the owner marker are still there
+    finally:
+        proxy.restore()
+    wait_until(lambda: keys(s3, bucket, "run/") == [], timeout=60,
+               what=lambda: f"run/ emptied once the endpoint is back, holds {keys(s3, bucket, 'run/')}")
+    assert not s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
+    rank0.close()
+    client_factory().save_async(state(seed=2), url, step=2).result(30)  # the path is free again
+    assert ckptd.load(url)["step"] == 2
+    assert daemon.status()["daemon"]["pid"] == daemon.proc.pid
