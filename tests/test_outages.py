@@ -67,3 +67,18 @@ def test_what_a_failed_save_wrote_is_removed_once_the_endpoint_is_back(proxy, s3
     client_factory().save_async(state(seed=2), url, step=2).result(30)  # the path is free again
     assert ckptd.load(url)["step"] == 2
     assert daemon.status()["daemon"]["pid"] == daemon.proc.pid
+
+
+def test_a_daemon_killed_mid_save_leaves_nothing_in_the_bucket_after_the_next_start(s3, bucket, daemon_factory,
+                                                                                   client_factory) -> None:
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    rank0 = client_factory(rank=0, world_size=2)
+    rank0.save_async(state(seed=1), f"s3://{bucket}/run/step-1", step=1)
+    wait_until(lambda: "run/step-1/rank-00000-of-00002.safetensors" in keys(s3, bucket), what="rank 0's shard uploaded")
+    assert any(".ckptd-owner-" in k for k in keys(s3, bucket, "run/step-1/"))
+    daemon.proc.send_signal(signal.SIGKILL)
+    assert daemon.proc.wait(10) == -signal.SIGKILL  # the crash happened: nothing removed what the save wrote
+    assert keys(s3, bucket, "run/")
+    daemon_factory("--root", f"s3://{bucket}")  # its start-up sweep finds the dead daemon's attempt
+    wait_until(lambda: keys(s3, bucket, "run/") == [], timeout=60,
+               what=lambda: f"run/ emptied by the start-up sweep, holds {keys(s3, bucket, 'run/')}")
