@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path, PurePath
 
@@ -35,6 +36,8 @@ DRAIN_FAILED_NAME = "ckptd.drain-failed"
 """Written when a drain could not persist held snapshots (one line each): ``ckptd stop`` reports it."""
 LOG_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 3
+STORE_CHECK_S = 5.0
+"""How long a start waits for a store to say whether a bucket exists."""
 
 
 class AlreadyRunning(CkptdError):
@@ -127,12 +130,24 @@ def check_stores(config: DaemonConfig) -> None:
     targets = [(f"--root {display(r)}", r) for r in config.roots if is_object_path(r)]
     targets += [(f"--mirror {d}={display(r)}", r) for d, r in config.mirrors.items()]
     for shown, target in targets:
-        try:
-            check_bucket(target)
-        except FileNotFoundError as exc:
-            raise ValueError(f"{shown}: {exc.strerror} (create it first, or name another)") from None
-        except OSError as exc:
-            log.warning("event=store_unchecked target=%s error=%s", display(target), exc.strerror or exc)
+        outcome: list[BaseException | None] = []
+        ask = threading.Thread(target=lambda: outcome.append(_bucket_error(target)), name="ckptd-check", daemon=True)
+        ask.start()
+        ask.join(STORE_CHECK_S)  # a stalled endpoint must not hold up the start
+        error = outcome[0] if outcome else TimeoutError(f"no answer within {STORE_CHECK_S:g} s")
+        if isinstance(error, FileNotFoundError):
+            raise ValueError(f"{shown}: {error.strerror} (create it first, or name another)") from None
+        if error is not None:
+            log.warning("event=store_unchecked target=%s error=%s", display(target),
+                        getattr(error, "strerror", None) or error)
+
+
+def _bucket_error(target: Path) -> BaseException | None:
+    try:
+        check_bucket(target)
+    except Exception as exc:  # noqa: BLE001 - the caller decides what stops the start
+        return exc
+    return None
 
 
 def start_detached(argv: list[str], run_dir: Path, *, timeout: float = 30.0) -> int:

@@ -29,7 +29,7 @@ from typing import Callable
 
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed, RanksMissing, ShuttingDown, WriteFailed
 from ckptd.protocol.messages import Accepted, Done, Error, Held, Message, Persist, Snapshot, SnapshotList, Snapshots
-from ckptd.protocol.objects import display, is_object_path
+from ckptd.protocol.objects import display, is_object_path, is_permanent
 from ckptd.protocol.shm import slot_name
 
 from .admission import Examined, examine
@@ -266,7 +266,7 @@ class Holding:
         if error is not None:
             log.warning("event=persist_failed path=%s draining=%s error=%s", path, self.state.draining, error.message)
             self.state.stats.error(f"persisting snapshot {path} failed: {error.message}")
-            if self.state.draining and isinstance(error, WriteFailed) and self._retry_in_drain(snap):
+            if self.state.draining and _transient(error) and self._retry_in_drain(snap):
                 return  # its waiters are answered by the last attempt
             if self.state.draining:
                 self.drain_failures.append(f"{display(path)}: {error.message}")
@@ -338,6 +338,13 @@ def _examine(storage: Storage, slots: SlotMaps, msg: Snapshot, *, pid: int, root
         slots.release(examined.slot)
         raise PathNotAllowed(f"snapshot {examined.final} could never be persisted: {ancestor} is not a directory")
     return examined
+
+
+def _transient(error: CkptdError) -> bool:
+    """Whether a failed write may succeed if tried again: the storage's error behind it is not permanent."""
+    cause = error.__cause__ or error.__context__
+    return (isinstance(error, WriteFailed) and isinstance(cause, OSError) and not isinstance(cause, CkptdError)
+            and not is_permanent(cause))
 
 
 def _unlink(directory: Path, names: list[str]) -> None:

@@ -144,8 +144,9 @@ def test_a_permanently_failed_upload_is_shown_at_once_and_its_checkpoint_never_d
         s3, bucket, daemon_factory, client_factory, root) -> None:
     run = root / "run"
     run.mkdir()
-    missing = f"{bucket}-missing"
+    missing = bucket
     daemon = daemon_factory("--mirror", f"{run}=s3://{missing}/e", "--keep", f"{run}=1")
+    s3.client().delete_bucket(Bucket=missing)  # gone after the start (which checks it)
     client = client_factory()
     client.save_async(state(seed=1), run / "step-1", step=1).result(30)
     wait_until(lambda: daemon.status()["mirror"]["failed"] == 1, timeout=60, what="the upload failed for good")
@@ -199,7 +200,7 @@ def test_a_checkpoint_saved_again_is_never_deleted_locally_before_its_new_versio
     finally:
         s3.start()
     for step in (2, 3):  # the new version replaced the old one on the mirror
-        wait_until(lambda: ckptd.load(f"s3://{bucket}/mirror/step-{step}")["step"] == 10 + step, timeout=90,
+        wait_until(lambda: _value_at(f"s3://{bucket}/mirror/step-{step}", "step") == 10 + step, timeout=90,
                    what=lambda: f"the new step-{step} on the mirror (status: {daemon.status()['mirror']})")
         loaded = ckptd.load(f"s3://{bucket}/mirror/step-{step}")
         assert torch.equal(loaded["w"], state(seed=10 + step)["w"])
@@ -221,7 +222,7 @@ def test_the_lightning_plugin_s_last_ckpt_on_the_mirror_follows_each_save(
     try:
         for step in (1, 2, 3):  # ModelCheckpoint(save_last=True) saves last.ckpt again at each epoch
             io.save_checkpoint({"global_step": step, "w": torch.full((1000,), float(step))}, run / "last.ckpt")
-            wait_until(lambda: _step_at(url) == step, timeout=60,
+            wait_until(lambda: _value_at(url, "global_step") == step, timeout=60,
                        what=lambda: f"last.ckpt of step {step} on the mirror (status: {daemon.status()['mirror']})")
     finally:
         io.teardown()
@@ -230,9 +231,10 @@ def test_the_lightning_plugin_s_last_ckpt_on_the_mirror_follows_each_save(
     assert daemon.status()["mirror"]["failed"] == 0
 
 
-def _step_at(url: str) -> int | None:
+def _value_at(url: str, key: str) -> int | None:
+    """``key`` of the checkpoint at ``url``, or None while there is none (an upload replacing it)."""
     try:
-        return ckptd.load(url)["global_step"]
+        return ckptd.load(url)[key]
     except (FileNotFoundError, ckptd.InvalidCheckpoint):
         return None
 
