@@ -291,7 +291,7 @@ class Commits:
         for p in self.pending.values():
             if not p.coordinated and now - p.started_at > p.timeout and len(p.ranks_seen) < p.world_size:
                 out.append((p, RanksMissing(
-                    f"checkpoint {p.path}: ranks {p.missing} of {p.world_size} never committed within "
+                    f"checkpoint {display(p.path)}: ranks {p.missing} of {p.world_size} never committed within "
                     f"{p.timeout:g} s; nothing was committed")))
         return out
 

@@ -11,7 +11,7 @@ from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.layout import PAGE_SIZE
 from ckptd.protocol.shm import shm_usage
 
-from ckptd.protocol.objects import is_object_path, object_url
+from ckptd.protocol.objects import is_object_path, object_url, require_library
 
 from .storage import load_storage
 
@@ -152,6 +152,8 @@ class DaemonConfig:
             raise ValueError(f"--mirror names one directory twice: {sorted(map(str, self.mirrors))}")
         self.mirrors = mirrors
         _check_mirrors(self.mirrors, self.roots)
+        if any(is_object_path(p) for p in (*self.roots, *self.mirrors.values())):
+            require_library()  # before a start, not at every save
         if self.mirror_keep is not None and (self.mirror_keep < 1 or not self.mirrors):
             raise ValueError(f"mirror_keep must be at least 1 and needs a --mirror, got {self.mirror_keep}"
                              f"{'' if self.mirrors else ' without --mirror'}")

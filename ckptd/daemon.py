@@ -15,13 +15,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import psutil
 
 from ckptd.protocol.names import DRAIN_FAILED_NAME, ERR_NAME, LOG_NAME, PID_NAME, SOCKET_NAME
 from ckptd.protocol.errors import CkptdError
+from ckptd.protocol.objects import check_bucket, display, is_object_path
 
 from .config import DaemonConfig
 from .control import probe
@@ -32,6 +34,8 @@ log = logging.getLogger("ckptd")
 """Written when a drain could not persist held snapshots (one line each): ``ckptd stop`` reports it."""
 LOG_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 3
+STORE_CHECK_S = 5.0
+"""How long a start waits for a store to say whether a bucket exists."""
 
 
 class AlreadyRunning(CkptdError):
@@ -76,9 +80,17 @@ def setup_logging(run_dir: Path, *, to_stderr: bool) -> None:
         handlers.append(logging.StreamHandler(sys.stderr))
     for h in handlers:
         h.setFormatter(fmt)
+        h.addFilter(_object_urls)
         log.addHandler(h)
     log.setLevel(logging.INFO)
     log.propagate = False
+
+
+def _object_urls(record: logging.LogRecord) -> bool:
+    """Log an object's name as its URL (``s3://bucket/key``), as every message does, never as ``Path`` prints it."""
+    if isinstance(record.args, tuple):
+        record.args = tuple(display(a) if isinstance(a, PurePath) and is_object_path(a) else a for a in record.args)
+    return True
 
 
 def run_foreground(config: DaemonConfig) -> None:
@@ -90,6 +102,7 @@ def run_foreground(config: DaemonConfig) -> None:
     if sock.exists():  # we hold the lock, so it is a dead daemon's socket
         sock.unlink()
     try:  # a start that fails (metrics port in use...) leaves no socket or pid file behind
+        check_stores(config)
         server = Server(config, load_storage(config.storage))
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.request_stop())
@@ -107,6 +120,32 @@ def run_foreground(config: DaemonConfig) -> None:
             except FileNotFoundError:
                 pass
         os.close(lock_fd)
+
+
+def check_stores(config: DaemonConfig) -> None:
+    """Refuse (ValueError) an ``s3://`` root or mirror target whose bucket does not exist: every save or upload
+    there would fail. An endpoint that does not answer now may come back: that is only logged."""
+    targets = [(f"--root {display(r)}", r) for r in config.roots if is_object_path(r)]
+    targets += [(f"--mirror {d}={display(r)}", r) for d, r in config.mirrors.items()]
+    for shown, target in targets:
+        outcome: list[BaseException | None] = []
+        ask = threading.Thread(target=lambda: outcome.append(_bucket_error(target)), name="ckptd-check", daemon=True)
+        ask.start()
+        ask.join(STORE_CHECK_S)  # a stalled endpoint must not hold up the start
+        error = outcome[0] if outcome else TimeoutError(f"no answer within {STORE_CHECK_S:g} s")
+        if isinstance(error, FileNotFoundError):
+            raise ValueError(f"{shown}: {error.strerror} (create it first, or name another)") from None
+        if error is not None:
+            log.warning("event=store_unchecked target=%s error=%s", display(target),
+                        getattr(error, "strerror", None) or error)
+
+
+def _bucket_error(target: Path) -> BaseException | None:
+    try:
+        check_bucket(target)
+    except Exception as exc:  # noqa: BLE001 - the caller decides what stops the start
+        return exc
+    return None
 
 
 def start_detached(argv: list[str], run_dir: Path, *, timeout: float = 30.0) -> int:

@@ -33,7 +33,7 @@ from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed,
 from ckptd.protocol.messages import (
     Accepted, Done, Error, Held, Message, Ok, Persist, Pin, Snapshot, SnapshotList, Snapshots, Unpin,
 )
-from ckptd.protocol.objects import display, is_object_path
+from ckptd.protocol.objects import display, is_object_path, is_permanent
 from ckptd.protocol.shm import slot_name
 
 from .admission import Examined, examine
@@ -47,6 +47,8 @@ from .workers import Workers
 from .writer import Progress, checksum_when_staged
 
 log = logging.getLogger("ckptd")
+DRAIN_RETRY_S = 0.5
+"""A drain persists a snapshot again this long after a failed write, doubling, while its deadline allows."""
 Send = Callable[[bytes, Message], None]
 
 
@@ -62,6 +64,8 @@ class Holding:
         """Held slots' names: this daemon's pid and a number of its own."""
         self.drain_failures: list[str] = []
         """Snapshots the drain could not persist (path: why), for the log and ``ckptd stop``."""
+        self._drain_deadline: float | None = None
+        self._drain_attempts: dict[Path, int] = {}
 
     # -- holding ---------------------------------------------------------------
 
@@ -173,7 +177,7 @@ class Holding:
     def fail_overdue(self) -> None:
         for snap in self.snapshots.overdue(time.monotonic()):
             missing = sorted(set(range(snap.world_size)) - set(snap.shards))
-            self.fail(snap, RanksMissing(f"snapshot {snap.path}: ranks {missing} of {snap.world_size} never "
+            self.fail(snap, RanksMissing(f"snapshot {display(snap.path)}: ranks {missing} of {snap.world_size} never "
                                          f"snapshotted within {snap.timeout:g} s; nothing was held"))
 
     def _drop(self, snaps: list[HeldSnapshot], then: Callable[[], None] = lambda: None) -> None:
@@ -312,9 +316,28 @@ class Holding:
         if error is not None:
             log.warning("event=persist_failed path=%s draining=%s error=%s", path, self.state.draining, error.message)
             self.state.stats.error(f"persisting snapshot {path} failed: {error.message}")
+            if self.state.draining and _transient(error) and self._retry_in_drain(snap):
+                return  # its waiters are answered by the last attempt
             if self.state.draining:
-                self.drain_failures.append(f"{path}: {error.message}")
+                self.drain_failures.append(f"{display(path)}: {error.message}")
         self._answer_persists(snap, error)
+
+    def _retry_in_drain(self, snap: HeldSnapshot) -> bool:
+        """Persist ``snap`` again after a backoff if the drain's deadline allows (a write may fail for a moment:
+        an endpoint restarting); the wait runs on the maintenance pool, so the drain waits for it."""
+        attempt = self._drain_attempts.get(snap.path, 0) + 1
+        delay = DRAIN_RETRY_S * 2 ** (attempt - 1)
+        if self._drain_deadline is None or time.monotonic() + delay >= self._drain_deadline:
+            return False
+        self._drain_attempts[snap.path] = attempt
+        log.info("event=persist_retry path=%s attempt=%d in_s=%g", snap.path, attempt + 1, delay)
+
+        def again(_: Future) -> None:
+            if self.snapshots.held.get(snap.path) is snap and not snap.persisting and not snap.persisted:
+                self.start_persist(snap)
+
+        self.workers.submit("maintenance", lambda: time.sleep(delay), again)
+        return True
 
     def _answer_persists(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
         for ident, rid in snap.persist_waiting:
@@ -360,6 +383,7 @@ class Holding:
     def drain(self) -> None:
         """SIGTERM: persist the newest snapshot of every directory before the daemon exits."""
         newest = self.snapshots.newest()
+        self._drain_deadline = time.monotonic() + self.config.drain_timeout
         log.info("event=drain_persist snapshots=%d deadline_s=%g", len(newest), self.config.drain_timeout)
         for snap in newest:
             self.start_persist(snap)
@@ -378,6 +402,13 @@ def _examine(storage: Storage, slots: SlotMaps, msg: Snapshot, *, pid: int, root
         slots.release(examined.slot)
         raise PathNotAllowed(f"snapshot {examined.final} could never be persisted: {ancestor} is not a directory")
     return examined
+
+
+def _transient(error: CkptdError) -> bool:
+    """Whether a failed write may succeed if tried again: the storage's error behind it is not permanent."""
+    cause = error.__cause__ or error.__context__
+    return (isinstance(error, WriteFailed) and isinstance(cause, OSError) and not isinstance(cause, CkptdError)
+            and not is_permanent(cause))
 
 
 def _unlink(directory: Path, names: list[str]) -> None:

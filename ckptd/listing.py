@@ -21,6 +21,7 @@ from typing import Any, Iterable
 
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import INCOMPLETE_SUFFIX
+from ckptd.protocol.objects import display, is_object_path
 
 from .catalog import missing_or_truncated, read_index, tree_bytes
 from .render import human_bytes, printable
@@ -43,7 +44,7 @@ def list_checkpoints(root: Path, storage: Storage | None = None) -> list[dict[st
     out = []
     for entry in sorted(storage.scandir(root), key=lambda e: e.name):
         path = entry.path
-        row: dict[str, Any] = {"name": entry.name, "path": str(path), "step": None, "bytes": None,
+        row: dict[str, Any] = {"name": entry.name, "path": display(path), "step": None, "bytes": None,
                                "ranks": None, "world_size": None, "time": None}
         if entry.name.endswith(INCOMPLETE_SUFFIX) and entry.kind is Kind.DIR:
             shards = [e for e in storage.scandir(path) if e.name.endswith(".safetensors")]
@@ -70,22 +71,29 @@ def list_checkpoints(root: Path, storage: Storage | None = None) -> list[dict[st
 def add_memory(rows: list[dict[str, Any]], snapshots: Iterable[dict[str, Any]], root: Path) -> list[dict[str, Any]]:
     """Mark the rows the daemon holds in memory; add its snapshots under ``root`` that are not on disk."""
     by_path = {r["path"]: r for r in rows}
-    real_root = os.path.realpath(root)
     for r in rows:
         r["in_memory"] = False
     for s in snapshots:
-        parent, name = os.path.split(s["path"])
-        if parent != real_root or not s["complete"]:
+        held = Path(s["path"])
+        name = held.name
+        if not _same_dir(held.parent, root) or not s["complete"]:
             continue
-        row = by_path.get(str(root / name)) or by_path.get(s["path"])
+        row = by_path.get(display(root / name)) or by_path.get(display(held))
         if row is not None and row["state"] == EntryState.COMMITTED.value:
             row["in_memory"] = True
         elif row is None:
-            rows.append({"name": name, "path": str(root / name), "step": s["step"], "bytes": s["bytes"],
+            rows.append({"name": name, "path": display(root / name), "step": s["step"], "bytes": s["bytes"],
                          "ranks": len(s["ranks_held"]), "world_size": s["world_size"], "time": s["created"],
                          "state": EntryState.MEMORY.value, "in_memory": True})
     order = {st.value: i for i, st in enumerate(EntryState)}
     return sorted(rows, key=lambda r: (order[r["state"]], r["step"] if r["step"] is not None else -1, r["name"]))
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one directory: an object prefix by its name, a local one with links resolved."""
+    if is_object_path(a) or is_object_path(b):
+        return display(a).rstrip("/") == display(b).rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def render_listing(rows: list[dict[str, Any]]) -> str:

@@ -7,18 +7,36 @@ upload through the storage seam, as a direct ``s3://`` save writes them),
 the index last and create-only, so the mirrored copy exists for readers
 only once it is whole. The training job never waits for it.
 
-Whether a checkpoint is on the mirror is never remembered in memory only:
-it is on the mirror when the store holds an index there equal to the local
-one. So the state survives a stop or a crash: at start the mirror compares
-each DIR's committed checkpoints with the store and queues what is missing,
-and local retention (``unmirrored``) keeps every checkpoint not (yet) on
-the mirror, whether its upload is queued, retrying, failed for good or was
-dropped by a stop. A stop waits for queued uploads up to its drain deadline
-and logs what it leaves for the next start.
+Whether a checkpoint is on the mirror is never remembered: every time it
+is asked, the answer comes from the store, which holds it when its index
+there is byte for byte the local one (so its files' sizes and checksums
+too). So the state survives a stop or a crash, and a checkpoint saved again
+under its name (``overwrite=True``) is not on the mirror until its new
+version is: at start the mirror compares each DIR's committed checkpoints
+with the store and queues what is missing, and local retention
+(``unmirrored``) keeps every checkpoint whose current content is not (yet)
+on the mirror, whether its upload is queued, retrying, failed for good or
+was dropped by a stop. A stop waits for queued uploads up to its drain
+deadline and logs what it leaves for the next start.
+
+A mirror is a copy of its DIR, so a newer save of a name replaces the older
+one on the store: its index is deleted first (the old version is then gone
+for readers, never half replaced), the new shards are uploaded over the old
+ones, the new index is written last, and only then are the old version's
+objects the new one does not name removed. A crash in between leaves no
+index on the store, and the local copy, not being on the mirror, stays
+until the next start uploads it. An index on the store that is newer than
+the local one, or as new but different, is another checkpoint of that name:
+a permanent failure.
+
+With ``--mirror-keep N``, a checkpoint older than the N newest on the store
+beside it is not uploaded (mirror retention would delete it at once) and
+counts as settled for local retention, so a restart does not upload again
+what mirror retention deleted.
 
 A transient failure (endpoint down, timeouts) is retried without end, with
 exponential backoff (``BACKOFF_S`` doubling to ``MAX_BACKOFF_S``) while the
-other uploads go on; a permanent one (no such bucket, access denied, another
+other uploads go on; a permanent one (no such bucket, access denied, a newer
 checkpoint of that name on the store) fails the upload at once and shows in
 ``ckptd status`` with its error, and the checkpoint stays local. Every
 attempt, failure and retry shows in ``ckptd status`` and the metrics. After
@@ -39,7 +57,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckptd.protocol.errors import InvalidCheckpoint
-from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME
+from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME, CheckpointIndex
 from ckptd.protocol.objects import display, is_permanent
 
 from .catalog import committed_in, read_index
@@ -65,7 +83,10 @@ class Upload:
     total: int = 0
     sent: int = 0
     state: str = "queued"
-    """queued, uploading, retrying, uploaded or failed (for good: the checkpoint stays local)."""
+    """queued, uploading, retrying, uploaded, skipped (older than ``--mirror-keep`` keeps on the store) or failed
+    (for good: the checkpoint stays local)."""
+    keep: int | None = None
+    """The save's ``keep_last``: local retention beside it runs again with it once it is uploaded."""
     attempts: int = 0
     error: str | None = None
     started: float | None = None
@@ -93,13 +114,15 @@ class Mirrors:
     failed: dict[Path, Upload] = field(default_factory=dict)
     """Uploads that failed for good since start: these checkpoints are only local."""
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))
-    counts: dict[str, int] = field(default_factory=lambda: {"uploaded": 0, "failed": 0, "retries": 0})
-    after_upload: Callable[[Path], None] | None = None
-    """Called (on the mirror thread) after an upload with the newest local checkpoint beside the uploaded one."""
+    counts: dict[str, int] = field(default_factory=lambda: {"uploaded": 0, "skipped": 0, "failed": 0, "retries": 0})
+    after_upload: Callable[[Path, int | None], None] | None = None
+    """Called (on the mirror thread) after an upload with the newest local checkpoint beside the uploaded one
+    and the uploaded one's ``keep_last``."""
 
     def __post_init__(self) -> None:
         self._cond = threading.Condition()
-        self._mirrored: set[Path] = set()
+        self._again: dict[Path, int | None] = {}
+        """Checkpoints committed again while their upload ran: queued again when it ends."""
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="ckptd-mirror", daemon=True)
 
@@ -115,31 +138,42 @@ class Mirrors:
         local = max(matches, key=lambda d: len(d.parts))
         return self.rules[local] / checkpoint.relative_to(local)
 
-    def submit(self, checkpoint: Path) -> None:
+    def submit(self, checkpoint: Path, keep: int | None = None) -> None:
+        """Queue ``checkpoint`` (just committed, ``keep``: its save's ``keep_last``) for upload."""
         dest = self.target(checkpoint)
         if dest is None:
             return
         with self._cond:
-            if checkpoint in self.uploads:
+            queued = self.uploads.get(checkpoint)
+            if queued is not None and queued.state != "uploading":
+                queued.keep = keep if keep is not None else queued.keep
                 return
+            # one uploading is of the version before this commit (overwrite=True): upload again after it
             self.failed.pop(checkpoint, None)
-            self.uploads[checkpoint] = Upload(str(checkpoint), display(dest))
+            self._again[checkpoint] = keep
+            if queued is None:
+                self._queue(checkpoint)
             self._cond.notify()
+
+    def _queue(self, checkpoint: Path) -> None:
+        """(Under the lock) the upload waiting in ``_again`` becomes a queued upload."""
+        dest = self.target(checkpoint)
+        assert dest is not None
+        self.uploads[checkpoint] = Upload(str(checkpoint), display(dest), keep=self._again.pop(checkpoint))
 
     def unmirrored(self, checkpoints: list[Path]) -> set[Path]:
         """Those of ``checkpoints`` under a rule that are not on the mirror: local retention keeps them.
 
-        Asks the store (off the loop thread): a store that cannot be reached
-        leaves every one of them unmirrored.
+        Asks the store every time (off the loop thread), never a memory of an
+        earlier upload: the checkpoint may have been saved again since. A
+        store that cannot be reached leaves every one of them unmirrored.
         """
         out = set()
         for checkpoint in checkpoints:
-            with self._cond:
-                known = checkpoint in self._mirrored and checkpoint not in self.uploads
-            if known or self.target(checkpoint) is None:
+            if self.target(checkpoint) is None:
                 continue
             try:
-                if self._on_mirror(checkpoint):
+                if self._settled(checkpoint):
                     continue
             except (OSError, InvalidCheckpoint) as exc:
                 log.info("event=mirror_unknown path=%s error=%s", checkpoint, getattr(exc, "message", exc))
@@ -212,39 +246,56 @@ class Mirrors:
                     found += self._committed_under(entry.path, depth - 1)
         return found
 
-    def _on_mirror(self, checkpoint: Path) -> bool:
-        """Whether the store holds this checkpoint: its index there equals the local one (remembered once true)."""
+    def _settled(self, checkpoint: Path) -> bool:
+        """Whether the mirror needs nothing more of ``checkpoint``: on it, or retired by ``--mirror-keep``."""
+        index = read_index(self.storage, checkpoint)
+        return self._on_mirror(checkpoint, index) or self._retired(checkpoint, index)
+
+    def _on_mirror(self, checkpoint: Path, index: CheckpointIndex) -> bool:
+        """Whether the store holds this version of the checkpoint: its index there is the local ``index``."""
         dest = self.target(checkpoint)
         assert dest is not None
         st = self.storage.stat(dest / INDEX_NAME)
         if st is None:
             return False
-        mine = read_index(self.storage, checkpoint).to_json()
-        same = st.size == len(mine) and self.storage.read(dest / INDEX_NAME, 0, st.size) == mine
-        if same:
-            with self._cond:
-                self._mirrored.add(checkpoint)
-        return same
+        mine = index.to_json()
+        return st.size == len(mine) and self.storage.read(dest / INDEX_NAME, 0, st.size) == mine
+
+    def _retired(self, checkpoint: Path, index: CheckpointIndex) -> bool:
+        """Whether ``--mirror-keep`` newer checkpoints are on the store beside where ``checkpoint`` goes: its
+        retention would delete this one at once (the order is retention's: ``committed_in``)."""
+        if self.keep is None:
+            return False
+        dest = self.target(checkpoint)
+        assert dest is not None
+        mine = (index.step if index.step is not None else -1, index.created)
+        newer = [path for key, path in committed_in(self.storage, dest.parent) if key > mine and path != dest]
+        return len(newer) >= self.keep
 
     def _attempt(self, checkpoint: Path, upload: Upload) -> None:
         dest = self.target(checkpoint)
         assert dest is not None
         upload.attempts += 1
         upload.started = upload.started or time.monotonic()
+        skipped = False
         try:
-            if not self._on_mirror(checkpoint):
-                self._upload(checkpoint, dest, upload)
+            index = read_index(self.storage, checkpoint)
+            if self._retired(checkpoint, index):
+                skipped = True
+            elif not self._on_mirror(checkpoint, index):
+                self._upload(checkpoint, dest, index, upload)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, transient ones retried
             self._failed(checkpoint, upload, exc)
             return
         with self._cond:  # logged with its removal from ``uploads``: ``close`` lists only what is left
-            self._mirrored.add(checkpoint)
-            upload.state, upload.error = "uploaded", None
+            upload.state, upload.error = "skipped" if skipped else "uploaded", None
             upload.seconds = time.monotonic() - upload.started
-            self.counts["uploaded"] += 1
-            self.uploads.pop(checkpoint, None)
-            self.recent.append(upload)
-            log.info("event=mirrored path=%s dest=%s bytes=%d", checkpoint, upload.dest, upload.sent)
+            self.counts["skipped" if skipped else "uploaded"] += 1
+            self._ended(checkpoint, upload)
+            if skipped:
+                log.info("event=mirror_skipped path=%s dest=%s reason=older_than_mirror_keep", checkpoint, upload.dest)
+            else:
+                log.info("event=mirrored path=%s dest=%s bytes=%d", checkpoint, upload.dest, upload.sent)
         try:
             if self.keep is not None:
                 apply_retention(self.storage, dest, self.keep, set())
@@ -253,7 +304,7 @@ class Mirrors:
         try:
             beside = committed_in(self.storage, checkpoint.parent)
             if self.after_upload is not None and beside:
-                self.after_upload(beside[-1][1])  # local retention may now delete it: run it for the newest there
+                self.after_upload(beside[-1][1], upload.keep)  # local retention may now delete it: run it for the newest there
         except OSError as exc:  # the checkpoint stays until the next retention
             log.error("event=mirror_local_retention_failed path=%s error=%r", checkpoint, exc)
 
@@ -267,21 +318,37 @@ class Mirrors:
             if permanent:
                 upload.state, upload.seconds = "failed", time.monotonic() - upload.started
                 self.counts["failed"] += 1
-                self.uploads.pop(checkpoint, None)
-                self.failed[checkpoint] = upload
-                self.recent.append(upload)
+                self._ended(checkpoint, upload)
+                if checkpoint not in self.uploads:  # not committed again meanwhile
+                    self.failed[checkpoint] = upload
+                return
+            if checkpoint in self._again:  # committed again while this ran: the new version is queued at once
+                self._ended(checkpoint, upload)
                 return
             upload.state = "retrying"
             upload.due = time.monotonic() + min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (upload.attempts - 1))
             self.counts["retries"] += 1
 
-    def _upload(self, checkpoint: Path, dest: Path, upload: Upload) -> None:
-        """Shards through the seam (multipart, parts in parallel), then the index, create-only."""
+    def _ended(self, checkpoint: Path, upload: Upload) -> None:
+        """(Under the lock) ``upload`` is over; a commit of the same checkpoint meanwhile is queued now."""
+        self.uploads.pop(checkpoint, None)
+        self.recent.append(upload)
+        if checkpoint in self._again:
+            self._queue(checkpoint)
+            self._cond.notify()
+
+    def _upload(self, checkpoint: Path, dest: Path, index: CheckpointIndex, upload: Upload) -> None:
+        """Shards through the seam (multipart, parts in parallel), then the index, create-only; an older
+        version of the checkpoint on the store is replaced (see the module docstring)."""
         storage = self.storage
-        index = read_index(storage, checkpoint)
         upload.total, upload.sent = index.total_bytes, 0
         if storage.stat(dest / INDEX_NAME) is not None:
-            raise FileExistsError(errno.EEXIST, "another checkpoint of this name is on the mirror", display(dest))
+            theirs = read_index(storage, dest)
+            if theirs.created >= index.created:
+                raise FileExistsError(errno.EEXIST, f"another checkpoint of this name, saved at {theirs.created:.3f} "
+                                      f"(this one at {index.created:.3f}), is on the mirror", display(dest))
+            log.info("event=mirror_replacing path=%s dest=%s", checkpoint, upload.dest)
+            storage.unlink(dest / INDEX_NAME)  # the old version is gone for readers before a shard changes
         for record in index.files:
             fd, _ = storage.open_new(dest / record.file, direct=False)
             try:
@@ -295,4 +362,10 @@ class Mirrors:
                 storage.fsync(fd)
             finally:
                 storage.close(fd)
+        if read_index(storage, checkpoint) != index:  # saved again while it was read: that version goes next
+            raise OSError(errno.EAGAIN, "the checkpoint was saved again while it was uploaded", str(checkpoint))
         storage.write_file(dest / INDEX_NAME, index.to_json())
+        named = {record.file for record in index.files} | {INDEX_NAME}
+        for entry in storage.scandir(dest):  # an older version's (or an interrupted upload's) other objects
+            if entry.kind is Kind.FILE and entry.name not in named:
+                storage.unlink(entry.path)

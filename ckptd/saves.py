@@ -30,7 +30,7 @@ from typing import Callable
 from ckptd.protocol.errors import CkptdError, InternalError, RanksMissing, ShuttingDown, WriteFailed
 from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.messages import Abort, Accepted, Commit, Done, Durable, Error, Finalize, Message, Ok
-from ckptd.protocol.objects import display
+from ckptd.protocol.objects import display, is_permanent
 
 from .admission import Examined, check_room, examine
 from .commit import CheckpointState, PendingCheckpoint, resolve_path
@@ -44,6 +44,10 @@ from .workers import Workers
 from .writer import Progress, WriteJob, WriteState, write_shard
 
 log = logging.getLogger("ckptd")
+DISCARD_RETRY_S = 1.0
+"""A failed attempt whose removal failed for a transient reason (a store down) is removed again after this
+long, doubling up to ``MAX_DISCARD_RETRY_S``; its path takes no new save until then."""
+MAX_DISCARD_RETRY_S = 30.0
 Send = Callable[[bytes, Message], None]
 
 
@@ -66,6 +70,8 @@ class Saves:
         self.send = send
         self.known_dirs = known_dirs
         self.retentions = RetentionQueue()
+        self._discards: dict[Path, int] = {}
+        """Failed removals of attempts, by path: how many so far."""
         self.on_end: Callable[[Path, CkptdError | None], None] = lambda path, error: None
         """Told when a checkpoint commits (None) or fails (why): the memory tier marks a persisted snapshot."""
 
@@ -244,7 +250,7 @@ class Saves:
         for ident, rid, rank in pending.waiting:
             self.send(ident, Done(rid, str(pending.path), pending.shards[rank].size, seconds))
         if self.mirrors is not None:
-            self.mirrors.submit(pending.path)
+            self.mirrors.submit(pending.path, pending.keep_last)
         keep = pending.keep_last or self.config.retention_for(pending.path)
         if keep is not None:
             self.retain(pending.path, keep)
@@ -280,7 +286,7 @@ class Saves:
             pending = self.state.commits.pending.get(final) or PendingCheckpoint(
                 final, 1, None, False, coordinated=True, state=CheckpointState.WRITING, owns_directory=True)
             if pending.state is not CheckpointState.FAILED:
-                self.fail(pending, RanksMissing(f"checkpoint {final} was aborted: {msg.reason}"))
+                self.fail(pending, RanksMissing(f"checkpoint {display(final)} was aborted: {msg.reason}"))
             self.send(ident, Ok(msg.id))
 
         self.resolve_then(ident, msg.id, msg.path, abort)
@@ -307,9 +313,18 @@ class Saves:
 
     def _set_aside(self, pending: PendingCheckpoint, fut: Future) -> None:
         state = self.state
+        error = fut.exception()
+        if error is not None and not is_permanent(error):  # what it wrote stays until removed: try again
+            tries = self._discards[pending.path] = self._discards.get(pending.path, 0) + 1
+            delay = min(MAX_DISCARD_RETRY_S, DISCARD_RETRY_S * 2 ** (tries - 1))
+            log.warning("event=discard_failed path=%s attempt=%d retry_in_s=%g error=%s", pending.incomplete, tries,
+                        delay, getattr(error, "strerror", None) or error)
+            self.workers.submit("maintenance", lambda: time.sleep(delay), lambda _: self._discard(pending))
+            return
+        self._discards.pop(pending.path, None)
         state.closing.discard(pending.path)
-        if fut.exception() is not None:
-            log.warning("event=discard_failed path=%s error=%r", pending.incomplete, fut.exception())
+        if error is not None:
+            log.warning("event=discard_failed path=%s error=%r", pending.incomplete, error)
         elif fut.result() is not None:
             aside: Path = fut.result()
             self.workers.submit("maintenance", lambda: self.storage.remove_tree(aside))

@@ -25,6 +25,7 @@ from ckptd.protocol.messages import (
     MAX_MESSAGE_BYTES, Abort, Bye, Commit, Error, Finalize, Granted, Hello, Lease, Message, Ok, Persist, Pin, Ping,
     Pong, Release, Snapshot, Snapshots, Staged, Status, StatusReply, Stop, Unpin, Welcome, decode, request_id,
 )
+from ckptd.protocol.objects import display
 
 from .config import DaemonConfig
 from .holding import Holding
@@ -109,7 +110,7 @@ class Server:
         poller.register(self.workers.wake_fd, zmq.POLLIN)
         next_housekeeping = time.monotonic()
         log.info("event=start pid=%d endpoint=%s roots=%s", os.getpid(), self.config.endpoint,
-                 ",".join(map(str, self.config.roots)))
+                 ",".join(map(display, self.config.roots)))
         while True:
             events = dict(poller.poll(POLL_MS))
             if self.router in events:
@@ -246,9 +247,10 @@ class Server:
         self.saves.abandon_orphaned()
         self.holding.abandon_orphaned()
 
-    def _after_upload(self, newest: Path) -> None:
-        """Local retention beside a checkpoint just mirrored (it may now delete what it had to keep)."""
-        keep = self.config.retention_for(newest)
+    def _after_upload(self, newest: Path, keep_last: int | None) -> None:
+        """Local retention beside a checkpoint just mirrored (it may now delete what it had to keep), with the
+        uploaded save's ``keep_last`` or the directory's ``--keep``."""
+        keep = keep_last or self.config.retention_for(newest)
         if keep is not None:
             self.workers.call_soon(lambda: self.saves.retain(newest, keep))
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ckptd.protocol.names import INCOMPLETE_SUFFIX, INDEX_NAME, KNOWN_DIRS_NAME, SWEPT_DIR
+from ckptd.protocol.objects import SCHEME
 
 from .ownership import dead_here, marker_owners, remove_markers
 from .storage import Kind, Storage
@@ -41,7 +42,7 @@ class KnownDirs:
             lines = storage.read(self.file, 0, st.size).decode(errors="replace").splitlines() if st else []
         except OSError:
             lines = []
-        self.dirs = [Path(line) for line in lines if line.startswith("/")][-MAX_KNOWN_DIRS:]
+        self.dirs = [Path(line) for line in lines if line.startswith(("/", SCHEME))][-MAX_KNOWN_DIRS:]
 
     def remember(self, directory: Path) -> None:
         if directory in self.dirs:
@@ -67,7 +68,10 @@ def sweep_incomplete(storage: Storage, directories: list[Path], mode: str) -> li
     That includes a checkpoint that retention or an overwrite had renamed
     aside when its daemon died. Dead daemons' owner markers left in committed
     checkpoints (a crash between marking and renaming, or a failed removal)
-    are removed as well.
+    are removed as well. On an object store (no rename), ``p.incomplete``
+    is ``p``'s prefix: one without an index whose owners are all dead is
+    removed (``move`` cannot move it), so a daemon killed mid-save leaves
+    nothing in the bucket after the next start.
     """
     if mode == "off":
         return []
@@ -83,10 +87,14 @@ def sweep_incomplete(storage: Storage, directories: list[Path], mode: str) -> li
                 st = storage.stat(path / INDEX_NAME, follow=True)
                 if st is not None and st.kind is Kind.FILE:
                     remove_markers(storage, path, dead_only=True)
-                continue
+                    continue
+                if storage.can_rename(path):
+                    continue
+                # a store names ``p.incomplete`` by ``p``'s prefix: without an index it is an attempt's leftover
+                path = path.with_name(entry.name + INCOMPLETE_SUFFIX)
             if not is_orphaned(storage, path):
                 continue
-            if mode == "move":
+            if mode == "move" and storage.can_rename(path):
                 aside = directory / SWEPT_DIR
                 storage.mkdir(aside, exist_ok=True)
                 storage.rename(path, aside / f"{entry.name}-{int(time.time())}")

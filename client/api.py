@@ -18,7 +18,7 @@ from ckptd.protocol.layout import ShardLayout
 from ckptd.protocol.messages import (
     DEFAULT_COMMIT_TIMEOUT, Bye, Commit, Done, Durable, Held, Persist, Ping, Snapshot, Staged,
 )
-from ckptd.protocol.objects import is_object_path, object_url, user_path
+from ckptd.protocol.objects import absolute, user_path
 
 from .checks import check_bool, check_client_args, check_int, check_keep_last, check_path, check_seconds, check_step
 from .connection import Connection
@@ -410,7 +410,7 @@ class Client:
             pending = list(self._futures)
         concurrent.futures.wait(pending, timeout)
 
-    def persist(self, path: str | os.PathLike, *, timeout: float | None = None) -> Path:
+    def persist(self, path: str | os.PathLike, *, timeout: float | None = None) -> Path | str:
         """Write the memory snapshot ``path`` (held by this node's daemon) to disk; returns once it is committed.
 
         The daemon writes it from the memory it holds, exactly like a save
@@ -421,12 +421,13 @@ class Client:
         be complete, and a snapshot already persisted returns at once. Raises
         what this client's last snapshot of ``path`` failed with (a
         ``CheckpointExists`` on a restart, say), else ``InvalidCheckpoint``
-        if the daemon holds no snapshot there.
+        if the daemon holds no snapshot there. Returns the checkpoint's name
+        as ``SaveResult.path`` does (an object: its URL).
         """
         self._check_process()
         if self._closed:
             raise RuntimeError("this ckptd client is closed")
-        target = os.path.abspath(check_path("path", path))
+        target = absolute(check_path("path", path))
         wait = self.commit_timeout if timeout is None else check_seconds("timeout", timeout)
         deadline = time.monotonic() + wait
         with self._lock:
@@ -448,7 +449,7 @@ class Client:
         except TimeoutError:
             raise TimeoutError(f"persist({target!r}) was not committed to disk within {wait:g} s") from None
         assert isinstance(done, Done)
-        return Path(done.path)
+        return user_path(done.path)
 
     @property
     def slot_names(self) -> list[str]:
@@ -504,8 +505,7 @@ class _Request:
 
 def checkpoint_target(path: str | os.PathLike) -> str:
     """The checkpoint name a save sends: an ``s3://`` URL as is, a local path made absolute."""
-    raw = check_path("path", path)
-    return object_url(raw) if is_object_path(raw) else os.path.abspath(raw)
+    return absolute(check_path("path", path))
 
 
 def _fail(exc: BaseException, *futures: Future) -> None:

@@ -30,7 +30,7 @@ from ckptd.protocol.endpoint import endpoint_for
 from ckptd.protocol.errors import BadMessage, CkptdError, DaemonUnavailable, InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
 from ckptd.protocol.index import latest as latest_on_disk
-from ckptd.protocol.objects import user_path
+from ckptd.protocol.objects import object_url, resolved, user_path
 from ckptd.protocol.inspect import check_checksum
 from ckptd.protocol.layout import MAX_HEADER_BYTES, TensorEntry, parse_header
 from ckptd.protocol.messages import Bye, Pin, SnapshotList, Snapshots, Unpin
@@ -59,14 +59,9 @@ def held_snapshots(run_dir: str | os.PathLike | None = None) -> list[dict[str, A
     return [s for s in reply.snapshots if s.get("complete")]
 
 
-def _resolved(path: Path) -> str:
-    """The path as the daemon names it (its parent's symlinks and ``..`` resolved)."""
-    return os.path.join(os.path.realpath(path.parent), path.name)
-
-
 def find_held(path: Path, run_dir: str | os.PathLike | None = None) -> dict[str, Any] | None:
-    want = _resolved(path)
-    return next((s for s in held_snapshots(run_dir) if s["path"] == want), None)
+    want = resolved(path)
+    return next((s for s in held_snapshots(run_dir) if resolved(s["path"]) == want), None)
 
 
 class HeldFiles(ChunkFiles):
@@ -238,7 +233,7 @@ class ReaderLease:
 
     def __init__(self, path: Path, run_dir: str | os.PathLike | None = None) -> None:
         endpoint = endpoint_for(Path(run_dir).absolute()) if run_dir is not None else endpoint_for()
-        self.path = _resolved(path)
+        self.path = resolved(path)
         self._conn = Connection(endpoint, heartbeat=1.0, timeout=ASK_TIMEOUT)
         try:
             self._conn.introduce()
@@ -320,9 +315,9 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
             candidates[str(on_disk)] = (index.step if index.step is not None else -1, index.created)
         except InvalidCheckpoint:  # removed since
             pass
-    real_root = os.path.realpath(root)
+    real_root = object_url(root) if is_object_path(root) else os.path.realpath(root)
     for s in held_snapshots(run_dir):
-        parent, name = os.path.split(s["path"])
+        parent, name = os.path.split(resolved(s["path"]))
         if parent == real_root:
             key = (s["step"] if s["step"] is not None else -1, s["created"])
             candidates[str(root / name)] = max(key, candidates.get(str(root / name), key))

@@ -223,7 +223,7 @@ def read_index(path: Path | str) -> CheckpointIndex:
     objects.check_url(path)
     path = Path(path)
     if path.name.endswith(INCOMPLETE_SUFFIX):
-        raise InvalidCheckpoint(f"{path} is an unfinished checkpoint (.incomplete) and is never loaded")
+        raise InvalidCheckpoint(f"{objects.display(path)} is an unfinished checkpoint (.incomplete) and is never loaded")
     index_file = path / INDEX_NAME
     try:
         if objects.is_object_path(path):
@@ -236,8 +236,8 @@ def read_index(path: Path | str) -> CheckpointIndex:
         if objects.is_object_path(path):
             raise InvalidCheckpoint(f"no checkpoint at {objects.display(path)} (no {INDEX_NAME} there)") from None
         if path.is_dir():
-            raise InvalidCheckpoint(f"{path} has no {INDEX_NAME}: it is not a committed ckptd checkpoint") from None
-        raise InvalidCheckpoint(f"no checkpoint at {path}") from None
+            raise InvalidCheckpoint(f"{objects.display(path)} has no {INDEX_NAME}: it is not a committed ckptd checkpoint") from None
+        raise InvalidCheckpoint(f"no checkpoint at {objects.display(path)}") from None
     except OSError as exc:
         raise InvalidCheckpoint(f"cannot read {objects.display(index_file)}: {exc.strerror}") from None
     return CheckpointIndex.from_json(data, objects.display(index_file))
@@ -312,9 +312,9 @@ def missing_or_truncated(path: Path | str, index: CheckpointIndex,
                 raise InvalidCheckpoint(f"cannot read {objects.display(shard)}: {exc.strerror}") from None
             return f"shard {shard} is missing or unreadable: {exc.strerror}"
         if not regular:
-            return f"shard {shard} is not a regular file"
+            return f"shard {objects.display(shard)} is not a regular file"
         if size != record.size:
-            return f"shard {shard} holds {size} bytes; the index says {record.size} (truncated?)"
+            return f"shard {objects.display(shard)} holds {size} bytes; the index says {record.size} (truncated?)"
     return None
 
 

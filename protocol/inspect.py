@@ -67,7 +67,7 @@ def read_shard_header(path: Path, size: int) -> tuple[list[TensorEntry], dict[st
         with open_shard(path) as f:
             return read_header_from(f, size, path)
     except OSError as exc:
-        raise InvalidCheckpoint(f"cannot read shard {path}: {exc.strerror}") from None
+        raise InvalidCheckpoint(f"cannot read shard {objects.display(path)}: {exc.strerror}") from None
 
 
 def read_header_from(f: BinaryIO, size: int, path: Path) -> tuple[list[TensorEntry], dict[str, str], int]:
@@ -83,7 +83,7 @@ def read_header_from(f: BinaryIO, size: int, path: Path) -> tuple[list[TensorEnt
     try:
         return parse_header(prefix, size)
     except BadMessage as exc:
-        raise InvalidCheckpoint(f"shard {path} has a bad header: {exc.message}") from None
+        raise InvalidCheckpoint(f"shard {objects.display(path)} has a bad header: {exc.message}") from None
 
 
 def check_shard_structure(tensor_names: Collection[str], metadata: dict[str, str], record: ShardRecord,
@@ -101,7 +101,7 @@ def check_shard_structure(tensor_names: Collection[str], metadata: dict[str, str
         structure = structure_bytes(metadata)
         check_structure(structure, tensor_names, index.tensors)
     except BadMessage as exc:
-        raise InvalidCheckpoint(f"shard {shard} has a bad header: {exc.message}") from None
+        raise InvalidCheckpoint(f"shard {objects.display(shard)} has a bad header: {exc.message}") from None
     return structure
 
 
@@ -110,7 +110,7 @@ def open_shard(path: Path) -> BinaryIO:
     try:
         return objects.open_object(path) if objects.is_object_path(path) else open_regular(path, "shard")
     except FileNotFoundError:
-        raise InvalidCheckpoint(f"shard {path} is missing") from None
+        raise InvalidCheckpoint(f"shard {objects.display(path)} is missing") from None
 
 
 def _read_exactly(f: BinaryIO, n: int) -> bytes:

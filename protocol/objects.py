@@ -48,6 +48,9 @@ RETRIES = {"max_retries": 3, "backoff": {"init_backoff": timedelta(milliseconds=
            "retry_timeout": timedelta(seconds=20)}
 """Transient errors are retried a little, then reported: a stopped endpoint fails a save in seconds."""
 
+INSTALL = "pip install 'ckptd[s3]'"
+"""The command that installs what ``s3://`` names need."""
+
 INSTANCE_METADATA = "169.254.169.254"
 """Where the library looks for credentials the environment and files do not hold."""
 
@@ -97,6 +100,20 @@ def user_path(path: Path | str) -> Path | str:
     return object_url(path) if is_object_path(path) else Path(path)
 
 
+def absolute(path: str | os.PathLike) -> str:
+    """A checkpoint name as a client sends it to the daemon (every call that takes a path or URL): an
+    object's ``s3://`` URL, or the absolute local path (the daemon resolves its links)."""
+    return object_url(path) if is_object_path(path) else os.path.abspath(path)
+
+
+def resolved(path: str | os.PathLike) -> str:
+    """A name as the daemon keys it, to compare with the names it reports: an object's ``s3://`` URL, or the
+    local path with its parent's links and ``..`` resolved."""
+    if is_object_path(path):
+        return object_url(path)
+    return os.path.join(os.path.realpath(os.path.dirname(os.fspath(path)) or "."), os.path.basename(path))
+
+
 def object_url(path: Path | str) -> str:
     """``s3://bucket/key`` for a name ``is_object_path`` accepts."""
     return "s3://" + "/".join(Path(path).parts[1:])
@@ -141,14 +158,28 @@ def _aws_settings() -> dict[str, str]:
     return {keys[k]: v for k, v in found.items() if k in keys and not os.environ.get(env[keys[k]])}
 
 
+def require_library() -> None:
+    """ValueError with the install command when the object store library is missing (a daemon checks at start)."""
+    try:
+        import obstore.store  # noqa: F401
+    except ImportError:
+        raise ValueError(f"s3:// paths need the obstore package: {INSTALL}") from None
+
+
+def check_bucket(path: Path | str) -> None:
+    """One listing of the bucket of ``path``: ``FileNotFoundError`` naming it when it does not exist, and
+    the other failures of ``os_error`` (an endpoint down may come back; the caller decides)."""
+    bucket, _ = split(path)
+    listing(Path(SCHEME, bucket))
+
+
 def store(bucket: str) -> Any:
     """The (cached) ``obstore`` S3 store of ``bucket``, configured as the AWS tools are."""
     with _lock:
         if bucket not in _stores:
-            try:
-                from obstore.store import S3Store
-            except ImportError:
-                raise ValueError("s3:// paths need the obstore package: pip install 'ckptd[s3]'") from None
+            require_library()
+            from obstore.store import S3Store
+
             config = _aws_settings()
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or config.get("endpoint", "")
             if "region" not in config and not os.environ.get("AWS_REGION"):

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import wait_until
 from test_object_storage import bucket, keys, s3, state  # noqa: F401 - fixtures
 
@@ -143,8 +144,9 @@ def test_a_permanently_failed_upload_is_shown_at_once_and_its_checkpoint_never_d
         s3, bucket, daemon_factory, client_factory, root) -> None:
     run = root / "run"
     run.mkdir()
-    missing = f"{bucket}-missing"
+    missing = bucket
     daemon = daemon_factory("--mirror", f"{run}=s3://{missing}/e", "--keep", f"{run}=1")
+    s3.client().delete_bucket(Bucket=missing)  # gone after the start (which checks it)
     client = client_factory()
     client.save_async(state(seed=1), run / "step-1", step=1).result(30)
     wait_until(lambda: daemon.status()["mirror"]["failed"] == 1, timeout=60, what="the upload failed for good")
@@ -175,3 +177,105 @@ def test_start_refuses_a_mirror_it_cannot_serve(args, error, root, run_dir) -> N
                            "--root", str(root), *(a.format(root=root, outside=run_dir) for a in args)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and error in done.stderr, done.stderr
+
+
+def test_a_checkpoint_saved_again_is_never_deleted_locally_before_its_new_version_is_on_the_mirror(
+        s3, bucket, daemon_factory, client_factory, root) -> None:
+    run = root / "run"
+    run.mkdir()
+    daemon = daemon_factory("--mirror", f"{run}=s3://{bucket}/mirror", "--keep", f"{run}=2")
+    client = client_factory()
+    for step in (1, 2, 3):
+        client.save_async(state(seed=step), run / f"step-{step}", step=step).result(30)
+    wait_until(lambda: daemon.status()["mirror"]["uploaded"] == 3, timeout=60, what="three uploads")
+    s3.stop()  # the new versions cannot reach the mirror: only the local copies hold them
+    try:
+        for step in (2, 3):
+            client.save_async(state(seed=10 + step), run / f"step-{step}", step=step, overwrite=True).result(30)
+        for step in (4, 5):
+            client.save_async(state(seed=step), run / f"step-{step}", step=step).result(30)
+        retention_has_run(client, root)
+        assert {"step-2", "step-3"} <= {p.name for p in run.iterdir()}
+        assert ckptd.load(run / "step-2")["step"] == 12
+    finally:
+        s3.start()
+    for step in (2, 3):  # the new version replaced the old one on the mirror
+        wait_until(lambda: _value_at(f"s3://{bucket}/mirror/step-{step}", "step") == 10 + step, timeout=90,
+                   what=lambda: f"the new step-{step} on the mirror (status: {daemon.status()['mirror']})")
+        loaded = ckptd.load(f"s3://{bucket}/mirror/step-{step}")
+        assert torch.equal(loaded["w"], state(seed=10 + step)["w"])
+    assert keys(s3, bucket, "mirror/step-2/") == ["mirror/step-2/ckptd.json",
+                                                 "mirror/step-2/rank-00000-of-00001.safetensors"]
+    wait_until(lambda: sorted(p.name for p in run.iterdir()) == ["step-4", "step-5"], timeout=60,
+               what="local retention once everything is on the mirror")
+
+
+def test_the_lightning_plugin_s_last_ckpt_on_the_mirror_follows_each_save(
+        s3, bucket, daemon_factory, root) -> None:
+    from ckptd.integrations.lightning import CkptdCheckpointIO
+
+    run = root / "run"
+    run.mkdir()
+    daemon = daemon_factory("--mirror", f"{run}=s3://{bucket}/mirror")
+    io = CkptdCheckpointIO(run_dir=daemon.run_dir, spawn=False, timeout=10.0)
+    url = f"s3://{bucket}/mirror/last.ckpt"
+    try:
+        for step in (1, 2, 3):  # ModelCheckpoint(save_last=True) saves last.ckpt again at each epoch
+            io.save_checkpoint({"global_step": step, "w": torch.full((1000,), float(step))}, run / "last.ckpt")
+            wait_until(lambda: _value_at(url, "global_step") == step, timeout=60,
+                       what=lambda: f"last.ckpt of step {step} on the mirror (status: {daemon.status()['mirror']})")
+    finally:
+        io.teardown()
+    restored = io.load_checkpoint(run / "last.ckpt")
+    assert torch.equal(ckptd.load(url)["w"], restored["w"]) and restored["global_step"] == 3
+    assert daemon.status()["mirror"]["failed"] == 0
+
+
+def _value_at(url: str, key: str) -> int | None:
+    """``key`` of the checkpoint at ``url``, or None while there is none (an upload replacing it)."""
+    try:
+        return ckptd.load(url)[key]
+    except (FileNotFoundError, ckptd.InvalidCheckpoint):
+        return None
+
+
+def test_keep_last_trims_local_copies_once_they_are_uploaded(s3, bucket, daemon_factory, client_factory,
+                                                             root) -> None:
+    run = root / "run"
+    run.mkdir()
+    daemon = daemon_factory("--mirror", f"{run}=s3://{bucket}/mirror")
+    client = client_factory()
+    s3.stop()
+    try:
+        for step in (1, 2, 3):
+            client.save_async(state(seed=step), run / f"step-{step}", step=step, keep_last=1).result(30)
+        retention_has_run(client, root)
+        assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-2", "step-3"]  # none is uploaded
+    finally:
+        s3.start()
+    wait_until(lambda: mirrored(s3, bucket) == ["step-1", "step-2", "step-3"], timeout=90,
+               what=lambda: f"all three on the mirror (status: {daemon.status()['mirror']})")
+    wait_until(lambda: sorted(p.name for p in run.iterdir()) == ["step-3"], timeout=60,
+               what="keep_last=1 applied once the uploads are done")
+
+
+def test_a_restart_does_not_upload_again_what_mirror_keep_deleted(s3, bucket, daemon_factory, client_factory,
+                                                                 root, run_dir) -> None:
+    run = root / "run"
+    run.mkdir()
+    args = ("--mirror", f"{run}=s3://{bucket}/mirror", "--mirror-keep", "1")
+    daemon = daemon_factory(*args)
+    client = client_factory()
+    for step in (1, 2, 3):
+        client.save_async(state(seed=step), run / f"step-{step}", step=step).result(30)
+    wait_until(lambda: daemon.status()["mirror"]["uploads"] == [] and mirrored(s3, bucket) == ["step-3"],
+               timeout=60, what=lambda: f"the uploads and --mirror-keep 1 (status: {daemon.status()['mirror']})")
+    client.close()
+    assert daemon.stop(60) == 0
+    daemon = daemon_factory(*args)
+    client = client_factory()
+    client.save_async(state(seed=4), run / "step-4", step=4).result(30)
+    wait_until(lambda: daemon.status()["mirror"]["uploads"] == [] and mirrored(s3, bucket) == ["step-4"],
+               timeout=60, what=lambda: f"step-4 on the mirror (status: {daemon.status()['mirror']})")
+    assert daemon.status()["mirror"]["uploaded"] == 1  # step-1 and step-2 were not uploaded again
+    assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-2", "step-3", "step-4"]  # no local --keep

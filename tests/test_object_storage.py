@@ -123,8 +123,9 @@ def test_an_endpoint_that_stops_mid_upload_fails_the_save_and_a_later_save_works
 
 
 def test_a_bucket_that_does_not_exist_is_named_in_the_error(s3, bucket, daemon_factory, client_factory, root) -> None:
-    missing = f"{bucket}-missing"
+    missing = bucket
     daemon_factory("--root", f"s3://{missing}")
+    s3.client().delete_bucket(Bucket=missing)  # gone after the start (which checks it): every save there fails
     client = client_factory()
     with pytest.raises(ckptd.CkptdError, match=f"bucket '{missing}' does not exist"):
         client.save_async(state(), f"s3://{missing}/run/a", step=1).result(30)
@@ -132,6 +133,32 @@ def test_a_bucket_that_does_not_exist_is_named_in_the_error(s3, bucket, daemon_f
         ckptd.load(f"s3://{missing}/run/a")
     with pytest.raises(InvalidCheckpoint, match=f"bucket '{missing}' does not exist"):
         ckptd.latest(f"s3://{missing}/run")  # a misspelt bucket is not "no checkpoint yet"
+
+
+@pytest.mark.parametrize("rule", [("--root", "s3://{missing}/runs"), ("--mirror", "{root}=s3://{missing}/m")])
+def test_start_refuses_a_root_or_mirror_in_a_bucket_that_does_not_exist(rule, s3, bucket, root, run_dir) -> None:
+    missing = f"{bucket}-missing"
+    done = subprocess.run([sys.executable, "-m", "ckptd", "start", "--foreground", "--run-dir", str(run_dir),
+                           "--root", str(root), rule[0], rule[1].format(root=root, missing=missing)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"{rule[0]} " in done.stderr and f"bucket '{missing}' does not exist" in done.stderr, done.stderr
+    assert not (run_dir / "ckptd.sock").exists()
+
+
+WITHOUT_OBSTORE = "import sys; sys.modules['obstore'] = None; from ckptd.cli import main; sys.exit(main(sys.argv[1:]))"
+"""``ckptd`` as it runs where the s3 extra is not installed (importing obstore fails)."""
+
+
+@pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.parametrize("rule", [("--root", "s3://bkt/runs"), ("--mirror", "{root}=s3://bkt/m")])
+def test_start_without_the_s3_extra_refuses_an_s3_name_with_the_install_command(rule, detach, root,
+                                                                                  run_dir) -> None:
+    done = subprocess.run([sys.executable, "-c", WITHOUT_OBSTORE, "start", *([] if detach else ["--foreground"]),
+                           "--run-dir", str(run_dir), "--root", str(root), rule[0], rule[1].format(root=root)],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "pip install 'ckptd[s3]'" in done.stderr, done.stderr
+    assert not (run_dir / "ckptd.sock").exists()
 
 
 def test_an_s3_checkpoint_is_never_replaced_in_place(s3, bucket, daemon_factory, client_factory, root) -> None:
