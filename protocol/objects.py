@@ -223,9 +223,15 @@ def os_error(exc: Exception, path: Path | str) -> OSError:
                                f"and the bucket policy): {_first_line(text)}",
                                object_url(path))
     if any(word in lowered for word in ("connect", "timed out", "timeout", "dns error", "error sending request")):
-        return ConnectionError(errno.EHOSTUNREACH, f"{_endpoint()} unreachable for bucket {bucket!r}: "
-                               f"{_first_line(text)}", object_url(path))
+        # A multipart upload cut off: the library aborts it, and reports the abort's failure, not the cut
+        detail = (ABORT_FAILED if "DELETE" in text and "uploadId=" in text else _first_line(text))
+        return ConnectionError(errno.EHOSTUNREACH, f"{_endpoint()} unreachable for bucket {bucket!r}: {detail}",
+                               object_url(path))
     return OSError(errno.EIO, f"object store request failed: {_first_line(text)}", object_url(path))
+
+
+ABORT_FAILED = ("the upload was cut off, and aborting its multipart upload failed too: its parts stay on the store "
+                "(invisible, but billed) until a lifecycle rule with AbortIncompleteMultipartUpload removes them")
 
 
 def _first_line(text: str) -> str:

@@ -82,3 +82,27 @@ def test_a_daemon_killed_mid_save_leaves_nothing_in_the_bucket_after_the_next_st
     daemon_factory("--root", f"s3://{bucket}")  # its start-up sweep finds the dead daemon's attempt
     wait_until(lambda: keys(s3, bucket, "run/") == [], timeout=60,
                what=lambda: f"run/ emptied by the start-up sweep, holds {keys(s3, bucket, 'run/')}")
+
+
+def test_an_upload_cut_off_by_an_outage_fails_naming_the_outage_and_leaves_no_object(proxy, s3, bucket,
+                                                                                   daemon_factory, client_factory,
+                                                                                   run_dir) -> None:
+    """The endpoint goes away while a shard's multipart upload runs: the save names the unreachable endpoint (not
+    the library's failed abort request), and once it is back nothing of the save is left but those parts, which
+    only a lifecycle rule can remove (the client library cannot abort an upload it no longer holds)."""
+    daemon_factory("--root", f"s3://{bucket}")
+    url = f"s3://{bucket}/run/step-1"
+    fut = client_factory().save_async({"w": torch.ones(96 * 2**18)}, url, step=1)  # 96 MiB: many parts
+    wait_until(lambda: s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads"), 60, "the upload started")
+    proxy.cut()
+    try:
+        error = fut.exception(120)
+    finally:
+        proxy.restore()
+    assert isinstance(error, ckptd.WriteFailed), error
+    assert "unreachable" in str(error) and "aborting its multipart upload failed" in str(error), str(error)
+    assert "Error performing DELETE" not in str(error)
+    wait_until(lambda: keys(s3, bucket, "run/") == [], timeout=60,
+               what=lambda: f"run/ emptied once the endpoint is back, holds {keys(s3, bucket, 'run/')}")
+    client_factory().save_async(state(seed=2), url, step=2).result(60)  # the path is free again
+    assert ckptd.load(url)["step"] == 2
