@@ -35,7 +35,7 @@ from ckptd.protocol.errors import Conflict
 from ckptd.protocol.messages import Commit
 from ckptd.protocol.objects import display
 
-from .slots import pid_alive
+from ckptd.protocol.processes import pid_alive
 
 
 @dataclass

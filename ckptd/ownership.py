@@ -28,7 +28,7 @@ from ckptd.protocol.errors import CheckpointExists, InvalidCheckpoint
 from ckptd.protocol.names import INDEX_NAME, owner_marker_name, parse_owner_marker, parse_shard_name, shard_name
 
 from .catalog import read_index
-from .slots import pid_alive
+from ckptd.protocol.processes import pid_alive
 from .storage import Kind, Storage
 
 log = logging.getLogger("ckptd")

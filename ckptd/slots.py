@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.protocol.errors import BadSlot
+from ckptd.protocol.processes import pid_alive
 from ckptd.protocol.shm import DEFAULT_SHM_DIR, SHM_DIR_ENV
 from ckptd.protocol.shm import shm_dir as default_shm_dir
 from ckptd.protocol.shm import slot_name, slot_owner
@@ -62,17 +63,6 @@ class MappedSlot:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (on this host)."""
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class SlotMaps:

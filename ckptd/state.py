@@ -21,12 +21,13 @@ from typing import Any, Iterable, Mapping
 from ckptd.protocol.errors import BadMessage, UnknownClient
 from ckptd.protocol.layout import CheckedTable
 from ckptd.protocol.messages import Commit
+from ckptd.protocol.processes import pid_alive
 
 from .admission import Examined
 from .commit import Commits, PendingCheckpoint
 from .config import DaemonConfig
 from .leases import Grant, LoadLeases
-from .slots import SlotMaps, pid_alive
+from .slots import SlotMaps
 from .snapshots import Snapshots
 from .stats import Stats
 from .storage import Storage

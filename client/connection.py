@@ -28,6 +28,7 @@ import zmq
 from ckptd.protocol import __version__
 from ckptd.protocol.errors import DaemonUnavailable, ErrorCode, error_for_code
 from ckptd.protocol.messages import Accepted, Error, Hello, Message, Ping, Welcome, decode
+from ckptd.protocol.processes import pid_alive
 
 log = logging.getLogger("ckptd.client")
 
@@ -196,15 +197,7 @@ class Connection:
 
     def daemon_running(self) -> bool:
         """Whether the daemon that welcomed this connection still runs (True before any welcome)."""
-        if self.daemon_pid is None:
-            return True
-        try:
-            os.kill(self.daemon_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
+        return self.daemon_pid is None or pid_alive(self.daemon_pid)
 
     def _lost_reason(self, silent_for: float) -> str | None:
         # A dead pid counts only after a heartbeat of silence: a restarted

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from .names import LOG_NAME, PID_NAME, SOCKET_NAME, SPAWN_LOCK_NAME  # noqa: F401 (also named from here)
+from .processes import pid_alive
 
 MAX_IPC_PATH = 107
 """sun_path holds 108 bytes including the terminating NUL."""
@@ -89,10 +90,6 @@ def leftover_socket(sock: Path) -> str | None:
         return None
     if not text.isdigit():  # a daemon starting up is writing it
         return None
-    try:
-        os.kill(int(text), 0)
-    except ProcessLookupError:
+    if not pid_alive(int(text)):
         return f"its pid {text} (from {pid_file}) has exited and left {sock} behind"
-    except (PermissionError, OverflowError):
-        return None
     return None

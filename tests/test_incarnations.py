@@ -10,7 +10,10 @@ real processes forked from the zygote, with their own ``ckptd.Client``;
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,6 +92,30 @@ def test_a_restarted_job_never_completes_the_dead_jobs_checkpoint(daemon, root, 
     assert late.event() == {"event": "done"}
     assert ranks_values(path) == [2.0, 2.0]  # never run 1's rank 0 beside run 2's rank 1
     assert not path.with_name("step-7.incomplete").exists()
+
+
+@pytest.mark.parametrize("launcher", [RUN_1, {}], ids=["torchrun-named", "unnamed"])
+def test_a_killed_rank_its_launcher_has_not_reaped_yet_counts_as_dead(daemon, root, launcher) -> None:
+    """A SIGKILLed process stays a zombie until its parent waits for it, and ``kill(pid, 0)`` still succeeds on
+    it: the dead run's rank must not look alive (which joined it to the new run, or refused the new run)."""
+    path = root / "step-7"
+    first = subprocess.Popen([sys.executable, "-c", RANK, json.dumps(launcher), str(daemon.run_dir), str(path), "0",
+                              "2", "1.0", "hold"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(first.stdout.readline())["event"] == "staged"
+        os.kill(first.pid, signal.SIGKILL)  # not reaped: a zombie until first.wait()
+        wait_until(lambda: Path(f"/proc/{first.pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] == b"Z", 30,
+                   "the killed rank is a zombie")
+        restart = RUN_2 if launcher else {}
+        ranks = [Rank(restart, daemon.run_dir, path, r, 2, 2.0, "wait") for r in (1, 0)]
+        for r in ranks:
+            assert r.event()["event"] == "staged"
+        for r in ranks:
+            assert r.event() == {"event": "done"}
+        assert ranks_values(path) == [2.0, 2.0]
+    finally:
+        first.kill()
+        assert first.wait(30) == -signal.SIGKILL
 
 
 def test_a_second_live_run_saving_the_same_path_is_refused_and_the_first_one_commits(daemon, root) -> None:
