@@ -313,9 +313,3 @@ def read_full(files: ChunkFiles, ref: GlobalRef, device: torch.device | None = N
         for dst, src in copies:
             dst.copy_(src)
     return out
-
-
-def structure_rank(index: CheckpointIndex, rank: int) -> int:
-    """Whose structure a rank loads: its own; in a larger world, rank 0's (global tensors reshard, per-rank values do not)."""
-    return rank if rank < index.world_size or not index.tensors else 0
-

@@ -38,7 +38,7 @@ from .lease import load_lease
 from .load import load_rank
 from .memory import open_checkpoint
 from .ranks import detect_ranks
-from .reshard import ChunkFiles, GlobalRef, plan_region, read_full, region, structure_rank
+from .reshard import ChunkFiles, GlobalRef, plan_region, read_full, region
 from .sharding import is_dtensor, target_region
 
 
@@ -106,17 +106,21 @@ def load_into(
     files = open_checkpoint(path, verify=verify, run_dir=run_dir, defer=True)  # the daemon's memory when it holds path
     try:
         index = files.index
+        if rank is not None and rank >= index.world_size:
+            raise InvalidCheckpoint(f"checkpoint {display(path)} has no rank {rank}; it holds ranks "
+                                    f"0..{index.world_size - 1}")
         if rank is None:
             rank = detect_ranks().rank if index.world_size > 1 else 0
-            if rank >= index.world_size and not _same_on_every_saved_rank(files, key):
-                part = f" under key {key!r}" if key is not None else ""
-                raise InvalidCheckpoint(
-                    f"checkpoint {display(path)} was saved by ranks 0..{index.world_size - 1}; this process is rank "
-                    f"{rank}, and the per-rank state{part} (everything but DTensors and replicated= keys) differs "
-                    f"between the saved ranks, so loading it here would give rank {rank} another rank's state (a data "
-                    f"loader position, an RNG state). Pass rank=0 (or another saved rank) to take that rank's per-rank "
-                    f"state on purpose")
-        rank = structure_rank(index, rank)
+            if rank >= index.world_size:  # a larger world: per-rank state only where every saved rank agrees
+                difference = _difference_between_saved_ranks(files, key)
+                if difference is not None:
+                    raise InvalidCheckpoint(
+                        f"checkpoint {display(path)} was saved by ranks 0..{index.world_size - 1}; this process is "
+                        f"rank {rank}, and the per-rank state (everything but DTensors and replicated= keys) differs "
+                        f"between the saved ranks ({difference}), so loading it here would give rank {rank} another "
+                        f"rank's state (a data loader position, an RNG state). Pass rank=0 (or another saved rank) "
+                        f"to take that rank's per-rank state on purpose")
+                rank = 0
         with load_lease(limit, run_dir=run_dir):
             # Views of a mapping: no second copy of the checkpoint. Nothing holds
             # them past this call, so the mapping goes when it returns. A fresh
@@ -138,9 +142,9 @@ def load_into(
         files.close()  # a held snapshot's reader lease ends: the daemon may drop it now
 
 
-def _same_on_every_saved_rank(files: ChunkFiles, key: str | None) -> bool:
-    """Whether every saved rank holds the same per-rank state (under ``key``): then a rank beyond the saved
-    world may take it, as it takes every rank's share of the global tensors."""
+def _difference_between_saved_ranks(files: ChunkFiles, key: str | None) -> str | None:
+    """Where the saved ranks' per-rank state (under ``key``) first differs, or None if every saved rank holds
+    the same: then a rank beyond the saved world may take it, as it takes its share of the global tensors."""
     first: Any = None
     for r in range(files.index.world_size):
         saved = load_rank(files, r, None, files.ref, mmap=True)
@@ -148,21 +152,24 @@ def _same_on_every_saved_rank(files: ChunkFiles, key: str | None) -> bool:
             saved = saved.get(key) if isinstance(saved, dict) else None
         if r == 0:
             first = saved
-        elif not _equal(first, saved):
-            return False
-    return True
+        elif (where := _first_difference(first, saved, [key] if key is not None else [])) is not None:
+            return f"ranks 0 and {r} differ at {where}"
+    return None
 
 
-def _equal(a: Any, b: Any) -> bool:
-    """Equal trees: the same containers and keys, tensors of one dtype and shape with equal bytes, equal values."""
+def _first_difference(a: Any, b: Any, path: list[Any]) -> str | None:
+    """The key path where two trees first differ (containers and keys, tensors' dtype, shape and bytes, values)."""
+    here = "state_dict" + "".join(f"[{p!r}]" for p in path)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+        same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
                 and a.shape == b.shape and torch.equal(a, b))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and a == b
+        return None if same else here
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        return next((d for k in a if (d := _first_difference(a[k], b[k], path + [k])) is not None), None)
+    if isinstance(a, (list, tuple)) and type(a) is type(b) and len(a) == len(b):
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := _first_difference(x, y, path + [i])) is not None),
+                    None)
+    return None if type(a) is type(b) and not isinstance(a, (dict, list, tuple)) and a == b else here
 
 
 def _read_globals(obj: Any, files: ChunkFiles) -> Any:

@@ -213,9 +213,12 @@ def test_load_into_on_a_larger_world_refuses_other_ranks_per_rank_state_unless_a
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "3")
     target = {"w": torch.zeros(4), "data_pos": 0}
-    with pytest.raises(InvalidCheckpoint, match=r"rank 2.*differs between the saved ranks.*rank=0"):
+    with pytest.raises(InvalidCheckpoint, match=r"rank 2.*differs between the saved ranks \(ranks 0 and 1 differ at "
+                                                r"state_dict\['data_pos'\]\).*rank=0"):
         ckptd.load_into(target, path)
     assert target["data_pos"] == 0
+    with pytest.raises(InvalidCheckpoint, match=r"has no rank 5; it holds ranks 0..1"):
+        ckptd.load_into(target, path, rank=5)  # a rank the checkpoint lacks is never rank 0's in disguise
     ckptd.load_into(target, path, rank=1)  # asked for on purpose
     assert target["data_pos"] == 200 and torch.equal(target["w"], torch.zeros(4))
 
