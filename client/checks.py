@@ -100,8 +100,8 @@ def check_client_args(*, max_inflight: Any, rank: Any, world_size: Any, local_ra
     if job is not None:
         if not isinstance(job, str):
             raise TypeError(f"job must be a str or None, got {type(job).__name__} {job!r:.40}")
-        if not 0 < len(job) <= MAX_JOB or not job.isprintable():
-            raise ValueError(f"job must be 1 to {MAX_JOB} printable characters, got {job!r:.60}")
+        if not 0 < len(job) <= MAX_JOB or not job.isprintable() or not job.strip():
+            raise ValueError(f"job must be 1 to {MAX_JOB} printable characters, not all spaces, got {job!r:.60}")
     if stream_commit is not None and type(stream_commit) is not bool:
         raise TypeError(f"stream_commit must be True, False or None (chosen by the core count), "
                         f"got {type(stream_commit).__name__} {stream_commit!r:.40}")

@@ -17,8 +17,11 @@ the name is what the ranks of one run share and a restarted run does not:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import uuid
+
+from ckptd.protocol.messages import MAX_JOB
 
 LAUNCHERS = (
     ("torchelastic", ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")),
@@ -28,10 +31,18 @@ LAUNCHERS = (
 
 
 def from_launcher() -> str:
-    """The run's name from its launcher's environment, or "" if no known launcher started this process."""
+    """The run's name from its launcher's environment, or "" if no known launcher started this process.
+
+    Whatever the variables hold (a run id is the user's to choose: long, or
+    with a newline), the name is one a commit can carry: a name that is too
+    long or not printable is replaced by its digest, the same on every rank.
+    """
     for launcher, keys in LAUNCHERS:
         if os.environ.get(keys[0]):
-            return ":".join([launcher, *(os.environ.get(k, "") for k in keys)])
+            name = ":".join([launcher, *(os.environ.get(k, "") for k in keys)])
+            if len(name) <= MAX_JOB and name.isprintable():
+                return name
+            return f"{launcher}:{hashlib.blake2b(name.encode('utf-8', 'surrogatepass'), digest_size=16).hexdigest()}"
     return ""
 
 

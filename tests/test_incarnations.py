@@ -239,6 +239,20 @@ def test_a_job_name_must_be_printable_text(daemon, client_factory) -> None:
     with pytest.raises(TypeError, match="job must be a str"):
         client_factory(job=7)
     assert client_factory(job="my-run-3").job == "my-run-3"
+    with pytest.raises(ValueError, match="not all spaces"):
+        client_factory(job="  ")
+
+
+@pytest.mark.parametrize("run_id", ["x" * 300, "line\nbreak"], ids=["long", "newline"])
+def test_a_launcher_run_id_of_any_text_names_the_run_by_its_digest(daemon, client_factory, monkeypatch,
+                                                                     run_id) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    first = client_factory().job
+    assert first.startswith("torchelastic:") and len(first) <= 256 and first.isprintable()
+    assert client_factory().job == first  # every rank of the run computes the same name
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert client_factory().job != first  # and a restart another one
 
 
 def test_an_existing_checkpoint_is_never_joined_by_a_restart(daemon, root) -> None:
