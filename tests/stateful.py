@@ -42,8 +42,19 @@ MIRROR_KEEP_LOCAL = 2
 """``--keep mir=2``: local retention in the mirrored directory."""
 IDLE_S = 60.0
 """How long the daemon may take to settle (uploads retried after an outage back off up to this order)."""
-KNOWN_BUGS = os.environ.get("CKPTD_STATEFUL_KNOWN_BUGS") == "1"
-"""Rules that reproduce defects still open on this branch (run with CKPTD_STATEFUL_KNOWN_BUGS=1)."""
+OPEN_BUGS = {
+    "incarnation": "a job SIGKILLed mid-save: its attempt is kept until commit_timeout instead of abandoned, and "
+                   "the restarted job saving that path joins it (a checkpoint of two incarnations, ranks told "
+                   "different outcomes)",
+}
+"""Behaviours the machine exercises only when named in CKPTD_STATEFUL_KNOWN_BUGS (comma-separated, or ``all``):
+each reproduces a defect still open on this branch; remove its name here once it is fixed."""
+_ENABLED = set(os.environ.get("CKPTD_STATEFUL_KNOWN_BUGS", "").split(","))
+
+
+def exercised(behaviour: str) -> bool:
+    """Whether the machine exercises ``behaviour``: always, unless it is listed in ``OPEN_BUGS`` and not enabled."""
+    return behaviour not in OPEN_BUGS or behaviour in _ENABLED or "all" in _ENABLED
 
 
 @dataclass
@@ -230,7 +241,7 @@ class CheckpointMachine(RuleBasedStateMachine):
                                                  held_by=self.w.daemon.proc.pid if tier == "memory" else None),
                                keep_last)
 
-    @precondition(lambda self: KNOWN_BUGS)
+    @precondition(lambda self: exercised("incarnation"))
     @rule(tier=st.sampled_from(("disk", "memory", "s3")), name=st.sampled_from(NAMES),
           before=st.integers(1, WORLD - 1), resave=st.booleans())
     def job_crashes_mid_save(self, tier: str, name: str, before: int, resave: bool) -> None:
