@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,9 @@ from s3server import S3Server
 WORLD = 2
 NAMES = ("step-1", "step-2", "step-3")
 """Few names, so saves collide: overwrites, re-saves after crashes, retention of older steps."""
-TIERS = ("disk", "memory", "s3", "mirror")
+TIERS = ("disk", "memory", "s3", "s3-memory", "mirror")
+SNAPSHOTS = ("memory", "s3-memory")
+"""Tiers saved with ``persist=False``: held in the daemon's memory, persisted to the directory or bucket later."""
 MIRROR_KEEP_LOCAL = 2
 """``--keep mir=2``: local retention in the mirrored directory."""
 IDLE_S = 60.0
@@ -46,6 +49,10 @@ OPEN_BUGS = {
     "incarnation": "a job SIGKILLed mid-save: its attempt is kept until commit_timeout instead of abandoned, and "
                    "the restarted job saving that path joins it (a checkpoint of two incarnations, ranks told "
                    "different outcomes)",
+    "s3-snapshot": "memory snapshots of s3:// paths: persist() fails on the URL, and a stop during a brief outage "
+                   "loses them",
+    "stop-outage": "a stop during a brief store outage tries once to persist a held snapshot of an s3:// path and "
+                   "loses it",
     "mirror-overwrite": "a save with overwrite=True in a mirrored directory is never uploaded (the mirror keeps the "
                         "old version) and local retention may then delete the only copy of it",
 }
@@ -108,7 +115,8 @@ class World:
 
     def path(self, tier: str, name: str) -> str:
         return {"disk": str(self.root / "run" / name), "memory": str(self.root / "mem" / name),
-                "mirror": str(self.root / "mir" / name), "s3": f"s3://{self.bucket}/run/{name}"}[tier]
+                "mirror": str(self.root / "mir" / name), "s3": f"s3://{self.bucket}/run/{name}",
+                "s3-memory": f"s3://{self.bucket}/snap/{name}"}[tier]
 
     def mirrored(self, path: str) -> str:
         """Where the mirror rule puts a checkpoint of the mirrored directory."""
@@ -176,7 +184,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         for r in ranks:
             cid = job.next_id()
             job.ranks[r].send(op="save", id=cid, sid=sid, step=step, path=self.w.path(tier, name),
-                              overwrite=overwrite, keep_last=keep_last, persist=tier != "memory")
+                              overwrite=overwrite, keep_last=keep_last, persist=tier not in SNAPSHOTS)
             job.ranks[r].wait_for("returned", cid)
             cids[r] = cid
         return sid, cids
@@ -192,7 +200,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         self.model.may.pop(path, None)
         self.model.trimmed.discard(path)
         keep = keep_last if keep_last is not None else (MIRROR_KEEP_LOCAL if tier == "mirror" else None)
-        if keep is None or tier == "memory":
+        if keep is None or tier in SNAPSHOTS:
             return
         siblings = [(s.step, s.seq, p) for p, s in self.model.must.items()
                     if p != path and str(Path(p).parent) == str(Path(path).parent)]
@@ -206,14 +214,14 @@ class CheckpointMachine(RuleBasedStateMachine):
     def _expect_refused(self, tier: str, name: str, overwrite: bool) -> bool | None:
         """Whether the documented behaviour refuses this save (None: either outcome is documented)."""
         path = self.w.path(tier, name)
-        if path in self.model.may or (tier == "memory" and path in self.model.trimmed):
+        if path in self.model.may or (tier in SNAPSHOTS and path in self.model.trimmed):
             return None
         if tier == "s3":  # a store never replaces a checkpoint
             return path in self.model.must
         if tier == "mirror" and path in self.model.trimmed:
             return None  # maybe deleted locally by now
         if path in self.model.must:
-            return not overwrite if tier != "memory" else None
+            return not overwrite if tier not in SNAPSHOTS else None
         return False
 
     def _check_outcomes(self, what: str, outcomes: dict[int, dict], refused: bool | None) -> bool:
@@ -233,7 +241,9 @@ class CheckpointMachine(RuleBasedStateMachine):
     def save(self, tier: str, name: str, overwrite: bool, keep_last: int | None, reverse: bool) -> None:
         """Every rank saves; the save is acknowledged when every future resolves."""
         self.steps_started += 1
-        if tier == "memory":
+        if tier == "s3-memory" and not exercised("s3-snapshot"):
+            tier = "memory"
+        if tier in SNAPSHOTS:
             keep_last = None
         if tier == "mirror" and not exercised("mirror-overwrite"):
             overwrite = False
@@ -243,8 +253,8 @@ class CheckpointMachine(RuleBasedStateMachine):
         what = f"save {sid} of {self.w.path(tier, name)} (incarnation {self.job.inc}, overwrite={overwrite})"
         if self._check_outcomes(what, self._outcomes(self.job, cids), refused):
             self.seq += 1
-            self._acknowledged(tier, name, Saved(self.job.inc, sid, int(name[-1]), self.seq, durable=tier != "memory",
-                                                 held_by=self.w.daemon.proc.pid if tier == "memory" else None,
+            self._acknowledged(tier, name, Saved(self.job.inc, sid, int(name[-1]), self.seq, durable=tier not in SNAPSHOTS,
+                                                 held_by=self.w.daemon.proc.pid if tier in SNAPSHOTS else None,
                                                  overwrite=overwrite), keep_last)
 
     @precondition(lambda self: exercised("incarnation"))
@@ -276,10 +286,10 @@ class CheckpointMachine(RuleBasedStateMachine):
         self.steps_started += 1
         self._crash_job()
 
-    @rule(name=st.sampled_from(NAMES))
-    def persist(self, name: str) -> None:
+    @rule(tier=st.sampled_from(SNAPSHOTS), name=st.sampled_from(NAMES))
+    def persist(self, tier: str, name: str) -> None:
         self.steps_started += 1
-        path = self.w.path("memory", name)
+        path = self.w.path(tier, name)
         saved = self.model.must.get(path)
         if saved is None or saved.durable or saved.inc != self.job.inc:
             return
@@ -291,7 +301,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         outcomes = self._outcomes(self.job, cids)
         assert all(o["ok"] for o in outcomes.values()), f"persist of held snapshot {path}: {outcomes}"
         saved.durable = True
-        assert (Path(path) / "ckptd.json").exists(), f"persist of {path} returned, but it is not on disk"
+        assert self._persisted(path), f"persist of {path} returned, but it is not on disk"
 
     @rule()
     def daemon_is_killed_and_restarted(self) -> None:
@@ -304,16 +314,27 @@ class CheckpointMachine(RuleBasedStateMachine):
                 self.model.allow_gone(path)  # memory snapshots do not survive the daemon
         self._restart_job_and_daemon()
 
-    @rule()
-    def daemon_is_stopped_and_restarted(self) -> None:
-        """SIGTERM drains: the newest held snapshot of the directory is persisted first."""
+    @rule(outage=st.booleans())
+    def daemon_is_stopped_and_restarted(self, outage: bool) -> None:
+        """SIGTERM drains: the newest held snapshot of each directory is persisted first, also when the store
+        is away for a moment as the drain begins (``outage``)."""
         self.steps_started += 1
         assert self.w.daemon is not None
+        outage = outage and exercised("stop-outage")
+        if outage:
+            self.w.proxy.cut()
+        try:
+            self.w.daemon.proc.send_signal(signal.SIGTERM)
+            if outage:  # the drain has begun and meets the outage; the store comes back within the drain's deadline
+                wait_until(lambda: self.w.daemon.proc.poll() is not None or self._draining(), 30, "the drain begun")
+        finally:
+            self.w.proxy.restore()
         code = self.w.daemon.stop(timeout=120)
         assert code == 0, f"ckptd stop exited {code}"
-        newest = self._newest_held(lambda s: True)
-        if newest is not None:
-            newest.durable = True
+        for parent in {str(Path(p).parent) for p, s in self.model.must.items() if s.held_by is not None}:
+            newest = self._newest_held(lambda s, parent=parent: str(Path(self._path_of(s)).parent) == parent)
+            if newest is not None:
+                newest.durable = True
         for path, saved in list(self.model.must.items()):
             if not saved.durable:
                 self.model.allow_gone(path)
@@ -386,10 +407,26 @@ class CheckpointMachine(RuleBasedStateMachine):
         self.dead_pids += self.job.pids
         newest = self._newest_held(lambda s: s.inc == self.job.inc)
         if newest is not None and not newest.durable:
-            path = next(p for p, s in self.model.must.items() if s is newest)
-            wait_until(lambda: (Path(path) / "ckptd.json").exists(), 60,
+            path = self._path_of(newest)
+            wait_until(lambda: self._persisted(path), 60,
                        f"the dead job's newest snapshot {path} persisted")
             newest.durable = True
+
+    def _path_of(self, saved: Saved) -> str:
+        return next(p for p, s in self.model.must.items() if s is saved)
+
+    def _draining(self) -> bool:
+        try:
+            return status(self.w.run_dir, timeout=2)["daemon"]["draining"]
+        except AssertionError:
+            return False
+
+    def _persisted(self, path: str) -> bool:
+        """Whether ``path`` has an index on disk or in the bucket (not only in the daemon's memory)."""
+        if not path.startswith("s3://"):
+            return (Path(path) / "ckptd.json").exists()
+        key = path.split("/", 3)[3] + "/ckptd.json"
+        return bool(self.w.s3.client().list_objects_v2(Bucket=self.w.bucket, Prefix=key).get("KeyCount"))
 
     def _newest_held(self, which) -> Saved | None:
         """The newest (step, then commit order) snapshot the running daemon holds among ``which``."""
