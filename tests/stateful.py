@@ -126,7 +126,8 @@ class World:
         """Start the daemon with the daemon's view of the store going through the proxy."""
         with _env(AWS_ENDPOINT_URL=f"http://127.0.0.1:{self.proxy.port}"):
             self.daemon = start_daemon(
-                self.run_dir, self.root, "--root", f"s3://{self.bucket}/run", "--keep-snapshots", "16",
+                self.run_dir, self.root, "--root", f"s3://{self.bucket}/run", "--root", f"s3://{self.bucket}/snap",
+                "--keep-snapshots", "16",
                 "--mirror", f"{self.root / 'mir'}=s3://{self.bucket}/mirror",
                 "--keep", f"{self.root / 'mir'}={MIRROR_KEEP_LOCAL}", "--drain-timeout", "30")
         self.daemon_pids.append(self.daemon.proc.pid)
