@@ -28,7 +28,8 @@ def tagged_state(inc, sid, rank, step):
     import torch
     g = torch.Generator().manual_seed(inc * 1_000_003 + sid * 1009 + rank)
     return {"tag": torch.tensor([inc, sid, rank, step], dtype=torch.int64),
-            "model": {"w": torch.randn(3000, generator=g), "b": torch.randint(0, 255, (77,), generator=g, dtype=torch.uint8)},
+            "model": {"w": torch.randn(3000, generator=g),
+                      "b": torch.randint(0, 255, (77,), generator=g, dtype=torch.uint8)},
             "step": step}
 '''
 exec(STATE_SRC)  # defines tagged_state here too: the test knows the bytes every rank saved
