@@ -38,6 +38,8 @@ class TcpProxy:
         self._deadline = time.monotonic() + lifetime
         self.connections = 0
         """Connections accepted while forwarding (a test can see that traffic went through)."""
+        self.resets = 0
+        """Connections reset by ``cut()`` or refused while cut (a test can see that the outage was met)."""
         threading.Thread(target=self._accept, name=f"proxy-{self.port}", daemon=True).start()
 
     def cut(self) -> None:
@@ -45,6 +47,7 @@ class TcpProxy:
         with self._lock:
             self._cut = True
             doomed, self._open = self._open, set()
+            self.resets += len(doomed) // 2  # each connection is two sockets
         for s in doomed:
             _reset(s)
 
@@ -77,6 +80,8 @@ class TcpProxy:
             with self._lock:
                 cut = self._cut
             if cut:
+                with self._lock:
+                    self.resets += 1
                 _reset(conn)
                 continue
             try:

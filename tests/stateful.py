@@ -19,12 +19,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
@@ -170,6 +171,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         self.seq = 0
         self.dead_pids: list[int] = []
         self.steps_started = self.steps_checked = 0
+        self.ran: list[str] = []
         self.w.start_daemon()
         self.job = self._new_job()
 
@@ -243,7 +245,7 @@ class CheckpointMachine(RuleBasedStateMachine):
           keep_last=st.sampled_from([None, None, 1, 2]), reverse=st.booleans())
     def save(self, tier: str, name: str, overwrite: bool, keep_last: int | None, reverse: bool) -> None:
         """Every rank saves; the save is acknowledged when every future resolves."""
-        self.steps_started += 1
+        self._begin()
         if tier == "s3-memory" and not exercised("s3-snapshot"):
             tier = "memory"
         if tier in SNAPSHOTS:
@@ -266,7 +268,7 @@ class CheckpointMachine(RuleBasedStateMachine):
     def job_crashes_mid_save(self, tier: str, name: str, before: int, resave: bool) -> None:
         """Some ranks' shards are in; the whole job is SIGKILLed (a rank died, the launcher killed the rest) and
         restarted as a new incarnation, which may save the same path again, its last rank first."""
-        self.steps_started += 1
+        self._begin()
         path = self.w.path(tier, name)
         _, cids = self._save(self.job, list(range(before)), tier, name)
         wait_until(lambda: self._shards_in(path) >= before or self._finished(cids), 60,
@@ -278,7 +280,7 @@ class CheckpointMachine(RuleBasedStateMachine):
     @rule()
     def job_restarts(self) -> None:
         """The job exits cleanly (its clients close) and a new incarnation starts."""
-        self.steps_started += 1
+        self._begin()
         self.job.exit()
         self._job_gone()
         self.job = self._new_job()
@@ -286,12 +288,13 @@ class CheckpointMachine(RuleBasedStateMachine):
     @rule()
     def rank_is_killed_between_saves(self) -> None:
         """A rank dies; the launcher kills the rest and starts a new incarnation."""
-        self.steps_started += 1
+        self._begin()
         self._crash_job()
 
+    @precondition(lambda self: any(not s.durable and s.inc == self.job.inc for s in self.model.must.values()))
     @rule(tier=st.sampled_from(SNAPSHOTS), name=st.sampled_from(NAMES))
     def persist(self, tier: str, name: str) -> None:
-        self.steps_started += 1
+        self._begin()
         path = self.w.path(tier, name)
         saved = self.model.must.get(path)
         if saved is None or saved.durable or saved.inc != self.job.inc:
@@ -306,9 +309,10 @@ class CheckpointMachine(RuleBasedStateMachine):
         saved.durable = True
         assert self._persisted(path), f"persist of {path} returned, but it is not on disk"
 
+    @precondition(lambda self: self.model.must)
     @rule()
     def daemon_is_killed_and_restarted(self) -> None:
-        self.steps_started += 1
+        self._begin()
         assert self.w.daemon is not None
         self.w.daemon.kill()
         assert killed(self.w.daemon.proc.returncode), "the daemon did not die of SIGKILL"
@@ -317,11 +321,12 @@ class CheckpointMachine(RuleBasedStateMachine):
                 self.model.allow_gone(path)  # memory snapshots do not survive the daemon
         self._restart_job_and_daemon()
 
+    @precondition(lambda self: self.model.must)
     @rule(outage=st.booleans())
     def daemon_is_stopped_and_restarted(self, outage: bool) -> None:
         """SIGTERM drains: the newest held snapshot of each directory is persisted first, also when the store
         is away for a moment as the drain begins (``outage``)."""
-        self.steps_started += 1
+        self._begin()
         assert self.w.daemon is not None
         outage = outage and exercised("stop-outage")
         if outage:
@@ -346,29 +351,33 @@ class CheckpointMachine(RuleBasedStateMachine):
     @rule(tier=st.sampled_from(("s3", "mirror")), name=st.sampled_from(NAMES))
     def store_outage_during_a_save(self, tier: str, name: str) -> None:
         """The endpoint goes away while a save (direct) or its upload (mirror) is under way, and comes back."""
-        self.steps_started += 1
+        self._begin()
         path = self.w.path(tier, name)
         refused = self._expect_refused(tier, name, False)
+        resets = self.w.proxy.resets
         self.w.proxy.cut()
         try:
             sid, cids = self._save(self.job, list(range(WORLD)), tier, name)
-            if tier == "mirror":  # committed locally; its upload meets the outage
+            if tier == "mirror":  # committed locally (or refused); its upload meets the outage
                 self._outcomes(self.job, cids)
-                wait_until(lambda: self._uploading() or self._idle(), 30, f"the upload of {path} under way")
-            else:
-                wait_until(lambda: self._finished(cids) or self._in_flight(path), 30, f"{path} under way")
+            # until the daemon met the outage (a save may also end without touching the store: refused)
+            wait_until(lambda: self.w.proxy.resets > resets or (self._finished(cids) and self._idle()), 60,
+                       f"the daemon meeting the outage while saving {path}")
         finally:
             self.w.proxy.restore()
         outcomes = self._outcomes(self.job, cids)
-        if self._check_outcomes(f"save {sid} of {path} through an outage", outcomes,
-                                None if tier == "s3" and refused is False else refused):
+        ok = self._check_outcomes(f"save {sid} of {path} through an outage", outcomes,
+                                  None if tier == "s3" and refused is False else refused)
+        if ok and tier == "mirror":  # its upload ran into the outage: the rule tested what it says
+            assert self.w.proxy.resets > resets, f"the upload of {path} never met the outage"
+        if ok:
             self.seq += 1
             self._acknowledged(tier, name, Saved(self.job.inc, sid, int(name[-1]), self.seq), None)
 
     @rule()
     def settle(self) -> None:
         """Wait until the daemon is idle, then everything must be clean and in place."""
-        self.steps_started += 1
+        self._begin()
         self._idle_checks()
 
     # -- checks ---------------------------------------------------------------------------------------------
@@ -388,6 +397,8 @@ class CheckpointMachine(RuleBasedStateMachine):
             self._assert_loads(path, olds, may=True)
 
     def teardown(self) -> None:
+        if os.environ.get("STATEFUL_VERBOSE") == "1":
+            print(f"stateful example: {' '.join(self.ran)}", flush=True)
         try:
             if self.steps_checked == self.steps_started:  # the example passed so far: it must end clean
                 self._idle_checks()
@@ -398,6 +409,11 @@ class CheckpointMachine(RuleBasedStateMachine):
                 self.w.close()
 
     # -- helpers --------------------------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        """Count a rule as started (teardown checks the end state only if every started rule passed)."""
+        self.steps_started += 1
+        self.ran.append(sys._getframe(1).f_code.co_name)
 
     def _crash_job(self) -> None:
         codes = self.job.kill()
@@ -486,11 +502,6 @@ class CheckpointMachine(RuleBasedStateMachine):
             f"{where} holds save {sid} of incarnation {inc}; the model says "
             f"{[(s.inc, s.sid) for s in wanted]}" + (" (or absent)" if may else ""))
 
-    def _uploading(self) -> bool:
-        """Whether an upload has started (and so meets the outage): one at a time may run, the rest queue."""
-        uploads = (status(self.w.run_dir).get("mirror") or {}).get("uploads", [])
-        return any(u["state"] != "queued" for u in uploads)
-
     def _idle(self) -> bool:
         info = status(self.w.run_dir)
         mirror = info.get("mirror") or {}
@@ -534,9 +545,11 @@ class CheckpointMachine(RuleBasedStateMachine):
 
 def run_stateful(s3: S3Server, *, examples: int, steps: int, derandomize: bool, shrink: bool) -> None:
     """Run ``examples`` sequences of up to ``steps`` rules. Shrinking replays sequences against real processes
-    (minutes per failure), so the short run leaves it off: the failing sequence is printed either way."""
+    (minutes per failure), so the short run leaves it off: the failing sequence is printed either way
+    (STATEFUL_VERBOSE=1 prints every sequence run)."""
     machine = type("Machine", (CheckpointMachine,), {"s3": s3})
     phases = [Phase.generate, Phase.shrink] if shrink else [Phase.generate]
     run_state_machine_as_test(machine, settings=settings(
         max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=derandomize, database=None,
-        suppress_health_check=list(HealthCheck), phases=phases, print_blob=False))
+        suppress_health_check=list(HealthCheck), phases=phases, print_blob=False,
+        verbosity=Verbosity.verbose if os.environ.get("STATEFUL_VERBOSE") == "1" else Verbosity.normal))

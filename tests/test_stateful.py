@@ -33,6 +33,6 @@ def aws(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
 
 @pytest.mark.timeout(600)
 def test_random_saves_crashes_and_outages_keep_every_acknowledged_checkpoint_whole(aws: S3Server) -> None:
-    run_stateful(aws, examples=int(os.environ.get("STATEFUL_EXAMPLES", "3")),
-                 steps=int(os.environ.get("STATEFUL_STEPS", "8")), derandomize=True,
+    run_stateful(aws, examples=int(os.environ.get("STATEFUL_EXAMPLES", "6")),
+                 steps=int(os.environ.get("STATEFUL_STEPS", "12")), derandomize=True,
                  shrink=os.environ.get("STATEFUL_SHRINK") == "1")
