@@ -174,8 +174,12 @@ class CheckpointMachine(RuleBasedStateMachine):
         self.dead_pids: list[int] = []
         self.steps_started = self.steps_checked = 0
         self.ran: list[str] = []
-        self.w.start_daemon()
-        self.job = self._new_job()
+        try:
+            self.w.start_daemon()
+            self.job = self._new_job()
+        except BaseException:  # no teardown follows a failed __init__: nothing may outlive it
+            self.w.close()
+            raise
 
     # -- processes ------------------------------------------------------------------------------------------
 
