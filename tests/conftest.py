@@ -13,9 +13,9 @@ import pytest
 
 from helpers import SHM, Daemon, own_segments, short_tempdir, start_daemon
 
-LONGEST_FIRST = ("test_bench_smoke", "test_crash_consistency", "test_torchrun_example", "test_client_death",
-                 "test_daemon_process", "test_fuzz_daemon", "test_export", "test_fsdp2_example", "test_dcp_reader",
-                 "test_readme")
+LONGEST_FIRST = ("test_bench_smoke", "test_stateful", "test_crash_consistency", "test_torchrun_example",
+                 "test_client_death", "test_daemon_process", "test_fuzz_daemon", "test_export", "test_fsdp2_example",
+                 "test_dcp_reader", "test_readme")
 """The modules that take longest (seconds of waiting on processes each), run first."""
 
 

@@ -1,94 +1,114 @@
-"""An outage a test controls: a TCP proxy on loopback in front of an endpoint (the S3 server).
+"""A loopback TCP proxy a test can cut: an endpoint outage between a daemon and its object store.
 
-``cut()`` closes every open connection and refuses new ones (connections are
-accepted and closed at once, as a stopped endpoint's host answers), so the
-client sees the endpoint go away mid-request; ``restore()`` lets
-connections through again. Bounded: a few threads per connection, loopback
-only, and every thread ends when ``close()`` is called or the test process
-ends (daemon threads).
+Stopping the S3 server (``tests/s3server.py``) takes the endpoint away for every
+process at once, the test's own checks included; this proxy stands between the
+daemon and the server instead, so the test decides when the daemon's uploads see
+an outage while it keeps reading the bucket directly. It listens on 127.0.0.1
+only, and it stops by itself after ``lifetime`` seconds, so a test that forgets
+it leaves no thread serving for long.
 """
 
 from __future__ import annotations
 
 import socket
+import struct
 import threading
-from typing import Any
+import time
+from types import TracebackType
 
-BUFFER = 64 * 1024
+BUFFER = 256 * 1024
+"""Bytes moved per read: large enough that a multipart upload is not syscall-bound."""
 
 
 class TcpProxy:
-    """127.0.0.1:``port`` forwarding to ``target_host``:``target_port`` until ``cut()``."""
+    """Forwards connections from ``127.0.0.1:port`` to ``target_host:target_port`` until cut.
 
-    def __init__(self, target_host: str, target_port: int) -> None:
+    ``cut()`` resets every open connection and every new one (a peer sees "connection reset", as when an
+    endpoint goes away); ``restore()`` forwards again; ``close()`` stops listening."""
+
+    def __init__(self, target_host: str, target_port: int, *, lifetime: float = 3600.0) -> None:
         self.target = (target_host, target_port)
-        self._listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+        self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._cut = False
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._accept, name="tcp-proxy", daemon=True)
-        self._thread.start()
+        self._deadline = time.monotonic() + lifetime
+        self.connections = 0
+        """Connections accepted while forwarding (a test can see that traffic went through)."""
+        self.resets = 0
+        """Connections reset by ``cut()`` or refused while cut (a test can see that the outage was met)."""
+        threading.Thread(target=self._accept, name=f"proxy-{self.port}", daemon=True).start()
 
     @property
     def url(self) -> str:
+        """The endpoint as clients reach it through the proxy."""
         return f"http://127.0.0.1:{self.port}"
 
     def cut(self) -> None:
-        """The outage: close every connection now, and every new one as soon as it is accepted."""
+        """Reset every connection, and every new one until ``restore()``."""
         with self._lock:
             self._cut = True
             doomed, self._open = self._open, set()
-        for sock in doomed:
-            _shut(sock)
+            self.resets += len(doomed) // 2  # each connection is two sockets
+        for s in doomed:
+            _reset(s)
 
     def restore(self) -> None:
-        """The end of the outage: new connections go through again."""
         with self._lock:
             self._cut = False
+
+    @property
+    def is_cut(self) -> bool:
+        return self._cut
 
     def close(self) -> None:
         self._closed.set()
         self.cut()
-        self._thread.join(5)
         self._listener.close()
 
     def __enter__(self) -> "TcpProxy":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
     def _accept(self) -> None:
-        while not self._closed.is_set():
+        while not self._closed.is_set() and time.monotonic() < self._deadline:
             try:
-                client, _ = self._listener.accept()
-            except (TimeoutError, socket.timeout):
+                conn, _ = self._listener.accept()
+            except (socket.timeout, OSError):
                 continue
-            except OSError:
-                return
             with self._lock:
                 cut = self._cut
             if cut:
-                _shut(client)
+                with self._lock:
+                    self.resets += 1
+                _reset(conn)
                 continue
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
             except OSError:
-                _shut(client)
+                _reset(conn)
                 continue
+            upstream.settimeout(None)
             with self._lock:
                 if self._cut:  # cut while connecting
-                    _shut(client)
-                    _shut(upstream)
+                    _reset(conn)
+                    _reset(upstream)
                     continue
-                self._open |= {client, upstream}
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), name="tcp-proxy-pump", daemon=True).start()
+                self._open |= {conn, upstream}
+                self.connections += 1
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+        self._closed.set()
+        self.cut()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        """Copy one direction until either side ends; then end both."""
         try:
             while True:
                 data = src.recv(BUFFER)
@@ -100,13 +120,17 @@ class TcpProxy:
         with self._lock:
             self._open.discard(src)
             self._open.discard(dst)
-        _shut(src)
-        _shut(dst)
+        for s in (src, dst):
+            _reset(s)
 
 
-def _shut(sock: socket.socket) -> None:
+def _reset(s: socket.socket) -> None:
+    """Close with a TCP reset (SO_LINGER 0), so the peer fails at once instead of waiting on a half-closed stream."""
     try:
-        sock.shutdown(socket.SHUT_RDWR)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     except OSError:
         pass
-    sock.close()
+    try:
+        s.close()
+    except OSError:
+        pass
