@@ -121,7 +121,7 @@ class Holding:
                 self.fail(snap, fut.exception())
             return
         if failed:  # the snapshot failed meanwhile (its ranks were told): the slot goes back under its name
-            self.workers.submit("maintenance", lambda: self.state.slots.give_back(shard.slot, msg.slot))
+            self._return_unheld([shard])
             return
         shard.checksum = fut.result()
         log.info("event=snapshot_held path=%s rank=%d bytes=%d", snap.path, msg.rank, msg.nbytes)
@@ -156,9 +156,30 @@ class Holding:
             self.send(client, Error(rid, reply.code, reply.message))
         for client, rid in snap.persist_waiting:
             self.send(client, Error(rid, reply.code, reply.message))
-        for shard in snap.shards.values():  # held ones go back under their names; the others when checksummed
-            if shard.checksum is not None:
-                self.workers.submit("maintenance", lambda sh=shard: self.state.slots.give_back(sh.slot, sh.msg.slot))
+        self._return_unheld([sh for sh in snap.shards.values() if sh.checksum is not None])  # the others: when
+        # checksummed (``_checksummed``)
+
+    def _return_unheld(self, shards: list[HeldShard]) -> None:
+        """Slots of a snapshot that failed before its ranks were told ``Held``: their clients still count them as
+        their own (no ``released`` entry), and a gone client's is unlinked (``_hand_back``)."""
+        if shards:
+            self._hand_back(shards, lambda back, fut: None)
+
+    def _hand_back(self, shards: list[HeldShard], done: Callable[[list[HeldShard], Future], None]) -> None:
+        """A connected client's slot goes back under its old name, a gone one's is unlinked (its name would be a
+        dead process's segment that nothing reclaims any more); ``done(back, future)`` runs on the loop after."""
+        slots = self.state.slots
+        back = [sh for sh in shards if self.state.pid_connected(sh.pid)]
+        gone = [sh for sh in shards if sh not in back]
+        for shard in gone:
+            slots.release(shard.slot)
+        names = [sh.slot.name for sh in gone]
+
+        def work() -> None:
+            _unlink(slots.shm_dir, names)
+            for sh in back:
+                slots.give_back(sh.slot, sh.msg.slot)
+        self.workers.submit("maintenance", work, lambda fut: done(back, fut))
 
     def _abandon_if_orphaned(self, snap: HeldSnapshot) -> None:
         """Fail a snapshot still missing ranks whose contributors died: no rank of their job can complete it."""
@@ -205,21 +226,11 @@ class Holding:
         self._release(shards_of(self.snapshots.unpin(ident)))
 
     def _release(self, shards: list[HeldShard], then: Callable[[], None] = lambda: None) -> None:
-        """Drop held shards: a live, connected client gets its slot back (under its old name), others' are
-        unlinked; ``then`` runs on the loop once that is done."""
+        """Drop held shards: a live, connected client gets its slot back (under its old name, named in its next
+        ``Held``), others' are unlinked; ``then`` runs on the loop once that is done."""
         slots = self.state.slots
-        back = [sh for sh in shards if self.state.pid_connected(sh.pid)]
-        gone = [sh for sh in shards if sh not in back]
-        for shard in gone:
-            slots.release(shard.slot)
-        names = [sh.slot.name for sh in gone]
 
-        def work() -> None:
-            _unlink(slots.shm_dir, names)
-            for sh in back:
-                slots.give_back(sh.slot, sh.msg.slot)
-
-        def done(fut: Future) -> None:
+        def done(back: list[HeldShard], fut: Future) -> None:
             if fut.exception() is not None:
                 log.warning("event=release_failed error=%r", fut.exception())
             left = [sh.msg.slot for sh in back if not self.state.pid_connected(sh.pid)]  # went meanwhile
@@ -230,7 +241,7 @@ class Holding:
                 self.workers.submit("maintenance", lambda: _unlink(slots.shm_dir, left))
             then()
         if shards:
-            self.workers.submit("maintenance", work, done)
+            self._hand_back(shards, done)
         else:
             then()
 

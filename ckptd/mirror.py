@@ -180,12 +180,6 @@ class Mirrors:
             out.add(checkpoint)
         return out
 
-    def unmirrored_beside(self, newest: Path) -> set[Path]:
-        """``unmirrored`` for the committed checkpoints beside ``newest`` (what its retention may delete)."""
-        if self.target(newest) is None:
-            return set()
-        return self.unmirrored([path for _, path in committed_in(self.storage, newest.parent)])
-
     def idle(self) -> bool:
         """Whether no upload is queued, running or waiting for a retry."""
         with self._cond:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,13 +27,17 @@ from .storage import Storage
 log = logging.getLogger("ckptd")
 
 
-def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: set[Path]) -> list[Path]:
+def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: set[Path],
+                    keep: Callable[[Path], bool] | None = None) -> list[Path]:
     """Delete committed checkpoints beside ``newest`` beyond the newest ``keep_last``.
 
     ``newest`` (the checkpoint just committed) is never deleted, whatever its
     step, and neither is one newer than it that committed meanwhile (this
     runs later, off the loop thread); neither is anything in ``in_flight``, nor a checkpoint that holds
-    files ckptd did not write (it is logged and kept). Returns what was deleted.
+    files ckptd did not write (it is logged and kept), nor one ``keep`` asks to keep (the mirror lacks it).
+    ``keep`` is asked of each victim right before it goes, never of a listing made earlier: under load
+    this run starts seconds after it was asked for, and a checkpoint may have been saved again since.
+    Returns what was deleted.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
@@ -43,6 +48,9 @@ def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: s
                if p not in in_flight and key[1] <= created]  # one committed after newest (this runs later) stays
     deleted = []
     for victim in victims:
+        if keep is not None and keep(victim):
+            log.info("event=retention_keep path=%s reason=not_on_mirror", victim)
+            continue
         reason = why_not_replaceable(storage, victim)
         if reason is not None:
             log.warning("event=retention_skip path=%s reason=%s", victim, reason)

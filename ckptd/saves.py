@@ -267,8 +267,8 @@ class Saves:
 
         def run() -> list[Path]:
             request = self.retentions.take(key)
-            unmirrored = mirrors.unmirrored_beside(request.newest) if mirrors is not None else set()
-            return apply_retention(self.storage, request.newest, request.keep_last, set(request.in_flight) | unmirrored)
+            keep = (lambda victim: bool(mirrors.unmirrored([victim]))) if mirrors is not None else None
+            return apply_retention(self.storage, request.newest, request.keep_last, set(request.in_flight), keep)
 
         self.workers.submit("maintenance", run, lambda f: self._retention_done(newest, f))
 
