@@ -207,12 +207,12 @@ class Commits:
                                         commit.coordinated, commit.keep_last, commit.timeout,
                                         contributors=Contributors(commit.job))
             self.pending[final] = pending
-        elif (pending.world_size, pending.step, pending.coordinated) != (commit.world_size, commit.step, commit.coordinated):
+        pending.contributors.refuse_other_job(final, commit)
+        if (pending.world_size, pending.step, pending.coordinated) != (commit.world_size, commit.step, commit.coordinated):
             raise Conflict(
                 f"checkpoint {final} is being written with world size {pending.world_size} and step "
                 f"{pending.step}; this commit says world size {commit.world_size}, step {commit.step}"
             )
-        pending.contributors.refuse_other_job(final, commit)
         if commit.rank in pending.ranks_seen:
             raise Conflict(f"rank {commit.rank} of checkpoint {final} is already being written")
         pending.contributors.join(commit, pid)

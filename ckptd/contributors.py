@@ -71,7 +71,21 @@ class Contributors:
                 f"incarnation {msg.job or 'unnamed'!r}. A checkpoint is only ever made of one run's shards: wait for "
                 f"that save to end, or save under another path")
 
-    def replicated_conflict(self, path: Path, msg: Commit) -> Conflict | None:
+    def same_run_conflict(self, path: Path, msg: Commit, world_size: int, step: int | None,
+                          coordinated: bool) -> Conflict | None:
+        """A ``Conflict`` if ``msg``, a rank of this attempt's own run, disagrees with the ranks before it (world
+        size, step, replicated keys): the run's save is broken, so the caller fails it on every rank."""
+        if msg.job != self.job:
+            return None  # another run: ``refuse_other_job`` answers it alone
+        if (world_size, step, coordinated) != (msg.world_size, msg.step, msg.coordinated):
+            return Conflict(
+                f"checkpoint {display(path)}: rank {msg.rank} says world size {msg.world_size}, step {msg.step}"
+                f"{' (several nodes)' if msg.coordinated else ''}; ranks {sorted(self.pids)} said world size "
+                f"{world_size}, step {step}{' (several nodes)' if coordinated else ''}. Every rank of a save must "
+                f"agree; nothing was saved")
+        return self._replicated_conflict(path, msg)
+
+    def _replicated_conflict(self, path: Path, msg: Commit) -> Conflict | None:
         """A ``Conflict`` naming the key and ranks if ``msg``'s replicated keys differ from the first rank's."""
         if self.replicated is None or msg.replicated == self.replicated:
             return None

@@ -89,7 +89,8 @@ class Holding:
         if current is not None:
             self._abandon_if_orphaned(current)
             current = self.snapshots.held.get(examined.final)
-        conflict = current.contributors.replicated_conflict(examined.final, msg) if current is not None else None
+        conflict = None if current is None else current.contributors.same_run_conflict(
+            examined.final, msg, current.world_size, current.step, current.coordinated)
         try:
             if conflict is not None:  # the snapshot fails on every rank, this one included
                 self.fail(current, conflict)

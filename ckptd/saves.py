@@ -116,6 +116,14 @@ class Saves:
         current = state.commits.pending.get(final)
         if current is not None and not internal:
             self._abandon_if_orphaned(current)
+            live = current.state in (CheckpointState.PREPARING, CheckpointState.WRITING)
+            conflict = current.contributors.same_run_conflict(final, msg, current.world_size, current.step,
+                                                              current.coordinated) if live else None
+            if conflict is not None:  # the run's save is broken: every rank is told, this one included
+                self.fail(current, conflict)
+                state.slots.release(examined.slot)
+                self._refuse(ident, msg, conflict)
+                return
         if final in state.closing:  # a failed attempt's directory is still in the way: wait for it
             state.deferred.setdefault(final, []).append((ident, msg, pid, progress, examined))
             return
@@ -127,7 +135,6 @@ class Saves:
             check_room(final, examined.space, msg.nbytes, state.reserved_on(examined.space.device),
                        margin_fraction=cfg.space_margin_fraction, margin_min=cfg.space_margin_bytes,
                        shm_min_free=cfg.shm_min_free, shm_free=examined.shm_free)
-            conflict = current.contributors.replicated_conflict(final, msg) if current is not None else None
             pending, dest = state.commits.admit(msg, ident, final, pid)
         except BaseException as exc:
             state.slots.release(examined.slot)
@@ -146,11 +153,6 @@ class Saves:
         # The daemon holds the save now (its slot mapped, its job listed): the client may go on, before the
         # checkpoint's directory exists (a failure to make it fails the save through its future).
         self.send(ident, Accepted(msg.id))
-        if conflict is not None:  # every rank is told, this one included; its shard is never written
-            self.fail(pending, conflict)
-        if pending.state is CheckpointState.FAILED:
-            self._write_finished(job, pending, None)
-            return
         if pending.state is not CheckpointState.PREPARING:
             self._start(job, pending)
             return

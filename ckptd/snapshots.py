@@ -151,12 +151,12 @@ class Snapshots:
         snap = self.held.get(final)
         if snap is not None and snap.acknowledged:
             raise Conflict(f"snapshot {final} is already held in memory; snapshot under a new path (one per step)")
+        if snap is not None:
+            snap.contributors.refuse_other_job(final, msg)
         if snap is not None and (snap.world_size, snap.step, snap.coordinated) != (msg.world_size, msg.step,
                                                                                     msg.coordinated):
             raise Conflict(f"snapshot {final} is being held with world size {snap.world_size} and step {snap.step}; "
                            f"this rank says world size {msg.world_size}, step {msg.step}")
-        if snap is not None:
-            snap.contributors.refuse_other_job(final, msg)
         if snap is not None and msg.rank in snap.shards:
             raise Conflict(f"rank {msg.rank} of snapshot {final} is already held")
         evicted = self._make_room(final, msg.nbytes)

@@ -268,3 +268,18 @@ def test_an_existing_checkpoint_is_never_joined_by_a_restart(daemon, root) -> No
     outcome = again.event()
     assert outcome["event"] == "failed" and outcome["kind"] == CheckpointExists.__name__, outcome
     assert ranks_values(path) == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("mode", ["wait", "wait-memory"], ids=["disk", "memory"])
+def test_ranks_of_one_run_that_disagree_on_the_world_fail_the_save_on_every_rank_at_once(daemon, root, mode) -> None:
+    """Rank 0 says two ranks, rank 1 says three: the run's save is broken, and rank 0 is told now, not after the
+    commit timeout (600 s here) while it waits for a rank 1 of a two-rank world that already came."""
+    path = root / "step-7"
+    first = Rank(RUN_1, daemon.run_dir, path, 0, 2, 1.0, mode)
+    assert first.event()["event"] == "staged"
+    second = Rank(RUN_1, daemon.run_dir, path, 1, 3, 1.0, mode)
+    assert second.event()["event"] == "staged"
+    for outcome in (second.event(), first.event()):
+        assert outcome["event"] == "failed" and outcome["kind"] == Conflict.__name__, outcome
+        assert "rank 1 says world size 3" in outcome["message"] and "said world size 2" in outcome["message"]
+    assert not path.exists()
