@@ -12,6 +12,7 @@ from typing import Iterator
 import pytest
 
 from helpers import SHM, Daemon, own_segments, short_tempdir, start_daemon
+from s3server import S3Server
 
 LONGEST_FIRST = ("test_bench_smoke", "test_stateful", "test_crash_consistency", "test_torchrun_example",
                  "test_client_death", "test_daemon_process", "test_fuzz_daemon", "test_export", "test_fsdp2_example",
@@ -97,3 +98,26 @@ def no_leaked_segments() -> Iterator[None]:
     for name in leaked:
         (SHM / name).unlink(missing_ok=True)
     assert not leaked, f"test leaked shared-memory segments {sorted(leaked)}"
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    """A real S3 HTTP endpoint on localhost (moto's server, ``s3server.py``), one per test module."""
+    server = S3Server()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def aws(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """``s3`` with this process and the daemons it starts pointed at it (endpoint and credentials)."""
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    return s3
+
+
+@pytest.fixture
+def bucket(aws: S3Server) -> str:
+    """A fresh bucket on ``aws``."""
+    return aws.new_bucket()

@@ -233,3 +233,17 @@ def join_ranks(ctx: Any, deadline: float, what: str = "the ranks did not finish"
     """
     while not ctx.join(max(0.1, min(5.0, deadline - time.monotonic()))):
         assert time.monotonic() < deadline, what
+
+
+def keys(s3: Any, bucket: str, prefix: str = "") -> list[str]:
+    """The object keys in ``bucket`` under ``prefix``, read straight from the S3 server ``s3`` (no ckptd code)."""
+    listed = s3.client().list_objects_v2(Bucket=bucket, Prefix=prefix)
+    return sorted(o["Key"] for o in listed.get("Contents", []))
+
+
+def seeded_state(n: int = 1000, seed: int = 0) -> dict:
+    """A small state whose tensors and ``step`` follow from ``seed``: a test knows what a checkpoint must hold."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(n, generator=g), "b": torch.arange(7, dtype=torch.int64), "step": seed}

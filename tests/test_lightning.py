@@ -31,7 +31,6 @@ import ckptd  # noqa: E402
 from ckptd.integrations.lightning import CkptdCheckpointIO  # noqa: E402
 
 from helpers import wait_until
-from test_object_storage import bucket, s3  # noqa: F401 - fixtures: a real S3 endpoint (tests/s3server.py)
 
 SCORES = [0.9, 0.5, 0.2, 0.1]
 """The monitored score of epochs 0-3 (lower is better): after three epochs the best two are

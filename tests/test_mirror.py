@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import wait_until
-from test_object_storage import bucket, keys, s3, state  # noqa: F401 - fixtures
+from helpers import keys, seeded_state as state, wait_until
 
 from ckptd.mirror import Mirrors
 from ckptd.objects import Routed

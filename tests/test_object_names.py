@@ -9,8 +9,7 @@ import re
 
 import pytest
 import torch
-from helpers import ckptd_cli, wait_until
-from test_object_storage import bucket, keys, s3, state  # noqa: F401 - fixtures
+from helpers import ckptd_cli, keys, seeded_state as state, wait_until
 
 import ckptd
 from ckptd.protocol.endpoint import LOG_NAME

@@ -12,38 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import wait_until
-from s3server import S3Server, free_port
+from helpers import keys, seeded_state as state, wait_until
+from s3server import free_port
 
 import ckptd
 from ckptd.protocol.errors import InvalidCheckpoint, WriteFailed
 from ckptd.protocol.index import INDEX_NAME
-
-
-@pytest.fixture(scope="module")
-def s3() -> S3Server:
-    server = S3Server()
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def bucket(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A fresh bucket, with this process and the daemons it starts pointed at the endpoint."""
-    for key, value in s3.env.items():
-        monkeypatch.setenv(key, value)
-    return s3.new_bucket()
-
-
-def keys(s3: S3Server, bucket: str, prefix: str = "") -> list[str]:
-    listed = s3.client().list_objects_v2(Bucket=bucket, Prefix=prefix)
-    return sorted(o["Key"] for o in listed.get("Contents", []))
-
-
-def state(n: int = 1000, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(n, generator=g), "b": torch.arange(7, dtype=torch.int64), "step": seed}
 
 
 def test_a_save_to_s3_round_trips_through_the_bucket(s3, bucket, daemon_factory, client_factory, root) -> None:

@@ -7,9 +7,8 @@ import signal
 
 import pytest
 import torch
-from helpers import wait_until
+from helpers import keys, seeded_state as state, wait_until
 from proxy import TcpProxy
-from test_object_storage import bucket, keys, s3, state  # noqa: F401 - fixtures
 
 import ckptd
 from ckptd.protocol.endpoint import LOG_NAME

@@ -15,22 +15,6 @@ from s3server import S3Server
 from stateful import run_stateful
 
 
-@pytest.fixture(scope="module")
-def s3() -> S3Server:
-    server = S3Server()
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def aws(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    """This process reads the bucket directly; the daemons the machine starts go through its proxy."""
-    for key, value in s3.env.items():
-        monkeypatch.setenv(key, value)
-    return s3
-
-
 @pytest.mark.timeout(600)
 def test_random_saves_crashes_and_outages_keep_every_acknowledged_checkpoint_whole(aws: S3Server) -> None:
     run_stateful(aws, examples=int(os.environ.get("STATEFUL_EXAMPLES", "6")),

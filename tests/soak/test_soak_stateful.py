@@ -13,21 +13,6 @@ pytestmark = pytest.mark.skipif(os.environ.get("CKPTD_SOAK") != "1",
                                 reason="soak test: run with `make soak` (CKPTD_SOAK=1)")
 
 
-@pytest.fixture(scope="module")
-def s3() -> S3Server:
-    server = S3Server()
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def aws(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    for key, value in s3.env.items():
-        monkeypatch.setenv(key, value)
-    return s3
-
-
 @pytest.mark.timeout(3600)
 def test_many_random_sequences_keep_every_acknowledged_checkpoint_whole(aws: S3Server) -> None:
     """Random sequences each run (a failure is shrunk to its shortest sequence and printed)."""
