@@ -117,6 +117,8 @@ def remove_checkpoint(storage: Storage, path: Path, *, marker: str | None) -> bo
     if not storage.can_rename(path):  # an object store: without its index it is gone for readers
         if storage.stat(path / INDEX_NAME) is None:
             return False
+        if marker is not None:  # first: a crash after the index went leaves shards the start-up sweep removes
+            storage.touch(path / marker)
         storage.unlink(path / INDEX_NAME)
         storage.remove_tree(path)
         return True

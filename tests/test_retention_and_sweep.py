@@ -56,6 +56,19 @@ class FailingRename(LocalStorage):
         super().rename(src, dst)
 
 
+class CrashAfterIndexGone(LocalStorage):
+    """A store without rename (as an object store is), whose process "dies" right after a checkpoint's index is
+    deleted: what a daemon killed inside retention on a bucket leaves."""
+
+    def can_rename(self, path: Path) -> bool:
+        return False
+
+    def unlink(self, path: Path) -> None:
+        super().unlink(path)
+        if path.name == INDEX_NAME:
+            raise SystemExit("killed")
+
+
 # -- retention -----------------------------------------------------------------
 
 
@@ -168,3 +181,14 @@ def test_known_directories_survive_a_restart_once_each_and_only_the_newest_are_k
         known.remember(Path(f"/ckpts/run-{n}"))
     again = KnownDirs(LocalStorage(), tmp_path)
     assert len(again.dirs) == MAX_KNOWN_DIRS and again.dirs[0] == Path("/ckpts/b")
+
+
+def test_retention_on_a_store_without_rename_marks_its_victim_before_the_index_goes(tmp_path: Path) -> None:
+    """Killed between the index and the shards, a victim on an object store must carry this daemon's owner
+    marker, or the start-up sweep (which removes an index-less prefix only when its markers name dead daemons)
+    leaves its shards in the bucket for good."""
+    old, newest = checkpoint(tmp_path, "step-1", 1), checkpoint(tmp_path, "step-2", 2)
+    with pytest.raises(SystemExit):
+        apply_retention(CrashAfterIndexGone(), newest, 1, set())
+    left = sorted(os.listdir(old))
+    assert INDEX_NAME not in left and owner_marker() in left, left
