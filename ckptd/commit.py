@@ -21,6 +21,7 @@ All bookkeeping here runs on the loop thread; ``resolve_path``,
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -190,6 +191,10 @@ class Commits:
         self.roots = roots
         self.pending: dict[Path, PendingCheckpoint] = {}
         self.failed: dict[Path, FailedCheckpoint] = {}
+        self.publishing = threading.Lock()
+        """Held while a checkpoint takes its name (rename or exchange, commit pool) and while retention checks
+        that a victim is still the version it judged and sets it aside (maintenance pool): so retention never
+        deletes a version that replaced the one it checked (an overwrite committed while it asked the mirror)."""
 
     def admit(self, commit: Commit, client: bytes, final: Path, pid: int) -> tuple[PendingCheckpoint, Path]:
         """Register one rank's commit (from process ``pid``) to ``final``; returns its checkpoint and shard file path.
@@ -340,21 +345,22 @@ class Commits:
                 return
             storage.write_file(pending.incomplete / INDEX_NAME, index.to_json())
             storage.fsync_dir(pending.incomplete)
-            if storage.stat(final) is not None:
-                if not pending.overwrite:
-                    raise CheckpointExists(f"checkpoint {final} appeared while this one was written")
-                check_replaceable(storage, final)
-                # Mark the old checkpoint as ours first: after the swap it sits at
-                # p.incomplete, and if we die there the start-up sweep removes it.
-                storage.touch(final / owner_marker())
-                storage.exchange(pending.incomplete, final)  # the old checkpoint is now at p.incomplete
-                renamed = True
-                storage.fsync_dir(final.parent)
+            with self.publishing:
+                replacing = storage.stat(final) is not None
+                if replacing:
+                    if not pending.overwrite:
+                        raise CheckpointExists(f"checkpoint {final} appeared while this one was written")
+                    check_replaceable(storage, final)
+                    # Mark the old checkpoint as ours first: after the swap it sits at
+                    # p.incomplete, and if we die there the start-up sweep removes it.
+                    storage.touch(final / owner_marker())
+                    storage.exchange(pending.incomplete, final)  # the old checkpoint is now at p.incomplete
+                else:
+                    storage.rename(pending.incomplete, final)
+            renamed = True
+            storage.fsync_dir(final.parent)
+            if replacing:
                 storage.remove_tree(pending.incomplete)
-            else:
-                storage.rename(pending.incomplete, final)
-                renamed = True
-                storage.fsync_dir(final.parent)
         except CkptdError:
             raise
         except OSError as exc:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,8 @@ log = logging.getLogger("ckptd")
 
 
 def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: set[Path],
-                    keep: Callable[[Path], bool] | None = None) -> list[Path]:
+                    keep: Callable[[Path], bool] | None = None,
+                    publishing: AbstractContextManager[Any] = nullcontext()) -> list[Path]:
     """Delete committed checkpoints beside ``newest`` beyond the newest ``keep_last``.
 
     ``newest`` (the checkpoint just committed) is never deleted, whatever its
@@ -36,7 +38,10 @@ def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: s
     runs later, off the loop thread); neither is anything in ``in_flight``, nor a checkpoint that holds
     files ckptd did not write (it is logged and kept), nor one ``keep`` asks to keep (the mirror lacks it).
     ``keep`` is asked of each victim right before it goes, never of a listing made earlier: under load
-    this run starts seconds after it was asked for, and a checkpoint may have been saved again since.
+    this run starts seconds after it was asked for, and a checkpoint may have been saved again since. And
+    ``keep`` may itself take seconds (it asks the mirror's store): so the victim is set aside only if its
+    index is still the one it had before ``keep`` was asked, checked under ``publishing`` (the lock a commit
+    holds while it takes a name), so an overwrite committed meanwhile is never the version deleted.
     Returns what was deleted.
     """
     if keep_last < 1:
@@ -48,6 +53,7 @@ def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: s
                if p not in in_flight and key[1] <= created]  # one committed after newest (this runs later) stays
     deleted = []
     for victim in victims:
+        judged = _index_bytes(storage, victim)
         if keep is not None and keep(victim):
             log.info("event=retention_keep path=%s reason=not_on_mirror", victim)
             continue
@@ -56,8 +62,15 @@ def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: s
             log.warning("event=retention_skip path=%s reason=%s", victim, reason)
             continue
         try:
-            if not remove_checkpoint(storage, victim, marker=owner_marker()):
+            # An object store is never overwritten in place (and its requests may stall): no lock there
+            with publishing if storage.can_rename(victim) else nullcontext():
+                if _index_bytes(storage, victim) != judged:
+                    log.info("event=retention_skip path=%s reason=saved_again", victim)
+                    continue
+                doomed = set_aside_checkpoint(storage, victim, marker=owner_marker())
+            if doomed is None:
                 continue
+            storage.remove_tree(doomed)
         except OSError as exc:
             log.warning("event=retention_skip path=%s error=%s", victim, exc.strerror or exc)
             continue
@@ -104,6 +117,12 @@ class RetentionQueue:
             return self._waiting.pop(key)
 
 
+def _index_bytes(storage: Storage, checkpoint: Path) -> bytes | None:
+    """The checkpoint's index as stored now (None: none): which version of it is there."""
+    st = storage.stat(checkpoint / INDEX_NAME)
+    return None if st is None else storage.read(checkpoint / INDEX_NAME, 0, st.size)
+
+
 def remove_checkpoint(storage: Storage, path: Path, *, marker: str | None) -> bool:
     """Delete a committed checkpoint in two phases; False if it was already gone.
 
@@ -114,14 +133,23 @@ def remove_checkpoint(storage: Storage, path: Path, *, marker: str | None) -> bo
     removes. A leftover of an interrupted removal is cleared first. On an
     ``OSError`` before the rename, the marker is taken back and the error raised.
     """
+    doomed = set_aside_checkpoint(storage, path, marker=marker)
+    if doomed is None:
+        return False
+    storage.remove_tree(doomed)
+    return True
+
+
+def set_aside_checkpoint(storage: Storage, path: Path, *, marker: str | None) -> Path | None:
+    """The first phase of ``remove_checkpoint``: the checkpoint is gone for readers; returns what is left to
+    remove (None: it was already gone)."""
     if not storage.can_rename(path):  # an object store: without its index it is gone for readers
         if storage.stat(path / INDEX_NAME) is None:
-            return False
+            return None
         if marker is not None:  # first: a crash after the index went leaves shards the start-up sweep removes
             storage.touch(path / marker)
         storage.unlink(path / INDEX_NAME)
-        storage.remove_tree(path)
-        return True
+        return path
     doomed = deleting_path(path)
     if storage.stat(doomed) is not None:
         storage.remove_tree(doomed)
@@ -130,10 +158,9 @@ def remove_checkpoint(storage: Storage, path: Path, *, marker: str | None) -> bo
             storage.touch(path / marker)
         storage.rename(path, doomed)
     except FileNotFoundError:
-        return False
+        return None
     except OSError:
         if marker is not None:
             remove_markers(storage, path)
         raise
-    storage.remove_tree(doomed)
-    return True
+    return doomed

@@ -270,7 +270,8 @@ class Saves:
         def run() -> list[Path]:
             request = self.retentions.take(key)
             keep = (lambda victim: bool(mirrors.unmirrored([victim]))) if mirrors is not None else None
-            return apply_retention(self.storage, request.newest, request.keep_last, set(request.in_flight), keep)
+            return apply_retention(self.storage, request.newest, request.keep_last, set(request.in_flight), keep,
+                                   self.state.commits.publishing)
 
         self.workers.submit("maintenance", run, lambda f: self._retention_done(newest, f))
 

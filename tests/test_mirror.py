@@ -60,8 +60,10 @@ def test_uploads_cut_off_by_a_crash_are_resumed_at_the_next_start_and_kept_local
         client.save_async(state(seed=3), run / "step-3", step=3).result(30)  # --keep 1: wants only step-3
         retention_has_run(client, root)
         assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-2", "step-3"]  # none of them is uploaded
-        queued = {Path(u["source"]).name for u in daemon.status()["mirror"]["uploads"]}
-        assert queued == {"step-1", "step-2", "step-3"}
+        queued = lambda: {Path(u["source"]).name for u in daemon.status()["mirror"]["uploads"]}  # noqa: E731
+        # the restart's scan asks the (stopped) store about each checkpoint it finds before it queues it
+        wait_until(lambda: queued() == {"step-1", "step-2", "step-3"}, timeout=60,
+                   what=lambda: f"all three queued for upload, not {queued()}")
     finally:
         s3.start()
     wait_until(lambda: mirrored(s3, bucket) == ["step-1", "step-2", "step-3"], timeout=60,

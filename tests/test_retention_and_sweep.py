@@ -192,3 +192,20 @@ def test_retention_on_a_store_without_rename_marks_its_victim_before_the_index_g
         apply_retention(CrashAfterIndexGone(), newest, 1, set())
     left = sorted(os.listdir(old))
     assert INDEX_NAME not in left and owner_marker() in left, left
+
+
+def test_retention_never_deletes_a_version_saved_while_it_asked_the_mirror_about_the_one_before(tmp_path: Path) -> None:
+    """Asking the mirror's store whether a victim is uploaded can take seconds (an outage); a save with
+    overwrite=True may commit a new version meanwhile. The mirror's answer was about the old version: the new
+    one, on no mirror yet, must stay."""
+    checkpoint(tmp_path, "last", 8, created=1.0)
+    newest = checkpoint(tmp_path, "epoch-12", 12, created=2.0)
+
+    def keep(victim: Path) -> bool:  # "mirrored", said of the old version, while the overwrite commits
+        replacement = checkpoint(tmp_path / "new", "last", 20, created=3.0)
+        os.rename(victim, tmp_path / "old")
+        os.rename(replacement, victim)
+        return False
+
+    assert apply_retention(LocalStorage(), newest, 1, set(), keep) == []
+    assert CheckpointIndex.from_json((tmp_path / "last" / INDEX_NAME).read_bytes(), "last").step == 20
