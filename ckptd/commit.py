@@ -152,8 +152,12 @@ def resolve_path(storage: Storage, raw: str, roots: tuple[Path, ...]) -> Path:
         final = storage.resolve(path.parent) / path.name
         if not any(final.is_relative_to(root) and final != root for root in roots):
             allowed = ", ".join(display(r) for r in roots)
-            hint = (f"; to save there, start the daemon with --root {display(final.parent)} (a daemon the client "
-                    f"spawns reads its roots from $CKPTD_ROOTS)") if is_object else ""
+            hint = ""
+            if is_object and len(final.parts) < 3:  # s3://bucket: a bucket, no checkpoint name in it
+                hint = "; a checkpoint on an object store is named s3://BUCKET/NAME (a bucket is no checkpoint)"
+            elif is_object:
+                hint = (f"; to save there, start the daemon with --root {display(final.parent)} (a daemon the client "
+                        f"spawns reads its roots from $CKPTD_ROOTS)")
             raise PathNotAllowed(f"checkpoint path {display(final)} is not strictly below the daemon's allowed roots "
                                  f"({allowed}){hint}")
         st = None if is_object else storage.stat(final)  # an object is never a link: no request before Accepted

@@ -523,3 +523,10 @@ def test_inspect_and_verify_of_an_object_name_it_by_its_url(s3, bucket, daemon_f
     assert inspect_checkpoint(url).path == url and inspect_checkpoint(Path(url)).path == url
     report = verify_checkpoint(url)
     assert report.ok and report.path == url
+
+
+def test_a_bucket_alone_is_no_checkpoint_name_and_the_error_says_what_is(s3, bucket, daemon_factory,
+                                                                         client_factory) -> None:
+    daemon_factory("--root", f"s3://{bucket}/run")
+    with pytest.raises(ckptd.PathNotAllowed, match=r"named s3://BUCKET/NAME \(a bucket is no checkpoint\)"):
+        client_factory().save_async(state(seed=1), f"s3://{bucket}", step=1).result(30)
