@@ -271,11 +271,12 @@ class Mirrors:
         assert dest is not None
         upload.attempts += 1
         upload.started = upload.started or time.monotonic()
-        skipped = False
+        skipped: str | None = None
         try:
-            index = read_index(self.storage, checkpoint)
-            if self._retired(checkpoint, index):
-                skipped = True
+            if self.storage.stat(checkpoint / INDEX_NAME) is None:  # deleted (the user's retention) before its turn
+                skipped = "deleted_locally"
+            elif self._retired(checkpoint, index := read_index(self.storage, checkpoint)):
+                skipped = "older_than_mirror_keep"
             elif not self._on_mirror(checkpoint, index):
                 self._upload(checkpoint, dest, index, upload)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, transient ones retried
@@ -287,7 +288,7 @@ class Mirrors:
             self.counts["skipped" if skipped else "uploaded"] += 1
             self._ended(checkpoint, upload)
             if skipped:
-                log.info("event=mirror_skipped path=%s dest=%s reason=older_than_mirror_keep", checkpoint, upload.dest)
+                log.info("event=mirror_skipped path=%s dest=%s reason=%s", checkpoint, upload.dest, skipped)
             else:
                 log.info("event=mirrored path=%s dest=%s bytes=%d", checkpoint, upload.dest, upload.sent)
         try:

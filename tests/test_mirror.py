@@ -4,6 +4,7 @@ a real daemon uploading to a real S3 endpoint on localhost (moto's server, ``tes
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import socket
 import subprocess
@@ -280,3 +281,24 @@ def test_a_restart_does_not_upload_again_what_mirror_keep_deleted(s3, bucket, da
                timeout=60, what=lambda: f"step-4 on the mirror (status: {daemon.status()['mirror']})")
     assert daemon.status()["mirror"]["uploaded"] == 1  # step-1 and step-2 were not uploaded again
     assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-2", "step-3", "step-4"]  # no local --keep
+
+
+def test_a_checkpoint_deleted_before_its_upload_is_skipped_not_reported_unmirrored(s3, bucket, daemon_factory,
+                                                                                   client_factory, root) -> None:
+    """ModelCheckpoint's top-k deletes checkpoints as it goes: one gone before its turn needs no upload."""
+    run = root / "run"
+    run.mkdir()
+    daemon = daemon_factory("--mirror", f"{run}=s3://{bucket}/mirror")
+    client = client_factory()
+    s3.stop()  # the uploads wait for the store
+    try:
+        client.save_async(state(seed=1), run / "step-1", step=1).result(30)
+        wait_until(lambda: daemon.status()["mirror"]["retries"] >= 1, timeout=60, what="a failed upload attempt")
+        shutil.rmtree(run / "step-1")  # the user's own retention (a committed checkpoint holds only ckptd's files)
+    finally:
+        s3.start()
+    wait_until(lambda: daemon.status()["mirror"]["skipped"] == 1, timeout=90,
+               what=lambda: f"the deleted checkpoint skipped (status: {daemon.status()['mirror']})")
+    mirror = daemon.status()["mirror"]
+    assert mirror["failed"] == 0 and mirror["unmirrored"] == [] and mirror["uploads"] == []
+    assert "reason=deleted_locally" in (daemon.run_dir / LOG_NAME).read_text()
