@@ -265,13 +265,13 @@ class Saves:
         key = self.retentions.offer(Retention(newest, keep, frozenset(self.state.commits.pending)))
         if key is None:
             return
-        mirrors = self.mirrors
+        mirrors, publishing = self.mirrors, self.state.commits.publishing
 
         def run() -> list[Path]:
             request = self.retentions.take(key)
-            keep = (lambda victim: bool(mirrors.unmirrored([victim]))) if mirrors is not None else None
-            return apply_retention(self.storage, request.newest, request.keep_last, set(request.in_flight), keep,
-                                   self.state.commits.publishing)
+            not_uploaded = (lambda victim: bool(mirrors.unmirrored([victim]))) if mirrors is not None else None
+            return apply_retention(self.storage, request.newest, request.keep_last, set(request.in_flight),
+                                   not_uploaded, publishing)
 
         self.workers.submit("maintenance", run, lambda f: self._retention_done(newest, f))
 
