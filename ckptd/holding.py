@@ -191,6 +191,15 @@ class Holding:
             self.fail(snap, RanksMissing(f"snapshot {display(snap.path)} was abandoned: {why}; nothing was held, and "
                                          f"a new run of the job snapshotting this path starts afresh"))
 
+    def rank_died(self, job: str, world_size: int, rank: int, pid: int) -> None:
+        """Rank ``rank`` of run ``job`` died without snapshotting: fail its run's snapshots still waiting for it."""
+        for snap in list(self.snapshots.held.values()):
+            if (not snap.acknowledged and not snap.coordinated and snap.contributors.job == job
+                    and snap.world_size == world_size and rank not in snap.shards):
+                self.fail(snap, RanksMissing(
+                    f"snapshot {display(snap.path)} was abandoned: the process of its rank {rank} (pid {pid}) died "
+                    f"before that rank snapshotted; nothing was held"))
+
     def abandon_orphaned(self) -> None:
         """Housekeeping: drop every snapshot whose contributors died before it was complete."""
         for snap in list(self.snapshots.held.values()):

@@ -344,6 +344,16 @@ class Saves:
                 f"checkpoint {display(pending.path)} was abandoned: {why}; nothing was committed, and a new run of "
                 f"the job saving this path starts afresh"))
 
+    def rank_died(self, job: str, world_size: int, rank: int, pid: int) -> None:
+        """Rank ``rank`` of run ``job`` died without saving: fail its run's saves that still wait for it."""
+        for pending in list(self.state.commits.pending.values()):
+            if (pending.state in (CheckpointState.PREPARING, CheckpointState.WRITING) and not pending.coordinated
+                    and pending.contributors.job == job and pending.world_size == world_size
+                    and rank in pending.missing):
+                self.fail(pending, RanksMissing(
+                    f"checkpoint {display(pending.path)} was abandoned: the process of its rank {rank} (pid {pid}) "
+                    f"died before that rank saved; nothing was committed"))
+
     def abandon_orphaned(self) -> None:
         """Housekeeping: abandon every attempt whose contributors died before it was complete."""
         for pending in list(self.state.commits.pending.values()):

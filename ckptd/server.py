@@ -186,7 +186,7 @@ class Server:
             raise BadMessage(f"client uid {msg.uid} is not this daemon's uid {os.getuid()}")
         if not 0 < msg.pid <= MAX_PID:
             raise BadMessage(f"client pid {msg.pid} is not a process id (1..{MAX_PID})")
-        self.state.hello(ident, msg.pid)
+        self.state.hello(ident, msg.pid, rank=msg.rank, world_size=msg.world_size, job=msg.job)
         log.info("event=hello pid=%d version=%s", msg.pid, msg.client_version)
         return Welcome(msg.id, os.getpid(), __version__, tuple(str(r) for r in self.config.roots))
 
@@ -240,8 +240,12 @@ class Server:
         if self.state.slots.mapped_bytes:  # slots clients replaced; nothing to do (nor to keep busy) when none
             self.workers.submit("maintenance", self.state.slots.drop_unlinked)
         for ident in self.state.dead_clients():
-            pid = self.state.clients[ident].pid
+            client = self.state.clients[ident]
+            pid = client.pid
             self._teardown(ident, f"the client (pid {pid}) died before it finished staging")
+            if client.job:  # a rank of a named run: its run's saves still waiting for it never complete
+                self.saves.rank_died(client.job, client.world_size, client.rank, pid)
+                self.holding.rank_died(client.job, client.world_size, client.rank, pid)
             if not self.state.pid_connected(pid):
                 self.workers.submit("maintenance", lambda pid=pid: self.state.slots.reclaim(pid))
         self.saves.abandon_orphaned()

@@ -42,6 +42,10 @@ LAYOUTS_PER_CLIENT = 8
 @dataclass
 class ClientRecord:
     pid: int
+    rank: int = 0
+    world_size: int = 1
+    job: str = ""
+    """The run this client is a rank of (``Hello.job``; empty: unnamed, or it saves nothing)."""
     since: float = field(default_factory=time.time)
     saves: int = 0
     waited_s: float = 0.0
@@ -103,8 +107,8 @@ class NodeState:
 
     # -- clients ------------------------------------------------------------------
 
-    def hello(self, ident: bytes, pid: int) -> ClientRecord:
-        self.clients[ident] = record = ClientRecord(pid=pid)
+    def hello(self, ident: bytes, pid: int, *, rank: int = 0, world_size: int = 1, job: str = "") -> ClientRecord:
+        self.clients[ident] = record = ClientRecord(pid=pid, rank=rank, world_size=world_size, job=job)
         return record
 
     def client(self, ident: bytes) -> ClientRecord:

@@ -143,14 +143,13 @@ class Client:
         holds nothing there to say why, so ``persist`` of the path reports it."""
         self._lock = threading.Lock()
         self._closed = False
-        self._conn = self._connect()
-        self._coordinator: Coordinator | None = None
         self.job = job or from_launcher()
-        """This run's incarnation, sent with every save (``incarnation.py``)."""
+        """This run's incarnation, sent with every save (``incarnation.py``) and in the connection's hello."""
+        group = None
         if detected.distributed and self.world_size > 1:
             group, self.job = agree_on_places(self.endpoint, commit_timeout, self.job or drawn())
-            if group is not None:
-                self._coordinator = Coordinator(group, lambda: self._conn, self.rank)
+        self._conn = self._connect()
+        self._coordinator = Coordinator(group, lambda: self._conn, self.rank) if group is not None else None
         if reserve:
             try:
                 self._slots.reserve(reserve + HEADER_ROOM)
@@ -163,7 +162,8 @@ class Client:
 
     def _connect(self) -> Connection:
         ensure_daemon(self.run_dir, self.endpoint, spawn=self.spawn, timeout=self._timeout)
-        conn = Connection(self.endpoint, heartbeat=self._heartbeat, timeout=self._timeout)
+        conn = Connection(self.endpoint, heartbeat=self._heartbeat, timeout=self._timeout, rank=self.rank,
+                          world_size=self.world_size, job=self.job)
         try:
             conn.introduce()
         except BaseException:

@@ -47,11 +47,12 @@ class _Pending:
 class Connection:
     """A DEALER connection to the daemon, driven by a private thread."""
 
-    def __init__(self, endpoint: str, *, heartbeat: float, timeout: float) -> None:
+    def __init__(self, endpoint: str, *, heartbeat: float, timeout: float, rank: int = 0, world_size: int = 1,
+                 job: str = "") -> None:
         self.endpoint = endpoint
         self.heartbeat = heartbeat
         self.timeout = timeout
-        self._hello = Hello(0, os.getpid(), os.getuid(), __version__)
+        self._hello = Hello(0, os.getpid(), os.getuid(), __version__, rank, world_size, job)
         """The one hello of this connection: sent by ``introduce`` and again to a restarted daemon."""
         self._ids = itertools.count(1)
         self._outbox: queue.SimpleQueue[tuple[int, bytes, _Pending | None]] = queue.SimpleQueue()

@@ -86,12 +86,27 @@ class Message:
 
 @dataclass(frozen=True)
 class Hello(Message):
-    """A client registers: the pid owns its slots, so the daemon can check them."""
+    """A client registers: the pid owns its slots, so the daemon can check them.
+
+    A training client also says which rank of which run it is: if its process
+    dies before it saves, the daemon fails the saves of its run that wait for
+    it at once, instead of after their commit timeout.
+    """
 
     pid: int
     uid: int
     client_version: str
+    rank: int = 0
+    world_size: int = 1
+    job: str = ""
+    """The run (``Commit.job``); empty for a client that saves nothing or whose run has no name."""
     type: ClassVar[str] = "hello"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE or self.rank >= self.world_size:
+            raise BadMessage(f"rank {self.rank} is not inside world size {self.world_size} (at most {MAX_WORLD_SIZE})")
+        if len(self.job) > MAX_JOB or not self.job.isprintable():
+            raise BadMessage(f"job {self.job[:40]!r} must be at most {MAX_JOB} printable characters")
 
 
 @dataclass(frozen=True)

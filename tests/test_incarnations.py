@@ -35,6 +35,9 @@ def say(**kw):
     print(json.dumps(kw), flush=True)
 
 client = ckptd.Client(run_dir=run_dir, spawn=False, rank=rank, world_size=world, timeout=60)
+if mode == "connect-only":
+    say(event="connected", pid=os.getpid())
+    time.sleep(600)  # the test kills this rank before it ever saves
 state = {"w": torch.full((1024,), value), "extra": {"seen": torch.zeros(4)} if mode.startswith("extra") else {},
          "rank": rank}
 fut = client.save_async(state, path, step=int(env.get("STEP", "7")), persist=not mode.endswith("memory"),
@@ -283,3 +286,20 @@ def test_ranks_of_one_run_that_disagree_on_the_world_fail_the_save_on_every_rank
         assert outcome["event"] == "failed" and outcome["kind"] == Conflict.__name__, outcome
         assert "rank 1 says world size 3" in outcome["message"] and "said world size 2" in outcome["message"]
     assert not path.exists()
+
+
+@pytest.mark.parametrize("mode", ["wait", "wait-memory"], ids=["disk", "memory"])
+def test_a_rank_of_a_named_run_that_dies_before_it_saves_fails_its_runs_save_at_once(daemon, root, mode) -> None:
+    """Rank 1 connected (its hello names its run and rank) and was killed before it saved: rank 0's save can
+    never complete, and is failed when the daemon sees rank 1 die, not after the 600 s commit timeout."""
+    path = root / "step-7"
+    doomed = Rank(RUN_1, daemon.run_dir, path, 1, 2, 1.0, "connect-only")
+    pid = doomed.event()["pid"]
+    first = Rank(RUN_1, daemon.run_dir, path, 0, 2, 1.0, mode)
+    assert first.event()["event"] == "staged"
+    doomed.kill()
+    outcome = first.event()
+    assert outcome["event"] == "failed" and outcome["kind"] == "RanksMissing", outcome
+    assert f"its rank 1 (pid {pid}) died before that rank saved" in outcome["message"] or \
+        f"its rank 1 (pid {pid}) died before that rank snapshotted" in outcome["message"]
+    wait_until(lambda: not path.with_name("step-7.incomplete").exists(), 60, "the attempt's directory removed")

@@ -50,9 +50,10 @@ from ckptd.protocol.messages import (
 
 GOLDEN: dict[str, tuple[Message, str]] = {
     "hello": (
-        Hello(id=1, pid=4242, uid=1000, client_version="0.1.0"),
-        "86a17601a474797065a568656c6c6fa2696401a3706964cd1092a3756964cd03e8"
-        "ae636c69656e745f76657273696f6ea5302e312e30",
+        Hello(id=1, pid=4242, uid=1000, client_version="0.1.0", rank=1, world_size=2, job="torchelastic:abc:1"),
+        "89a17601a474797065a568656c6c6fa2696401a3706964cd1092a3756964cd03e8"
+        "ae636c69656e745f76657273696f6ea5302e312e30a472616e6b01aa776f726c64"
+        "5f73697a6502a36a6f62b2746f726368656c61737469633a6162633a31",
     ),
     "welcome": (
         Welcome(id=1, daemon_pid=77, daemon_version="0.1.0", roots=("/ckpt", "/scratch/ckpt")),
