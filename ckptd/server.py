@@ -41,8 +41,6 @@ from .workers import Workers
 
 log = logging.getLogger("ckptd")
 POLL_MS = 200
-
-
 ABANDON_GRACE_S = 5.0
 """Seconds past the drain's deadline that maintenance still gets before the exit abandons it: a local removal
 ends well within it, a request to a stalled store is not waited for longer."""
