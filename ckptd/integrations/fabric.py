@@ -36,7 +36,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from .lightning import CkptdCheckpointIO
-from .lightning_sharded import check_sharded_over_every_rank, restore_module, restore_optimizers
+from .lightning_sharded import WithCkptdCheckpointIO, check_sharded_over_every_rank, restore_module, restore_optimizers
 
 __all__ = ["CkptdCheckpointIO", "CkptdFabricModelParallelStrategy"]
 
@@ -52,7 +52,7 @@ def _sharded_module(state: dict[str, Any], action: str) -> tuple[str, Module]:
     return modules[0]
 
 
-class CkptdFabricModelParallelStrategy(ModelParallelStrategy):
+class CkptdFabricModelParallelStrategy(WithCkptdCheckpointIO, ModelParallelStrategy):
     """Fabric's ``ModelParallelStrategy`` whose checkpoints are asynchronous sharded ckptd saves."""
 
     def __init__(self, parallelize_fn: Callable[..., Any], *args: Any,
@@ -73,23 +73,6 @@ class CkptdFabricModelParallelStrategy(ModelParallelStrategy):
         super().__init__(parallelize_fn, *args, **kwargs)
         if checkpoint_io is not None:  # else one from Trainer/Fabric(plugins=[...]), or the default
             self.checkpoint_io = checkpoint_io
-
-    @property
-    def checkpoint_io(self) -> CkptdCheckpointIO:
-        """The plugin that reaches the daemon."""
-        if self._checkpoint_io is None:
-            self.checkpoint_io = CkptdCheckpointIO()
-        assert isinstance(self._checkpoint_io, CkptdCheckpointIO)
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CkptdCheckpointIO) -> None:
-        """Also reached by ``Fabric(plugins=[CkptdCheckpointIO(...)])``; any other plugin is refused."""
-        if not isinstance(io, CkptdCheckpointIO):
-            raise TypeError(f"{type(self).__name__} saves through a CkptdCheckpointIO, not a {type(io).__name__}: "
-                            "its sharded checkpoints are ckptd checkpoints")
-        io.save_every_rank()
-        self._checkpoint_io = io
 
     def save_checkpoint(self, path: str | os.PathLike, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:

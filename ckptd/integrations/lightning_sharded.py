@@ -115,19 +115,10 @@ def restore_optimizers(module: Module, optimizers: Optimizer | list[Optimizer], 
         set_optimizer_state_dict(module, opt, optim_state_dict=state)
 
 
-class CkptdShardedCheckpoints:
-    """What the sharded strategies share: every rank saves its shard through a ``CkptdCheckpointIO``.
-
-    Mixed in before a Lightning strategy whose ``lightning_module_state_dict``
-    and ``optimizer_state`` give DTensors; ``self.model``, ``self.optimizers``
-    and ``self.broadcast`` are the strategy's.
-    """
+class WithCkptdCheckpointIO:
+    """A strategy (Trainer's or Fabric's) whose checkpoint I/O is a ``CkptdCheckpointIO`` saving on every rank."""
 
     _checkpoint_io: Any
-    model: Any
-    optimizers: list[Optimizer]
-    lightning_module: Any
-    broadcast: Any
 
     @property
     def checkpoint_io(self) -> CkptdCheckpointIO:
@@ -139,12 +130,26 @@ class CkptdShardedCheckpoints:
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CkptdCheckpointIO) -> None:
-        """Also reached by ``Trainer(plugins=[CkptdCheckpointIO(...)])``; any other plugin is refused."""
+        """Also reached by ``Trainer(plugins=[...])`` and ``Fabric(plugins=[...])``; any other plugin is refused."""
         if not isinstance(io, CkptdCheckpointIO):
             raise TypeError(f"{type(self).__name__} saves through a CkptdCheckpointIO, not a {type(io).__name__}: "
                             "its sharded checkpoints are ckptd checkpoints")
         io.save_every_rank()
         self._checkpoint_io = io
+
+
+class CkptdShardedCheckpoints(WithCkptdCheckpointIO):
+    """What the sharded strategies share: every rank saves its shard through a ``CkptdCheckpointIO``.
+
+    Mixed in before a Lightning strategy whose ``lightning_module_state_dict``
+    and ``optimizer_state`` give DTensors; ``self.model``, ``self.optimizers``
+    and ``self.broadcast`` are the strategy's.
+    """
+
+    model: Any
+    optimizers: list[Optimizer]
+    lightning_module: Any
+    broadcast: Any
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
