@@ -217,7 +217,8 @@ class Commits:
                                         contributors=Contributors(commit.job))
             self.pending[final] = pending
         pending.contributors.refuse_other_job(final, commit)
-        if (pending.world_size, pending.step, pending.coordinated) != (commit.world_size, commit.step, commit.coordinated):
+        said = (commit.world_size, commit.step, commit.coordinated)
+        if (pending.world_size, pending.step, pending.coordinated) != said:
             raise Conflict(
                 f"checkpoint {final} is being written with world size {pending.world_size} and step "
                 f"{pending.step}; this commit says world size {commit.world_size}, step {commit.step}"

@@ -54,7 +54,8 @@ class Contributors:
         return {rank: pid for rank, pid in self.pids.items() if not alive(pid)}
 
     def why_abandoned(self, missing: list[int]) -> str | None:
-        """Why an attempt still missing ``missing`` ranks can never complete with its own job's shards (None: it can)."""
+        """Why an attempt still missing ``missing`` ranks can never complete with its own run's shards (None: it
+        can)."""
         dead = self.dead()
         if not missing or not dead:
             return None
