@@ -12,6 +12,7 @@ full weights and first moments after the save and after the load.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import lightning as L
@@ -74,7 +75,13 @@ def main() -> None:
     loaded = digests(model2, optimizer2)
     if dist.get_rank() == 0:
         print(f"saved {saved!r} loaded {loaded!r} rest {sorted(rest)} step {rest['global_step']}", flush=True)
+    strategy2.checkpoint_io.teardown()  # its client's threads end before the process groups and the interpreter
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown: about one run in ten aborted there, after all of the above was
+    # done ("terminate called without an active exception", SIGABRT in C++ thread teardown). What this script
+    # checks is printed and committed by then; the abort is noted as not understood.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
