@@ -13,14 +13,11 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+from lightning.fabric import Fabric
+from torch import nn
 
-pytest.importorskip("lightning", reason="the Fabric integration needs lightning 2.x (requirements-dev.txt)")
-
-import torch  # noqa: E402
-from lightning.fabric import Fabric  # noqa: E402
-from torch import nn  # noqa: E402
-
-import ckptd  # noqa: E402
+import ckptd
 from ckptd.integrations.fabric import CkptdCheckpointIO, CkptdFabricModelParallelStrategy  # noqa: E402
 
 from zygote import run_module  # noqa: E402

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-L = pytest.importorskip("lightning", reason="the Lightning integration needs lightning 2.x (requirements-dev.txt)")
+import lightning as L  # make test installs it (requirements-dev.txt): a missing one is a failure, never a skip
 
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-L = pytest.importorskip("lightning", reason="the Lightning integration needs lightning 2.x (requirements-dev.txt)")
+import lightning as L  # make test installs it (requirements-dev.txt): a missing one is a failure, never a skip
 
 import torch  # noqa: E402
 
