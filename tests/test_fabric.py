@@ -18,9 +18,9 @@ from lightning.fabric import Fabric
 from torch import nn
 
 import ckptd
-from ckptd.integrations.fabric import CkptdCheckpointIO, CkptdFabricModelParallelStrategy  # noqa: E402
+from ckptd.integrations.fabric import CkptdCheckpointIO, CkptdFabricModelParallelStrategy
 
-from zygote import run_module  # noqa: E402
+from zygote import run_module
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "fabric_train.py"
