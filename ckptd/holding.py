@@ -38,6 +38,7 @@ from ckptd.protocol.shm import slot_name
 
 from .admission import Examined, examine
 from .config import DaemonConfig
+from .events import Committed, Dropped, Events, Failed, Held as HeldEvent
 from .saves import Saves, error_reply
 from .snapshots import HeldShard, HeldSnapshot, shards_of
 from .state import NodeState
@@ -56,9 +57,9 @@ class Holding:
     """Moves snapshots in and out of node memory; replies through ``send``."""
 
     def __init__(self, state: NodeState, workers: Workers, storage: Storage, config: DaemonConfig,
-                 send: Send, saves: Saves) -> None:
+                 send: Send, saves: Saves, events: Events) -> None:
         self.state, self.workers, self.storage, self.config = state, workers, storage, config
-        self.send, self.saves = send, saves
+        self.send, self.saves, self.events = send, saves, events
         self.snapshots = state.snapshots
         self._names = itertools.count()
         """Held slots' names: this daemon's pid and a number of its own."""
@@ -103,6 +104,7 @@ class Holding:
             return
         for old in evicted:
             log.info("event=snapshot_evicted path=%s step=%s reason=budget", old.path, old.step)
+            self.events.publish(Dropped(old.path, old.step, "budget"))
         self._release(shards_of(evicted))  # never pinned: the budget evicts none a reader holds
         self.send(ident, Accepted(msg.id))
         slot, slots, name = examined.slot, self.state.slots, slot_name(os.getuid(), os.getpid(), next(self._names))
@@ -128,15 +130,21 @@ class Holding:
         log.info("event=snapshot_held path=%s rank=%d bytes=%d", snap.path, msg.rank, msg.nbytes)
         if snap.coordinated:  # on several nodes each rank is told at once; the ranks agree among themselves
             snap.waiting = [w for w in snap.waiting if (w[0], w[1]) != (ident, msg.id)]
-            snap.acknowledged = snap.complete
             self.send(ident, self._held(snap, msg.id, msg.nbytes, shard.pid))
+            if snap.complete and not snap.acknowledged:
+                self._acknowledge(snap)
             return
         if not snap.complete:
             return
-        snap.acknowledged = True
-        self._drop(self.snapshots.newer_than_kept(snap), then=lambda: self._tell_held(snap))
+        self._acknowledge(snap)
+        self._drop(self.snapshots.newer_than_kept(snap), "newer", then=lambda: self._tell_held(snap))
         if snap.persist_waiting:
             self.start_persist(snap)
+
+    def _acknowledge(self, snap: HeldSnapshot) -> None:
+        """Every rank held here: from now on it is a snapshot a restore may use."""
+        snap.acknowledged = True
+        self.events.publish(HeldEvent(snap.path, snap.step, snap.nbytes))
 
     def _tell_held(self, snap: HeldSnapshot) -> None:
         """Held to every rank, once the slots it released are back under their names (so the reply can name them)."""
@@ -211,9 +219,11 @@ class Holding:
             self.fail(snap, RanksMissing(f"snapshot {display(snap.path)}: ranks {missing} of {snap.world_size} never "
                                          f"snapshotted within {snap.timeout:g} s; nothing was held"))
 
-    def _drop(self, snaps: list[HeldSnapshot], then: Callable[[], None] = lambda: None) -> None:
+    def _drop(self, snaps: list[HeldSnapshot], reason: str, then: Callable[[], None] = lambda: None) -> None:
         """Release the slots of snapshots dropped from the books, except those a reader pins: parked until it
         unpins (a reader copies straight out of the slot, which must not go back to its trainer meanwhile)."""
+        for snap in snaps:
+            self.events.publish(Dropped(snap.path, snap.step, reason))
         pinned = [s for s in snaps if s.readers]
         for snap in pinned:
             log.info("event=snapshot_drop_deferred path=%s step=%s readers=%d", snap.path, snap.step,
@@ -311,8 +321,14 @@ class Holding:
             self.saves.admit_examined(b"", msg, progress, Examined(snap.path, shard.slot, fut.result(), None),
                                       pid=os.getpid(), internal=True, expected_checksum=shard.checksum)
 
+    def committed(self, event: Committed) -> None:
+        self.persisted(event.path, None)
+
+    def failed(self, event: Failed) -> None:
+        self.persisted(event.path, event.error)
+
     def persisted(self, path: Path, error: CkptdError | None) -> None:
-        """The save pipeline committed (``error`` None) or failed checkpoint ``path``.
+        """The save pipeline committed (``error`` None) or failed checkpoint ``path`` (``Committed``, ``Failed``).
 
         A held snapshot being persisted is persisted (or back to held, not
         persisted, so exit and drain try again); one not being persisted is
@@ -330,7 +346,7 @@ class Holding:
                     self.fail(snap, why)
                     return
                 self.snapshots.remove(snap)
-                self._drop([snap])
+                self._drop([snap], "saved_to_disk")
                 self._answer_persists(snap, why)
             return
         snap.persisting, snap.persisted = False, error is None

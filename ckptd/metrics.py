@@ -54,6 +54,10 @@ COUNTERS = [
      lambda s: s.get("mirror", {}).get("failed", 0)),
     ("ckptd_mirror_retries", "Mirror upload attempts that failed and were retried.",
      lambda s: s.get("mirror", {}).get("retries", 0)),
+    ("ckptd_memory_snapshots_held", "Snapshots that became complete in node memory since start.",
+     lambda s: s["memory"]["held_total"]),
+    ("ckptd_memory_snapshots_dropped", "Held snapshots dropped from node memory since start.",
+     lambda s: s["memory"]["dropped_total"]),
     ("ckptd_client_wait_seconds", "Seconds connected clients blocked on backpressure.",
      lambda s: sum(c["waited_s"] for c in s["clients"])),
 ]

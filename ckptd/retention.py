@@ -1,6 +1,7 @@
 """Keeping only the newest K checkpoints in a directory, safely.
 
-Runs on the daemon that committed, after the commit, off the socket thread.
+Runs on the daemon that committed, after the commit (``Retainer`` subscribes to ``Committed``, and the mirror
+asks again after an upload), on the maintenance thread.
 A directory is only ever deleted if it is a committed ckptd checkpoint
 holding nothing but ckptd's files (``ownership.why_not_replaceable``), it is
 not the newest, and no save is writing it. A victim first gets this daemon's
@@ -14,16 +15,21 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.protocol.names import INDEX_NAME, deleting_path
 
 from .catalog import committed_in
+from .config import DaemonConfig
+from .events import Committed
 from .ownership import owner_marker, remove_markers, why_not_replaceable
+from .stats import Stats
 from .storage import Storage
+from .workers import Workers
 
 log = logging.getLogger("ckptd")
 
@@ -164,3 +170,49 @@ def set_aside_checkpoint(storage: Storage, path: Path, *, marker: str | None) ->
             remove_markers(storage, path)
         raise
     return doomed
+
+
+class Retainer:
+    """Runs retention after each commit and each upload, one waiting run per directory (``RetentionQueue``).
+
+    Subscribed to ``Committed`` (``server.py``); the mirror calls ``after_upload``. The ``keep_last`` a save
+    asked for wins over its directory's ``--keep``; with neither, nothing is deleted.
+    """
+
+    def __init__(self, storage: Storage, workers: Workers, config: DaemonConfig, stats: Stats,
+                 publishing: AbstractContextManager[Any], in_flight: Callable[[], Iterable[Path]],
+                 not_uploaded: Callable[[Path], bool] | None = None) -> None:
+        self.storage, self.workers, self.config, self.stats = storage, workers, config, stats
+        self.publishing, self.in_flight = publishing, in_flight
+        self.not_uploaded = not_uploaded
+        """Asked of each victim right before it goes (off the loop): the mirror lacks it, so it stays."""
+        self.queue = RetentionQueue()
+
+    def committed(self, event: Committed) -> None:
+        self.retain(event.path, event.keep_last)
+
+    def after_upload(self, newest: Path, keep_last: int | None) -> None:
+        """Beside a checkpoint just mirrored, which local retention may now delete (mirror thread)."""
+        self.workers.call_soon(lambda: self.retain(newest, keep_last))
+
+    def retain(self, newest: Path, keep_last: int | None) -> None:
+        """Retention beside ``newest`` on the maintenance thread (loop thread); never deletes what the mirror
+        lacks. A run still waiting for the thread there does this request instead."""
+        keep = keep_last or self.config.retention_for(newest)
+        if keep is None:
+            return
+        key = self.queue.offer(Retention(newest, keep, frozenset(self.in_flight())))
+        if key is None:
+            return
+
+        def run() -> list[Path]:
+            request = self.queue.take(key)
+            return apply_retention(self.storage, request.newest, request.keep_last, set(request.in_flight),
+                                   self.not_uploaded, self.publishing)
+
+        self.workers.submit("maintenance", run, lambda fut: self._done(newest, fut))
+
+    def _done(self, newest: Path, fut: Future) -> None:
+        if fut.exception() is not None:
+            log.error("event=retention_failed path=%s error=%r", newest, fut.exception())
+            self.stats.error(f"retention after {newest} failed: {fut.exception()!r}")

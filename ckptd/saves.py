@@ -5,8 +5,7 @@
     Commit ──admit pool: examine (path, slot, header, free space)
            ──loop: room check, bookkeeping ──admit pool: remember the parent, prepare p.incomplete (first rank)
            ──loop: Accepted ──write pool: shard to disk, fsync ──loop: Durable / all ranks in?
-           ──commit pool: index, rename, fsync parent ──loop: Done
-           ──maintenance pool: retention
+           ──commit pool: index, rename, fsync parent ──loop: Done, then ``Committed`` (``events.py``)
 
 A failure at any step fails the whole checkpoint: every rank is told, and
 once no shard of it is being written its ``.incomplete`` directory is
@@ -35,8 +34,7 @@ from ckptd.protocol.objects import display, is_permanent
 from .admission import Examined, check_room, examine
 from .commit import CheckpointState, PendingCheckpoint, resolve_path
 from .config import DaemonConfig
-from .mirror import Mirrors
-from .retention import Retention, RetentionQueue, apply_retention
+from .events import Committed, Events, Failed
 from .state import NodeState
 from .storage import Storage
 from .sweep import KnownDirs
@@ -64,16 +62,14 @@ class Saves:
     """Moves saves through the pipeline above; replies through ``send``."""
 
     def __init__(self, state: NodeState, workers: Workers, storage: Storage, config: DaemonConfig,
-                 send: Send, known_dirs: KnownDirs, mirrors: Mirrors | None = None) -> None:
+                 send: Send, known_dirs: KnownDirs, events: Events) -> None:
         self.state, self.workers, self.storage, self.config = state, workers, storage, config
-        self.mirrors = mirrors
         self.send = send
         self.known_dirs = known_dirs
-        self.retentions = RetentionQueue()
+        self.events = events
+        """Told when a checkpoint commits or fails: stats, the mirror, retention and the memory tier react."""
         self._discards: dict[Path, int] = {}
         """Failed removals of attempts, by path: how many so far."""
-        self.on_end: Callable[[Path, CkptdError | None], None] = lambda path, error: None
-        """Told when a checkpoint commits (None) or fails (why): the memory tier marks a persisted snapshot."""
 
     # -- admission ------------------------------------------------------------
 
@@ -109,7 +105,7 @@ class Saves:
         """Queue an examined shard's write, sent by process ``pid``.
 
         ``internal``: the daemon persists a held snapshot, even while draining;
-        a refusal fails the checkpoint (``on_end``) so the snapshot is not left
+        a refusal fails the checkpoint (``Failed``) so the snapshot is not left
         persisting. ``expected_checksum``: the write must produce it.
         """
         state, final = self.state, examined.final
@@ -144,7 +140,7 @@ class Saves:
                 if pending is not None and pending.state is not CheckpointState.FAILED:
                     self.fail(pending, exc)
                 else:
-                    self.on_end(final, exc if isinstance(exc, CkptdError) else InternalError(repr(exc)))
+                    self.events.publish(Failed(final, exc if isinstance(exc, CkptdError) else InternalError(repr(exc))))
             return
         job = WriteJob(ident, msg, examined.slot, dest, pending.path, progress, device=examined.space.device,
                        expected_checksum=expected_checksum)
@@ -242,43 +238,14 @@ class Saves:
         if fut.exception() is not None:
             self.fail(pending, fut.exception())
             return
-        state = self.state
-        state.commits.forget(pending)
+        self.state.commits.forget(pending)
         pending.state = CheckpointState.COMMITTED
         seconds = time.monotonic() - pending.started_at
-        state.stats.committed(pending, seconds)
-        self.on_end(pending.path, None)
-        log.info("event=committed path=%s bytes=%d seconds=%.3f", pending.path, pending.index().total_bytes, seconds)
+        nbytes = pending.index().total_bytes
+        log.info("event=committed path=%s bytes=%d seconds=%.3f", pending.path, nbytes, seconds)
         for ident, rid, rank in pending.waiting:
             self.send(ident, Done(rid, str(pending.path), pending.shards[rank].size, seconds))
-        if self.mirrors is not None:
-            self.mirrors.submit(pending.path, pending.keep_last)
-        keep = pending.keep_last or self.config.retention_for(pending.path)
-        if keep is not None:
-            self.retain(pending.path, keep)
-
-    def retain(self, newest: Path, keep: int) -> None:
-        """Retention beside ``newest`` on the maintenance thread; never deletes what the mirror lacks.
-
-        A run still waiting for the thread there does this request instead (``RetentionQueue``).
-        """
-        key = self.retentions.offer(Retention(newest, keep, frozenset(self.state.commits.pending)))
-        if key is None:
-            return
-        mirrors, publishing = self.mirrors, self.state.commits.publishing
-
-        def run() -> list[Path]:
-            request = self.retentions.take(key)
-            not_uploaded = (lambda victim: bool(mirrors.unmirrored([victim]))) if mirrors is not None else None
-            return apply_retention(self.storage, request.newest, request.keep_last, set(request.in_flight),
-                                   not_uploaded, publishing)
-
-        self.workers.submit("maintenance", run, lambda f: self._retention_done(newest, f))
-
-    def _retention_done(self, newest: Path, fut: Future) -> None:
-        if fut.exception() is not None:
-            log.error("event=retention_failed path=%s error=%r", newest, fut.exception())
-            self.state.stats.error(f"retention after {newest} failed: {fut.exception()!r}")
+        self.events.publish(Committed(pending.path, pending.step, nbytes, seconds, pending.keep_last))
 
     # -- failures -------------------------------------------------------------
 
@@ -301,11 +268,11 @@ class Saves:
             exc = InternalError(f"internal error while saving {pending.path}: {exc!r}")
         state = self.state
         state.commits.fail(pending, exc)
-        self.on_end(pending.path, exc)
         state.stats.error(exc.message)
         log.warning("event=failed path=%s error=%s", pending.path, exc.message)
         for ident, rid, _ in pending.waiting:
             self.send(ident, Error(rid, exc.code, exc.message))
+        self.events.publish(Failed(pending.path, exc))
         state.closing.add(pending.path)
         if pending.writing == 0:  # else the last shard to finish discards (_write_finished)
             self._discard(pending)

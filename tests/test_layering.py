@@ -61,3 +61,13 @@ def test_starting_the_daemons_modules_loads_no_torch() -> None:
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+REACTIONS = ("ckptd.mirror", "ckptd.retention", "ckptd.holding", "ckptd.metrics", "ckptd.stats")
+"""Modules that react to a commit (they subscribe to ``ckptd/events.py``)."""
+
+
+def test_the_modules_that_commit_import_none_of_the_modules_that_react_to_a_commit() -> None:
+    committing = [REPO / "ckptd" / f"{name}.py" for name in ("saves", "commit", "writer", "admission")]
+    bad = {f"{p.name}: {m}" for p in committing for m in _imports(p) if m.startswith(REACTIONS)}
+    assert not bad, f"a reaction to a commit subscribes to its event instead of being called by the pipeline: {bad}"
