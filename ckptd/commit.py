@@ -26,13 +26,14 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, ClassVar, Mapping
 
 from ckptd.protocol.chunks import tensor_table
 from ckptd.protocol.errors import (
     CheckpointExists,
     CkptdError,
     Conflict,
+    InternalError,
     InvalidCheckpoint,
     PathNotAllowed,
     RanksMissing,
@@ -47,10 +48,11 @@ from ckptd.protocol.index import (
     incomplete_path,
     shard_name,
 )
-from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Commit, Finalize
+from ckptd.protocol.messages import Commit, Finalize
 from ckptd.protocol.names import discarded_path
 from ckptd.protocol.objects import display, is_object_path
 
+from .attempt import Attempt, Waiter, Words
 from .catalog import read_shard_header
 from .contributors import Contributors
 from .ownership import (
@@ -63,6 +65,9 @@ from .ownership import (
 )
 from .storage import Kind, Storage
 
+if TYPE_CHECKING:
+    from .writer import WriteJob
+
 
 class CheckpointState(str, Enum):
     PREPARING = "preparing"
@@ -73,29 +78,47 @@ class CheckpointState(str, Enum):
     FAILED = "failed"
 
 
-@dataclass
-class PendingCheckpoint:
-    """A checkpoint some ranks have committed and that is not final yet."""
+NEXT_STATES: dict[CheckpointState, frozenset[CheckpointState]] = {
+    CheckpointState.PREPARING: frozenset({CheckpointState.WRITING, CheckpointState.FAILED}),
+    CheckpointState.WRITING: frozenset({CheckpointState.COMMITTING, CheckpointState.FAILED}),
+    CheckpointState.COMMITTING: frozenset({CheckpointState.COMMITTED, CheckpointState.FAILED}),
+    CheckpointState.COMMITTED: frozenset(),
+    CheckpointState.FAILED: frozenset(),
+}
+"""The only moves an attempt makes (``PendingCheckpoint.move_to``): it ends once, committed or failed."""
 
-    path: Path
-    world_size: int
-    step: int | None
+
+@dataclass(kw_only=True)
+class PendingCheckpoint(Attempt):
+    """A checkpoint some ranks have committed and that is not final yet: its ranks, shards, writes and state."""
+
+    words: ClassVar[Words] = Words("checkpoint", "saving", "saved", "is being written", "is already being written",
+                                   "nothing was committed")
     overwrite: bool
-    coordinated: bool = False
     keep_last: int | None = None
-    timeout: float = DEFAULT_COMMIT_TIMEOUT
-    started_at: float = field(default_factory=time.monotonic)
     shards: dict[int, ShardRecord] = field(default_factory=dict)
     ranks_seen: set[int] = field(default_factory=set)
     writing: int = 0
     """Shards of this checkpoint admitted here and not yet durable or failed."""
-    waiting: list[tuple[bytes, int, int]] = field(default_factory=list)
-    """(client, request id, rank) of every rank owed a Done or Error."""
+    queued: list[WriteJob] | None = None
+    """Admitted writes waiting for ``p.incomplete`` to be made (None: nobody has started making it yet)."""
     state: CheckpointState = CheckpointState.PREPARING
     owns_directory: bool = False
     """Whether ``prepare`` made ``p.incomplete`` for this attempt: only then may a failure remove it."""
-    contributors: Contributors = field(default_factory=lambda: Contributors(""))
-    """The job incarnation and processes whose shards this attempt holds (no other may join)."""
+
+    @property
+    def arrived(self) -> set[int]:
+        return self.ranks_seen
+
+    @property
+    def open(self) -> bool:
+        return self.state in (CheckpointState.PREPARING, CheckpointState.WRITING)
+
+    def move_to(self, state: CheckpointState) -> None:
+        """Change state along ``NEXT_STATES``; any other move is a defect in the pipeline, never done silently."""
+        if state not in NEXT_STATES[self.state]:
+            raise InternalError(f"checkpoint {self.path} cannot go from {self.state.value} to {state.value}")
+        self.state = state
 
     @property
     def incomplete(self) -> Path:
@@ -104,10 +127,6 @@ class PendingCheckpoint:
     @property
     def complete(self) -> bool:
         return len(self.shards) == self.world_size
-
-    @property
-    def missing(self) -> list[int]:
-        return sorted(set(range(self.world_size)) - self.ranks_seen)
 
     def index(self, tensors: Mapping[str, TensorRecord] | None = None) -> CheckpointIndex:
         files = tuple(self.shards[r] for r in sorted(self.shards))
@@ -212,24 +231,15 @@ class Commits:
         self._refuse_late_rank_of_failed(final, commit)
         pending = self.pending.get(final)
         if pending is None:
-            pending = PendingCheckpoint(final, commit.world_size, commit.step, commit.overwrite,
-                                        commit.coordinated, commit.keep_last, commit.timeout,
+            pending = PendingCheckpoint(path=final, world_size=commit.world_size, step=commit.step,
+                                        overwrite=commit.overwrite, coordinated=commit.coordinated,
+                                        keep_last=commit.keep_last, timeout=commit.timeout,
                                         contributors=Contributors(commit.job))
             self.pending[final] = pending
-        pending.contributors.refuse_other_job(final, commit)
-        said = (commit.world_size, commit.step, commit.coordinated)
-        if (pending.world_size, pending.step, pending.coordinated) != said:
-            raise Conflict(
-                f"checkpoint {final} is being written with world size {pending.world_size} and step "
-                f"{pending.step}; this commit says world size {commit.world_size}, step {commit.step}"
-            )
-        if commit.rank in pending.ranks_seen:
-            raise Conflict(f"rank {commit.rank} of checkpoint {final} is already being written")
-        pending.contributors.join(commit, pid)
-        pending.timeout = min(pending.timeout, commit.timeout)
+        pending.check_join(commit)
+        pending.join(commit, pid, Waiter(client, commit.id, commit.rank))
         pending.ranks_seen.add(commit.rank)
         pending.writing += 1
-        pending.waiting.append((client, commit.id, commit.rank))
         return pending, pending.incomplete / shard_name(commit.rank, commit.world_size)
 
     def _refuse_late_rank_of_failed(self, final: Path, commit: Commit) -> None:
@@ -290,24 +300,18 @@ class Commits:
                 self.forget(pending)
             return False
         if pending.complete:
-            pending.state = CheckpointState.COMMITTING
+            pending.move_to(CheckpointState.COMMITTING)
         return pending.complete
 
     def overdue(self, now: float) -> list[tuple[PendingCheckpoint, RanksMissing]]:
         """Checkpoints whose missing ranks did not commit within the timeout."""
         for path in [p for p, f in self.failed.items() if now > f.expires]:
             del self.failed[path]
-        out = []
-        for p in self.pending.values():
-            if not p.coordinated and now - p.started_at > p.timeout and len(p.ranks_seen) < p.world_size:
-                out.append((p, RanksMissing(
-                    f"checkpoint {display(p.path)}: ranks {p.missing} of {p.world_size} never committed within "
-                    f"{p.timeout:g} s; nothing was committed")))
-        return out
+        return [(p, error) for p in self.pending.values() if (error := p.overdue(now)) is not None]
 
     def fail(self, pending: PendingCheckpoint, error: CkptdError) -> None:
         """Forget a failed checkpoint, remembering why for its late ranks."""
-        pending.state = CheckpointState.FAILED
+        pending.move_to(CheckpointState.FAILED)
         self.forget(pending)
         if not pending.coordinated:  # across nodes the ranks' own agreement tells late ranks
             remembered = max(pending.timeout, FAILED_MEMORY_S)  # a bare copy: no traceback pins frames
@@ -316,11 +320,10 @@ class Commits:
 
     def from_finalize(self, msg: Finalize, client: bytes, final: Path) -> PendingCheckpoint:
         """The checkpoint global rank 0 asks this daemon to commit (at ``final``, resolved)."""
-        pending = PendingCheckpoint(final, msg.world_size, msg.step, msg.overwrite, True, msg.keep_last,
-                                    shards={f.rank: f for f in msg.files}, ranks_seen=set(range(msg.world_size)),
-                                    state=CheckpointState.COMMITTING, owns_directory=True)
-        pending.waiting.append((client, msg.id, 0))
-        return pending
+        return PendingCheckpoint(path=final, world_size=msg.world_size, step=msg.step, overwrite=msg.overwrite,
+                                 coordinated=True, keep_last=msg.keep_last, shards={f.rank: f for f in msg.files},
+                                 ranks_seen=set(range(msg.world_size)), state=CheckpointState.COMMITTING,
+                                 owns_directory=True, waiting=[Waiter(client, msg.id, 0)])
 
     def finalize(self, pending: PendingCheckpoint) -> None:
         """Index, rename, fsync the parent: the checkpoint becomes visible (I/O).

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
-from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed, RanksMissing, ShuttingDown, WriteFailed
+from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed, ShuttingDown, WriteFailed
 from ckptd.protocol.messages import (
     Accepted, Done, Error, Held, Message, Ok, Persist, Pin, Snapshot, SnapshotList, Snapshots, Unpin,
 )
@@ -90,8 +90,7 @@ class Holding:
         if current is not None:
             self._abandon_if_orphaned(current)
             current = self.snapshots.held.get(examined.final)
-        conflict = None if current is None else current.contributors.same_run_conflict(
-            examined.final, msg, current.world_size, current.step, current.coordinated)
+        conflict = None if current is None else current.broken_by(msg)
         try:
             if conflict is not None:  # the snapshot fails on every rank, this one included
                 self.fail(current, conflict)
@@ -129,7 +128,7 @@ class Holding:
         shard.checksum = fut.result()
         log.info("event=snapshot_held path=%s rank=%d bytes=%d", snap.path, msg.rank, msg.nbytes)
         if snap.coordinated:  # on several nodes each rank is told at once; the ranks agree among themselves
-            snap.waiting = [w for w in snap.waiting if (w[0], w[1]) != (ident, msg.id)]
+            snap.waiting = [w for w in snap.waiting if (w.client, w.request_id) != (ident, msg.id)]
             self.send(ident, self._held(snap, msg.id, msg.nbytes, shard.pid))
             if snap.complete and not snap.acknowledged:
                 self._acknowledge(snap)
@@ -148,8 +147,8 @@ class Holding:
 
     def _tell_held(self, snap: HeldSnapshot) -> None:
         """Held to every rank, once the slots it released are back under their names (so the reply can name them)."""
-        for client, rid, pid, nbytes in snap.waiting:
-            self.send(client, self._held(snap, rid, nbytes, pid))
+        for waiter in snap.waiting:
+            self.send(waiter.client, self._held(snap, waiter.request_id, waiter.nbytes, waiter.pid))
         snap.waiting = []
 
     def _held(self, snap: HeldSnapshot, rid: int, nbytes: int, pid: int) -> Held:
@@ -161,8 +160,7 @@ class Holding:
         self.snapshots.remove(snap)
         reply = error_reply(self.state, 0, exc)
         log.warning("event=snapshot_failed path=%s error=%s", snap.path, reply.message)
-        for client, rid, _, _ in snap.waiting:
-            self.send(client, Error(rid, reply.code, reply.message))
+        snap.tell_failed(self.send, reply.code, reply.message)
         for client, rid in snap.persist_waiting:
             self.send(client, Error(rid, reply.code, reply.message))
         self._return_unheld([sh for sh in snap.shards.values() if sh.checksum is not None])  # the others: when
@@ -192,21 +190,14 @@ class Holding:
 
     def _abandon_if_orphaned(self, snap: HeldSnapshot) -> None:
         """Fail a snapshot still missing ranks whose contributors died: no rank of their job can complete it."""
-        if snap.acknowledged or snap.coordinated:
-            return
-        why = snap.contributors.why_abandoned(sorted(set(range(snap.world_size)) - set(snap.shards)))
-        if why is not None:
-            self.fail(snap, RanksMissing(f"snapshot {display(snap.path)} was abandoned: {why}; nothing was held, and "
-                                         f"a new run of the job snapshotting this path starts afresh"))
+        if (why := snap.orphaned()) is not None:
+            self.fail(snap, why)
 
     def rank_died(self, job: str, world_size: int, rank: int, pid: int) -> None:
         """Rank ``rank`` of run ``job`` died without snapshotting: fail its run's snapshots still waiting for it."""
         for snap in list(self.snapshots.held.values()):
-            if (not snap.acknowledged and not snap.coordinated and snap.contributors.job == job
-                    and snap.world_size == world_size and rank not in snap.shards):
-                self.fail(snap, RanksMissing(
-                    f"snapshot {display(snap.path)} was abandoned: the process of its rank {rank} (pid {pid}) died "
-                    f"before that rank snapshotted; nothing was held"))
+            if (why := snap.rank_died(job, world_size, rank, pid)) is not None:
+                self.fail(snap, why)
 
     def abandon_orphaned(self) -> None:
         """Housekeeping: drop every snapshot whose contributors died before it was complete."""
@@ -214,10 +205,8 @@ class Holding:
             self._abandon_if_orphaned(snap)
 
     def fail_overdue(self) -> None:
-        for snap in self.snapshots.overdue(time.monotonic()):
-            missing = sorted(set(range(snap.world_size)) - set(snap.shards))
-            self.fail(snap, RanksMissing(f"snapshot {display(snap.path)}: ranks {missing} of {snap.world_size} never "
-                                         f"snapshotted within {snap.timeout:g} s; nothing was held"))
+        for snap, error in self.snapshots.overdue(time.monotonic()):
+            self.fail(snap, error)
 
     def _drop(self, snaps: list[HeldSnapshot], reason: str, then: Callable[[], None] = lambda: None) -> None:
         """Release the slots of snapshots dropped from the books, except those a reader pins: parked until it

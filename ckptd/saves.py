@@ -112,9 +112,7 @@ class Saves:
         current = state.commits.pending.get(final)
         if current is not None and not internal:
             self._abandon_if_orphaned(current)
-            live = current.state in (CheckpointState.PREPARING, CheckpointState.WRITING)
-            conflict = current.contributors.same_run_conflict(final, msg, current.world_size, current.step,
-                                                              current.coordinated) if live else None
+            conflict = current.broken_by(msg)
             if conflict is not None:  # the run's save is broken: every rank is told, this one included
                 self.fail(current, conflict)
                 state.slots.release(examined.slot)
@@ -152,10 +150,10 @@ class Saves:
         if pending.state is not CheckpointState.PREPARING:
             self._start(job, pending)
             return
-        if final not in state.held:
-            state.held[final] = []
+        if pending.queued is None:
+            pending.queued = []
             self.workers.submit("admit", lambda: self._prepare(pending), lambda fut: self._prepared(pending, fut))
-        state.held[final].append(job)
+        pending.queued.append(job)
 
     def _prepare(self, pending: PendingCheckpoint) -> None:
         """Remember the parent for the start-up sweep, then create ``p.incomplete`` (admit pool).
@@ -170,11 +168,11 @@ class Saves:
         self.state.commits.prepare(pending)
 
     def _prepared(self, pending: PendingCheckpoint, fut: Future) -> None:
-        jobs = self.state.held.pop(pending.path, [])
+        jobs, pending.queued = pending.queued or [], []
         pending.owns_directory = fut.exception() is None
         if pending.state is CheckpointState.PREPARING:
             if fut.exception() is None:
-                pending.state = CheckpointState.WRITING
+                pending.move_to(CheckpointState.WRITING)
                 for job in jobs:
                     self._start(job, pending)
                 return
@@ -239,12 +237,14 @@ class Saves:
             self.fail(pending, fut.exception())
             return
         self.state.commits.forget(pending)
-        pending.state = CheckpointState.COMMITTED
+        pending.move_to(CheckpointState.COMMITTED)
         seconds = time.monotonic() - pending.started_at
         nbytes = pending.index().total_bytes
         log.info("event=committed path=%s bytes=%d seconds=%.3f", pending.path, nbytes, seconds)
-        for ident, rid, rank in pending.waiting:
-            self.send(ident, Done(rid, str(pending.path), pending.shards[rank].size, seconds))
+        for waiter in pending.waiting:
+            self.send(waiter.client, Done(waiter.request_id, str(pending.path), pending.shards[waiter.rank].size,
+                                          seconds))
+        pending.waiting = []
         self.events.publish(Committed(pending.path, pending.step, nbytes, seconds, pending.keep_last))
 
     # -- failures -------------------------------------------------------------
@@ -254,7 +254,8 @@ class Saves:
 
         def abort(final: Path) -> None:
             pending = self.state.commits.pending.get(final) or PendingCheckpoint(
-                final, 1, None, False, coordinated=True, state=CheckpointState.WRITING, owns_directory=True)
+                path=final, world_size=1, step=None, overwrite=False, coordinated=True,
+                state=CheckpointState.WRITING, owns_directory=True)
             if pending.state is not CheckpointState.FAILED:
                 self.fail(pending, RanksMissing(f"checkpoint {display(final)} was aborted: {msg.reason}"))
             self.send(ident, Ok(msg.id))
@@ -270,8 +271,7 @@ class Saves:
         state.commits.fail(pending, exc)
         state.stats.error(exc.message)
         log.warning("event=failed path=%s error=%s", pending.path, exc.message)
-        for ident, rid, _ in pending.waiting:
-            self.send(ident, Error(rid, exc.code, exc.message))
+        pending.tell_failed(self.send, exc.code, exc.message)
         self.events.publish(Failed(pending.path, exc))
         state.closing.add(pending.path)
         if pending.writing == 0:  # else the last shard to finish discards (_write_finished)
@@ -303,23 +303,14 @@ class Saves:
 
     def _abandon_if_orphaned(self, pending: PendingCheckpoint) -> None:
         """Fail an attempt still missing ranks whose contributors died: no rank of their job can complete it."""
-        if pending.state not in (CheckpointState.PREPARING, CheckpointState.WRITING) or pending.coordinated:
-            return
-        why = pending.contributors.why_abandoned(pending.missing)
-        if why is not None:
-            self.fail(pending, RanksMissing(
-                f"checkpoint {display(pending.path)} was abandoned: {why}; nothing was committed, and a new run of "
-                f"the job saving this path starts afresh"))
+        if (why := pending.orphaned()) is not None:
+            self.fail(pending, why)
 
     def rank_died(self, job: str, world_size: int, rank: int, pid: int) -> None:
         """Rank ``rank`` of run ``job`` died without saving: fail its run's saves that still wait for it."""
         for pending in list(self.state.commits.pending.values()):
-            if (pending.state in (CheckpointState.PREPARING, CheckpointState.WRITING) and not pending.coordinated
-                    and pending.contributors.job == job and pending.world_size == world_size
-                    and rank in pending.missing):
-                self.fail(pending, RanksMissing(
-                    f"checkpoint {display(pending.path)} was abandoned: the process of its rank {rank} (pid {pid}) "
-                    f"died before that rank saved; nothing was committed"))
+            if (why := pending.rank_died(job, world_size, rank, pid)) is not None:
+                self.fail(pending, why)
 
     def abandon_orphaned(self) -> None:
         """Housekeeping: abandon every attempt whose contributors died before it was complete."""

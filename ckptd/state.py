@@ -65,8 +65,6 @@ class NodeState:
         """Staging progress of every save from its Commit until its write ends (``Staged`` finds it here)."""
         self.jobs: list[WriteJob] = []
         """Admitted shard writes, queued or running, until they end."""
-        self.held: dict[Path, list[WriteJob]] = {}
-        """Admitted writes waiting for their checkpoint's directory (it is ``preparing``)."""
         self.closing: set[Path] = set()
         """Failed checkpoints whose ``.incomplete`` is not yet out of the way; a retry waits in ``deferred``."""
         self.deferred: dict[Path, list[tuple[bytes, Commit, int, Progress, Examined]]] = {}
