@@ -45,6 +45,8 @@ class Words:
     """checkpoint / snapshot"""
     gerund: str
     """saving / snapshotting"""
+    sent: str
+    """what a rank does to join: committed / snapshotted"""
     past: str
     """what a rank that arrived did: saved / snapshotted"""
     in_progress: str
@@ -114,7 +116,7 @@ class Attempt:
             return None
         w = self.words
         return RanksMissing(f"{w.noun} {display(self.path)}: ranks {self.missing} of {self.world_size} never "
-                            f"{w.past} within {self.timeout:g} s; {w.nothing}")
+                            f"{w.sent} within {self.timeout:g} s; {w.nothing}")
 
     def orphaned(self) -> RanksMissing | None:
         """Why the attempt fails if it still misses ranks and some of its processes died (no rank of their run can
