@@ -92,8 +92,8 @@ NEXT_STATES: dict[CheckpointState, frozenset[CheckpointState]] = {
 class PendingCheckpoint(Attempt):
     """A checkpoint some ranks have committed and that is not final yet: its ranks, shards, writes and state."""
 
-    words: ClassVar[Words] = Words("checkpoint", "saving", "committed", "saved", "is being written", "is already being written",
-                                   "nothing was committed")
+    words: ClassVar[Words] = Words("checkpoint", "saving", "committed", "saved", "is being written",
+                                   "is already being written", "nothing was committed")
     overwrite: bool
     keep_last: int | None = None
     shards: dict[int, ShardRecord] = field(default_factory=dict)

@@ -66,8 +66,8 @@ class HeldShard:
 class HeldSnapshot(Attempt):
     """A checkpoint held in node memory instead of (or besides) on disk."""
 
-    words: ClassVar[Words] = Words("snapshot", "snapshotting", "snapshotted", "snapshotted", "is being held", "is already held",
-                                   "nothing was held")
+    words: ClassVar[Words] = Words("snapshot", "snapshotting", "snapshotted", "snapshotted", "is being held",
+                                   "is already held", "nothing was held")
     shards: dict[int, HeldShard] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     acknowledged: bool = False
