@@ -66,7 +66,8 @@ from .ownership import (
 from .storage import Kind, Storage
 
 if TYPE_CHECKING:
-    from .writer import WriteJob
+    from .admission import Examined
+    from .writer import Progress, WriteJob
 
 
 class CheckpointState(str, Enum):
@@ -152,6 +153,17 @@ class FailedCheckpoint:
     contributors: Contributors
 
 
+@dataclass(frozen=True)
+class Retry:
+    """A rank's examined shard for a path whose failed attempt is still being cleared away: admitted after it."""
+
+    client: bytes
+    msg: Commit
+    pid: int
+    progress: "Progress"
+    examined: "Examined"
+
+
 def resolve_path(storage: Storage, raw: str, roots: tuple[Path, ...]) -> Path:
     """The final checkpoint path for ``raw``, if it lies under an allowed root (I/O).
 
@@ -214,6 +226,9 @@ class Commits:
         self.roots = roots
         self.pending: dict[Path, PendingCheckpoint] = {}
         self.failed: dict[Path, FailedCheckpoint] = {}
+        self.closing: dict[Path, list[Retry]] = {}
+        """Failed attempts whose ``p.incomplete`` is not yet out of the way, with the ranks of a retry of the same
+        path that wait for it (a retry must never lose its new directory to the old attempt's cleanup)."""
         self.publishing = threading.Lock()
         """Held while a checkpoint takes its name (rename or exchange, commit pool) and while retention checks
         that a victim is still the version it judged and sets it aside (maintenance pool): so retention never
@@ -313,6 +328,7 @@ class Commits:
         """Forget a failed checkpoint, remembering why for its late ranks."""
         pending.move_to(CheckpointState.FAILED)
         self.forget(pending)
+        self.closing.setdefault(pending.path, [])
         if not pending.coordinated:  # across nodes the ranks' own agreement tells late ranks
             remembered = max(pending.timeout, FAILED_MEMORY_S)  # a bare copy: no traceback pins frames
             self.failed[pending.path] = FailedCheckpoint(type(error)(error.message), set(pending.ranks_seen),
@@ -437,6 +453,18 @@ class Commits:
             self.storage.remove_tree(pending.incomplete)
             return None
         return aside
+
+    def wait_for_cleanup(self, retry: Retry) -> bool:
+        """Keep ``retry`` until its path's failed attempt is cleared away; False if none is in the way."""
+        waiting = self.closing.get(retry.examined.final)
+        if waiting is None:
+            return False
+        waiting.append(retry)
+        return True
+
+    def cleared(self, path: Path) -> list[Retry]:
+        """A failed attempt at ``path`` is out of the way: the retries that waited for it, to admit now."""
+        return self.closing.pop(path, [])
 
     def forget(self, pending: PendingCheckpoint) -> None:
         if self.pending.get(pending.path) is pending:

@@ -12,7 +12,7 @@ once no shard of it is being written its ``.incomplete`` directory is
 renamed aside on the admit pool (so a retry of the same path, admitted after
 that on the same FIFO thread, can never lose its directory to the cleanup)
 and removed on the maintenance pool. Until the rename, a retry of that path
-waits (``NodeState.deferred``).
+waits (``Commits.wait_for_cleanup``).
 
 Every method runs on the loop thread; the work it hands to the pools is
 the only I/O.
@@ -32,7 +32,7 @@ from ckptd.protocol.messages import Abort, Accepted, Commit, Done, Durable, Erro
 from ckptd.protocol.objects import display, is_permanent
 
 from .admission import Examined, check_room, examine
-from .commit import CheckpointState, PendingCheckpoint, resolve_path
+from .commit import CheckpointState, PendingCheckpoint, Retry, resolve_path
 from .config import DaemonConfig
 from .events import Committed, Events, Failed
 from .state import NodeState
@@ -118,9 +118,8 @@ class Saves:
                 state.slots.release(examined.slot)
                 self._refuse(ident, msg, conflict)
                 return
-        if final in state.closing:  # a failed attempt's directory is still in the way: wait for it
-            state.deferred.setdefault(final, []).append((ident, msg, pid, progress, examined))
-            return
+        if state.commits.wait_for_cleanup(Retry(ident, msg, pid, progress, examined)):
+            return  # a failed attempt's directory is still in the way: admitted once it is not
         try:
             if state.draining and final not in state.commits.pending and not internal:
                 raise ShuttingDown("the daemon is draining and accepts no new saves (only missing ranks of "
@@ -273,7 +272,6 @@ class Saves:
         log.warning("event=failed path=%s error=%s", pending.path, exc.message)
         pending.tell_failed(self.send, exc.code, exc.message)
         self.events.publish(Failed(pending.path, exc))
-        state.closing.add(pending.path)
         if pending.writing == 0:  # else the last shard to finish discards (_write_finished)
             self._discard(pending)
 
@@ -292,14 +290,13 @@ class Saves:
             self.workers.submit("maintenance", lambda: time.sleep(delay), lambda _: self._discard(pending))
             return
         self._discards.pop(pending.path, None)
-        state.closing.discard(pending.path)
         if error is not None:
             log.warning("event=discard_failed path=%s error=%r", pending.incomplete, error)
         elif fut.result() is not None:
             aside: Path = fut.result()
             self.workers.submit("maintenance", lambda: self.storage.remove_tree(aside))
-        for ident, msg, pid, progress, examined in state.deferred.pop(pending.path, []):
-            self.admit_examined(ident, msg, progress, examined, pid=pid)
+        for retry in state.commits.cleared(pending.path):
+            self.admit_examined(retry.client, retry.msg, retry.progress, retry.examined, pid=retry.pid)
 
     def _abandon_if_orphaned(self, pending: PendingCheckpoint) -> None:
         """Fail an attempt still missing ranks whose contributors died: no rank of their job can complete it."""

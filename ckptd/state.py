@@ -23,7 +23,6 @@ from ckptd.protocol.layout import CheckedTable
 from ckptd.protocol.messages import Commit
 from ckptd.protocol.processes import pid_alive
 
-from .admission import Examined
 from .commit import Commits, PendingCheckpoint
 from .config import DaemonConfig
 from .leases import Grant, LoadLeases
@@ -65,9 +64,6 @@ class NodeState:
         """Staging progress of every save from its Commit until its write ends (``Staged`` finds it here)."""
         self.jobs: list[WriteJob] = []
         """Admitted shard writes, queued or running, until they end."""
-        self.closing: set[Path] = set()
-        """Failed checkpoints whose ``.incomplete`` is not yet out of the way; a retry waits in ``deferred``."""
-        self.deferred: dict[Path, list[tuple[bytes, Commit, int, Progress, Examined]]] = {}
         self.commits = Commits(storage, config.roots)
         self.leases = LoadLeases(config.max_concurrent_loads)
         self.slots = slots if slots is not None else SlotMaps()
@@ -194,7 +190,7 @@ class NodeState:
 
     @property
     def busy(self) -> bool:
-        return bool(self.saves or self.jobs or self.closing)
+        return bool(self.saves or self.jobs or self.commits.closing)
 
     @property
     def idle(self) -> bool:
