@@ -72,20 +72,12 @@ class Holding:
 
     def snapshot(self, ident: bytes, msg: Snapshot) -> None:
         """Start admitting one rank's snapshot shard; Accepted then Held (or Error) follow."""
-        client = self.state.client(ident)
+        self.state.client(ident)
         if self.state.draining:
             raise ShuttingDown("the daemon is draining and holds no new snapshots")
-        progress = self.state.begin_save(ident, client, msg, deadline=time.monotonic() + msg.timeout)
-        pid, slots, roots = client.pid, self.state.slots, self.config.roots
-        self.workers.submit("admit", lambda: _examine(self.storage, slots, msg, pid=pid, roots=roots),
-                            lambda fut: self._examined(ident, msg, pid, progress, fut))
+        self.saves.enter(ident, msg, _examine, self._examined)
 
-    def _examined(self, ident: bytes, msg: Snapshot, pid: int, progress: Progress, fut: Future) -> None:
-        if fut.exception() is not None:
-            self.state.end_save(ident, msg.id)
-            self.send(ident, error_reply(self.state, msg.id, fut.exception()))
-            return
-        examined: Examined = fut.result()
+    def _examined(self, ident: bytes, msg: Snapshot, progress: Progress, examined: Examined, *, pid: int) -> None:
         current = self.snapshots.held.get(examined.final)
         if current is not None:
             self._abandon_if_orphaned(current)
@@ -98,8 +90,7 @@ class Holding:
             snap, evicted = self.snapshots.admit(msg, examined.final, examined.slot, pid, ident)
         except CkptdError as exc:
             self.state.slots.release(examined.slot)
-            self.state.end_save(ident, msg.id)
-            self.send(ident, error_reply(self.state, msg.id, exc))
+            self.saves.refuse(ident, msg, exc)
             return
         for old in evicted:
             log.info("event=snapshot_evicted path=%s step=%s reason=budget", old.path, old.step)

@@ -47,6 +47,10 @@ DISCARD_RETRY_S = 1.0
 long, doubling up to ``MAX_DISCARD_RETRY_S``; its path takes no new save until then."""
 MAX_DISCARD_RETRY_S = 30.0
 Send = Callable[[bytes, Message], None]
+Examine = Callable[..., Examined]
+"""``admission.examine`` or a stricter one with its signature (storage, slots, msg, *, pid, roots)."""
+Admit = Callable[..., None]
+"""What takes an examined shard on the loop: (ident, msg, progress, examined, *, pid)."""
 
 
 def error_reply(state: NodeState, rid: int, exc: BaseException) -> Error:
@@ -75,11 +79,22 @@ class Saves:
 
     def commit(self, ident: bytes, msg: Commit) -> None:
         """Start admitting one rank's shard; Accepted (or Error) follows."""
+        self.enter(ident, msg, examine, self.admit_examined)
+
+    def enter(self, ident: bytes, msg: Commit, examine: Examine, then: Admit) -> None:
+        """The one way in for a rank's shard, to disk or to memory (``Snapshot``): count it, track its staging,
+        examine it on the admit pool, then ``then`` on the loop, or an Error reply if the examination refused it."""
         client = self.state.client(ident)
         progress = self.state.begin_save(ident, client, msg, deadline=time.monotonic() + msg.timeout)
         pid, slots, roots = client.pid, self.state.slots, self.config.roots
-        self.workers.submit("admit", lambda: examine(self.storage, slots, msg, pid=pid, roots=roots),
-                            lambda fut: self._examined(ident, msg, pid, progress, fut))
+
+        def examined(fut: Future) -> None:
+            if fut.exception() is not None:
+                self.refuse(ident, msg, fut.exception())
+            else:
+                then(ident, msg, progress, fut.result(), pid=pid)
+
+        self.workers.submit("admit", lambda: examine(self.storage, slots, msg, pid=pid, roots=roots), examined)
 
     def staged(self, ident: bytes, upto: int, error: str | None, request_id: int) -> None:
         progress = self.state.saves.get((ident, request_id))
@@ -90,13 +105,8 @@ class Saves:
         else:
             progress.advance(upto)
 
-    def _examined(self, ident: bytes, msg: Commit, pid: int, progress: Progress, fut: Future) -> None:
-        if fut.exception() is not None:
-            self._refuse(ident, msg, fut.exception())
-            return
-        self.admit_examined(ident, msg, progress, fut.result(), pid=pid)
-
-    def _refuse(self, ident: bytes, msg: Commit, exc: BaseException) -> None:
+    def refuse(self, ident: bytes, msg: Commit, exc: BaseException) -> None:
+        """A rank's shard is not taken: its save ends, and it is told why."""
         self.state.end_save(ident, msg.id)
         self.send(ident, error_reply(self.state, msg.id, exc))
 
@@ -116,7 +126,7 @@ class Saves:
             if conflict is not None:  # the run's save is broken: every rank is told, this one included
                 self.fail(current, conflict)
                 state.slots.release(examined.slot)
-                self._refuse(ident, msg, conflict)
+                self.refuse(ident, msg, conflict)
                 return
         if state.commits.wait_for_cleanup(Retry(ident, msg, pid, progress, examined)):
             return  # a failed attempt's directory is still in the way: admitted once it is not
@@ -131,7 +141,7 @@ class Saves:
             pending, dest = state.commits.admit(msg, ident, final, pid)
         except BaseException as exc:
             state.slots.release(examined.slot)
-            self._refuse(ident, msg, exc)
+            self.refuse(ident, msg, exc)
             if internal:
                 pending = state.commits.pending.get(final)
                 if pending is not None and pending.state is not CheckpointState.FAILED:
