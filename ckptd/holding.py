@@ -39,7 +39,8 @@ from ckptd.protocol.shm import slot_name
 from .admission import Examined, examine
 from .config import DaemonConfig
 from .events import Committed, Dropped, Events, Failed, Held as HeldEvent
-from .saves import Saves, error_reply
+from .replies import error_reply
+from .saves import Saves
 from .snapshots import HeldShard, HeldSnapshot, shards_of
 from .state import NodeState
 from .slots import SlotMaps
@@ -149,7 +150,7 @@ class Holding:
     def fail(self, snap: HeldSnapshot, exc: BaseException) -> None:
         """A snapshot failed: tell its waiting ranks, drop its shards (their slots go back with the error)."""
         self.snapshots.remove(snap)
-        reply = error_reply(self.state, 0, exc)
+        reply = error_reply(self.state.stats, 0, exc)
         log.warning("event=snapshot_failed path=%s error=%s", snap.path, reply.message)
         snap.tell_failed(self.send, reply.code, reply.message)
         for client, rid in snap.persist_waiting:
@@ -264,12 +265,12 @@ class Holding:
     def _persist_path(self, ident: bytes, rid: int, final: Path) -> None:
         snap = self.snapshots.held.get(final)
         if snap is None:
-            self.send(ident, error_reply(self.state, rid, InvalidCheckpoint(
+            self.send(ident, error_reply(self.state.stats, rid, InvalidCheckpoint(
                 f"the daemon holds no snapshot {final} in memory; held: "
                 f"{', '.join(str(p) for p in self.snapshots.held) or 'none'}")))
             return
         if snap.coordinated:
-            self.send(ident, error_reply(self.state, rid, WriteFailed(
+            self.send(ident, error_reply(self.state.stats, rid, WriteFailed(
                 f"snapshot {final} spans several nodes; persisting it is not supported: save with persist=True")))
             return
         if snap.persisted:

@@ -1,9 +1,9 @@
 """Prometheus metrics, opt-in: an HTTP endpoint or a node-exporter textfile.
 
 The numbers are the ``ckptd status`` snapshot, taken from the node state on
-the daemon's loop thread once a second, completed with free space on the
-status worker and handed over whole, so a scrape never reads the state
-mid-change. Names follow Prometheus conventions: base
+the daemon's loop thread at each housekeeping (``--housekeeping-interval``),
+then completed with free space and handed over whole (``update``) on the
+status worker, so a scrape never reads the state mid-change. Names follow Prometheus conventions: base
 units (bytes, seconds) and ``_total`` for counters.
 
 ``prometheus-client`` is only imported when metrics are asked for

@@ -28,13 +28,14 @@ from typing import Callable
 
 from ckptd.protocol.errors import CkptdError, InternalError, RanksMissing, ShuttingDown, WriteFailed
 from ckptd.protocol.index import ShardRecord
-from ckptd.protocol.messages import Abort, Accepted, Commit, Done, Durable, Error, Finalize, Message, Ok
+from ckptd.protocol.messages import Abort, Accepted, Commit, Done, Durable, Finalize, Message, Ok
 from ckptd.protocol.objects import display, is_permanent
 
 from .admission import Examined, check_room, examine
 from .commit import CheckpointState, PendingCheckpoint, Retry, resolve_path
 from .config import DaemonConfig
 from .events import Committed, Events, Failed
+from .replies import error_reply
 from .state import NodeState
 from .storage import Storage
 from .sweep import KnownDirs
@@ -51,15 +52,6 @@ Examine = Callable[..., Examined]
 """``admission.examine`` or a stricter one with its signature (storage, slots, msg, *, pid, roots)."""
 Admit = Callable[..., None]
 """What takes an examined shard on the loop: (ident, msg, progress, examined, *, pid)."""
-
-
-def error_reply(state: NodeState, rid: int, exc: BaseException) -> Error:
-    """The one place an exception becomes an ``Error`` reply (and a recent error in status)."""
-    if not isinstance(exc, CkptdError):
-        log.error("event=internal_error error=%r", exc, exc_info=exc)
-        exc = InternalError(f"internal error in ckptd: {exc!r}")
-    state.stats.error(exc.message)
-    return Error(rid, exc.code, exc.message)
 
 
 class Saves:
@@ -108,7 +100,7 @@ class Saves:
     def refuse(self, ident: bytes, msg: Commit, exc: BaseException) -> None:
         """A rank's shard is not taken: its save ends, and it is told why."""
         self.state.end_save(ident, msg.id)
-        self.send(ident, error_reply(self.state, msg.id, exc))
+        self.send(ident, error_reply(self.state.stats, msg.id, exc))
 
     def admit_examined(self, ident: bytes, msg: Commit, progress: Progress, examined: Examined, *, pid: int,
                        internal: bool = False, expected_checksum: int | None = None) -> None:
@@ -231,7 +223,7 @@ class Saves:
 
         def resolved(fut: Future) -> None:
             if fut.exception() is not None:
-                self.send(ident, error_reply(self.state, rid, fut.exception()))
+                self.send(ident, error_reply(self.state.stats, rid, fut.exception()))
             else:
                 then(fut.result())
 

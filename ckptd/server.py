@@ -4,9 +4,9 @@ Each turn polls the socket and the workers' wake-up fd with a timeout,
 decodes and dispatches requests, replies, applies finished work, and does
 housekeeping (dead clients, overdue checkpoints, slots clients unlinked,
 metrics, idle exit). What the node is doing lives in ``NodeState``; saves
-move through ``Saves``; all file I/O runs on ``Workers``' pools. ``_handle`` is the one place where an
-exception becomes an ``Error`` reply, so no request, however malformed, can
-take the daemon down.
+move through ``Saves``; all file I/O runs on ``Workers``' pools. ``_handle`` catches whatever a request
+raises and answers it with ``replies.error_reply``, so no request, however malformed, can take the daemon
+down.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from .holding import Holding
 from .leases import Grant
 from .mirror import Mirrors
 from .retention import Retainer
-from .saves import Saves, error_reply
+from .replies import error_reply
+from .saves import Saves
 from .slots import reclaim_orphaned_slots
 from .state import MAX_PID, NodeState
 from .stats import add_filesystems
@@ -186,7 +187,7 @@ class Server:
                 raise BadMessage(f"{msg.type!r} is a reply; the daemon does not accept it as a request")
             return handler(ident, msg)
         except Exception as exc:  # a CkptdError is the client's; anything else is a bug: keep serving
-            return error_reply(self.state, rid or request_id(payload), exc)
+            return error_reply(self.state.stats, rid or request_id(payload), exc)
 
     def _send(self, ident: bytes, msg: Message) -> None:
         try:
