@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ckptd.protocol.errors import PathNotAllowed
-from docs_reference import CLI_PAGE, DOCS, METRICS_PAGE, cli_tables, metrics_table, regions, status_paths
+from docs_reference import CLI_PAGE, DOCS, METRICS_PAGE, REPO, cli_tables, metrics_table, regions, status_paths
 from helpers import wait_until
 
 STATUS_PAGE = DOCS / "status.md"
@@ -77,3 +77,26 @@ def test_the_status_reference_names_every_key_of_a_real_status_and_no_other(
     filled = {_parent(p) for p in observed}
     stale = {p for p in documented - observed if _parent(p) in filled}
     assert not stale, f"docs/status.md names {sorted(stale)}, which a daemon's status does not hold"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_pages_reaches_a_file_and_a_heading() -> None:
+    """The README and docs/ link to each other's sections: a renamed heading or moved page breaks no link."""
+    pages = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            linked = (page.parent / target).resolve() if target else page
+            if not linked.exists():
+                broken.append(f"{page.relative_to(REPO)}: {target} does not exist")
+            elif anchor:
+                headings = re.findall(r"^#+ (.+)$", linked.read_text(), re.M)
+                if anchor not in {_anchor(h) for h in headings}:
+                    broken.append(f"{page.relative_to(REPO)}: {target}#{anchor} names no heading there")
+    assert not broken, "\n".join(broken)
