@@ -163,7 +163,8 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
     export.add_argument("path", type=Path, help="a committed checkpoint")
     export.add_argument("outdir", type=Path, help="new (or empty) directory for model*.safetensors")
     export.add_argument("--prefix", default="", help="export only tensors named PREFIX..., with PREFIX removed")
-    export.add_argument("--max-shard-size", default="5GB", help="largest output file: 5GB = 5*10**9 bytes, 2GiB = 2*2**30")
+    export.add_argument("--max-shard-size", default="5GB",
+                        help="largest output file: 5GB = 5*10**9 bytes, 2GiB = 2*2**30")
     export.add_argument("--run-dir", type=Path, default=None, help=argparse.SUPPRESS)
 
 

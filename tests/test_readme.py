@@ -141,6 +141,11 @@ class Block:
         return f"{self.page}:line{self.line}-{self.lang}"
 
     @property
+    def script(self) -> str:
+        """A file name for the block's script (its id, with the page's directories flattened)."""
+        return re.sub(r"[^\w.-]", "-", self.id)
+
+    @property
     def where(self) -> str:
         """Where the block is, as an error message names it."""
         return f"{self.page} line {self.line}"
@@ -221,7 +226,7 @@ def run_python(block: Block, scene: Scene, env: dict[str, str]) -> str:
     assert not unknown, f"{block.where}: nothing defines given {unknown}; GIVEN has {sorted(GIVEN)}"
     given = [GIVEN[n] for n in names]
     script = "".join(g.setup for g in given) + block.text + "".join(g.teardown for g in reversed(given))
-    path = scene.base / "blocks" / f"{block.id}.py"
+    path = scene.base / "blocks" / f"{block.script}.py"
     path.write_text(scene.localize(script))
     if any(g.torchrun for g in given):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(path)]
@@ -238,7 +243,7 @@ def run_python(block: Block, scene: Scene, env: dict[str, str]) -> str:
 
 def run_shell(block: Block, scene: Scene, env: dict[str, str]) -> str:
     text = re.sub(r"^(\s*)make (?!-n)", r"\1make -n ", block.text, flags=re.M)
-    path = scene.base / "blocks" / f"{block.id}.sh"
+    path = scene.base / "blocks" / f"{block.script}.sh"
     path.write_text("set -euo pipefail\n" + scene.localize(text))
     done = subprocess.run(["bash", str(path)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=BLOCK_TIMEOUT_S)
