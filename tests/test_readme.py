@@ -302,6 +302,8 @@ def check_json(block: Block, scene: Scene) -> None:
 
 AFTER: dict[str, str] = {
     'trainer(4).fit(model, ckpt_path="last")': "Restored all states from the checkpoint",
+    "--ckpt-dir /ckpts/run1 --steps 300": "resumed from step 200",
+    "--ckpt-dir /ckpts/fabric --steps 8": "resumed from step 6",
 }
 """Blocks that claim a resume, and what their output shows when the resume happened."""
 
