@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -108,8 +107,7 @@ def status_paths(doc: Any, prefix: str = "") -> set[str]:
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from helpers import short_tempdir, start_daemon
+    from helpers import short_tempdir, start_daemon  # beside this file, so on the path when it runs as a script
 
     run_dir, root = short_tempdir("ckdocs-"), short_tempdir("ckdocs-root-")
     daemon = start_daemon(run_dir, root)
