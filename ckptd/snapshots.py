@@ -113,7 +113,7 @@ class HeldSnapshot(Attempt):
         return (self.step if self.step is not None else -1, self.created)
 
     def describe(self) -> dict[str, Any]:
-        """The snapshot as ``Snapshots`` and ``ckptd status`` report it (keys documented in the README)."""
+        """The snapshot as ``Snapshots`` and ``ckptd status`` report it (keys documented in docs/status.md)."""
         return {
             "path": str(self.path), "step": self.step, "world_size": self.world_size, "created": self.created,
             "bytes": self.nbytes, "held_bytes": self.slot_bytes,

@@ -1,7 +1,7 @@
 """What ``ckptd status`` reports: counters, and the snapshot of a narrow view of the node state.
 
 The snapshot is a plain dict (msgpack on the wire, JSON from the CLI). Its
-keys are documented in the README and frozen by a test; add keys, never
+keys are documented in docs/status.md and checked against it by a test; add keys, never
 rename them. ``snapshot`` reads only memory (on the loop thread);
 ``add_filesystems`` adds the numbers that need a system call per
 filesystem and runs on a worker.
