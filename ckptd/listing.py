@@ -25,7 +25,8 @@ from ckptd.protocol.objects import display, is_object_path
 
 from .catalog import missing_or_truncated, read_index, tree_bytes
 from .render import human_bytes, printable
-from .storage import Kind, Storage, load_storage
+from .routed import load_storage
+from .storage import Kind, Storage
 
 
 class EntryState(str, Enum):

@@ -62,7 +62,7 @@ from ckptd.protocol.objects import display, is_permanent
 
 from .catalog import committed_in, read_index
 from .retention import apply_retention
-from .storage import Kind, Storage
+from .storage import CheckpointStorage, Kind
 
 log = logging.getLogger("ckptd")
 BACKOFF_S = 1.0
@@ -106,7 +106,7 @@ class Upload:
 class Mirrors:
     """The ``--mirror`` rules and their uploads (``submit``/``snapshot``/``idle`` run on the loop thread)."""
 
-    storage: Storage
+    storage: CheckpointStorage
     rules: dict[Path, Path]
     keep: int | None = None
     uploads: dict[Path, Upload] = field(default_factory=dict)
@@ -345,18 +345,18 @@ class Mirrors:
             log.info("event=mirror_replacing path=%s dest=%s", checkpoint, upload.dest)
             storage.unlink(dest / INDEX_NAME)  # the old version is gone for readers before a shard changes
         for record in index.files:
-            fd, _ = storage.open_new(dest / record.file, direct=False)
+            shard = storage.open_shard(dest / record.file, direct=False)
             try:
                 for offset in range(0, record.size, CHUNK):
                     want = min(CHUNK, record.size - offset)
                     data = storage.read(checkpoint / record.file, offset, want)
                     if len(data) != want:
                         raise OSError(f"{checkpoint / record.file} ended early: changed while it was uploaded")
-                    storage.pwrite(fd, memoryview(data), offset)
+                    shard.write(memoryview(data), offset)
                     upload.sent += len(data)
-                storage.fsync(fd)
+                shard.complete(record.size)
             finally:
-                storage.close(fd)
+                shard.close()
         if read_index(storage, checkpoint) != index:  # saved again while it was read: that version goes next
             raise OSError(errno.EAGAIN, "the checkpoint was saved again while it was uploaded", str(checkpoint))
         storage.write_file(dest / INDEX_NAME, index.to_json())

@@ -19,16 +19,16 @@ from typing import Any, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd.protocol.names import INDEX_NAME, deleting_path
+from ckptd.protocol.names import INDEX_NAME
 
 from .catalog import committed_in
-from .ownership import owner_marker, remove_markers, why_not_replaceable
-from .storage import Storage
+from .ownership import owner_marker, why_not_replaceable
+from .storage import CheckpointStorage
 
 log = logging.getLogger("ckptd")
 
 
-def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: set[Path],
+def apply_retention(storage: CheckpointStorage, newest: Path, keep_last: int, in_flight: set[Path],
                     keep: Callable[[Path], bool] | None = None,
                     publishing: AbstractContextManager[Any] = nullcontext()) -> list[Path]:
     """Delete committed checkpoints beside ``newest`` beyond the newest ``keep_last``.
@@ -62,12 +62,11 @@ def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: s
             log.warning("event=retention_skip path=%s reason=%s", victim, reason)
             continue
         try:
-            # An object store is never overwritten in place (and its requests may stall): no lock there
-            with publishing if storage.can_rename(victim) else nullcontext():
+            with storage.delete_guard(victim, publishing):
                 if _index_bytes(storage, victim) != judged:
                     log.info("event=retention_skip path=%s reason=saved_again", victim)
                     continue
-                doomed = set_aside_checkpoint(storage, victim, marker=owner_marker())
+                doomed = storage.set_aside(victim, marker=owner_marker())
             if doomed is None:
                 continue
             storage.remove_tree(doomed)
@@ -117,50 +116,23 @@ class RetentionQueue:
             return self._waiting.pop(key)
 
 
-def _index_bytes(storage: Storage, checkpoint: Path) -> bytes | None:
+def _index_bytes(storage: CheckpointStorage, checkpoint: Path) -> bytes | None:
     """The checkpoint's index as stored now (None: none): which version of it is there."""
     st = storage.stat(checkpoint / INDEX_NAME)
     return None if st is None else storage.read(checkpoint / INDEX_NAME, 0, st.size)
 
 
-def remove_checkpoint(storage: Storage, path: Path, *, marker: str | None) -> bool:
+def remove_checkpoint(storage: CheckpointStorage, path: Path, *, marker: str | None) -> bool:
     """Delete a committed checkpoint in two phases; False if it was already gone.
 
-    The one two-phase delete (retention and the Lightning plugin): rename to
-    ``deleting_path`` first, so readers see it vanish at once and never half
-    removed, then remove the tree. With ``marker`` (the daemon's owner
-    marker), a crash between the two leaves a directory the start-up sweep
-    removes. A leftover of an interrupted removal is cleared first. On an
-    ``OSError`` before the rename, the marker is taken back and the error raised.
+    The one two-phase delete (retention and the Lightning plugin): set aside
+    first (``Checkpoints.set_aside``), so readers see it vanish at once and
+    never half removed, then remove what is left. With ``marker`` (the
+    daemon's owner marker), a crash between the two leaves what the start-up
+    sweep removes.
     """
-    doomed = set_aside_checkpoint(storage, path, marker=marker)
+    doomed = storage.set_aside(path, marker=marker)
     if doomed is None:
         return False
     storage.remove_tree(doomed)
     return True
-
-
-def set_aside_checkpoint(storage: Storage, path: Path, *, marker: str | None) -> Path | None:
-    """The first phase of ``remove_checkpoint``: the checkpoint is gone for readers; returns what is left to
-    remove (None: it was already gone)."""
-    if not storage.can_rename(path):  # an object store: without its index it is gone for readers
-        if storage.stat(path / INDEX_NAME) is None:
-            return None
-        if marker is not None:  # first: a crash after the index went leaves shards the start-up sweep removes
-            storage.touch(path / marker)
-        storage.unlink(path / INDEX_NAME)
-        return path
-    doomed = deleting_path(path)
-    if storage.stat(doomed) is not None:
-        storage.remove_tree(doomed)
-    try:
-        if marker is not None:
-            storage.touch(path / marker)
-        storage.rename(path, doomed)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        if marker is not None:
-            remove_markers(storage, path)
-        raise
-    return doomed
