@@ -47,9 +47,10 @@ from ckptd.protocol.index import (
     shard_name,
 )
 from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Commit, Finalize
+from ckptd.protocol.inspect import read_shard_header
 from ckptd.protocol.objects import display, is_object_path
 
-from .catalog import read_shard_header
+from .catalog import SeamFiles
 from .contributors import Contributors
 from .ownership import (
     check_replaceable,
@@ -371,7 +372,8 @@ class Commits:
         headers = []
         for f in pending.shards.values():
             try:
-                entries, metadata, data_start = read_shard_header(self.storage, pending.incomplete / f.file, f.size)
+                shard = pending.incomplete / f.file
+                entries, metadata, data_start = read_shard_header(shard, f.size, SeamFiles(self.storage))
             except InvalidCheckpoint as exc:
                 raise WriteFailed(exc.message) from None
             headers.append((f.file, f.size, entries, metadata, data_start))

@@ -410,7 +410,8 @@ class Holding:
             self.start_persist(snap)
 
 
-def _examine(storage: CheckpointStorage, slots: SlotMaps, msg: Snapshot, *, pid: int, roots: tuple[Path, ...]) -> Examined:
+def _examine(storage: CheckpointStorage, slots: SlotMaps, msg: Snapshot, *, pid: int,
+             roots: tuple[Path, ...]) -> Examined:
     """A disk save's checks, and one a disk save makes only when it writes: the path's nearest existing ancestor
     is a directory. A snapshot that could never be persisted is refused now, not when its trainer dies (I/O)."""
     examined = examine(storage, slots, msg, pid=pid, roots=roots)

@@ -19,9 +19,10 @@ from typing import Any, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptd.protocol.index import committed_in
 from ckptd.protocol.names import INDEX_NAME
 
-from .catalog import committed_in
+from .catalog import SeamFiles
 from .ownership import owner_marker, why_not_replaceable
 from .storage import CheckpointStorage
 
@@ -46,7 +47,7 @@ def apply_retention(storage: CheckpointStorage, newest: Path, keep_last: int, in
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-    found = committed_in(storage, newest.parent)
+    found = committed_in(newest.parent, SeamFiles(storage))
     created = next((key[1] for key, path in found if path == newest), float("inf"))
     others = [(key, path) for key, path in found if path != newest]
     victims = [p for key, p in others[: max(0, len(others) - (keep_last - 1))]
