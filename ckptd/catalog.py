@@ -17,7 +17,7 @@ from pathlib import Path
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.reading import no_index_message
 
-from .storage import Kind, Storage
+from .storage import Files, Kind
 
 
 class SeamFiles:
@@ -28,7 +28,7 @@ class SeamFiles:
 
     strict = False
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Files) -> None:
         self.storage = storage
 
     def subdirs(self, directory: Path) -> list[Path]:
@@ -55,7 +55,7 @@ class SeamFiles:
         return self.storage.read(path, offset, size)
 
 
-def tree_bytes(storage: Storage, path: Path) -> int:
+def tree_bytes(storage: Files, path: Path) -> int:
     """Bytes held by the files under ``path`` (what a leftover costs on disk)."""
     total = 0
     try:

@@ -26,7 +26,7 @@ from ckptd.protocol.objects import display, is_object_path
 from .catalog import SeamFiles, tree_bytes
 from .render import human_bytes, printable
 from .routed import load_storage
-from .storage import Kind, Storage
+from .storage import Files, Kind
 
 
 class EntryState(str, Enum):
@@ -39,7 +39,7 @@ class EntryState(str, Enum):
     FOREIGN = "foreign"
 
 
-def list_checkpoints(root: Path, storage: Storage | None = None) -> list[dict[str, Any]]:
+def list_checkpoints(root: Path, storage: Files | None = None) -> list[dict[str, Any]]:
     """One dict per entry under ``root``, committed ones ordered by step."""
     storage = storage if storage is not None else load_storage(None)
     out = []

@@ -34,7 +34,7 @@ from ckptd.protocol.errors import CheckpointExists
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME
 from ckptd.protocol.objects import display
 
-from .storage import Entry, Kind, Space, Stat, Storage
+from .storage import Entry, Files, Kind, Space, Stat
 
 QUEUED_CHUNKS = 4
 """Chunks handed to an upload and not yet taken by it (bounds the copy the daemon holds)."""
@@ -96,28 +96,8 @@ class _Upload:
 
 
 class ObjectStorage:
-    """The file operations of the seam for ``s3://`` names (see the module docstring).
-
-    Shards are written through ``ObjectCheckpoints.open_shard`` (an upload), never by descriptor.
-    """
-
-    def open_new(self, path: Path, *, direct: bool) -> tuple[int, bool]:
-        raise OSError(errno.ENOTSUP, "an object is uploaded, not opened", objects.object_url(path))
-
-    def reopen(self, path: Path) -> int:
-        raise OSError(errno.ENOTSUP, "an object cannot be reopened", objects.object_url(path))
-
-    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
-        raise OSError(errno.EBADF, "an object has no descriptor")
-
-    def truncate(self, fd: int, size: int) -> None:
-        raise OSError(errno.EBADF, "an object has no descriptor")
-
-    def fsync(self, fd: int) -> None:
-        raise OSError(errno.EBADF, "an object has no descriptor")
-
-    def close(self, fd: int) -> None:
-        raise OSError(errno.EBADF, "an object has no descriptor")
+    """The file operations of the seam for ``s3://`` names (see the module docstring); a shard is uploaded
+    through ``ObjectCheckpoints.open_shard``, never opened."""
 
     def write_file(self, path: Path, data: bytes) -> None:
         """One small object; the index is written create-only (the commit must not replace another)."""
@@ -224,7 +204,7 @@ class ObjectCheckpoints:
     ``ObjectStorage``, or any storage a test runs this protocol on).
     """
 
-    def __init__(self, files: Storage) -> None:
+    def __init__(self, files: Files) -> None:
         self.files = files
 
     def open_shard(self, path: Path, *, direct: bool) -> ObjectShard:

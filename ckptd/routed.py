@@ -18,7 +18,7 @@ from ckptd.protocol.objects import is_object_path
 
 from .checkpoints_local import LocalCheckpoints
 from .objects import ObjectCheckpoints, ObjectStorage
-from .storage import Checkpoints, Entry, LocalStorage, ShardWriter, Space, Stat, Storage
+from .storage import Checkpoints, Entry, Files, LocalStorage, ShardWriter, Space, Stat, Storage
 
 
 class Routed:
@@ -30,7 +30,7 @@ class Routed:
         self.local_checkpoints: Checkpoints = LocalCheckpoints(local)
         self.object_checkpoints: Checkpoints = ObjectCheckpoints(self.objects)
 
-    def _by_path(self, path: Path) -> Storage:
+    def _by_path(self, path: Path) -> Files:
         return self.objects if is_object_path(path) else self.local
 
     def checkpoints(self, path: Path) -> Checkpoints:
@@ -70,25 +70,7 @@ class Routed:
     def sweep(self, attempt: Path, *, move_to: Path | None) -> None:
         self.checkpoints(attempt).sweep(attempt, move_to=move_to)
 
-    # -- file operations (descriptors are the local storage's: an object is uploaded, never opened) -------------
-
-    def open_new(self, path: Path, *, direct: bool) -> tuple[int, bool]:
-        return self._by_path(path).open_new(path, direct=direct)
-
-    def reopen(self, path: Path) -> int:
-        return self._by_path(path).reopen(path)
-
-    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
-        return self.local.pwrite(fd, data, offset)
-
-    def truncate(self, fd: int, size: int) -> None:
-        self.local.truncate(fd, size)
-
-    def fsync(self, fd: int) -> None:
-        self.local.fsync(fd)
-
-    def close(self, fd: int) -> None:
-        self.local.close(fd)
+    # -- file operations -------------------------------------------------------------------------------------
 
     def write_file(self, path: Path, data: bytes) -> None:
         self._by_path(path).write_file(path, data)

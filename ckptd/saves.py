@@ -38,7 +38,7 @@ from .config import DaemonConfig
 from .mirror import Mirrors
 from .retention import Retention, RetentionQueue, apply_retention
 from .state import NodeState
-from .storage import Storage
+from .storage import CheckpointStorage
 from .sweep import KnownDirs
 from .workers import Workers
 from .writer import Progress, WriteJob, WriteState, write_shard
@@ -63,7 +63,7 @@ def error_reply(state: NodeState, rid: int, exc: BaseException) -> Error:
 class Saves:
     """Moves saves through the pipeline above; replies through ``send``."""
 
-    def __init__(self, state: NodeState, workers: Workers, storage: Storage, config: DaemonConfig,
+    def __init__(self, state: NodeState, workers: Workers, storage: CheckpointStorage, config: DaemonConfig,
                  send: Send, known_dirs: KnownDirs, mirrors: Mirrors | None = None) -> None:
         self.state, self.workers, self.storage, self.config = state, workers, storage, config
         self.mirrors = mirrors

@@ -8,9 +8,10 @@ are on. Two implementations exist: a local filesystem publishes by rename
 (``ckptd/checkpoints_local.py``), an object store by writing the index last
 (``ckptd/objects.py``); ``ckptd/routed.py`` puts them side by side by name.
 
-Both rest on file operations (``Storage``): the POSIX calls of the local
-filesystem (``LocalStorage``) and their object-store counterparts. Ownership
-checks, listing and the sweep still read through them. Tests load a
+Both rest on file operations by name (``Files``): the POSIX calls of the
+local filesystem (``LocalStorage``, a ``Storage``: with the descriptors a
+local shard is written through) and their object-store counterparts
+(``ObjectStorage``). Ownership checks, listing and the sweep read through them. Tests load a
 fault-injecting ``Storage`` that lives with them (``tests/faults.py``) with
 ``ckptd start --storage module:Class``; its faults act inside the checkpoint
 operations built on it. Production code carries no test switch.
@@ -19,8 +20,8 @@ The file contract:
 
 - Paths are ``pathlib.Path`` names in one namespace; ``p.incomplete`` and
   ``p`` are siblings. Nothing outside this seam opens, stats or lists them.
-- ``open_new``/``pwrite``/``truncate``/``fsync``/``close`` write one file;
-  after ``fsync`` returns, its bytes are durable. ``write_file`` writes a
+- ``open_new``/``pwrite``/``truncate``/``fsync``/``close`` write one file
+  (a ``Storage`` only); after ``fsync`` returns, its bytes are durable. ``write_file`` writes a
   small file durably in one call (the index).
 - ``rename(src, dst)`` makes a whole checkpoint visible at once, and
   ``exchange`` swaps two names at once; ``fsync_dir`` makes a name durable.
@@ -98,15 +99,9 @@ class Space:
 
 
 @runtime_checkable
-class Storage(Protocol):
-    """Every checkpoint file operation the daemon makes (see the module docstring)."""
+class Files(Protocol):
+    """The file operations by name, on any backend (see the module docstring)."""
 
-    def open_new(self, path: Path, *, direct: bool) -> tuple[int, bool]: ...
-    def reopen(self, path: Path) -> int: ...
-    def pwrite(self, fd: int, data: memoryview, offset: int) -> int: ...
-    def truncate(self, fd: int, size: int) -> None: ...
-    def fsync(self, fd: int) -> None: ...
-    def close(self, fd: int) -> None: ...
     def write_file(self, path: Path, data: bytes) -> None: ...
     def read(self, path: Path, offset: int, size: int) -> bytes: ...
     def mkdir(self, path: Path, *, parents: bool = False, exist_ok: bool = False) -> None: ...
@@ -120,6 +115,19 @@ class Storage(Protocol):
     def stat(self, path: Path, *, follow: bool = False) -> Stat | None: ...
     def resolve(self, path: Path) -> Path: ...
     def space(self, path: Path) -> Space: ...
+
+
+@runtime_checkable
+class Storage(Files, Protocol):
+    """A filesystem's file operations, with the descriptors a local shard is written through
+    (``--storage module:Class`` names one)."""
+
+    def open_new(self, path: Path, *, direct: bool) -> tuple[int, bool]: ...
+    def reopen(self, path: Path) -> int: ...
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int: ...
+    def truncate(self, fd: int, size: int) -> None: ...
+    def fsync(self, fd: int) -> None: ...
+    def close(self, fd: int) -> None: ...
 
 
 class PublishedNotDurable(OSError):
@@ -351,7 +359,7 @@ def filesystem_type(path: Path) -> str:
 
 
 @runtime_checkable
-class CheckpointStorage(Checkpoints, Storage, Protocol):
+class CheckpointStorage(Checkpoints, Files, Protocol):
     """Both seams, as the daemon holds them (``ckptd/routed.py``): checkpoint operations, and the file
     operations that ownership checks, listing and the sweep still read through."""
 

@@ -16,7 +16,7 @@ from ckptd.protocol.names import INCOMPLETE_SUFFIX, INDEX_NAME, KNOWN_DIRS_NAME,
 from ckptd.protocol.objects import SCHEME
 
 from .ownership import dead_here, marker_owners, remove_markers
-from .storage import CheckpointStorage, Kind, Storage
+from .storage import CheckpointStorage, Files, Kind
 
 log = logging.getLogger("ckptd")
 MAX_KNOWN_DIRS = 1000
@@ -33,7 +33,7 @@ class KnownDirs:
     ``remember`` writes a file: call it off the loop thread.
     """
 
-    def __init__(self, storage: Storage, run_dir: Path) -> None:
+    def __init__(self, storage: Files, run_dir: Path) -> None:
         self.storage = storage
         self.file = run_dir / KNOWN_DIRS_NAME
         try:
@@ -52,7 +52,7 @@ class KnownDirs:
         self.storage.rename(tmp, self.file)
 
 
-def is_orphaned(storage: Storage, incomplete: Path) -> bool:
+def is_orphaned(storage: Files, incomplete: Path) -> bool:
     """Whether every writer named in ``incomplete``'s markers is a dead process on this host."""
     try:
         owners = marker_owners(storage, incomplete)
