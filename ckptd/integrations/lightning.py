@@ -426,9 +426,11 @@ class CkptdCheckpointIO(CheckpointIO):
         """
         self._wait_for(self._key(path))
         target, storage = Path(os.path.abspath(os.fspath(path))), load_storage(None)
-        if target.is_symlink():
-            target.unlink(missing_ok=True)
-        elif target.is_dir():
+        st = storage.stat(target)  # a link is reported as one, never followed
+        if st is not None and st.kind is Kind.LINK:
+            with contextlib.suppress(FileNotFoundError):
+                storage.unlink(target)
+        elif st is not None and st.kind is Kind.DIR:
             try:
                 read_index(target)
             except InvalidCheckpoint:
@@ -437,11 +439,11 @@ class CkptdCheckpointIO(CheckpointIO):
             else:  # gone meanwhile (False) is fine too: the goal is reached
                 if remove_checkpoint(storage, target, marker=None):
                     log.debug("removed checkpoint %s", target)
-        elif target.exists():
+        elif st is not None:
             warnings.warn(f"CkptdCheckpointIO left {target} in place: it is a file, not a ckptd checkpoint",
                           stacklevel=2)
         leftover = incomplete_path(target)
-        if (st := storage.stat(leftover)) is not None and st.kind is Kind.DIR:  # never a link's target
+        if (left := storage.stat(leftover)) is not None and left.kind is Kind.DIR:  # never a link's target
             storage.remove_tree(leftover)
 
     def teardown(self) -> None:
