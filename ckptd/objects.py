@@ -165,7 +165,7 @@ class ObjectStorage:
 
 
 
-class ObjectShard:
+class ShardUpload:
     """One shard's multipart upload (see ``_Upload``)."""
 
     aligned = False
@@ -207,8 +207,8 @@ class ObjectCheckpoints:
     def __init__(self, files: Files) -> None:
         self.files = files
 
-    def open_shard(self, path: Path, *, direct: bool) -> ObjectShard:
-        return ObjectShard(path)
+    def open_shard(self, path: Path, *, direct: bool) -> ShardUpload:
+        return ShardUpload(path)
 
     def publish(self, attempt: Path, final: Path, index: bytes, *, overwrite: bool,
                 publishing: AbstractContextManager[Any]) -> None:
