@@ -41,7 +41,6 @@ from ckptd.protocol.errors import (
 )
 from ckptd.protocol.index import (
     INCOMPLETE_SUFFIX,
-    INDEX_NAME,
     CheckpointIndex,
     ShardRecord,
     TensorRecord,
@@ -49,11 +48,11 @@ from ckptd.protocol.index import (
     shard_name,
 )
 from ckptd.protocol.messages import Commit, Finalize
-from ckptd.protocol.names import discarded_path
+from ckptd.protocol.inspect import read_shard_header
 from ckptd.protocol.objects import display, is_object_path
 
 from .attempt import Attempt, Waiter, Words
-from .catalog import read_shard_header
+from .catalog import SeamFiles
 from .contributors import Contributors
 from .ownership import (
     check_replaceable,
@@ -63,7 +62,7 @@ from .ownership import (
     why_not_leftover,
     why_not_replaceable,
 )
-from .storage import Kind, Storage
+from .storage import CheckpointStorage, Kind, PublishedNotDurable
 
 if TYPE_CHECKING:
     from .admission import Examined
@@ -164,7 +163,7 @@ class Retry:
     examined: "Examined"
 
 
-def resolve_path(storage: Storage, raw: str, roots: tuple[Path, ...]) -> Path:
+def resolve_path(storage: CheckpointStorage, raw: str, roots: tuple[Path, ...]) -> Path:
     """The final checkpoint path for ``raw``, if it lies under an allowed root (I/O).
 
     Symlinks and ``..`` in the parent are resolved first, so neither can lead
@@ -199,15 +198,11 @@ def resolve_path(storage: Storage, raw: str, roots: tuple[Path, ...]) -> Path:
     return final
 
 
-def refuse_existing(storage: Storage, final: Path, overwrite: bool) -> None:
-    """Something is at ``final``: only a committed ckptd checkpoint, with ``overwrite``, may be replaced (I/O).
-
-    On a store without rename nothing is replaced: the new shards would land
-    on the old checkpoint's before its index could change.
-    """
-    if not storage.can_rename(final):
-        raise CheckpointExists(f"{display(final)} already exists on the object store, where a checkpoint is never "
-                               f"replaced in place (no atomic rename); save under another path, or delete it first")
+def refuse_existing(storage: CheckpointStorage, final: Path, overwrite: bool) -> None:
+    """Something is at ``final``: only a committed ckptd checkpoint, with ``overwrite``, may be replaced (I/O)."""
+    refusal = storage.replace_refusal(final)
+    if refusal is not None:
+        raise CheckpointExists(refusal)
     if overwrite:
         check_replaceable(storage, final)
         return
@@ -221,7 +216,7 @@ def refuse_existing(storage: Storage, final: Path, overwrite: bool) -> None:
 class Commits:
     """Checkpoints in progress on this daemon, by final path (bookkeeping on the loop; I/O where marked)."""
 
-    def __init__(self, storage: Storage, roots: tuple[Path, ...]) -> None:
+    def __init__(self, storage: CheckpointStorage, roots: tuple[Path, ...]) -> None:
         self.storage = storage
         self.roots = roots
         self.pending: dict[Path, PendingCheckpoint] = {}
@@ -285,9 +280,9 @@ class Commits:
         try:
             if storage.stat(pending.path) is not None:  # for an object, the first check (admission skips it)
                 refuse_existing(storage, pending.path, pending.overwrite)
-            st = None if is_object_path(parent) else storage.stat(parent, follow=True)  # a prefix is never a file
-            if st is not None and st.kind is not Kind.DIR:
-                raise WriteFailed(f"cannot create {pending.incomplete}: {parent} is not a directory")
+            blocked = storage.not_a_directory(parent)
+            if blocked is not None:
+                raise WriteFailed(f"cannot create {pending.incomplete}: {blocked} is not a directory")
             leftover = storage.stat(pending.incomplete) is not None and not pending.coordinated
             reason = why_not_leftover(storage, pending.incomplete) if leftover else None
             if reason is not None:
@@ -342,13 +337,13 @@ class Commits:
                                  owns_directory=True, waiting=[Waiter(client, msg.id, 0)])
 
     def finalize(self, pending: PendingCheckpoint) -> None:
-        """Index, rename, fsync the parent: the checkpoint becomes visible (I/O).
+        """Index, then publish: the checkpoint becomes visible (I/O; ``Checkpoints.publish`` says how).
 
-        Replacing an existing checkpoint swaps the two directories in one
+        Locally, replacing an existing checkpoint swaps the two directories in one
         atomic ``renameat2(RENAME_EXCHANGE)``, so a crash at any point leaves
         either the old or the new checkpoint under the name, never neither.
         Only a committed checkpoint holding nothing but ckptd's files is ever
-        replaced (checked again here: the path may have changed since admission).
+        replaced (checked again there: the path may have changed since admission).
         The owner markers stay until after the rename, so the start-up sweep
         can still recognise a crashed commit as ours; failing to remove them
         afterwards does not undo the commit (readers ignore markers).
@@ -360,51 +355,23 @@ class Commits:
         checkpoint is left in place, never discarded.
         """
         storage, final = self.storage, pending.path
-        renamed = False
         try:
             self._check_shards(pending)
             index = pending.index(self._tensor_table(pending))
-            if not storage.can_rename(final):
-                self._publish(pending, index)
-                return
-            storage.write_file(pending.incomplete / INDEX_NAME, index.to_json())
-            storage.fsync_dir(pending.incomplete)
-            with self.publishing:
-                replacing = storage.stat(final) is not None
-                if replacing:
-                    if not pending.overwrite:
-                        raise CheckpointExists(f"checkpoint {final} appeared while this one was written")
-                    check_replaceable(storage, final)
-                    # Mark the old checkpoint as ours first: after the swap it sits at
-                    # p.incomplete, and if we die there the start-up sweep removes it.
-                    storage.touch(final / owner_marker())
-                    storage.exchange(pending.incomplete, final)  # the old checkpoint is now at p.incomplete
-                else:
-                    storage.rename(pending.incomplete, final)
-            renamed = True
-            storage.fsync_dir(final.parent)
-            if replacing:
-                storage.remove_tree(pending.incomplete)
+            storage.publish(pending.incomplete, final, index.to_json(), overwrite=pending.overwrite,
+                            publishing=self.publishing)
         except CkptdError:
             raise
+        except PublishedNotDurable as exc:
+            remove_markers(storage, final)
+            raise WriteFailed(
+                f"checkpoint {final} is committed and visible (its index and shards are durable), but "
+                f"fsync of {final.parent} failed ({exc.strerror or exc}), so the new name may not survive "
+                f"a power loss; it was not reported saved. Load it, or save again under another "
+                f"path") from None
         except OSError as exc:
-            if renamed:
-                remove_markers(storage, final)
-                raise WriteFailed(
-                    f"checkpoint {final} is committed and visible (its index and shards are durable), but "
-                    f"fsync of {final.parent} failed ({exc.strerror or exc}), so the new name may not survive "
-                    f"a power loss; it was not reported saved. Load it, or save again under another "
-                    f"path") from None
             raise WriteFailed(f"committing {final} failed: {exc.strerror or exc}") from None
         remove_markers(storage, final)
-
-    def _publish(self, pending: PendingCheckpoint, index: CheckpointIndex) -> None:
-        """On a store without rename, the index written last (create-only) is the commit."""
-        try:
-            self.storage.write_file(pending.incomplete / INDEX_NAME, index.to_json())
-        except FileExistsError:
-            raise CheckpointExists(f"checkpoint {display(pending.path)} appeared while this one was written") from None
-        remove_markers(self.storage, pending.path)
 
     def _check_shards(self, pending: PendingCheckpoint) -> None:
         """Every listed shard is there at its size; nothing else is left behind."""
@@ -424,7 +391,8 @@ class Commits:
         headers = []
         for f in pending.shards.values():
             try:
-                entries, metadata, data_start = read_shard_header(self.storage, pending.incomplete / f.file, f.size)
+                shard = pending.incomplete / f.file
+                entries, metadata, data_start = read_shard_header(shard, f.size, SeamFiles(self.storage))
             except InvalidCheckpoint as exc:
                 raise WriteFailed(exc.message) from None
             headers.append((f.file, f.size, entries, metadata, data_start))
@@ -444,15 +412,7 @@ class Commits:
         """
         if not pending.owns_directory:
             return None
-        aside = discarded_path(pending.path)
-        try:
-            self.storage.rename(pending.incomplete, aside)
-        except FileNotFoundError:
-            return None
-        except OSError:  # cannot rename: remove it in place, before any retry is admitted
-            self.storage.remove_tree(pending.incomplete)
-            return None
-        return aside
+        return self.storage.discard(pending.incomplete, pending.path)
 
     def wait_for_cleanup(self, retry: Retry) -> bool:
         """Keep ``retry`` until its path's failed attempt is cleared away; False if none is in the way."""

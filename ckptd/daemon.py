@@ -28,7 +28,7 @@ from ckptd.protocol.objects import check_bucket, display, is_object_path
 from .config import DaemonConfig
 from .control import probe
 from .server import Server
-from .storage import load_storage
+from .routed import load_storage
 
 log = logging.getLogger("ckptd")
 """Written when a drain could not persist held snapshots (one line each): ``ckptd stop`` reports it."""

@@ -33,7 +33,7 @@ from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed,
 from ckptd.protocol.messages import (
     Accepted, Done, Error, Held, Message, Ok, Persist, Pin, Snapshot, SnapshotList, Snapshots, Unpin,
 )
-from ckptd.protocol.objects import display, is_object_path, is_permanent
+from ckptd.protocol.objects import display, is_permanent
 from ckptd.protocol.shm import slot_name
 
 from .admission import Examined, examine
@@ -44,7 +44,7 @@ from .saves import Saves
 from .snapshots import HeldShard, HeldSnapshot, shards_of
 from .state import NodeState
 from .slots import SlotMaps
-from .storage import Kind, Storage
+from .storage import CheckpointStorage
 from .workers import Workers
 from .writer import Progress, checksum_when_staged
 
@@ -57,7 +57,7 @@ Send = Callable[[bytes, Message], None]
 class Holding:
     """Moves snapshots in and out of node memory; replies through ``send``."""
 
-    def __init__(self, state: NodeState, workers: Workers, storage: Storage, config: DaemonConfig,
+    def __init__(self, state: NodeState, workers: Workers, storage: CheckpointStorage, config: DaemonConfig,
                  send: Send, saves: Saves, events: Events) -> None:
         self.state, self.workers, self.storage, self.config = state, workers, storage, config
         self.send, self.saves, self.events = send, saves, events
@@ -407,18 +407,15 @@ class Holding:
             self.start_persist(snap)
 
 
-def _examine(storage: Storage, slots: SlotMaps, msg: Snapshot, *, pid: int, roots: tuple[Path, ...]) -> Examined:
+def _examine(storage: CheckpointStorage, slots: SlotMaps, msg: Snapshot, *, pid: int,
+             roots: tuple[Path, ...]) -> Examined:
     """A disk save's checks, and one a disk save makes only when it writes: the path's nearest existing ancestor
     is a directory. A snapshot that could never be persisted is refused now, not when its trainer dies (I/O)."""
     examined = examine(storage, slots, msg, pid=pid, roots=roots)
-    if is_object_path(examined.final):
-        return examined
-    ancestor = examined.final.parent
-    while (st := storage.stat(ancestor)) is None and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if st is not None and st.kind is not Kind.DIR:
+    blocked = storage.not_a_directory(examined.final.parent)
+    if blocked is not None:
         slots.release(examined.slot)
-        raise PathNotAllowed(f"snapshot {examined.final} could never be persisted: {ancestor} is not a directory")
+        raise PathNotAllowed(f"snapshot {examined.final} could never be persisted: {blocked} is not a directory")
     return examined
 
 

@@ -37,7 +37,7 @@ from .config import DaemonConfig
 from .events import Committed, Events, Failed
 from .replies import error_reply
 from .state import NodeState
-from .storage import Storage
+from .storage import CheckpointStorage
 from .sweep import KnownDirs
 from .workers import Workers
 from .writer import Progress, WriteJob, WriteState, write_shard
@@ -57,7 +57,7 @@ Admit = Callable[..., None]
 class Saves:
     """Moves saves through the pipeline above; replies through ``send``."""
 
-    def __init__(self, state: NodeState, workers: Workers, storage: Storage, config: DaemonConfig,
+    def __init__(self, state: NodeState, workers: Workers, storage: CheckpointStorage, config: DaemonConfig,
                  send: Send, known_dirs: KnownDirs, events: Events) -> None:
         self.state, self.workers, self.storage, self.config = state, workers, storage, config
         self.send = send

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import zmq
@@ -38,7 +37,7 @@ from .saves import Saves
 from .slots import reclaim_orphaned_slots
 from .state import MAX_PID, NodeState
 from .stats import add_filesystems
-from .storage import Storage
+from .storage import CheckpointStorage
 from .sweep import KnownDirs, sweep_incomplete
 from .workers import Workers
 
@@ -52,7 +51,7 @@ ends well within it, a request to a stalled store is not waited for longer."""
 class Server:
     """Serve one node until stopped; ``serve_forever`` returns when drained."""
 
-    def __init__(self, config: DaemonConfig, storage: Storage) -> None:
+    def __init__(self, config: DaemonConfig, storage: CheckpointStorage) -> None:
         self.config, self.storage = config, storage
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)

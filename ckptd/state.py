@@ -29,7 +29,7 @@ from .leases import Grant, LoadLeases
 from .slots import SlotMaps
 from .snapshots import Snapshots
 from .stats import Stats
-from .storage import Storage
+from .storage import CheckpointStorage
 from .writer import Progress, WriteJob
 
 MAX_PID = 1 << 22
@@ -57,7 +57,7 @@ class ClientRecord:
 class NodeState:
     """What one node's daemon is doing (loop thread only)."""
 
-    def __init__(self, config: DaemonConfig, storage: Storage, slots: SlotMaps | None = None) -> None:
+    def __init__(self, config: DaemonConfig, storage: CheckpointStorage, slots: SlotMaps | None = None) -> None:
         self.config = config
         self.clients: dict[bytes, ClientRecord] = {}
         self.saves: dict[tuple[bytes, int], Progress] = {}

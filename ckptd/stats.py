@@ -23,7 +23,7 @@ from ckptd.protocol.shm import shm_usage
 
 from .config import DaemonConfig
 from .events import Committed, Dropped, Held
-from .storage import Storage
+from .storage import Files
 
 if TYPE_CHECKING:
     from .commit import PendingCheckpoint
@@ -157,7 +157,7 @@ class Stats:
         return info
 
 
-def add_filesystems(info: dict[str, Any], storage: Storage) -> dict[str, Any]:
+def add_filesystems(info: dict[str, Any], storage: Files) -> dict[str, Any]:
     """Fill in the roots' and the slot directory's free space (a system call each: off the loop)."""
     info["shm"] = shm_usage(Path(info["shm"]["dir"]))
     info["roots"] = [_root_usage(storage, Path(r["path"])) for r in info["roots"]]
@@ -170,7 +170,7 @@ def _throughput(jobs: list, now: float) -> float:
     return round(sum(j.written / max(now - j.started_at, 1e-6) for j in active), 1)
 
 
-def _root_usage(storage: Storage, root: Path) -> dict[str, Any]:
+def _root_usage(storage: Files, root: Path) -> dict[str, Any]:
     if is_object_path(root):  # a store enforces its own quotas: it has no free space to show
         return {"path": display(root), "free_bytes": None, "total_bytes": None, "object_store": True}
     try:

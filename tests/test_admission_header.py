@@ -13,6 +13,7 @@ from ckptd.admission import examine
 from ckptd.protocol.errors import BadSlot
 from ckptd.protocol.messages import Commit
 from ckptd.slots import SlotMaps
+from ckptd.routed import Routed
 from ckptd.storage import LocalStorage
 from ckptd.client.flatten import flatten
 from ckptd.client.slots import Slot
@@ -26,7 +27,7 @@ def commit_for(slot: Slot, layout, root, **change) -> Commit:
 
 
 def test_a_reused_slot_header_is_checked_against_every_commit(tmp_path) -> None:
-    slot, maps, storage = Slot(1 << 20), SlotMaps(), LocalStorage()
+    slot, maps, storage = Slot(1 << 20), SlotMaps(), Routed(LocalStorage())
     try:
         first = layout_for(flatten({f"t{i}": torch.ones(8) for i in range(50)}))
         write_header(first, slot)
