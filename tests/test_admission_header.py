@@ -11,8 +11,8 @@ import torch
 
 from ckptd.admission import examine
 from ckptd.protocol.errors import BadSlot
-from ckptd.protocol.messages import Commit
-from ckptd.slots import SlotMaps
+from ckptd.protocol.messages import WriteShard
+from ckptd.slot_maps import SlotMaps
 from ckptd.routed import Routed
 from ckptd.storage import LocalStorage
 from ckptd.client.flatten import flatten
@@ -20,8 +20,8 @@ from ckptd.client.slots import Slot
 from ckptd.client.staging import layout_for, write_header
 
 
-def commit_for(slot: Slot, layout, root, **change) -> Commit:
-    c = Commit(1, slot.name, layout.nbytes, layout.data_start, layout.entries, str(root / "ckpt"), 0, 1, None, False,
+def commit_for(slot: Slot, layout, root, **change) -> WriteShard:
+    c = WriteShard(1, slot.name, layout.nbytes, layout.data_start, layout.entries, str(root / "ckpt"), 0, 1, None, False,
                False, None, 60.0, 0.0, layout.nbytes)
     return dataclasses.replace(c, **change)
 
@@ -32,7 +32,7 @@ def test_a_reused_slot_header_is_checked_against_every_commit(tmp_path) -> None:
         first = layout_for(flatten({f"t{i}": torch.ones(8) for i in range(50)}))
         write_header(first, slot)
 
-        def check(msg: Commit) -> tuple | None:
+        def check(msg: WriteShard) -> tuple | None:
             mapped = examine(storage, maps, msg, pid=os.getpid(), roots=(tmp_path,)).slot
             maps.release(mapped)
             return mapped.header

@@ -17,10 +17,10 @@ from ckptd.ownership import owner_marker
 from ckptd.protocol.names import OWNER_PREFIX, SWEPT_DIR
 from ckptd.protocol.index import INDEX_NAME, CheckpointIndex, ShardRecord, shard_name
 from ckptd.retention import apply_retention
-from ckptd.objects import ObjectCheckpoints
+from ckptd.checkpoints_store import ObjectCheckpoints
 from ckptd.routed import Routed
 from ckptd.storage import LocalStorage
-from ckptd.slots import reclaim_orphaned_slots
+from ckptd.slot_maps import reclaim_orphaned_slots
 from ckptd.sweep import KnownDirs, MAX_KNOWN_DIRS, is_orphaned, sweep_incomplete
 
 from helpers import dead_pid
