@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,27 +77,47 @@ class TrainState(Stateful):
         self.step, self.ntokens_seen = state_dict["step"], state_dict["ntokens_seen"]
 
 
-def build(config: CheckpointManager.Config, steps: int) -> tuple[CheckpointManager, nn.Module, OptimizersContainer,
-                                                                   LRSchedulersContainer, Batches, TrainState]:
+@dataclass
+class Run:
     """What torchtitan's ``Trainer.__init__`` builds, with an FSDP2 model sharded over every rank."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(WIDTH, 64), nn.ReLU(), nn.Linear(64, 1))
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    optimizers = OptimizersContainer.Config(
-        implementation="for-loop",
-        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],
-    ).build(model_parts=[model])
-    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=steps)
-    dataloader, train_state = Batches(rank, world), TrainState()
-    manager = config.build(dataloader=dataloader, model_parts=[model], optimizers=optimizers,
-                           lr_schedulers=lr_schedulers, states={"train_state": train_state}, sd_adapter=None)
-    return manager, model, optimizers, lr_schedulers, dataloader, train_state
 
+    manager: CheckpointManager
+    model: nn.Module
+    optimizers: OptimizersContainer
+    lr_schedulers: LRSchedulersContainer
+    dataloader: Batches
+    state: TrainState
 
-def train_step(model: nn.Module, batch: tuple[dict[str, torch.Tensor], torch.Tensor]) -> None:
-    inputs, labels = batch
-    (model(inputs["input"]) - labels).pow(2).mean().backward()
+    @classmethod
+    def build(cls, config: CheckpointManager.Config, steps: int) -> Run:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(WIDTH, 64), nn.ReLU(), nn.Linear(64, 1))
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        optimizers = OptimizersContainer.Config(
+            implementation="for-loop",
+            param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],
+        ).build(model_parts=[model])
+        lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers,
+                                                                           training_steps=steps)
+        dataloader, state = Batches(rank, world), TrainState()
+        manager = config.build(dataloader=dataloader, model_parts=[model], optimizers=optimizers,
+                               lr_schedulers=lr_schedulers, states={"train_state": state}, sd_adapter=None)
+        return cls(manager, model, optimizers, lr_schedulers, dataloader, state)
+
+    def forward_backward(self, batch: tuple[dict[str, torch.Tensor], torch.Tensor]) -> None:
+        inputs, labels = batch
+        (self.model(inputs["input"]) - labels).pow(2).mean().backward()
+        self.state.ntokens_seen += inputs["input"].numel()
+
+    def step(self, batches: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
+        """One of the Trainer's steps, up to its ``checkpointer.save``."""
+        self.state.step += 1
+        self.forward_backward(next(batches))
+        self.manager.maybe_wait_for_staging()  # before the tensors being saved change
+        self.optimizers.step()
+        self.optimizers.zero_grad()
+        self.lr_schedulers.step()
 
 
 def main() -> None:
@@ -110,22 +131,16 @@ def main() -> None:
     config = CheckpointManager.Config(enable=True, folder=os.path.abspath(args.ckpt_dir), interval=args.save_every,
                                       async_mode=args.async_mode, keep_latest_k=2, last_save_model_only=False,
                                       initial_load_model_only=False)
-    manager, model, optimizers, lr_schedulers, dataloader, state = build(config, args.steps)
-    if manager.load():
-        print(f"rank {dist.get_rank()}: resumed at step {state.step} on {dist.get_world_size()} ranks, "
-              f"{dataloader.consumed} batches consumed", flush=True)
-    batches = iter(dataloader)
-    while state.step < args.steps:
-        state.step += 1
-        train_step(model, next(batches))
-        state.ntokens_seen += 8 * WIDTH
-        manager.maybe_wait_for_staging()  # before the tensors being saved change
-        optimizers.step()
-        optimizers.zero_grad()
-        lr_schedulers.step()
-        manager.save(state.step, last_step=state.step == args.steps)
-    manager.close()  # waits for the saves in flight
-    print(f"rank {dist.get_rank()}: trained to step {state.step}", flush=True)
+    run = Run.build(config, args.steps)
+    if run.manager.load():
+        print(f"rank {dist.get_rank()}: resumed at step {run.state.step} on {dist.get_world_size()} ranks, "
+              f"{run.dataloader.consumed} batches consumed", flush=True)
+    batches = iter(run.dataloader)
+    while run.state.step < args.steps:
+        run.step(batches)
+        run.manager.save(run.state.step, last_step=run.state.step == args.steps)
+    run.manager.close()  # waits for the saves in flight
+    print(f"rank {dist.get_rank()}: trained to step {run.state.step}", flush=True)
     dist.destroy_process_group()
 
 

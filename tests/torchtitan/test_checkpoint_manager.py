@@ -1,0 +1,78 @@
+"""ckptd's torchtitan ``CheckpointManager`` against torchtitan 0.3 itself, on gloo FSDP2 ranks and a real daemon.
+
+Collected only by ``make test-torchtitan`` (its venv has torchtitan). Two
+ranks train the way torchtitan's ``Trainer`` does and save every 2 steps in
+each of torchtitan's async modes; halfway through step 5 rank 1 kills itself
+(the test sees its exit by SIGKILL) and rank 0 is stopped while it waits for
+it. Three ranks then resume: the model and optimizer (resharded), the LR
+scheduler, the dataloader and the train state must equal what rank 0
+gathered at step 4, and the resumed run's own saves must work on the new
+world size, with torchtitan's ``keep_latest_k`` kept by the daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+import ckptd
+
+from helpers import join_ranks, wait_until
+from sharded_ranks import run_ranks
+from titan_ranks import SAVED, resume, train_until_killed
+from zygote import start_ranks
+
+
+def kill_mid_training(daemon, folder: Path, mode: str, out: Path) -> list[dict]:
+    """Two ranks train and save; rank 1 dies by SIGKILL mid-step. Their logs.
+
+    Rank 0 waits for it in a collective: gloo may fail that wait (the peer's
+    connection closed), else the test kills it.
+    """
+    ctx = start_ranks(train_until_killed, (2, str(out / "init-train"), str(daemon.run_dir), str(folder), mode,
+                                           str(out)), 2)
+    try:
+        wait_until(lambda: ctx.processes[1].exitcode is not None, timeout=300,
+                   what=lambda: f"rank 1 is still alive: {[p.exitcode for p in ctx.processes]}")
+        assert ctx.processes[1].exitcode == -signal.SIGKILL, f"rank 1 exited {ctx.processes[1].exitcode}"
+    finally:
+        for p in ctx.processes:
+            p.kill()
+            p.join(60)
+    return [json.loads((out / f"train-{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
+def test_killed_run_resumes_on_three_ranks_with_every_stateful_restored(daemon, root: Path, tmp_path: Path,
+                                                                       mode: str) -> None:
+    folder, out = root / "titan", tmp_path / "out"
+    out.mkdir()
+    first = kill_mid_training(daemon, folder, mode, out)
+    for log in first:
+        assert log["loaded"] is False
+        assert [s["step"] for s in log["saves"]] == [2, SAVED]
+        for save in log["saves"]:
+            if mode == "disabled":  # torchtitan's synchronous save: committed when save() returns
+                assert save["committed_on_return"] and not save["save_future"]
+            else:  # the trainer waits on save_future before the next save
+                assert save["save_future"]
+            assert save["staging_future"] == (mode == "async_with_pinned_mem")  # waited on before optimizer.step()
+    index = ckptd.read_index(folder / f"step-{SAVED}")
+    assert (index.step, index.world_size) == (SAVED, 2)
+    assert "0.weight" in index.tensors and "optimizer" not in index.tensors  # torchtitan's layout: model keys on top
+
+    logs = run_ranks(resume, 3, tmp_path, "resume", str(daemon.run_dir), str(folder), mode, str(out))
+    for log in logs:
+        assert log["loaded"] is True and log["step"] == SAVED
+        assert log["differ"] == [], f"restored differently from what was saved: {log['differ']}"
+        assert [s["step"] for s in log["saves"]] == [SAVED + 2]
+        assert log["purge_thread"] is False  # the daemon keeps keep_latest_k, not torchtitan's purge thread
+    resumed = ckptd.read_index(folder / f"step-{SAVED + 2}")
+    assert (resumed.step, resumed.world_size) == (SAVED + 2, 3)
+    committed = lambda: sorted(p.name for p in folder.iterdir())  # noqa: E731
+    wait_until(lambda: committed() == [f"step-{SAVED}", f"step-{SAVED + 2}"], timeout=60,
+               what=lambda: f"keep_latest_k=2 left {committed()}")

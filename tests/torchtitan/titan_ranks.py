@@ -1,0 +1,109 @@
+"""Ranks (gloo, CPU) that train like torchtitan's ``Trainer`` with a checkpoint manager, for tests/torchtitan/.
+
+The model, optimizer and LR-scheduler containers, dataloader and train state
+are ``examples/torchtitan_train.py``'s, so the tests check the example's set-up
+too. Each rank writes what it saw as ``out/<name>-<rank>.json`` (``run_rank``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptd.protocol.names import INDEX_NAME
+from helpers import REPO
+from sharded_ranks import full, run_rank
+
+sys.path.insert(0, str(REPO / "examples"))
+import torchtitan_train as example  # noqa: E402
+
+SAVED = 4
+"""The newest checkpoint the first run commits (every 2 steps) before rank 1 dies."""
+
+
+def config(manager: type, folder: str, run_dir: str, **overrides: Any) -> Any:
+    """``manager.Config`` for the tests: every 2 steps, the whole state at the last step too."""
+    fields = dict(enable=True, folder=folder, interval=2, keep_latest_k=2, initial_load_model_only=False,
+                  last_save_model_only=False)
+    if "run_dir" in manager.Config.__dataclass_fields__:
+        fields.update(run_dir=run_dir, commit_timeout=120.0)
+    return manager.Config(**(fields | overrides))
+
+
+def snapshot(run: Any) -> dict[str, Any]:
+    """Everything a checkpoint restores, gathered: full tensors of the model and optimizer (a collective)."""
+    return {"model": full(run.model.state_dict()), "optimizer": full(run.optimizers.state_dict()),
+            "lr_scheduler": run.lr_schedulers.state_dict(), "dataloader": run.dataloader.state_dict(),
+            "train_state": run.state.state_dict()}
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def train(run: Any, steps: int) -> list[dict]:
+    """The Trainer's loop up to ``steps``; what each save left behind, as torchtitan's async modes expect."""
+    saves, batches = [], iter(run.dataloader)
+    while run.state.step < steps:
+        run.step(batches)
+        if run.manager.save(run.state.step):
+            path = Path(run.manager.folder) / f"step-{run.state.step}"
+            saves.append({"step": run.state.step, "committed_on_return": (path / INDEX_NAME).exists(),
+                          "save_future": run.manager.save_future is not None,
+                          "staging_future": run.manager.staging_future is not None})
+    return saves
+
+
+def train_until_killed(rank: int, world: int, init: str, run_dir: str, folder: str, mode: str, out: str) -> None:
+    """Train to step ``SAVED`` with ckptd's manager, then rank 1 kills itself halfway through the next step.
+
+    Rank 0 saves the gathered state as the reference; every rank logs its
+    saves (``train-<rank>.json``); rank 0 then waits for rank 1 in a
+    collective until the test kills it too.
+    """
+    from ckptd.integrations.torchtitan import CheckpointManager
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    run = example.Run.build(config(CheckpointManager, folder, run_dir, async_mode=mode), steps=100)
+    loaded = run.manager.load()
+    saves = train(run, SAVED)
+    run.manager.maybe_wait_for_saving()  # step SAVED committed: what the resume must find
+    reference = snapshot(run)
+    if rank == 0:
+        torch.save(reference, Path(out) / "reference.pt")
+    Path(out, f"train-{rank}.json").write_text(json.dumps({"loaded": loaded, "saves": saves}))
+    dist.barrier()
+    run.forward_backward(next(iter(run.dataloader)))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # waits for a peer that is gone
+
+
+def resume(rank: int, world: int, init: str, run_dir: str, folder: str, mode: str, out: str) -> None:
+    """Resume with ckptd's manager on ``world`` ranks, compare with the reference, train on and save."""
+    from ckptd.integrations.torchtitan import CheckpointManager
+
+    def body() -> dict:
+        run = example.Run.build(config(CheckpointManager, folder, run_dir, async_mode=mode), steps=SAVED + 2)
+        loaded = run.manager.load()
+        restored = snapshot(run)
+        reference = torch.load(Path(out) / "reference.pt")
+        differ = sorted(k for k in reference if not same(restored[k], reference[k]))
+        step = run.state.step
+        saves = train(run, SAVED + 2)
+        run.manager.close()
+        return {"loaded": loaded, "step": step, "differ": differ, "saves": saves,
+                "purge_thread": run.manager.purge_thread is not None}
+
+    run_rank(rank, world, init, out, "resume", body)
