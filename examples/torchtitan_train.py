@@ -89,7 +89,9 @@ class Run:
     state: TrainState
 
     @classmethod
-    def build(cls, config: CheckpointManager.Config, steps: int) -> Run:
+    def build(cls, config: CheckpointManager.Config, steps: int, sd_adapter: Any = None) -> Run:
+        """``sd_adapter``: the model's Hugging Face key mapping (a torchtitan ``BaseStateDictAdapter``), which
+        ``last_save_in_hf`` needs."""
         rank, world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(WIDTH, 64), nn.ReLU(), nn.Linear(64, 1))
@@ -102,7 +104,7 @@ class Run:
                                                                            training_steps=steps)
         dataloader, state = Batches(rank, world), TrainState()
         manager = config.build(dataloader=dataloader, model_parts=[model], optimizers=optimizers,
-                               lr_schedulers=lr_schedulers, states={"train_state": state}, sd_adapter=None)
+                               lr_schedulers=lr_schedulers, states={"train_state": state}, sd_adapter=sd_adapter)
         return cls(manager, model, optimizers, lr_schedulers, dataloader, state)
 
     def forward_backward(self, batch: tuple[dict[str, torch.Tensor], torch.Tensor]) -> None:

@@ -24,10 +24,11 @@ and ``step-N`` appears, committed, once every rank's shard is durable.
 
 Loads read each rank's regions straight into its tensors (``ckptd.load_into``:
 any world size, any mesh); the step to resume is the newest committed
-checkpoint in ``folder`` by its ``ckptd.json`` (``ckptd.latest``), and
-``load(step=N)`` needs ``step-N`` to be a committed ckptd checkpoint of that
-step. ``initial_load_path`` may also name a DCP or Hugging Face checkpoint:
-those are read by torchtitan's DCP path, as before.
+checkpoint in ``folder`` by its ``ckptd.json`` (``ckptd.latest``). A run
+that switches keeps going: DCP checkpoints torchtitan's own manager saved
+in ``folder`` count too (a newer one is loaded through DCP), as does an
+``initial_load_path`` to a DCP or Hugging Face checkpoint. ckptd's retention
+never deletes those (they hold no ``ckptd.json``).
 
 Retention is ckptd's: ``keep_latest_k`` becomes the daemon's ``keep_last``,
 applied after each commit, and torchtitan's purge thread is never started
@@ -64,6 +65,15 @@ __all__ = ["CheckpointManager"]
 
 _STEP_NAME = re.compile(r"step-(\d+)")
 """torchtitan's checkpoint folder name (``_create_checkpoint_id``), read back as the checkpoint's step."""
+DCP_METADATA = ".metadata"
+"""The file that makes a directory a DCP checkpoint (``torch.distributed.checkpoint``'s metadata)."""
+
+
+def _newest_dcp_step(folder: str) -> int:
+    """The highest N of the DCP checkpoints ``folder/step-N`` (torchtitan's own manager's), or -1."""
+    steps = [int(m.group(1)) for name in os.listdir(folder) if (m := _STEP_NAME.fullmatch(name))
+             and os.path.isfile(os.path.join(folder, name, DCP_METADATA))]
+    return max(steps, default=-1)
 
 
 def state_dicts(states: dict[str, Any]) -> dict[str, Any]:
@@ -152,18 +162,22 @@ class CheckpointManager(DCPCheckpointManager):
         """Nothing: the daemon applies ``keep_latest_k`` (``keep_last``) after each commit."""
 
     def _find_load_step(self, folder: str = "") -> int:
-        """The step of the newest committed checkpoint in ``folder``, by its ``ckptd.json``; -1 if none.
+        """The newest step in ``folder``: a committed ckptd checkpoint (by its ``ckptd.json``), or one torchtitan's
+        DCP manager saved there before the switch (by its ``.metadata``, loaded through DCP); -1 if none.
 
-        Collective under torch.distributed: the ranks agree on one checkpoint.
+        Collective under torch.distributed: the ranks agree on one ckptd checkpoint.
         """
         folder = folder or self.folder
         if not os.path.isdir(folder):
             return -1
+        return max(self._newest_ckptd_step(folder), _newest_dcp_step(folder))
+
+    def _newest_ckptd_step(self, folder: str) -> int:
         newest = ckptd.latest(folder, run_dir=self.run_dir)
         if newest is None:
             return -1
         step = ckptd.read_index(newest).step
-        if step is None or os.path.realpath(newest) != os.path.realpath(self._create_checkpoint_id(step)):
+        if step is None or os.path.realpath(newest) != os.path.realpath(self._create_checkpoint_id(step, folder)):
             raise ValueError(f"the newest checkpoint in checkpoint.folder {folder} is {newest}, which is not "
                              f"torchtitan's step-N checkpoint of its step ({step}); move it out of the folder")
         return step

@@ -17,12 +17,14 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 import ckptd
 
 from helpers import join_ranks, wait_until
 from sharded_ranks import run_ranks
-from titan_ranks import SAVED, resume, train_until_killed
+from titan_ranks import SAVED, export_last_step_in_hf, resume, train_until_killed, train_with_torchtitans_manager
 from zygote import start_ranks
 
 
@@ -65,6 +67,14 @@ def test_killed_run_resumes_on_three_ranks_with_every_stateful_restored(daemon, 
     assert (index.step, index.world_size) == (SAVED, 2)
     assert "0.weight" in index.tensors and "optimizer" not in index.tensors  # torchtitan's layout: model keys on top
 
+    check_resumed(daemon, folder, mode, tmp_path, out)
+    committed = lambda: sorted(p.name for p in folder.iterdir())  # noqa: E731
+    wait_until(lambda: committed() == [f"step-{SAVED}", f"step-{SAVED + 2}"], timeout=60,
+               what=lambda: f"keep_latest_k=2 left {committed()}")
+
+
+def check_resumed(daemon, folder: Path, mode: str, tmp_path: Path, out: Path) -> None:
+    """Three ranks resume from step ``SAVED``: everything restored as ``out/reference.pt``; then they save."""
     logs = run_ranks(resume, 3, tmp_path, "resume", str(daemon.run_dir), str(folder), mode, str(out))
     for log in logs:
         assert log["loaded"] is True and log["step"] == SAVED
@@ -73,6 +83,32 @@ def test_killed_run_resumes_on_three_ranks_with_every_stateful_restored(daemon, 
         assert log["purge_thread"] is False  # the daemon keeps keep_latest_k, not torchtitan's purge thread
     resumed = ckptd.read_index(folder / f"step-{SAVED + 2}")
     assert (resumed.step, resumed.world_size) == (SAVED + 2, 3)
-    committed = lambda: sorted(p.name for p in folder.iterdir())  # noqa: E731
-    wait_until(lambda: committed() == [f"step-{SAVED}", f"step-{SAVED + 2}"], timeout=60,
-               what=lambda: f"keep_latest_k=2 left {committed()}")
+
+
+@pytest.mark.timeout(300)
+def test_run_switched_from_torchtitans_own_manager_resumes_from_its_dcp_checkpoint(daemon, root: Path,
+                                                                                   tmp_path: Path) -> None:
+    """A run saved by torchtitan's DCP manager, switched to ckptd's: it resumes from the newest DCP checkpoint."""
+    folder, out = root / "titan", tmp_path / "out"
+    out.mkdir()
+    run_ranks(train_with_torchtitans_manager, 2, tmp_path, "train", str(daemon.run_dir), str(folder), "disabled",
+              str(out))
+    assert (folder / f"step-{SAVED}" / ".metadata").is_file()
+    check_resumed(daemon, folder, "async", tmp_path, out)
+    assert (folder / f"step-{SAVED}" / ".metadata").is_file()  # ckptd's retention leaves DCP's checkpoints alone
+
+
+@pytest.mark.timeout(300)
+def test_last_step_is_exported_in_hugging_face_format_as_torchtitan_does(daemon, root: Path, tmp_path: Path) -> None:
+    """``last_save_in_hf``: the last step is torchtitan's Hugging Face export, beside ckptd's checkpoints."""
+    folder, out = root / "titan", tmp_path / "out"
+    out.mkdir()
+    run_ranks(export_last_step_in_hf, 2, tmp_path, "export", str(daemon.run_dir), str(folder), str(out))
+    reference = torch.load(out / "reference.pt")
+    exported = {}
+    for f in (folder / f"step-{SAVED}").glob("*.safetensors"):
+        exported.update(load_file(f))
+    assert exported.keys() == {f"model.{k}" for k in reference}
+    for k, v in reference.items():
+        assert exported[f"model.{k}"].dtype == torch.bfloat16 and torch.equal(exported[f"model.{k}"], v.bfloat16()), k
+    assert ckptd.latest(folder, run_dir=daemon.run_dir) == folder / "step-2"  # the export is no resume point

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 from ckptd.protocol.names import INDEX_NAME
 from helpers import REPO
@@ -90,6 +92,24 @@ def train_until_killed(rank: int, world: int, init: str, run_dir: str, folder: s
     dist.barrier()  # waits for a peer that is gone
 
 
+def train_with_torchtitans_manager(rank: int, world: int, init: str, run_dir: str, folder: str, mode: str,
+                                   out: str) -> None:
+    """Train to step ``SAVED`` with torchtitan's own (DCP) manager, the run before the switch to ckptd's."""
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    def body() -> dict:
+        run = example.Run.build(config(CheckpointManager, folder, run_dir, async_mode=mode), steps=100)
+        saves = train(run, SAVED)
+        run.manager.maybe_wait_for_saving()
+        reference = snapshot(run)
+        run.manager.close()
+        if rank == 0:
+            torch.save(reference, Path(out) / "reference.pt")
+        return {"saves": saves}
+
+    run_rank(rank, world, init, out, "train", body)
+
+
 def resume(rank: int, world: int, init: str, run_dir: str, folder: str, mode: str, out: str) -> None:
     """Resume with ckptd's manager on ``world`` ranks, compare with the reference, train on and save."""
     from ckptd.integrations.torchtitan import CheckpointManager
@@ -107,3 +127,40 @@ def resume(rank: int, world: int, init: str, run_dir: str, folder: str, mode: st
                 "purge_thread": run.manager.purge_thread is not None}
 
     run_rank(rank, world, init, out, "resume", body)
+
+
+class HFKeys(BaseStateDictAdapter):
+    """The example model's Hugging Face names: ``model.`` before each key, all in one file."""
+
+    def __init__(self) -> None:
+        self.fqn_to_index_mapping, self.hf_assets_path = None, None
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {f"model.{k}": v for k, v in state_dict.items()}
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {k.removeprefix("model."): v for k, v in hf_state_dict.items()}
+
+    def get_hf_storage_reader(self, path: str, from_quantized: bool = False) -> HuggingFaceStorageReader:
+        return HuggingFaceStorageReader(path)
+
+
+def export_last_step_in_hf(rank: int, world: int, init: str, run_dir: str, folder: str, out: str) -> None:
+    """Train to step ``SAVED`` with ``last_save_in_hf``; rank 0 saves the gathered model as the reference."""
+    from ckptd.integrations.torchtitan import CheckpointManager
+
+    def body() -> dict:
+        cfg = config(CheckpointManager, folder, run_dir, last_save_model_only=True, last_save_in_hf=True,
+                     export_dtype="bfloat16")
+        run = example.Run.build(cfg, steps=SAVED, sd_adapter=HFKeys())
+        batches = iter(run.dataloader)
+        while run.state.step < SAVED:
+            run.step(batches)
+            run.manager.save(run.state.step, last_step=run.state.step == SAVED)
+        run.manager.close()
+        reference = full(run.model.state_dict())
+        if rank == 0:
+            torch.save(reference, Path(out) / "reference.pt")
+        return {}
+
+    run_rank(rank, world, init, out, "export", body)
