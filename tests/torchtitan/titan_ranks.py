@@ -120,11 +120,12 @@ def resume(rank: int, world: int, init: str, run_dir: str, folder: str, mode: st
         restored = snapshot(run)
         reference = torch.load(Path(out) / "reference.pt")
         differ = sorted(k for k in reference if not same(restored[k], reference[k]))
-        step = run.state.step
-        saves = train(run, SAVED + 2)
+        log = {"loaded": loaded, "step": run.state.step, "differ": differ,
+               "purge_thread": run.manager.purge_thread is not None}
+        if loaded and not differ:  # else training on would save over the checkpoints this run should resume
+            log["saves"] = train(run, SAVED + 2)
         run.manager.close()
-        return {"loaded": loaded, "step": step, "differ": differ, "saves": saves,
-                "purge_thread": run.manager.purge_thread is not None}
+        return log
 
     run_rank(rank, world, init, out, "resume", body)
 
