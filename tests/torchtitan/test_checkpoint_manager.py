@@ -24,7 +24,8 @@ import ckptd
 
 from helpers import join_ranks, wait_until
 from sharded_ranks import run_ranks
-from titan_ranks import SAVED, export_last_step_in_hf, resume, train_until_killed, train_with_torchtitans_manager
+from titan_ranks import (SAVED, export_last_step_in_hf, parallel_aware, resume, train_until_killed,
+                         train_with_torchtitans_manager)
 from zygote import start_ranks
 
 
@@ -112,3 +113,18 @@ def test_last_step_is_exported_in_hugging_face_format_as_torchtitan_does(daemon,
     for k, v in reference.items():
         assert exported[f"model.{k}"].dtype == torch.bfloat16 and torch.equal(exported[f"model.{k}"], v.bfloat16()), k
     assert ckptd.latest(folder, run_dir=daemon.run_dir) == folder / "step-2"  # the export is no resume point
+
+
+@pytest.mark.timeout(400)
+def test_torchtitans_per_rank_dataloader_resumes_and_is_left_out_on_more_ranks(daemon, root: Path,
+                                                                               tmp_path: Path) -> None:
+    """torchtitan's ``ParallelAwareDataloader`` (state per data-parallel rank) comes back on as many ranks; on
+    more, torchtitan cannot move it (``exclude_from_loading=["dataloader"]``), and the rest still resumes."""
+    folder, out = root / "titan", tmp_path / "out"
+    out.mkdir()
+    run_ranks(parallel_aware, 2, tmp_path, "save", str(daemon.run_dir), str(folder), "save", str(out))
+    for phase, world, differ in (("resume", 2, []), ("grow", 3, ["next_batch"])):
+        logs = run_ranks(parallel_aware, world, tmp_path, phase, str(daemon.run_dir), str(folder), phase, str(out))
+        for rank, log in enumerate(logs):
+            assert log["loaded"] is True
+            assert log["differ"] == differ, (phase, rank, log)

@@ -8,15 +8,20 @@ too. Each rank writes what it saw as ``out/<name>-<rank>.json`` (``run_rank``).
 from __future__ import annotations
 
 import json
+import itertools
 import os
 import signal
 import sys
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.utils.data import IterableDataset
+from torchtitan.components.checkpointer import DATALOADER
+from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 from ckptd.protocol.names import INDEX_NAME
@@ -165,3 +170,56 @@ def export_last_step_in_hf(rank: int, world: int, init: str, run_dir: str, folde
         return {}
 
     run_rank(rank, world, init, out, "export", body)
+
+
+class Numbers(IterableDataset):
+    """Endless samples in the example's shape, different on each data-parallel rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        for i in itertools.count():
+            x = torch.randn(example.WIDTH, generator=torch.Generator().manual_seed(1000 * self.rank + i))
+            yield {"input": x}, x.sum(dim=0, keepdim=True)
+
+
+def with_torchtitans_dataloader(run: Any) -> None:
+    """torchtitan's own ``ParallelAwareDataloader`` in place of the example's: its state is per data-parallel rank
+    (``dp_rank_N``), as a real torchtitan job's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run.dataloader = ParallelAwareDataloader(Numbers(rank), dp_rank=rank, dp_world_size=world, batch_size=2)
+    run.manager.states[DATALOADER] = run.dataloader
+
+
+def parallel_aware(rank: int, world: int, init: str, run_dir: str, folder: str, phase: str, out: str) -> None:
+    """``phase`` "save": train to ``SAVED`` and save the gathered state; "resume": load it on as many ranks;
+    "grow": load it on more ranks without the dataloader (``exclude_from_loading``). Logs what differs.
+
+    The dataloader's part of the state is the next batch it gives (its state dict is only read back once
+    it iterates again).
+    """
+    from ckptd.integrations.torchtitan import CheckpointManager
+
+    def state(run: Any, batches: Iterator) -> dict[str, Any]:
+        return {k: v for k, v in snapshot(run).items() if k != DATALOADER} | {"next_batch": next(batches)[1]}
+
+    def body() -> dict:
+        exclude = [DATALOADER] if phase == "grow" else []
+        run = example.Run.build(config(CheckpointManager, folder, run_dir, exclude_from_loading=exclude), steps=100)
+        with_torchtitans_dataloader(run)
+        if phase == "save":
+            batches = iter(run.dataloader)
+            while run.state.step < SAVED:
+                run.step(batches)
+                run.manager.save(run.state.step)
+            run.manager.close()
+            torch.save(state(run, batches), Path(out) / f"reference-{rank}.pt")
+            return {}
+        loaded = run.manager.load()
+        reference = torch.load(Path(out) / f"reference-{min(rank, 1)}.pt")
+        restored = state(run, iter(run.dataloader))
+        run.manager.close()
+        return {"loaded": loaded, "differ": sorted(k for k in reference if not same(restored[k], reference[k]))}
+
+    run_rank(rank, world, init, out, phase, body)
