@@ -197,8 +197,9 @@ class CheckpointManager(DCPCheckpointManager):
         target = state_dicts(state_dict)
         report = load_into(target, checkpoint_id, strict=False, run_dir=self.run_dir)
         if report.missing:
-            raise ValueError(f"checkpoint {checkpoint_id} holds no {', '.join(sorted(report.missing))}: it cannot "
-                             "restore this run's state (exclude_from_loading= names state not to load)")
+            raise ValueError(f"checkpoint {checkpoint_id} holds no {', '.join(sorted(report.missing))}, so it cannot "
+                             "restore this run's state (a model-only checkpoint, such as the last step's with "
+                             "last_save_model_only=True?); checkpoint.exclude_from_loading names state not to load")
         load_stateful(state_dict, target)
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(target)

@@ -24,7 +24,8 @@ import ckptd
 
 from helpers import join_ranks, wait_until
 from sharded_ranks import run_ranks
-from titan_ranks import (SAVED, export_last_step_in_hf, parallel_aware, resume, train_until_killed,
+from titan_ranks import (SAVED, export_last_step_in_hf, parallel_aware, resume, resume_after_model_only_last_step,
+                         train_until_killed,
                          train_with_torchtitans_manager)
 from zygote import start_ranks
 
@@ -128,3 +129,18 @@ def test_torchtitans_per_rank_dataloader_resumes_and_is_left_out_on_more_ranks(d
         for rank, log in enumerate(logs):
             assert log["loaded"] is True
             assert log["differ"] == differ, (phase, rank, log)
+
+
+@pytest.mark.timeout(300)
+def test_resuming_from_a_model_only_last_step_names_what_it_lacks(daemon, root: Path, tmp_path: Path) -> None:
+    """torchtitan's default last step saves the model alone: a resume from it is refused, naming what is missing."""
+    folder, out = root / "titan", tmp_path / "out"
+    out.mkdir()
+    logs = run_ranks(resume_after_model_only_last_step, 2, tmp_path, "model-only", str(daemon.run_dir), str(folder),
+                     str(out))
+    for log in logs:
+        assert log["step"] == 0, log  # nothing was loaded
+        assert log["error"] == (f"checkpoint {folder}/step-{SAVED} holds no dataloader, lr_scheduler, optimizer, "
+                                "train_state, so it cannot restore this run's state (a model-only checkpoint, such as "
+                                "the last step's with last_save_model_only=True?); checkpoint.exclude_from_loading "
+                                "names state not to load")

@@ -135,6 +135,28 @@ def resume(rank: int, world: int, init: str, run_dir: str, folder: str, mode: st
     run_rank(rank, world, init, out, "resume", body)
 
 
+def resume_after_model_only_last_step(rank: int, world: int, init: str, run_dir: str, folder: str, out: str) -> None:
+    """Train to ``SAVED`` with torchtitan's default last step (the model only), then try to resume from it."""
+    from ckptd.integrations.torchtitan import CheckpointManager
+
+    def body() -> dict:
+        cfg = config(CheckpointManager, folder, run_dir, last_save_model_only=True)
+        run = example.Run.build(cfg, steps=SAVED)
+        batches = iter(run.dataloader)
+        while run.state.step < SAVED:
+            run.step(batches)
+            run.manager.save(run.state.step, last_step=run.state.step == SAVED)
+        run.manager.close()
+        again = example.Run.build(cfg, steps=SAVED + 2)
+        try:
+            again.manager.load()
+        except ValueError as exc:
+            return {"error": str(exc), "step": again.state.step}
+        return {"step": again.state.step}
+
+    run_rank(rank, world, init, out, "model-only", body)
+
+
 class HFKeys(BaseStateDictAdapter):
     """The example model's Hugging Face names: ``model.`` before each key, all in one file."""
 
