@@ -105,7 +105,8 @@ def test_last_step_is_exported_in_hugging_face_format_as_torchtitan_does(daemon,
     """``last_save_in_hf``: the last step is torchtitan's Hugging Face export, beside ckptd's checkpoints."""
     folder, out = root / "titan", tmp_path / "out"
     out.mkdir()
-    run_ranks(export_last_step_in_hf, 2, tmp_path, "export", str(daemon.run_dir), str(folder), str(out))
+    logs = run_ranks(export_last_step_in_hf, 2, tmp_path, "export", str(daemon.run_dir), str(folder), str(out))
+    assert [log["resumed_at"] for log in logs] == [2, 2]  # the export is no resume point
     reference = torch.load(out / "reference.pt")
     exported = {}
     for f in (folder / f"step-{SAVED}").glob("*.safetensors"):
@@ -113,7 +114,7 @@ def test_last_step_is_exported_in_hugging_face_format_as_torchtitan_does(daemon,
     assert exported.keys() == {f"model.{k}" for k in reference}
     for k, v in reference.items():
         assert exported[f"model.{k}"].dtype == torch.bfloat16 and torch.equal(exported[f"model.{k}"], v.bfloat16()), k
-    assert ckptd.latest(folder, run_dir=daemon.run_dir) == folder / "step-2"  # the export is no resume point
+    assert ckptd.latest(folder, run_dir=daemon.run_dir) == folder / "step-2"
 
 
 @pytest.mark.timeout(400)

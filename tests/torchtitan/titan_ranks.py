@@ -174,7 +174,8 @@ class HFKeys(BaseStateDictAdapter):
 
 
 def export_last_step_in_hf(rank: int, world: int, init: str, run_dir: str, folder: str, out: str) -> None:
-    """Train to step ``SAVED`` with ``last_save_in_hf``; rank 0 saves the gathered model as the reference."""
+    """Train to step ``SAVED`` with ``last_save_in_hf`` (rank 0 saves the gathered model as the reference), then
+    resume."""
     from ckptd.integrations.torchtitan import CheckpointManager
 
     def body() -> dict:
@@ -189,7 +190,10 @@ def export_last_step_in_hf(rank: int, world: int, init: str, run_dir: str, folde
         reference = full(run.model.state_dict())
         if rank == 0:
             torch.save(reference, Path(out) / "reference.pt")
-        return {}
+        again = example.Run.build(cfg, steps=SAVED, sd_adapter=HFKeys())
+        again.manager.load()
+        again.manager.close()
+        return {"resumed_at": again.state.step}
 
     run_rank(rank, world, init, out, "export", body)
 
