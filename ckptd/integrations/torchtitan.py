@@ -33,6 +33,8 @@ never deletes those (they hold no ``ckptd.json``).
 Retention is ckptd's: ``keep_latest_k`` becomes the daemon's ``keep_last``,
 applied after each commit, and torchtitan's purge thread is never started
 (it would delete by folder name, racing the daemon and a save in flight).
+A remote ``folder`` (``s3://``) is refused: save locally and let the daemon
+upload what commits (``ckptd start --mirror DIR=s3://BUCKET/PREFIX``).
 
 ``last_save_in_hf`` keeps working as torchtitan does it: the last step's
 model-only export is written by DCP's ``HuggingFaceStorageWriter`` into
@@ -51,6 +53,7 @@ from typing import Any
 try:
     from torchtitan.components.checkpointer import AsyncMode, CheckpointManager as DCPCheckpointManager
     from torchtitan.components.checkpointer.base import MODEL
+    from torchtitan.tools.filesystem import is_remote
 except ImportError as exc:
     raise ImportError("ckptd.integrations.torchtitan needs torchtitan 0.3: pip install torchtitan==0.3.0") from exc
 
@@ -107,6 +110,11 @@ class CheckpointManager(DCPCheckpointManager):
         neither its purge thread nor the gloo group its async saves use: the
         daemon keeps ``keep_latest_k`` and the ckptd client does the rest.
         """
+        folder = os.path.join(kwargs.get("base_folder", ""), config.folder)
+        if config.enable and is_remote(folder):
+            raise ValueError(f"checkpoint.folder {folder} is remote: ckptd's torchtitan CheckpointManager saves to a "
+                             "local folder; to have the daemon upload each committed checkpoint to an object store, "
+                             "start it with --mirror DIR=s3://BUCKET/PREFIX")
         super().__init__(replace(config, keep_latest_k=0, async_mode=AsyncMode.DISABLED.value), **kwargs)
         if not self.enable:
             return

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckptd
+from ckptd.integrations.torchtitan import CheckpointManager
 
 from helpers import join_ranks, wait_until
 from sharded_ranks import run_ranks
@@ -145,3 +146,11 @@ def test_resuming_from_a_model_only_last_step_names_what_it_lacks(daemon, root: 
                                 "train_state, so it cannot restore this run's state (a model-only checkpoint, such as "
                                 "the last step's with last_save_model_only=True?); checkpoint.exclude_from_loading "
                                 "names state not to load")
+
+
+def test_a_remote_folder_is_refused_naming_the_mirror() -> None:
+    """torchtitan allows ``s3://`` folders (fsspec); ckptd saves locally and mirrors, and says so at once."""
+    config = CheckpointManager.Config(enable=True, folder="s3://bucket/run")
+    with pytest.raises(ValueError, match=r"checkpoint.folder s3://bucket/run is remote: .* --mirror DIR=s3://"):
+        config.build(dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={},
+                     sd_adapter=None)
