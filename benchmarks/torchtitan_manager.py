@@ -20,8 +20,10 @@ returned). Measured on the two-core development machine at load average 6-10
 | ckptd, disabled | 0.21-0.23 | = | = |
 | torchtitan (DCP), async | 0.06-0.13 | = | 0.80-1.35 |
 | ckptd, async | 0.05-0.08 | = | 0.22-0.26 |
-| torchtitan (DCP), async_with_pinned_mem | fails without CUDA ("Non-blocking copy requires that the current accelerator is available") | | |
+| torchtitan (DCP), async_with_pinned_mem | fails without CUDA (1) | | |
 | ckptd, async_with_pinned_mem | 0.003 | 0.04 | 0.19 |
+
+(1) DCP's pinned stager: "Non-blocking copy requires that the current accelerator is available".
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    optimizers = OptimizersContainer.Config(implementation="for-loop", param_groups=[
-        ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})]).build(model_parts=[model])
+    groups = [ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})]
+    optimizers = OptimizersContainer.Config(implementation="for-loop", param_groups=groups).build(model_parts=[model])
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=100)
     config = CheckpointManager.Config(enable=True, folder=args.folder, interval=1, async_mode=args.async_mode,
                                       keep_latest_k=0)

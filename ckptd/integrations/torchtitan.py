@@ -28,7 +28,10 @@ checkpoint in ``folder`` by its ``ckptd.json`` (``ckptd.latest``). A run
 that switches keeps going: DCP checkpoints torchtitan's own manager saved
 in ``folder`` count too (a newer one is loaded through DCP), as does an
 ``initial_load_path`` to a DCP or Hugging Face checkpoint. ckptd's retention
-never deletes those (they hold no ``ckptd.json``).
+never deletes those (they hold no ``ckptd.json``). torchtitan's
+``ParallelAwareDataloader`` keeps its state per data-parallel rank and cannot
+take it to another data-parallel degree (torchtitan's own limit): there, name
+it in ``exclude_from_loading``.
 
 Retention is ckptd's: ``keep_latest_k`` becomes the daemon's ``keep_last``,
 applied after each commit, and torchtitan's purge thread is never started

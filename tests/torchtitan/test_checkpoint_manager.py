@@ -1,6 +1,10 @@
 """ckptd's torchtitan ``CheckpointManager`` against torchtitan 0.3 itself, on gloo FSDP2 ranks and a real daemon.
 
-Collected only by ``make test-torchtitan`` (its venv has torchtitan). Two
+Collected only by ``make test-torchtitan`` (its venv has torchtitan). The
+first test is the whole story; the others each check one more of
+torchtitan's options (a switch from its DCP manager, its per-rank
+dataloader, the Hugging Face export, a model-only last step, a remote
+folder). Two
 ranks train the way torchtitan's ``Trainer`` does and save every 2 steps in
 each of torchtitan's async modes; halfway through step 5 rank 1 kills itself
 (the test sees its exit by SIGKILL) and rank 0 is stopped while it waits for
@@ -23,11 +27,10 @@ from safetensors.torch import load_file
 import ckptd
 from ckptd.integrations.torchtitan import CheckpointManager
 
-from helpers import join_ranks, wait_until
+from helpers import wait_until
 from sharded_ranks import run_ranks
 from titan_ranks import (SAVED, export_last_step_in_hf, parallel_aware, resume, resume_after_model_only_last_step,
-                         train_until_killed,
-                         train_with_torchtitans_manager)
+                         train_until_killed, train_with_torchtitans_manager)
 from zygote import start_ranks
 
 
