@@ -236,6 +236,20 @@ def test_load_into_on_a_larger_world_takes_per_rank_values_every_saved_rank_shar
     assert target["step"] == 3 and torch.equal(target["w"], torch.zeros(4))
 
 
+def test_load_into_on_a_larger_world_leaves_per_rank_state_the_target_does_not_take(daemon, client_factory, root,
+                                                                                   monkeypatch) -> None:
+    path = _two_rank_checkpoint(client_factory, root, [{"data": {"pos": 100}, "step": 3},
+                                                       {"data": {"pos": 200}, "step": 3}])
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    target = {"w": torch.ones(4), "step": 0}  # the data position is not restored here (a new data-parallel degree)
+    report = ckptd.load_into(target, path, strict=False)
+    assert report.unexpected == ["data"]
+    assert target["step"] == 3 and torch.equal(target["w"], torch.zeros(4))
+    with pytest.raises(InvalidCheckpoint, match=r"ranks 0 and 1 differ at state_dict\['data'\]\['pos'\]"):
+        ckptd.load_into({"w": torch.ones(4), "data": {"pos": 0}}, path, strict=False)  # one it takes still may not
+
+
 def test_a_job_name_must_be_printable_text(daemon, client_factory) -> None:
     with pytest.raises(ValueError, match="job must be 1 to 256 printable characters"):
         client_factory(job="bad\nname")
