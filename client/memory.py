@@ -30,11 +30,11 @@ from ckptd.protocol.endpoint import endpoint_for
 from ckptd.protocol.errors import BadMessage, CkptdError, DaemonUnavailable, InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
 from ckptd.protocol.index import latest as latest_on_disk
-from ckptd.protocol.objects import object_url, resolved, user_path
+from ckptd.protocol.objects import canonical, resolved, user_path
 from ckptd.protocol.layout import MAX_HEADER_BYTES, TensorEntry, parse_header
 from ckptd.protocol.mapped import GAP_READ, MappedShard, identity
 from ckptd.protocol.messages import Bye, Pin, SnapshotList, Snapshots, Unpin
-from ckptd.protocol.objects import is_object_path
+from ckptd.protocol.reading import files_for
 from ckptd.protocol.request import request
 from ckptd.protocol.shard_reads import check_checksum
 from ckptd.protocol.shm import shm_dir
@@ -288,7 +288,7 @@ def open_checkpoint(path: Path, *, verify: bool, run_dir: str | os.PathLike | No
     try:
         index = read_index(path)
     except InvalidCheckpoint as exc:
-        if path.exists() or is_object_path(path):
+        if files_for(path).strict or path.exists():  # on a store, a failed read never means "nothing there"
             raise
         raise InvalidCheckpoint(f"{exc}; nor does this node's daemon hold a memory snapshot of it (a snapshot is "
                                 f"dropped once --keep-snapshots newer ones of its job are held)") from None
@@ -312,7 +312,7 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
             candidates[str(on_disk)] = (index.step if index.step is not None else -1, index.created)
         except InvalidCheckpoint:  # removed since
             pass
-    real_root = object_url(root) if is_object_path(root) else os.path.realpath(root)
+    real_root = canonical(root)
     for s in held_snapshots(run_dir):
         parent, name = os.path.split(resolved(s["path"]))
         if parent == real_root:
