@@ -173,7 +173,7 @@ def load_rank(files: ChunkFiles, rank: int, device: torch.device | None,
     shard = files.path / record.file
     if isinstance(files, HeldFiles):  # a snapshot in node memory
         metadata, tensors = files.read(record, copy=not mmap)
-    elif mmap or files.files.fetched:  # fetched whole into this process's memory, which the tensors then view
+    elif mmap or files.reading.fetched:  # fetched whole into this process's memory, which the tensors then view
         if not mmap:
             files.fetch_whole(record.file)  # not only what load_into's copies would fetch: the tensors are returned
         metadata, tensors = _map_tensors(files, record)

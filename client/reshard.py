@@ -30,6 +30,7 @@ from ckptd.protocol.shard_reads import ShardReader
 from .dtypes import TORCH_DTYPES
 from .verified import is_verified, remember
 
+
 @dataclass(frozen=True)
 class GlobalRef:
     """A global tensor of a checkpoint, not read yet."""
@@ -59,7 +60,8 @@ class ChunkFiles:
 
     def __init__(self, path: Path, index: CheckpointIndex, *, verify: bool, defer: bool = False) -> None:
         self.path, self.index, self.verify, self.defer = path, index, verify, defer
-        self.files = files_for(path)
+        self.reading = files_for(path)
+        """Where the checkpoint's files are read from: local files or objects (``protocol/reading.py``)."""
         self._maps: dict[str, torch.Tensor] = {}
         self._shards: dict[str, ShardReader] = {}
         self._unchecked: set[str] = set()
@@ -92,7 +94,7 @@ class ChunkFiles:
         """
         if file not in self._maps:
             record = self._record(file)
-            shard = self.files.reader(self.path / file, record, self.index.checksum_algorithm)
+            shard = self.reading.reader(self.path / file, record, self.index.checksum_algorithm)
             if self.defer:
                 shard.header()
                 self._opened(file, shard, record, check=self.verify and not self._known(shard, record))
@@ -151,7 +153,8 @@ class ChunkFiles:
         return shard.fetches or (shard.maps_file and not through_mapping)
 
     def fetch_whole(self, file: str) -> None:
-        """Bring all of ``file`` into its mapping, checked (its tensors are handed out): an object is fetched."""
+        """Bring all of ``file`` into its mapping, checked (its tensors are handed out): an object is fetched, a
+        local file's mapping holds it already."""
         self.mapped(file)
         read_verified(self._shards[file], self._record(file), verify=self.verify)
 
