@@ -137,7 +137,7 @@ class HeldFiles(ChunkFiles):
             except (OSError, ValueError) as exc:
                 raise InvalidCheckpoint(f"snapshot {self.path}: its slot {file} is gone ({exc})") from None
             record = self.index.shard(rank)
-            shard = MappedShard(self.source(file), record, self.index.checksum_algorithm, mapping=mapping, ident=ident)
+            shard = MappedShard(self.source(file), record, self.index.checksum_algorithm, mapped=(mapping, ident))
             self._opened(file, shard, record, check=self.verify)
         return self._maps[file]
 

@@ -53,13 +53,14 @@ class MappedShard:
     maps_file = True
 
     def __init__(self, shard: Path, record: "ShardRecord", algorithm: str, *,
-                 mapping: _mmap.mmap | None = None, ident: Identity | None = None) -> None:
-        """Map ``shard`` after checking that it is a regular file of the index's size; or, with ``mapping`` and
-        ``ident``, read a file its caller mapped and checked itself (a held snapshot's slot)."""
+                 mapped: tuple[_mmap.mmap, Identity] | None = None) -> None:
+        """Map ``shard`` after checking that it is a regular file of the index's size; or, with ``mapped`` (a
+        mapping and the file's identity), read a file its caller mapped and checked itself (a held snapshot's
+        slot, shared with the daemon)."""
         self.shard, self.record, self.algorithm, self.where = shard, record, algorithm, shard
         self.verified = False
-        if mapping is not None and ident is not None:
-            self.mapping, self.identity = mapping, ident
+        if mapped is not None:
+            self.mapping, self.identity = mapped
             return
         check_header_room(shard, record)
         with open_regular(shard, "shard") as f:

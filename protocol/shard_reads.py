@@ -27,6 +27,10 @@ own ``mapping``, which then holds them (a copy out of it follows)."""
 class ShardReader(Protocol):
     """One shard opened for reading: ``mapping`` holds (or will hold) its bytes, at their offsets."""
 
+    record: "ShardRecord"
+    """What the index says of the shard: its size and checksum."""
+    algorithm: str
+    """The checksum algorithm of the shard's index."""
     mapping: mmap.mmap
     """The shard's bytes as memory: a local file mapped copy-on-write, or an object's anonymous stand-in, whose
     pages hold what was fetched (pages never written cost nothing)."""
