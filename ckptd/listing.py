@@ -13,7 +13,6 @@ The check is cheap (no data read); ``ckptd verify`` reads every byte.
 
 from __future__ import annotations
 
-import os
 import time
 from enum import Enum
 from pathlib import Path
