@@ -230,7 +230,7 @@ def read_index(path: Path | str, files: CheckpointFiles | None = None) -> Checkp
     try:
         data = files.read_index_file(index_file, max_bytes=MAX_INDEX_BYTES)
     except FileNotFoundError as exc:
-        if "bucket" in str(exc.strerror):
+        if isinstance(exc, objects.NoSuchBucket):
             raise InvalidCheckpoint(f"no checkpoint at {objects.display(path)}: {exc.strerror}") from None
         raise InvalidCheckpoint(files.no_index(path)) from None
     except OSError as exc:

@@ -201,6 +201,11 @@ def _endpoint() -> str:
     return f"endpoint {url}" if url else "the AWS S3 endpoint"
 
 
+class NoSuchBucket(FileNotFoundError):
+    """The bucket itself does not exist: told apart from a missing object by type, never by the message's words
+    (a bucket or key may well be named ``my-bucket``)."""
+
+
 def os_error(exc: Exception, path: Path | str) -> OSError:
     """An ``obstore`` failure as an ``OSError`` naming the object, and what went wrong in words.
 
@@ -212,7 +217,7 @@ def os_error(exc: Exception, path: Path | str) -> OSError:
     kind = type(exc).__name__
     bucket = Path(path).parts[1] if len(Path(path).parts) > 1 else "?"
     if "NoSuchBucket" in text:
-        return FileNotFoundError(errno.ENOENT, f"bucket {bucket!r} does not exist", object_url(path))
+        return NoSuchBucket(errno.ENOENT, f"bucket {bucket!r} does not exist", object_url(path))
     if kind == "PreconditionError":
         return OSError(errno.ESTALE, "the object changed while it was being read", object_url(path))
     if kind == "AlreadyExistsError":
@@ -249,7 +254,7 @@ def is_permanent(exc: BaseException) -> bool:
     from .errors import InvalidCheckpoint
 
     if isinstance(exc, FileNotFoundError):
-        return "bucket" in str(exc.strerror)
+        return isinstance(exc, NoSuchBucket)
     return isinstance(exc, (FileExistsError, PermissionError, InvalidCheckpoint))
 
 
@@ -268,9 +273,9 @@ def head(path: Path | str) -> dict | None:
     import obstore
     try:
         return call(path, obstore.head)
-    except FileNotFoundError as exc:
-        if "bucket" in str(exc):
-            raise
+    except NoSuchBucket:
+        raise
+    except FileNotFoundError:
         return None
 
 

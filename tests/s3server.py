@@ -54,7 +54,7 @@ class S3Server:
         return boto3.client("s3", endpoint_url=self.url, region_name="us-east-1",
                             aws_access_key_id="testing", aws_secret_access_key="testing")
 
-    def new_bucket(self) -> str:
-        name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    def new_bucket(self, prefix: str = "ckpt") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
         self.client().create_bucket(Bucket=name)
         return name

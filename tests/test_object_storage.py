@@ -37,6 +37,24 @@ def test_a_save_to_s3_round_trips_through_the_bucket(s3, bucket, daemon_factory,
     assert not s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
 
 
+def test_names_that_say_bucket_are_names_like_any_other(s3, aws, daemon_factory, client_factory, root) -> None:
+    """A missing bucket is told apart from a missing object by its type, never by the word "bucket" in a message
+    that names the object (saves to the README's own s3://my-bucket failed: the first HEAD's "no such object"
+    named ``my-bucket`` and was taken for a missing bucket)."""
+    bucket = aws.new_bucket("my-bucket")
+    (root / "mir").mkdir()
+    daemon_factory("--root", f"s3://{bucket}", "--mirror", f"{root / 'mir'}=s3://{bucket}/mirror/my-bucket-exp")
+    client = client_factory()
+    url = f"s3://{bucket}/runs/my-bucket-exp/step-1"
+    assert client.save_async(state(1000, 1), url, step=1).result(30).path == url
+    assert torch.equal(ckptd.load(url)["w"], state(1000, 1)["w"])
+    assert ckptd.latest(f"s3://{bucket}/runs/my-bucket-exp") == url
+    client.save_async(state(1000, 2), root / "mir" / "step-2", step=2).result(30)
+    mirrored = f"s3://{bucket}/mirror/my-bucket-exp/step-2"
+    wait_until(lambda: ckptd.latest(f"s3://{bucket}/mirror/my-bucket-exp") == mirrored, 60, "the upload")
+    assert torch.equal(ckptd.load(mirrored)["w"], state(1000, 2)["w"])
+
+
 def test_latest_and_list_read_a_prefix_and_retention_keeps_the_newest(s3, bucket, daemon_factory, client_factory,
                                                                       root) -> None:
     daemon = daemon_factory("--root", f"s3://{bucket}")
