@@ -17,16 +17,19 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import zmq
 
 from ckptd.protocol.endpoint import endpoint_for
+from ckptd.protocol.index import INDEX_NAME, CheckpointIndex, ShardRecord, shard_name
 from ckptd.protocol.messages import Status, StatusReply, decode
 
 SHM = Path("/dev/shm")
+MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
 FAULTS_SPEC = "tests.faults:FaultyStorage"
 """The fault-injecting storage (tests/faults.py), loaded by ``ckptd start --storage``."""
@@ -247,3 +250,35 @@ def seeded_state(n: int = 1000, seed: int = 0) -> dict:
 
     g = torch.Generator().manual_seed(seed)
     return {"w": torch.randn(n, generator=g), "b": torch.arange(7, dtype=torch.int64), "step": seed}
+
+
+def floats(mib: int) -> Any:
+    """A float32 tensor of ``mib`` MiB of ones: a state whose size is what a test about space is about."""
+    import torch
+
+    return torch.ones(mib * MiB // 4)
+
+
+@contextmanager
+def tmpfs(path: Path, size_mib: int) -> Iterator[Path]:
+    """A tmpfs of ``size_mib`` MiB mounted at ``path`` (created if needed), unmounted after: free space that is
+    exact and genuinely runs out (the tests run as root; a refused mount fails the test)."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def checkpoint(directory: Path, name: str, step: int | None, *, created: float = 1.0) -> Path:
+    """A committed one-rank checkpoint written by hand (no daemon): a 16-byte shard and the index that lists it,
+    for tests of what the daemon does to checkpoints it finds on disk."""
+    path = directory / name
+    path.mkdir(parents=True)
+    shard = shard_name(0, 1)
+    (path / shard).write_bytes(b"\0" * 16)
+    index = CheckpointIndex(world_size=1, step=step, created=created,
+                            files=(ShardRecord(file=shard, rank=0, size=16, checksum=0, tensors=1),))
+    (path / INDEX_NAME).write_bytes(index.to_json())
+    return path

@@ -1,87 +1,36 @@
-"""The daemon's load leases and admission checks on their own: no daemon, no socket.
+"""Admission: a save is taken only if it can finish, and a refusal says why and what to do.
 
-Leases are pure bookkeeping (``ckptd.leases``); admission reads real
-``statvfs`` figures of the test's own directories, with the margins set so a
-case is decided by the numbers the test chose, and a fake mount table where
-the filesystem type is what matters.
+The checks on their own first (no daemon, no socket): room on the target's
+filesystem, read from real ``statvfs`` figures of the test's own directories
+with the margins set so a case is decided by the numbers the test chose; a
+fake mount table where the filesystem type is what matters; a slot's header
+checked against every commit that names it. Then through a real daemon on
+filesystems of a known size (a tmpfs the test mounts): saves that do not fit,
+beside saves in flight, in a short shared-memory directory, or over a
+checkpoint that already exists.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
+from typing import Iterator
 
 import pytest
+import torch
 
-from ckptd.admission import check_room
+import ckptd
+from ckptd.admission import check_room, examine
+from ckptd.client.flatten import flatten
+from ckptd.client.slots import Slot
+from ckptd.client.staging import layout_for, write_header
+from ckptd.protocol.errors import BadSlot, NoSpace, PathNotAllowed
+from ckptd.protocol.messages import Commit
+from ckptd.slots import SlotMaps
 from ckptd.storage import LocalStorage, filesystem_type
-from ckptd.leases import LoadLeases
-from ckptd.protocol.errors import NoSpace, PathNotAllowed
 
-A, B, C, D = b"client-a", b"client-b", b"client-c", b"client-d"
-
-
-def granted(grants) -> list[tuple[bytes, int]]:
-    return [(g.client, g.request_id) for g in grants]
-
-
-# -- leases --------------------------------------------------------------------
-
-
-def test_leases_are_granted_first_come_first_served_up_to_the_limit() -> None:
-    leases = LoadLeases(default_limit=2)
-    assert granted(leases.request(A, 1, pid=10, limit=None)) == [(A, 1)]
-    assert granted(leases.request(B, 2, pid=11, limit=None)) == [(B, 2)]
-    assert leases.request(C, 3, pid=12, limit=None) == []
-    assert leases.request(D, 4, pid=13, limit=None) == []
-    assert granted(leases.release(B)) == [(C, 3)]
-    assert granted(leases.release(A)) == [(D, 4)]
-    snap = leases.snapshot()
-    assert snap["default_limit"] == 2 and sorted(h["pid"] for h in snap["held"]) == [12, 13] and snap["waiting"] == []
-
-
-def test_a_request_naming_its_own_limit_overrides_the_daemon_default() -> None:
-    leases = LoadLeases(default_limit=None)  # no default: every request is granted at once
-    assert granted(leases.request(A, 1, pid=10, limit=None)) == [(A, 1)]
-    assert leases.request(B, 2, pid=11, limit=1) == []  # asks for at most one holder; A holds
-    assert [w["pid"] for w in leases.snapshot()["waiting"]] == [11]
-    assert granted(leases.release(A)) == [(B, 2)]
-
-
-def test_the_queue_stays_in_order_behind_a_request_that_must_wait() -> None:
-    leases = LoadLeases(default_limit=1)
-    leases.request(A, 1, pid=10, limit=None)
-    assert leases.request(B, 2, pid=11, limit=None) == []
-    assert leases.request(C, 3, pid=12, limit=5) == []  # a looser limit does not jump the queue
-    assert granted(leases.release(A)) == [(B, 2), (C, 3)]
-
-
-def test_a_second_request_from_the_same_client_gives_back_its_first_lease() -> None:
-    leases = LoadLeases(default_limit=1)
-    leases.request(A, 1, pid=10, limit=None)
-    assert granted(leases.request(A, 2, pid=10, limit=None)) == [(A, 2)]
-    assert len(leases.snapshot()["held"]) == 1
-
-
-def test_a_gone_client_loses_its_lease_and_its_queued_requests_and_the_next_waiter_is_granted() -> None:
-    leases = LoadLeases(default_limit=1)
-    leases.request(A, 1, pid=10, limit=None)
-    leases.request(B, 2, pid=10, limit=None)  # the same process, a second connection: queued
-    leases.request(C, 3, pid=12, limit=None)
-    assert granted(leases.drop_client(B)) == []  # the daemon tears down each connection of a dead process
-    assert granted(leases.drop_client(A)) == [(C, 3)]
-    snap = leases.snapshot()
-    assert [h["pid"] for h in snap["held"]] == [12] and snap["waiting"] == []
-
-
-def test_releasing_a_lease_never_held_changes_nothing() -> None:
-    leases = LoadLeases(default_limit=1)
-    leases.request(A, 1, pid=10, limit=None)
-    assert leases.release(B) == []
-    assert [h["pid"] for h in leases.snapshot()["held"]] == [10]
-
-
-# -- admission -----------------------------------------------------------------
+from helpers import MiB, floats, tmpfs
 
 
 def free_of(path: Path) -> int:
@@ -150,3 +99,98 @@ def test_the_filesystem_type_comes_from_the_deepest_mount_above_the_path(tmp_pat
     assert filesystem_type(tmp_path) == "ext4"
     monkeypatch.setattr("ckptd.storage.MOUNTINFO", tmp_path / "missing")
     assert filesystem_type(tmp_path) == "unknown"
+
+
+def commit_for(slot: Slot, layout, root, **change) -> Commit:
+    c = Commit(1, slot.name, layout.nbytes, layout.data_start, layout.entries, str(root / "ckpt"), 0, 1, None, False,
+               False, None, 60.0, 0.0, layout.nbytes)
+    return dataclasses.replace(c, **change)
+
+
+def test_a_reused_slot_header_is_checked_against_every_commit(tmp_path) -> None:
+    slot, maps, storage = Slot(1 << 20), SlotMaps(), LocalStorage()
+    try:
+        first = layout_for(flatten({f"t{i}": torch.ones(8) for i in range(50)}))
+        write_header(first, slot)
+
+        def check(msg: Commit) -> tuple | None:
+            mapped = examine(storage, maps, msg, pid=os.getpid(), roots=(tmp_path,)).slot
+            maps.release(mapped)
+            return mapped.header
+        parsed = check(commit_for(slot, first, tmp_path))
+        assert check(commit_for(slot, first, tmp_path))[2] is parsed[2]  # the same header again: not parsed again
+        renamed = tuple(dataclasses.replace(e, name=e.name + "x") if i == 0 else e for i, e in enumerate(first.entries))
+        with pytest.raises(BadSlot, match="does not match the commit's tensor table"):
+            check(commit_for(slot, first, tmp_path, tensors=renamed))
+        second = layout_for(flatten({f"u{i}": torch.ones(8) for i in range(50)}))  # same sizes, other names
+        assert (second.nbytes, second.data_start) == (first.nbytes, first.data_start)
+        write_header(second, slot)
+        with pytest.raises(BadSlot, match="does not match"):  # the old table against the new header
+            check(commit_for(slot, first, tmp_path))
+        check(commit_for(slot, second, tmp_path))
+    finally:
+        slot.close()
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 256 MiB tmpfs: free space that is exact and genuinely runs out."""
+    with tmpfs(tmp_path / "small", 256) as mnt:
+        yield mnt
+
+
+def test_a_save_that_cannot_fit_is_refused_up_front_and_the_daemon_serves_on(run_dir, small_fs, client_factory) -> None:
+    from helpers import start_daemon
+
+    daemon = start_daemon(run_dir, small_fs, faults=[{"op": "fsync", "match": "slow", "errno": 0, "delay": 2.0}])
+    try:
+        c = client_factory(max_inflight=2)
+        big = {"w": torch.zeros(300 * 2**20, dtype=torch.uint8)}
+        with pytest.raises(ckptd.NoSpace, match="not enough space"):
+            c.save_async(big, small_fs / "big").result(30)
+        assert list(small_fs.iterdir()) == []
+        # two saves of 100 MiB: the second does not fit beside the first, still in flight
+        half = {"w": torch.zeros(100 * 2**20, dtype=torch.uint8)}
+        first = c.save_async(half, small_fs / "slow-1")
+        with pytest.raises(ckptd.NoSpace, match="saves in flight"):
+            c.save_async(half, small_fs / "slow-2").result(30)
+        assert first.result(30).path == small_fs / "slow-1"
+        assert ckptd.load(small_fs / "slow-1")["w"].shape == (100 * 2**20,)
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.timeout(120)
+def test_the_shm_headroom_counts_the_saves_own_slot_as_free_and_names_remedies(daemon_factory, client_factory,
+                                                                                tmp_path, monkeypatch) -> None:
+    with tmpfs(tmp_path / "shm", 64) as shm:
+        monkeypatch.setenv("CKPTD_SHM_DIR", str(shm))
+        daemon = daemon_factory()
+        client = client_factory()
+        # a 56 MiB state leaves ~7 MiB of the 64 MiB free once its slot exists: it still fits
+        result = client.save_async({"w": floats(56)}, daemon.root / "most").result(30)
+        assert result.path == daemon.root / "most"
+        client.close()
+        # something else fills the directory: now the node really is short of shared memory
+        (shm / "other").write_bytes(b"\0" * 50 * MiB)
+        with pytest.raises(ckptd.NoSpace) as short:
+            client_factory().save_async({"w": floats(4)}, daemon.root / "short").result(30)
+        message = str(short.value)
+        assert str(shm) in message and "--shm-size" in message and "emptyDir" in message
+        assert "CKPTD_SHM_DIR" in message
+        daemon.stop()
+
+
+@pytest.mark.timeout(120)
+def test_resaving_an_existing_path_on_a_nearly_full_filesystem_says_it_exists(daemon_factory, client_factory,
+                                                                              root) -> None:
+    with tmpfs(root, 100):  # 100 MiB, of which 64 MiB are kept free: a 40 MiB shard does not fit
+        daemon = daemon_factory()
+        client = client_factory()
+        client.save_async({"w": torch.ones(4)}, root / "there").result(30)
+        with pytest.raises(ckptd.CheckpointExists, match="already exists"):
+            client.save_async({"w": floats(40)}, root / "there").result(30)
+        with pytest.raises(ckptd.NoSpace):  # a new path still gets the room check
+            client.save_async({"w": floats(40)}, root / "new").result(30)
+        client.close()
+        daemon.stop()

@@ -56,24 +56,6 @@ def test_a_failed_parent_fsync_after_the_rename_reports_the_checkpoint_as_visibl
 
 
 @pytest.mark.timeout(120)
-def test_a_slow_retention_removal_does_not_hold_up_the_next_commit(daemon_factory, client_factory, root,
-                                                                    tmp_path) -> None:
-    go = tmp_path / "go"
-    daemon = daemon_factory(faults=[{"op": "remove_tree", "match": "/old.deleting.incomplete", "errno": 0,
-                                     "wait_for": str(go)}])
-    client = client_factory()
-    client.save_async({"w": torch.ones(10)}, root / "old", step=1).result(30)
-    client.save_async({"w": torch.ones(10)}, root / "new", step=2, keep_last=1).result(30)
-    wait_until(lambda: "event=fault op=remove_tree" in (daemon.run_dir / "ckptd.log").read_text(), 20,
-               "the removal fault fired")
-    # the removal is held; a commit must not wait for it
-    assert client.save_async({"w": torch.ones(10)}, root / "other", step=3).result(30).path == root / "other"
-    assert (root / "old.deleting.incomplete").exists(), "the removal must still be held"
-    go.touch()
-    wait_until(lambda: sorted(os.listdir(root)) == ["new", "other"], 20, "retention removed the old one")
-
-
-@pytest.mark.timeout(120)
 def test_the_daemon_answers_while_a_checkpoint_directory_is_being_created(daemon_factory, client_factory, root,
                                                                            tmp_path) -> None:
     go = tmp_path / "go"
