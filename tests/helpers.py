@@ -282,3 +282,11 @@ def checkpoint(directory: Path, name: str, step: int | None, *, created: float =
                             files=(ShardRecord(file=shard, rank=0, size=16, checksum=0, tensors=1),))
     (path / INDEX_NAME).write_bytes(index.to_json())
     return path
+
+
+def filled_state(value: float) -> dict:
+    """A state filled with ``value`` (and ``step`` its integer part): which save a checkpoint holds reads off any
+    element."""
+    import torch
+
+    return {"w": torch.full((1000,), value), "step": int(value)}

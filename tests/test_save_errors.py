@@ -78,7 +78,7 @@ def test_pending_save_fails_with_daemon_unavailable_when_the_daemon_is_killed(da
     daemon = daemon_factory(faults=[{"op": "write", "match": "slow", "errno": 0, "delay": 30}])
     client = client_factory(heartbeat=0.2, timeout=5.0)
     fut = client.save_async({"w": torch.ones(10)}, root / "slow")
-    time.sleep(0.3)
+    wait_until(lambda: daemon.status()["saves"], 30, "the save reaches the daemon")
     daemon.kill()
     started = time.monotonic()
     with pytest.raises(ckptd.DaemonUnavailable, match="died|not answered"):

@@ -13,7 +13,6 @@ import os
 import resource
 import signal
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -85,10 +84,8 @@ def test_a_killed_trainers_slots_are_reclaimed_by_the_daemon(daemon, root) -> No
     assert names and all((SHM / n).exists() for n in names)
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
-    deadline = time.monotonic() + 60
-    while any((SHM / n).exists() for n in names) or daemon.status()["clients"]:
-        assert time.monotonic() < deadline, f"slots {names} not reclaimed, or the client not forgotten"
-        time.sleep(0.1)
+    wait_until(lambda: not any((SHM / n).exists() for n in names) and not daemon.status()["clients"], 60,
+               f"slots {names} not reclaimed, or the client not forgotten")
 
 
 def test_a_held_slot_given_back_stays_mapped_for_its_clients_next_save() -> None:

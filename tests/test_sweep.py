@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -43,24 +42,17 @@ def test_start_removes_incomplete_dirs_of_dead_local_writers_only(daemon_factory
     remote = leftover(root, "remote", "some-other-node", dead_pid())
     unmarked = leftover(root, "unmarked", here, None)
     daemon_factory()
-    deadline = time.monotonic() + 60
-    while dead.exists():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: not dead.exists(), 60, f"the start-up sweep removes {dead}")
     assert alive.exists() and remote.exists() and unmarked.exists()
 
 
 def test_start_can_move_leftovers_aside_or_leave_them(daemon_factory, root, run_dir) -> None:
     dead = leftover(root, "dead", socket.gethostname(), dead_pid())
     d = daemon_factory("--sweep", "off")
-    time.sleep(0.5)
+    d.stop()  # its start-up sweep has run by the time it exits
     assert dead.exists()
-    d.stop()
     daemon_factory("--sweep", "move")
-    deadline = time.monotonic() + 60
-    while dead.exists():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: not dead.exists(), 60, f"the start-up sweep moves {dead} aside")
     (moved,) = (root / ".ckptd-swept").iterdir()
     assert moved.name.startswith("dead.incomplete-")
     assert ckptd.latest(root) is None
@@ -73,10 +65,7 @@ def test_start_reclaims_slots_of_dead_clients(daemon_factory) -> None:
     mine.write_bytes(b"\0" * 4096)
     try:
         daemon_factory()
-        deadline = time.monotonic() + 60
-        while orphan.exists():
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: not orphan.exists(), 60, f"the start-up sweep unlinks {orphan}")
         assert mine.exists(), "a live process's slot must never be reclaimed"
     finally:
         orphan.unlink(missing_ok=True)
@@ -90,10 +79,7 @@ def test_start_also_sweeps_directories_it_committed_into_before(daemon_factory, 
     d.stop()
     dead = leftover(run, "step-2", socket.gethostname(), dead_pid())
     daemon_factory()
-    deadline = time.monotonic() + 60
-    while dead.exists():
-        assert time.monotonic() < deadline, "a directory the daemon wrote into before was not swept"
-        time.sleep(0.05)
+    wait_until(lambda: not dead.exists(), 60, "a directory the daemon wrote into before was not swept")
     assert ckptd.latest(run) == run / "step-1"
 
 
