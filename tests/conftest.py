@@ -23,6 +23,9 @@ LONGEST_FIRST = ("test_bench_smoke", "test_stateful", "test_crash_consistency", 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """``make test`` hands whole modules to its workers in collection order (``--dist loadscope``): a long module
     that started last would run on alone at the end, so the longest start first; the rest keep their order."""
+    missing = [name for name in LONGEST_FIRST if not (Path(__file__).parent / f"{name}.py").exists()]
+    if missing:  # a module renamed or split without this list: it would silently lose its early start
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names modules that do not exist: {missing}")
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(Path(item.nodeid.split("::")[0]).stem, len(rank)))
 

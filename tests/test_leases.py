@@ -12,6 +12,7 @@ import signal
 import textwrap
 import threading
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -91,21 +92,27 @@ def _max_overlap(intervals: list[tuple[float, float]]) -> int:
     return best
 
 
-@pytest.mark.parametrize("limit", [1, 2])
-def test_load_leases_cap_concurrent_loads_on_a_node(daemon, limit) -> None:
+def _loads_at_once(limit: int | None, run_dir, ranks: int, work: Callable[[], object]) -> list[tuple[float, float]]:
+    """``ranks`` threads each doing ``work`` under a load lease at once: when each held its lease."""
     intervals: list[tuple[float, float]] = []
 
     def rank() -> None:
-        with load_lease(limit, run_dir=daemon.run_dir, spawn=False):
+        with load_lease(limit, run_dir=run_dir, spawn=False):
             start = time.monotonic()
-            time.sleep(0.3)
+            work()
             intervals.append((start, time.monotonic()))
 
-    threads = [threading.Thread(target=rank) for _ in range(4)]
+    threads = [threading.Thread(target=rank) for _ in range(ranks)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
+    return intervals
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_load_leases_cap_concurrent_loads_on_a_node(daemon, limit) -> None:
+    intervals = _loads_at_once(limit, daemon.run_dir, 4, lambda: time.sleep(0.3))  # a load that takes a while
     assert len(intervals) == 4 and _max_overlap(intervals) == limit
 
 
@@ -130,18 +137,10 @@ def test_a_dead_lease_holder_frees_its_lease(daemon) -> None:
 def test_daemon_default_load_limit_applies_when_the_load_asks_for_none(daemon_factory, client_factory, root) -> None:
     daemon = daemon_factory("--max-concurrent-loads", "1")
     client_factory().save_async({"w": torch.ones(1000)}, root / "c").result(30)
-    intervals: list[tuple[float, float]] = []
 
-    def rank() -> None:
-        with load_lease(None, run_dir=daemon.run_dir, spawn=False):
-            start = time.monotonic()
-            ckptd.load(root / "c", map_location="cpu")
-            time.sleep(0.2)
-            intervals.append((start, time.monotonic()))
+    def load() -> None:
+        ckptd.load(root / "c", map_location="cpu")
+        time.sleep(0.2)  # and the work that follows it under the lease
 
-    threads = [threading.Thread(target=rank) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert _max_overlap(intervals) == 1
+    intervals = _loads_at_once(None, daemon.run_dir, 3, load)
+    assert len(intervals) == 3 and _max_overlap(intervals) == 1
