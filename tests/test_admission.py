@@ -33,6 +33,9 @@ from ckptd.storage import LocalStorage, filesystem_type
 from helpers import MiB, floats, tmpfs
 
 
+# -- on its own: no daemon, no socket ------------------------------------------
+
+
 def free_of(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
@@ -130,6 +133,9 @@ def test_a_reused_slot_header_is_checked_against_every_commit(tmp_path) -> None:
         check(commit_for(slot, second, tmp_path))
     finally:
         slot.close()
+
+
+# -- through a real daemon -----------------------------------------------------
 
 
 @pytest.fixture

@@ -133,6 +133,18 @@ def test_load_into_a_target_it_cannot_fill_is_a_type_error_naming_it(client, roo
         ckptd.load_into(target, root / "saved")
 
 
+def test_latest_of_no_path_is_a_type_error_not_none() -> None:
+    with pytest.raises(TypeError, match="root must be a path"):
+        ckptd.latest(None)
+
+
+@pytest.mark.parametrize("timeout, error", [(-1, ValueError), (float("nan"), ValueError), ("5", TypeError)])
+def test_client_wait_refuses_a_timeout_that_is_not_seconds(daemon, client, timeout, error) -> None:
+    with pytest.raises(error, match="timeout"):
+        client.wait(timeout)
+    client.wait(0.5)  # a real timeout still works
+
+
 # -- fork --------------------------------------------------------------------
 
 FORK_SCRIPT = textwrap.dedent("""
@@ -428,15 +440,3 @@ def test_slot_directory_is_configurable_for_client_and_daemon_and_shown_in_statu
         assert not list(shm.iterdir())
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-
-
-def test_latest_of_no_path_is_a_type_error_not_none() -> None:
-    with pytest.raises(TypeError, match="root must be a path"):
-        ckptd.latest(None)
-
-
-@pytest.mark.parametrize("timeout, error", [(-1, ValueError), (float("nan"), ValueError), ("5", TypeError)])
-def test_client_wait_refuses_a_timeout_that_is_not_seconds(daemon, client, timeout, error) -> None:
-    with pytest.raises(error, match="timeout"):
-        client.wait(timeout)
-    client.wait(0.5)  # a real timeout still works

@@ -40,6 +40,13 @@ def test_a_cuda_map_location_this_host_lacks_is_named(two_rank_checkpoint) -> No
         ckptd.load(two_rank_checkpoint, rank=0, map_location=missing)
 
 
+@pytest.fixture
+def rank_2_of_3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process is rank 2 of a world of 3 (torchrun's environment): a rank a two-rank checkpoint never had."""
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+
+
 def _two_rank_checkpoint(client_factory, root: Path, per_rank: list[dict]) -> Path:
     path = root / "two"
     futs = [client_factory(rank=r, world_size=2).save_async({"w": torch.full((4,), float(r)), **per_rank[r]}, path,
@@ -50,10 +57,8 @@ def _two_rank_checkpoint(client_factory, root: Path, per_rank: list[dict]) -> Pa
 
 
 def test_load_into_on_a_larger_world_refuses_other_ranks_per_rank_state_unless_asked(daemon, client_factory, root,
-                                                                                      monkeypatch) -> None:
+                                                                                      rank_2_of_3) -> None:
     path = _two_rank_checkpoint(client_factory, root, [{"data_pos": 100}, {"data_pos": 200}])
-    monkeypatch.setenv("RANK", "2")
-    monkeypatch.setenv("WORLD_SIZE", "3")
     target = {"w": torch.zeros(4), "data_pos": 0}
     with pytest.raises(InvalidCheckpoint, match=r"rank 2.*differs between the saved ranks \(ranks 0 and 1 differ at "
                                                 r"state_dict\['data_pos'\]\).*rank=0"):
@@ -66,10 +71,8 @@ def test_load_into_on_a_larger_world_refuses_other_ranks_per_rank_state_unless_a
 
 
 def test_load_into_on_a_larger_world_takes_per_rank_values_every_saved_rank_shares(daemon, client_factory, root,
-                                                                                   monkeypatch) -> None:
+                                                                                   rank_2_of_3) -> None:
     path = _two_rank_checkpoint(client_factory, root, [{"step": 3}, {"step": 3}])
-    monkeypatch.setenv("RANK", "2")
-    monkeypatch.setenv("WORLD_SIZE", "3")
     target = {"w": torch.ones(4), "step": 0}
     ckptd.load_into(target, path)
     assert target["step"] == 3 and torch.equal(target["w"], torch.zeros(4))

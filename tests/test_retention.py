@@ -48,7 +48,7 @@ class CrashAfterIndexGone(LocalStorage):
             raise SystemExit("killed")
 
 
-# -- retention -----------------------------------------------------------------
+# -- on its own: real directories, no daemon -----------------------------------
 
 
 def test_retention_keeps_the_newest_by_step_and_never_the_one_just_committed(tmp_path: Path) -> None:
@@ -94,9 +94,6 @@ def test_retention_refuses_to_keep_fewer_than_one() -> None:
         apply_retention(LocalStorage(), Path("/nonexistent/step-1"), 0, set())
 
 
-# -- sweep ---------------------------------------------------------------------
-
-
 def test_retention_on_a_store_without_rename_marks_its_victim_before_the_index_goes(tmp_path: Path) -> None:
     """Killed between the index and the shards, a victim on an object store must carry this daemon's owner
     marker, or the start-up sweep (which removes an index-less prefix only when its markers name dead daemons)
@@ -123,6 +120,9 @@ def test_retention_never_deletes_a_version_saved_while_it_asked_the_mirror_about
 
     assert apply_retention(LocalStorage(), newest, 1, set(), keep) == []
     assert CheckpointIndex.from_json((tmp_path / "last" / INDEX_NAME).read_bytes(), "last").step == 20
+
+
+# -- through a real daemon -----------------------------------------------------
 
 
 def test_keep_last_deletes_only_older_committed_checkpoints(client, root) -> None:

@@ -103,6 +103,9 @@ def test_a_held_slot_given_back_stays_mapped_for_its_clients_next_save() -> None
         slot.close()
 
 
+# -- the daemon's mappings of slots --------------------------------------------
+
+
 def slot_mappings(pid: int) -> list[str]:
     """Lines of the daemon's /proc maps that map a ckptd slot."""
     return [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/ckptd-" in line]

@@ -26,6 +26,9 @@ from helpers import SHM, checkpoint, dead_pid, wait_until
 HOST = socket.gethostname()
 
 
+# -- real daemons starting over what others left -------------------------------
+
+
 def leftover(root: Path, name: str, host: str, pid: int | None) -> Path:
     d = root / f"{name}.incomplete"
     d.mkdir()
@@ -97,6 +100,9 @@ def test_a_daemon_killed_mid_save_in_a_new_directory_leaves_nothing_a_restart_do
     assert leftover.is_dir()
     daemon_factory()  # same run dir: the restart sweeps
     wait_until(lambda: not leftover.exists(), 30, f"the restarted daemon never swept {leftover}")
+
+
+# -- on its own: real directories, no daemon -----------------------------------
 
 
 def marker(directory: Path, pid: int, host: str = HOST) -> Path:
