@@ -7,7 +7,8 @@ fake mount table where the filesystem type is what matters; a slot's header
 checked against every commit that names it. Then through a real daemon on
 filesystems of a known size (a tmpfs the test mounts): saves that do not fit,
 beside saves in flight, in a short shared-memory directory, or over a
-checkpoint that already exists.
+checkpoint that already exists; and the daemon answers while admission's I/O
+is held up.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ckptd.protocol.messages import Commit
 from ckptd.slots import SlotMaps
 from ckptd.storage import LocalStorage, filesystem_type
 
-from helpers import MiB, floats, tmpfs
+from helpers import MiB, floats, tmpfs, wait_until
 
 
 # -- on its own: no daemon, no socket ------------------------------------------
@@ -200,3 +201,18 @@ def test_resaving_an_existing_path_on_a_nearly_full_filesystem_says_it_exists(da
             client.save_async({"w": floats(40)}, root / "new").result(30)
         client.close()
         daemon.stop()
+
+
+@pytest.mark.timeout(120)
+def test_the_daemon_answers_while_a_checkpoint_directory_is_being_created(daemon_factory, client_factory, root,
+                                                                           tmp_path) -> None:
+    go = tmp_path / "go"
+    daemon = daemon_factory(faults=[{"op": "touch", "match": "/held.incomplete/", "errno": 0, "wait_for": str(go)}])
+    fut = client_factory().save_async({"w": torch.ones(10)}, root / "held")
+    wait_until(lambda: "event=fault op=touch" in (daemon.run_dir / "ckptd.log").read_text(), 20,
+               "the touch fault fired")
+    status = daemon.status()  # the loop answers while admission's I/O is held on its worker
+    assert [c["state"] for c in status["checkpoints"]] == ["preparing"]
+    assert not fut.done()
+    go.touch()
+    assert fut.result(30).path == root / "held"
