@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ import torch
 import ckptd
 
 from crashes import KILL_POINTS, NAME, assert_whole, digests, leftovers, make_state
-from helpers import status, wait_until
+from helpers import MiB, status, tmpfs, wait_until
 
 CHUNK = 8 * 2**20
 """The daemon's write size: a shard bigger than this is written in several calls."""
@@ -341,18 +342,10 @@ MARGIN = 64 * 2**20
 
 
 @pytest.fixture
-def small_fs(root: Path):
+def small_fs(root: Path) -> Iterator[Path]:
     """``root`` on its own 192 MiB tmpfs, so free space is exact and genuinely runs out."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_FS},mode=0755", "tmpfs", str(root)],
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
-    try:
+    with tmpfs(root, SMALL_FS // MiB):
         yield root
-    finally:
-        subprocess.run(["umount", "-l", str(root)], capture_output=True)
 
 
 def fill(path: Path, nbytes: int) -> None:
