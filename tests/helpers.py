@@ -290,3 +290,31 @@ def filled_state(value: float) -> dict:
     import torch
 
     return {"w": torch.full((1000,), value), "step": int(value)}
+
+
+def torchrun_example(example: Path, daemon: Daemon, ckpt_dir: Path, procs: int, *args: str,
+                     timeout: float = 240) -> str:
+    """Run ``examples/<name>.py`` as users run it (``python -m torch.distributed.run --standalone``) on ``procs``
+    ranks against the test's daemon (``CKPTD_RUN_DIR``), and return what it printed; a failed run fails the test
+    with the launcher's output."""
+    from zygote import run_module
+
+    env = dict(os.environ, CKPTD_RUN_DIR=str(daemon.run_dir), OMP_NUM_THREADS="1")
+    out = run_module("torch.distributed.run", "--nproc-per-node", str(procs), "--standalone", str(example),
+                     "--ckpt-dir", str(ckpt_dir), *args, env=env, cwd=str(REPO), timeout=timeout)
+    assert out.returncode == 0, f"torchrun exited {out.returncode}\n{out.stdout}\n{out.stderr[-6000:]}"
+    return out.stdout
+
+
+def equal_states(a: Any, b: Any) -> bool:
+    """Two states hold the same: the same keys at every level, tensors of one dtype and equal values, the same
+    plain values (what a test compares a loaded checkpoint against)."""
+    import torch
+
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b) and all(equal_states(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(equal_states(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b

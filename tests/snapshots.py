@@ -23,18 +23,16 @@ def state_at(step):
 exec(STATE_SRC)  # state_at(step): the test knows the bytes of every step
 
 
-def equal_states(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
-                                        for k in a)
-
-
 def full(value: float, n: int = 50_000) -> dict:
+    """A small state filled with ``value``: which snapshot a reader got reads off any element."""
     return {"w": torch.full((n,), float(value))}
 
 
 def held(daemon, path: Path) -> dict:
+    """The daemon's status entry for the snapshot it holds at ``path``."""
     return next(s for s in daemon.status()["memory"]["snapshots"] if s["path"] == str(path))
 
 
 def held_paths(run_dir) -> set[str]:
+    """The paths of every snapshot the daemon on ``run_dir`` holds, as a client finds them."""
     return {s["path"] for s in held_snapshots(run_dir)}

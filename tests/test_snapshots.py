@@ -23,8 +23,8 @@ import pytest
 import ckptd
 from ckptd.client.memory import held_snapshots
 
-from helpers import SHM, segments_of, wait_until
-from snapshots import STATE_SRC, equal_states, full, held_paths, state_at
+from helpers import SHM, equal_states, segments_of, wait_until
+from snapshots import STATE_SRC, full, held_paths, state_at
 
 
 TRAINER = STATE_SRC + r'''

@@ -21,8 +21,8 @@ import pytest
 import ckptd
 from ckptd.client.memory import held_snapshots
 
-from helpers import SHM, wait_until
-from snapshots import equal_states, full, held, state_at
+from helpers import SHM, equal_states, wait_until
+from snapshots import full, held, state_at
 
 
 def test_a_persist_refused_for_space_leaves_the_snapshot_held_and_the_drain_persists_it(

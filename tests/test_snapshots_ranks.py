@@ -22,8 +22,7 @@ import torch.distributed as dist
 
 import ckptd
 
-from helpers import join_ranks, short_tempdir, start_daemon, wait_for_ranks, wait_until
-from snapshots import equal_states
+from helpers import equal_states, join_ranks, short_tempdir, start_daemon, wait_for_ranks, wait_until
 from zygote import start_ranks
 
 WORLD = 2

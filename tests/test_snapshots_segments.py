@@ -10,8 +10,8 @@ import torch
 
 import ckptd
 
-from helpers import SHM, segments_of, status, wait_until
-from snapshots import equal_states, state_at
+from helpers import SHM, equal_states, segments_of, status, wait_until
+from snapshots import state_at
 
 
 def test_a_stop_that_abandons_stalled_maintenance_still_unlinks_every_snapshot_it_held(
