@@ -12,7 +12,6 @@ import ckptd
 
 from helpers import wait_until
 
-
 SLOW = [{"op": "write", "match": "slow", "errno": 0, "delay": 1.0}]
 
 
