@@ -26,13 +26,12 @@ from dataclasses import dataclass
 from ckptd.protocol.errors import BadMessage, BadSlot, NoSpace, PathNotAllowed
 from ckptd.protocol.layout import TensorEntry, parse_header
 from ckptd.protocol.messages import Commit
-from ckptd.protocol.objects import is_object_path
 from ckptd.protocol.shm import SHM_REMEDIES, shm_usage
 
 from .commit import refuse_existing, resolve_path
 from .render import human_bytes
 from .slots import MappedSlot, SlotMaps
-from .storage import Space, Storage
+from .storage import CheckpointStorage, Space
 from .writer import round_up
 
 
@@ -47,7 +46,7 @@ class Examined:
     """Free bytes in the slot directory counting this save's own slot as free (it exists already)."""
 
 
-def examine(storage: Storage, slots: SlotMaps, msg: Commit, *, pid: int, roots: tuple[Path, ...]) -> Examined:
+def examine(storage: CheckpointStorage, slots: SlotMaps, msg: Commit, *, pid: int, roots: tuple[Path, ...]) -> Examined:
     """Resolve the path, map and check the slot, measure free space (I/O; the admission worker).
 
     The slot is released again if anything is wrong, so a refused commit holds no mapping.
@@ -59,7 +58,7 @@ def examine(storage: Storage, slots: SlotMaps, msg: Commit, *, pid: int, roots: 
         final = resolve_path(storage, msg.path, roots)
         # Before the room check: "exists" is the answer that helps. On an object store the same check runs
         # after Accepted (``Commits.prepare``, before anything is written): two requests fewer in save_async.
-        if not is_object_path(final) and storage.stat(final) is not None:
+        if storage.exists_early(final):
             refuse_existing(storage, final, msg.overwrite)
         shm_free = shm_free_bytes()
         return Examined(final, slot, storage.space(final.parent), None if shm_free is None else shm_free + slot.size)

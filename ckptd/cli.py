@@ -53,16 +53,16 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--count", type=positive_int, default=None, help="with --watch: stop after this many redraws")
 
     listing = with_run_dir(sub.add_parser("list", help="list the checkpoints under a directory (no daemon needed)"))
-    listing.add_argument("root", type=path_arg)
-    listing.add_argument("--json", action="store_true")
+    listing.add_argument("root", type=path_arg, help="a directory or an s3:// prefix")
+    listing.add_argument("--json", action="store_true", help="print the listing as JSON")
 
     verify = with_run_dir(sub.add_parser("verify", help="check a checkpoint's index, headers and checksums"))
-    verify.add_argument("path", type=path_arg)
-    verify.add_argument("--json", action="store_true")
+    verify.add_argument("path", type=path_arg, help="a checkpoint directory or s3:// URL")
+    verify.add_argument("--json", action="store_true", help="print the report as JSON")
 
     inspect = with_run_dir(sub.add_parser("inspect", help="describe a checkpoint without reading tensor data"))
-    inspect.add_argument("path", type=path_arg)
-    inspect.add_argument("--json", action="store_true")
+    inspect.add_argument("path", type=path_arg, help="a checkpoint directory or s3:// URL")
+    inspect.add_argument("--json", action="store_true", help="print the description as JSON")
 
     _export_parser(sub)
 
@@ -163,7 +163,8 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
     export.add_argument("path", type=Path, help="a committed checkpoint")
     export.add_argument("outdir", type=Path, help="new (or empty) directory for model*.safetensors")
     export.add_argument("--prefix", default="", help="export only tensors named PREFIX..., with PREFIX removed")
-    export.add_argument("--max-shard-size", default="5GB", help="largest output file (5GB = 10**9 bytes, 2GiB)")
+    export.add_argument("--max-shard-size", default="5GB",
+                        help="largest output file: 5GB = 5*10**9 bytes, 2GiB = 2*2**30")
     export.add_argument("--run-dir", type=Path, default=None, help=argparse.SUPPRESS)
 
 

@@ -26,13 +26,14 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, ClassVar, Mapping
 
 from ckptd.protocol.chunks import tensor_table
 from ckptd.protocol.errors import (
     CheckpointExists,
     CkptdError,
     Conflict,
+    InternalError,
     InvalidCheckpoint,
     PathNotAllowed,
     RanksMissing,
@@ -40,18 +41,18 @@ from ckptd.protocol.errors import (
 )
 from ckptd.protocol.index import (
     INCOMPLETE_SUFFIX,
-    INDEX_NAME,
     CheckpointIndex,
     ShardRecord,
     TensorRecord,
     incomplete_path,
     shard_name,
 )
-from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Commit, Finalize
-from ckptd.protocol.names import discarded_path
+from ckptd.protocol.messages import Commit, Finalize
+from ckptd.protocol.inspect import read_shard_header
 from ckptd.protocol.objects import display, is_object_path
 
-from .catalog import read_shard_header
+from .attempt import Attempt, Waiter, Words
+from .catalog import SeamFiles
 from .contributors import Contributors
 from .ownership import (
     check_replaceable,
@@ -61,7 +62,11 @@ from .ownership import (
     why_not_leftover,
     why_not_replaceable,
 )
-from .storage import Kind, Storage
+from .storage import CheckpointStorage, Kind, PublishedNotDurable
+
+if TYPE_CHECKING:
+    from .admission import Examined
+    from .writer import Progress, WriteJob
 
 
 class CheckpointState(str, Enum):
@@ -73,29 +78,47 @@ class CheckpointState(str, Enum):
     FAILED = "failed"
 
 
-@dataclass
-class PendingCheckpoint:
-    """A checkpoint some ranks have committed and that is not final yet."""
+NEXT_STATES: dict[CheckpointState, frozenset[CheckpointState]] = {
+    CheckpointState.PREPARING: frozenset({CheckpointState.WRITING, CheckpointState.FAILED}),
+    CheckpointState.WRITING: frozenset({CheckpointState.COMMITTING, CheckpointState.FAILED}),
+    CheckpointState.COMMITTING: frozenset({CheckpointState.COMMITTED, CheckpointState.FAILED}),
+    CheckpointState.COMMITTED: frozenset(),
+    CheckpointState.FAILED: frozenset(),
+}
+"""The only moves an attempt makes (``PendingCheckpoint.move_to``): it ends once, committed or failed."""
 
-    path: Path
-    world_size: int
-    step: int | None
+
+@dataclass(kw_only=True)
+class PendingCheckpoint(Attempt):
+    """A checkpoint some ranks have committed and that is not final yet: its ranks, shards, writes and state."""
+
+    words: ClassVar[Words] = Words("checkpoint", "saving", "committed", "saved", "is being written",
+                                   "is already being written", "nothing was committed")
     overwrite: bool
-    coordinated: bool = False
     keep_last: int | None = None
-    timeout: float = DEFAULT_COMMIT_TIMEOUT
-    started_at: float = field(default_factory=time.monotonic)
     shards: dict[int, ShardRecord] = field(default_factory=dict)
     ranks_seen: set[int] = field(default_factory=set)
     writing: int = 0
     """Shards of this checkpoint admitted here and not yet durable or failed."""
-    waiting: list[tuple[bytes, int, int]] = field(default_factory=list)
-    """(client, request id, rank) of every rank owed a Done or Error."""
+    queued: list[WriteJob] | None = None
+    """Admitted writes waiting for ``p.incomplete`` to be made (None: nobody has started making it yet)."""
     state: CheckpointState = CheckpointState.PREPARING
     owns_directory: bool = False
     """Whether ``prepare`` made ``p.incomplete`` for this attempt: only then may a failure remove it."""
-    contributors: Contributors = field(default_factory=lambda: Contributors(""))
-    """The job incarnation and processes whose shards this attempt holds (no other may join)."""
+
+    @property
+    def arrived(self) -> set[int]:
+        return self.ranks_seen
+
+    @property
+    def open(self) -> bool:
+        return self.state in (CheckpointState.PREPARING, CheckpointState.WRITING)
+
+    def move_to(self, state: CheckpointState) -> None:
+        """Change state along ``NEXT_STATES``; any other move is a defect in the pipeline, never done silently."""
+        if state not in NEXT_STATES[self.state]:
+            raise InternalError(f"checkpoint {self.path} cannot go from {self.state.value} to {state.value}")
+        self.state = state
 
     @property
     def incomplete(self) -> Path:
@@ -104,10 +127,6 @@ class PendingCheckpoint:
     @property
     def complete(self) -> bool:
         return len(self.shards) == self.world_size
-
-    @property
-    def missing(self) -> list[int]:
-        return sorted(set(range(self.world_size)) - self.ranks_seen)
 
     def index(self, tensors: Mapping[str, TensorRecord] | None = None) -> CheckpointIndex:
         files = tuple(self.shards[r] for r in sorted(self.shards))
@@ -133,7 +152,18 @@ class FailedCheckpoint:
     contributors: Contributors
 
 
-def resolve_path(storage: Storage, raw: str, roots: tuple[Path, ...]) -> Path:
+@dataclass(frozen=True)
+class Retry:
+    """A rank's examined shard for a path whose failed attempt is still being cleared away: admitted after it."""
+
+    client: bytes
+    msg: Commit
+    pid: int
+    progress: "Progress"
+    examined: "Examined"
+
+
+def resolve_path(storage: CheckpointStorage, raw: str, roots: tuple[Path, ...]) -> Path:
     """The final checkpoint path for ``raw``, if it lies under an allowed root (I/O).
 
     Symlinks and ``..`` in the parent are resolved first, so neither can lead
@@ -168,15 +198,11 @@ def resolve_path(storage: Storage, raw: str, roots: tuple[Path, ...]) -> Path:
     return final
 
 
-def refuse_existing(storage: Storage, final: Path, overwrite: bool) -> None:
-    """Something is at ``final``: only a committed ckptd checkpoint, with ``overwrite``, may be replaced (I/O).
-
-    On a store without rename nothing is replaced: the new shards would land
-    on the old checkpoint's before its index could change.
-    """
-    if not storage.can_rename(final):
-        raise CheckpointExists(f"{display(final)} already exists on the object store, where a checkpoint is never "
-                               f"replaced in place (no atomic rename); save under another path, or delete it first")
+def refuse_existing(storage: CheckpointStorage, final: Path, overwrite: bool) -> None:
+    """Something is at ``final``: only a committed ckptd checkpoint, with ``overwrite``, may be replaced (I/O)."""
+    refusal = storage.replace_refusal(final)
+    if refusal is not None:
+        raise CheckpointExists(refusal)
     if overwrite:
         check_replaceable(storage, final)
         return
@@ -190,11 +216,14 @@ def refuse_existing(storage: Storage, final: Path, overwrite: bool) -> None:
 class Commits:
     """Checkpoints in progress on this daemon, by final path (bookkeeping on the loop; I/O where marked)."""
 
-    def __init__(self, storage: Storage, roots: tuple[Path, ...]) -> None:
+    def __init__(self, storage: CheckpointStorage, roots: tuple[Path, ...]) -> None:
         self.storage = storage
         self.roots = roots
         self.pending: dict[Path, PendingCheckpoint] = {}
         self.failed: dict[Path, FailedCheckpoint] = {}
+        self.closing: dict[Path, list[Retry]] = {}
+        """Failed attempts whose ``p.incomplete`` is not yet out of the way, with the ranks of a retry of the same
+        path that wait for it (a retry must never lose its new directory to the old attempt's cleanup)."""
         self.publishing = threading.Lock()
         """Held while a checkpoint takes its name (rename or exchange, commit pool) and while retention checks
         that a victim is still the version it judged and sets it aside (maintenance pool): so retention never
@@ -212,24 +241,15 @@ class Commits:
         self._refuse_late_rank_of_failed(final, commit)
         pending = self.pending.get(final)
         if pending is None:
-            pending = PendingCheckpoint(final, commit.world_size, commit.step, commit.overwrite,
-                                        commit.coordinated, commit.keep_last, commit.timeout,
+            pending = PendingCheckpoint(path=final, world_size=commit.world_size, step=commit.step,
+                                        overwrite=commit.overwrite, coordinated=commit.coordinated,
+                                        keep_last=commit.keep_last, timeout=commit.timeout,
                                         contributors=Contributors(commit.job))
             self.pending[final] = pending
-        pending.contributors.refuse_other_job(final, commit)
-        said = (commit.world_size, commit.step, commit.coordinated)
-        if (pending.world_size, pending.step, pending.coordinated) != said:
-            raise Conflict(
-                f"checkpoint {final} is being written with world size {pending.world_size} and step "
-                f"{pending.step}; this commit says world size {commit.world_size}, step {commit.step}"
-            )
-        if commit.rank in pending.ranks_seen:
-            raise Conflict(f"rank {commit.rank} of checkpoint {final} is already being written")
-        pending.contributors.join(commit, pid)
-        pending.timeout = min(pending.timeout, commit.timeout)
+        pending.check_join(commit)
+        pending.join(commit, pid, Waiter(client, commit.id, commit.rank))
         pending.ranks_seen.add(commit.rank)
         pending.writing += 1
-        pending.waiting.append((client, commit.id, commit.rank))
         return pending, pending.incomplete / shard_name(commit.rank, commit.world_size)
 
     def _refuse_late_rank_of_failed(self, final: Path, commit: Commit) -> None:
@@ -260,9 +280,9 @@ class Commits:
         try:
             if storage.stat(pending.path) is not None:  # for an object, the first check (admission skips it)
                 refuse_existing(storage, pending.path, pending.overwrite)
-            st = None if is_object_path(parent) else storage.stat(parent, follow=True)  # a prefix is never a file
-            if st is not None and st.kind is not Kind.DIR:
-                raise WriteFailed(f"cannot create {pending.incomplete}: {parent} is not a directory")
+            blocked = storage.not_a_directory(parent)
+            if blocked is not None:
+                raise WriteFailed(f"cannot create {pending.incomplete}: {blocked} is not a directory")
             leftover = storage.stat(pending.incomplete) is not None and not pending.coordinated
             reason = why_not_leftover(storage, pending.incomplete) if leftover else None
             if reason is not None:
@@ -290,25 +310,20 @@ class Commits:
                 self.forget(pending)
             return False
         if pending.complete:
-            pending.state = CheckpointState.COMMITTING
+            pending.move_to(CheckpointState.COMMITTING)
         return pending.complete
 
     def overdue(self, now: float) -> list[tuple[PendingCheckpoint, RanksMissing]]:
         """Checkpoints whose missing ranks did not commit within the timeout."""
         for path in [p for p, f in self.failed.items() if now > f.expires]:
             del self.failed[path]
-        out = []
-        for p in self.pending.values():
-            if not p.coordinated and now - p.started_at > p.timeout and len(p.ranks_seen) < p.world_size:
-                out.append((p, RanksMissing(
-                    f"checkpoint {display(p.path)}: ranks {p.missing} of {p.world_size} never committed within "
-                    f"{p.timeout:g} s; nothing was committed")))
-        return out
+        return [(p, error) for p in self.pending.values() if (error := p.overdue(now)) is not None]
 
     def fail(self, pending: PendingCheckpoint, error: CkptdError) -> None:
         """Forget a failed checkpoint, remembering why for its late ranks."""
-        pending.state = CheckpointState.FAILED
+        pending.move_to(CheckpointState.FAILED)
         self.forget(pending)
+        self.closing.setdefault(pending.path, [])
         if not pending.coordinated:  # across nodes the ranks' own agreement tells late ranks
             remembered = max(pending.timeout, FAILED_MEMORY_S)  # a bare copy: no traceback pins frames
             self.failed[pending.path] = FailedCheckpoint(type(error)(error.message), set(pending.ranks_seen),
@@ -316,20 +331,19 @@ class Commits:
 
     def from_finalize(self, msg: Finalize, client: bytes, final: Path) -> PendingCheckpoint:
         """The checkpoint global rank 0 asks this daemon to commit (at ``final``, resolved)."""
-        pending = PendingCheckpoint(final, msg.world_size, msg.step, msg.overwrite, True, msg.keep_last,
-                                    shards={f.rank: f for f in msg.files}, ranks_seen=set(range(msg.world_size)),
-                                    state=CheckpointState.COMMITTING, owns_directory=True)
-        pending.waiting.append((client, msg.id, 0))
-        return pending
+        return PendingCheckpoint(path=final, world_size=msg.world_size, step=msg.step, overwrite=msg.overwrite,
+                                 coordinated=True, keep_last=msg.keep_last, shards={f.rank: f for f in msg.files},
+                                 ranks_seen=set(range(msg.world_size)), state=CheckpointState.COMMITTING,
+                                 owns_directory=True, waiting=[Waiter(client, msg.id, 0)])
 
     def finalize(self, pending: PendingCheckpoint) -> None:
-        """Index, rename, fsync the parent: the checkpoint becomes visible (I/O).
+        """Index, then publish: the checkpoint becomes visible (I/O; ``Checkpoints.publish`` says how).
 
-        Replacing an existing checkpoint swaps the two directories in one
+        Locally, replacing an existing checkpoint swaps the two directories in one
         atomic ``renameat2(RENAME_EXCHANGE)``, so a crash at any point leaves
         either the old or the new checkpoint under the name, never neither.
         Only a committed checkpoint holding nothing but ckptd's files is ever
-        replaced (checked again here: the path may have changed since admission).
+        replaced (checked again there: the path may have changed since admission).
         The owner markers stay until after the rename, so the start-up sweep
         can still recognise a crashed commit as ours; failing to remove them
         afterwards does not undo the commit (readers ignore markers).
@@ -341,51 +355,23 @@ class Commits:
         checkpoint is left in place, never discarded.
         """
         storage, final = self.storage, pending.path
-        renamed = False
         try:
             self._check_shards(pending)
             index = pending.index(self._tensor_table(pending))
-            if not storage.can_rename(final):
-                self._publish(pending, index)
-                return
-            storage.write_file(pending.incomplete / INDEX_NAME, index.to_json())
-            storage.fsync_dir(pending.incomplete)
-            with self.publishing:
-                replacing = storage.stat(final) is not None
-                if replacing:
-                    if not pending.overwrite:
-                        raise CheckpointExists(f"checkpoint {final} appeared while this one was written")
-                    check_replaceable(storage, final)
-                    # Mark the old checkpoint as ours first: after the swap it sits at
-                    # p.incomplete, and if we die there the start-up sweep removes it.
-                    storage.touch(final / owner_marker())
-                    storage.exchange(pending.incomplete, final)  # the old checkpoint is now at p.incomplete
-                else:
-                    storage.rename(pending.incomplete, final)
-            renamed = True
-            storage.fsync_dir(final.parent)
-            if replacing:
-                storage.remove_tree(pending.incomplete)
+            storage.publish(pending.incomplete, final, index.to_json(), overwrite=pending.overwrite,
+                            publishing=self.publishing)
         except CkptdError:
             raise
+        except PublishedNotDurable as exc:
+            remove_markers(storage, final)
+            raise WriteFailed(
+                f"checkpoint {final} is committed and visible (its index and shards are durable), but "
+                f"fsync of {final.parent} failed ({exc.strerror or exc}), so the new name may not survive "
+                f"a power loss; it was not reported saved. Load it, or save again under another "
+                f"path") from None
         except OSError as exc:
-            if renamed:
-                remove_markers(storage, final)
-                raise WriteFailed(
-                    f"checkpoint {final} is committed and visible (its index and shards are durable), but "
-                    f"fsync of {final.parent} failed ({exc.strerror or exc}), so the new name may not survive "
-                    f"a power loss; it was not reported saved. Load it, or save again under another "
-                    f"path") from None
             raise WriteFailed(f"committing {final} failed: {exc.strerror or exc}") from None
         remove_markers(storage, final)
-
-    def _publish(self, pending: PendingCheckpoint, index: CheckpointIndex) -> None:
-        """On a store without rename, the index written last (create-only) is the commit."""
-        try:
-            self.storage.write_file(pending.incomplete / INDEX_NAME, index.to_json())
-        except FileExistsError:
-            raise CheckpointExists(f"checkpoint {display(pending.path)} appeared while this one was written") from None
-        remove_markers(self.storage, pending.path)
 
     def _check_shards(self, pending: PendingCheckpoint) -> None:
         """Every listed shard is there at its size; nothing else is left behind."""
@@ -405,7 +391,8 @@ class Commits:
         headers = []
         for f in pending.shards.values():
             try:
-                entries, metadata, data_start = read_shard_header(self.storage, pending.incomplete / f.file, f.size)
+                shard = pending.incomplete / f.file
+                entries, metadata, data_start = read_shard_header(shard, f.size, SeamFiles(self.storage))
             except InvalidCheckpoint as exc:
                 raise WriteFailed(exc.message) from None
             headers.append((f.file, f.size, entries, metadata, data_start))
@@ -425,15 +412,19 @@ class Commits:
         """
         if not pending.owns_directory:
             return None
-        aside = discarded_path(pending.path)
-        try:
-            self.storage.rename(pending.incomplete, aside)
-        except FileNotFoundError:
-            return None
-        except OSError:  # cannot rename: remove it in place, before any retry is admitted
-            self.storage.remove_tree(pending.incomplete)
-            return None
-        return aside
+        return self.storage.discard(pending.incomplete, pending.path)
+
+    def wait_for_cleanup(self, retry: Retry) -> bool:
+        """Keep ``retry`` until its path's failed attempt is cleared away; False if none is in the way."""
+        waiting = self.closing.get(retry.examined.final)
+        if waiting is None:
+            return False
+        waiting.append(retry)
+        return True
+
+    def cleared(self, path: Path) -> list[Retry]:
+        """A failed attempt at ``path`` is out of the way: the retries that waited for it, to admit now."""
+        return self.closing.pop(path, [])
 
     def forget(self, pending: PendingCheckpoint) -> None:
         if self.pending.get(pending.path) is pending:

@@ -28,7 +28,7 @@ from ckptd.protocol.objects import check_bucket, display, is_object_path
 from .config import DaemonConfig
 from .control import probe
 from .server import Server
-from .storage import load_storage
+from .routed import load_storage
 
 log = logging.getLogger("ckptd")
 """Written when a drain could not persist held snapshots (one line each): ``ckptd stop`` reports it."""
@@ -93,6 +93,10 @@ def _object_urls(record: logging.LogRecord) -> bool:
     return True
 
 
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+"""Each begins a drain (``Server.request_stop``)."""
+
+
 def run_foreground(config: DaemonConfig) -> None:
     """Serve until stopped (``ckptd stop``, SIGTERM or SIGINT drain first)."""
     prepare_run_dir(config.run_dir)
@@ -103,14 +107,24 @@ def run_foreground(config: DaemonConfig) -> None:
         sock.unlink()
     try:  # a start that fails (metrics port in use...) leaves no socket or pid file behind
         check_stores(config)
-        server = Server(config, load_storage(config.storage))
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: server.request_stop())
+        # From the socket's bind (in Server) to the handlers, a SIGTERM would kill the daemon undrained: held
+        # until they are in place (the threads Server starts inherit the block, so the main thread takes it).
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            server = Server(config, load_storage(config.storage))
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, lambda *_: server.request_stop())
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         (config.run_dir / DRAIN_FAILED_NAME).unlink(missing_ok=True)
         try:
             server.serve_forever()
         finally:
             server.close()
+            # Drained and closed: a later SIGTERM has nothing to stop. Ignored, not left to the interpreter's
+            # exit, which restores the default action and would end a clean stop as "killed by SIGTERM".
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
         if server.holding.drain_failures:
             (config.run_dir / DRAIN_FAILED_NAME).write_text("".join(f"{f}\n" for f in server.holding.drain_failures))
     finally:

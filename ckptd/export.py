@@ -32,7 +32,6 @@ import math
 import mmap
 import os
 import re
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,8 @@ from ckptd.protocol.inspect import check_checksum, check_shard_size, open_shard,
 from ckptd.protocol.layout import DTYPE_SIZES, plan_layout
 from ckptd.protocol.objects import is_object_path
 from ckptd.protocol.ranged import ObjectShard
+
+from .storage import LocalStorage
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -96,6 +97,7 @@ def export_checkpoint(checkpoint: Path | str, outdir: Path | str, *, prefix: str
     names = [SINGLE_FILE] if len(groups) == 1 else [
         f"model-{k:05d}-of-{len(groups):05d}.safetensors" for k in range(1, len(groups) + 1)]
     outdir.parent.mkdir(parents=True, exist_ok=True)
+    files = LocalStorage()  # the output is local files, written durably as the daemon writes a checkpoint's
     tmp = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.", suffix=".incomplete", dir=outdir.parent))
     try:
         with _Sources(checkpoint, index) as sources:
@@ -105,14 +107,14 @@ def export_checkpoint(checkpoint: Path | str, outdir: Path | str, *, prefix: str
         if len(groups) > 1:
             weight_map = {name: file for file, group in zip(names, groups) for name in group}
             doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            _write_durably(tmp / INDEX_FILE, json.dumps(doc, indent=2).encode() + b"\n")
+            files.write_file(tmp / INDEX_FILE, json.dumps(doc, indent=2).encode() + b"\n")
             names.append(INDEX_FILE)
         os.chmod(tmp, 0o777 & ~_umask())
-        _fsync_dir(tmp)
-        os.rename(tmp, outdir)  # replaces an empty outdir atomically
-        _fsync_dir(outdir.parent)
+        files.fsync_dir(tmp)
+        files.rename(tmp, outdir)  # replaces an empty outdir atomically
+        files.fsync_dir(outdir.parent)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        files.remove_tree(tmp)
         raise
     return ExportResult(outdir, tuple(names), len(chosen), total, sum(1 for n in skipped if n.startswith(prefix)))
 
@@ -236,23 +238,6 @@ def _copy_chunk(dst: memoryview, base: int, rec: TensorRecord, chunk: ChunkRecor
         out = start + sum(i * s for i, s in zip(idx, strides))
         inp = chunk.begin + sum(i * s for i, s in zip(idx, chunk_strides))
         dst[out : out + run] = src[inp : inp + run]
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _umask() -> int:

@@ -29,20 +29,22 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
-from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed, RanksMissing, ShuttingDown, WriteFailed
+from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed, ShuttingDown, WriteFailed
 from ckptd.protocol.messages import (
     Accepted, Done, Error, Held, Message, Ok, Persist, Pin, Snapshot, SnapshotList, Snapshots, Unpin,
 )
-from ckptd.protocol.objects import display, is_object_path, is_permanent
+from ckptd.protocol.objects import display, is_permanent
 from ckptd.protocol.shm import slot_name
 
 from .admission import Examined, examine
 from .config import DaemonConfig
-from .saves import Saves, error_reply
+from .events import Committed, Dropped, Events, Failed, Held as HeldEvent
+from .replies import error_reply
+from .saves import Saves
 from .snapshots import HeldShard, HeldSnapshot, shards_of
 from .state import NodeState
 from .slots import SlotMaps
-from .storage import Kind, Storage
+from .storage import CheckpointStorage
 from .workers import Workers
 from .writer import Progress, checksum_when_staged
 
@@ -55,10 +57,10 @@ Send = Callable[[bytes, Message], None]
 class Holding:
     """Moves snapshots in and out of node memory; replies through ``send``."""
 
-    def __init__(self, state: NodeState, workers: Workers, storage: Storage, config: DaemonConfig,
-                 send: Send, saves: Saves) -> None:
+    def __init__(self, state: NodeState, workers: Workers, storage: CheckpointStorage, config: DaemonConfig,
+                 send: Send, saves: Saves, events: Events) -> None:
         self.state, self.workers, self.storage, self.config = state, workers, storage, config
-        self.send, self.saves = send, saves
+        self.send, self.saves, self.events = send, saves, events
         self.snapshots = state.snapshots
         self._names = itertools.count()
         """Held slots' names: this daemon's pid and a number of its own."""
@@ -71,26 +73,17 @@ class Holding:
 
     def snapshot(self, ident: bytes, msg: Snapshot) -> None:
         """Start admitting one rank's snapshot shard; Accepted then Held (or Error) follow."""
-        client = self.state.client(ident)
+        self.state.client(ident)
         if self.state.draining:
             raise ShuttingDown("the daemon is draining and holds no new snapshots")
-        progress = self.state.begin_save(ident, client, msg, deadline=time.monotonic() + msg.timeout)
-        pid, slots, roots = client.pid, self.state.slots, self.config.roots
-        self.workers.submit("admit", lambda: _examine(self.storage, slots, msg, pid=pid, roots=roots),
-                            lambda fut: self._examined(ident, msg, pid, progress, fut))
+        self.saves.enter(ident, msg, _examine, self._examined)
 
-    def _examined(self, ident: bytes, msg: Snapshot, pid: int, progress: Progress, fut: Future) -> None:
-        if fut.exception() is not None:
-            self.state.end_save(ident, msg.id)
-            self.send(ident, error_reply(self.state, msg.id, fut.exception()))
-            return
-        examined: Examined = fut.result()
+    def _examined(self, ident: bytes, msg: Snapshot, progress: Progress, examined: Examined, *, pid: int) -> None:
         current = self.snapshots.held.get(examined.final)
         if current is not None:
             self._abandon_if_orphaned(current)
             current = self.snapshots.held.get(examined.final)
-        conflict = None if current is None else current.contributors.same_run_conflict(
-            examined.final, msg, current.world_size, current.step, current.coordinated)
+        conflict = None if current is None else current.broken_by(msg)
         try:
             if conflict is not None:  # the snapshot fails on every rank, this one included
                 self.fail(current, conflict)
@@ -98,11 +91,11 @@ class Holding:
             snap, evicted = self.snapshots.admit(msg, examined.final, examined.slot, pid, ident)
         except CkptdError as exc:
             self.state.slots.release(examined.slot)
-            self.state.end_save(ident, msg.id)
-            self.send(ident, error_reply(self.state, msg.id, exc))
+            self.saves.refuse(ident, msg, exc)
             return
         for old in evicted:
             log.info("event=snapshot_evicted path=%s step=%s reason=budget", old.path, old.step)
+            self.events.publish(Dropped(old.path, old.step, "budget"))
         self._release(shards_of(evicted))  # never pinned: the budget evicts none a reader holds
         self.send(ident, Accepted(msg.id))
         slot, slots, name = examined.slot, self.state.slots, slot_name(os.getuid(), os.getpid(), next(self._names))
@@ -127,21 +120,27 @@ class Holding:
         shard.checksum = fut.result()
         log.info("event=snapshot_held path=%s rank=%d bytes=%d", snap.path, msg.rank, msg.nbytes)
         if snap.coordinated:  # on several nodes each rank is told at once; the ranks agree among themselves
-            snap.waiting = [w for w in snap.waiting if (w[0], w[1]) != (ident, msg.id)]
-            snap.acknowledged = snap.complete
+            snap.waiting = [w for w in snap.waiting if (w.client, w.request_id) != (ident, msg.id)]
             self.send(ident, self._held(snap, msg.id, msg.nbytes, shard.pid))
+            if snap.complete and not snap.acknowledged:
+                self._acknowledge(snap)
             return
         if not snap.complete:
             return
-        snap.acknowledged = True
-        self._drop(self.snapshots.newer_than_kept(snap), then=lambda: self._tell_held(snap))
+        self._acknowledge(snap)
+        self._drop(self.snapshots.newer_than_kept(snap), "newer", then=lambda: self._tell_held(snap))
         if snap.persist_waiting:
             self.start_persist(snap)
 
+    def _acknowledge(self, snap: HeldSnapshot) -> None:
+        """Every rank held here: from now on it is a snapshot a restore may use."""
+        snap.acknowledged = True
+        self.events.publish(HeldEvent(snap.path, snap.step, snap.nbytes))
+
     def _tell_held(self, snap: HeldSnapshot) -> None:
         """Held to every rank, once the slots it released are back under their names (so the reply can name them)."""
-        for client, rid, pid, nbytes in snap.waiting:
-            self.send(client, self._held(snap, rid, nbytes, pid))
+        for waiter in snap.waiting:
+            self.send(waiter.client, self._held(snap, waiter.request_id, waiter.nbytes, waiter.pid))
         snap.waiting = []
 
     def _held(self, snap: HeldSnapshot, rid: int, nbytes: int, pid: int) -> Held:
@@ -151,10 +150,9 @@ class Holding:
     def fail(self, snap: HeldSnapshot, exc: BaseException) -> None:
         """A snapshot failed: tell its waiting ranks, drop its shards (their slots go back with the error)."""
         self.snapshots.remove(snap)
-        reply = error_reply(self.state, 0, exc)
+        reply = error_reply(self.state.stats, 0, exc)
         log.warning("event=snapshot_failed path=%s error=%s", snap.path, reply.message)
-        for client, rid, _, _ in snap.waiting:
-            self.send(client, Error(rid, reply.code, reply.message))
+        snap.tell_failed(self.send, reply.code, reply.message)
         for client, rid in snap.persist_waiting:
             self.send(client, Error(rid, reply.code, reply.message))
         self._return_unheld([sh for sh in snap.shards.values() if sh.checksum is not None])  # the others: when
@@ -184,21 +182,14 @@ class Holding:
 
     def _abandon_if_orphaned(self, snap: HeldSnapshot) -> None:
         """Fail a snapshot still missing ranks whose contributors died: no rank of their job can complete it."""
-        if snap.acknowledged or snap.coordinated:
-            return
-        why = snap.contributors.why_abandoned(sorted(set(range(snap.world_size)) - set(snap.shards)))
-        if why is not None:
-            self.fail(snap, RanksMissing(f"snapshot {display(snap.path)} was abandoned: {why}; nothing was held, and "
-                                         f"a new run of the job snapshotting this path starts afresh"))
+        if (why := snap.orphaned()) is not None:
+            self.fail(snap, why)
 
     def rank_died(self, job: str, world_size: int, rank: int, pid: int) -> None:
         """Rank ``rank`` of run ``job`` died without snapshotting: fail its run's snapshots still waiting for it."""
         for snap in list(self.snapshots.held.values()):
-            if (not snap.acknowledged and not snap.coordinated and snap.contributors.job == job
-                    and snap.world_size == world_size and rank not in snap.shards):
-                self.fail(snap, RanksMissing(
-                    f"snapshot {display(snap.path)} was abandoned: the process of its rank {rank} (pid {pid}) died "
-                    f"before that rank snapshotted; nothing was held"))
+            if (why := snap.rank_died(job, world_size, rank, pid)) is not None:
+                self.fail(snap, why)
 
     def abandon_orphaned(self) -> None:
         """Housekeeping: drop every snapshot whose contributors died before it was complete."""
@@ -206,14 +197,14 @@ class Holding:
             self._abandon_if_orphaned(snap)
 
     def fail_overdue(self) -> None:
-        for snap in self.snapshots.overdue(time.monotonic()):
-            missing = sorted(set(range(snap.world_size)) - set(snap.shards))
-            self.fail(snap, RanksMissing(f"snapshot {display(snap.path)}: ranks {missing} of {snap.world_size} never "
-                                         f"snapshotted within {snap.timeout:g} s; nothing was held"))
+        for snap, error in self.snapshots.overdue(time.monotonic()):
+            self.fail(snap, error)
 
-    def _drop(self, snaps: list[HeldSnapshot], then: Callable[[], None] = lambda: None) -> None:
+    def _drop(self, snaps: list[HeldSnapshot], reason: str, then: Callable[[], None] = lambda: None) -> None:
         """Release the slots of snapshots dropped from the books, except those a reader pins: parked until it
         unpins (a reader copies straight out of the slot, which must not go back to its trainer meanwhile)."""
+        for snap in snaps:
+            self.events.publish(Dropped(snap.path, snap.step, reason))
         pinned = [s for s in snaps if s.readers]
         for snap in pinned:
             log.info("event=snapshot_drop_deferred path=%s step=%s readers=%d", snap.path, snap.step,
@@ -274,12 +265,12 @@ class Holding:
     def _persist_path(self, ident: bytes, rid: int, final: Path) -> None:
         snap = self.snapshots.held.get(final)
         if snap is None:
-            self.send(ident, error_reply(self.state, rid, InvalidCheckpoint(
+            self.send(ident, error_reply(self.state.stats, rid, InvalidCheckpoint(
                 f"the daemon holds no snapshot {final} in memory; held: "
                 f"{', '.join(str(p) for p in self.snapshots.held) or 'none'}")))
             return
         if snap.coordinated:
-            self.send(ident, error_reply(self.state, rid, WriteFailed(
+            self.send(ident, error_reply(self.state.stats, rid, WriteFailed(
                 f"snapshot {final} spans several nodes; persisting it is not supported: save with persist=True")))
             return
         if snap.persisted:
@@ -311,8 +302,14 @@ class Holding:
             self.saves.admit_examined(b"", msg, progress, Examined(snap.path, shard.slot, fut.result(), None),
                                       pid=os.getpid(), internal=True, expected_checksum=shard.checksum)
 
+    def committed(self, event: Committed) -> None:
+        self.persisted(event.path, None)
+
+    def failed(self, event: Failed) -> None:
+        self.persisted(event.path, event.error)
+
     def persisted(self, path: Path, error: CkptdError | None) -> None:
-        """The save pipeline committed (``error`` None) or failed checkpoint ``path``.
+        """The save pipeline committed (``error`` None) or failed checkpoint ``path`` (``Committed``, ``Failed``).
 
         A held snapshot being persisted is persisted (or back to held, not
         persisted, so exit and drain try again); one not being persisted is
@@ -330,7 +327,7 @@ class Holding:
                     self.fail(snap, why)
                     return
                 self.snapshots.remove(snap)
-                self._drop([snap])
+                self._drop([snap], "saved_to_disk")
                 self._answer_persists(snap, why)
             return
         snap.persisting, snap.persisted = False, error is None
@@ -410,18 +407,15 @@ class Holding:
             self.start_persist(snap)
 
 
-def _examine(storage: Storage, slots: SlotMaps, msg: Snapshot, *, pid: int, roots: tuple[Path, ...]) -> Examined:
+def _examine(storage: CheckpointStorage, slots: SlotMaps, msg: Snapshot, *, pid: int,
+             roots: tuple[Path, ...]) -> Examined:
     """A disk save's checks, and one a disk save makes only when it writes: the path's nearest existing ancestor
     is a directory. A snapshot that could never be persisted is refused now, not when its trainer dies (I/O)."""
     examined = examine(storage, slots, msg, pid=pid, roots=roots)
-    if is_object_path(examined.final):
-        return examined
-    ancestor = examined.final.parent
-    while (st := storage.stat(ancestor)) is None and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if st is not None and st.kind is not Kind.DIR:
+    blocked = storage.not_a_directory(examined.final.parent)
+    if blocked is not None:
         slots.release(examined.slot)
-        raise PathNotAllowed(f"snapshot {examined.final} could never be persisted: {ancestor} is not a directory")
+        raise PathNotAllowed(f"snapshot {examined.final} could never be persisted: {blocked} is not a directory")
     return examined
 
 

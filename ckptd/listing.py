@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ckptd.protocol.errors import InvalidCheckpoint
-from ckptd.protocol.index import INCOMPLETE_SUFFIX
+from ckptd.protocol.index import INCOMPLETE_SUFFIX, missing_or_truncated, read_index
 from ckptd.protocol.objects import display, is_object_path
 
-from .catalog import missing_or_truncated, read_index, tree_bytes
+from .catalog import SeamFiles, tree_bytes
 from .render import human_bytes, printable
-from .storage import Kind, Storage, load_storage
+from .routed import load_storage
+from .storage import Files, Kind
 
 
 class EntryState(str, Enum):
@@ -38,7 +39,7 @@ class EntryState(str, Enum):
     FOREIGN = "foreign"
 
 
-def list_checkpoints(root: Path, storage: Storage | None = None) -> list[dict[str, Any]]:
+def list_checkpoints(root: Path, storage: Files | None = None) -> list[dict[str, Any]]:
     """One dict per entry under ``root``, committed ones ordered by step."""
     storage = storage if storage is not None else load_storage(None)
     out = []
@@ -53,11 +54,11 @@ def list_checkpoints(root: Path, storage: Storage | None = None) -> list[dict[st
                        time=st.mtime if st else None)
         else:
             try:
-                index = read_index(storage, path)
+                index = read_index(path, SeamFiles(storage))
             except InvalidCheckpoint:
                 row.update(state=EntryState.FOREIGN.value)
             else:
-                problem = missing_or_truncated(storage, path, index)
+                problem = missing_or_truncated(path, index, SeamFiles(storage))
                 state = EntryState.DAMAGED if problem else EntryState.COMMITTED
                 row.update(state=state.value, step=index.step, bytes=index.total_bytes, ranks=len(index.files),
                            world_size=index.world_size, time=index.created)

@@ -1,9 +1,9 @@
 """Prometheus metrics, opt-in: an HTTP endpoint or a node-exporter textfile.
 
 The numbers are the ``ckptd status`` snapshot, taken from the node state on
-the daemon's loop thread once a second, completed with free space on the
-status worker and handed over whole, so a scrape never reads the state
-mid-change. Names follow Prometheus conventions: base
+the daemon's loop thread at each housekeeping (``--housekeeping-interval``),
+then completed with free space and handed over whole (``update``) on the
+status worker, so a scrape never reads the state mid-change. Names follow Prometheus conventions: base
 units (bytes, seconds) and ``_total`` for counters.
 
 ``prometheus-client`` is only imported when metrics are asked for
@@ -54,6 +54,10 @@ COUNTERS = [
      lambda s: s.get("mirror", {}).get("failed", 0)),
     ("ckptd_mirror_retries", "Mirror upload attempts that failed and were retried.",
      lambda s: s.get("mirror", {}).get("retries", 0)),
+    ("ckptd_memory_snapshots_held", "Snapshots that became complete in node memory since start.",
+     lambda s: s["memory"]["held_total"]),
+    ("ckptd_memory_snapshots_dropped", "Held snapshots dropped from node memory since start.",
+     lambda s: s["memory"]["dropped_total"]),
     ("ckptd_client_wait_seconds", "Seconds connected clients blocked on backpressure.",
      lambda s: sum(c["waited_s"] for c in s["clients"])),
 ]

@@ -57,12 +57,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckptd.protocol.errors import InvalidCheckpoint
-from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME, CheckpointIndex
+from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME, CheckpointIndex, committed_in, read_index
 from ckptd.protocol.objects import display, is_permanent
 
-from .catalog import committed_in, read_index
+from .catalog import SeamFiles
 from .retention import apply_retention
-from .storage import Kind, Storage
+from .storage import CheckpointStorage, Kind
 
 log = logging.getLogger("ckptd")
 BACKOFF_S = 1.0
@@ -106,7 +106,7 @@ class Upload:
 class Mirrors:
     """The ``--mirror`` rules and their uploads (``submit``/``snapshot``/``idle`` run on the loop thread)."""
 
-    storage: Storage
+    storage: CheckpointStorage
     rules: dict[Path, Path]
     keep: int | None = None
     uploads: dict[Path, Upload] = field(default_factory=dict)
@@ -229,7 +229,7 @@ class Mirrors:
                     self.submit(checkpoint)
 
     def _committed_under(self, directory: Path, depth: int) -> list[Path]:
-        found = [path for _, path in committed_in(self.storage, directory)]
+        found = [path for _, path in committed_in(directory, SeamFiles(self.storage))]
         if depth > 1:
             try:
                 entries = self.storage.scandir(directory)
@@ -242,7 +242,7 @@ class Mirrors:
 
     def _settled(self, checkpoint: Path) -> bool:
         """Whether the mirror needs nothing more of ``checkpoint``: on it, or retired by ``--mirror-keep``."""
-        index = read_index(self.storage, checkpoint)
+        index = read_index(checkpoint, SeamFiles(self.storage))
         return self._on_mirror(checkpoint, index) or self._retired(checkpoint, index)
 
     def _on_mirror(self, checkpoint: Path, index: CheckpointIndex) -> bool:
@@ -263,7 +263,8 @@ class Mirrors:
         dest = self.target(checkpoint)
         assert dest is not None
         mine = (index.step if index.step is not None else -1, index.created)
-        newer = [path for key, path in committed_in(self.storage, dest.parent) if key > mine and path != dest]
+        beside = committed_in(dest.parent, SeamFiles(self.storage))
+        newer = [path for key, path in beside if key > mine and path != dest]
         return len(newer) >= self.keep
 
     def _attempt(self, checkpoint: Path, upload: Upload) -> None:
@@ -275,7 +276,7 @@ class Mirrors:
         try:
             if self.storage.stat(checkpoint / INDEX_NAME) is None:  # deleted (the user's retention) before its turn
                 skipped = "deleted_locally"
-            elif self._retired(checkpoint, index := read_index(self.storage, checkpoint)):
+            elif self._retired(checkpoint, index := read_index(checkpoint, SeamFiles(self.storage))):
                 skipped = "older_than_mirror_keep"
             elif not self._on_mirror(checkpoint, index):
                 self._upload(checkpoint, dest, index, upload)
@@ -297,7 +298,7 @@ class Mirrors:
         except Exception as exc:  # noqa: BLE001 - the upload stands; retention reports its own failure
             log.error("event=mirror_retention_failed path=%s error=%r", checkpoint, exc)
         try:
-            beside = committed_in(self.storage, checkpoint.parent)
+            beside = committed_in(checkpoint.parent, SeamFiles(self.storage))
             if self.after_upload is not None and beside:
                 self.after_upload(beside[-1][1], upload.keep)  # local retention may now delete it: run it for the newest there
         except OSError as exc:  # the checkpoint stays until the next retention
@@ -338,26 +339,26 @@ class Mirrors:
         storage = self.storage
         upload.total, upload.sent = index.total_bytes, 0
         if storage.stat(dest / INDEX_NAME) is not None:
-            theirs = read_index(storage, dest)
+            theirs = read_index(dest, SeamFiles(storage))
             if theirs.created >= index.created:
                 raise FileExistsError(errno.EEXIST, f"another checkpoint of this name, saved at {theirs.created:.3f} "
                                       f"(this one at {index.created:.3f}), is on the mirror", display(dest))
             log.info("event=mirror_replacing path=%s dest=%s", checkpoint, upload.dest)
             storage.unlink(dest / INDEX_NAME)  # the old version is gone for readers before a shard changes
         for record in index.files:
-            fd, _ = storage.open_new(dest / record.file, direct=False)
+            shard = storage.open_shard(dest / record.file, direct=False)
             try:
                 for offset in range(0, record.size, CHUNK):
                     want = min(CHUNK, record.size - offset)
                     data = storage.read(checkpoint / record.file, offset, want)
                     if len(data) != want:
                         raise OSError(f"{checkpoint / record.file} ended early: changed while it was uploaded")
-                    storage.pwrite(fd, memoryview(data), offset)
+                    shard.write(memoryview(data), offset)
                     upload.sent += len(data)
-                storage.fsync(fd)
+                shard.complete(record.size)
             finally:
-                storage.close(fd)
-        if read_index(storage, checkpoint) != index:  # saved again while it was read: that version goes next
+                shard.close()
+        if read_index(checkpoint, SeamFiles(storage)) != index:  # saved again while it was read: that version goes next
             raise OSError(errno.EAGAIN, "the checkpoint was saved again while it was uploaded", str(checkpoint))
         storage.write_file(dest / INDEX_NAME, index.to_json())
         named = {record.file for record in index.files} | {INDEX_NAME}

@@ -1,42 +1,41 @@
-"""The storage seam on an object store (``s3://``): shards uploaded straight from the slot.
+"""Checkpoints on an object store (``s3://``): shards uploaded straight from the slot, published by the index.
 
 An object store has no directories, no rename and no fsync, so the seam's
 operations mean this here (``ckptd/storage.py`` holds the contract):
 
 - A checkpoint ``p`` is the prefix ``p/``; its ``p.incomplete`` is the same
-  prefix (names ending in ``.incomplete`` map to the name without it), and
-  ``can_rename`` is False: commit writes the index ``ckptd.json`` last and
-  create-only, and that write is the publication. A prefix without an index
-  is no checkpoint for any reader.
-- ``open_new`` starts a multipart upload on its own thread; each ``pwrite``
-  hands it the next bytes of the shard (parts go up in parallel), ``fsync``
-  completes it, and ``close`` before ``fsync`` aborts it (so no part stays
-  behind). A failed save then removes its prefix with ``remove_tree``.
-- ``rename`` and ``exchange`` raise ``OSError(EXDEV)``: nothing on a store is
-  renamed (a failed save is removed in place, retention deletes the index
-  first, an existing checkpoint is never replaced).
+  prefix (names ending in ``.incomplete`` map to the name without it).
+  Publishing writes the index ``ckptd.json`` last and create-only, and that
+  write is the publication. A prefix without an index is no checkpoint for
+  any reader, and nothing is ever replaced in place: the new shards would
+  land on the old checkpoint's before its index could change.
+- ``open_shard`` starts a multipart upload on its own thread; each ``write``
+  hands it the next bytes of the shard (parts go up in parallel),
+  ``complete`` completes it, and ``close`` before that aborts it (so no part
+  stays behind). A failed save's prefix is removed in place; a deleted
+  checkpoint loses its index first.
 - ``space`` reports no limit (the store enforces its own quotas).
 
-``Routed`` puts it beside the local filesystem: a name spelled ``s3://...``
-goes to the object store, everything else to the local storage.
+``ObjectStorage`` holds the file operations beneath (objects, prefixes,
+ranged reads); ``ObjectCheckpoints`` the checkpoint operations on top.
 """
 
 from __future__ import annotations
 
 import errno
-import itertools
 import queue
 import threading
 from pathlib import Path
-from typing import Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Iterator
 
 from ckptd.protocol import objects
+from ckptd.protocol.errors import CheckpointExists
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME
+from ckptd.protocol.objects import display
 
-from .storage import Entry, Kind, Space, Stat, Storage
+from .storage import Entry, Files, Kind, Space, Stat
 
-OBJECT_FDS = 1 << 40
-"""Upload handles count up from here, far above any file descriptor, so ``Routed`` tells them apart."""
 QUEUED_CHUNKS = 4
 """Chunks handed to an upload and not yet taken by it (bounds the copy the daemon holds)."""
 UNLIMITED = 1 << 62
@@ -97,51 +96,8 @@ class _Upload:
 
 
 class ObjectStorage:
-    """``Storage`` for ``s3://`` names (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self._uploads: dict[int, _Upload] = {}
-        self._fds = itertools.count(OBJECT_FDS)
-        self._lock = threading.Lock()
-
-    def can_rename(self, path: Path) -> bool:
-        return False
-
-    def open_new(self, path: Path, *, direct: bool) -> tuple[int, bool]:
-        upload = _Upload(key_path(path))
-        with self._lock:
-            fd = next(self._fds)
-            self._uploads[fd] = upload
-        return fd, False
-
-    def reopen(self, path: Path) -> int:
-        raise OSError(errno.ENOTSUP, "an object cannot be reopened", objects.object_url(path))
-
-    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
-        self._uploads[fd].send(bytes(data))  # a copy: the slot's view is released when this returns
-        return len(data)
-
-    def truncate(self, fd: int, size: int) -> None:
-        raise OSError(errno.ENOTSUP, "an object cannot be truncated")
-
-    def fsync(self, fd: int) -> None:
-        """Complete the upload: after this the object is whole on the store."""
-        upload = self._uploads[fd]
-        upload.send(None)
-        upload.done.wait()
-        if upload.error is not None:
-            raise upload.error
-
-    def close(self, fd: int) -> None:
-        """Forget the upload; one not completed by ``fsync`` is aborted first."""
-        with self._lock:
-            upload = self._uploads.pop(fd)
-        if not upload.done.is_set():
-            try:
-                upload.send(_Abort())
-            except OSError:
-                pass
-            upload.done.wait()
+    """The file operations of the seam for ``s3://`` names (see the module docstring); a shard is uploaded
+    through ``ObjectCheckpoints.open_shard``, never opened."""
 
     def write_file(self, path: Path, data: bytes) -> None:
         """One small object; the index is written create-only (the commit must not replace another)."""
@@ -208,75 +164,91 @@ class ObjectStorage:
         return Space(device=-1, free=UNLIMITED, total=UNLIMITED, kind="s3")
 
 
-class Routed:
-    """``s3://`` names to an ``ObjectStorage``, every other name to ``local`` (the daemon's storage)."""
 
-    def __init__(self, local: Storage) -> None:
-        self.local = local
-        self.objects = ObjectStorage()
+class ShardUpload:
+    """One shard's multipart upload (see ``_Upload``)."""
 
-    def _by_path(self, path: Path) -> Storage:
-        return self.objects if objects.is_object_path(path) else self.local
+    aligned = False
+    finishing = "completing"
 
-    def _by_fd(self, fd: int) -> Storage:
-        return self.objects if fd >= OBJECT_FDS else self.local
+    def __init__(self, path: Path) -> None:
+        self._upload = _Upload(key_path(path))
 
-    def can_rename(self, path: Path) -> bool:
-        return self._by_path(path).can_rename(path)
+    def write(self, data: memoryview, offset: int) -> int:
+        self._upload.send(bytes(data))  # a copy: the slot's view is released when this returns
+        return len(data)
 
-    def open_new(self, path: Path, *, direct: bool) -> tuple[int, bool]:
-        return self._by_path(path).open_new(path, direct=direct)
+    def complete(self, size: int) -> None:
+        """Complete the upload: after this the object is whole on the store."""
+        upload = self._upload
+        upload.send(None)
+        upload.done.wait()
+        if upload.error is not None:
+            raise upload.error
 
-    def reopen(self, path: Path) -> int:
-        return self._by_path(path).reopen(path)
+    def close(self) -> None:
+        """An upload not completed is aborted first."""
+        upload = self._upload
+        if not upload.done.is_set():
+            try:
+                upload.send(_Abort())
+            except OSError:
+                pass
+            upload.done.wait()
 
-    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
-        return self._by_fd(fd).pwrite(fd, data, offset)
 
-    def truncate(self, fd: int, size: int) -> None:
-        self._by_fd(fd).truncate(fd, size)
+class ObjectCheckpoints:
+    """``Checkpoints`` where the index written last publishes (see the module docstring).
 
-    def fsync(self, fd: int) -> None:
-        self._by_fd(fd).fsync(fd)
+    Only ``open_shard`` needs a store; the rest goes through ``files`` (an
+    ``ObjectStorage``, or any storage a test runs this protocol on).
+    """
 
-    def close(self, fd: int) -> None:
-        self._by_fd(fd).close(fd)
+    def __init__(self, files: Files) -> None:
+        self.files = files
 
-    def write_file(self, path: Path, data: bytes) -> None:
-        self._by_path(path).write_file(path, data)
+    def open_shard(self, path: Path, *, direct: bool) -> ShardUpload:
+        return ShardUpload(path)
 
-    def read(self, path: Path, offset: int, size: int) -> bytes:
-        return self._by_path(path).read(path, offset, size)
+    def publish(self, attempt: Path, final: Path, index: bytes, *, overwrite: bool,
+                publishing: AbstractContextManager[Any]) -> None:
+        """The index, written create-only, is the commit (no name changes hands: ``publishing`` is not needed)."""
+        try:
+            self.files.write_file(attempt / INDEX_NAME, index)
+        except FileExistsError:
+            raise CheckpointExists(f"checkpoint {display(final)} appeared while this one was written") from None
 
-    def mkdir(self, path: Path, *, parents: bool = False, exist_ok: bool = False) -> None:
-        self._by_path(path).mkdir(path, parents=parents, exist_ok=exist_ok)
+    def discard(self, attempt: Path, final: Path) -> Path | None:
+        """Nothing can be renamed away: the attempt's prefix is removed in place, before any retry."""
+        self.files.remove_tree(attempt)
+        return None
 
-    def touch(self, path: Path) -> None:
-        self._by_path(path).touch(path)
+    def set_aside(self, checkpoint: Path, *, marker: str | None) -> Path | None:
+        """Delete the index first: without it the checkpoint is gone for readers."""
+        files = self.files
+        if files.stat(checkpoint / INDEX_NAME) is None:
+            return None
+        if marker is not None:  # first: a crash after the index went leaves shards the start-up sweep removes
+            files.touch(checkpoint / marker)
+        files.unlink(checkpoint / INDEX_NAME)
+        return checkpoint
 
-    def rename(self, src: Path, dst: Path) -> None:
-        self._by_path(src).rename(src, dst)
+    def delete_guard(self, checkpoint: Path, publishing: AbstractContextManager[Any]) -> AbstractContextManager[Any]:
+        return nullcontext()  # nothing is replaced in place here (and a store's requests may stall)
 
-    def exchange(self, a: Path, b: Path) -> None:
-        self._by_path(a).exchange(a, b)
+    def replace_refusal(self, final: Path) -> str | None:
+        return (f"{display(final)} already exists on the object store, where a checkpoint is never replaced in "
+                f"place (no atomic rename); save under another path, or delete it first")
 
-    def fsync_dir(self, path: Path) -> None:
-        self._by_path(path).fsync_dir(path)
+    def exists_early(self, final: Path) -> bool:
+        return False  # two requests fewer in save_async: ``prepare`` asks, after Accepted
 
-    def unlink(self, path: Path) -> None:
-        self._by_path(path).unlink(path)
+    def not_a_directory(self, path: Path) -> Path | None:
+        return None  # a prefix is never a file
 
-    def remove_tree(self, path: Path) -> None:
-        self._by_path(path).remove_tree(path)
+    def attempt_at(self, listed: Path) -> Path | None:
+        """A prefix without an index is an attempt's: ``p.incomplete`` names ``p``'s prefix."""
+        return listed.with_name(listed.name + INCOMPLETE_SUFFIX)
 
-    def scandir(self, path: Path) -> list[Entry]:
-        return self._by_path(path).scandir(path)
-
-    def stat(self, path: Path, *, follow: bool = False) -> Stat | None:
-        return self._by_path(path).stat(path, follow=follow)
-
-    def resolve(self, path: Path) -> Path:
-        return self._by_path(path).resolve(path)
-
-    def space(self, path: Path) -> Space:
-        return self._by_path(path).space(path)
+    def sweep(self, attempt: Path, *, move_to: Path | None) -> None:
+        self.files.remove_tree(attempt)  # nothing can be moved on a store

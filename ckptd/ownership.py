@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Callable
 
 from ckptd.protocol.errors import CheckpointExists, InvalidCheckpoint
+from ckptd.protocol.index import read_index
 from ckptd.protocol.names import INDEX_NAME, owner_marker_name, parse_owner_marker, parse_shard_name, shard_name
 
-from .catalog import read_index
+from .catalog import SeamFiles
 from ckptd.protocol.processes import pid_alive
-from .storage import Kind, Storage
+from .storage import Files, Kind
 
 log = logging.getLogger("ckptd")
 MAX_NAMED = 5
@@ -51,7 +52,7 @@ def _owner(name: str) -> tuple[str, int | None]:
     return owner
 
 
-def marker_owners(storage: Storage, directory: Path) -> list[tuple[str, int | None]]:
+def marker_owners(storage: Files, directory: Path) -> list[tuple[str, int | None]]:
     """(host, pid) of every owner marker in ``directory`` (pid None: unreadable marker)."""
     return [_owner(e.name) for e in storage.scandir(directory) if is_owner_marker(e.name)]
 
@@ -62,7 +63,7 @@ def dead_here(owner: tuple[str, int | None]) -> bool:
     return host == socket.gethostname() and pid is not None and not pid_alive(pid)
 
 
-def remove_markers(storage: Storage, directory: Path, *, dead_only: bool = False) -> None:
+def remove_markers(storage: Files, directory: Path, *, dead_only: bool = False) -> None:
     """Remove owner markers from ``directory`` (only dead processes' with ``dead_only``).
 
     A marker left in a committed checkpoint harms no reader, so a failure is
@@ -81,7 +82,7 @@ def _is_shard_name(name: str) -> bool:
     return parsed is not None and shard_name(*parsed) == name
 
 
-def _foreign(storage: Storage, directory: Path, ours: Callable[[str], bool]) -> list[str]:
+def _foreign(storage: Files, directory: Path, ours: Callable[[str], bool]) -> list[str]:
     """Entries of ``directory`` that are not regular files ckptd writes (``ours`` decides by name)."""
     return sorted(e.name for e in storage.scandir(directory)
                   if not (e.kind is Kind.FILE and (ours(e.name) or is_owner_marker(e.name))))
@@ -92,7 +93,7 @@ def _describe(names: list[str]) -> str:
     return shown + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
 
 
-def _not_a_directory(storage: Storage, path: Path) -> str | None:
+def _not_a_directory(storage: Files, path: Path) -> str | None:
     st = storage.stat(path)
     if st is None:
         raise FileNotFoundError(2, "No such file or directory", str(path))
@@ -103,7 +104,7 @@ def _not_a_directory(storage: Storage, path: Path) -> str | None:
     return None
 
 
-def why_not_replaceable(storage: Storage, path: Path) -> str | None:
+def why_not_replaceable(storage: Files, path: Path) -> str | None:
     """Why the existing ``path`` is not a committed ckptd checkpoint ckptd may delete; None if it is."""
     try:
         reason = _not_a_directory(storage, path)
@@ -112,7 +113,7 @@ def why_not_replaceable(storage: Storage, path: Path) -> str | None:
         if storage.stat(path / INDEX_NAME) is None:
             return f"it is not a committed ckptd checkpoint: it has no {INDEX_NAME}"
         try:
-            index = read_index(storage, path)
+            index = read_index(path, SeamFiles(storage))
         except InvalidCheckpoint:
             return f"it is not a committed ckptd checkpoint: its {INDEX_NAME} is not a valid ckptd index"
         listed = {INDEX_NAME, *(f.file for f in index.files)}
@@ -124,7 +125,7 @@ def why_not_replaceable(storage: Storage, path: Path) -> str | None:
     return None
 
 
-def check_replaceable(storage: Storage, path: Path) -> None:
+def check_replaceable(storage: Files, path: Path) -> None:
     """Refuse to delete ``path`` unless it is a committed checkpoint holding only ckptd's files."""
     reason = why_not_replaceable(storage, path)
     if reason is not None:
@@ -133,7 +134,7 @@ def check_replaceable(storage: Storage, path: Path) -> None:
             f"checkpoint; move {path.name!r} away or save under another path")
 
 
-def why_not_leftover(storage: Storage, incomplete: Path) -> str | None:
+def why_not_leftover(storage: Files, incomplete: Path) -> str | None:
     """Why ``incomplete`` is not a dead save's leftover that a new save may remove; None if it is."""
     try:
         reason = _not_a_directory(storage, incomplete)

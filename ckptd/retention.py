@@ -1,6 +1,7 @@
 """Keeping only the newest K checkpoints in a directory, safely.
 
-Runs on the daemon that committed, after the commit, off the socket thread.
+Runs on the daemon that committed, after the commit (``Retainer`` subscribes to ``Committed``, and the mirror
+asks again after an upload), on the maintenance thread.
 A directory is only ever deleted if it is a committed ckptd checkpoint
 holding nothing but ckptd's files (``ownership.why_not_replaceable``), it is
 not the newest, and no save is writing it. A victim first gets this daemon's
@@ -14,21 +15,27 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd.protocol.names import INDEX_NAME, deleting_path
+from ckptd.protocol.index import committed_in
+from ckptd.protocol.names import INDEX_NAME
 
-from .catalog import committed_in
-from .ownership import owner_marker, remove_markers, why_not_replaceable
-from .storage import Storage
+from .catalog import SeamFiles
+from .config import DaemonConfig
+from .events import Committed
+from .ownership import owner_marker, why_not_replaceable
+from .stats import Stats
+from .storage import CheckpointStorage
+from .workers import Workers
 
 log = logging.getLogger("ckptd")
 
 
-def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: set[Path],
+def apply_retention(storage: CheckpointStorage, newest: Path, keep_last: int, in_flight: set[Path],
                     keep: Callable[[Path], bool] | None = None,
                     publishing: AbstractContextManager[Any] = nullcontext()) -> list[Path]:
     """Delete committed checkpoints beside ``newest`` beyond the newest ``keep_last``.
@@ -46,7 +53,7 @@ def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: s
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-    found = committed_in(storage, newest.parent)
+    found = committed_in(newest.parent, SeamFiles(storage))
     created = next((key[1] for key, path in found if path == newest), float("inf"))
     others = [(key, path) for key, path in found if path != newest]
     victims = [p for key, p in others[: max(0, len(others) - (keep_last - 1))]
@@ -62,12 +69,11 @@ def apply_retention(storage: Storage, newest: Path, keep_last: int, in_flight: s
             log.warning("event=retention_skip path=%s reason=%s", victim, reason)
             continue
         try:
-            # An object store is never overwritten in place (and its requests may stall): no lock there
-            with publishing if storage.can_rename(victim) else nullcontext():
+            with storage.delete_guard(victim, publishing):
                 if _index_bytes(storage, victim) != judged:
                     log.info("event=retention_skip path=%s reason=saved_again", victim)
                     continue
-                doomed = set_aside_checkpoint(storage, victim, marker=owner_marker())
+                doomed = storage.set_aside(victim, marker=owner_marker())
             if doomed is None:
                 continue
             storage.remove_tree(doomed)
@@ -117,50 +123,69 @@ class RetentionQueue:
             return self._waiting.pop(key)
 
 
-def _index_bytes(storage: Storage, checkpoint: Path) -> bytes | None:
+def _index_bytes(storage: CheckpointStorage, checkpoint: Path) -> bytes | None:
     """The checkpoint's index as stored now (None: none): which version of it is there."""
     st = storage.stat(checkpoint / INDEX_NAME)
     return None if st is None else storage.read(checkpoint / INDEX_NAME, 0, st.size)
 
 
-def remove_checkpoint(storage: Storage, path: Path, *, marker: str | None) -> bool:
+def remove_checkpoint(storage: CheckpointStorage, path: Path, *, marker: str | None) -> bool:
     """Delete a committed checkpoint in two phases; False if it was already gone.
 
-    The one two-phase delete (retention and the Lightning plugin): rename to
-    ``deleting_path`` first, so readers see it vanish at once and never half
-    removed, then remove the tree. With ``marker`` (the daemon's owner
-    marker), a crash between the two leaves a directory the start-up sweep
-    removes. A leftover of an interrupted removal is cleared first. On an
-    ``OSError`` before the rename, the marker is taken back and the error raised.
+    The one two-phase delete (retention and the Lightning plugin): set aside
+    first (``Checkpoints.set_aside``), so readers see it vanish at once and
+    never half removed, then remove what is left. With ``marker`` (the
+    daemon's owner marker), a crash between the two leaves what the start-up
+    sweep removes.
     """
-    doomed = set_aside_checkpoint(storage, path, marker=marker)
+    doomed = storage.set_aside(path, marker=marker)
     if doomed is None:
         return False
     storage.remove_tree(doomed)
     return True
 
 
-def set_aside_checkpoint(storage: Storage, path: Path, *, marker: str | None) -> Path | None:
-    """The first phase of ``remove_checkpoint``: the checkpoint is gone for readers; returns what is left to
-    remove (None: it was already gone)."""
-    if not storage.can_rename(path):  # an object store: without its index it is gone for readers
-        if storage.stat(path / INDEX_NAME) is None:
-            return None
-        if marker is not None:  # first: a crash after the index went leaves shards the start-up sweep removes
-            storage.touch(path / marker)
-        storage.unlink(path / INDEX_NAME)
-        return path
-    doomed = deleting_path(path)
-    if storage.stat(doomed) is not None:
-        storage.remove_tree(doomed)
-    try:
-        if marker is not None:
-            storage.touch(path / marker)
-        storage.rename(path, doomed)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        if marker is not None:
-            remove_markers(storage, path)
-        raise
-    return doomed
+class Retainer:
+    """Runs retention after each commit and each upload, one waiting run per directory (``RetentionQueue``).
+
+    Subscribed to ``Committed`` (``server.py``); the mirror calls ``after_upload``. The ``keep_last`` a save
+    asked for wins over its directory's ``--keep``; with neither, nothing is deleted.
+    """
+
+    def __init__(self, storage: CheckpointStorage, workers: Workers, config: DaemonConfig, stats: Stats,
+                 publishing: AbstractContextManager[Any], in_flight: Callable[[], Iterable[Path]],
+                 not_uploaded: Callable[[Path], bool] | None = None) -> None:
+        self.storage, self.workers, self.config, self.stats = storage, workers, config, stats
+        self.publishing, self.in_flight = publishing, in_flight
+        self.not_uploaded = not_uploaded
+        """Asked of each victim right before it goes (off the loop): the mirror lacks it, so it stays."""
+        self.queue = RetentionQueue()
+
+    def committed(self, event: Committed) -> None:
+        self.retain(event.path, event.keep_last)
+
+    def after_upload(self, newest: Path, keep_last: int | None) -> None:
+        """Beside a checkpoint just mirrored, which local retention may now delete (mirror thread)."""
+        self.workers.call_soon(lambda: self.retain(newest, keep_last))
+
+    def retain(self, newest: Path, keep_last: int | None) -> None:
+        """Retention beside ``newest`` on the maintenance thread (loop thread); never deletes what the mirror
+        lacks. A run still waiting for the thread there does this request instead."""
+        keep = keep_last or self.config.retention_for(newest)
+        if keep is None:
+            return
+        key = self.queue.offer(Retention(newest, keep, frozenset(self.in_flight())))
+        if key is None:
+            return
+
+        def run() -> list[Path]:
+            request = self.queue.take(key)
+            return apply_retention(self.storage, request.newest, request.keep_last, set(request.in_flight),
+                                   self.not_uploaded, self.publishing)
+
+        self.workers.submit("maintenance", run, lambda fut: self._done(newest, fut))
+
+    def _done(self, newest: Path, fut: Future) -> None:
+        if fut.exception() is not None:
+            log.error("event=retention_failed path=%s error=%r", newest, fut.exception())
+            self.stats.error(f"retention after {newest} failed: {fut.exception()!r}")

@@ -5,15 +5,14 @@
     Commit ──admit pool: examine (path, slot, header, free space)
            ──loop: room check, bookkeeping ──admit pool: remember the parent, prepare p.incomplete (first rank)
            ──loop: Accepted ──write pool: shard to disk, fsync ──loop: Durable / all ranks in?
-           ──commit pool: index, rename, fsync parent ──loop: Done
-           ──maintenance pool: retention
+           ──commit pool: index, rename, fsync parent ──loop: Done, then ``Committed`` (``events.py``)
 
 A failure at any step fails the whole checkpoint: every rank is told, and
 once no shard of it is being written its ``.incomplete`` directory is
 renamed aside on the admit pool (so a retry of the same path, admitted after
 that on the same FIFO thread, can never lose its directory to the cleanup)
 and removed on the maintenance pool. Until the rename, a retry of that path
-waits (``NodeState.deferred``).
+waits (``Commits.wait_for_cleanup``).
 
 Every method runs on the loop thread; the work it hands to the pools is
 the only I/O.
@@ -29,16 +28,16 @@ from typing import Callable
 
 from ckptd.protocol.errors import CkptdError, InternalError, RanksMissing, ShuttingDown, WriteFailed
 from ckptd.protocol.index import ShardRecord
-from ckptd.protocol.messages import Abort, Accepted, Commit, Done, Durable, Error, Finalize, Message, Ok
+from ckptd.protocol.messages import Abort, Accepted, Commit, Done, Durable, Finalize, Message, Ok
 from ckptd.protocol.objects import display, is_permanent
 
 from .admission import Examined, check_room, examine
-from .commit import CheckpointState, PendingCheckpoint, resolve_path
+from .commit import CheckpointState, PendingCheckpoint, Retry, resolve_path
 from .config import DaemonConfig
-from .mirror import Mirrors
-from .retention import Retention, RetentionQueue, apply_retention
+from .events import Committed, Events, Failed
+from .replies import error_reply
 from .state import NodeState
-from .storage import Storage
+from .storage import CheckpointStorage
 from .sweep import KnownDirs
 from .workers import Workers
 from .writer import Progress, WriteJob, WriteState, write_shard
@@ -49,41 +48,45 @@ DISCARD_RETRY_S = 1.0
 long, doubling up to ``MAX_DISCARD_RETRY_S``; its path takes no new save until then."""
 MAX_DISCARD_RETRY_S = 30.0
 Send = Callable[[bytes, Message], None]
-
-
-def error_reply(state: NodeState, rid: int, exc: BaseException) -> Error:
-    """The one place an exception becomes an ``Error`` reply (and a recent error in status)."""
-    if not isinstance(exc, CkptdError):
-        log.error("event=internal_error error=%r", exc, exc_info=exc)
-        exc = InternalError(f"internal error in ckptd: {exc!r}")
-    state.stats.error(exc.message)
-    return Error(rid, exc.code, exc.message)
+Examine = Callable[..., Examined]
+"""``admission.examine`` or a stricter one with its signature (storage, slots, msg, *, pid, roots)."""
+Admit = Callable[..., None]
+"""What takes an examined shard on the loop: (ident, msg, progress, examined, *, pid)."""
 
 
 class Saves:
     """Moves saves through the pipeline above; replies through ``send``."""
 
-    def __init__(self, state: NodeState, workers: Workers, storage: Storage, config: DaemonConfig,
-                 send: Send, known_dirs: KnownDirs, mirrors: Mirrors | None = None) -> None:
+    def __init__(self, state: NodeState, workers: Workers, storage: CheckpointStorage, config: DaemonConfig,
+                 send: Send, known_dirs: KnownDirs, events: Events) -> None:
         self.state, self.workers, self.storage, self.config = state, workers, storage, config
-        self.mirrors = mirrors
         self.send = send
         self.known_dirs = known_dirs
-        self.retentions = RetentionQueue()
+        self.events = events
+        """Told when a checkpoint commits or fails: stats, the mirror, retention and the memory tier react."""
         self._discards: dict[Path, int] = {}
         """Failed removals of attempts, by path: how many so far."""
-        self.on_end: Callable[[Path, CkptdError | None], None] = lambda path, error: None
-        """Told when a checkpoint commits (None) or fails (why): the memory tier marks a persisted snapshot."""
 
     # -- admission ------------------------------------------------------------
 
     def commit(self, ident: bytes, msg: Commit) -> None:
         """Start admitting one rank's shard; Accepted (or Error) follows."""
+        self.enter(ident, msg, examine, self.admit_examined)
+
+    def enter(self, ident: bytes, msg: Commit, examine: Examine, then: Admit) -> None:
+        """The one way in for a rank's shard, to disk or to memory (``Snapshot``): count it, track its staging,
+        examine it on the admit pool, then ``then`` on the loop, or an Error reply if the examination refused it."""
         client = self.state.client(ident)
         progress = self.state.begin_save(ident, client, msg, deadline=time.monotonic() + msg.timeout)
         pid, slots, roots = client.pid, self.state.slots, self.config.roots
-        self.workers.submit("admit", lambda: examine(self.storage, slots, msg, pid=pid, roots=roots),
-                            lambda fut: self._examined(ident, msg, pid, progress, fut))
+
+        def examined(fut: Future) -> None:
+            if fut.exception() is not None:
+                self.refuse(ident, msg, fut.exception())
+            else:
+                then(ident, msg, progress, fut.result(), pid=pid)
+
+        self.workers.submit("admit", lambda: examine(self.storage, slots, msg, pid=pid, roots=roots), examined)
 
     def staged(self, ident: bytes, upto: int, error: str | None, request_id: int) -> None:
         progress = self.state.saves.get((ident, request_id))
@@ -94,39 +97,31 @@ class Saves:
         else:
             progress.advance(upto)
 
-    def _examined(self, ident: bytes, msg: Commit, pid: int, progress: Progress, fut: Future) -> None:
-        if fut.exception() is not None:
-            self._refuse(ident, msg, fut.exception())
-            return
-        self.admit_examined(ident, msg, progress, fut.result(), pid=pid)
-
-    def _refuse(self, ident: bytes, msg: Commit, exc: BaseException) -> None:
+    def refuse(self, ident: bytes, msg: Commit, exc: BaseException) -> None:
+        """A rank's shard is not taken: its save ends, and it is told why."""
         self.state.end_save(ident, msg.id)
-        self.send(ident, error_reply(self.state, msg.id, exc))
+        self.send(ident, error_reply(self.state.stats, msg.id, exc))
 
     def admit_examined(self, ident: bytes, msg: Commit, progress: Progress, examined: Examined, *, pid: int,
                        internal: bool = False, expected_checksum: int | None = None) -> None:
         """Queue an examined shard's write, sent by process ``pid``.
 
         ``internal``: the daemon persists a held snapshot, even while draining;
-        a refusal fails the checkpoint (``on_end``) so the snapshot is not left
+        a refusal fails the checkpoint (``Failed``) so the snapshot is not left
         persisting. ``expected_checksum``: the write must produce it.
         """
         state, final = self.state, examined.final
         current = state.commits.pending.get(final)
         if current is not None and not internal:
             self._abandon_if_orphaned(current)
-            live = current.state in (CheckpointState.PREPARING, CheckpointState.WRITING)
-            conflict = current.contributors.same_run_conflict(final, msg, current.world_size, current.step,
-                                                              current.coordinated) if live else None
+            conflict = current.broken_by(msg)
             if conflict is not None:  # the run's save is broken: every rank is told, this one included
                 self.fail(current, conflict)
                 state.slots.release(examined.slot)
-                self._refuse(ident, msg, conflict)
+                self.refuse(ident, msg, conflict)
                 return
-        if final in state.closing:  # a failed attempt's directory is still in the way: wait for it
-            state.deferred.setdefault(final, []).append((ident, msg, pid, progress, examined))
-            return
+        if state.commits.wait_for_cleanup(Retry(ident, msg, pid, progress, examined)):
+            return  # a failed attempt's directory is still in the way: admitted once it is not
         try:
             if state.draining and final not in state.commits.pending and not internal:
                 raise ShuttingDown("the daemon is draining and accepts no new saves (only missing ranks of "
@@ -138,13 +133,13 @@ class Saves:
             pending, dest = state.commits.admit(msg, ident, final, pid)
         except BaseException as exc:
             state.slots.release(examined.slot)
-            self._refuse(ident, msg, exc)
+            self.refuse(ident, msg, exc)
             if internal:
                 pending = state.commits.pending.get(final)
                 if pending is not None and pending.state is not CheckpointState.FAILED:
                     self.fail(pending, exc)
                 else:
-                    self.on_end(final, exc if isinstance(exc, CkptdError) else InternalError(repr(exc)))
+                    self.events.publish(Failed(final, exc if isinstance(exc, CkptdError) else InternalError(repr(exc))))
             return
         job = WriteJob(ident, msg, examined.slot, dest, pending.path, progress, device=examined.space.device,
                        expected_checksum=expected_checksum)
@@ -156,10 +151,10 @@ class Saves:
         if pending.state is not CheckpointState.PREPARING:
             self._start(job, pending)
             return
-        if final not in state.held:
-            state.held[final] = []
+        if pending.queued is None:
+            pending.queued = []
             self.workers.submit("admit", lambda: self._prepare(pending), lambda fut: self._prepared(pending, fut))
-        state.held[final].append(job)
+        pending.queued.append(job)
 
     def _prepare(self, pending: PendingCheckpoint) -> None:
         """Remember the parent for the start-up sweep, then create ``p.incomplete`` (admit pool).
@@ -174,11 +169,11 @@ class Saves:
         self.state.commits.prepare(pending)
 
     def _prepared(self, pending: PendingCheckpoint, fut: Future) -> None:
-        jobs = self.state.held.pop(pending.path, [])
+        jobs, pending.queued = pending.queued or [], []
         pending.owns_directory = fut.exception() is None
         if pending.state is CheckpointState.PREPARING:
             if fut.exception() is None:
-                pending.state = CheckpointState.WRITING
+                pending.move_to(CheckpointState.WRITING)
                 for job in jobs:
                     self._start(job, pending)
                 return
@@ -228,7 +223,7 @@ class Saves:
 
         def resolved(fut: Future) -> None:
             if fut.exception() is not None:
-                self.send(ident, error_reply(self.state, rid, fut.exception()))
+                self.send(ident, error_reply(self.state.stats, rid, fut.exception()))
             else:
                 then(fut.result())
 
@@ -242,43 +237,16 @@ class Saves:
         if fut.exception() is not None:
             self.fail(pending, fut.exception())
             return
-        state = self.state
-        state.commits.forget(pending)
-        pending.state = CheckpointState.COMMITTED
+        self.state.commits.forget(pending)
+        pending.move_to(CheckpointState.COMMITTED)
         seconds = time.monotonic() - pending.started_at
-        state.stats.committed(pending, seconds)
-        self.on_end(pending.path, None)
-        log.info("event=committed path=%s bytes=%d seconds=%.3f", pending.path, pending.index().total_bytes, seconds)
-        for ident, rid, rank in pending.waiting:
-            self.send(ident, Done(rid, str(pending.path), pending.shards[rank].size, seconds))
-        if self.mirrors is not None:
-            self.mirrors.submit(pending.path, pending.keep_last)
-        keep = pending.keep_last or self.config.retention_for(pending.path)
-        if keep is not None:
-            self.retain(pending.path, keep)
-
-    def retain(self, newest: Path, keep: int) -> None:
-        """Retention beside ``newest`` on the maintenance thread; never deletes what the mirror lacks.
-
-        A run still waiting for the thread there does this request instead (``RetentionQueue``).
-        """
-        key = self.retentions.offer(Retention(newest, keep, frozenset(self.state.commits.pending)))
-        if key is None:
-            return
-        mirrors, publishing = self.mirrors, self.state.commits.publishing
-
-        def run() -> list[Path]:
-            request = self.retentions.take(key)
-            not_uploaded = (lambda victim: bool(mirrors.unmirrored([victim]))) if mirrors is not None else None
-            return apply_retention(self.storage, request.newest, request.keep_last, set(request.in_flight),
-                                   not_uploaded, publishing)
-
-        self.workers.submit("maintenance", run, lambda f: self._retention_done(newest, f))
-
-    def _retention_done(self, newest: Path, fut: Future) -> None:
-        if fut.exception() is not None:
-            log.error("event=retention_failed path=%s error=%r", newest, fut.exception())
-            self.state.stats.error(f"retention after {newest} failed: {fut.exception()!r}")
+        nbytes = pending.index().total_bytes
+        log.info("event=committed path=%s bytes=%d seconds=%.3f", pending.path, nbytes, seconds)
+        for waiter in pending.waiting:
+            self.send(waiter.client, Done(waiter.request_id, str(pending.path), pending.shards[waiter.rank].size,
+                                          seconds))
+        pending.waiting = []
+        self.events.publish(Committed(pending.path, pending.step, nbytes, seconds, pending.keep_last))
 
     # -- failures -------------------------------------------------------------
 
@@ -287,7 +255,8 @@ class Saves:
 
         def abort(final: Path) -> None:
             pending = self.state.commits.pending.get(final) or PendingCheckpoint(
-                final, 1, None, False, coordinated=True, state=CheckpointState.WRITING, owns_directory=True)
+                path=final, world_size=1, step=None, overwrite=False, coordinated=True,
+                state=CheckpointState.WRITING, owns_directory=True)
             if pending.state is not CheckpointState.FAILED:
                 self.fail(pending, RanksMissing(f"checkpoint {display(final)} was aborted: {msg.reason}"))
             self.send(ident, Ok(msg.id))
@@ -301,12 +270,10 @@ class Saves:
             exc = InternalError(f"internal error while saving {pending.path}: {exc!r}")
         state = self.state
         state.commits.fail(pending, exc)
-        self.on_end(pending.path, exc)
         state.stats.error(exc.message)
         log.warning("event=failed path=%s error=%s", pending.path, exc.message)
-        for ident, rid, _ in pending.waiting:
-            self.send(ident, Error(rid, exc.code, exc.message))
-        state.closing.add(pending.path)
+        pending.tell_failed(self.send, exc.code, exc.message)
+        self.events.publish(Failed(pending.path, exc))
         if pending.writing == 0:  # else the last shard to finish discards (_write_finished)
             self._discard(pending)
 
@@ -325,34 +292,24 @@ class Saves:
             self.workers.submit("maintenance", lambda: time.sleep(delay), lambda _: self._discard(pending))
             return
         self._discards.pop(pending.path, None)
-        state.closing.discard(pending.path)
         if error is not None:
             log.warning("event=discard_failed path=%s error=%r", pending.incomplete, error)
         elif fut.result() is not None:
             aside: Path = fut.result()
             self.workers.submit("maintenance", lambda: self.storage.remove_tree(aside))
-        for ident, msg, pid, progress, examined in state.deferred.pop(pending.path, []):
-            self.admit_examined(ident, msg, progress, examined, pid=pid)
+        for retry in state.commits.cleared(pending.path):
+            self.admit_examined(retry.client, retry.msg, retry.progress, retry.examined, pid=retry.pid)
 
     def _abandon_if_orphaned(self, pending: PendingCheckpoint) -> None:
         """Fail an attempt still missing ranks whose contributors died: no rank of their job can complete it."""
-        if pending.state not in (CheckpointState.PREPARING, CheckpointState.WRITING) or pending.coordinated:
-            return
-        why = pending.contributors.why_abandoned(pending.missing)
-        if why is not None:
-            self.fail(pending, RanksMissing(
-                f"checkpoint {display(pending.path)} was abandoned: {why}; nothing was committed, and a new run of "
-                f"the job saving this path starts afresh"))
+        if (why := pending.orphaned()) is not None:
+            self.fail(pending, why)
 
     def rank_died(self, job: str, world_size: int, rank: int, pid: int) -> None:
         """Rank ``rank`` of run ``job`` died without saving: fail its run's saves that still wait for it."""
         for pending in list(self.state.commits.pending.values()):
-            if (pending.state in (CheckpointState.PREPARING, CheckpointState.WRITING) and not pending.coordinated
-                    and pending.contributors.job == job and pending.world_size == world_size
-                    and rank in pending.missing):
-                self.fail(pending, RanksMissing(
-                    f"checkpoint {display(pending.path)} was abandoned: the process of its rank {rank} (pid {pid}) "
-                    f"died before that rank saved; nothing was committed"))
+            if (why := pending.rank_died(job, world_size, rank, pid)) is not None:
+                self.fail(pending, why)
 
     def abandon_orphaned(self) -> None:
         """Housekeeping: abandon every attempt whose contributors died before it was complete."""

@@ -4,9 +4,9 @@ Each turn polls the socket and the workers' wake-up fd with a timeout,
 decodes and dispatches requests, replies, applies finished work, and does
 housekeeping (dead clients, overdue checkpoints, slots clients unlinked,
 metrics, idle exit). What the node is doing lives in ``NodeState``; saves
-move through ``Saves``; all file I/O runs on ``Workers``' pools. ``_handle`` is the one place where an
-exception becomes an ``Error`` reply, so no request, however malformed, can
-take the daemon down.
+move through ``Saves``; all file I/O runs on ``Workers``' pools. ``_handle`` catches whatever a request
+raises and answers it with ``replies.error_reply``, so no request, however malformed, can take the daemon
+down.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import zmq
@@ -28,14 +27,17 @@ from ckptd.protocol.messages import (
 from ckptd.protocol.objects import display
 
 from .config import DaemonConfig
+from .events import Committed, Dropped, Events, Failed, Held
 from .holding import Holding
 from .leases import Grant
 from .mirror import Mirrors
-from .saves import Saves, error_reply
+from .retention import Retainer
+from .replies import error_reply
+from .saves import Saves
 from .slots import reclaim_orphaned_slots
 from .state import MAX_PID, NodeState
 from .stats import add_filesystems
-from .storage import Storage
+from .storage import CheckpointStorage
 from .sweep import KnownDirs, sweep_incomplete
 from .workers import Workers
 
@@ -49,7 +51,7 @@ ends well within it, a request to a stalled store is not waited for longer."""
 class Server:
     """Serve one node until stopped; ``serve_forever`` returns when drained."""
 
-    def __init__(self, config: DaemonConfig, storage: Storage) -> None:
+    def __init__(self, config: DaemonConfig, storage: CheckpointStorage) -> None:
         self.config, self.storage = config, storage
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -59,13 +61,18 @@ class Server:
         self.workers = Workers(config.max_concurrent_writes)
         self.state = NodeState(config, storage)
         self.known_dirs = KnownDirs(storage, config.run_dir)
+        self.events = Events()
         self.mirrors = Mirrors(storage, config.mirrors, config.mirror_keep) if config.mirrors else None
-        self.saves = Saves(self.state, self.workers, storage, config, self._send, self.known_dirs, self.mirrors)
+        self.saves = Saves(self.state, self.workers, storage, config, self._send, self.known_dirs, self.events)
+        self.holding = Holding(self.state, self.workers, storage, config, self._send, self.saves, self.events)
+        mirrors = self.mirrors
+        self.retainer = Retainer(storage, self.workers, config, self.state.stats, self.state.commits.publishing,
+                                 lambda: self.state.commits.pending,
+                                 None if mirrors is None else lambda victim: bool(mirrors.unmirrored([victim])))
+        self._subscribe()
         if self.mirrors is not None:
-            self.mirrors.after_upload = self._after_upload
+            self.mirrors.after_upload = self.retainer.after_upload
             self.mirrors.start()
-        self.holding = Holding(self.state, self.workers, storage, config, self._send, self.saves)
-        self.saves.on_end = self.holding.persisted
         self.metrics = None
         if config.metrics_port is not None or config.metrics_textfile is not None:
             from .metrics import Metrics
@@ -99,6 +106,20 @@ class Server:
             log.info("event=slots_reclaimed count=%d owner=predecessor_with_this_pid", reclaimed)
         self.workers.submit("maintenance", reclaim_orphaned_slots)
         self.workers.submit("maintenance", lambda: sweep_incomplete(storage, directories, config.sweep))
+
+    def _subscribe(self) -> None:
+        """Who reacts to what the lifecycle publishes, in this order: the books first, then the memory tier
+        (a snapshot persisted or shadowed by a disk save), the upload, and retention last (it asks the mirror)."""
+        events, stats = self.events, self.state.stats
+        events.subscribe(Committed, stats.committed)
+        events.subscribe(Held, stats.held)
+        events.subscribe(Dropped, stats.dropped)
+        events.subscribe(Committed, self.holding.committed)
+        events.subscribe(Failed, self.holding.failed)
+        if self.mirrors is not None:
+            mirrors = self.mirrors
+            events.subscribe(Committed, lambda e: mirrors.submit(e.path, e.keep_last))
+        events.subscribe(Committed, self.retainer.committed)
 
     # -- loop ---------------------------------------------------------------
 
@@ -165,7 +186,7 @@ class Server:
                 raise BadMessage(f"{msg.type!r} is a reply; the daemon does not accept it as a request")
             return handler(ident, msg)
         except Exception as exc:  # a CkptdError is the client's; anything else is a bug: keep serving
-            return error_reply(self.state, rid or request_id(payload), exc)
+            return error_reply(self.state.stats, rid or request_id(payload), exc)
 
     def _send(self, ident: bytes, msg: Message) -> None:
         try:
@@ -248,13 +269,6 @@ class Server:
                 self.workers.submit("maintenance", lambda pid=pid: self.state.slots.reclaim(pid))
         self.saves.abandon_orphaned()
         self.holding.abandon_orphaned()
-
-    def _after_upload(self, newest: Path, keep_last: int | None) -> None:
-        """Local retention beside a checkpoint just mirrored (it may now delete what it had to keep), with the
-        uploaded save's ``keep_last`` or the directory's ``--keep``."""
-        keep = keep_last or self.config.retention_for(newest)
-        if keep is not None:
-            self.workers.call_soon(lambda: self.saves.retain(newest, keep))
 
     def _busy(self) -> bool:
         return self.state.busy or self.workers.in_flight > 0

@@ -68,8 +68,9 @@ class MappedSlot:
 class SlotMaps:
     """Read-only mappings of client slots, cached by name.
 
-    ``acquire`` maps (``MAP_POPULATE``: slow for big slots) on the admission
-    worker while the loop releases and forgets, so every method holds one lock.
+    ``acquire`` maps on the admission worker (without ``MAP_POPULATE``: the
+    write and the checksum fault the pages in) while the loop releases and
+    forgets, so every method holds one lock.
     """
 
     def __init__(self, shm_dir: Path | None = None) -> None:

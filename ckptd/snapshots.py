@@ -36,12 +36,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
-from ckptd.protocol.errors import Conflict, NoSpace
+from ckptd.protocol.errors import Conflict, NoSpace, RanksMissing
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
 from ckptd.protocol.messages import Snapshot
 
+from .attempt import Attempt, Waiter, Words
 from .contributors import Contributors
 from .render import human_bytes
 from .slots import MappedSlot
@@ -61,19 +62,13 @@ class HeldShard:
     """None until the shard is checksummed (the client may still be staging)."""
 
 
-@dataclass
-class HeldSnapshot:
+@dataclass(kw_only=True)
+class HeldSnapshot(Attempt):
     """A checkpoint held in node memory instead of (or besides) on disk."""
 
-    path: Path
-    world_size: int
-    step: int | None
-    coordinated: bool
-    timeout: float
+    words: ClassVar[Words] = Words("snapshot", "snapshotting", "snapshotted", "snapshotted", "is being held",
+                                   "is already held", "nothing was held")
     shards: dict[int, HeldShard] = field(default_factory=dict)
-    waiting: list[tuple[bytes, int, int, int]] = field(default_factory=list)
-    """(client, request id, pid, shard bytes) of every rank owed a ``Held`` or an ``Error``."""
-    started_at: float = field(default_factory=time.monotonic)
     created: float = field(default_factory=time.time)
     acknowledged: bool = False
     """Complete and its ranks told: from now on it is a snapshot a restore may use."""
@@ -82,10 +77,16 @@ class HeldSnapshot:
     persist_waiting: list[tuple[bytes, int]] = field(default_factory=list)
     """(client, request id) of every ``Persist`` owed a ``Done`` or an ``Error`` for this snapshot."""
     persist_started: float = 0.0
-    contributors: Contributors = field(default_factory=lambda: Contributors(""))
-    """The job incarnation and processes whose shards this snapshot holds (no other may join)."""
     readers: dict[bytes, int] = field(default_factory=dict)
     """Pins by reader connection (``Pin``): while any is held its slots stay as they are, dropped or not."""
+
+    @property
+    def arrived(self) -> set[int]:
+        return set(self.shards)
+
+    @property
+    def open(self) -> bool:
+        return not self.acknowledged
 
     @property
     def checksummed(self) -> bool:
@@ -112,7 +113,7 @@ class HeldSnapshot:
         return (self.step if self.step is not None else -1, self.created)
 
     def describe(self) -> dict[str, Any]:
-        """The snapshot as ``Snapshots`` and ``ckptd status`` report it (keys documented in the README)."""
+        """The snapshot as ``Snapshots`` and ``ckptd status`` report it (keys documented in docs/status.md)."""
         return {
             "path": str(self.path), "step": self.step, "world_size": self.world_size, "created": self.created,
             "bytes": self.nbytes, "held_bytes": self.slot_bytes,
@@ -152,21 +153,14 @@ class Snapshots:
         if snap is not None and snap.acknowledged:
             raise Conflict(f"snapshot {final} is already held in memory; snapshot under a new path (one per step)")
         if snap is not None:
-            snap.contributors.refuse_other_job(final, msg)
-        if snap is not None and (snap.world_size, snap.step, snap.coordinated) != (msg.world_size, msg.step,
-                                                                                    msg.coordinated):
-            raise Conflict(f"snapshot {final} is being held with world size {snap.world_size} and step {snap.step}; "
-                           f"this rank says world size {msg.world_size}, step {msg.step}")
-        if snap is not None and msg.rank in snap.shards:
-            raise Conflict(f"rank {msg.rank} of snapshot {final} is already held")
+            snap.check_join(msg)
         evicted = self._make_room(final, msg.nbytes)
         if snap is None:
-            snap = self.held[final] = HeldSnapshot(final, msg.world_size, msg.step, msg.coordinated, msg.timeout,
+            snap = self.held[final] = HeldSnapshot(path=final, world_size=msg.world_size, step=msg.step,
+                                                   coordinated=msg.coordinated, timeout=msg.timeout,
                                                    contributors=Contributors(msg.job))
-        snap.contributors.join(msg, pid)
-        snap.timeout = min(snap.timeout, msg.timeout)
+        snap.join(msg, pid, Waiter(client, msg.id, msg.rank, pid, msg.nbytes))
         snap.shards[msg.rank] = HeldShard(msg, slot, pid, client)
-        snap.waiting.append((client, msg.id, pid, msg.nbytes))
         return snap, evicted
 
     def _make_room(self, final: Path, needed: int) -> list[HeldSnapshot]:
@@ -212,9 +206,9 @@ class Snapshots:
         if self.held.get(snap.path) is snap:
             del self.held[snap.path]
 
-    def overdue(self, now: float) -> list[HeldSnapshot]:
-        """Snapshots still missing ranks after their commit timeout."""
-        return [s for s in self.held.values() if not s.acknowledged and now - s.started_at > s.timeout]
+    def overdue(self, now: float) -> list[tuple[HeldSnapshot, RanksMissing]]:
+        """Snapshots still missing ranks after their commit timeout, and why they fail."""
+        return [(s, error) for s in self.held.values() if (error := s.overdue(now)) is not None]
 
     def newest(self, *, pid: int | None = None) -> list[HeldSnapshot]:
         """Per directory, the newest acknowledged snapshot not yet on disk (of client ``pid``'s ranks, if given)."""

@@ -23,14 +23,13 @@ from ckptd.protocol.layout import CheckedTable
 from ckptd.protocol.messages import Commit
 from ckptd.protocol.processes import pid_alive
 
-from .admission import Examined
 from .commit import Commits, PendingCheckpoint
 from .config import DaemonConfig
 from .leases import Grant, LoadLeases
 from .slots import SlotMaps
 from .snapshots import Snapshots
 from .stats import Stats
-from .storage import Storage
+from .storage import CheckpointStorage
 from .writer import Progress, WriteJob
 
 MAX_PID = 1 << 22
@@ -58,18 +57,13 @@ class ClientRecord:
 class NodeState:
     """What one node's daemon is doing (loop thread only)."""
 
-    def __init__(self, config: DaemonConfig, storage: Storage, slots: SlotMaps | None = None) -> None:
+    def __init__(self, config: DaemonConfig, storage: CheckpointStorage, slots: SlotMaps | None = None) -> None:
         self.config = config
         self.clients: dict[bytes, ClientRecord] = {}
         self.saves: dict[tuple[bytes, int], Progress] = {}
         """Staging progress of every save from its Commit until its write ends (``Staged`` finds it here)."""
         self.jobs: list[WriteJob] = []
         """Admitted shard writes, queued or running, until they end."""
-        self.held: dict[Path, list[WriteJob]] = {}
-        """Admitted writes waiting for their checkpoint's directory (it is ``preparing``)."""
-        self.closing: set[Path] = set()
-        """Failed checkpoints whose ``.incomplete`` is not yet out of the way; a retry waits in ``deferred``."""
-        self.deferred: dict[Path, list[tuple[bytes, Commit, int, Progress, Examined]]] = {}
         self.commits = Commits(storage, config.roots)
         self.leases = LoadLeases(config.max_concurrent_loads)
         self.slots = slots if slots is not None else SlotMaps()
@@ -196,7 +190,7 @@ class NodeState:
 
     @property
     def busy(self) -> bool:
-        return bool(self.saves or self.jobs or self.closing)
+        return bool(self.saves or self.jobs or self.commits.closing)
 
     @property
     def idle(self) -> bool:

@@ -1,7 +1,7 @@
 """What ``ckptd status`` reports: counters, and the snapshot of a narrow view of the node state.
 
 The snapshot is a plain dict (msgpack on the wire, JSON from the CLI). Its
-keys are documented in the README and frozen by a test; add keys, never
+keys are documented in docs/status.md and checked against it by a test; add keys, never
 rename them. ``snapshot`` reads only memory (on the loop thread);
 ``add_filesystems`` adds the numbers that need a system call per
 filesystem and runs on a worker.
@@ -22,7 +22,8 @@ from ckptd.protocol.objects import display, is_object_path
 from ckptd.protocol.shm import shm_usage
 
 from .config import DaemonConfig
-from .storage import Storage
+from .events import Committed, Dropped, Held
+from .storage import Files
 
 if TYPE_CHECKING:
     from .commit import PendingCheckpoint
@@ -51,7 +52,7 @@ RECENT_ERRORS = 20
 
 
 class Stats:
-    """Counters the node state updates as saves finish or fail."""
+    """Counters kept from the lifecycle's events (``server.py`` subscribes them) and the errors reported."""
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
@@ -61,20 +62,27 @@ class Stats:
         self.last_committed: dict[str, Any] | None = None
         self.errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_ERRORS)
         self.errors_total = 0
+        self.snapshots_held = 0
+        self.snapshots_dropped = 0
         self.process = psutil.Process()
 
-    def committed(self, pending: "PendingCheckpoint", seconds: float) -> None:
-        total = sum(s.size for s in pending.shards.values())
+    def committed(self, event: Committed) -> None:
         self.committed_count += 1
-        self.committed_bytes += total
+        self.committed_bytes += event.nbytes
         self.last_committed = {
-            "path": display(pending.path),
-            "step": pending.step,
-            "bytes": total,
-            "seconds": round(seconds, 6),
-            "gbps": round(total / seconds / 1e9, 3) if seconds > 0 else None,
+            "path": display(event.path),
+            "step": event.step,
+            "bytes": event.nbytes,
+            "seconds": round(event.seconds, 6),
+            "gbps": round(event.nbytes / event.seconds / 1e9, 3) if event.seconds > 0 else None,
             "time": time.time(),
         }
+
+    def held(self, event: Held) -> None:
+        self.snapshots_held += 1
+
+    def dropped(self, event: Dropped) -> None:
+        self.snapshots_dropped += 1
 
     def error(self, message: str) -> None:
         self.errors.append({"time": time.time(), "message": message})
@@ -142,13 +150,14 @@ class Stats:
             "shm_mapped_bytes": view.shm_mapped_bytes,
             "shm": {"dir": str(view.shm_dir), "total_bytes": None, "free_bytes": None},
             "loads": dict(view.lease_snapshot()),
-            "memory": dict(view.memory_snapshot()),
+            "memory": {**view.memory_snapshot(), "held_total": self.snapshots_held,
+                       "dropped_total": self.snapshots_dropped},
             "roots": [{"path": display(r), "free_bytes": None, "total_bytes": None} for r in self.config.roots],
         }
         return info
 
 
-def add_filesystems(info: dict[str, Any], storage: Storage) -> dict[str, Any]:
+def add_filesystems(info: dict[str, Any], storage: Files) -> dict[str, Any]:
     """Fill in the roots' and the slot directory's free space (a system call each: off the loop)."""
     info["shm"] = shm_usage(Path(info["shm"]["dir"]))
     info["roots"] = [_root_usage(storage, Path(r["path"])) for r in info["roots"]]
@@ -161,7 +170,7 @@ def _throughput(jobs: list, now: float) -> float:
     return round(sum(j.written / max(now - j.started_at, 1e-6) for j in active), 1)
 
 
-def _root_usage(storage: Storage, root: Path) -> dict[str, Any]:
+def _root_usage(storage: Files, root: Path) -> dict[str, Any]:
     if is_object_path(root):  # a store enforces its own quotas: it has no free space to show
         return {"path": display(root), "free_bytes": None, "total_bytes": None, "object_store": True}
     try:

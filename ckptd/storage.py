@@ -1,26 +1,35 @@
-"""The storage seam: every filesystem call the daemon makes on checkpoints.
+"""The storage seam: checkpoint operations, and the file operations beneath them.
 
-Commit, writer, retention, sweep, ownership checks, admission and listing
-never call ``os`` or ``shutil`` for files; they call a ``Storage``. This
-module holds the contract (``Storage``) and its one production
-implementation, the local filesystem (``LocalStorage``). Tests load a
-fault-injecting implementation that lives with them (``tests/faults.py``)
-with ``ckptd start --storage module:Class``; production code carries no
-test switch.
+Commit, writer, retention, admission and the memory tier speak to storage
+in checkpoint operations (``Checkpoints``): open a shard writer, publish an
+attempt under its final name (replacing or not), discard an attempt, set a
+committed checkpoint aside to delete it. They never ask which backend they
+are on. Two implementations exist: a local filesystem publishes by rename
+(``ckptd/checkpoints_local.py``), an object store by writing the index last
+(``ckptd/objects.py``); ``ckptd/routed.py`` puts them side by side by name.
 
-The contract, for whoever writes the next implementation (an object store):
+Both rest on file operations by name (``Files``): the POSIX calls of the
+local filesystem (``LocalStorage``, a ``Storage``: with the descriptors a
+local shard is written through) and their object-store counterparts
+(``ObjectStorage``). Ownership checks, listing and the sweep read through
+them. Tests load a fault-injecting ``Storage`` that lives with them
+(``tests/faults.py``) with ``ckptd start --storage module:Class``; its
+faults act inside the checkpoint operations built on it. Production code
+carries no test switch.
+
+The file contract:
 
 - Paths are ``pathlib.Path`` names in one namespace; ``p.incomplete`` and
   ``p`` are siblings. Nothing outside this seam opens, stats or lists them.
-- ``open_new``/``pwrite``/``truncate``/``fsync``/``close`` write one shard;
-  after ``fsync`` returns, its bytes are durable. ``write_file`` writes a
+- ``open_new``/``pwrite``/``truncate``/``fsync``/``close`` write one file
+  (a ``Storage`` only); after ``fsync`` returns, its bytes are durable. ``write_file`` writes a
   small file durably in one call (the index).
 - ``rename(src, dst)`` makes a whole checkpoint visible at once, and
   ``exchange`` swaps two names at once; ``fsync_dir`` makes a name durable.
-  A store without rename (``can_rename`` False: ``ckptd/objects.py``)
-  commits by writing the index last (``write_file`` of ``ckptd.json``,
-  create-only), and its ``p.incomplete`` names the same prefix as ``p``;
-  readers never see a name without a valid index as a checkpoint.
+  A store has neither: it publishes by writing the index last (``write_file``
+  of ``ckptd.json``, create-only), and its ``p.incomplete`` names the same
+  prefix as ``p``; readers never see a name without a valid index as a
+  checkpoint.
 - ``remove_tree`` removes what is there and ignores what is not.
 - ``scandir``/``stat`` describe entries without following links unless
   asked (``follow=True``); ``stat`` returns None for a missing name.
@@ -38,7 +47,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import importlib
 import os
 import re
 import shutil
@@ -46,7 +54,8 @@ import stat as stat_mod
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _AT_FDCWD = -100
@@ -91,16 +100,9 @@ class Space:
 
 
 @runtime_checkable
-class Storage(Protocol):
-    """Every checkpoint file operation the daemon makes (see the module docstring)."""
+class Files(Protocol):
+    """The file operations by name, on any backend (see the module docstring)."""
 
-    def can_rename(self, path: Path) -> bool: ...
-    def open_new(self, path: Path, *, direct: bool) -> tuple[int, bool]: ...
-    def reopen(self, path: Path) -> int: ...
-    def pwrite(self, fd: int, data: memoryview, offset: int) -> int: ...
-    def truncate(self, fd: int, size: int) -> None: ...
-    def fsync(self, fd: int) -> None: ...
-    def close(self, fd: int) -> None: ...
     def write_file(self, path: Path, data: bytes) -> None: ...
     def read(self, path: Path, offset: int, size: int) -> bytes: ...
     def mkdir(self, path: Path, *, parents: bool = False, exist_ok: bool = False) -> None: ...
@@ -116,6 +118,106 @@ class Storage(Protocol):
     def space(self, path: Path) -> Space: ...
 
 
+@runtime_checkable
+class Storage(Files, Protocol):
+    """A filesystem's file operations, with the descriptors a local shard is written through
+    (``--storage module:Class`` names one)."""
+
+    def open_new(self, path: Path, *, direct: bool) -> tuple[int, bool]: ...
+    def reopen(self, path: Path) -> int: ...
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int: ...
+    def truncate(self, fd: int, size: int) -> None: ...
+    def fsync(self, fd: int) -> None: ...
+    def close(self, fd: int) -> None: ...
+
+
+class PublishedNotDurable(OSError):
+    """The checkpoint took its name, but making the name durable failed: it is visible and whole, and may not
+    survive a power loss (the caller says so; it is never discarded)."""
+
+
+class ShardWriter(Protocol):
+    """One shard on its way to storage: ranges written in order, then made durable in one step."""
+
+    aligned: bool
+    """Whether writes must cover whole pages (O_DIRECT): the writer then writes the slot's page padding too,
+    and ``complete`` cuts it off."""
+    finishing: str
+    """What ``complete`` waits for, as ``ckptd status`` names it: ``fsync`` (a file) or ``completing`` (an
+    upload's last parts and the request that makes the object whole)."""
+
+    def write(self, data: memoryview, offset: int) -> int:
+        """Write ``data`` at ``offset``; returns how many bytes were taken."""
+        ...
+
+    def complete(self, size: int) -> None:
+        """Cut the shard to ``size`` bytes and make it durable: after this it is whole on storage."""
+        ...
+
+    def close(self) -> None:
+        """Let go of the shard; one not completed is abandoned (an upload is aborted, no part stays behind)."""
+        ...
+
+
+@runtime_checkable
+class Checkpoints(Protocol):
+    """What a checkpoint needs of storage: its shards written, its name taken, its attempt or itself removed.
+
+    ``attempt`` is always ``incomplete_path(final)``; ``final`` the name readers see.
+    """
+
+    def open_shard(self, path: Path, *, direct: bool) -> ShardWriter:
+        """Start writing the shard file ``path`` (O_DIRECT where asked and allowed)."""
+        ...
+
+    def publish(self, attempt: Path, final: Path, index: bytes, *, overwrite: bool,
+                publishing: AbstractContextManager[Any]) -> None:
+        """Write ``index`` into ``attempt`` and make the attempt the checkpoint ``final``, atomically.
+
+        ``CheckpointExists`` if something took the name meanwhile and ``overwrite`` does not allow replacing it
+        (or it cannot be replaced); ``PublishedNotDurable`` if the name is taken but not durable; any other
+        ``OSError``: nothing was published. ``publishing`` is held while the name changes hands.
+        """
+        ...
+
+    def discard(self, attempt: Path, final: Path) -> Path | None:
+        """Make a failed attempt's name free at once; returns what is left to remove later (None: nothing)."""
+        ...
+
+    def set_aside(self, checkpoint: Path, *, marker: str | None) -> Path | None:
+        """Make a committed checkpoint vanish for readers at once; returns what is left to remove (None: it was
+        already gone). With ``marker`` (the daemon's owner marker), a crash before the removal leaves what the
+        start-up sweep removes."""
+        ...
+
+    def delete_guard(self, checkpoint: Path, publishing: AbstractContextManager[Any]) -> AbstractContextManager[Any]:
+        """What retention holds while it checks a victim is the version it judged and sets it aside: the lock
+        a publish holds where a name changes hands in place (an overwrite), else nothing to wait for."""
+        ...
+
+    def replace_refusal(self, final: Path) -> str | None:
+        """Why nothing at ``final`` can ever be replaced here (None: a ckptd checkpoint there can be)."""
+        ...
+
+    def exists_early(self, final: Path) -> bool:
+        """Whether something is at ``final``, where asking costs nothing a save would notice (False where it
+        does: ``prepare`` asks after Accepted, before anything is written)."""
+        ...
+
+    def not_a_directory(self, path: Path) -> Path | None:
+        """The nearest existing ancestor of ``path`` if it is no directory (a checkpoint could never go there)."""
+        ...
+
+    def attempt_at(self, listed: Path) -> Path | None:
+        """The attempt a listed name without an index may hold (None: none; an attempt is listed by its own
+        ``.incomplete`` name, except where it shares its checkpoint's name)."""
+        ...
+
+    def sweep(self, attempt: Path, *, move_to: Path | None) -> None:
+        """Remove a dead attempt, or move it into ``move_to`` where it can be moved (else it is removed)."""
+        ...
+
+
 def _kind(mode: int) -> Kind:
     if stat_mod.S_ISDIR(mode):
         return Kind.DIR
@@ -128,10 +230,6 @@ def _kind(mode: int) -> Kind:
 
 class LocalStorage:
     """Plain POSIX I/O on the local filesystem, with O_DIRECT where it is allowed."""
-
-    def can_rename(self, path: Path) -> bool:
-        """Whether ``rename`` publishes a checkpoint (False on an object store: the index written last does)."""
-        return True
 
     def open_new(self, path: Path, *, direct: bool) -> tuple[int, bool]:
         """Create ``path`` for writing; returns the fd and whether it is O_DIRECT."""
@@ -261,35 +359,8 @@ def filesystem_type(path: Path) -> str:
     return kind
 
 
-def load_storage(spec: str | None) -> Storage:
-    """The storage for ``s3://`` names and, for all others, the one named ``module:Class`` (None: the local filesystem).
+@runtime_checkable
+class CheckpointStorage(Checkpoints, Files, Protocol):
+    """Both seams, as the daemon holds them (``ckptd/routed.py``): checkpoint operations, and the file
+    operations that ownership checks, listing and the sweep still read through."""
 
-    A class that needs settings reads them itself (``tests/faults.py`` reads
-    ``CKPTD_FAULTS``), so the daemon's options stay free of them.
-    """
-    from .objects import Routed  # it builds on this module
-
-    return Routed(_local_storage(spec))
-
-
-def _local_storage(spec: str | None) -> Storage:
-    """The storage named ``module:Class`` (None: the local filesystem), created without arguments."""
-    if not spec:
-        return LocalStorage()
-    module_name, sep, class_name = spec.partition(":")
-    if not sep or not module_name or not class_name:
-        raise ValueError(f"--storage must be module:Class, got {spec!r}")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"--storage {spec!r} cannot be loaded: {exc}") from None
-    if not isinstance(cls, type):
-        raise ValueError(f"--storage {spec!r} names a {type(cls).__name__}, not a class implementing "
-                         "ckptd.storage.Storage")
-    try:
-        storage = cls()
-    except Exception as exc:
-        raise ValueError(f"--storage {spec!r} could not be created without arguments: {exc!r}") from None
-    if not isinstance(storage, Storage):
-        raise ValueError(f"--storage {spec!r} does not implement ckptd.storage.Storage")
-    return storage

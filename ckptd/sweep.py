@@ -10,14 +10,13 @@ because a daemon on another node may be writing them right now.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 from ckptd.protocol.names import INCOMPLETE_SUFFIX, INDEX_NAME, KNOWN_DIRS_NAME, SWEPT_DIR
 from ckptd.protocol.objects import SCHEME
 
 from .ownership import dead_here, marker_owners, remove_markers
-from .storage import Kind, Storage
+from .storage import CheckpointStorage, Files, Kind
 
 log = logging.getLogger("ckptd")
 MAX_KNOWN_DIRS = 1000
@@ -34,7 +33,7 @@ class KnownDirs:
     ``remember`` writes a file: call it off the loop thread.
     """
 
-    def __init__(self, storage: Storage, run_dir: Path) -> None:
+    def __init__(self, storage: Files, run_dir: Path) -> None:
         self.storage = storage
         self.file = run_dir / KNOWN_DIRS_NAME
         try:
@@ -53,7 +52,7 @@ class KnownDirs:
         self.storage.rename(tmp, self.file)
 
 
-def is_orphaned(storage: Storage, incomplete: Path) -> bool:
+def is_orphaned(storage: Files, incomplete: Path) -> bool:
     """Whether every writer named in ``incomplete``'s markers is a dead process on this host."""
     try:
         owners = marker_owners(storage, incomplete)
@@ -62,7 +61,7 @@ def is_orphaned(storage: Storage, incomplete: Path) -> bool:
     return bool(owners) and all(dead_here(owner) for owner in owners)
 
 
-def sweep_incomplete(storage: Storage, directories: list[Path], mode: str) -> list[Path]:
+def sweep_incomplete(storage: CheckpointStorage, directories: list[Path], mode: str) -> list[Path]:
     """Remove (``remove``) or move into ``.ckptd-swept/`` (``move``) orphaned ``.incomplete`` dirs.
 
     That includes a checkpoint that retention or an overwrite had renamed
@@ -88,18 +87,13 @@ def sweep_incomplete(storage: Storage, directories: list[Path], mode: str) -> li
                 if st is not None and st.kind is Kind.FILE:
                     remove_markers(storage, path, dead_only=True)
                     continue
-                if storage.can_rename(path):
+                attempt = storage.attempt_at(path)  # a store names ``p.incomplete`` by ``p``'s prefix
+                if attempt is None:
                     continue
-                # a store names ``p.incomplete`` by ``p``'s prefix: without an index it is an attempt's leftover
-                path = path.with_name(entry.name + INCOMPLETE_SUFFIX)
+                path = attempt
             if not is_orphaned(storage, path):
                 continue
-            if mode == "move" and storage.can_rename(path):
-                aside = directory / SWEPT_DIR
-                storage.mkdir(aside, exist_ok=True)
-                storage.rename(path, aside / f"{entry.name}-{int(time.time())}")
-            else:
-                storage.remove_tree(path)
+            storage.sweep(path, move_to=directory / SWEPT_DIR if mode == "move" else None)
             swept.append(path)
             log.info("event=swept path=%s mode=%s", path, mode)
     return swept

@@ -2,8 +2,8 @@
 
 The loop thread never does file I/O. Everything that does runs here:
 
-- ``admit``: one thread, FIFO. Resolving paths, mapping slots
-  (``MAP_POPULATE``), remembering checkpoint directories for the start-up
+- ``admit``: one thread, FIFO. Resolving paths, mapping slots,
+  remembering checkpoint directories for the start-up
   sweep, creating ``.incomplete`` directories, setting a failed
   attempt's directory aside. FIFO matters: a retry's directory is only
   created after the failed attempt's directory was moved out of its way.

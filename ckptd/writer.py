@@ -20,7 +20,6 @@ A write goes through the states below; ``ckptd status`` shows them::
 
 from __future__ import annotations
 
-import errno
 import threading
 import time
 from concurrent.futures import Executor
@@ -33,10 +32,10 @@ from ckptd.protocol.errors import CkptdError, WriteFailed
 from ckptd.protocol.index import CHECKSUM_ALGORITHM, ShardRecord
 from ckptd.protocol.layout import PAGE_SIZE
 from ckptd.protocol.messages import Commit
-from ckptd.protocol.objects import display, is_object_path
+from ckptd.protocol.objects import display
 
 from .slots import MappedSlot
-from .storage import Storage
+from .storage import Checkpoints
 
 CRC_CHUNK = 16 * 1024 * 1024
 
@@ -120,39 +119,25 @@ class WriteJob:
     """A held snapshot's checksum, taken when the daemon took its slot over: the write must match it."""
 
 
-def write_shard(job: WriteJob, storage: Storage, checksums: Executor, *, direct: bool, chunk: int) -> ShardRecord:
+def write_shard(job: WriteJob, storage: Checkpoints, checksums: Executor, *, direct: bool, chunk: int) -> ShardRecord:
     """Write ``job``'s shard to ``job.dest``, fsync it, and return its record."""
     job.state, job.started_at = WriteState.WRITING, time.monotonic()
     nbytes = job.commit.nbytes
     view = memoryview(job.slot.map)
     crc = checksums.submit(checksum_when_staged, view, nbytes, job.progress)
-    fd = -1
+    shard = None
     try:
-        fd, direct = storage.open_new(job.dest, direct=direct)
-        # O_DIRECT needs whole pages; the slot is page-sized, and the padding
-        # past nbytes is cut off again by the truncate below.
-        end = round_up(nbytes) if direct else nbytes
+        shard = storage.open_shard(job.dest, direct=direct)
         offset = 0
-        while offset < end:
+        # O_DIRECT needs whole pages; the slot is page-sized, and ``complete`` cuts the padding off again.
+        while offset < (end := round_up(nbytes) if shard.aligned else nbytes):
             n = min(chunk, end - offset)
             _await_bytes(job, min(offset + n, nbytes))
-            try:
-                with view[offset : offset + n] as part:  # released even if a traceback keeps the frame
-                    offset += storage.pwrite(fd, part, offset)
-            except OSError as exc:
-                if not (direct and exc.errno == errno.EINVAL):
-                    raise
-                # The filesystem took O_DIRECT at open but refuses the write:
-                # carry on buffered from the same offset.
-                storage.close(fd)
-                fd = -1
-                fd, direct = storage.reopen(job.dest), False
-                end = nbytes
+            with view[offset : offset + n] as part:  # released even if a traceback keeps the frame
+                offset += shard.write(part, offset)
             job.written = min(offset, nbytes)
-        if end != nbytes:
-            storage.truncate(fd, nbytes)
-        job.state = WriteState.COMPLETING if is_object_path(job.dest) else WriteState.FSYNC
-        storage.fsync(fd)
+        job.state = WriteState(shard.finishing)
+        shard.complete(nbytes)
     except WriteFailed:
         job.progress.fail("the write failed")  # lets the checksum thread go
         raise
@@ -163,8 +148,8 @@ def write_shard(job: WriteJob, storage: Storage, checksums: Executor, *, direct:
         job.progress.fail("the write failed")
         raise
     finally:
-        if fd >= 0:
-            storage.close(fd)
+        if shard is not None:
+            shard.close()
         try:
             checksum = crc.result()
         except WriteFailed:

@@ -1,8 +1,10 @@
 """The ckptd wire protocol and on-disk format, shared by daemon and client.
 
-msgpack and the standard library only: the daemon imports this without
-torch, and the client imports it without the daemon. (``objects.py``
-imports the object-store client, ``obstore``, on first use of an ``s3://`` name.)
+No torch and nothing of the daemon's or the client's (``tests/test_layering.py``
+checks): the daemon imports this without torch, and the client imports it
+without the daemon. Beside the standard library it uses msgpack (messages),
+pyzmq (``request.py``), crc32c (``checksums.py``), and the object-store
+client ``obstore``, imported by ``objects.py`` on first use of an ``s3://`` name.
 """
 
 from .errors import *  # noqa: F401,F403

@@ -18,18 +18,16 @@ found in their rank's shard header as in version 1. Version-1 indexes (no
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 from . import checksums, objects
 from .errors import InvalidCheckpoint
-from .files import read_regular
+from .reading import CheckpointFiles, files_for
 from .layout import DTYPE_SIZES
 from .names import INCOMPLETE_SUFFIX, INDEX_NAME, incomplete_path, shard_name  # noqa: F401 (also named from here)
 
@@ -218,50 +216,45 @@ def check_tiling(name: str, shape: tuple[int, ...], chunks: list[ChunkRecord]) -
         raise ValueError(f"the chunks of {name!r} hold {stored} elements; its shape {list(shape)} has {want}")
 
 
-def read_index(path: Path | str) -> CheckpointIndex:
-    """The index of the committed checkpoint at ``path``, or ``InvalidCheckpoint``."""
+def read_index(path: Path | str, files: CheckpointFiles | None = None) -> CheckpointIndex:
+    """The index of the committed checkpoint at ``path``, or ``InvalidCheckpoint``.
+
+    ``files``: where to read it (``files_for(path)`` when None; the daemon passes its storage seam).
+    """
     objects.check_url(path)
     path = Path(path)
+    files = files if files is not None else files_for(path)
     if path.name.endswith(INCOMPLETE_SUFFIX):
         raise InvalidCheckpoint(f"{objects.display(path)} is an unfinished checkpoint (.incomplete) and is never loaded")
     index_file = path / INDEX_NAME
     try:
-        if objects.is_object_path(path):
-            data = objects.read_all(index_file)
-        else:
-            data = read_regular(index_file, "index", max_bytes=MAX_INDEX_BYTES)
+        data = files.read_index_file(index_file, max_bytes=MAX_INDEX_BYTES)
     except FileNotFoundError as exc:
         if "bucket" in str(exc.strerror):
             raise InvalidCheckpoint(f"no checkpoint at {objects.display(path)}: {exc.strerror}") from None
-        if objects.is_object_path(path):
-            raise InvalidCheckpoint(f"no checkpoint at {objects.display(path)} (no {INDEX_NAME} there)") from None
-        if path.is_dir():
-            raise InvalidCheckpoint(f"{objects.display(path)} has no {INDEX_NAME}: it is not a committed ckptd checkpoint") from None
-        raise InvalidCheckpoint(f"no checkpoint at {objects.display(path)}") from None
+        raise InvalidCheckpoint(files.no_index(path)) from None
     except OSError as exc:
-        raise InvalidCheckpoint(f"cannot read {objects.display(index_file)}: {exc.strerror}") from None
+        raise InvalidCheckpoint(f"cannot read {objects.display(index_file)}: {exc.strerror or exc}") from None
     return CheckpointIndex.from_json(data, objects.display(index_file))
 
 
-def _store_failed(path: Path | str, exc: InvalidCheckpoint) -> bool:
-    """Whether reading ``path`` failed because its store did not answer (not because the checkpoint is gone)."""
-    return objects.is_object_path(path) and exc.message.startswith("cannot read")
+def _store_failed(files: CheckpointFiles, exc: InvalidCheckpoint) -> bool:
+    """Whether reading failed because a strict store did not answer (not because the checkpoint is gone)."""
+    return files.strict and exc.message.startswith("cannot read")
 
 
-def committed_in(directory: Path | str) -> list[tuple[tuple[int, float], Path]]:
+def committed_in(directory: Path | str, files: CheckpointFiles | None = None) -> list[tuple[tuple[int, float], Path]]:
     """Committed checkpoints directly under ``directory``, oldest first, keyed by (step, created).
 
     A missing step sorts first. ``.incomplete`` directories, symlinks and
     directories without a valid index are not checkpoints and are left out.
     """
     objects.check_url(directory)
+    files = files if files is not None else files_for(directory)
     try:
-        if objects.is_object_path(directory):  # every sub-prefix (a store has no links)
-            paths = [Path(directory) / name for name in objects.listing(directory)[0]]
-        else:
-            paths = [Path(e.path) for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
+        paths = files.subdirs(Path(directory))
     except OSError as exc:
-        if objects.is_object_path(directory):  # a typo, no credentials or no endpoint must not read as "none yet"
+        if files.strict:  # a typo, no credentials or no endpoint must not read as "none yet"
             raise InvalidCheckpoint(f"cannot list {objects.display(directory)}: {exc.strerror}") from None
         return []
     found = []
@@ -269,46 +262,32 @@ def committed_in(directory: Path | str) -> list[tuple[tuple[int, float], Path]]:
         if path.name.endswith(INCOMPLETE_SUFFIX):
             continue
         try:
-            index = read_index(path)
+            index = read_index(path, files)
         except InvalidCheckpoint as exc:
-            if _store_failed(path, exc):
+            if _store_failed(files, exc):
                 raise  # a store that failed to answer says nothing of this checkpoint: skipping it could skip the newest
             continue
         found.append(((index.step if index.step is not None else -1, index.created), path))
     return sorted(found)
 
 
-FileStat = Callable[[Path], tuple[bool, int]]
-"""(a regular file?, size) of a path, links followed; ``OSError`` when it is missing or unreadable."""
-
-
-def _os_file_stat(path: Path) -> tuple[bool, int]:
-    if objects.is_object_path(path):
-        meta = objects.head(path)
-        if meta is None:
-            raise FileNotFoundError(errno.ENOENT, "no such object", objects.display(path))
-        return True, meta["size"]
-    st = os.stat(path)
-    return stat.S_ISREG(st.st_mode), st.st_size
-
-
 def missing_or_truncated(path: Path | str, index: CheckpointIndex,
-                         file_stat: FileStat = _os_file_stat) -> str | None:
+                         files: CheckpointFiles | None = None) -> str | None:
     """What is wrong with the shard files of ``path`` at a glance, or None.
 
     Cheap (one ``stat`` per shard, no data read): each file the index lists
     must be a regular file (after links, as load opens it) of the size the
     index records. A checksum or header problem needs ``verify_checkpoint``.
-    The daemon passes ``file_stat`` reading through its storage seam.
     """
+    files = files if files is not None else files_for(path)
     for record in index.files:
         shard = Path(path) / record.file
         try:
-            regular, size = file_stat(shard)
+            regular, size = files.file_stat(shard)
         except FileNotFoundError:
             return f"shard {objects.display(shard)} is missing"
         except OSError as exc:
-            if objects.is_object_path(shard):  # the store failed to answer: that says nothing of the shard
+            if files.strict:  # the store failed to answer: that says nothing of the shard
                 raise InvalidCheckpoint(f"cannot read {objects.display(shard)}: {exc.strerror}") from None
             return f"shard {shard} is missing or unreadable: {exc.strerror}"
         if not regular:
@@ -326,12 +305,14 @@ def latest(root: Path | str) -> Path | None:
     """
     if not isinstance(root, (str, os.PathLike)):
         raise TypeError(f"root must be a path (str or os.PathLike), got {type(root).__name__}")
-    for _, path in reversed(committed_in(root)):
+    objects.check_url(root)
+    files = files_for(root)
+    for _, path in reversed(committed_in(root, files)):
         try:
-            if missing_or_truncated(path, read_index(path)) is None:
+            if missing_or_truncated(path, read_index(path, files), files) is None:
                 return path
         except InvalidCheckpoint as exc:  # removed or replaced since the scan
-            if _store_failed(path, exc):
+            if _store_failed(files, exc):
                 raise  # a store that stopped answering is no reason to fall back to an older checkpoint
             continue
     return None

@@ -9,7 +9,6 @@ list``/``verify``) and ``ckptd.inspect``; the daemon side imports no torch.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Collection
@@ -18,9 +17,9 @@ from . import objects
 from .objects import display, user_path
 from .checksums import stream_checksum
 from .errors import BadMessage, InvalidCheckpoint
-from .files import open_regular
 from .index import CheckpointIndex, ShardRecord, read_index
-from .layout import MAX_HEADER_BYTES, TensorEntry, parse_header
+from .layout import HEADER_GUESS, MAX_HEADER_BYTES, TensorEntry, parse_header
+from .reading import CheckpointFiles, files_for
 from .structure import check_structure, structure_bytes
 
 
@@ -61,13 +60,31 @@ class CheckpointInfo:
         }
 
 
-def read_shard_header(path: Path, size: int) -> tuple[list[TensorEntry], dict[str, str], int]:
-    """Parse a shard file's header; ``InvalidCheckpoint`` naming the file if it is wrong."""
+def read_shard_header(path: Path, size: int,
+                      files: CheckpointFiles | None = None) -> tuple[list[TensorEntry], dict[str, str], int]:
+    """Parse a shard file's header; ``InvalidCheckpoint`` naming the file if it is wrong.
+
+    One read (an object store's request) for most headers, a second for a longer one.
+    """
+    files = files if files is not None else files_for(path)
     try:
-        with open_shard(path) as f:
-            return read_header_from(f, size, path)
+        prefix = files.read(path, 0, min(size, HEADER_GUESS))
+        if len(prefix) >= 8:
+            want = 8 + min(int.from_bytes(prefix[:8], "little"), MAX_HEADER_BYTES, max(size - 8, 0))
+            if want > len(prefix):
+                prefix += files.read(path, len(prefix), want - len(prefix))
+    except FileNotFoundError:
+        raise InvalidCheckpoint(f"shard {objects.display(path)} is missing") from None
     except OSError as exc:
-        raise InvalidCheckpoint(f"cannot read shard {objects.display(path)}: {exc.strerror}") from None
+        raise InvalidCheckpoint(f"cannot read shard {objects.display(path)}: {exc.strerror or exc}") from None
+    return _parse(prefix, size, path)
+
+
+def _parse(prefix: bytes, size: int, path: Path) -> tuple[list[TensorEntry], dict[str, str], int]:
+    try:
+        return parse_header(prefix, size)
+    except BadMessage as exc:
+        raise InvalidCheckpoint(f"shard {objects.display(path)} has a bad header: {exc.message}") from None
 
 
 def read_header_from(f: BinaryIO, size: int, path: Path) -> tuple[list[TensorEntry], dict[str, str], int]:
@@ -80,10 +97,7 @@ def read_header_from(f: BinaryIO, size: int, path: Path) -> tuple[list[TensorEnt
     if len(prefix) == 8:
         hlen = int.from_bytes(prefix, "little")
         prefix += _read_exactly(f, min(hlen, MAX_HEADER_BYTES, max(size - 8, 0)))
-    try:
-        return parse_header(prefix, size)
-    except BadMessage as exc:
-        raise InvalidCheckpoint(f"shard {objects.display(path)} has a bad header: {exc.message}") from None
+    return _parse(prefix, size, path)
 
 
 def check_shard_structure(tensor_names: Collection[str], metadata: dict[str, str], record: ShardRecord,
@@ -108,7 +122,7 @@ def check_shard_structure(tensor_names: Collection[str], metadata: dict[str, str
 def open_shard(path: Path) -> BinaryIO:
     """A shard opened for reading: a missing file or one that is not a regular file is ``InvalidCheckpoint``."""
     try:
-        return objects.open_object(path) if objects.is_object_path(path) else open_regular(path, "shard")
+        return files_for(path).open(path)
     except FileNotFoundError:
         raise InvalidCheckpoint(f"shard {objects.display(path)} is missing") from None
 
@@ -190,4 +204,4 @@ def check_checksum(shard: Path, crc: int, record: ShardRecord, algorithm: str) -
 
 def _size_of(path: Path) -> int:
     with open_shard(path) as f:
-        return f.size if isinstance(f, objects.ObjectFile) else os.fstat(f.fileno()).st_size
+        return files_for(path).size(f)

@@ -239,7 +239,7 @@ class Snapshots(Message):
 @dataclass(frozen=True)
 class SnapshotList(Message):
     """Every held snapshot: a map per snapshot (path, step, world_size, created, persisted, complete,
-    shards as ``[rank, slot, size, checksum, tensors]``), documented in the README."""
+    shards as ``[rank, slot, size, checksum, tensors]``), documented in docs/status.md."""
 
     snapshots: tuple[dict, ...]
     type: ClassVar[str] = "snapshot_list"
@@ -406,7 +406,7 @@ class Status(Message):
 
 @dataclass(frozen=True)
 class StatusReply(Message):
-    """A snapshot of the daemon; the schema is documented in the README."""
+    """A snapshot of the daemon; the schema is documented in docs/status.md."""
 
     info: dict
     type: ClassVar[str] = "status_reply"

@@ -58,7 +58,11 @@ class Fault:
 
 
 class FaultyStorage(LocalStorage):
-    """The local filesystem, with the faults listed in ``CKPTD_FAULTS`` injected."""
+    """The local filesystem, with the faults listed in ``CKPTD_FAULTS`` injected.
+
+    The daemon's checkpoint operations on local names (``ckptd/checkpoints_local.py``: a shard's writer,
+    publish, discard, set aside) run on it, so each fault acts inside the operation that makes the call.
+    """
 
     def __init__(self, faults: list[Fault] | None = None) -> None:
         if faults is None:

@@ -512,8 +512,8 @@ class CheckpointMachine(RuleBasedStateMachine):
         stray = [k for k in keys if k.rsplit("/", 1)[0] not in committed]
         assert not stray, f"objects of no committed checkpoint in the bucket: {stray}"
         # Not checked: multipart uploads an outage or a kill cut off. The client library can neither list nor
-        # abort an upload it no longer holds; they are invisible to readers, and the README asks for a lifecycle
-        # rule (AbortIncompleteMultipartUpload) to remove them.
+        # abort an upload it no longer holds; they are invisible to readers, and docs/object-storage.md asks for a
+        # lifecycle rule (AbortIncompleteMultipartUpload) to remove them.
         for key in committed:
             url = f"s3://{self.w.bucket}/{key}"
             if url not in self.model.must and url not in self.model.may and not key.startswith("mirror/"):

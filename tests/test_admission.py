@@ -28,6 +28,7 @@ from ckptd.client.slots import Slot
 from ckptd.client.staging import layout_for, write_header
 from ckptd.protocol.errors import BadSlot, NoSpace, PathNotAllowed
 from ckptd.protocol.messages import Commit
+from ckptd.routed import Routed
 from ckptd.slots import SlotMaps
 from ckptd.storage import LocalStorage, filesystem_type
 
@@ -112,7 +113,7 @@ def commit_for(slot: Slot, layout, root, **change) -> Commit:
 
 
 def test_a_reused_slot_header_is_checked_against_every_commit(tmp_path) -> None:
-    slot, maps, storage = Slot(1 << 20), SlotMaps(), LocalStorage()
+    slot, maps, storage = Slot(1 << 20), SlotMaps(), Routed(LocalStorage())
     try:
         first = layout_for(flatten({f"t{i}": torch.ones(8) for i in range(50)}))
         write_header(first, slot)

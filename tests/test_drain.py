@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -28,6 +29,22 @@ def test_sigterm_drains_in_flight_saves_then_exits_zero(daemon_factory, client_f
     assert fut.result(10).path == root / "slow"
     assert ckptd.read_index(root / "slow").world_size == 1
     assert not (daemon.run_dir / "ckptd.sock").exists() and not (daemon.run_dir / "ckptd.pid").exists()
+
+
+def test_sigterms_that_keep_coming_while_the_daemon_drains_and_exits_leave_its_exit_status_zero(daemon) -> None:
+    """A supervisor may signal again while the daemon leaves (a second Ctrl-C, a kill loop): once drained, the
+    daemon ignores that, and a clean stop never ends as "killed by SIGTERM" (the interpreter restores the
+    default action as it exits)."""
+    sent = 0
+    while daemon.proc.poll() is None:
+        try:
+            os.kill(daemon.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:  # reaped between the poll and the kill
+            break
+        sent += 1
+        time.sleep(0.001)
+    assert daemon.proc.wait(30) == 0, f"exit status {daemon.proc.returncode} after {sent} SIGTERMs"
+    assert sent > 1
 
 
 def test_a_save_reported_staged_is_drained_by_a_stop_that_follows(daemon_factory, client_factory, root) -> None:

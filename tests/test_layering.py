@@ -56,8 +56,38 @@ def test_the_client_never_imports_daemon_internals() -> None:
     assert not bad, f"client/ may use ckptd.protocol only: {bad}"
 
 
+BACKEND_BLIND = ("writer", "retention", "admission", "holding", "snapshots", "saves", "sweep", "mirror")
+"""Daemon modules that speak to storage in checkpoint operations only (``ckptd.storage.Checkpoints``)."""
+
+
+def test_the_checkpoint_lifecycle_never_asks_which_backend_a_name_is_on() -> None:
+    """Only the storage implementations (``ckptd/routed.py`` and what it routes to), path parsing and messages
+    ask whether a name is on an object store; what writes, publishes and deletes checkpoints does not."""
+    blind = [p for p in _sources("ckptd") if p.stem in BACKEND_BLIND]
+    asking = {f"{p.name}: {m}" for p in blind for m in _imports(p) if m.endswith(".is_object_path")}
+    asking |= {p.name for p in [*_sources("ckptd"), *_sources("ckptd/integrations")] if "can_rename" in p.read_text()}
+    assert not asking, f"checkpoint operations, not backend checks: {asking}"
+
+
+def test_the_storage_contract_imports_no_implementation_of_it() -> None:
+    """``ckptd/storage.py`` is the contract the implementations build on: importing one back is a cycle."""
+    ours = {m for m in _imports(REPO / "ckptd" / "storage.py")
+            if m.startswith("ckptd.") and not m.startswith("ckptd.protocol")}
+    assert not ours, f"ckptd/storage.py must not import {ours}"
+
+
 def test_starting_the_daemons_modules_loads_no_torch() -> None:
     code = ("import sys, ckptd.server, ckptd.cli, ckptd.daemon; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+REACTIONS = ("ckptd.mirror", "ckptd.retention", "ckptd.holding", "ckptd.metrics", "ckptd.stats")
+"""Modules that react to a commit (they subscribe to ``ckptd/events.py``)."""
+
+
+def test_the_modules_that_commit_import_none_of_the_modules_that_react_to_a_commit() -> None:
+    committing = [REPO / "ckptd" / f"{name}.py" for name in ("saves", "commit", "writer", "admission")]
+    bad = {f"{p.name}: {m}" for p in committing for m in _imports(p) if m.startswith(REACTIONS)}
+    assert not bad, f"a reaction to a commit subscribes to its event instead of being called by the pipeline: {bad}"

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from ckptd.config import DaemonConfig
-from ckptd.storage import Kind, LocalStorage, Storage, load_storage
+from ckptd.routed import load_storage
+from ckptd.storage import Kind, LocalStorage, Storage
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import torch
 from helpers import keys, seeded_state as state, wait_until
 
 from ckptd.mirror import Mirrors
-from ckptd.objects import Routed
+from ckptd.routed import Routed
 from ckptd.protocol.endpoint import LOG_NAME
 from ckptd.protocol.objects import is_object_path
 from ckptd.storage import LocalStorage

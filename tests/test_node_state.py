@@ -9,10 +9,11 @@ import pytest
 
 from ckptd.commit import CheckpointState
 from ckptd.config import DaemonConfig
-from ckptd.protocol.errors import Conflict, RanksMissing, UnknownClient
+from ckptd.protocol.errors import Conflict, InternalError, RanksMissing, UnknownClient
 from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.layout import TensorEntry
-from ckptd.protocol.messages import Commit
+from ckptd.protocol.messages import Commit, Error, Snapshot
+from ckptd.snapshots import Snapshots
 from ckptd.state import NodeState
 from ckptd.storage import LocalStorage
 from ckptd.writer import WriteJob
@@ -119,7 +120,7 @@ def test_ranks_join_one_pending_checkpoint_until_it_is_complete(state, tmp_path)
         state.commits.admit(commit(3, rank=1, world_size=2), b"b", final, os.getpid())
     with pytest.raises(Conflict, match="world size 2"):
         state.commits.admit(commit(4, rank=0, world_size=3), b"c", final, os.getpid())
-    first.state = CheckpointState.WRITING
+    first.move_to(CheckpointState.WRITING)
     assert not state.commits.shard_done(first, ShardRecord("rank-00000-of-00002.safetensors", 0, SHARD, 1, 0))
     assert state.commits.shard_done(first, ShardRecord("rank-00001-of-00002.safetensors", 1, SHARD, 1, 0))
     assert first.state is CheckpointState.COMMITTING
@@ -135,6 +136,36 @@ def test_a_failed_checkpoint_fails_its_late_ranks_the_same_way_and_a_retry_start
         state.commits.admit(commit(2, rank=1, world_size=2), b"b", final, os.getpid())
     retry, _ = state.commits.admit(commit(3, rank=0, world_size=2), b"a", final, os.getpid())
     assert retry is not pending and retry.state is CheckpointState.PREPARING
+
+
+def test_a_checkpoint_moves_only_forward_and_ends_once(state, tmp_path) -> None:
+    pending, _ = state.commits.admit(commit(1), b"a", tmp_path / "once", os.getpid())
+    with pytest.raises(InternalError, match="cannot go from preparing to committing"):
+        pending.move_to(CheckpointState.COMMITTING)  # no shard is written before its directory exists
+    pending.move_to(CheckpointState.WRITING)
+    state.commits.fail(pending, RanksMissing("gone"))
+    with pytest.raises(InternalError, match="cannot go from failed to failed"):
+        state.commits.fail(pending, RanksMissing("twice"))  # each rank is told once
+    with pytest.raises(InternalError, match="cannot go from failed to committed"):
+        pending.move_to(CheckpointState.COMMITTED)
+
+
+def test_disk_and_memory_attempts_share_one_set_of_rules_for_their_ranks(state, tmp_path) -> None:
+    """Joining, overdue ranks and failing every waiting rank behave alike on disk and in memory."""
+    final = tmp_path / "both"
+    pending, _ = state.commits.admit(commit(1, world_size=2, path=str(final)), b"a", final, os.getpid())
+    snaps = Snapshots(budget=1 << 30, keep=1)
+    shot = Snapshot(**{**commit(1, world_size=2, path=str(final)).__dict__})
+    snap, _ = snaps.admit(shot, final, FakeSlot("s"), os.getpid(), b"a")  # type: ignore[arg-type]
+    for attempt, kind in ((pending, "checkpoint"), (snap, "snapshot")):
+        with pytest.raises(Conflict, match=f"rank 0 of {kind} .* already"):
+            attempt.check_join(commit(2, world_size=2, path=str(final)))
+        assert attempt.missing == [1] and attempt.overdue(attempt.started_at + 1) is None
+        late = attempt.overdue(attempt.started_at + attempt.timeout + 1)
+        assert isinstance(late, RanksMissing) and f"{kind} {final}: ranks [1] of 2 never" in late.message
+        sent: list[tuple[bytes, Error]] = []
+        attempt.tell_failed(lambda client, msg: sent.append((client, msg)), late.code, late.message)
+        assert sent == [(b"a", Error(1, late.code, late.message))] and attempt.waiting == []
 
 
 def test_the_status_view_reads_the_state_without_a_server(state) -> None:

@@ -1,4 +1,5 @@
-"""Every fenced code block of README.md runs (or, where it shows a layout, is checked) in ``make test``.
+"""Every fenced code block of README.md and docs/*.md runs (or, where it shows a layout, is checked) in
+``make test``.
 
 How a block runs follows from its info string and its first line, never from a list of exceptions:
 
@@ -9,16 +10,19 @@ How a block runs follows from its info string and its first line, never from a l
   times: a block that resumes from what it saved then runs its resume path too.
 * ``sh``/``bash``: a ``bash -e`` script from the repository root, with the venv's commands on PATH;
   ``make TARGET`` lines are dry runs (``make -n``), since ``make test`` would run itself.
+* ``text diagram``: a picture; each ``dir/file.py`` it names exists in the repository, and it names at
+  least one (so a picture of the pipeline cannot outlive the modules it shows).
 * ``text tree=repo``: a layout of the repository; each top-level directory it names exists, and each
   ``file.py`` named in a directory's description exists in that directory.
   ``text tree=checkpoint``: a checkpoint ``p/``; the files it lists are exactly those of a committed one.
 * ``json``: valid JSON; its ``tensors`` equal the index of a checkpoint saved with those tensors.
 
-The README's example locations (``/ckpts``, ``/models``, ``s3://my-bucket``) become directories under
+The pages' example locations (``/ckpts``, ``/models``, ``s3://my-bucket``) become directories under
 the test's temporary directory and a bucket on a local S3 endpoint (``tests/s3server.py``), and
-``CKPTD_RUN_DIR``/``CKPTD_ROOTS`` (README: API, torchrun) point clients at the test's daemon. Blocks run
-in README order and share those directories and the bucket, so a later block reads what an earlier one
-saved (``ckptd verify`` of the torchrun example's checkpoint). Each block gets a daemon of its own,
+``CKPTD_RUN_DIR``/``CKPTD_ROOTS`` (docs/api.md, README: torchrun) point clients at the test's daemon. Blocks
+run in order, README.md first, then docs/*.md by name, and share those directories and the bucket, so a
+later block reads what an earlier one saved (``ckptd verify`` of the torchrun example's checkpoint, the
+object-storage page's ``ckptd list`` of the README's save to the bucket). Each block gets a daemon of its own,
 started by the test (roots: the directory and the bucket) unless the block starts one itself
 (``ckptd start``); either is stopped after the block, and must stop cleanly.
 """
@@ -42,7 +46,8 @@ import ckptd
 from helpers import REPO, short_tempdir, start_daemon
 from s3server import S3Server
 
-README = REPO / "README.md"
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+"""Every page whose blocks run, in the order they run."""
 BLOCK_TIMEOUT_S = 400
 """Generous: two torchrun runs of an example on a loaded two-core machine take about a minute."""
 
@@ -120,11 +125,12 @@ GIVEN: dict[str, Given] = {
     "model and optimizer (FSDP2)": Given(_FSDP2, "dist.destroy_process_group()\n"),
     "under torchrun": Given(torchrun=True),
 }
-"""Every name a README snippet may take as given (its ``# given:`` line), defined here once."""
+"""Every name a snippet may take as given (its ``# given:`` line), defined here once."""
 
 
 @dataclass
 class Block:
+    page: str
     line: int
     lang: str
     attrs: dict[str, str]
@@ -132,7 +138,17 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"line{self.line}-{self.lang}"
+        return f"{self.page}:line{self.line}-{self.lang}"
+
+    @property
+    def script(self) -> str:
+        """A file name for the block's script (its id, with the page's directories flattened)."""
+        return re.sub(r"[^\w.-]", "-", self.id)
+
+    @property
+    def where(self) -> str:
+        """Where the block is, as an error message names it."""
+        return f"{self.page} line {self.line}"
 
     def given(self) -> list[str]:
         first = self.text.splitlines()[0] if self.text.strip() else ""
@@ -141,8 +157,9 @@ class Block:
         return [name.strip() for name in first.removeprefix("# given:").split(",")]
 
 
-def readme_blocks(text: str) -> list[Block]:
-    """Every fenced block, with its language and ``key=value`` attributes from the info string."""
+def page_blocks(page: str, text: str) -> list[Block]:
+    """Every fenced block of a page, with its language, ``key=value`` attributes and bare words (``diagram``)
+    from the info string."""
     blocks: list[Block] = []
     lines = text.splitlines()
     i = 0
@@ -157,20 +174,20 @@ def readme_blocks(text: str) -> list[Block]:
         while i < len(lines) and lines[i] != "```":
             body.append(lines[i])
             i += 1
-        assert i < len(lines), f"README.md line {start}: a fenced block that never closes"
+        assert i < len(lines), f"{page} line {start}: a fenced block that never closes"
         lang = words[0] if words else ""
-        attrs = dict(w.split("=", 1) for w in words[1:] if "=" in w)
-        blocks.append(Block(start, lang, attrs, "\n".join(body) + "\n"))
+        attrs = dict(w.split("=", 1) if "=" in w else (w, "") for w in words[1:])
+        blocks.append(Block(page, start, lang, attrs, "\n".join(body) + "\n"))
         i += 1
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text())
+BLOCKS = [b for page in PAGES for b in page_blocks(str(page.relative_to(REPO)), page.read_text())]
 
 
 @dataclass
 class Scene:
-    """Where the README's examples live in this test: directories, the bucket, the environment."""
+    """Where the pages' examples live in this test: directories, the bucket, the environment."""
 
     base: Path
     bucket: str
@@ -178,7 +195,7 @@ class Scene:
     env: dict[str, str] = field(default_factory=dict)
 
     def localize(self, text: str) -> str:
-        """The README's locations mapped to this test's (``/ckpts`` -> ``<base>/ckpts``, the bucket)."""
+        """The pages' locations mapped to this test's (``/ckpts`` -> ``<base>/ckpts``, the bucket)."""
         text = re.sub(r"(?<![\w./-])/(ckpts|models)(?=[/\s\"'`]|$)", lambda m: f"{self.base}/{m.group(1)}", text)
         return text.replace("s3://my-bucket", f"s3://{self.bucket}")
 
@@ -206,10 +223,10 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
 def run_python(block: Block, scene: Scene, env: dict[str, str]) -> str:
     names = block.given()
     unknown = [n for n in names if n not in GIVEN]
-    assert not unknown, f"README.md line {block.line}: nothing defines given {unknown}; GIVEN has {sorted(GIVEN)}"
+    assert not unknown, f"{block.where}: nothing defines given {unknown}; GIVEN has {sorted(GIVEN)}"
     given = [GIVEN[n] for n in names]
     script = "".join(g.setup for g in given) + block.text + "".join(g.teardown for g in reversed(given))
-    path = scene.base / "blocks" / f"{block.id}.py"
+    path = scene.base / "blocks" / f"{block.script}.py"
     path.write_text(scene.localize(script))
     if any(g.torchrun for g in given):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(path)]
@@ -220,19 +237,26 @@ def run_python(block: Block, scene: Scene, env: dict[str, str]) -> str:
         done = subprocess.run(cmd, cwd=scene.base / "work", env=env, capture_output=True, text=True,
                               timeout=BLOCK_TIMEOUT_S)
         output += done.stdout + done.stderr
-        assert done.returncode == 0, f"README.md line {block.line} exited {done.returncode}:\n{output[-6000:]}"
+        assert done.returncode == 0, f"{block.where} exited {done.returncode}:\n{output[-6000:]}"
     return output
 
 
 def run_shell(block: Block, scene: Scene, env: dict[str, str]) -> str:
     text = re.sub(r"^(\s*)make (?!-n)", r"\1make -n ", block.text, flags=re.M)
-    path = scene.base / "blocks" / f"{block.id}.sh"
+    path = scene.base / "blocks" / f"{block.script}.sh"
     path.write_text("set -euo pipefail\n" + scene.localize(text))
     done = subprocess.run(["bash", str(path)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=BLOCK_TIMEOUT_S)
     output = done.stdout + done.stderr
-    assert done.returncode == 0, f"README.md line {block.line} exited {done.returncode}:\n{output[-6000:]}"
+    assert done.returncode == 0, f"{block.where} exited {done.returncode}:\n{output[-6000:]}"
     return output
+
+
+def check_diagram(block: Block) -> None:
+    named = re.findall(r"\b[\w]+/[\w/]*\w+\.py\b", block.text)
+    assert named, f"{block.where}: a diagram naming no module (dir/file.py)"
+    missing = sorted({n for n in named if not (REPO / n).is_file()})
+    assert not missing, f"{block.where} names {missing}, which the repository lacks"
 
 
 def check_tree(block: Block, scene: Scene) -> None:
@@ -245,12 +269,13 @@ def check_tree(block: Block, scene: Scene) -> None:
                 top = line.split()[0]
                 named.append(top)
             named += [top + f for f in re.findall(r"\b[\w/]+\.py\b", line if line[0].isspace() else line[len(top):])]
-        assert named, f"README.md line {block.line}: a repository layout naming nothing"
+        assert named, f"{block.where}: a repository layout naming nothing"
         missing = [n for n in named if not (REPO / n).exists()]
-        assert not missing, f"README.md line {block.line} names {missing}, which the repository lacks"
+        assert not missing, f"{block.where} names {missing}, which the repository lacks"
         return
-    assert block.attrs.get("tree") == "checkpoint", f"README.md line {block.line}: text needs tree=repo|checkpoint"
-    assert lines[0].split()[0] == "p/", f"README.md line {block.line}: a checkpoint layout starts at p/"
+    assert block.attrs.get("tree") == "checkpoint", \
+        f"{block.where}: text needs diagram, tree=repo or tree=checkpoint"
+    assert lines[0].split()[0] == "p/", f"{block.where}: a checkpoint layout starts at p/"
     listed = sorted(line.split()[0] for line in lines[1:])
     path = scene.base / "ckpts" / "layout" / "p"
     with ckptd.Client(spawn=False, timeout=30.0) as client:
@@ -277,16 +302,21 @@ def check_json(block: Block, scene: Scene) -> None:
 
 AFTER: dict[str, str] = {
     'trainer(4).fit(model, ckpt_path="last")': "Restored all states from the checkpoint",
+    "--ckpt-dir /ckpts/run1 --steps 300": "resumed from step 200",
+    "--ckpt-dir /ckpts/fabric --steps 8": "resumed from step 6",
 }
 """Blocks that claim a resume, and what their output shows when the resume happened."""
 
 
 @pytest.mark.timeout(BLOCK_TIMEOUT_S * 2 + 60)
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
-def test_readme_block_runs(block: Block, scene: Scene) -> None:
+def test_block_runs(block: Block, scene: Scene) -> None:
     if block.lang not in ("python", "sh", "bash", "text", "json"):
-        pytest.fail(f"README.md line {block.line}: a block in {block.lang or 'no language'}; the runner runs "
-                    "python, sh and bash, and checks text tree=repo|checkpoint and json")
+        pytest.fail(f"{block.where}: a block in {block.lang or 'no language'}; the runner runs python, sh and "
+                    "bash, and checks text diagram, text tree=repo|checkpoint and json")
+    if block.lang == "text" and "diagram" in block.attrs:
+        check_diagram(block)  # a picture: nothing runs, so no daemon
+        return
     run_dir = short_tempdir("ckreadme-")
     env = dict(scene.env, CKPTD_RUN_DIR=str(run_dir))
     starts_own = block.lang in ("sh", "bash") and "ckptd start" in block.text
@@ -308,7 +338,7 @@ def test_readme_block_runs(block: Block, scene: Scene) -> None:
                 check_json(block, scene)
         for claim, shown in AFTER.items():
             if claim in block.text:
-                assert shown in output, f"README.md line {block.line} did not show {shown!r}:\n{output[-6000:]}"
+                assert shown in output, f"{block.where} did not show {shown!r}:\n{output[-6000:]}"
     finally:
         if daemon is not None:
             assert daemon.stop(60) == 0, "the test's daemon did not stop cleanly"
@@ -320,6 +350,6 @@ def test_readme_block_runs(block: Block, scene: Scene) -> None:
 
 
 def test_every_given_name_is_used_by_some_block() -> None:
-    """``GIVEN`` holds nothing the README no longer asks for (one place for each fact)."""
+    """``GIVEN`` holds nothing the pages no longer ask for (one place for each fact)."""
     used = {name for block in BLOCKS for name in block.given()}
     assert used == set(GIVEN)

@@ -73,7 +73,6 @@ import inspect
 import logging
 import os
 import pathlib
-import shutil
 import sys
 import threading
 import warnings
@@ -101,7 +100,8 @@ from ckptd.protocol.errors import CkptdError, InvalidCheckpoint
 from ckptd.protocol.index import incomplete_path, read_index
 from ckptd.protocol.objects import is_object_path, object_url
 from ckptd.retention import remove_checkpoint
-from ckptd.storage import LocalStorage
+from ckptd.routed import load_storage
+from ckptd.storage import Kind
 
 __all__ = ["CkptdCheckpointIO", "to_plain"]
 
@@ -425,24 +425,26 @@ class CkptdCheckpointIO(CheckpointIO):
         no reader, and no ``ckptd.latest``, sees it half-deleted.
         """
         self._wait_for(self._key(path))
-        target = Path(os.path.abspath(os.fspath(path)))
-        if target.is_symlink():
-            target.unlink(missing_ok=True)
-        elif target.is_dir():
+        target, storage = Path(os.path.abspath(os.fspath(path))), load_storage(None)
+        st = storage.stat(target)  # a link is reported as one, never followed
+        if st is not None and st.kind is Kind.LINK:
+            with contextlib.suppress(FileNotFoundError):
+                storage.unlink(target)
+        elif st is not None and st.kind is Kind.DIR:
             try:
                 read_index(target)
             except InvalidCheckpoint:
                 warnings.warn(f"CkptdCheckpointIO left {target} in place: it is not a committed ckptd checkpoint",
                               stacklevel=2)
             else:  # gone meanwhile (False) is fine too: the goal is reached
-                if remove_checkpoint(LocalStorage(), target, marker=None):
+                if remove_checkpoint(storage, target, marker=None):
                     log.debug("removed checkpoint %s", target)
-        elif target.exists():
+        elif st is not None:
             warnings.warn(f"CkptdCheckpointIO left {target} in place: it is a file, not a ckptd checkpoint",
                           stacklevel=2)
         leftover = incomplete_path(target)
-        if leftover.is_dir() and not leftover.is_symlink():
-            shutil.rmtree(leftover, ignore_errors=True)
+        if (left := storage.stat(leftover)) is not None and left.kind is Kind.DIR:  # never a link's target
+            storage.remove_tree(leftover)
 
     def teardown(self) -> None:
         """Wait for every pending save, close the client, then raise the first failed save."""

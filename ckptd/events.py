@@ -1,0 +1,88 @@
+"""What happens to checkpoints, told to whoever reacts to it.
+
+The lifecycle publishes: the save pipeline (``saves.py``) that a checkpoint
+committed or failed, the memory tier (``holding.py``) that a snapshot is held
+or dropped. Stats (and through them status and metrics), the mirror,
+retention and the memory tier subscribe; ``server.py`` wires them. So the
+module that commits imports none of the modules that react to a commit, and
+a new reaction is one more subscription, not another hook inside the pipeline.
+
+Handlers run on the loop thread, synchronously and in the order they
+subscribed, after the lifecycle has answered the ranks. A handler that raises
+is logged and the others still run: a defect in one reaction can neither undo
+a commit nor keep the next reaction from happening.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, TypeVar, Union
+
+from ckptd.protocol.errors import CkptdError
+
+log = logging.getLogger("ckptd")
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A checkpoint took its final name, durably (its ranks were told ``Done``)."""
+
+    path: Path
+    step: int | None
+    nbytes: int
+    seconds: float
+    """From the attempt's first rank to its publication."""
+    keep_last: int | None
+    """The save's own retention (``save_async(keep_last=)``), None: the directory's ``--keep``, if any."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A checkpoint attempt ended without a checkpoint (its ranks were told why)."""
+
+    path: Path
+    error: CkptdError
+
+
+@dataclass(frozen=True)
+class Held:
+    """Every rank of a snapshot is held in node memory (its ranks were told ``Held``)."""
+
+    path: Path
+    step: int | None
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A held snapshot left node memory (its slots go back to their clients or are unlinked)."""
+
+    path: Path
+    step: int | None
+    reason: str
+    """``budget`` (evicted for a newer one), ``newer`` (beyond ``keep_snapshots``) or ``saved_to_disk``."""
+
+
+Event = Union[Committed, Failed, Held, Dropped]
+E = TypeVar("E", Committed, Failed, Held, Dropped)
+
+
+class Events:
+    """Subscriptions by event type; ``publish`` calls each of the type's handlers (loop thread only)."""
+
+    def __init__(self) -> None:
+        self._handlers: defaultdict[type, list[Callable[[Event], None]]] = defaultdict(list)
+
+    def subscribe(self, kind: type[E], handler: Callable[[E], None]) -> None:
+        self._handlers[kind].append(handler)  # type: ignore[arg-type]
+
+    def publish(self, event: Event) -> None:
+        for handler in self._handlers[type(event)]:
+            try:
+                handler(event)
+            except Exception as exc:  # one reaction's defect must not stop the others
+                log.error("event=subscriber_failed kind=%s path=%s handler=%r error=%r", type(event).__name__,
+                          event.path, handler, exc, exc_info=exc)

@@ -1,0 +1,128 @@
+"""Where a reader finds a committed checkpoint's files: the read side of the storage seam.
+
+Every reader of committed checkpoints (``read_index``, ``committed_in``,
+``latest``, ``missing_or_truncated``, shard headers) asks a
+``CheckpointFiles``. The client and the CLI read local files
+(``LocalFiles``) and objects (``ObjectFiles``) directly, ``files_for``
+picking by name; the daemon reads through its storage seam
+(``ckptd/catalog.py``), so its reads run the same code, through whatever
+storage it was started with (a fault-injecting one included).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+from . import objects
+from .files import open_regular, read_regular
+from .names import INDEX_NAME
+
+
+class CheckpointFiles(Protocol):
+    """What a reader of committed checkpoints asks of the place they are in."""
+
+    strict: bool
+    """Whether a failure to answer must not read as "absent": on a store, a typo, no credentials or an outage
+    must not read as "no checkpoint" (nor skip the newest one). Where False, what cannot be read is skipped."""
+
+    def subdirs(self, directory: Path) -> list[Path]:
+        """The directories (never links) directly under ``directory``; ``OSError`` if it cannot be listed."""
+        ...
+
+    def read_index_file(self, path: Path, *, max_bytes: int) -> bytes:
+        """The whole index file ``path``; ``FileNotFoundError`` when there is none, ``InvalidCheckpoint`` when
+        what is there is no index ckptd wrote."""
+        ...
+
+    def no_index(self, checkpoint: Path) -> str:
+        """Why ``checkpoint`` is none when its index is missing (a message)."""
+        ...
+
+    def file_stat(self, path: Path) -> tuple[bool, int]:
+        """(a regular file?, size), links followed; ``FileNotFoundError`` when it is missing."""
+        ...
+
+    def read(self, path: Path, offset: int, size: int) -> bytes:
+        """At most ``size`` bytes of the shard file ``path`` from ``offset``; ``FileNotFoundError`` if missing."""
+        ...
+
+
+def no_index_message(checkpoint: Path, is_dir: bool) -> str:
+    """Why ``checkpoint`` is none when its index is missing, as every reader says it."""
+    if is_dir:
+        return f"{objects.display(checkpoint)} has no {INDEX_NAME}: it is not a committed ckptd checkpoint"
+    return f"no checkpoint at {objects.display(checkpoint)}"
+
+
+class LocalFiles:
+    """Local files, opened as regular files only (``protocol/files.py``)."""
+
+    strict = False
+
+    def subdirs(self, directory: Path) -> list[Path]:
+        return [Path(e.path) for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
+
+    def read_index_file(self, path: Path, *, max_bytes: int) -> bytes:
+        return read_regular(path, "index", max_bytes=max_bytes)
+
+    def no_index(self, checkpoint: Path) -> str:
+        return no_index_message(checkpoint, checkpoint.is_dir())
+
+    def file_stat(self, path: Path) -> tuple[bool, int]:
+        st = os.stat(path)
+        return stat.S_ISREG(st.st_mode), st.st_size
+
+    def read(self, path: Path, offset: int, size: int) -> bytes:
+        with open_regular(path, "shard") as f:
+            return os.pread(f.fileno(), size, offset)
+
+    def open(self, path: Path) -> BinaryIO:
+        """A shard opened for reading whole (verify's checksum)."""
+        return open_regular(path, "shard")
+
+    def size(self, f: BinaryIO) -> int:
+        return os.fstat(f.fileno()).st_size
+
+
+class ObjectFiles:
+    """Objects on a store (``s3://``): a checkpoint is a prefix, its files are objects."""
+
+    strict = True
+
+    def subdirs(self, directory: Path) -> list[Path]:
+        return [Path(directory) / name for name in objects.listing(directory)[0]]  # a store has no links
+
+    def read_index_file(self, path: Path, *, max_bytes: int) -> bytes:
+        return objects.read_all(path)
+
+    def no_index(self, checkpoint: Path) -> str:
+        return f"no checkpoint at {objects.display(checkpoint)} (no {INDEX_NAME} there)"
+
+    def file_stat(self, path: Path) -> tuple[bool, int]:
+        meta = objects.head(path)
+        if meta is None:
+            raise FileNotFoundError(errno.ENOENT, "no such object", objects.display(path))
+        return True, meta["size"]
+
+    def read(self, path: Path, offset: int, size: int) -> bytes:
+        return objects.read(path, offset, size)
+
+    def open(self, path: Path) -> BinaryIO:
+        """A shard read whole by ranged requests (verify's checksum)."""
+        return objects.open_object(path)  # type: ignore[return-value]
+
+    def size(self, f: BinaryIO) -> int:
+        return f.size  # type: ignore[attr-defined]
+
+
+LOCAL_FILES = LocalFiles()
+OBJECT_FILES = ObjectFiles()
+
+
+def files_for(path: Path | str) -> LocalFiles | ObjectFiles:
+    """The files a reader outside the daemon reads ``path`` through."""
+    return OBJECT_FILES if objects.is_object_path(path) else LOCAL_FILES
