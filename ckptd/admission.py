@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 from ckptd.protocol.errors import BadMessage, BadSlot, NoSpace, PathNotAllowed
 from ckptd.protocol.layout import TensorEntry, parse_header
-from ckptd.protocol.messages import Commit
+from ckptd.protocol.messages import StagedShard
 from ckptd.protocol.shm import SHM_REMEDIES, shm_usage
 
 from .commit import refuse_existing, resolve_path
 from .render import human_bytes
-from .slots import MappedSlot, SlotMaps
+from .slot_maps import MappedSlot, SlotMaps
 from .storage import CheckpointStorage, Space
 from .writer import round_up
 
@@ -46,7 +46,7 @@ class Examined:
     """Free bytes in the slot directory counting this save's own slot as free (it exists already)."""
 
 
-def examine(storage: CheckpointStorage, slots: SlotMaps, msg: Commit, *, pid: int, roots: tuple[Path, ...]) -> Examined:
+def examine(storage: CheckpointStorage, slots: SlotMaps, msg: StagedShard, *, pid: int, roots: tuple[Path, ...]) -> Examined:
     """Resolve the path, map and check the slot, measure free space (I/O; the admission worker).
 
     The slot is released again if anything is wrong, so a refused commit holds no mapping.
@@ -74,7 +74,7 @@ def _by_offset(e: TensorEntry) -> tuple[int, int]:
     return e.begin, e.end
 
 
-def _header_matches(slot: MappedSlot, msg: Commit) -> bool:
+def _header_matches(slot: MappedSlot, msg: StagedShard) -> bool:
     """Whether the slot's header holds the commit's tensor table (``msg.tensors``: checked, by offset).
 
     A training loop saves the same structure every time, so the header in a

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, ClassVar
 
 from ckptd.protocol.errors import Conflict, ErrorCode, RanksMissing
-from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Commit, Error, Message
+from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Error, Message, StagedShard
 from ckptd.protocol.objects import display
 
 from .contributors import Contributors
@@ -87,7 +87,7 @@ class Attempt:
     def missing(self) -> list[int]:
         return sorted(set(range(self.world_size)) - self.arrived)
 
-    def check_join(self, msg: Commit) -> None:
+    def check_join(self, msg: StagedShard) -> None:
         """Raise ``Conflict`` unless ``msg``'s rank may join: same run, same world and step, a rank not yet in."""
         words = self.words
         self.contributors.refuse_other_job(self.path, msg)
@@ -97,13 +97,13 @@ class Attempt:
         if msg.rank in self.arrived:
             raise Conflict(f"rank {msg.rank} of {words.noun} {self.path} {words.already}")
 
-    def join(self, msg: Commit, pid: int, waiter: Waiter) -> None:
+    def join(self, msg: StagedShard, pid: int, waiter: Waiter) -> None:
         """Add a rank that passed ``check_join``: it is waited for, and bounds the attempt's timeout."""
         self.contributors.join(msg, pid)
         self.timeout = min(self.timeout, msg.timeout)
         self.waiting.append(waiter)
 
-    def broken_by(self, msg: Commit) -> Conflict | None:
+    def broken_by(self, msg: StagedShard) -> Conflict | None:
         """A ``Conflict`` if ``msg``, a rank of this open attempt's own run, disagrees with the ranks before it:
         the run's save is broken, and the caller fails it on every rank, ``msg``'s included."""
         if not self.open:

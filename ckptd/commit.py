@@ -47,7 +47,7 @@ from ckptd.protocol.index import (
     incomplete_path,
     shard_name,
 )
-from ckptd.protocol.messages import Commit, Finalize
+from ckptd.protocol.messages import Finalize, StagedShard
 from ckptd.protocol.inspect import read_shard_header
 from ckptd.protocol.objects import display, is_object_path
 
@@ -157,7 +157,7 @@ class Retry:
     """A rank's examined shard for a path whose failed attempt is still being cleared away: admitted after it."""
 
     client: bytes
-    msg: Commit
+    msg: StagedShard
     pid: int
     progress: "Progress"
     examined: "Examined"
@@ -229,7 +229,7 @@ class Commits:
         that a victim is still the version it judged and sets it aside (maintenance pool): so retention never
         deletes a version that replaced the one it checked (an overwrite committed while it asked the mirror)."""
 
-    def admit(self, commit: Commit, client: bytes, final: Path, pid: int) -> tuple[PendingCheckpoint, Path]:
+    def admit(self, commit: StagedShard, client: bytes, final: Path, pid: int) -> tuple[PendingCheckpoint, Path]:
         """Register one rank's commit (from process ``pid``) to ``final``; returns its checkpoint and shard file path.
 
         A new checkpoint starts ``preparing``: its directory is made by
@@ -252,7 +252,7 @@ class Commits:
         pending.writing += 1
         return pending, pending.incomplete / shard_name(commit.rank, commit.world_size)
 
-    def _refuse_late_rank_of_failed(self, final: Path, commit: Commit) -> None:
+    def _refuse_late_rank_of_failed(self, final: Path, commit: StagedShard) -> None:
         """A rank arriving after its checkpoint failed gets the same error; its retry starts afresh.
 
         A rank of another incarnation, or arriving after the failed attempt's

@@ -6,7 +6,7 @@ the same paths; if its ranks joined the dead job's attempt, the committed
 checkpoint would mix the two jobs' state and still verify. So every attempt,
 on disk (``commit.PendingCheckpoint``) or in memory
 (``snapshots.HeldSnapshot``), keeps its ``Contributors``: the job incarnation
-its ranks named (``Commit.job``) and the process behind each rank. A rank
+its ranks named (``StagedShard.job``) and the process behind each rank. A rank
 joins only an attempt of its own incarnation whose processes are all alive;
 an attempt still missing ranks whose processes died can never complete with
 its own job's shards, and is abandoned (at once when a newcomer asks, and by
@@ -19,7 +19,7 @@ covers the other.
 
 The same object checks what ``replicated=`` promises: rank 0 writes the
 tensors under those keys for every rank, so every rank must hold the same
-names, shapes and dtypes there (``Commit.replicated`` carries a digest per
+names, shapes and dtypes there (``StagedShard.replicated`` carries a digest per
 key). Values are not compared: that would cost a read of every rank's bytes.
 
 Bookkeeping only, on the loop thread.
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from ckptd.protocol.errors import Conflict
-from ckptd.protocol.messages import Commit
+from ckptd.protocol.messages import StagedShard
 from ckptd.protocol.objects import display
 
 from ckptd.protocol.processes import pid_alive
@@ -46,7 +46,7 @@ class Contributors:
     pids: dict[int, int] = field(default_factory=dict)
     """rank -> pid of the process that sent it (the daemon's own for a persisted snapshot)."""
     replicated: dict[str, str] | None = None
-    """The first rank's ``Commit.replicated``; every later rank must match it."""
+    """The first rank's ``StagedShard.replicated``; every later rank must match it."""
     replicated_rank: int = 0
 
     def dead(self, alive: Callable[[int], bool] = pid_alive) -> dict[int, int]:
@@ -62,7 +62,7 @@ class Contributors:
         ranks = ", ".join(f"{r} (pid {p})" for r, p in sorted(dead.items()))
         return f"the process of rank(s) {ranks} died before ranks {missing} saved"
 
-    def refuse_other_job(self, path: Path, msg: Commit) -> None:
+    def refuse_other_job(self, path: Path, msg: StagedShard) -> None:
         """Raise ``Conflict`` if ``msg`` comes from another incarnation than this live attempt's."""
         if msg.job != self.job:
             ranks = sorted(self.pids)
@@ -72,7 +72,7 @@ class Contributors:
                 f"incarnation {msg.job or 'unnamed'!r}. A checkpoint is only ever made of one run's shards: wait for "
                 f"that save to end, or save under another path")
 
-    def same_run_conflict(self, path: Path, msg: Commit, world_size: int, step: int | None,
+    def same_run_conflict(self, path: Path, msg: StagedShard, world_size: int, step: int | None,
                           coordinated: bool) -> Conflict | None:
         """A ``Conflict`` if ``msg``, a rank of this attempt's own run, disagrees with the ranks before it (world
         size, step, replicated keys): the run's save is broken, so the caller fails it on every rank."""
@@ -86,7 +86,7 @@ class Contributors:
                 f"agree; nothing was saved")
         return self._replicated_conflict(path, msg)
 
-    def _replicated_conflict(self, path: Path, msg: Commit) -> Conflict | None:
+    def _replicated_conflict(self, path: Path, msg: StagedShard) -> Conflict | None:
         """A ``Conflict`` naming the key and ranks if ``msg``'s replicated keys differ from the first rank's."""
         if self.replicated is None or msg.replicated == self.replicated:
             return None
@@ -106,7 +106,7 @@ class Contributors:
             f"hold the same tensors there; nothing was saved. Save keys whose state differs between ranks "
             f"without replicated=")
 
-    def join(self, msg: Commit, pid: int) -> None:
+    def join(self, msg: StagedShard, pid: int) -> None:
         self.pids[msg.rank] = pid
         if self.replicated is None:
             self.replicated, self.replicated_rank = dict(msg.replicated), msg.rank

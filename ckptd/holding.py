@@ -43,7 +43,7 @@ from .replies import error_reply
 from .saves import Saves
 from .snapshots import HeldShard, HeldSnapshot, shards_of
 from .state import NodeState
-from .slots import SlotMaps
+from .slot_maps import SlotMaps
 from .storage import CheckpointStorage
 from .workers import Workers
 from .writer import Progress, checksum_when_staged

@@ -17,7 +17,7 @@ from typing import Any
 from ckptd.protocol.objects import is_object_path
 
 from .checkpoints_local import LocalCheckpoints
-from .objects import ObjectCheckpoints, ObjectStorage
+from .checkpoints_store import ObjectCheckpoints, ObjectStorage
 from .storage import Checkpoints, Entry, Files, LocalStorage, ShardWriter, Space, Stat, Storage
 
 

@@ -1,8 +1,8 @@
-"""The save pipeline: from a rank's Commit to its Done, one step per worker pool.
+"""The save pipeline: from a rank's WriteShard to its Done, one step per worker pool.
 
 ::
 
-    Commit ──admit pool: examine (path, slot, header, free space)
+    WriteShard ──admit pool: examine (path, slot, header, free space)
            ──loop: room check, bookkeeping ──admit pool: remember the parent, prepare p.incomplete (first rank)
            ──loop: Accepted ──write pool: shard to disk, fsync ──loop: Durable / all ranks in?
            ──commit pool: index, rename, fsync parent ──loop: Done, then ``Committed`` (``events.py``)
@@ -28,7 +28,7 @@ from typing import Callable
 
 from ckptd.protocol.errors import CkptdError, InternalError, RanksMissing, ShuttingDown, WriteFailed
 from ckptd.protocol.index import ShardRecord
-from ckptd.protocol.messages import Abort, Accepted, Commit, Done, Durable, Finalize, Message, Ok
+from ckptd.protocol.messages import Abort, Accepted, Done, Durable, Finalize, Message, Ok, StagedShard, WriteShard
 from ckptd.protocol.objects import display, is_permanent
 
 from .admission import Examined, check_room, examine
@@ -69,11 +69,11 @@ class Saves:
 
     # -- admission ------------------------------------------------------------
 
-    def commit(self, ident: bytes, msg: Commit) -> None:
+    def write_shard(self, ident: bytes, msg: WriteShard) -> None:
         """Start admitting one rank's shard; Accepted (or Error) follows."""
         self.enter(ident, msg, examine, self.admit_examined)
 
-    def enter(self, ident: bytes, msg: Commit, examine: Examine, then: Admit) -> None:
+    def enter(self, ident: bytes, msg: StagedShard, examine: Examine, then: Admit) -> None:
         """The one way in for a rank's shard, to disk or to memory (``Snapshot``): count it, track its staging,
         examine it on the admit pool, then ``then`` on the loop, or an Error reply if the examination refused it."""
         client = self.state.client(ident)
@@ -89,7 +89,7 @@ class Saves:
         self.workers.submit("admit", lambda: examine(self.storage, slots, msg, pid=pid, roots=roots), examined)
 
     def staged(self, ident: bytes, upto: int, error: str | None, request_id: int) -> None:
-        progress = self.state.saves.get((ident, request_id))
+        progress = self.state.staging.get((ident, request_id))
         if progress is None:
             return  # that save already ended (refused or failed): the notice is moot
         if error:
@@ -97,12 +97,12 @@ class Saves:
         else:
             progress.advance(upto)
 
-    def refuse(self, ident: bytes, msg: Commit, exc: BaseException) -> None:
+    def refuse(self, ident: bytes, msg: StagedShard, exc: BaseException) -> None:
         """A rank's shard is not taken: its save ends, and it is told why."""
         self.state.end_save(ident, msg.id)
         self.send(ident, error_reply(self.state.stats, msg.id, exc))
 
-    def admit_examined(self, ident: bytes, msg: Commit, progress: Progress, examined: Examined, *, pid: int,
+    def admit_examined(self, ident: bytes, msg: StagedShard, progress: Progress, examined: Examined, *, pid: int,
                        internal: bool = False, expected_checksum: int | None = None) -> None:
         """Queue an examined shard's write, sent by process ``pid``.
 
@@ -194,7 +194,7 @@ class Saves:
         record: ShardRecord | None = fut.result() if fut is not None and exc is None else None
         if record is not None and job.expected_checksum is not None and record.checksum != job.expected_checksum:
             exc, record = WriteFailed(
-                f"rank {job.commit.rank} of snapshot {pending.path} changed in node memory since the daemon held it "
+                f"rank {job.msg.rank} of snapshot {pending.path} changed in node memory since the daemon held it "
                 f"(checksum {record.checksum:#010x} now, {job.expected_checksum:#010x} when held): not persisted"), None
         if record is None:
             job.state = WriteState.FAILED
@@ -206,7 +206,7 @@ class Saves:
                 self._discard(pending)
             return
         if pending.coordinated and record is not None:
-            self.send(job.client, Durable(job.commit.id, record.file, record.rank, record.size,
+            self.send(job.client, Durable(job.msg.id, record.file, record.rank, record.size,
                                           record.checksum, record.tensors))
         if ready:
             self._finalize(pending)

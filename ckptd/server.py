@@ -21,8 +21,9 @@ import zmq
 from ckptd.protocol import __version__
 from ckptd.protocol.errors import BadMessage, ErrorCode
 from ckptd.protocol.messages import (
-    MAX_MESSAGE_BYTES, Abort, Bye, Commit, Error, Finalize, Granted, Hello, Lease, Message, Ok, Persist, Pin, Ping,
-    Pong, Release, Snapshot, Snapshots, Staged, Status, StatusReply, Stop, Unpin, Welcome, decode, request_id,
+    MAX_MESSAGE_BYTES, Abort, Bye, Error, Finalize, Granted, Hello, Lease, Message, Ok, Persist, Pin, Ping, Pong,
+    Release, Snapshot, Snapshots, Staged, StagedShard, Status, StatusReply, Stop, Unpin, Welcome, WriteShard, decode,
+    request_id,
 )
 from ckptd.protocol.objects import display
 
@@ -34,7 +35,7 @@ from .mirror import Mirrors
 from .retention import Retainer
 from .replies import error_reply
 from .saves import Saves
-from .slots import reclaim_orphaned_slots
+from .slot_maps import reclaim_orphaned_slots
 from .state import MAX_PID, NodeState
 from .stats import add_filesystems
 from .storage import CheckpointStorage
@@ -83,7 +84,7 @@ class Server:
         self._idle_since = time.monotonic()
         self._handlers: dict[type[Message], Callable[[bytes, Any], Message | None]] = {
             Hello: self._on_hello,
-            Commit: self.saves.commit,
+            WriteShard: self.saves.write_shard,
             Snapshot: self.holding.snapshot,
             Persist: self.holding.persist,
             Snapshots: self.holding.listing,
@@ -179,7 +180,7 @@ class Server:
         try:
             msg = decode(payload)
             rid = msg.id
-            if isinstance(msg, Commit):  # and Snapshot
+            if isinstance(msg, StagedShard):  # WriteShard or Snapshot
                 msg = self.state.resolve_layout(ident, msg)
             handler = self._handlers.get(type(msg))
             if handler is None:

@@ -45,7 +45,7 @@ from ckptd.protocol.messages import Snapshot
 from .attempt import Attempt, Waiter, Words
 from .contributors import Contributors
 from .render import human_bytes
-from .slots import MappedSlot
+from .slot_maps import MappedSlot
 
 
 @dataclass

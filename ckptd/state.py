@@ -20,13 +20,13 @@ from typing import Any, Iterable, Mapping
 
 from ckptd.protocol.errors import BadMessage, UnknownClient
 from ckptd.protocol.layout import CheckedTable
-from ckptd.protocol.messages import Commit
+from ckptd.protocol.messages import StagedShard
 from ckptd.protocol.processes import pid_alive
 
 from .commit import Commits, PendingCheckpoint
 from .config import DaemonConfig
 from .leases import Grant, LoadLeases
-from .slots import SlotMaps
+from .slot_maps import SlotMaps
 from .snapshots import Snapshots
 from .stats import Stats
 from .storage import CheckpointStorage
@@ -60,8 +60,9 @@ class NodeState:
     def __init__(self, config: DaemonConfig, storage: CheckpointStorage, slots: SlotMaps | None = None) -> None:
         self.config = config
         self.clients: dict[bytes, ClientRecord] = {}
-        self.saves: dict[tuple[bytes, int], Progress] = {}
-        """Staging progress of every save from its Commit until its write ends (``Staged`` finds it here)."""
+        self.staging: dict[tuple[bytes, int], Progress] = {}
+        """Staging progress of every shard from its WriteShard or Snapshot until its write ends (``Staged`` finds
+        it here)."""
         self.jobs: list[WriteJob] = []
         """Admitted shard writes, queued or running, until they end."""
         self.commits = Commits(storage, config.roots)
@@ -111,7 +112,7 @@ class NodeState:
             raise UnknownClient("this client has not said hello (or the daemon restarted); send hello first")
         return client
 
-    def resolve_layout(self, ident: bytes, msg: Commit) -> Commit:
+    def resolve_layout(self, ident: bytes, msg: StagedShard) -> StagedShard:
         """``msg`` with its tensor table: a table it carries is kept under its digest, a digest is replaced by
         the table this connection sent under it (checked then, by this daemon: never taken on the client's word).
 
@@ -122,7 +123,7 @@ class NodeState:
         layouts = client.layouts
         if msg.tensors or not msg.layout:
             if msg.layout:
-                assert isinstance(msg.tensors, CheckedTable)  # Commit.__post_init__ checked it against the digest
+                assert isinstance(msg.tensors, CheckedTable)  # StagedShard.__post_init__ checked it against the digest
                 layouts[msg.layout] = msg.tensors
                 layouts.move_to_end(msg.layout)
                 while len(layouts) > LAYOUTS_PER_CLIENT:
@@ -160,37 +161,37 @@ class NodeState:
 
     # -- saves and writes ---------------------------------------------------------
 
-    def begin_save(self, ident: bytes, client: ClientRecord, msg: Commit, *, deadline: float) -> Progress:
-        """A Commit arrived: count it and track its staging until its write ends."""
+    def begin_save(self, ident: bytes, client: ClientRecord, msg: StagedShard, *, deadline: float) -> Progress:
+        """A shard arrived: count it and track its staging until its write ends."""
         client.saves += 1
         client.waited_s += msg.waited
         client.last_waited_s = msg.waited
         progress = Progress(msg.staged, msg.nbytes, deadline=deadline)
-        self.saves[(ident, msg.id)] = progress
+        self.staging[(ident, msg.id)] = progress
         return progress
 
     def end_save(self, ident: bytes, request_id: int) -> None:
-        self.saves.pop((ident, request_id), None)
+        self.staging.pop((ident, request_id), None)
 
     def abandon_staging(self, ident: bytes | None, reason: str) -> None:
         """Fail the saves still waiting for ``ident``'s staging (None: every client's)."""
-        for (client, _), progress in self.saves.items():
+        for (client, _), progress in self.staging.items():
             if ident in (None, client) and not progress.complete:
                 progress.fail(reason)
 
     def reserved_on(self, device: int) -> int:
         """Bytes admitted to ``device`` and not yet written (admission's promise)."""
-        return sum(j.commit.nbytes - j.written for j in self.jobs if j.device == device)
+        return sum(j.msg.nbytes - j.written for j in self.jobs if j.device == device)
 
     def finish_job(self, job: WriteJob) -> None:
         self.jobs.remove(job)
         self.slots.release(job.slot)
-        self.end_save(job.client, job.commit.id)
+        self.end_save(job.client, job.msg.id)
         job.finished_at = time.monotonic()
 
     @property
     def busy(self) -> bool:
-        return bool(self.saves or self.jobs or self.commits.closing)
+        return bool(self.staging or self.jobs or self.commits.closing)
 
     @property
     def idle(self) -> bool:

@@ -94,10 +94,10 @@ class Stats:
         saves = [
             {
                 "path": display(job.checkpoint),
-                "rank": job.commit.rank,
-                "world_size": job.commit.world_size,
+                "rank": job.msg.rank,
+                "world_size": job.msg.world_size,
                 "state": job.state.value,
-                "bytes": job.commit.nbytes,
+                "bytes": job.msg.nbytes,
                 "written": job.written,
                 "staged": job.progress.staged,
                 "waited_s": round((job.started_at or now) - job.queued_at, 6),

@@ -6,7 +6,7 @@ attempt under its final name (replacing or not), discard an attempt, set a
 committed checkpoint aside to delete it. They never ask which backend they
 are on. Two implementations exist: a local filesystem publishes by rename
 (``ckptd/checkpoints_local.py``), an object store by writing the index last
-(``ckptd/objects.py``); ``ckptd/routed.py`` puts them side by side by name.
+(``ckptd/checkpoints_store.py``); ``ckptd/routed.py`` puts them side by side by name.
 
 Both rest on file operations by name (``Files``): the POSIX calls of the
 local filesystem (``LocalStorage``, a ``Storage``: with the descriptors a

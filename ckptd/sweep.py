@@ -1,4 +1,4 @@
-"""Start-up cleaning: leftovers of saves whose writer died (orphaned slots: ``slots.py``).
+"""Start-up cleaning: leftovers of saves whose writer died (orphaned slots: ``slot_maps.py``).
 
 ``p.incomplete`` directories are never loaded, but they hold disk space. On
 start the daemon removes (or moves aside) the ones it can prove are dead: every

@@ -7,7 +7,7 @@ checksum runs at the same time on another thread over the same bytes
 (CRC32C, ``ckptd.protocol.checksums``, releases the GIL), so it costs no
 wall time while it is faster than the disk.
 
-A client may commit before it has finished copying (``Commit.staged`` below
+A client may commit before it has finished copying (``StagedShard.staged`` below
 ``nbytes``) and report progress with ``Staged`` notices; the write then
 follows the copy chunk by chunk, so staging and writing overlap and a big
 save is durable about one copy-time sooner. The checksum waits for the end
@@ -31,10 +31,10 @@ from ckptd.protocol.checksums import updater
 from ckptd.protocol.errors import CkptdError, WriteFailed
 from ckptd.protocol.index import CHECKSUM_ALGORITHM, ShardRecord
 from ckptd.protocol.layout import PAGE_SIZE
-from ckptd.protocol.messages import Commit
+from ckptd.protocol.messages import StagedShard
 from ckptd.protocol.objects import display
 
-from .slots import MappedSlot
+from .slot_maps import MappedSlot
 from .storage import Checkpoints
 
 CRC_CHUNK = 16 * 1024 * 1024
@@ -100,7 +100,7 @@ class WriteJob:
     """One rank's shard on its way from slot to disk."""
 
     client: bytes
-    commit: Commit
+    msg: StagedShard
     slot: MappedSlot
     dest: Path
     checkpoint: Path
@@ -122,7 +122,7 @@ class WriteJob:
 def write_shard(job: WriteJob, storage: Checkpoints, checksums: Executor, *, direct: bool, chunk: int) -> ShardRecord:
     """Write ``job``'s shard to ``job.dest``, fsync it, and return its record."""
     job.state, job.started_at = WriteState.WRITING, time.monotonic()
-    nbytes = job.commit.nbytes
+    nbytes = job.msg.nbytes
     view = memoryview(job.slot.map)
     crc = checksums.submit(checksum_when_staged, view, nbytes, job.progress)
     shard = None
@@ -158,10 +158,10 @@ def write_shard(job: WriteJob, storage: Checkpoints, checksums: Executor, *, dir
     job.state = WriteState.DURABLE
     return ShardRecord(
         file=job.dest.name,
-        rank=job.commit.rank,
+        rank=job.msg.rank,
         size=nbytes,
         checksum=checksum,
-        tensors=len(job.commit.tensors),
+        tensors=len(job.msg.tensors),
     )
 
 

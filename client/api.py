@@ -16,7 +16,7 @@ from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.errors import Busy, CkptdError, InternalError, InvalidCheckpoint, NoSpace
 from ckptd.protocol.layout import ShardLayout
 from ckptd.protocol.messages import (
-    DEFAULT_COMMIT_TIMEOUT, Bye, Commit, Done, Durable, Held, Persist, Ping, Snapshot, Staged,
+    DEFAULT_COMMIT_TIMEOUT, Bye, Done, Durable, Held, Persist, Ping, Snapshot, Staged, WriteShard,
 )
 from ckptd.protocol.objects import absolute, user_path
 
@@ -338,7 +338,7 @@ class Client:
             pass  # the save's own future reports what went wrong
 
     def _send_commit(self, req: "_Request", shard: Future, layout: ShardLayout, *, staged: int) -> tuple[int, Future]:
-        kind, conn, table = Commit if req.persist else Snapshot, self._conn, self._layouts.table(layout)
+        kind, conn, table = WriteShard if req.persist else Snapshot, self._conn, self._layouts.table(layout)
         full = kind(conn.next_id(), req.slot.name, layout.nbytes, layout.data_start, table, req.path, self.rank,
                     self.world_size, req.step, req.overwrite, coordinated=self._coordinator is not None or req.coordinated,
                     keep_last=req.keep_last, timeout=self.commit_timeout, waited=req.waited, staged=staged,

@@ -112,7 +112,7 @@ def load_into(
         if rank is None:
             rank = detect_ranks().rank if index.world_size > 1 else 0
             if rank >= index.world_size:  # a larger world: per-rank state only where every saved rank agrees
-                difference = _difference_between_saved_ranks(files, key)
+                difference = _difference_between_saved_ranks(files, key, target)
                 if difference is not None:
                     raise InvalidCheckpoint(
                         f"checkpoint {display(path)} was saved by ranks 0..{index.world_size - 1}; this process is "
@@ -142,19 +142,28 @@ def load_into(
         files.close()  # a held snapshot's reader lease ends: the daemon may drop it now
 
 
-def _difference_between_saved_ranks(files: ChunkFiles, key: str | None) -> str | None:
-    """Where the saved ranks' per-rank state (under ``key``) first differs, or None if every saved rank holds
-    the same: then a rank beyond the saved world may take it, as it takes its share of the global tensors."""
+def _difference_between_saved_ranks(files: ChunkFiles, key: str | None, target: Any) -> str | None:
+    """Where the saved ranks' per-rank state (under ``key``) that ``target`` takes first differs, or None if every
+    saved rank holds the same: then a rank beyond the saved world may take it, as it takes its share of the global
+    tensors. State the target leaves (``strict=False``: a data loader's position it does not restore) may differ."""
     first: Any = None
     for r in range(files.index.world_size):
         saved = load_rank(files, r, None, files.ref, mmap=True)
         if key is not None:
             saved = saved.get(key) if isinstance(saved, dict) else None
+        saved = _taken(saved, target)
         if r == 0:
             first = saved
         elif (where := _first_difference(first, saved, [key] if key is not None else [])) is not None:
             return f"ranks 0 and {r} differ at {where}"
     return None
+
+
+def _taken(saved: Any, target: Any) -> Any:
+    """What of ``saved`` a load into ``target`` reads: of each dict, the entries the target's dict holds too."""
+    if isinstance(saved, dict) and isinstance(target, dict):
+        return {k: _taken(v, target[k]) for k, v in saved.items() if k in target}
+    return saved
 
 
 def _first_difference(a: Any, b: Any, path: list[Any]) -> str | None:

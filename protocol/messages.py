@@ -13,7 +13,7 @@ Conversation::
 
     client                      daemon
     Hello            ──▶        Welcome
-    Commit           ──▶        Accepted ... later Done | Error   (its tensor table, or the digest of one sent before)
+    WriteShard       ──▶        Accepted ... later Done | Error   (its tensor table, or the digest of one sent before)
     Snapshot         ──▶        Accepted ... later Held | Error   (kept in node memory, not written)
     Persist          ──▶        Done | Error      (write a held snapshot to disk)
     Snapshots        ──▶        SnapshotList      (what the daemon holds in memory)
@@ -99,7 +99,7 @@ class Hello(Message):
     rank: int = 0
     world_size: int = 1
     job: str = ""
-    """The run (``Commit.job``); empty for a client that saves nothing or whose run has no name."""
+    """The run (``StagedShard.job``); empty for a client that saves nothing or whose run has no name."""
     type: ClassVar[str] = "hello"
 
     def __post_init__(self) -> None:
@@ -118,8 +118,10 @@ class Welcome(Message):
 
 
 @dataclass(frozen=True)
-class Commit(Message):
-    """Write the shard staged in ``slot`` as ``rank`` of checkpoint ``path``."""
+class StagedShard(Message):
+    """A shard staged in ``slot`` as ``rank`` of checkpoint ``path``, handed to the daemon: to write
+    (``WriteShard``) or to hold in node memory (``Snapshot``). Both stage alike: same fields, same checks.
+    Not a message of its own (no wire type)."""
 
     slot: str
     nbytes: int
@@ -159,7 +161,6 @@ class Commit(Message):
     replicated: dict[str, str] = dataclasses.field(default_factory=dict)
     """Digest of the tensors (names, shapes, dtypes) under each ``replicated=`` top-level key: rank 0 writes
     them for every rank, so every rank of the checkpoint must send the same map."""
-    type: ClassVar[str] = "commit"
 
     def __post_init__(self) -> None:
         if not self.slot.startswith(SLOT_PREFIX) or "/" in self.slot:
@@ -192,12 +193,19 @@ class Commit(Message):
 
 
 @dataclass(frozen=True)
-class Snapshot(Commit):
-    """Like ``Commit``, but the daemon keeps the shard in node memory as checkpoint ``path`` instead of writing it.
+class WriteShard(StagedShard):
+    """Write the shard staged in ``slot`` as ``rank`` of checkpoint ``path`` (``Accepted``, then ``Done`` once the
+    checkpoint is committed, or ``Durable`` on several nodes). On the wire it is still ``commit``, as it always was."""
+
+    type: ClassVar[str] = "commit"
+
+
+@dataclass(frozen=True)
+class Snapshot(StagedShard):
+    """Keep the shard staged in ``slot`` in node memory as rank ``rank`` of checkpoint ``path`` instead of writing it.
 
     The daemon takes over the slot (the client stages its next save into
-    another one) until the snapshot is dropped; ``Held`` says so. Same fields,
-    same checks: a snapshot stages exactly like a disk save.
+    another one) until the snapshot is dropped; ``Held`` says so.
     """
 
     type: ClassVar[str] = "snapshot"
@@ -335,7 +343,7 @@ class Durable(Message):
 
 @dataclass(frozen=True)
 class Finalize(Message):
-    """Commit checkpoint ``path`` from every rank's durable shard (global rank 0)."""
+    """Publish checkpoint ``path`` from every rank's durable shard (global rank 0)."""
 
     path: str
     world_size: int
@@ -443,7 +451,7 @@ class Ok(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.type: cls
-    for cls in (Hello, Welcome, Commit, Staged, Accepted, Durable, Finalize, Abort, Done, Lease, Granted, Release, Error,
+    for cls in (Hello, Welcome, WriteShard, Staged, Accepted, Durable, Finalize, Abort, Done, Lease, Granted, Release, Error,
                 Status, StatusReply, Ping, Pong, Bye, Stop, Ok, Snapshot, Held, Persist, Snapshots, SnapshotList,
                 Pin, Unpin)
 }

@@ -18,7 +18,7 @@ import torch
 
 from ckptd.client.flatten import flatten
 from ckptd.protocol.layout import plan_layout
-from ckptd.protocol.messages import Commit
+from ckptd.protocol.messages import WriteShard
 
 from helpers import SHM, dead_pid
 
@@ -65,14 +65,14 @@ def raw_slot(n: int, data: bytes, size: int) -> Path:
     return path
 
 
-def make_commit(**fields) -> Commit:
-    """A Commit from named fields, whatever fields this version of the protocol has.
+def make_commit(**fields) -> WriteShard:
+    """A WriteShard from named fields, whatever fields this version of the protocol has.
 
     ``staged`` (bytes already final in the slot, when the protocol has it) defaults to all of them.
     """
-    names = {f.name for f in dataclasses.fields(Commit)}
+    names = {f.name for f in dataclasses.fields(WriteShard)}
     fields.setdefault("staged", fields["nbytes"])
-    return Commit(**{k: v for k, v in fields.items() if k in names})
+    return WriteShard(**{k: v for k, v in fields.items() if k in names})
 
 
 def commit_fields(rid: int, slot: str, nbytes: int, header_len: int, tensors, path: str) -> dict:

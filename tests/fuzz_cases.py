@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 from hypothesis import strategies as st
 
-from ckptd.protocol.messages import MAX_INT, MESSAGE_TYPES, Commit
+from ckptd.protocol.messages import MAX_INT, MESSAGE_TYPES, WriteShard
 
 from fuzz_arena import PID, UID, Arena
 
@@ -42,7 +42,7 @@ SILENT_WHEN_VALID = {"staged"}
 LATE_FIRST_REPLY = {"commit", "snapshot", "finalize", "abort", "persist", "status", "lease"}
 """Requests whose one reply may come after later requests are answered (their I/O runs on the daemon's
 worker pools: admission, and the path resolution of finalize, abort and persist; the lease queue)."""
-COMMIT_FIELDS = {f.name for f in dataclasses.fields(Commit)} - {"id"}
+COMMIT_FIELDS = {f.name for f in dataclasses.fields(WriteShard)} - {"id"}
 
 
 ADVERSARIAL = st.sampled_from([

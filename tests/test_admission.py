@@ -27,9 +27,9 @@ from ckptd.client.flatten import flatten
 from ckptd.client.slots import Slot
 from ckptd.client.staging import layout_for, write_header
 from ckptd.protocol.errors import BadSlot, NoSpace, PathNotAllowed
-from ckptd.protocol.messages import Commit
+from ckptd.protocol.messages import WriteShard
 from ckptd.routed import Routed
-from ckptd.slots import SlotMaps
+from ckptd.slot_maps import SlotMaps
 from ckptd.storage import LocalStorage, filesystem_type
 
 from helpers import MiB, floats, tmpfs, wait_until
@@ -106,8 +106,8 @@ def test_the_filesystem_type_comes_from_the_deepest_mount_above_the_path(tmp_pat
     assert filesystem_type(tmp_path) == "unknown"
 
 
-def commit_for(slot: Slot, layout, root, **change) -> Commit:
-    c = Commit(1, slot.name, layout.nbytes, layout.data_start, layout.entries, str(root / "ckpt"), 0, 1, None, False,
+def commit_for(slot: Slot, layout, root, **change) -> WriteShard:
+    c = WriteShard(1, slot.name, layout.nbytes, layout.data_start, layout.entries, str(root / "ckpt"), 0, 1, None, False,
                False, None, 60.0, 0.0, layout.nbytes)
     return dataclasses.replace(c, **change)
 
@@ -118,7 +118,7 @@ def test_a_reused_slot_header_is_checked_against_every_commit(tmp_path) -> None:
         first = layout_for(flatten({f"t{i}": torch.ones(8) for i in range(50)}))
         write_header(first, slot)
 
-        def check(msg: Commit) -> tuple | None:
+        def check(msg: WriteShard) -> tuple | None:
             mapped = examine(storage, maps, msg, pid=os.getpid(), roots=(tmp_path,)).slot
             maps.release(mapped)
             return mapped.header

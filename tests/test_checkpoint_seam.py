@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.checkpoints_local import LocalCheckpoints
-from ckptd.objects import ObjectCheckpoints, ObjectStorage
+from ckptd.checkpoints_store import ObjectCheckpoints, ObjectStorage
 from ckptd.ownership import owner_marker
 from ckptd.protocol.errors import CheckpointExists
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index

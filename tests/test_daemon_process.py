@@ -17,7 +17,7 @@ import torch
 import ckptd
 from ckptd.config import DaemonConfig
 from ckptd.protocol.errors import ErrorCode
-from ckptd.protocol.messages import Commit, Error, Hello, Status, StatusReply, Welcome, decode
+from ckptd.protocol.messages import WriteShard, Error, Hello, Status, StatusReply, Welcome, decode
 from ckptd.protocol.layout import plan_layout
 from ckptd.render import render_status
 
@@ -171,7 +171,7 @@ def test_a_housekeeping_interval_that_is_not_positive_finite_seconds_is_refused_
 def test_garbage_and_rule_breaking_requests_get_error_replies_and_the_daemon_serves_on(daemon, root) -> None:
     sock = raw_socket(daemon)
     layout = plan_layout([("w", "F32", (4,))], {})
-    commit = Commit(7, f"ckptd-{os.getuid()}-{os.getpid()}-0", layout.nbytes, layout.data_start,
+    commit = WriteShard(7, f"ckptd-{os.getuid()}-{os.getpid()}-0", layout.nbytes, layout.data_start,
                     layout.entries, str(root / "x"), 0, 1, None, False, False, None, 60.0, 0.0, layout.nbytes)
     cases = [
         (b"\xc1garbage", ErrorCode.BAD_MESSAGE),
@@ -190,7 +190,7 @@ def test_garbage_and_rule_breaking_requests_get_error_replies_and_the_daemon_ser
     sock.send(commit.to_wire())
     reply = decode(sock.recv())
     assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_SLOT and "cannot open slot" in reply.message
-    other = Commit(8, f"ckptd-{os.getuid()}-1-0", layout.nbytes, layout.data_start, layout.entries,
+    other = WriteShard(8, f"ckptd-{os.getuid()}-1-0", layout.nbytes, layout.data_start, layout.entries,
                    str(root / "x"), 0, 1, None, False, False, None, 60.0, 0.0, layout.nbytes)
     sock.send(other.to_wire())
     reply = decode(sock.recv())
@@ -211,7 +211,7 @@ def test_a_slot_whose_header_disagrees_with_the_commit_is_refused(daemon, client
     sock.send(Hello(1, os.getpid(), os.getuid(), "test").to_wire())
     decode(sock.recv())
     layout = plan_layout([("v", "F32", (4,))], {})
-    lie = Commit(2, slot, layout.nbytes, layout.data_start, layout.entries, str(root / "lie"), 0, 1, None, False, False, None, 60.0, 0.0, layout.nbytes)
+    lie = WriteShard(2, slot, layout.nbytes, layout.data_start, layout.entries, str(root / "lie"), 0, 1, None, False, False, None, 60.0, 0.0, layout.nbytes)
     sock.send(lie.to_wire())
     reply = decode(sock.recv())
     assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_SLOT, reply

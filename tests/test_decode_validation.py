@@ -22,7 +22,7 @@ from ckptd.protocol.messages import (
     MAX_NAME_BYTES,
     MAX_STRING,
     MESSAGE_TYPES,
-    Commit,
+    WriteShard,
     Message,
     decode,
     request_id,
@@ -410,7 +410,7 @@ def test_a_tensor_with_a_negative_dimension_is_refused_naming_the_tensor():
     with pytest.raises(BadMessage, match=re.escape("tensor 'w': negative dimension in shape [-2, -3]")):
         validate_entries(entries, 24)
     with pytest.raises(BadMessage, match="negative dimension"):
-        Commit(1, "ckptd-x", HEADER + 24, HEADER, tuple(entries), "/c", 0, 1, None, False, False, None, 60.0, 0.0, HEADER + 24)
+        WriteShard(1, "ckptd-x", HEADER + 24, HEADER, tuple(entries), "/c", 0, 1, None, False, False, None, 60.0, 0.0, HEADER + 24)
 
 
 def test_a_commit_whose_shape_disagrees_with_its_offsets_is_refused_naming_the_tensor():

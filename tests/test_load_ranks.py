@@ -76,3 +76,15 @@ def test_load_into_on_a_larger_world_takes_per_rank_values_every_saved_rank_shar
     target = {"w": torch.ones(4), "step": 0}
     ckptd.load_into(target, path)
     assert target["step"] == 3 and torch.equal(target["w"], torch.zeros(4))
+
+
+def test_load_into_on_a_larger_world_leaves_per_rank_state_the_target_does_not_take(daemon, client_factory, root,
+                                                                                   rank_2_of_3) -> None:
+    path = _two_rank_checkpoint(client_factory, root, [{"data": {"pos": 100}, "step": 3},
+                                                       {"data": {"pos": 200}, "step": 3}])
+    target = {"w": torch.ones(4), "step": 0}  # the data position is not restored here (a new data-parallel degree)
+    report = ckptd.load_into(target, path, strict=False)
+    assert report.unexpected == ["data"]
+    assert target["step"] == 3 and torch.equal(target["w"], torch.zeros(4))
+    with pytest.raises(InvalidCheckpoint, match=r"ranks 0 and 1 differ at state_dict\['data'\]\['pos'\]"):
+        ckptd.load_into({"w": torch.ones(4), "data": {"pos": 0}}, path, strict=False)  # one it takes still may not

@@ -12,7 +12,7 @@ from ckptd.config import DaemonConfig
 from ckptd.protocol.errors import Conflict, InternalError, RanksMissing, UnknownClient
 from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.layout import TensorEntry
-from ckptd.protocol.messages import Commit, Error, Snapshot
+from ckptd.protocol.messages import WriteShard, Error, Snapshot
 from ckptd.snapshots import Snapshots
 from ckptd.state import NodeState
 from ckptd.storage import LocalStorage
@@ -50,8 +50,8 @@ def state(tmp_path: Path) -> NodeState:
 
 
 def commit(rid: int, *, rank: int = 0, world_size: int = 1, path: str = "/ckpts/a", step: int | None = 1,
-           staged: int = SHARD) -> Commit:
-    return Commit(rid, slot=f"ckptd-0-1-{rid}", nbytes=SHARD, header_len=4096, tensors=TENSORS, path=path, rank=rank,
+           staged: int = SHARD) -> WriteShard:
+    return WriteShard(rid, slot=f"ckptd-0-1-{rid}", nbytes=SHARD, header_len=4096, tensors=TENSORS, path=path, rank=rank,
                   world_size=world_size, step=step, overwrite=False, coordinated=False, keep_last=None,
                   timeout=600.0, waited=0.25, staged=staged)
 
@@ -88,12 +88,12 @@ def test_a_save_counts_for_its_client_and_ends_with_its_write(state) -> None:
     client = state.hello(b"a", 1)
     progress = state.begin_save(b"a", client, commit(1), deadline=1e18)
     assert (client.saves, client.waited_s, client.last_waited_s) == (1, 0.25, 0.25)
-    assert state.saves[(b"a", 1)] is progress and state.busy
+    assert state.staging[(b"a", 1)] is progress and state.busy
     job = WriteJob(b"a", commit(1), FakeSlot("ckptd-0-1-1"), Path("/ckpts/a.incomplete/r"), Path("/ckpts/a"),
                    progress, device=7)
     state.jobs.append(job)
     state.finish_job(job)
-    assert state.jobs == [] and state.saves == {} and state.slots.released == ["ckptd-0-1-1"]
+    assert state.jobs == [] and state.staging == {} and state.slots.released == ["ckptd-0-1-1"]
     assert job.finished_at is not None
     assert not state.busy
 

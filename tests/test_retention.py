@@ -18,7 +18,7 @@ import torch
 from ckptd.ownership import owner_marker
 from ckptd.protocol.index import INDEX_NAME, CheckpointIndex, shard_name
 from ckptd.retention import apply_retention
-from ckptd.objects import ObjectCheckpoints
+from ckptd.checkpoints_store import ObjectCheckpoints
 from ckptd.routed import Routed
 from ckptd.storage import LocalStorage
 

@@ -15,7 +15,7 @@ from ckptd.client.slots import Slot
 from ckptd.client.staging import LayoutCache
 from ckptd.protocol.errors import ErrorCode
 from ckptd.protocol.layout import plan_layout, validate_entries
-from ckptd.protocol.messages import Commit, Error, Hello, decode
+from ckptd.protocol.messages import WriteShard, Error, Hello, decode
 
 from helpers import raw_socket, wait_until
 
@@ -82,11 +82,11 @@ def small_state(step: int) -> dict:
     return {"w": {f"t{i}": torch.full((16,), float(step * 1000 + i)) for i in range(1000)}, "mixed": mixed(1)}
 
 
-def sent_commits(client) -> list[Commit]:
+def sent_commits(client) -> list[WriteShard]:
     """Record the commits ``client`` puts on its socket (a spy: they still go out unchanged)."""
     conn, seen = client._conn, []
     request = conn.request
-    conn.request = lambda msg, **kw: (seen.append(msg) if isinstance(msg, Commit) else None, request(msg, **kw))[1]
+    conn.request = lambda msg, **kw: (seen.append(msg) if isinstance(msg, WriteShard) else None, request(msg, **kw))[1]
     return seen
 
 
@@ -117,7 +117,7 @@ def test_a_commit_may_name_only_a_table_its_own_connection_sent_and_the_daemon_c
     """The daemon keeps the table it decoded and checked itself, per connection: a digest is never taken on trust."""
     layout = plan_layout([("w", "F32", (4,)), ("b", "F32", (2,))], {})
     table = validate_entries(layout.entries, layout.nbytes - layout.data_start)
-    full = Commit(7, f"ckptd-{os.getuid()}-{os.getpid()}-0", layout.nbytes, layout.data_start, table,
+    full = WriteShard(7, f"ckptd-{os.getuid()}-{os.getpid()}-0", layout.nbytes, layout.data_start, table,
                   str(root / "x"), 0, 1, None, False, False, None, 60.0, 0.0, layout.nbytes, layout=table.digest)
     naming = dataclasses.replace(full, tensors=())
     sender, other = raw_socket(daemon), raw_socket(daemon)

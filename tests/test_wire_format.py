@@ -20,7 +20,7 @@ from ckptd.protocol.messages import (
     Abort,
     Accepted,
     Bye,
-    Commit,
+    WriteShard,
     Done,
     Durable,
     Error,
@@ -62,7 +62,7 @@ GOLDEN: dict[str, tuple[Message, str]] = {
         "74ad2f736372617463682f636b7074",
     ),
     "commit": (
-        Commit(
+        WriteShard(
             id=2,
             slot="ckptd-1000-4242-0",
             nbytes=4096 + 32,
@@ -260,7 +260,7 @@ def test_message_type_names_are_frozen():
     assert {name: cls.__name__ for name, cls in MESSAGE_TYPES.items()} == {
         "hello": "Hello",
         "welcome": "Welcome",
-        "commit": "Commit",
+        "commit": "WriteShard",
         "accepted": "Accepted",
         "durable": "Durable",
         "finalize": "Finalize",

@@ -1,0 +1,225 @@
+"""``CheckpointManager``: torchtitan's checkpoints, saved by ckptd.
+
+Select it in your own torchtitan config where the trainer takes its
+checkpoint manager::
+
+    from ckptd.integrations.torchtitan import CheckpointManager
+    config.checkpoint = CheckpointManager.Config(enable=True, async_mode="async", interval=500)
+
+It is torchtitan's own ``CheckpointManager`` (same ``Config`` fields, same
+``step-N`` folders, same flattened state: the model's keys at the top level
+beside ``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state``), with
+``dcp.save`` / ``dcp.load`` replaced by the node's ckptd daemon: every rank
+copies only its DTensor chunks into shared memory and goes back to training,
+and ``step-N`` appears, committed, once every rank's shard is durable.
+
+``async_mode`` maps onto ckptd:
+
+- ``"disabled"``: ``save()`` returns once the checkpoint is committed.
+- ``"async"``: ``save()`` returns once this rank's tensors are copied; the
+  commit is ``save_future`` (torchtitan waits on it before the next save).
+- ``"async_with_pinned_mem"``: the copy runs on the client's thread
+  (``background_staging``); ``save()`` returns at once and the trainer's
+  ``maybe_wait_for_staging()`` before ``optimizer.step()`` waits for the copy.
+
+Loads read each rank's regions straight into its tensors (``ckptd.load_into``:
+any world size, any mesh); the step to resume is the newest committed
+checkpoint in ``folder`` by its ``ckptd.json`` (``ckptd.latest``). A run
+that switches keeps going: DCP checkpoints torchtitan's own manager saved
+in ``folder`` count too (a newer one is loaded through DCP), as does an
+``initial_load_path`` to a DCP or Hugging Face checkpoint. ckptd's retention
+never deletes those (they hold no ``ckptd.json``). torchtitan's
+``ParallelAwareDataloader`` keeps its state per data-parallel rank and cannot
+take it to another data-parallel degree (torchtitan's own limit): there, name
+it in ``exclude_from_loading``.
+
+Retention is ckptd's: ``keep_latest_k`` becomes the daemon's ``keep_last``,
+applied after each commit, and torchtitan's purge thread is never started
+(it would delete by folder name, racing the daemon and a save in flight).
+A remote ``folder`` (``s3://``) is refused: save locally and let the daemon
+upload what commits (``ckptd start --mirror DIR=s3://BUCKET/PREFIX``).
+
+``last_save_in_hf`` keeps working as torchtitan does it: the last step's
+model-only export is written by DCP's ``HuggingFaceStorageWriter`` into
+``step-N`` (synchronously; it is an export for inference, not a ckptd
+checkpoint, so ``ckptd.latest`` never resumes from it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any
+
+try:
+    from torchtitan.components.checkpointer import AsyncMode, CheckpointManager as DCPCheckpointManager
+    from torchtitan.components.checkpointer.base import MODEL
+    from torchtitan.tools.filesystem import is_remote
+except ImportError as exc:
+    raise ImportError("ckptd.integrations.torchtitan needs torchtitan 0.3: pip install torchtitan==0.3.0") from exc
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+import ckptd
+from ckptd.client import Client, load_into
+from ckptd.protocol.names import INDEX_NAME
+
+__all__ = ["CheckpointManager"]
+
+_STEP_NAME = re.compile(r"step-(\d+)")
+"""torchtitan's checkpoint folder name (``_create_checkpoint_id``), read back as the checkpoint's step."""
+DCP_METADATA = ".metadata"
+"""The file that makes a directory a DCP checkpoint (``torch.distributed.checkpoint``'s metadata)."""
+
+
+def _newest_dcp_step(folder: str) -> int:
+    """The highest N of the DCP checkpoints ``folder/step-N`` (torchtitan's own manager's), or -1."""
+    steps = [int(m.group(1)) for name in os.listdir(folder) if (m := _STEP_NAME.fullmatch(name))
+             and os.path.isfile(os.path.join(folder, name, DCP_METADATA))]
+    return max(steps, default=-1)
+
+
+def state_dicts(states: dict[str, Any]) -> dict[str, Any]:
+    """``states`` with each ``Stateful`` replaced by its ``state_dict()``: what ``dcp.save`` would save."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in states.items()}
+
+
+def load_stateful(states: dict[str, Any], loaded: dict[str, Any]) -> None:
+    """Hand each ``Stateful`` of ``states`` its loaded state dict, as ``dcp.load`` does."""
+    for k, v in states.items():
+        if isinstance(v, Stateful):
+            v.load_state_dict(loaded[k])
+
+
+class CheckpointManager(DCPCheckpointManager):
+    """torchtitan's ``CheckpointManager`` whose saves and loads go through the node's ckptd daemon."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(DCPCheckpointManager.Config):
+        run_dir: str | None = None
+        """The ckptd daemon's run directory (``ckptd.Client(run_dir=...)``); default: ``$CKPTD_RUN_DIR`` or the
+        per-user one. A daemon is spawned when none answers."""
+
+        commit_timeout: float = 600.0
+        """Seconds every rank has to hand its shard over before the save fails on every rank (``RanksMissing``)."""
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        """torchtitan's arguments (``dataloader``, ``model_parts``, ``optimizers``, ...), as ``config.build`` passes.
+
+        torchtitan's own set-up runs with retention and async off, so it starts
+        neither its purge thread nor the gloo group its async saves use: the
+        daemon keeps ``keep_latest_k`` and the ckptd client does the rest.
+        """
+        folder = os.path.join(kwargs.get("base_folder", ""), config.folder)
+        if config.enable and is_remote(folder):
+            raise ValueError(f"checkpoint.folder {folder} is remote: ckptd's torchtitan CheckpointManager saves to a "
+                             "local folder; to have the daemon upload each committed checkpoint to an object store, "
+                             "start it with --mirror DIR=s3://BUCKET/PREFIX")
+        super().__init__(replace(config, keep_latest_k=0, async_mode=AsyncMode.DISABLED.value), **kwargs)
+        if not self.enable:
+            return
+        self.async_mode = AsyncMode(config.async_mode)
+        self.keep_latest_k = config.keep_latest_k
+        self.run_dir = config.run_dir
+        self.commit_timeout = config.commit_timeout
+        self._client: Client | None = None
+
+    def _ckptd_client(self) -> Client:
+        """The client that saves, made at the first save (a load-only run never starts a daemon)."""
+        if self._client is None:
+            self._client = Client(run_dir=self.run_dir, commit_timeout=self.commit_timeout,
+                                  keep_last=self.keep_latest_k or None,
+                                  background_staging=self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM)
+        return self._client
+
+    @torch.no_grad()
+    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
+                 enable_garbage_collection: bool = False, to_hf: bool = False) -> Future | None:
+        """Save ``state_dict`` as the ckptd checkpoint ``checkpoint_id``; the save's future unless ``DISABLED``.
+
+        ``to_hf`` (the last step's Hugging Face export) is torchtitan's own DCP write.
+        """
+        if to_hf:
+            return super().dcp_save(state_dict, checkpoint_id, AsyncMode.DISABLED, enable_garbage_collection, to_hf)
+        match = _STEP_NAME.fullmatch(os.path.basename(checkpoint_id))
+        future = self._ckptd_client().save_async(state_dicts(state_dict), checkpoint_id,
+                                                 step=int(match.group(1)) if match else None)
+        if async_mode == AsyncMode.DISABLED:
+            future.result()
+            return None
+        return future
+
+    @torch.no_grad()
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        """torchtitan's save policy (interval, first step, last step); the save itself is one ckptd save."""
+        if not self._should_save(curr_step, last_step):
+            return False
+        self.maybe_wait_for_saving()
+        if last_step:
+            self._save_last_step(curr_step)
+            return True
+        future = self.dcp_save(self._flattened_model_states_sd(), self._create_checkpoint_id(curr_step),
+                               self.async_mode)
+        if future is not None:
+            self.save_future = future
+            if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+                self.staging_future = future.staged
+        return True
+
+    def _purge_stale_checkpoints(self) -> None:
+        """Nothing: the daemon applies ``keep_latest_k`` (``keep_last``) after each commit."""
+
+    def _find_load_step(self, folder: str = "") -> int:
+        """The newest step in ``folder``: a committed ckptd checkpoint (by its ``ckptd.json``), or one torchtitan's
+        DCP manager saved there before the switch (by its ``.metadata``, loaded through DCP); -1 if none.
+
+        Collective under torch.distributed: the ranks agree on one ckptd checkpoint.
+        """
+        folder = folder or self.folder
+        if not os.path.isdir(folder):
+            return -1
+        return max(self._newest_ckptd_step(folder), _newest_dcp_step(folder))
+
+    def _newest_ckptd_step(self, folder: str) -> int:
+        newest = ckptd.latest(folder, run_dir=self.run_dir)
+        if newest is None:
+            return -1
+        step = ckptd.read_index(newest).step
+        if step is None or os.path.realpath(newest) != os.path.realpath(self._create_checkpoint_id(step, folder)):
+            raise ValueError(f"the newest checkpoint in checkpoint.folder {folder} is {newest}, which is not "
+                             f"torchtitan's step-N checkpoint of its step ({step}); move it out of the folder")
+        return step
+
+    @torch.no_grad()
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        """Load the ckptd checkpoint ``checkpoint_id`` into ``state_dict`` in place (resharding as needed).
+
+        A checkpoint without ``ckptd.json`` (an ``initial_load_path`` to a DCP
+        or Hugging Face checkpoint) is torchtitan's DCP load. Keys the
+        checkpoint holds beyond ``state_dict`` are left (``exclude_from_loading``,
+        a model-only load), as DCP does; keys it lacks are an error.
+        """
+        if from_hf or not os.path.isfile(os.path.join(checkpoint_id, INDEX_NAME)):
+            super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+            return
+        target = state_dicts(state_dict)
+        report = load_into(target, checkpoint_id, strict=False, run_dir=self.run_dir)
+        if report.missing:
+            raise ValueError(f"checkpoint {checkpoint_id} holds no {', '.join(sorted(report.missing))}, so it cannot "
+                             "restore this run's state (a model-only checkpoint, such as the last step's with "
+                             "last_save_model_only=True?); checkpoint.exclude_from_loading names state not to load")
+        load_stateful(state_dict, target)
+        if MODEL in self.states:
+            self.states[MODEL].load_state_dict(target)
+
+    def _close(self) -> None:
+        """Wait for the saves in flight (a failed one raises here), then torchtitan's close."""
+        try:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+        finally:
+            super()._close()

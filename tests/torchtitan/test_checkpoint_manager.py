@@ -1,0 +1,159 @@
+"""ckptd's torchtitan ``CheckpointManager`` against torchtitan 0.3 itself, on gloo FSDP2 ranks and a real daemon.
+
+Collected only by ``make test-torchtitan`` (its venv has torchtitan). The
+first test is the whole story; the others each check one more of
+torchtitan's options (a switch from its DCP manager, its per-rank
+dataloader, the Hugging Face export, a model-only last step, a remote
+folder). Two
+ranks train the way torchtitan's ``Trainer`` does and save every 2 steps in
+each of torchtitan's async modes; halfway through step 5 rank 1 kills itself
+(the test sees its exit by SIGKILL) and rank 0 is stopped while it waits for
+it. Three ranks then resume: the model and optimizer (resharded), the LR
+scheduler, the dataloader and the train state must equal what rank 0
+gathered at step 4, and the resumed run's own saves must work on the new
+world size, with torchtitan's ``keep_latest_k`` kept by the daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptd
+from ckptd.integrations.torchtitan import CheckpointManager
+
+from helpers import wait_until
+from sharded_ranks import run_ranks
+from titan_ranks import (SAVED, export_last_step_in_hf, parallel_aware, resume, resume_after_model_only_last_step,
+                         train_until_killed, train_with_torchtitans_manager)
+from zygote import start_ranks
+
+
+def kill_mid_training(daemon, folder: Path, mode: str, out: Path) -> list[dict]:
+    """Two ranks train and save; rank 1 dies by SIGKILL mid-step. Their logs.
+
+    Rank 0 waits for it in a collective: gloo may fail that wait (the peer's
+    connection closed), else the test kills it.
+    """
+    ctx = start_ranks(train_until_killed, (2, str(out / "init-train"), str(daemon.run_dir), str(folder), mode,
+                                           str(out)), 2)
+    try:
+        wait_until(lambda: ctx.processes[1].exitcode is not None, timeout=300,
+                   what=lambda: f"rank 1 is still alive: {[p.exitcode for p in ctx.processes]}")
+        assert ctx.processes[1].exitcode == -signal.SIGKILL, f"rank 1 exited {ctx.processes[1].exitcode}"
+    finally:
+        for p in ctx.processes:
+            p.kill()
+            p.join(60)
+    return [json.loads((out / f"train-{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
+def test_killed_run_resumes_on_three_ranks_with_every_stateful_restored(daemon, root: Path, tmp_path: Path,
+                                                                       mode: str) -> None:
+    folder, out = root / "titan", tmp_path / "out"
+    out.mkdir()
+    first = kill_mid_training(daemon, folder, mode, out)
+    for log in first:
+        assert log["loaded"] is False
+        assert [s["step"] for s in log["saves"]] == [2, SAVED]
+        for save in log["saves"]:
+            if mode == "disabled":  # torchtitan's synchronous save: committed when save() returns
+                assert save["committed_on_return"] and not save["save_future"]
+            else:  # the trainer waits on save_future before the next save
+                assert save["save_future"]
+            assert save["staging_future"] == (mode == "async_with_pinned_mem")  # waited on before optimizer.step()
+    index = ckptd.read_index(folder / f"step-{SAVED}")
+    assert (index.step, index.world_size) == (SAVED, 2)
+    assert "0.weight" in index.tensors and "optimizer" not in index.tensors  # torchtitan's layout: model keys on top
+
+    check_resumed(daemon, folder, mode, tmp_path, out)
+    committed = lambda: sorted(p.name for p in folder.iterdir())  # noqa: E731
+    wait_until(lambda: committed() == [f"step-{SAVED}", f"step-{SAVED + 2}"], timeout=60,
+               what=lambda: f"keep_latest_k=2 left {committed()}")
+
+
+def check_resumed(daemon, folder: Path, mode: str, tmp_path: Path, out: Path) -> None:
+    """Three ranks resume from step ``SAVED``: everything restored as ``out/reference.pt``; then they save."""
+    logs = run_ranks(resume, 3, tmp_path, "resume", str(daemon.run_dir), str(folder), mode, str(out))
+    for log in logs:
+        assert log["loaded"] is True and log["step"] == SAVED
+        assert log["differ"] == [], f"restored differently from what was saved: {log['differ']}"
+        assert [s["step"] for s in log["saves"]] == [SAVED + 2]
+        assert log["purge_thread"] is False  # the daemon keeps keep_latest_k, not torchtitan's purge thread
+    resumed = ckptd.read_index(folder / f"step-{SAVED + 2}")
+    assert (resumed.step, resumed.world_size) == (SAVED + 2, 3)
+
+
+@pytest.mark.timeout(300)
+def test_run_switched_from_torchtitans_own_manager_resumes_from_its_dcp_checkpoint(daemon, root: Path,
+                                                                                   tmp_path: Path) -> None:
+    """A run saved by torchtitan's DCP manager, switched to ckptd's: it resumes from the newest DCP checkpoint."""
+    folder, out = root / "titan", tmp_path / "out"
+    out.mkdir()
+    run_ranks(train_with_torchtitans_manager, 2, tmp_path, "train", str(daemon.run_dir), str(folder), "disabled",
+              str(out))
+    assert (folder / f"step-{SAVED}" / ".metadata").is_file()
+    check_resumed(daemon, folder, "async", tmp_path, out)
+    assert (folder / f"step-{SAVED}" / ".metadata").is_file()  # ckptd's retention leaves DCP's checkpoints alone
+
+
+@pytest.mark.timeout(300)
+def test_last_step_is_exported_in_hugging_face_format_as_torchtitan_does(daemon, root: Path, tmp_path: Path) -> None:
+    """``last_save_in_hf``: the last step is torchtitan's Hugging Face export, beside ckptd's checkpoints."""
+    folder, out = root / "titan", tmp_path / "out"
+    out.mkdir()
+    logs = run_ranks(export_last_step_in_hf, 2, tmp_path, "export", str(daemon.run_dir), str(folder), str(out))
+    assert [log["resumed_at"] for log in logs] == [2, 2]  # the export is no resume point
+    reference = torch.load(out / "reference.pt")
+    exported = {}
+    for f in (folder / f"step-{SAVED}").glob("*.safetensors"):
+        exported.update(load_file(f))
+    assert exported.keys() == {f"model.{k}" for k in reference}
+    for k, v in reference.items():
+        assert exported[f"model.{k}"].dtype == torch.bfloat16 and torch.equal(exported[f"model.{k}"], v.bfloat16()), k
+    assert ckptd.latest(folder, run_dir=daemon.run_dir) == folder / "step-2"
+
+
+@pytest.mark.timeout(400)
+def test_torchtitans_per_rank_dataloader_resumes_and_is_left_out_on_more_ranks(daemon, root: Path,
+                                                                               tmp_path: Path) -> None:
+    """torchtitan's ``ParallelAwareDataloader`` (state per data-parallel rank) comes back on as many ranks; on
+    more, torchtitan cannot move it (``exclude_from_loading=["dataloader"]``), and the rest still resumes."""
+    folder, out = root / "titan", tmp_path / "out"
+    out.mkdir()
+    run_ranks(parallel_aware, 2, tmp_path, "save", str(daemon.run_dir), str(folder), "save", str(out))
+    for phase, world, differ in (("resume", 2, []), ("grow", 3, ["next_batch"])):
+        logs = run_ranks(parallel_aware, world, tmp_path, phase, str(daemon.run_dir), str(folder), phase, str(out))
+        for rank, log in enumerate(logs):
+            assert log["loaded"] is True
+            assert log["differ"] == differ, (phase, rank, log)
+
+
+@pytest.mark.timeout(300)
+def test_resuming_from_a_model_only_last_step_names_what_it_lacks(daemon, root: Path, tmp_path: Path) -> None:
+    """torchtitan's default last step saves the model alone: a resume from it is refused, naming what is missing."""
+    folder, out = root / "titan", tmp_path / "out"
+    out.mkdir()
+    logs = run_ranks(resume_after_model_only_last_step, 2, tmp_path, "model-only", str(daemon.run_dir), str(folder),
+                     str(out))
+    for log in logs:
+        assert log["step"] == 0, log  # nothing was loaded
+        assert log["error"] == (f"checkpoint {folder}/step-{SAVED} holds no dataloader, lr_scheduler, optimizer, "
+                                "train_state, so it cannot restore this run's state (a model-only checkpoint, such as "
+                                "the last step's with last_save_model_only=True?); checkpoint.exclude_from_loading "
+                                "names state not to load")
+
+
+def test_a_remote_folder_is_refused_naming_the_mirror() -> None:
+    """torchtitan allows ``s3://`` folders (fsspec); ckptd saves locally and mirrors, and says so at once."""
+    config = CheckpointManager.Config(enable=True, folder="s3://bucket/run")
+    with pytest.raises(ValueError, match=r"checkpoint.folder s3://bucket/run is remote: .* --mirror DIR=s3://"):
+        config.build(dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={},
+                     sd_adapter=None)
