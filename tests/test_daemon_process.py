@@ -134,7 +134,7 @@ def test_daemon_started_with_exit_when_idle_exits_after_its_last_client(run_dir,
     try:
         c = client_factory()
         c.save_async({"x": 1}, root / "c").result(30)
-        time.sleep(3.0)
+        time.sleep(3.0)  # past the 2 s idle limit: a daemon that forgot its client would have exited by now
         assert daemon.proc.poll() is None, "must not exit while a client is connected"
         c.close()
         assert daemon.proc.wait(15) == 0
