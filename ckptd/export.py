@@ -36,13 +36,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd.protocol.checksums import checksum
 from ckptd.protocol.chunks import GLOBAL_KEY
 from ckptd.protocol.index import CheckpointIndex, ChunkRecord, TensorRecord, read_index
-from ckptd.protocol.inspect import check_checksum, check_shard_size, open_shard, read_shard_header
+from ckptd.protocol.inspect import read_shard_header
 from ckptd.protocol.layout import DTYPE_SIZES, plan_layout
-from ckptd.protocol.objects import is_object_path
-from ckptd.protocol.ranged import ObjectShard
+from ckptd.protocol.reading import shard_reader
+from ckptd.protocol.shard_reads import ShardReader
 
 from .storage import LocalStorage
 
@@ -162,29 +161,20 @@ def _group(tensors: dict[str, TensorRecord], limit: int) -> list[dict[str, Tenso
 
 
 class _Sources:
-    """The checkpoint's files, each mapped read-only and checksummed once, on first use."""
+    """The checkpoint's files, each read whole (a local file mapped, an object fetched) and checksummed once, on
+    first use."""
 
     def __init__(self, checkpoint: Path, index: CheckpointIndex) -> None:
         self.checkpoint, self.index = checkpoint, index
-        self.maps: dict[str, mmap.mmap | None] = {}
+        self.shards: dict[str, ShardReader] = {}
         self.views: dict[str, memoryview] = {}
 
     def view(self, file: str) -> memoryview:
-        if file not in self.maps:
+        if file not in self.shards:
             record = next(f for f in self.index.files if f.file == file)
-            path, algorithm = self.checkpoint / file, self.index.checksum_algorithm
-            if is_object_path(path):  # fetched into memory by ranged GETs, checked as it arrives
-                shard = ObjectShard(path, record, algorithm)
-                shard.read_whole(verify=True)
-                mapped = shard.mapping
-            else:
-                with open_shard(path) as f:
-                    size = os.fstat(f.fileno()).st_size
-                    check_shard_size(path, size, record)
-                    mapped = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ) if size else None
-                check_checksum(path, checksum(mapped, algorithm) if mapped is not None else 0, record, algorithm)
-            self.maps[file] = mapped
-            self.views[file] = memoryview(mapped) if mapped is not None else memoryview(b"")
+            shard = shard_reader(self.checkpoint / file, record, self.index.checksum_algorithm)
+            shard.read_whole(verify=True)
+            self.shards[file], self.views[file] = shard, memoryview(shard.mapping)
         return self.views[file]
 
     def __enter__(self) -> "_Sources":
@@ -193,9 +183,8 @@ class _Sources:
     def __exit__(self, *exc: object) -> None:
         for view in self.views.values():
             view.release()  # a mapping cannot close while a view of it lives
-        for mapped in self.maps.values():
-            if mapped is not None:
-                mapped.close()
+        for shard in self.shards.values():
+            shard.mapping.close()
 
 
 def _write_file(path: Path, group: dict[str, TensorRecord], sources: _Sources) -> None:

@@ -13,7 +13,6 @@ The check is cheap (no data read); ``ckptd verify`` reads every byte.
 
 from __future__ import annotations
 
-import os
 import time
 from enum import Enum
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any, Iterable
 
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, missing_or_truncated, read_index
-from ckptd.protocol.objects import display, is_object_path
+from ckptd.protocol.objects import canonical, display
 
 from .catalog import SeamFiles, tree_bytes
 from .render import human_bytes, printable
@@ -77,7 +76,7 @@ def add_memory(rows: list[dict[str, Any]], snapshots: Iterable[dict[str, Any]], 
     for s in snapshots:
         held = Path(s["path"])
         name = held.name
-        if not _same_dir(held.parent, root) or not s["complete"]:
+        if canonical(held.parent) != canonical(root) or not s["complete"]:
             continue
         row = by_path.get(display(root / name)) or by_path.get(display(held))
         if row is not None and row["state"] == EntryState.COMMITTED.value:
@@ -88,13 +87,6 @@ def add_memory(rows: list[dict[str, Any]], snapshots: Iterable[dict[str, Any]], 
                          "state": EntryState.MEMORY.value, "in_memory": True})
     order = {st.value: i for i, st in enumerate(EntryState)}
     return sorted(rows, key=lambda r: (order[r["state"]], r["step"] if r["step"] is not None else -1, r["name"]))
-
-
-def _same_dir(a: Path, b: Path) -> bool:
-    """Whether ``a`` and ``b`` name one directory: an object prefix by its name, a local one with links resolved."""
-    if is_object_path(a) or is_object_path(b):
-        return display(a).rstrip("/") == display(b).rstrip("/")
-    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def render_listing(rows: list[dict[str, Any]]) -> str:

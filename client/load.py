@@ -30,9 +30,11 @@ import torch
 from ckptd.protocol.checksums import Behind
 from ckptd.protocol.errors import BadMessage, InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ShardRecord
-from ckptd.protocol.inspect import check_checksum, check_shard_size, check_shard_structure, open_shard, read_header_from
+from ckptd.protocol.inspect import check_shard_structure, open_shard, read_header_from
 from ckptd.protocol.layout import parse_header
-from ckptd.protocol.objects import display, is_object_path
+from ckptd.protocol.mapped import MAX_READ, identity
+from ckptd.protocol.objects import display
+from ckptd.protocol.shard_reads import check_checksum, check_shard_size
 
 from .checks import check_bool, check_limit, check_load_rank, check_path
 from .dtypes import typed_view
@@ -41,8 +43,8 @@ from .lease import load_lease
 from .ranks import detect_ranks
 from .memory import HeldFiles, open_checkpoint
 from .prefault import STEP as READ_STEP, Prefault
-from .reshard import MAX_READ, ChunkFiles, GlobalRef, bytes_of, read_full
-from .verified import identity, is_verified, remember
+from .reshard import ChunkFiles, GlobalRef, bytes_of, read_full
+from .verified import is_verified, remember
 
 MapLocation = str | torch.device | None
 
@@ -171,7 +173,7 @@ def load_rank(files: ChunkFiles, rank: int, device: torch.device | None,
     shard = files.path / record.file
     if isinstance(files, HeldFiles):  # a snapshot in node memory
         metadata, tensors = files.read(record, copy=not mmap)
-    elif mmap or is_object_path(shard):  # an object is read whole into memory the tensors then view
+    elif mmap or files.reading.fetched:  # fetched whole into this process's memory, which the tensors then view
         if not mmap:
             files.fetch_whole(record.file)  # not only what load_into's copies would fetch: the tensors are returned
         metadata, tensors = _map_tensors(files, record)

@@ -30,18 +30,18 @@ from ckptd.protocol.endpoint import endpoint_for
 from ckptd.protocol.errors import BadMessage, CkptdError, DaemonUnavailable, InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
 from ckptd.protocol.index import latest as latest_on_disk
-from ckptd.protocol.objects import object_url, resolved, user_path
-from ckptd.protocol.inspect import check_checksum
+from ckptd.protocol.objects import canonical, resolved, user_path
 from ckptd.protocol.layout import MAX_HEADER_BYTES, TensorEntry, parse_header
+from ckptd.protocol.mapped import GAP_READ, MappedShard, identity
 from ckptd.protocol.messages import Bye, Pin, SnapshotList, Snapshots, Unpin
-from ckptd.protocol.objects import is_object_path
+from ckptd.protocol.reading import files_for
 from ckptd.protocol.request import request
+from ckptd.protocol.shard_reads import check_checksum
 from ckptd.protocol.shm import shm_dir
 
 from .connection import Connection
 from .dtypes import typed_view
-from .reshard import GAP_READ, ChunkFiles, bytes_of, map_shard
-from .verified import identity
+from .reshard import ChunkFiles, bytes_of, map_shard
 
 ASK_TIMEOUT = 5.0
 """Seconds to wait for the daemon's list of snapshots (it answers from memory)."""
@@ -136,12 +136,9 @@ class HeldFiles(ChunkFiles):
                     ident = identity(slot.fileno())
             except (OSError, ValueError) as exc:
                 raise InvalidCheckpoint(f"snapshot {self.path}: its slot {file} is gone ({exc})") from None
-            self._raw[file], self._idents[file] = mapping, ident
-            if self.verify:
-                self._pending[file] = (mapping, self.index.shard(rank), ident)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # read-only: only ever copied from
-                self._maps[file] = torch.frombuffer(mapping, dtype=torch.uint8)
+            record = self.index.shard(rank)
+            shard = MappedShard(self.source(file), record, self.index.checksum_algorithm, mapped=(mapping, ident))
+            self._opened(file, shard, record, check=self.verify)
         return self._maps[file]
 
     def _owned(self, file: str) -> torch.Tensor:
@@ -213,9 +210,9 @@ class HeldFiles(ChunkFiles):
         if (disk.checksum, on_disk.checksum_algorithm) != (record.checksum, self.index.checksum_algorithm):
             raise InvalidCheckpoint(f"memory snapshot {self.path} was dropped while rank {record.rank} was being "
                                     f"read, and the checkpoint on disk under that path holds other bytes") from None
-        mapping, _ = map_shard(self.path / disk.file, disk, verify=True, algorithm=on_disk.checksum_algorithm)
-        self._raw[record.file] = mapping
-        return torch.frombuffer(mapping, dtype=torch.uint8)
+        shard = map_shard(self.path / disk.file, disk, verify=True, algorithm=on_disk.checksum_algorithm)
+        self._shards[record.file] = shard  # held open while the tensors handed out view it
+        return torch.frombuffer(shard.mapping, dtype=torch.uint8)
 
     def read(self, record: ShardRecord, *, copy: bool) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
         """One rank's tensors: views of its verified bytes in this process's own memory, or (``direct`` and not
@@ -291,7 +288,7 @@ def open_checkpoint(path: Path, *, verify: bool, run_dir: str | os.PathLike | No
     try:
         index = read_index(path)
     except InvalidCheckpoint as exc:
-        if path.exists() or is_object_path(path):
+        if files_for(path).strict or path.exists():  # on a store, a failed read never means "nothing there"
             raise
         raise InvalidCheckpoint(f"{exc}; nor does this node's daemon hold a memory snapshot of it (a snapshot is "
                                 f"dropped once --keep-snapshots newer ones of its job are held)") from None
@@ -315,7 +312,7 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
             candidates[str(on_disk)] = (index.step if index.step is not None else -1, index.created)
         except InvalidCheckpoint:  # removed since
             pass
-    real_root = object_url(root) if is_object_path(root) else os.path.realpath(root)
+    real_root = canonical(root)
     for s in held_snapshots(run_dir):
         parent, name = os.path.split(resolved(s["path"]))
         if parent == real_root:

@@ -14,31 +14,21 @@ from __future__ import annotations
 
 import ctypes
 import math
-import mmap as _mmap
-import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ckptd.protocol.checksums import Behind, checksum
 from ckptd.protocol.chunks import Box, overlap
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ChunkRecord, ShardRecord, TensorRecord
-from ckptd.protocol.inspect import check_checksum, check_shard_size, open_shard
-from ckptd.protocol.objects import display, is_object_path
-from ckptd.protocol.ranged import ObjectShard
+from ckptd.protocol.objects import display
+from ckptd.protocol.reading import files_for, shard_reader
+from ckptd.protocol.shard_reads import ShardReader
 
 from .dtypes import TORCH_DTYPES
-from .verified import Identity, identity, is_verified, remember
-
-MAX_READ = 1 << 30
-"""Bytes asked of one read(2); Linux returns at most ~2 GiB per call anyway."""
-GAP_READ = 16 << 20
-"""Bytes per read of a range only the checksum needs."""
-FOLD_READ = 8 << 20
-"""Bytes per read straight into a target whose checksum follows: the checksum thread reads each piece while the next
-is read, from the cache rather than from memory."""
+from .verified import is_verified, remember
 
 
 @dataclass(frozen=True)
@@ -57,28 +47,28 @@ class GlobalRef:
 
 
 class ChunkFiles:
-    """The checkpoint's files, each mapped (and checksummed) at most once, on first use.
+    """The checkpoint's files, each opened (and checksummed) at most once, on first use.
 
-    With ``defer`` the checksum of a file not yet verified in this process is
-    left for ``copy``, which computes it in the same pass as the copies out
-    of the mapping (``load_into``): the file's bytes are brought in once and
-    checksummed right behind the copy that touched them.
+    Each file is a ``ShardReader`` (``protocol/shard_reads.py``): a local
+    file mapped copy-on-write, or an object fetched by ranged GETs into
+    anonymous memory; both are read the same way here. With ``defer`` the
+    checksum of a file not yet verified in this process is left for
+    ``copy``, which computes it in the same pass as the copies
+    (``load_into``): the file's bytes are brought in once and checksummed
+    right behind the read that brought them.
     """
 
     def __init__(self, path: Path, index: CheckpointIndex, *, verify: bool, defer: bool = False) -> None:
         self.path, self.index, self.verify, self.defer = path, index, verify, defer
+        self.reading = files_for(path)
+        """Where the checkpoint's files are read from: local files or objects (``protocol/reading.py``)."""
         self._maps: dict[str, torch.Tensor] = {}
-        self._raw: dict[str, _mmap.mmap] = {}
-        self._idents: dict[str, Identity] = {}
-        self._objects: dict[str, ObjectShard] = {}
-        self._pending: dict[str, tuple[_mmap.mmap, ShardRecord, Identity]] = {}
+        self._shards: dict[str, ShardReader] = {}
+        self._unchecked: set[str] = set()
+        """Files whose checksum ``copy`` computes (deferred, and not verified before)."""
 
     remembers_verified = True
     """Whether a file verified once is remembered as verified while unchanged (``verified.py``)."""
-
-    def source(self, file: str) -> Path:
-        """Where ``file``'s bytes are read from."""
-        return self.path / file
 
     def close(self) -> None:
         """Done reading (a snapshot's reader lease ends); the tensors handed out stay valid."""
@@ -102,114 +92,94 @@ class ChunkFiles:
         then only its header is, and ``copy`` fetches the ranges its copies
         read (``protocol/ranged.py``); ``fetch_whole`` the rest.
         """
-        if file in self._maps:
-            return self._maps[file]
-        record = next(f for f in self.index.files if f.file == file)
-        algorithm = self.index.checksum_algorithm
-        if is_object_path(self.path):
-            shard = ObjectShard(self.path / file, record, algorithm)
+        if file not in self._maps:
+            record = self._record(file)
+            shard = self.reading.reader(self.path / file, record, self.index.checksum_algorithm)
             if self.defer:
                 shard.header()
+                self._opened(file, shard, record, check=self.verify and not self._known(shard, record))
             else:
-                shard.read_whole(verify=self.verify)
-            self._objects[file] = shard
-            self._maps[file] = torch.frombuffer(shard.mapping, dtype=torch.uint8)
-        else:
-            mapping, ident = map_shard(self.path / file, record, verify=self.verify and not self.defer,
-                                       algorithm=algorithm)
-            if self.verify and self.defer and not is_verified(ident, record, algorithm):
-                self._pending[file] = (mapping, record, ident)
-            self._raw[file], self._idents[file] = mapping, ident
-            self._maps[file] = torch.frombuffer(mapping, dtype=torch.uint8)
+                read_verified(shard, record, verify=self.verify)
+                self._opened(file, shard, record, check=False)
         return self._maps[file]
 
-    def copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _known(self, shard: ShardReader, record: ShardRecord) -> bool:
+        """Whether this process verified the very same unchanged file before (``verified.py``)."""
+        return self.remembers_verified and is_verified(shard.identity, record, self.index.checksum_algorithm)
+
+    def _opened(self, file: str, shard: ShardReader, record: ShardRecord, *, check: bool) -> None:
+        """Read ``file`` through ``shard`` from now on; with ``check``, ``copy`` computes its checksum."""
+        self._shards[file] = shard
+        if check:
+            self._unchecked.add(file)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only mapping (a held slot) is only copied from
+            self._maps[file] = torch.frombuffer(shard.mapping, dtype=torch.uint8)
+
+    def copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]], *, through_mapping: bool = False) -> None:
         """``dst.copy_(src)`` for each pair; checksums deferred files in the same pass.
 
-        The copies are done per file, in file order. A contiguous host
-        target of a contiguous source range is read straight into its memory
-        with ``preadv`` (no page faults on the mapping, one pass over the
-        bytes); any other copy goes through the mapping. A deferred file's
-        checksum follows the copies on a thread of its own: each range right
-        after the copy that brought it in, while the next one is read, and
-        the bytes no copy read. ``InvalidCheckpoint`` when a checksum is
-        wrong (the targets then hold what was copied) or when the file
-        changed since it was mapped.
+        The copies are done per file, in file order, by the file's reader: a
+        contiguous host target of a contiguous source range is read straight
+        into its memory (``preadv`` of a local file: no page faults on the
+        mapping, one pass over the bytes; ranged GETs of an object); any
+        other copy goes through the mapping. With ``through_mapping`` only
+        what is not in the mapping yet (an object's bytes) is read, and a
+        local file is copied out of its mapping. A deferred file's checksum
+        follows the reads on a thread of its own, the bytes no copy reads
+        included. ``InvalidCheckpoint`` when a checksum is wrong (the targets
+        then hold what was copied) or when the file changed since it was
+        opened.
         """
-        unchecked = [f for f, o in self._objects.items() if self.verify and not o.verified]
-        by_file: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {f: [] for f in [*self._pending, *unchecked]}
+        by_file: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {
+            f: [] for f in self._unchecked if not self._shards[f].verified}
         spans = {f: (t.data_ptr(), t.numel()) for f, t in self._maps.items()}
         for dst, src in copies:
             start = src.data_ptr()
             owner = next((f for f, (base, n) in spans.items() if base <= start < base + n), None)
-            if owner is None or src.numel() == 0 or not (owner in self._idents or self._fetches(owner)):
-                dst.copy_(src)  # not a file's mapping (node memory), or an object already in memory
+            if owner is None or src.numel() == 0 or not self._reads(owner, through_mapping):
+                dst.copy_(src)  # not a file's mapping (node memory), or bytes in this process's memory
                 continue
             last = sum((n - 1) * st for n, st in zip(src.shape, src.stride())) * src.element_size()
             begin = start - spans[owner][0]
             by_file.setdefault(owner, []).append((begin, begin + last + src.element_size(), dst, src))
         for file, pairs in by_file.items():
-            if file in self._objects:
-                self._copy_object(file, pairs)
-            else:
-                self._copy_file(file, sorted(pairs, key=lambda p: p[0]))
+            self._read(file, sorted(pairs, key=lambda p: p[0]))
 
-    def _fetches(self, file: str) -> bool:
-        """Whether ``copy`` fetches what it reads of ``file``: an object not (yet) all in memory."""
-        return file in self._objects and not self._objects[file].whole
+    def _reads(self, file: str, through_mapping: bool) -> bool:
+        """Whether ``copy`` reads what it copies of ``file`` rather than copying out of its mapping: bytes not
+        fetched yet, or a file's pages (a read into the target does not fault them in; unless ``through_mapping``)."""
+        shard = self._shards[file]
+        return shard.fetches or (shard.maps_file and not through_mapping)
 
     def fetch_whole(self, file: str) -> None:
-        """Bring all of an object ``file`` into memory (its tensors are handed out); nothing for a local file."""
+        """Bring all of ``file`` into its mapping, checked (its tensors are handed out): an object is fetched, a
+        local file's mapping holds it already."""
         self.mapped(file)
-        if file in self._objects:
-            self._objects[file].read_whole(verify=self.verify)
+        read_verified(self._shards[file], self._record(file), verify=self.verify)
 
-    def _copy_object(self, file: str, pairs: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
-        """Ranged GETs of what the copies read: straight into a contiguous host target, else into the mapping
-        and copied from there."""
-        shard, landed, later = self._objects[file], [], []
+    def _record(self, file: str) -> ShardRecord:
+        return next(f for f in self.index.files if f.file == file)
+
+    def _read(self, file: str, pairs: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
+        """Read what the copies take of ``file`` straight into each contiguous host target, the rest into the
+        mapping (where a local file's bytes are already) and copied from there; ``file``'s deferred checksum is
+        computed in the same pass."""
+        shard, spans, later = self._shards[file], [], []
         for begin, end, dst, src in pairs:
             if _readable(dst, src, end - begin):
-                landed.append((begin, end, bytes_of(dst)))
+                spans.append((begin, end, bytes_of(dst)))
                 torch.autograd.graph.increment_version(dst)  # as copy_ would: autograd sees the change
             else:
-                landed.append((begin, end, memoryview(shard.mapping)[begin:end]))
+                spans.append((begin, end, None))
                 later.append((dst, src))
-        shard.read(landed, verify=self.verify)
+        check = file in self._unchecked and not shard.verified
+        shard.read(spans, verify=check)
+        self._unchecked.discard(file)
         for dst, src in later:
             dst.copy_(src)
-
-    def _copy_file(self, file: str, pairs: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
-        pending = self._pending.pop(file, None)
-        record = next(f for f in self.index.files if f.file == file)
-        algorithm, path, done = self.index.checksum_algorithm, self.source(file), 0
-        with open_shard(path) as f, memoryview(self._raw[file]) as mapped, Behind(algorithm) as crc:
-            if identity(f.fileno())[:5] != self._idents[file][:5]:
-                raise InvalidCheckpoint(f"shard {path} changed while it was being loaded")
-            for begin, end, dst, src in pairs:
-                if pending is not None and begin > done:  # bytes no copy reads: the header, skipped tensors
-                    _read_for(crc, f.fileno(), done, begin, path)
-                    done = begin
-                if _readable(dst, src, end - begin):
-                    into = bytes_of(dst)
-                    for lo in range(0, len(into), FOLD_READ):  # each piece checksummed while in cache
-                        piece = into[lo : lo + FOLD_READ]
-                        _pread_into(f.fileno(), piece, begin + lo, path)
-                        if pending is not None and begin + lo + len(piece) > done:
-                            crc.add(piece[max(done, begin + lo) - begin - lo :])
-                            done = begin + lo + len(piece)
-                    torch.autograd.graph.increment_version(dst)  # as copy_ would: autograd sees the change
-                else:
-                    dst.copy_(src)
-                    into = mapped[begin:end]
-                if pending is not None and end > done:
-                    crc.add(into[max(done, begin) - begin :])
-                done = max(done, end)
-            if pending is not None:
-                _read_for(crc, f.fileno(), done, record.size, path)
-                check_checksum(path, crc.value(), record, algorithm)
-                if self.remembers_verified:
-                    remember(pending[2], record, algorithm)
+        if check and self.remembers_verified:
+            remember(shard.identity, self._record(file), self.index.checksum_algorithm)
 
 
 def _readable(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> bool:
@@ -224,50 +194,22 @@ def bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def _read_for(crc: Behind, fd: int, begin: int, end: int, path: Path) -> None:
-    """Bytes ``[begin, end)`` read in large pieces (no page faults on the mapping) for the checksum alone."""
-    for offset in range(begin, end, GAP_READ):
-        piece = memoryview(bytearray(min(GAP_READ, end - offset)))  # a fresh buffer: the checksum may lag behind
-        _pread_into(fd, piece, offset, path)
-        crc.add(piece)
+def read_verified(shard: ShardReader, record: ShardRecord, *, verify: bool) -> None:
+    """Bring all of ``shard`` into its mapping and, with ``verify``, check its checksum unless this process
+    verified the very same unchanged file before (``verified.py``); remembered once checked."""
+    algorithm = shard.algorithm
+    check = verify and not is_verified(shard.identity, record, algorithm)
+    shard.read_whole(verify=check)
+    if check:
+        remember(shard.identity, record, algorithm)
 
 
-def _pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done : done + MAX_READ]], offset + done)
-        if n <= 0:
-            raise InvalidCheckpoint(f"shard {path} ended early while being read (changed under the reader?)")
-        done += n
-
-
-def map_shard(shard: Path, record: ShardRecord, *, verify: bool,
-              algorithm: str) -> tuple[_mmap.mmap, Identity | None]:
-    """The shard mapped copy-on-write, after checking that it is a regular file of the index's size (and, unless
-    this process verified the same unchanged file before, its checksum); with the file's identity.
-
-    An object (``s3://``) is fetched instead, with parallel ranged reads, into
-    anonymous memory of its size (which the tensors then view), and checked
-    as it arrives, every time: it has no identity to remember.
-    """
-    if record.size < 8:
-        raise InvalidCheckpoint(f"shard {shard} of {record.size} bytes is too short for a safetensors header")
-    if is_object_path(shard):
-        fetched = ObjectShard(shard, record, algorithm)
-        fetched.read_whole(verify=verify)
-        return fetched.mapping, None
-    with open_shard(shard) as f:
-        check_shard_size(shard, os.fstat(f.fileno()).st_size, record)
-        ident = identity(f.fileno())
-        mapping = _mmap.mmap(f.fileno(), record.size, _mmap.MAP_PRIVATE, _mmap.PROT_READ | _mmap.PROT_WRITE)
-    if verify and not is_verified(ident, record, algorithm):
-        try:
-            check_checksum(shard, checksum(mapping, algorithm), record, algorithm)
-        except BaseException:
-            mapping.close()
-            raise
-        remember(ident, record, algorithm)
-    return mapping, ident
+def map_shard(shard: Path, record: ShardRecord, *, verify: bool, algorithm: str) -> ShardReader:
+    """The shard, all of it in its reader's ``mapping`` (a local file mapped copy-on-write, an object fetched by
+    parallel ranged reads into anonymous memory), and with ``verify`` checked (``read_verified``)."""
+    reader = shard_reader(shard, record, algorithm)
+    read_verified(reader, record, verify=verify)
+    return reader
 
 
 def region(t: torch.Tensor, box: Box, origin: tuple[int, ...]) -> torch.Tensor:
@@ -307,9 +249,5 @@ def read_full(files: ChunkFiles, ref: GlobalRef, device: torch.device | None = N
     copies, problem = plan_region(files, ref, ((0,) * len(shape), shape), out)
     if problem is not None:
         raise InvalidCheckpoint(f"checkpoint {display(files.path)}: {problem}")
-    if is_object_path(files.path):
-        files.copy(copies)  # fetches what the copies read, unless the object is in memory already
-    else:
-        for dst, src in copies:
-            dst.copy_(src)
+    files.copy(copies, through_mapping=True)  # fetches what the copies read that is not in memory yet
     return out

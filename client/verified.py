@@ -17,12 +17,11 @@ remembered.
 
 from __future__ import annotations
 
-import os
 import threading
-import time
 from collections import OrderedDict
 
 from ckptd.protocol.index import ShardRecord
+from ckptd.protocol.mapped import Identity
 
 MAX_REMEMBERED = 4096
 """Files remembered; the oldest is forgotten first (and then simply checked again)."""
@@ -30,29 +29,28 @@ MAX_REMEMBERED = 4096
 SETTLED_S = 2.0
 """A file last changed this recently when opened is checked every time."""
 
-Identity = tuple[int, ...]
-
 _verified: "OrderedDict[tuple, None]" = OrderedDict()
 _lock = threading.Lock()
-
-
-def identity(fd: int) -> Identity:
-    """What tells this open file apart from any other or from itself after a change (and when it was taken)."""
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, time.time_ns()
 
 
 def _key(ident: Identity, record: ShardRecord, algorithm: str) -> tuple:
     return (*ident[:5], record.size, record.checksum, algorithm)
 
 
-def is_verified(ident: Identity, record: ShardRecord, algorithm: str) -> bool:
+def is_verified(ident: Identity | None, record: ShardRecord, algorithm: str) -> bool:
+    """Whether the file with ``ident`` matched ``record``'s checksum before; never for no identity (an object,
+    checked on every read: ``protocol/shard_reads.py``)."""
+    if ident is None:
+        return False
     with _lock:
         return _key(ident, record, algorithm) in _verified
 
 
-def remember(ident: Identity, record: ShardRecord, algorithm: str) -> None:
-    """Record that the file with ``ident`` matched ``record``'s checksum (unless it had just changed)."""
+def remember(ident: Identity | None, record: ShardRecord, algorithm: str) -> None:
+    """Record that the file with ``ident`` matched ``record``'s checksum (unless it had just changed, or has no
+    identity to remember it by)."""
+    if ident is None:
+        return
     *_, mtime, ctime, seen = ident
     if seen - max(mtime, ctime) < SETTLED_S * 1e9:
         return

@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import BinaryIO, Collection
 
 from . import objects
-from .objects import display, user_path
+from .objects import user_path
 from .checksums import stream_checksum
 from .errors import BadMessage, InvalidCheckpoint
 from .index import CheckpointIndex, ShardRecord, read_index
 from .layout import HEADER_GUESS, MAX_HEADER_BYTES, TensorEntry, parse_header
 from .reading import CheckpointFiles, files_for
+from .shard_reads import check_checksum, check_shard_size
 from .structure import check_structure, structure_bytes
 
 
@@ -185,21 +186,6 @@ def verify_checkpoint(path: Path | str) -> VerifyReport:
         except InvalidCheckpoint as exc:
             report.problems.append(exc.message)
     return report
-
-
-def check_shard_size(shard: Path, size: int, record: ShardRecord) -> None:
-    """A shard must hold exactly the bytes its index records (load and verify alike)."""
-    if size != record.size:
-        raise InvalidCheckpoint(f"shard {display(shard)} holds {size} bytes; the index says {record.size} (truncated?)")
-
-
-def check_checksum(shard: Path, crc: int, record: ShardRecord, algorithm: str) -> None:
-    """A shard's checksum must be the one its index records (load and verify alike)."""
-    if crc != record.checksum:
-        raise InvalidCheckpoint(
-            f"shard {display(shard)} fails its checksum ({algorithm} {crc:#010x}, index says "
-            f"{record.checksum:#010x}): its bytes changed after it was written"
-        )
 
 
 def _size_of(path: Path) -> int:

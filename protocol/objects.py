@@ -114,6 +114,12 @@ def resolved(path: str | os.PathLike) -> str:
     return os.path.join(os.path.realpath(os.path.dirname(os.fspath(path)) or "."), os.path.basename(path))
 
 
+def canonical(path: str | os.PathLike) -> str:
+    """One name per place, to tell whether two names are the same checkpoint or directory: an object's ``s3://``
+    URL, or the local path with every link resolved (``resolved`` leaves the last part as it is)."""
+    return object_url(path) if is_object_path(path) else os.path.realpath(path)
+
+
 def object_url(path: Path | str) -> str:
     """``s3://bucket/key`` for a name ``is_object_path`` accepts."""
     return "s3://" + "/".join(Path(path).parts[1:])

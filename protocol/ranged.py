@@ -1,6 +1,6 @@
 """A shard on an object store (``s3://``), read by parallel ranged GETs of the bytes a reader needs.
 
-Loads (``client/reshard.py``) and ``ckptd export`` use it; it holds no tensors.
+Loads (``client/reshard.py``) and ``ckptd export`` open it through ``protocol/reading.py``; it holds no tensors.
 
 A local shard is mapped and the page cache brings in what a copy touches;
 an object has no page cache, so its bytes are fetched by request. The
@@ -21,25 +21,28 @@ from __future__ import annotations
 import bisect
 import mmap as _mmap
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ckptd.protocol import objects
-from ckptd.protocol.checksums import Behind
-from ckptd.protocol.errors import InvalidCheckpoint
-from ckptd.protocol.index import ShardRecord
-from ckptd.protocol.inspect import check_checksum, check_shard_size
-from ckptd.protocol.layout import HEADER_GUESS
+from . import objects
+from .checksums import Behind
+from .errors import InvalidCheckpoint
+from .layout import HEADER_GUESS
+from .shard_reads import Span, check_checksum, check_header_room, check_shard_size
 
-Span = tuple[int, int, memoryview]
-"""Bytes ``[begin, end)`` of the shard and the memory (``end - begin`` bytes) they land in."""
+if TYPE_CHECKING:  # a type only: the index module reads through the reader stack, which opens shards here
+    from .index import ShardRecord
 
 
 class ObjectShard:
     """One shard object: its anonymous stand-in ``mapping``, and reads of byte ranges into targets."""
 
-    def __init__(self, shard: Path, record: ShardRecord, algorithm: str) -> None:
+    identity = None  # no identity to remember: every read is checked as it arrives
+    maps_file = False  # the mapping is anonymous memory: a copy out of what was fetched is a plain memcpy
+
+    def __init__(self, shard: Path, record: "ShardRecord", algorithm: str) -> None:
         self.shard, self.record, self.algorithm = shard, record, algorithm
         self.where = objects.display(shard)
+        check_header_room(shard, record)
         try:
             meta = objects.head(shard)
         except OSError as exc:
@@ -51,34 +54,38 @@ class ObjectShard:
         self.mapping = _mmap.mmap(-1, record.size)
         self.verified = self.whole = False
 
-    def _into_mapping(self, begin: int, end: int) -> Span:
-        return begin, end, memoryview(self.mapping)[begin:end]
+    @property
+    def fetches(self) -> bool:
+        """Whether bytes of the shard are not in ``mapping`` yet (until ``read_whole``)."""
+        return not self.whole
 
     def header(self) -> None:
         """Fetch the header (its length, then the JSON) into the mapping."""
         first = min(self.record.size, HEADER_GUESS)
-        self.read([self._into_mapping(0, first)], verify=False)
+        self.read([(0, first, None)], verify=False)
         end = min(self.record.size, 8 + int.from_bytes(self.mapping[:8], "little"))
         if end > first:
-            self.read([self._into_mapping(first, end)], verify=False)
+            self.read([(first, end, None)], verify=False)
 
     def read_whole(self, *, verify: bool) -> None:
         """Fetch the whole shard into the mapping (what ``load`` returns views of)."""
         if not self.whole:
-            self.read([self._into_mapping(0, self.record.size)], verify=verify)
+            self.read([(0, self.record.size, None)], verify=verify)
             self.whole = True
         elif verify and not self.verified:
             self.read([], verify=True)
 
     def read(self, spans: list[Span], *, verify: bool) -> None:
-        """Land each span's bytes in its memory; with ``verify`` (once per shard) check the checksum of every byte.
+        """Land each span's bytes in its memory (None: ``mapping``); with ``verify`` (once per shard) check the
+        checksum of every byte.
 
         ``InvalidCheckpoint`` naming the object when a request fails, the
         object changed since it was opened, or the checksum is wrong (the
         targets then hold what was fetched).
         """
         check = verify and not self.verified
-        spans = sorted(spans, key=lambda s: s[0])
+        spans = sorted(((b, e, memoryview(self.mapping)[b:e] if into is None else into) for b, e, into in spans),
+                       key=lambda s: s[0])
         begins = [s[0] for s in spans]
         reach, furthest = [], 0  # reach[i]: the furthest end of spans[:i+1], to skip the spans a response misses
         for _, end, _ in spans:

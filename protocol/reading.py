@@ -2,7 +2,10 @@
 
 Every reader of committed checkpoints (``read_index``, ``committed_in``,
 ``latest``, ``missing_or_truncated``, shard headers) asks a
-``CheckpointFiles``. The client and the CLI read local files
+``CheckpointFiles``; loads and ``ckptd export`` open each shard they read
+as a ``ShardReader`` (``reader``): a local file mapped and read by
+``preadv`` (``protocol/mapped.py``), or an object read by ranged GETs
+(``protocol/ranged.py``), the same calls either way. The client and the CLI read local files
 (``LocalFiles``) and objects (``ObjectFiles``) directly, ``files_for``
 picking by name; the daemon reads through its storage seam
 (``ckptd/catalog.py``), so its reads run the same code, through whatever
@@ -15,11 +18,17 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from . import objects
 from .files import open_regular, read_regular
+from .mapped import MappedShard
 from .names import INDEX_NAME
+from .ranged import ObjectShard
+from .shard_reads import ShardReader
+
+if TYPE_CHECKING:  # a type only: the index module reads through this one
+    from .index import ShardRecord
 
 
 class CheckpointFiles(Protocol):
@@ -62,6 +71,8 @@ class LocalFiles:
     """Local files, opened as regular files only (``protocol/files.py``)."""
 
     strict = False
+    fetched = False
+    """A shard read whole stays a mapping of its file: a reader wanting tensors of its own reads them out of it."""
 
     def subdirs(self, directory: Path) -> list[Path]:
         return [Path(e.path) for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
@@ -87,11 +98,17 @@ class LocalFiles:
     def size(self, f: BinaryIO) -> int:
         return os.fstat(f.fileno()).st_size
 
+    def reader(self, path: Path, record: "ShardRecord", algorithm: str) -> ShardReader:
+        """The shard file ``path`` mapped copy-on-write, checked to be a regular file of the index's size."""
+        return MappedShard(path, record, algorithm)
+
 
 class ObjectFiles:
     """Objects on a store (``s3://``): a checkpoint is a prefix, its files are objects."""
 
     strict = True
+    fetched = True
+    """A shard read whole is fetched into this process's own memory, which tensors may then view."""
 
     def subdirs(self, directory: Path) -> list[Path]:
         return [Path(directory) / name for name in objects.listing(directory)[0]]  # a store has no links
@@ -118,6 +135,10 @@ class ObjectFiles:
     def size(self, f: BinaryIO) -> int:
         return f.size  # type: ignore[attr-defined]
 
+    def reader(self, path: Path, record: "ShardRecord", algorithm: str) -> ShardReader:
+        """The shard object ``path``, checked to be of the index's size; nothing of it fetched yet."""
+        return ObjectShard(path, record, algorithm)
+
 
 LOCAL_FILES = LocalFiles()
 OBJECT_FILES = ObjectFiles()
@@ -126,3 +147,8 @@ OBJECT_FILES = ObjectFiles()
 def files_for(path: Path | str) -> LocalFiles | ObjectFiles:
     """The files a reader outside the daemon reads ``path`` through."""
     return OBJECT_FILES if objects.is_object_path(path) else LOCAL_FILES
+
+
+def shard_reader(path: Path, record: "ShardRecord", algorithm: str) -> ShardReader:
+    """The shard ``path`` opened for reading, local file or object (``files_for``); nothing read yet."""
+    return files_for(path).reader(path, record, algorithm)

@@ -22,15 +22,7 @@ DAEMON_SIDE = frozenset({"integrations", "dcp"})
 def _imports(path: Path) -> set[str]:
     """Every module ``path`` imports, absolute (relative imports resolved against its package)."""
     package = {"protocol": "ckptd.protocol", "client": "ckptd.client"}.get(path.parent.name, "ckptd")
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-            module = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
-            found.update(f"{module}.{alias.name}" for alias in node.names)  # ``from ckptd import commit``
-    return found
+    return _imports_of(ast.parse(path.read_text(), str(path)), package)
 
 
 def _sources(layer: str) -> list[Path]:
@@ -67,6 +59,63 @@ def test_the_checkpoint_lifecycle_never_asks_which_backend_a_name_is_on() -> Non
     asking = {f"{p.name}: {m}" for p in blind for m in _imports(p) if m.endswith(".is_object_path")}
     asking |= {p.name for p in [*_sources("ckptd"), *_sources("ckptd/integrations")] if "can_rename" in p.read_text()}
     assert not asking, f"checkpoint operations, not backend checks: {asking}"
+
+
+READERS = ("export", "listing")
+"""Daemon-side modules that read committed checkpoints through ``protocol/reading.py``."""
+CHOOSERS = ("objects", "reading")
+"""Protocol modules that tell a name on a store from a local one: the parser, and the reader stack's one choice."""
+
+
+def test_readers_never_ask_which_backend_a_name_is_on() -> None:
+    """Loads, ``ckptd export`` and listings open shards and indexes through ``protocol/reading.py``
+    (``files_for``, ``shard_reader``), which alone picks a local file or an object; a reader that asks
+    ``is_object_path`` itself is a second, diverging read path."""
+    readers = [*_sources("client"), *(REPO / "ckptd" / f"{name}.py" for name in READERS),
+               *(p for p in _sources("protocol") if p.stem not in CHOOSERS)]
+    asking = {str(p.relative_to(REPO)) for p in readers if "is_object_path" in p.read_text()}
+    assert not asking, f"read through protocol/reading.py instead of asking is_object_path: {sorted(asking)}"
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """What ``path`` imports when it runs: ``_imports`` less the imports under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = [n for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)]
+    for block in typing_only:
+        block.body = []
+    return _imports_of(tree, "ckptd.protocol")
+
+
+def _imports_of(tree: ast.AST, package: str) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            module = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
+            found.update(f"{module}.{alias.name}" for alias in node.names)  # ``from ckptd import commit``
+    return found
+
+
+def test_the_protocol_modules_import_one_another_without_a_cycle() -> None:
+    """The reader stack sits on the shard readers, which sit on the checks (``protocol/shard_reads.py``), never
+    back on the index or inspect modules that read through the stack: a cycle makes import order matter."""
+    modules = {p.stem: p for p in _sources("protocol")}
+    edges = {name: {m.split(".")[2] for m in _runtime_imports(path)
+                    if m.startswith("ckptd.protocol.") and m.split(".")[2] in modules and m.split(".")[2] != name}
+             for name, path in modules.items()}
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        assert name not in trail, f"import cycle: {' -> '.join(trail[trail.index(name):] + [name])}"
+        if name not in done:
+            for nxt in sorted(edges[name]):
+                visit(nxt, trail + [name])
+            done.add(name)
+
+    for name in sorted(modules):
+        visit(name, [])
 
 
 def test_the_storage_contract_imports_no_implementation_of_it() -> None:

@@ -98,7 +98,7 @@ except ImportError:  # only the older standalone package is installed
 from ckptd.client import Client, SaveFuture, load
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint
 from ckptd.protocol.index import incomplete_path, read_index
-from ckptd.protocol.objects import is_object_path, object_url
+from ckptd.protocol.objects import canonical, is_object_path
 from ckptd.retention import remove_checkpoint
 from ckptd.routed import load_storage
 from ckptd.storage import Kind
@@ -341,7 +341,7 @@ class CkptdCheckpointIO(CheckpointIO):
     @staticmethod
     def _key(path: str | os.PathLike) -> str:
         """One name per checkpoint: a ``save_last="link"`` symlink and its target share it; an object's URL."""
-        return object_url(path) if is_object_path(path) else os.path.realpath(os.fspath(path))
+        return canonical(path)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
