@@ -17,16 +17,19 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import zmq
 
 from ckptd.protocol.endpoint import endpoint_for
+from ckptd.protocol.index import INDEX_NAME, CheckpointIndex, ShardRecord, shard_name
 from ckptd.protocol.messages import Status, StatusReply, decode
 
 SHM = Path("/dev/shm")
+MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
 FAULTS_SPEC = "tests.faults:FaultyStorage"
 """The fault-injecting storage (tests/faults.py), loaded by ``ckptd start --storage``."""
@@ -247,3 +250,71 @@ def seeded_state(n: int = 1000, seed: int = 0) -> dict:
 
     g = torch.Generator().manual_seed(seed)
     return {"w": torch.randn(n, generator=g), "b": torch.arange(7, dtype=torch.int64), "step": seed}
+
+
+def floats(mib: int) -> Any:
+    """A float32 tensor of ``mib`` MiB of ones: a state whose size is what a test about space is about."""
+    import torch
+
+    return torch.ones(mib * MiB // 4)
+
+
+@contextmanager
+def tmpfs(path: Path, size_mib: int) -> Iterator[Path]:
+    """A tmpfs of ``size_mib`` MiB mounted at ``path`` (created if needed), unmounted after: free space that is
+    exact and genuinely runs out (the tests run as root; a refused mount fails the test)."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def checkpoint(directory: Path, name: str, step: int | None, *, created: float = 1.0) -> Path:
+    """A committed one-rank checkpoint written by hand (no daemon): a 16-byte shard and the index that lists it,
+    for tests of what the daemon does to checkpoints it finds on disk."""
+    path = directory / name
+    path.mkdir(parents=True)
+    shard = shard_name(0, 1)
+    (path / shard).write_bytes(b"\0" * 16)
+    index = CheckpointIndex(world_size=1, step=step, created=created,
+                            files=(ShardRecord(file=shard, rank=0, size=16, checksum=0, tensors=1),))
+    (path / INDEX_NAME).write_bytes(index.to_json())
+    return path
+
+
+def filled_state(value: float) -> dict:
+    """A state filled with ``value`` (and ``step`` its integer part): which save a checkpoint holds reads off any
+    element."""
+    import torch
+
+    return {"w": torch.full((1000,), value), "step": int(value)}
+
+
+def torchrun_example(example: Path, daemon: Daemon, ckpt_dir: Path, procs: int, *args: str,
+                     timeout: float = 240) -> str:
+    """Run ``examples/<name>.py`` as users run it (``python -m torch.distributed.run --standalone``) on ``procs``
+    ranks against the test's daemon (``CKPTD_RUN_DIR``), and return what it printed; a failed run fails the test
+    with the launcher's output."""
+    from zygote import run_module
+
+    env = dict(os.environ, CKPTD_RUN_DIR=str(daemon.run_dir), OMP_NUM_THREADS="1")
+    out = run_module("torch.distributed.run", "--nproc-per-node", str(procs), "--standalone", str(example),
+                     "--ckpt-dir", str(ckpt_dir), *args, env=env, cwd=str(REPO), timeout=timeout)
+    assert out.returncode == 0, f"torchrun exited {out.returncode}\n{out.stdout}\n{out.stderr[-6000:]}"
+    return out.stdout
+
+
+def equal_states(a: Any, b: Any) -> bool:
+    """Two states hold the same: the same keys at every level, tensors of one dtype and equal values, the same
+    plain values (what a test compares a loaded checkpoint against)."""
+    import torch
+
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b) and all(equal_states(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(equal_states(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b

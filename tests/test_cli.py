@@ -1,8 +1,11 @@
-"""CLI exit codes: 0 ok, 1 daemon unreachable, 2 usage, 3 error reply."""
+"""The CLI against a real daemon: status, list, start and stop, metrics; exit codes 0 ok, 1 daemon unreachable,
+2 usage, 3 error reply."""
 
 from __future__ import annotations
 
 import json
+
+import torch
 
 from helpers import ckptd_cli, wait_until
 
@@ -98,3 +101,19 @@ def test_prometheus_metrics_are_served_and_written_to_a_textfile(daemon_factory,
     written = [line for line in body.splitlines() if line.startswith("ckptd_written_bytes_total")]
     assert float(written[0].split()[1]) > 4000
     assert "ckptd_checkpoints_committed_total 1.0" in textfile.read_text()
+
+
+def test_ckptd_list_shows_committed_incomplete_and_foreign(daemon, client, root) -> None:
+    client.save_async({"w": torch.ones(100)}, root / "step-7", step=7).result(30)
+    (root / "step-8.incomplete").mkdir()
+    (root / "step-8.incomplete" / "rank-00000-of-00002.safetensors").write_bytes(b"x" * 10)
+    (root / "somebody-elses").mkdir()
+    out = daemon.cli("list", str(root))
+    assert out.returncode == 0
+    lines = out.stdout.splitlines()
+    assert lines[1].split()[:3] == ["step-7", "committed", "7"]
+    assert lines[2].split()[:2] == ["step-8.incomplete", "incomplete"]
+    assert lines[3].split()[:2] == ["somebody-elses", "foreign"]
+    rows = json.loads(daemon.cli("list", str(root), "--json").stdout)
+    assert [(r["name"], r["state"], r["ranks"]) for r in rows] == [
+        ("step-7", "committed", 1), ("step-8.incomplete", "incomplete", 1), ("somebody-elses", "foreign", None)]

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ import torch
 import ckptd
 
 from crashes import KILL_POINTS, NAME, assert_whole, digests, leftovers, make_state
-from helpers import wait_until
+from helpers import MiB, status, tmpfs, wait_until
 
 CHUNK = 8 * 2**20
 """The daemon's write size: a shard bigger than this is written in several calls."""
@@ -63,7 +64,7 @@ def free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-# -- 1. kill points ------------------------------------------------------------
+# -- kill points ------------------------------------------------------------
 
 # The kill points of a save are in crashes.py (KILL_POINTS), shared with the soak variant.
 
@@ -192,7 +193,7 @@ def test_a_daemon_killed_inside_retention_leaves_every_checkpoint_whole_or_gone_
                lambda: f"retention deletes every older checkpoint; there: {sorted(os.listdir(root))}")
 
 
-# -- 3. the daemon dies or freezes under a client --------------------------------
+# -- the daemon dies or freezes under a client --------------------------------
 
 SLOW = [{"op": "write", "match": "/slow-", "errno": 0, "delay": 30}]
 
@@ -284,7 +285,7 @@ def test_with_spawn_a_save_after_the_daemon_died_respawns_one_and_succeeds(run_d
     try:
         first_pid = int((run_dir / "ckptd.pid").read_text())
         fut = client.save_async(make_state(1), root / "slow-1")
-        time.sleep(0.3)
+        wait_until(lambda: status(run_dir)["saves"], 30, "the save reaches the daemon")
         os.kill(first_pid, signal.SIGKILL)
         with pytest.raises(ckptd.DaemonUnavailable):
             fut.result(15)  # "died", or (its zombie not reaped yet) "has not answered" after 2 s
@@ -302,7 +303,7 @@ def test_with_spawn_a_save_after_the_daemon_died_respawns_one_and_succeeds(run_d
     wait_until(lambda: not leftovers(root), 60, "the respawned daemon swept the killed save's directory")
 
 
-# -- 5. disks that fail or fill up ---------------------------------------------
+# -- disks that fail or fill up ---------------------------------------------
 
 IO_FAULTS = [
     ("write-ENOSPC", {"op": "write", "errno": errno.ENOSPC}),
@@ -341,18 +342,10 @@ MARGIN = 64 * 2**20
 
 
 @pytest.fixture
-def small_fs(root: Path):
+def small_fs(root: Path) -> Iterator[Path]:
     """``root`` on its own 192 MiB tmpfs, so free space is exact and genuinely runs out."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_FS},mode=0755", "tmpfs", str(root)],
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
-    try:
+    with tmpfs(root, SMALL_FS // MiB):
         yield root
-    finally:
-        subprocess.run(["umount", "-l", str(root)], capture_output=True)
 
 
 def fill(path: Path, nbytes: int) -> None:

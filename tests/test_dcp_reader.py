@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptd
+from helpers import equal_states
 from sharded_ranks import fsdp, full, run_rank, run_ranks, sharded_checkpoint
 
 
@@ -51,27 +52,17 @@ def _load_on_two(rank: int, world: int, init: str, path: str, out: str) -> None:
     run_rank(rank, world, init, out, "dcp", body)
 
 
-def _equal(a, b) -> bool:
-    if isinstance(a, dict):
-        return set(a) == set(b) and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and torch.equal(a, b)
-    return a == b
-
-
 @pytest.mark.timeout(600)
 def test_dcp_load_on_two_ranks_reshards_a_four_rank_checkpoint(saved, tmp_path: Path):
     path, reference = saved
     logs = run_ranks(_load_on_two, 2, tmp_path, "dcp", str(path), str(tmp_path))
     assert logs == [{"epoch": 3, "note": "first run"}] * 2
     loaded = torch.load(tmp_path / "dcp-loaded.pt")
-    assert _equal(loaded["loaded"]["model"], reference["model"])
-    assert _equal(loaded["loaded"]["optim"]["state"], reference["optim"]["state"])
-    assert _equal(loaded["loaded"]["grid"], reference["grid"])
-    assert _equal(loaded["applied"]["model"], reference["model"])  # set_state_dict put it in the model
-    assert _equal(loaded["applied"]["optim"]["state"], reference["optim"]["state"])
+    assert equal_states(loaded["loaded"]["model"], reference["model"])
+    assert equal_states(loaded["loaded"]["optim"]["state"], reference["optim"]["state"])
+    assert equal_states(loaded["loaded"]["grid"], reference["grid"])
+    assert equal_states(loaded["applied"]["model"], reference["model"])  # set_state_dict put it in the model
+    assert equal_states(loaded["applied"]["optim"]["state"], reference["optim"]["state"])
 
 
 def test_dcp_load_in_one_process_gives_full_tensors_and_plain_values(saved):
@@ -80,7 +71,7 @@ def test_dcp_load_in_one_process_gives_full_tensors_and_plain_values(saved):
              "grid": torch.zeros(6, 5, dtype=torch.float64), "epoch": 0,
              "optim": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0)}]}}
     dcp.load(state, storage_reader=ckptd.dcp.StorageReader(path))
-    assert _equal(state["model"], reference["model"]) and _equal(state["grid"], reference["grid"])
+    assert equal_states(state["model"], reference["model"]) and equal_states(state["grid"], reference["grid"])
     assert state["epoch"] == 3
     assert state["optim"]["param_groups"][0] == {"lr": 0.1, "betas": (0.9, 0.999)}  # plain values, by DCP's names
     assert ckptd.dcp.StorageReader.validate_checkpoint_id(path)

@@ -11,7 +11,6 @@ whose write fails leaves nothing pending: the path is free for a retry at once.
 
 from __future__ import annotations
 
-import os
 import pickle
 import re
 from pathlib import Path
@@ -23,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptd
 from ckptd.dcp import StorageReader, StorageWriter
-from helpers import short_tempdir, start_daemon, wait_until
+from helpers import REPO, equal_states, short_tempdir, start_daemon, torchrun_example, wait_until
 from sharded_ranks import fsdp, full, run_rank, run_ranks
 
 MODES = ("save", "thread", "process", "slot")
@@ -111,16 +110,6 @@ def saved(daemon_at, tmp_path_factory) -> tuple[Path, dict]:
     return root, torch.load(out / "reference.pt")
 
 
-def _equal(a, b) -> bool:
-    if isinstance(a, dict):
-        return set(a) == set(b) and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    return a == b
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", MODES)
 def test_each_way_of_saving_commits_a_checkpoint_ckptd_load_reads_whole(saved, mode: str):
@@ -129,7 +118,7 @@ def test_each_way_of_saving_commits_a_checkpoint_ckptd_load_reads_whole(saved, m
     assert index.world_size == 2 and index.step == MODES.index(mode) + 1
     assert not list(root.glob("*.incomplete"))
     loaded = ckptd.load(root / mode)
-    assert _equal(loaded, reference), mode
+    assert equal_states(loaded, reference), mode
     assert ckptd.verify_checkpoint(root / mode).ok
 
 
@@ -139,7 +128,7 @@ def test_dcp_load_with_ckptd_reader_reshards_onto_one_process(saved, mode: str):
     state = {"model": {k: torch.zeros_like(v) for k, v in reference["model"].items()},
              "grid": torch.zeros(6, 5, dtype=torch.float64), "epoch": 0, "note": ""}
     dcp.load(state, storage_reader=StorageReader(root / mode))
-    assert _equal(state, {k: reference[k] for k in state})
+    assert equal_states(state, {k: reference[k] for k in state})
 
 
 def test_load_into_and_dcps_safetensors_reader_read_it_too(saved):
@@ -148,12 +137,12 @@ def test_load_into_and_dcps_safetensors_reader_read_it_too(saved):
     root, reference = saved
     target = {k: torch.zeros_like(v) for k, v in reference["model"].items()}
     ckptd.load_into(target, root / "save", key="model")
-    assert _equal(target, reference["model"])
+    assert equal_states(target, reference["model"])
     want = {"model.0.weight": reference["model"]["0.weight"], "grid": reference["grid"],
             "optim.state.0.weight.exp_avg": reference["optim"]["state"]["0.weight"]["exp_avg"]}
     got = {k: torch.zeros_like(v) for k, v in want.items()}
     dcp.load(got, storage_reader=HuggingFaceStorageReader(str(root / "process")))
-    assert _equal(got, want)
+    assert equal_states(got, want)
 
 
 def _fail_then_retry(rank: int, world: int, init: str, run_dir: str, path: str, out: str) -> None:
@@ -224,18 +213,11 @@ def test_a_value_msgpack_cannot_hold_is_refused_naming_its_key(daemon_at):
     wait_until(lambda: not list(root.glob("refused*")), timeout=60, what="the refused attempt's directory to go")
 
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "dcp_train.py"
+EXAMPLE = REPO / "examples" / "dcp_train.py"
 
 
 def _run_example(daemon, ckpt_dir: Path, procs: int, steps: int) -> str:
-    from zygote import run_module
-
-    env = dict(os.environ, CKPTD_RUN_DIR=str(daemon.run_dir), OMP_NUM_THREADS="1")
-    args = ["--nproc-per-node", str(procs), "--standalone", str(EXAMPLE), "--steps", str(steps), "--save-every", "3",
-            "--ckpt-dir", str(ckpt_dir)]
-    out = run_module("torch.distributed.run", *args, env=env, cwd=str(EXAMPLE.parent.parent), timeout=150)
-    assert out.returncode == 0, f"torchrun exited {out.returncode}\n{out.stdout}\n{out.stderr}"
-    return out.stdout
+    return torchrun_example(EXAMPLE, daemon, ckpt_dir, procs, "--steps", str(steps), "--save-every", "3", timeout=150)
 
 
 @pytest.mark.timeout(400)

@@ -20,9 +20,9 @@ from torch import nn
 import ckptd
 from ckptd.integrations.fabric import CkptdCheckpointIO, CkptdFabricModelParallelStrategy
 
+from helpers import REPO, torchrun_example
 from zygote import run_module
 
-REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "fabric_train.py"
 
 
@@ -83,11 +83,7 @@ def test_fabric_save_and_load_in_one_process(daemon, root: Path) -> None:
 
 
 def run_example(daemon, ckpt_dir: Path, procs: int, *args: str) -> str:
-    env = dict(os.environ, CKPTD_RUN_DIR=str(daemon.run_dir), OMP_NUM_THREADS="1")
-    out = run_module("torch.distributed.run", "--nproc-per-node", str(procs), "--standalone", str(EXAMPLE),
-                     "--ckpt-dir", str(ckpt_dir), *args, env=env, cwd=str(REPO), timeout=240)
-    assert out.returncode == 0, f"torchrun exited {out.returncode}\n{out.stdout}\n{out.stderr[-6000:]}"
-    return out.stdout
+    return torchrun_example(EXAMPLE, daemon, ckpt_dir, procs, *args)
 
 
 @pytest.mark.timeout(600)

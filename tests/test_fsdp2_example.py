@@ -8,7 +8,6 @@ last checkpoint is then exported and loads into a plain model.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -20,19 +19,13 @@ from torch import nn
 import ckptd
 from ckptd.export import export_checkpoint
 
-from zygote import run_module
+from helpers import REPO, torchrun_example
 
-REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "fsdp2_train.py"
 
 
 def run_example(daemon, ckpt_dir: Path, procs: int, steps: int) -> str:
-    env = dict(os.environ, CKPTD_RUN_DIR=str(daemon.run_dir), OMP_NUM_THREADS="1")
-    args = ["--nproc-per-node", str(procs), "--standalone", str(EXAMPLE), "--steps", str(steps), "--save-every", "3",
-            "--ckpt-dir", str(ckpt_dir)]
-    out = run_module("torch.distributed.run", *args, env=env, cwd=str(REPO), timeout=150)
-    assert out.returncode == 0, f"torchrun exited {out.returncode}\n{out.stdout}\n{out.stderr}"
-    return out.stdout
+    return torchrun_example(EXAMPLE, daemon, ckpt_dir, procs, "--steps", str(steps), "--save-every", "3", timeout=150)
 
 
 @pytest.mark.timeout(400)

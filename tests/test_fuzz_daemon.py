@@ -53,7 +53,7 @@ def test_every_malformed_or_adversarial_request_gets_one_error_and_a_legitimate_
     assert counts["requests"] >= 500
 
 
-# -- bugs the fuzzing found: one sentence each -------------------------------------
+# -- adversarial requests, one each ------------------------------------------------
 
 
 def ask(sock: zmq.Socket, msg) -> Any:
@@ -221,7 +221,7 @@ def test_a_frame_over_the_size_limit_is_dropped_and_the_daemon_serves_on(daemon)
     sock.close()
 
 
-# -- 7. trust model ----------------------------------------------------------------
+# -- trust model ----------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)

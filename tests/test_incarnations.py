@@ -17,10 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import ckptd
-from ckptd.protocol.errors import CheckpointExists, Conflict, InvalidCheckpoint
+from ckptd.protocol.errors import CheckpointExists, Conflict
 from helpers import status, wait_until
 from zygote import Script
 
@@ -199,55 +198,6 @@ def test_ranks_with_equal_replicated_structure_commit_it_once(daemon, root) -> N
         assert r.event() == {"event": "done"}
     assert ranks_values(path) == [1.0, 2.0]
     assert [int(ckptd.load(path, rank=r)["rank"]) for r in range(2)] == [0, 1]
-
-
-def _two_rank_checkpoint(client_factory, root: Path, per_rank: list[dict]) -> Path:
-    path = root / "two"
-    futs = [client_factory(rank=r, world_size=2).save_async({"w": torch.full((4,), float(r)), **per_rank[r]}, path,
-                                                            step=3, replicated=("w",)) for r in range(2)]
-    for f in futs:
-        f.result(timeout=60)
-    return path
-
-
-def test_load_into_on_a_larger_world_refuses_other_ranks_per_rank_state_unless_asked(daemon, client_factory, root,
-                                                                                      monkeypatch) -> None:
-    path = _two_rank_checkpoint(client_factory, root, [{"data_pos": 100}, {"data_pos": 200}])
-    monkeypatch.setenv("RANK", "2")
-    monkeypatch.setenv("WORLD_SIZE", "3")
-    target = {"w": torch.zeros(4), "data_pos": 0}
-    with pytest.raises(InvalidCheckpoint, match=r"rank 2.*differs between the saved ranks \(ranks 0 and 1 differ at "
-                                                r"state_dict\['data_pos'\]\).*rank=0"):
-        ckptd.load_into(target, path)
-    assert target["data_pos"] == 0
-    with pytest.raises(InvalidCheckpoint, match=r"has no rank 5; it holds ranks 0..1"):
-        ckptd.load_into(target, path, rank=5)  # a rank the checkpoint lacks is never rank 0's in disguise
-    ckptd.load_into(target, path, rank=1)  # asked for on purpose
-    assert target["data_pos"] == 200 and torch.equal(target["w"], torch.zeros(4))
-
-
-def test_load_into_on_a_larger_world_takes_per_rank_values_every_saved_rank_shares(daemon, client_factory, root,
-                                                                                   monkeypatch) -> None:
-    path = _two_rank_checkpoint(client_factory, root, [{"step": 3}, {"step": 3}])
-    monkeypatch.setenv("RANK", "2")
-    monkeypatch.setenv("WORLD_SIZE", "3")
-    target = {"w": torch.ones(4), "step": 0}
-    ckptd.load_into(target, path)
-    assert target["step"] == 3 and torch.equal(target["w"], torch.zeros(4))
-
-
-def test_load_into_on_a_larger_world_leaves_per_rank_state_the_target_does_not_take(daemon, client_factory, root,
-                                                                                   monkeypatch) -> None:
-    path = _two_rank_checkpoint(client_factory, root, [{"data": {"pos": 100}, "step": 3},
-                                                       {"data": {"pos": 200}, "step": 3}])
-    monkeypatch.setenv("RANK", "2")
-    monkeypatch.setenv("WORLD_SIZE", "3")
-    target = {"w": torch.ones(4), "step": 0}  # the data position is not restored here (a new data-parallel degree)
-    report = ckptd.load_into(target, path, strict=False)
-    assert report.unexpected == ["data"]
-    assert target["step"] == 3 and torch.equal(target["w"], torch.zeros(4))
-    with pytest.raises(InvalidCheckpoint, match=r"ranks 0 and 1 differ at state_dict\['data'\]\['pos'\]"):
-        ckptd.load_into({"w": torch.ones(4), "data": {"pos": 0}}, path, strict=False)  # one it takes still may not
 
 
 def test_a_job_name_must_be_printable_text(daemon, client_factory) -> None:

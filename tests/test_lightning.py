@@ -13,7 +13,6 @@ import contextlib
 import enum
 import errno
 import os
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -205,10 +204,8 @@ def test_load_checkpoint_waits_for_the_save_in_flight_and_a_failed_save_is_raise
     finally:
         with contextlib.suppress(ckptd.CkptdError):
             io.teardown()  # after a failure above: close the client all the same
-    deadline = time.monotonic() + 60  # the daemon removes a failed save's .incomplete just after replying
-    while entries(root) != ["slow.ckpt"]:
-        assert time.monotonic() < deadline, entries(root)
-        time.sleep(0.05)
+    # the daemon removes a failed save's .incomplete just after replying
+    wait_until(lambda: entries(root) == ["slow.ckpt"], 60, lambda: f"the failed save's files went: {entries(root)}")
 
 
 class Mode(enum.Enum):

@@ -29,18 +29,14 @@ import ckptd  # noqa: E402
 from ckptd.integrations.lightning import CkptdCheckpointIO  # noqa: E402
 from ckptd.integrations.lightning_sharded import CkptdFSDPStrategy, CkptdModelParallelStrategy  # noqa: E402
 
+from helpers import REPO, torchrun_example  # noqa: E402
 from zygote import run_module  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "lightning_fsdp.py"
 
 
 def run_example(daemon, ckpt_dir: Path, procs: int, *args: str) -> str:
-    env = dict(os.environ, CKPTD_RUN_DIR=str(daemon.run_dir), OMP_NUM_THREADS="1")
-    out = run_module("torch.distributed.run", "--nproc-per-node", str(procs), "--standalone", str(EXAMPLE),
-                     "--ckpt-dir", str(ckpt_dir), *args, env=env, cwd=str(REPO), timeout=240)
-    assert out.returncode == 0, f"torchrun exited {out.returncode}\n{out.stdout}\n{out.stderr[-6000:]}"
-    return out.stdout
+    return torchrun_example(EXAMPLE, daemon, ckpt_dir, procs, *args)
 
 
 def digests(path: Path) -> tuple[float, float]:

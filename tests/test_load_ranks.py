@@ -1,4 +1,5 @@
-"""load never hands a process another rank's state unasked, and refuses a device it cannot reach."""
+"""Loading by rank: ``load`` and ``load_into`` never hand a process another rank's state unasked (a larger world's
+new ranks take only what every saved rank shares), and refuse a device they cannot reach."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import ckptd
+from ckptd.protocol.errors import InvalidCheckpoint
 
 
 @pytest.fixture
@@ -38,13 +40,51 @@ def test_a_cuda_map_location_this_host_lacks_is_named(two_rank_checkpoint) -> No
         ckptd.load(two_rank_checkpoint, rank=0, map_location=missing)
 
 
-def test_latest_of_no_path_is_a_type_error_not_none() -> None:
-    with pytest.raises(TypeError, match="root must be a path"):
-        ckptd.latest(None)
+@pytest.fixture
+def rank_2_of_3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process is rank 2 of a world of 3 (torchrun's environment): a rank a two-rank checkpoint never had."""
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
 
 
-@pytest.mark.parametrize("timeout, error", [(-1, ValueError), (float("nan"), ValueError), ("5", TypeError)])
-def test_client_wait_refuses_a_timeout_that_is_not_seconds(daemon, client, timeout, error) -> None:
-    with pytest.raises(error, match="timeout"):
-        client.wait(timeout)
-    client.wait(0.5)  # a real timeout still works
+def _two_rank_checkpoint(client_factory, root: Path, per_rank: list[dict]) -> Path:
+    path = root / "two"
+    futs = [client_factory(rank=r, world_size=2).save_async({"w": torch.full((4,), float(r)), **per_rank[r]}, path,
+                                                            step=3, replicated=("w",)) for r in range(2)]
+    for f in futs:
+        f.result(timeout=60)
+    return path
+
+
+def test_load_into_on_a_larger_world_refuses_other_ranks_per_rank_state_unless_asked(daemon, client_factory, root,
+                                                                                      rank_2_of_3) -> None:
+    path = _two_rank_checkpoint(client_factory, root, [{"data_pos": 100}, {"data_pos": 200}])
+    target = {"w": torch.zeros(4), "data_pos": 0}
+    with pytest.raises(InvalidCheckpoint, match=r"rank 2.*differs between the saved ranks \(ranks 0 and 1 differ at "
+                                                r"state_dict\['data_pos'\]\).*rank=0"):
+        ckptd.load_into(target, path)
+    assert target["data_pos"] == 0
+    with pytest.raises(InvalidCheckpoint, match=r"has no rank 5; it holds ranks 0..1"):
+        ckptd.load_into(target, path, rank=5)  # a rank the checkpoint lacks is never rank 0's in disguise
+    ckptd.load_into(target, path, rank=1)  # asked for on purpose
+    assert target["data_pos"] == 200 and torch.equal(target["w"], torch.zeros(4))
+
+
+def test_load_into_on_a_larger_world_takes_per_rank_values_every_saved_rank_shares(daemon, client_factory, root,
+                                                                                   rank_2_of_3) -> None:
+    path = _two_rank_checkpoint(client_factory, root, [{"step": 3}, {"step": 3}])
+    target = {"w": torch.ones(4), "step": 0}
+    ckptd.load_into(target, path)
+    assert target["step"] == 3 and torch.equal(target["w"], torch.zeros(4))
+
+
+def test_load_into_on_a_larger_world_leaves_per_rank_state_the_target_does_not_take(daemon, client_factory, root,
+                                                                                   rank_2_of_3) -> None:
+    path = _two_rank_checkpoint(client_factory, root, [{"data": {"pos": 100}, "step": 3},
+                                                       {"data": {"pos": 200}, "step": 3}])
+    target = {"w": torch.ones(4), "step": 0}  # the data position is not restored here (a new data-parallel degree)
+    report = ckptd.load_into(target, path, strict=False)
+    assert report.unexpected == ["data"]
+    assert target["step"] == 3 and torch.equal(target["w"], torch.zeros(4))
+    with pytest.raises(InvalidCheckpoint, match=r"ranks 0 and 1 differ at state_dict\['data'\]\['pos'\]"):
+        ckptd.load_into({"w": torch.ones(4), "data": {"pos": 0}}, path, strict=False)  # one it takes still may not

@@ -1,14 +1,10 @@
-"""Loading: zero-copy, in place, serialized per node, verified, and clear about what is wrong."""
+"""Loading: zero-copy, in place, verified, and clear about what is wrong (how many load at once: ``test_leases.py``)."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import struct
-import textwrap
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,9 +12,6 @@ import torch
 from torch import nn
 
 import ckptd
-from ckptd.client.lease import load_lease
-
-from zygote import Script
 
 
 @pytest.fixture
@@ -152,68 +145,3 @@ def test_inspect_describes_without_reading_tensor_data(daemon, saved) -> None:
     assert names["model.0.weight"].shape == (32, 16) and names["model.0.weight"].dtype == "F32"
     out = json.loads(daemon.cli("inspect", str(saved), "--json").stdout)
     assert out["world_size"] == 1 and len(out["shards"][0]["tensors"]) == info.tensor_count
-
-
-def _max_overlap(intervals: list[tuple[float, float]]) -> int:
-    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
-    best = cur = 0
-    for _, d in events:
-        cur += d
-        best = max(best, cur)
-    return best
-
-
-@pytest.mark.parametrize("limit", [1, 2])
-def test_load_leases_cap_concurrent_loads_on_a_node(daemon, limit) -> None:
-    intervals: list[tuple[float, float]] = []
-
-    def rank() -> None:
-        with load_lease(limit, run_dir=daemon.run_dir, spawn=False):
-            start = time.monotonic()
-            time.sleep(0.3)
-            intervals.append((start, time.monotonic()))
-
-    threads = [threading.Thread(target=rank) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert len(intervals) == 4 and _max_overlap(intervals) == limit
-
-
-def test_a_dead_lease_holder_frees_its_lease(daemon) -> None:
-    script = textwrap.dedent(f"""
-        import time
-        from ckptd.client.lease import load_lease
-        with load_lease(1, run_dir={str(daemon.run_dir)!r}, spawn=False):
-            print("held", flush=True)
-            time.sleep(60)
-    """)
-    holder = Script(script)
-    assert holder.stdout.readline().strip() == "held"
-    assert len(daemon.status()["loads"]["held"]) == 1
-    holder.send_signal(signal.SIGKILL)
-    holder.wait(10)
-    started = time.monotonic()
-    with load_lease(1, run_dir=daemon.run_dir, spawn=False) as waited:
-        assert waited is not None and time.monotonic() - started < 5
-
-
-def test_daemon_default_load_limit_applies_when_the_load_asks_for_none(daemon_factory, client_factory, root) -> None:
-    daemon = daemon_factory("--max-concurrent-loads", "1")
-    client_factory().save_async({"w": torch.ones(1000)}, root / "c").result(30)
-    intervals: list[tuple[float, float]] = []
-
-    def rank() -> None:
-        with load_lease(None, run_dir=daemon.run_dir, spawn=False):
-            start = time.monotonic()
-            ckptd.load(root / "c", map_location="cpu")
-            time.sleep(0.2)
-            intervals.append((start, time.monotonic()))
-
-    threads = [threading.Thread(target=rank) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert _max_overlap(intervals) == 1

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import ckptd
 
-from helpers import join_ranks, short_tempdir, start_daemon, wait_for_ranks
+from helpers import join_ranks, short_tempdir, start_daemon, wait_for_ranks, wait_until
 from zygote import start_ranks
 
 WORLD = 4
@@ -105,9 +105,6 @@ def test_two_nodes_commit_once_and_a_dead_daemon_fails_every_rank_then_recovers(
         assert log["doomed_s"] < 30
         assert log["after"] == str(root / "after")
     assert not (root / "doomed").exists() and not (root / "mixed").exists()
-    deadline = time.monotonic() + 60
-    while (root / "doomed.incomplete").exists():
-        assert time.monotonic() < deadline, "the aborted checkpoint was not cleaned up"
-        time.sleep(0.05)
+    wait_until(lambda: not (root / "doomed.incomplete").exists(), 60, "the aborted checkpoint was not cleaned up")
     assert ckptd.read_index(root / "after").world_size == WORLD
     assert ckptd.latest(root) == root / "after"

@@ -1,4 +1,5 @@
-"""Every way a save can fail arrives as a typed error, and nothing committed is harmed."""
+"""Every way a save can fail arrives as a typed error that says what is true, nothing committed is harmed, and
+cleaning up after a failure never harms the saves that follow (storage faults injected through ``tests/faults.py``)."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def test_pending_save_fails_with_daemon_unavailable_when_the_daemon_is_killed(da
     daemon = daemon_factory(faults=[{"op": "write", "match": "slow", "errno": 0, "delay": 30}])
     client = client_factory(heartbeat=0.2, timeout=5.0)
     fut = client.save_async({"w": torch.ones(10)}, root / "slow")
-    time.sleep(0.3)
+    wait_until(lambda: daemon.status()["saves"], 30, "the save reaches the daemon")
     daemon.kill()
     started = time.monotonic()
     with pytest.raises(ckptd.DaemonUnavailable, match="died|not answered"):
@@ -93,3 +94,43 @@ def test_pending_save_fails_with_daemon_unavailable_when_the_daemon_is_killed(da
 def test_client_without_spawn_raises_a_clear_error_when_no_daemon_runs(run_dir) -> None:
     with pytest.raises(ckptd.DaemonUnavailable, match="ckptd start"):
         ckptd.Client(run_dir=run_dir, spawn=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_retry_right_after_a_failed_save_keeps_its_directory(daemon_factory, client_factory, root, tmp_path) -> None:
+    # "busy"'s index write holds the commit thread until the test lets it go, so the failed
+    # attempt's cleanup cannot run before the retry is admitted: removing the failed attempt's
+    # directory in place then would remove the retry's.
+    go = tmp_path / "go"
+    daemon = daemon_factory(faults=[{"op": "write_file", "match": "/busy.incomplete/", "errno": 0,
+                                     "wait_for": str(go)}])
+    log = daemon.run_dir / "ckptd.log"
+    client = client_factory()
+    busy = client.save_async({"w": torch.ones(10)}, root / "busy")
+    wait_until(lambda: "event=fault op=write_file" in log.read_text(), 20, "the write fault fired")
+    lonely = client_factory(rank=0, world_size=2, commit_timeout=0.5)
+    with pytest.raises(ckptd.RanksMissing):
+        lonely.save_async({"w": torch.ones(100)}, root / "racy", step=1).result(30)
+    retry = client_factory().save_async({"w": torch.full((100,), 2.0)}, root / "racy", step=1)
+    wait_until(lambda: log.read_text().count(f"event=admitted path={root.resolve() / 'racy'} ") == 2, 20,
+               "the retry was admitted")
+    assert not busy.done(), "the commit thread must still be held for this test to mean anything"
+    go.touch()
+    assert retry.result(30).path == root / "racy"
+    assert torch.equal(ckptd.load(root / "racy")["w"], torch.full((100,), 2.0))
+    busy.result(30)
+    wait_until(lambda: sorted(os.listdir(root)) == ["busy", "racy"], 20, "the failed attempt's files went")
+
+
+def test_a_failed_parent_fsync_after_the_rename_reports_the_checkpoint_as_visible(
+    daemon_factory, client_factory, root
+) -> None:
+    parent = str(root.resolve())
+    daemon_factory(faults=[{"op": "fsync_dir", "match": parent, "exact": True, "errno": errno.EIO}])
+    client = client_factory()
+    with pytest.raises(ckptd.WriteFailed, match="is committed and visible") as failed:
+        client.save_async({"w": torch.ones(100)}, root / "honest").result(30)
+    assert "may not survive" in str(failed.value)
+    # what the error says is true: the checkpoint is there, whole, and holds no owner marker
+    assert torch.equal(ckptd.load(root / "honest")["w"], torch.ones(100))
+    assert sorted(os.listdir(root / "honest")) == ["ckptd.json", "rank-00000-of-00001.safetensors"]

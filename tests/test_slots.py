@@ -1,17 +1,27 @@
-"""Shared-memory slots: created once, reused, grown only when needed, never leaked."""
+"""Shared-memory slots: created once, reused, grown only when needed, never leaked, and unmapped by the daemon
+once their client gives them back or leaves.
+
+Where a small shared-memory directory is the point, the test mounts a tmpfs of
+that size; write failures are injected through the storage seam
+(``tests/faults.py``).
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import signal
 import textwrap
-import time
+from pathlib import Path
 
+import pytest
 import torch
 
+import ckptd
 from ckptd.client.slots import Slot
-from helpers import SHM, own_segments
+from ckptd.slot_maps import SlotMaps
+from helpers import SHM, floats, own_segments, tmpfs, wait_until
 from zygote import Script
 
 
@@ -74,7 +84,82 @@ def test_a_killed_trainers_slots_are_reclaimed_by_the_daemon(daemon, root) -> No
     assert names and all((SHM / n).exists() for n in names)
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
-    deadline = time.monotonic() + 60
-    while any((SHM / n).exists() for n in names) or daemon.status()["clients"]:
-        assert time.monotonic() < deadline, f"slots {names} not reclaimed, or the client not forgotten"
-        time.sleep(0.1)
+    wait_until(lambda: not any((SHM / n).exists() for n in names) and not daemon.status()["clients"], 60,
+               f"slots {names} not reclaimed, or the client not forgotten")
+
+
+def test_a_held_slot_given_back_stays_mapped_for_its_clients_next_save() -> None:
+    """A snapshot's slot is renamed to the daemon's name while held and back when dropped; the client's next save
+    into it must find the daemon's mapping (a fresh MAP_POPULATE of a big slot cost each snapshot tens of ms)."""
+    slot, maps = Slot(1 << 20), SlotMaps()
+    try:
+        mapped = maps.acquire(slot.name, pid=os.getpid(), nbytes=4096)
+        maps.adopt(mapped, f"{slot.name}-held")
+        assert not slot.path.exists()
+        maps.give_back(mapped, slot.name)
+        assert slot.path.exists() and not mapped.map.closed
+        assert maps.acquire(slot.name, pid=os.getpid(), nbytes=4096) is mapped
+    finally:
+        slot.close()
+
+
+# -- the daemon's mappings of slots --------------------------------------------
+
+
+def slot_mappings(pid: int) -> list[str]:
+    """Lines of the daemon's /proc maps that map a ckptd slot."""
+    return [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/ckptd-" in line]
+
+
+def internal_errors(daemon) -> list[str]:
+    return [e["message"] for e in daemon.status()["errors"] if "internal error" in e["message"]]
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_write_releases_its_slot_mapping_and_the_client_leaves_cleanly(daemon_factory, client_factory,
+                                                                                 root) -> None:
+    daemon = daemon_factory(faults=[{"op": "write", "match": "/full.incomplete/", "errno": errno.ENOSPC}])
+    client = client_factory(stream_commit=True)
+    with pytest.raises(ckptd.WriteFailed, match="No space left"):
+        client.save_async({"w": floats(70)}, root / "full").result(60)
+    assert slot_mappings(daemon.proc.pid), "the daemon maps the client's slot while the client lives"
+    client.close()  # says Bye: the daemon drops the client's mappings
+    assert slot_mappings(daemon.proc.pid) == [], "a failed save's slot must not stay mapped after its client left"
+    assert internal_errors(daemon) == []
+    log = (daemon.run_dir / "ckptd.log").read_text()
+    assert "BufferError" not in log
+    # the daemon still serves: a new client saves
+    assert client_factory().save_async({"w": torch.ones(4)}, root / "after").result(30).path == root / "after"
+
+
+@pytest.mark.timeout(120)
+def test_a_slot_the_client_unlinked_is_unmapped_so_a_bigger_state_fits(daemon_factory, client_factory, tmp_path,
+                                                                         monkeypatch) -> None:
+    with tmpfs(tmp_path / "shm", 64) as shm:
+        monkeypatch.setenv("CKPTD_SHM_DIR", str(shm))
+        daemon = daemon_factory()
+        client = client_factory()
+        client.save_async({"w": floats(30)}, daemon.root / "small").result(30)
+        try:  # the client gives its 30 MiB slot back and asks for 40 MiB; the daemon may still map the old one
+            client.save_async({"w": floats(40)}, daemon.root / "big").result(30)
+        except ckptd.NoSpace:
+            wait_until(lambda: not any("(deleted)" in m for m in slot_mappings(daemon.proc.pid)), 30,
+                       "the daemon keeps mapping a slot its client unlinked")
+            client.save_async({"w": floats(40)}, daemon.root / "big").result(30)
+        assert torch.equal(ckptd.load(daemon.root / "big")["w"], floats(40))
+        assert not any("(deleted)" in m for m in slot_mappings(daemon.proc.pid))
+        client.close()
+        daemon.stop()
+
+
+def test_a_slot_the_daemon_cannot_find_names_both_sides_shm_directory(daemon_factory, client_factory, tmp_path,
+                                                                      monkeypatch) -> None:
+    elsewhere = tmp_path / "daemon-shm"
+    elsewhere.mkdir()
+    monkeypatch.setenv("CKPTD_SHM_DIR", str(elsewhere))
+    daemon = daemon_factory()
+    monkeypatch.delenv("CKPTD_SHM_DIR")
+    with pytest.raises(ckptd.BadSlot) as missing:
+        client_factory().save_async({"w": torch.ones(4)}, daemon.root / "x").result(30)
+    assert str(elsewhere) in str(missing.value)
+    assert "CKPTD_SHM_DIR" in str(missing.value)

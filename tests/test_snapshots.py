@@ -3,7 +3,10 @@
 Real daemons, real trainer processes: a trainer snapshots every step and is
 SIGKILLed; a fresh process resumes from the newest snapshot, bitwise, read
 from the daemon's memory (its disk copy moved away to prove it), and the
-copy the daemon persisted survives a daemon restart.
+copy the daemon persisted survives a daemon restart. Snapshots are held, not
+written; ``ckptd list`` and ``status`` show them; a snapshot that could never
+be persisted is refused when saved. (The budget, persisting, reading, ranks and
+the segments a daemon holds each have their own ``test_snapshots_*.py``.)
 """
 
 from __future__ import annotations
@@ -13,25 +16,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
 import ckptd
 from ckptd.client.memory import held_snapshots
 
-from helpers import SHM, ckptd_cli, segments_of, status, wait_until
+from helpers import SHM, equal_states, segments_of, wait_until
+from snapshots import STATE_SRC, full, held_paths, state_at
 
-STATE_SRC = r'''
-def state_at(step):
-    import torch
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(300_000, generator=g), "b": torch.arange(step, step + 7, dtype=torch.int64),
-            "step": step}
-'''
-exec(STATE_SRC)  # the test knows the bytes of every step
 
 TRAINER = STATE_SRC + r'''
 import json, os, sys, time
@@ -62,11 +56,6 @@ def resume(run_dir: Path, root: Path) -> dict:
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
-
-
-def equal_states(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
-                                        for k in a)
 
 
 @pytest.mark.timeout(120)
@@ -124,112 +113,6 @@ def test_snapshots_are_held_not_written_and_the_pool_reuses_released_slots(daemo
     daemon.stop()
 
 
-def test_a_snapshot_missing_on_one_rank_is_never_chosen_and_the_complete_one_is_kept(
-    daemon, client_factory, root, run_dir
-) -> None:
-    # long enough to see the lonely snapshot held (and not chosen) before it fails, on a loaded machine too
-    rank0, rank1 = (client_factory(rank=r, world_size=2, commit_timeout=10) for r in (0, 1))
-    states = [{"r": torch.full((1000,), r), "step": 1} for r in (0, 1)]
-    futures = [c.save_async(s, root / "s1", step=1, persist=False) for c, s in zip((rank0, rank1), states)]
-    assert [f.result(30).path for f in futures] == [root / "s1"] * 2
-    lonely = rank0.save_async({"r": torch.full((1000,), 9), "step": 2}, root / "s2", step=2, persist=False)
-    wait_until(lambda: daemon.status()["memory"]["snapshots"][-1]["ranks_held"] == [0], 60, "rank 0 is held")
-    assert ckptd.latest(root, run_dir=run_dir) == root / "s1"
-    with pytest.raises(ckptd.RanksMissing, match=r"ranks \[1\] of 2"):
-        lonely.result(30)
-    assert [s["path"] for s in daemon.status()["memory"]["snapshots"]] == [str(root / "s1")]
-    for r in (0, 1):
-        assert equal_states(ckptd.load(root / "s1", rank=r, run_dir=run_dir), states[r])
-    daemon.stop()
-
-
-def test_the_budget_evicts_persisted_snapshots_then_refuses_saying_what_to_do(
-    daemon_factory, client_factory, root, run_dir
-) -> None:
-    daemon = daemon_factory("--memory-budget", "2MiB", "--keep-snapshots", "2")
-    client = client_factory()
-    small = {"w": torch.ones(200_000)}  # 0.77 MiB each: two fit, three do not
-    client.save_async(small, root / "a", step=1, persist=False).result(30)
-    client.save_async(small, root / "b", step=2, persist=False).result(30)
-    client.persist(root / "a")
-    client.save_async(small, root / "c", step=3, persist=False).result(30)  # evicts a: it is on disk
-    held = [s["path"] for s in daemon.status()["memory"]["snapshots"]]
-    assert held == [str(root / "b"), str(root / "c")]
-    with pytest.raises(ckptd.NoSpace) as refused:
-        client.save_async(small, root / "d", step=4, persist=False).result(30)
-    message = str(refused.value)
-    assert "memory budget is 2.0 MiB" in message and "1.5 MiB are held in 2 snapshot(s)" in message
-    assert "--memory-budget" in message and "persist" in message
-    assert [s["path"] for s in daemon.status()["memory"]["snapshots"]] == held  # nothing newest was dropped
-    daemon.stop()
-
-
-def test_a_snapshot_larger_than_the_budget_is_refused_and_later_small_ones_are_held(
-    daemon_factory, client_factory, root, run_dir
-) -> None:
-    daemon = daemon_factory("--memory-budget", "2MiB")
-    client = client_factory()
-    with pytest.raises(ckptd.NoSpace, match="memory budget is 2.0 MiB"):
-        client.save_async({"w": torch.ones(1_000_000)}, root / "big", step=1, persist=False).result(30)
-    assert max(SHM.joinpath(n).stat().st_size for n in client.slot_names) > 2 * 2**20  # the slot grew
-    for step in range(2, 6):  # staged into that grown slot, or the next: the budget counts the bytes, not the slot
-        small = {"w": torch.full((50_000,), float(step))}
-        client.save_async(small, root / f"s{step}", step=step, persist=False).result(30)
-        assert ckptd.load(root / f"s{step}", run_dir=run_dir)["w"].equal(small["w"])
-    memory = daemon.status()["memory"]
-    assert [s["path"] for s in memory["snapshots"]] == [str(root / "s5")]
-    assert memory["held_bytes"] == memory["snapshots"][0]["bytes"] < 2**20
-    daemon.stop()
-
-
-@pytest.mark.parametrize("budget, says", [("lots", "expected a number of bytes"), ("0", "at least 1048576 (1 MiB)"),
-                                          ("1024", "at least 1048576 (1 MiB)"), ("1PiB", "expected a number of bytes"),
-                                          ("1000TiB", "at most the size of")])
-def test_a_memory_budget_out_of_range_is_refused_at_start(run_dir, root, budget, says) -> None:
-    out = ckptd_cli("start", "--foreground", "--run-dir", str(run_dir), "--root", str(root),
-                    "--memory-budget", budget)
-    assert out.returncode == 2
-    assert "memory" in out.stderr and says in out.stderr, out.stderr
-
-
-def test_sigterm_persists_the_newest_snapshot_before_the_daemon_exits(daemon, client, root, run_dir) -> None:
-    client.save_async(state_at(5), root / "s5", step=5, persist=False).result(30)
-    assert not (root / "s5").exists()
-    assert daemon.stop() == 0
-    assert equal_states(ckptd.load(root / "s5"), state_at(5))
-    assert "event=drain_persist snapshots=1" in (run_dir / "ckptd.log").read_text()
-
-
-def test_with_persist_on_exit_never_a_closed_client_leaves_its_snapshot_in_memory_only(
-    daemon_factory, client_factory, root, run_dir
-) -> None:
-    daemon = daemon_factory("--persist-on-exit", "never")
-    client = client_factory()
-    client.save_async(state_at(6), root / "s6", step=6, persist=False).result(30)
-    client.close()
-    wait_until(lambda: daemon.status()["clients"] == [], 60, "the client is gone")
-    assert not (root / "s6").exists()
-    assert equal_states(ckptd.load(root / "s6", run_dir=run_dir), state_at(6))
-    daemon.stop()
-
-
-def test_a_daemon_that_exits_when_idle_waits_while_it_holds_a_snapshot_not_on_disk(
-    daemon_factory, client_factory, root, run_dir
-) -> None:
-    daemon = daemon_factory("--exit-when-idle", "0.3", "--persist-on-exit", "never")
-    client = client_factory()
-    client.save_async(state_at(7), root / "s7", step=7, persist=False).result(30)
-    client.close()
-    wait_until(lambda: daemon.status()["clients"] == [], 60, "the client is gone")
-    time.sleep(1.5)  # five idle periods: an idle daemon would have exited by now
-    assert daemon.proc.poll() is None, "the daemon exited with a snapshot held only in memory"
-    persister = client_factory()
-    assert persister.persist(root / "s7") == root / "s7"
-    persister.close()
-    assert daemon.proc.wait(30) == 0  # on disk now: idle, it exits
-    assert equal_states(ckptd.load(root / "s7"), state_at(7))
-
-
 def test_status_text_and_prometheus_metrics_show_the_snapshots_and_the_budget(
     daemon_factory, client_factory, root, run_dir, tmp_path
 ) -> None:
@@ -258,64 +141,23 @@ def test_status_text_and_prometheus_metrics_show_the_snapshots_and_the_budget(
     daemon.stop()
 
 
-def test_a_stop_that_abandons_stalled_maintenance_still_unlinks_every_snapshot_it_held(
-    daemon_factory, client_factory, root, run_dir, tmp_path
-) -> None:
-    disk = root / "disk"
-    disk.mkdir()
-    stall = {"op": "remove_tree", "match": str(disk / "old"), "errno": 0, "wait_for": str(tmp_path / "never")}
-    daemon = daemon_factory("--drain-timeout", "1", "--keep-snapshots", "2", faults=[stall])
+def test_a_snapshot_under_a_regular_file_is_refused_when_saved(daemon, client_factory, root, run_dir) -> None:
+    (root / "a-file").write_text("not a directory")
     client = client_factory()
-    for step in (1, 2, 3):  # s1 is dropped for s3 (its slot goes back to the client), s2 and s3 stay held
-        client.save_async(state_at(step), root / f"s{step}", step=step, persist=False).result(30)
-    assert len(segments_of(daemon.proc.pid)) == 2
-    client.save_async({"x": torch.ones(10)}, disk / "old", step=1).result(30)
-    client.save_async({"x": torch.ones(10)}, disk / "new", step=2, keep_last=1).result(30)  # retention stalls
-    log = run_dir / "ckptd.log"
-    wait_until(lambda: "event=fault op=remove_tree" in log.read_text(), 30, "retention stalls in the store")
-    assert daemon.stop() == 0
-    assert "event=maintenance_abandoned" in log.read_text()  # the stall outlived the drain
-    assert segments_of(daemon.proc.pid) == [], "the daemon left held snapshots in /dev/shm"
-    assert equal_states(ckptd.load(root / "s3"), state_at(3))  # the newest was persisted while it drained
+    for path in (root / "a-file" / "s1", root / "a-file" / "sub" / "s1"):
+        with pytest.raises(ckptd.PathNotAllowed, match=f"could never be persisted: {root / 'a-file'} is not a dir"):
+            client.save_async(full(1), path, step=1, persist=False).result(30)
+    client.save_async(full(1), root / "new-dir" / "s1", step=1, persist=False).result(30)  # made when persisted
+    assert held_paths(run_dir) == {str(root / "new-dir" / "s1")}
+    daemon.stop()
 
 
-PREDECESSOR = r'''
-import os, sys
-from pathlib import Path
-Path(sys.argv[1], f"ckptd-{os.getuid()}-{os.getpid()}-7").write_bytes(b"x" * 65536)  # left under this pid
-os.execv(sys.executable, [sys.executable, "-m", "ckptd", *sys.argv[2:]])  # the same pid starts the daemon
-'''
-
-
-def test_a_daemon_started_under_its_dead_predecessors_pid_unlinks_the_segments_left_under_it(run_dir, root) -> None:
-    cmd = [sys.executable, "-c", PREDECESSOR, str(SHM), "start", "--foreground", "--quiet", "--run-dir", str(run_dir),
-           "--root", str(root)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        def serving() -> bool:
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            try:
-                return status(run_dir, timeout=2)["daemon"]["pid"] == proc.pid
-            except AssertionError:  # not answering yet
-                return False
-        wait_until(serving, 60, "the daemon answers")
-        assert segments_of(proc.pid) == [], "a start-up left its predecessor's segment in /dev/shm"
-        assert "owner=predecessor_with_this_pid" in (run_dir / "ckptd.log").read_text()
-    finally:
-        for name in segments_of(proc.pid):
-            (SHM / name).unlink()
-        proc.terminate()
-        proc.wait(30)
-
-
-def test_a_killed_daemons_held_snapshots_are_unlinked_by_the_next_start(daemon_factory, client_factory, root) -> None:
-    daemon = daemon_factory()
+def test_ckptd_list_shows_a_directory_only_memory_holds(daemon, client_factory, root) -> None:
     client = client_factory()
-    client.save_async(state_at(1), root / "s1", step=1, persist=False).result(30)
-    left = segments_of(daemon.proc.pid)
-    assert left, "the daemon holds the snapshot's slot under its own pid"
-    daemon.kill()
-    assert segments_of(daemon.proc.pid) == left  # a SIGKILL unlinks nothing
-    daemon_factory()
-    wait_until(lambda: segments_of(daemon.proc.pid) == [], 30,
-               lambda: f"the next start unlinks the dead daemon's slots: {segments_of(daemon.proc.pid)}")
+    client.save_async(full(1), root / "only-in-memory" / "s1", step=1, persist=False).result(30)
+    listed = daemon.cli("list", str(root / "only-in-memory"))
+    assert listed.returncode == 0, listed.stderr
+    assert "s1" in listed.stdout and "memory" in listed.stdout
+    missing = daemon.cli("list", str(root / "nothing-here"))
+    assert missing.returncode != 0 and "holds no snapshots under it" in missing.stderr
+    daemon.stop()

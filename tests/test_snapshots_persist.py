@@ -1,33 +1,28 @@
-"""Persisting memory snapshots: what a new user broke, each against a real daemon.
+"""Persisting memory snapshots to disk: on request, at a drain, when their trainer goes, each against a real daemon.
 
 A persist that is refused leaves the snapshot held and retried at the
 drain; a drain that still cannot persist says so through ``ckptd stop``; a
 snapshot saved with ``overwrite`` persists over the checkpoint it replaced;
 a disk save of a held path replaces the snapshot for readers; persist waits
 for a snapshot's ranks and answers every rank; and bytes that changed in
-memory are never written as a checkpoint that verifies.
+memory are never written as a checkpoint that verifies. SIGTERM persists
+the newest snapshot, ``--persist-on-exit never`` leaves a closed client's in
+memory (and a daemon that exits when idle waits for it), and ``keep_last``
+applies when a snapshot is persisted on exit.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-import torch
 
 import ckptd
 from ckptd.client.memory import held_snapshots
 
-from helpers import SHM, wait_until
-
-
-def full(value: float, n: int = 50_000) -> dict:
-    return {"w": torch.full((n,), float(value))}
-
-
-def held(daemon, path: Path) -> dict:
-    return next(s for s in daemon.status()["memory"]["snapshots"] if s["path"] == str(path))
+from helpers import SHM, equal_states, wait_until
+from snapshots import full, held, state_at
 
 
 def test_a_persist_refused_for_space_leaves_the_snapshot_held_and_the_drain_persists_it(
@@ -167,3 +162,51 @@ def test_persist_after_a_refused_snapshot_says_why_it_was_refused(daemon, client
     client.save_async(full(3), root / "s3", step=3, persist=False).result(30)  # another path: still persists
     assert client.persist(root / "s3") == root / "s3"
     assert ckptd.load(root / "s1")["w"].equal(full(1)["w"])  # the refused snapshot touched nothing
+
+
+def test_sigterm_persists_the_newest_snapshot_before_the_daemon_exits(daemon, client, root, run_dir) -> None:
+    client.save_async(state_at(5), root / "s5", step=5, persist=False).result(30)
+    assert not (root / "s5").exists()
+    assert daemon.stop() == 0
+    assert equal_states(ckptd.load(root / "s5"), state_at(5))
+    assert "event=drain_persist snapshots=1" in (run_dir / "ckptd.log").read_text()
+
+
+def test_with_persist_on_exit_never_a_closed_client_leaves_its_snapshot_in_memory_only(
+    daemon_factory, client_factory, root, run_dir
+) -> None:
+    daemon = daemon_factory("--persist-on-exit", "never")
+    client = client_factory()
+    client.save_async(state_at(6), root / "s6", step=6, persist=False).result(30)
+    client.close()
+    wait_until(lambda: daemon.status()["clients"] == [], 60, "the client is gone")
+    assert not (root / "s6").exists()
+    assert equal_states(ckptd.load(root / "s6", run_dir=run_dir), state_at(6))
+    daemon.stop()
+
+
+def test_a_daemon_that_exits_when_idle_waits_while_it_holds_a_snapshot_not_on_disk(
+    daemon_factory, client_factory, root, run_dir
+) -> None:
+    daemon = daemon_factory("--exit-when-idle", "0.3", "--persist-on-exit", "never")
+    client = client_factory()
+    client.save_async(state_at(7), root / "s7", step=7, persist=False).result(30)
+    client.close()
+    wait_until(lambda: daemon.status()["clients"] == [], 60, "the client is gone")
+    time.sleep(1.5)  # five idle periods: an idle daemon would have exited by now
+    assert daemon.proc.poll() is None, "the daemon exited with a snapshot held only in memory"
+    persister = client_factory()
+    assert persister.persist(root / "s7") == root / "s7"
+    persister.close()
+    assert daemon.proc.wait(30) == 0  # on disk now: idle, it exits
+    assert equal_states(ckptd.load(root / "s7"), state_at(7))
+
+
+def test_keep_last_of_a_snapshot_applies_when_it_is_persisted_on_exit(daemon, client_factory, root) -> None:
+    client = client_factory()
+    client.save_async(full(1), root / "k1", step=1).result(30)
+    client.save_async(full(2), root / "k2", step=2, persist=False, keep_last=1).result(30)
+    client.close()
+    wait_until(lambda: (root / "k2" / "ckptd.json").exists() and not (root / "k1").exists(), 20,
+               "k2 persisted on exit and k1 removed by its keep_last")
+    daemon.stop()

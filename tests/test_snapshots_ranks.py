@@ -4,7 +4,8 @@ Two daemons on one machine stand for two nodes, one rank each, under
 torch.distributed (gloo). Both ranks snapshot; node B's daemon is then
 SIGKILLed and restarted (its memory is gone), so rank 1 can no longer
 restore the snapshot rank 0's daemon still holds: both ranks must fall back
-to the newest checkpoint on disk, and load it.
+to the newest checkpoint on disk, and load it. On one node too, a snapshot
+that one rank never sent is never chosen, and the complete one before it is kept.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import time
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import ckptd
 
-from helpers import join_ranks, short_tempdir, start_daemon, wait_for_ranks, wait_until
+from helpers import equal_states, join_ranks, short_tempdir, start_daemon, wait_for_ranks, wait_until
 from zygote import start_ranks
 
 WORLD = 2
@@ -78,3 +80,22 @@ def test_ranks_agree_on_latest_and_never_choose_a_snapshot_one_node_lost(root: P
         assert log["snapshot"] == log["before"] == str(root / "memory") and log["before_step"] == 1, (r, log)
         assert log["after"] == str(root / "disk") and log["after_ok"], (r, log)
     assert sorted(os.listdir(root)) == ["disk"]  # the snapshot was never written
+
+
+def test_a_snapshot_missing_on_one_rank_is_never_chosen_and_the_complete_one_is_kept(
+    daemon, client_factory, root, run_dir
+) -> None:
+    # long enough to see the lonely snapshot held (and not chosen) before it fails, on a loaded machine too
+    rank0, rank1 = (client_factory(rank=r, world_size=2, commit_timeout=10) for r in (0, 1))
+    states = [{"r": torch.full((1000,), r), "step": 1} for r in (0, 1)]
+    futures = [c.save_async(s, root / "s1", step=1, persist=False) for c, s in zip((rank0, rank1), states)]
+    assert [f.result(30).path for f in futures] == [root / "s1"] * 2
+    lonely = rank0.save_async({"r": torch.full((1000,), 9), "step": 2}, root / "s2", step=2, persist=False)
+    wait_until(lambda: daemon.status()["memory"]["snapshots"][-1]["ranks_held"] == [0], 60, "rank 0 is held")
+    assert ckptd.latest(root, run_dir=run_dir) == root / "s1"
+    with pytest.raises(ckptd.RanksMissing, match=r"ranks \[1\] of 2"):
+        lonely.result(30)
+    assert [s["path"] for s in daemon.status()["memory"]["snapshots"]] == [str(root / "s1")]
+    for r in (0, 1):
+        assert equal_states(ckptd.load(root / "s1", rank=r, run_dir=run_dir), states[r])
+    daemon.stop()

@@ -1,12 +1,10 @@
-"""Reading and keeping memory snapshots while their trainer goes on: what a new user broke.
+"""Reading memory snapshots while their trainer goes on: what a reader loaded never changes under it.
 
 The trainer's next save reuses the slot of a snapshot the daemon dropped:
 what a reader loaded must not change under it; a reader pins what it reads,
 so a drop waits for it, and one that cannot pin (a daemon that predates it)
-says the drop overtook it (or reads the persisted copy). Eviction keeps each job's newest
-snapshots by step, never another job's; a snapshot that could never be
-persisted is refused when saved; ``ckptd list`` shows a directory that only
-memory holds; ``keep_last`` applies when the snapshot is persisted on exit.
+says the drop overtook it (or reads the persisted copy); a reader that dies
+gives its pins back. ``load_into`` from memory copies straight into the targets.
 """
 
 from __future__ import annotations
@@ -20,17 +18,10 @@ import pytest
 import torch
 
 import ckptd
-from ckptd.client.memory import HeldFiles, find_held, held_snapshots, open_checkpoint
+from ckptd.client.memory import HeldFiles, find_held, open_checkpoint
 
 from helpers import segments_of, wait_until
-
-
-def full(value: float, n: int = 50_000) -> dict:
-    return {"w": torch.full((n,), float(value))}
-
-
-def held_paths(run_dir) -> set[str]:
-    return {s["path"] for s in held_snapshots(run_dir)}
+from snapshots import full, held_paths
 
 
 def test_tensors_loaded_from_memory_stay_as_verified_when_the_trainer_reuses_the_slot(
@@ -88,53 +79,6 @@ def test_a_snapshot_dropped_while_a_reader_pins_it_stays_readable_until_the_read
     wait_until(lambda: slot not in segments_of(daemon.proc.pid), 10, "the slot is released once unpinned")
     client.save_async(full(4), root / "s4", step=4, persist=False).result(30)
     assert ckptd.load(root / "s4", run_dir=run_dir)["w"].equal(full(4)["w"])
-    daemon.stop()
-
-
-def test_eviction_keeps_each_jobs_newest_by_step_and_never_another_jobs(daemon, client_factory, root,
-                                                                        run_dir) -> None:
-    job_a, job_b = client_factory(), client_factory()
-    job_a.save_async(full(1), root / "a-1", step=1, persist=False).result(30)
-    job_b.save_async(full(5), root / "b-5", step=5, persist=False).result(30)
-    assert held_paths(run_dir) == {str(root / "a-1"), str(root / "b-5")}
-    job_a.save_async(full(20), root / "a-20", step=20, persist=False).result(30)
-    job_a.save_async(full(0), root / "a-stepless", persist=False).result(30)
-    assert held_paths(run_dir) == {str(root / "b-5"), str(root / "a-20"), str(root / "a-stepless")}
-    job_a.save_async(full(0), root / "a-stepless-2", persist=False).result(30)  # still bounded
-    assert held_paths(run_dir) == {str(root / "b-5"), str(root / "a-20"), str(root / "a-stepless-2")}
-    assert ckptd.latest(root, run_dir=run_dir) == root / "a-20"
-    daemon.stop()
-
-
-def test_a_snapshot_under_a_regular_file_is_refused_when_saved(daemon, client_factory, root, run_dir) -> None:
-    (root / "a-file").write_text("not a directory")
-    client = client_factory()
-    for path in (root / "a-file" / "s1", root / "a-file" / "sub" / "s1"):
-        with pytest.raises(ckptd.PathNotAllowed, match=f"could never be persisted: {root / 'a-file'} is not a dir"):
-            client.save_async(full(1), path, step=1, persist=False).result(30)
-    client.save_async(full(1), root / "new-dir" / "s1", step=1, persist=False).result(30)  # made when persisted
-    assert held_paths(run_dir) == {str(root / "new-dir" / "s1")}
-    daemon.stop()
-
-
-def test_ckptd_list_shows_a_directory_only_memory_holds(daemon, client_factory, root) -> None:
-    client = client_factory()
-    client.save_async(full(1), root / "only-in-memory" / "s1", step=1, persist=False).result(30)
-    listed = daemon.cli("list", str(root / "only-in-memory"))
-    assert listed.returncode == 0, listed.stderr
-    assert "s1" in listed.stdout and "memory" in listed.stdout
-    missing = daemon.cli("list", str(root / "nothing-here"))
-    assert missing.returncode != 0 and "holds no snapshots under it" in missing.stderr
-    daemon.stop()
-
-
-def test_keep_last_of_a_snapshot_applies_when_it_is_persisted_on_exit(daemon, client_factory, root) -> None:
-    client = client_factory()
-    client.save_async(full(1), root / "k1", step=1).result(30)
-    client.save_async(full(2), root / "k2", step=2, persist=False, keep_last=1).result(30)
-    client.close()
-    wait_until(lambda: (root / "k2" / "ckptd.json").exists() and not (root / "k1").exists(), 20,
-               "k2 persisted on exit and k1 removed by its keep_last")
     daemon.stop()
 
 

@@ -56,10 +56,8 @@ def test_staging_that_fails_midway_fails_the_save_and_leaves_nothing(daemon_fact
         fut.result(60)
     with pytest.raises(RuntimeError, match="cannot be read"):
         fut.staged.result(0)
-    deadline = time.monotonic() + 60
-    while (root / "broken.incomplete").exists() or not daemon.status()["errors"]:
-        assert time.monotonic() < deadline, "the daemon did not give up the save"
-        time.sleep(0.05)
+    wait_until(lambda: not (root / "broken.incomplete").exists() and daemon.status()["errors"], 60,
+               "the daemon did not give up the save")
     assert not (root / "broken").exists()
     assert "staging failed" in daemon.status()["errors"][-1]["message"]
 

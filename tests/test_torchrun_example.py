@@ -10,8 +10,6 @@ arithmetic is deterministic).
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,20 +17,14 @@ import torch
 
 import ckptd
 
-from zygote import run_module
+from helpers import REPO, torchrun_example
 
-REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "torchrun_train.py"
 
 
-def run_example(daemon, ckpt_dir: Path, steps: int) -> subprocess.CompletedProcess:
-    """One ``torchrun --nproc-per-node 2`` run of the example, saving every 5 steps."""
-    env = dict(os.environ, CKPTD_RUN_DIR=str(daemon.run_dir), OMP_NUM_THREADS="1")
-    args = ["--nproc-per-node", "2", "--standalone", str(EXAMPLE), "--steps", str(steps), "--save-every", "5",
-            "--ckpt-dir", str(ckpt_dir)]
-    out = run_module("torch.distributed.run", *args, env=env, cwd=str(REPO), timeout=60)
-    assert out.returncode == 0, f"torchrun exited {out.returncode}\n{out.stdout}\n{out.stderr}"
-    return out
+def run_example(daemon, ckpt_dir: Path, steps: int) -> str:
+    """One ``torchrun --nproc-per-node 2`` run of the example, saving every 5 steps: what it printed."""
+    return torchrun_example(EXAMPLE, daemon, ckpt_dir, 2, "--steps", str(steps), "--save-every", "5", timeout=60)
 
 
 @pytest.mark.timeout(150)
@@ -40,15 +32,15 @@ def test_torchrun_example_saves_two_shards_and_resumes_from_the_last_saved_step(
     resumed_dir = root / "resumed"
     first = run_example(daemon, resumed_dir, 20)
     for rank in (0, 1):
-        assert f"rank {rank}: no checkpoint under {resumed_dir}; starting from step 0" in first.stdout
-        assert f"rank {rank}: trained to step 20" in first.stdout
-        assert "committed steps [5, 10, 15, 20]" in first.stdout
+        assert f"rank {rank}: no checkpoint under {resumed_dir}; starting from step 0" in first
+        assert f"rank {rank}: trained to step 20" in first
+        assert "committed steps [5, 10, 15, 20]" in first
     assert ckptd.latest(resumed_dir) == resumed_dir / "step-000020"
 
     second = run_example(daemon, resumed_dir, 30)
     for rank in (0, 1):
-        assert f"rank {rank}: resumed from step 20 ({resumed_dir / 'step-000020'})" in second.stdout
-    assert "committed steps [25, 30]" in second.stdout
+        assert f"rank {rank}: resumed from step 20 ({resumed_dir / 'step-000020'})" in second
+    assert "committed steps [25, 30]" in second
 
     last = ckptd.latest(resumed_dir)
     assert last == resumed_dir / "step-000030"

@@ -27,8 +27,13 @@ MODULES = os.environ.get("CKPTD_SOAK_BUSY_MODULES", " ".join([
     "tests/test_object_storage.py",
     "tests/test_snapshots_ranks.py",
     "tests/test_multinode.py",
-    "tests/test_ranks_and_retention.py",
+    "tests/test_ranks.py",
+    "tests/test_backpressure.py",
+    "tests/test_retention.py",
     "tests/test_snapshots.py",
+    "tests/test_snapshots_budget.py",
+    "tests/test_snapshots_persist.py",
+    "tests/test_snapshots_segments.py",
 ])).split()
 SPIN = "while True: pass"
 

@@ -1,49 +1,28 @@
-"""Retention and the start-up sweep on their own: real directories, no daemon.
+"""Retention: ``keep_last`` and ``--keep`` delete only older committed checkpoints, never the newest.
 
-Checkpoints here are written by hand (an index and the shard it lists), owner
-markers name this host and a live or a dead pid, and a storage that fails one
-call stands in for a disk error, through the storage seam.
+First on its own, on real directories with no daemon: checkpoints written by
+hand (an index and the shard it lists), and a storage that fails one call
+standing in for a disk error, through the storage seam. Then through a real
+daemon: per save and per directory, catching up after falling behind, and
+never holding up the next commit.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
+import torch
 
 from ckptd.ownership import owner_marker
-from ckptd.protocol.names import OWNER_PREFIX, SWEPT_DIR
-from ckptd.protocol.index import INDEX_NAME, CheckpointIndex, ShardRecord, shard_name
+from ckptd.protocol.index import INDEX_NAME, CheckpointIndex, shard_name
 from ckptd.retention import apply_retention
 from ckptd.checkpoints_store import ObjectCheckpoints
 from ckptd.routed import Routed
 from ckptd.storage import LocalStorage
-from ckptd.slot_maps import reclaim_orphaned_slots
-from ckptd.sweep import KnownDirs, MAX_KNOWN_DIRS, is_orphaned, sweep_incomplete
 
-from helpers import dead_pid
-
-HOST = socket.gethostname()
-
-
-def checkpoint(directory: Path, name: str, step: int | None, *, created: float = 1.0) -> Path:
-    """A committed one-rank checkpoint: a 16-byte shard and the index that lists it."""
-    path = directory / name
-    path.mkdir(parents=True)
-    shard = shard_name(0, 1)
-    (path / shard).write_bytes(b"\0" * 16)
-    index = CheckpointIndex(world_size=1, step=step, created=created,
-                            files=(ShardRecord(file=shard, rank=0, size=16, checksum=0, tensors=1),))
-    (path / INDEX_NAME).write_bytes(index.to_json())
-    return path
-
-
-def marker(directory: Path, pid: int, host: str = HOST) -> Path:
-    m = directory / f"{OWNER_PREFIX}{host}-{pid}"
-    m.touch()
-    return m
+from helpers import checkpoint, wait_until
 
 
 class FailingRename(LocalStorage):
@@ -76,7 +55,7 @@ class CrashAfterIndexGone(LocalStorage):
             raise SystemExit("killed")
 
 
-# -- retention -----------------------------------------------------------------
+# -- on its own: real directories, no daemon -----------------------------------
 
 
 def test_retention_keeps_the_newest_by_step_and_never_the_one_just_committed(tmp_path: Path) -> None:
@@ -122,74 +101,6 @@ def test_retention_refuses_to_keep_fewer_than_one() -> None:
         apply_retention(Routed(LocalStorage()), Path("/nonexistent/step-1"), 0, set())
 
 
-# -- sweep ---------------------------------------------------------------------
-
-
-def test_an_incomplete_directory_is_orphaned_only_when_every_marker_names_a_dead_process_here(tmp_path: Path) -> None:
-    dead, alive = tmp_path / "a.incomplete", tmp_path / "b.incomplete"
-    foreign, unmarked = tmp_path / "c.incomplete", tmp_path / "d.incomplete"
-    for d in (dead, alive, foreign, unmarked):
-        d.mkdir()
-    marker(dead, dead_pid())
-    marker(alive, dead_pid())
-    marker(alive, os.getpid())
-    marker(foreign, dead_pid(), host=HOST + "-elsewhere")
-    assert [is_orphaned(LocalStorage(), d) for d in (dead, alive, foreign, unmarked)] == [True, False, False, False]
-    assert not is_orphaned(LocalStorage(), tmp_path / "missing.incomplete")
-
-
-def test_the_sweep_removes_dead_leftovers_and_dead_markers_and_leaves_everything_else(tmp_path: Path) -> None:
-    leftover = tmp_path / "step-1.incomplete"
-    leftover.mkdir()
-    marker(leftover, dead_pid())
-    (leftover / shard_name(0, 1)).write_bytes(b"half")
-    writing = tmp_path / "step-2.incomplete"
-    writing.mkdir()
-    live_marker = marker(writing, os.getpid())
-    committed = checkpoint(tmp_path, "step-0", 0)
-    stale = marker(committed, dead_pid())
-    mine = committed / owner_marker()
-    mine.touch()
-    assert sweep_incomplete(Routed(LocalStorage()), [tmp_path, tmp_path / "missing"], "remove") == [leftover]
-    assert sorted(os.listdir(tmp_path)) == ["step-0", "step-2.incomplete"]
-    assert live_marker.exists() and mine.exists() and not stale.exists()
-
-
-def test_the_sweep_moves_leftovers_aside_when_asked_and_does_nothing_when_off(tmp_path: Path) -> None:
-    leftover = tmp_path / "step-1.incomplete"
-    leftover.mkdir()
-    marker(leftover, dead_pid())
-    assert sweep_incomplete(Routed(LocalStorage()), [tmp_path], "off") == []
-    assert leftover.exists()
-    assert sweep_incomplete(Routed(LocalStorage()), [tmp_path], "move") == [leftover]
-    (moved,) = os.listdir(tmp_path / SWEPT_DIR)
-    assert moved.startswith("step-1.incomplete-") and not leftover.exists()
-
-
-def test_orphaned_slots_of_dead_processes_are_unlinked_and_others_kept(tmp_path: Path) -> None:
-    uid = os.getuid()
-    dead = f"ckptd-{uid}-{dead_pid()}-0"
-    live = f"ckptd-{uid}-{os.getpid()}-0"
-    other_user = f"ckptd-{uid + 1}-{dead_pid()}-0"
-    for name in (dead, live, other_user, "not-a-slot"):
-        (tmp_path / name).write_bytes(b"x")
-    assert reclaim_orphaned_slots(tmp_path) == [dead]
-    assert sorted(os.listdir(tmp_path)) == sorted([live, other_user, "not-a-slot"])
-
-
-def test_known_directories_survive_a_restart_once_each_and_only_the_newest_are_kept(tmp_path: Path) -> None:
-    known = KnownDirs(LocalStorage(), tmp_path)
-    assert known.dirs == []
-    known.remember(Path("/ckpts/a"))
-    known.remember(Path("/ckpts/a"))
-    known.remember(Path("/ckpts/b"))
-    assert KnownDirs(LocalStorage(), tmp_path).dirs == [Path("/ckpts/a"), Path("/ckpts/b")]
-    for n in range(MAX_KNOWN_DIRS - 1):  # one more than fits: the oldest, /ckpts/a, goes
-        known.remember(Path(f"/ckpts/run-{n}"))
-    again = KnownDirs(LocalStorage(), tmp_path)
-    assert len(again.dirs) == MAX_KNOWN_DIRS and again.dirs[0] == Path("/ckpts/b")
-
-
 def test_retention_on_a_store_without_rename_marks_its_victim_before_the_index_goes(tmp_path: Path) -> None:
     """Killed between the index and the shards, a victim on an object store must carry this daemon's owner
     marker, or the start-up sweep (which removes an index-less prefix only when its markers name dead daemons)
@@ -216,3 +127,73 @@ def test_retention_never_deletes_a_version_saved_while_it_asked_the_mirror_about
 
     assert apply_retention(Routed(LocalStorage()), newest, 1, set(), keep) == []
     assert CheckpointIndex.from_json((tmp_path / "last" / INDEX_NAME).read_bytes(), "last").step == 20
+
+
+# -- through a real daemon -----------------------------------------------------
+
+
+def test_keep_last_deletes_only_older_committed_checkpoints(client, root) -> None:
+    (root / "notes").mkdir()  # foreign: never touched
+    (root / "old.incomplete").mkdir()
+    for step in (1, 2, 3, 4):
+        client.save_async({"s": step}, root / f"step-{step}", step=step, keep_last=2).result(30)
+    wait_until(lambda: sorted(p.name for p in root.iterdir()) == ["notes", "old.incomplete", "step-3", "step-4"])
+
+
+def test_retention_never_deletes_the_checkpoint_just_committed(client, root) -> None:
+    client.save_async({"s": 10}, root / "step-10", step=10).result(30)
+    client.save_async({"s": 5}, root / "rewound-5", step=5, keep_last=1).result(30)
+    wait_until(lambda: [p.name for p in root.iterdir()] == ["rewound-5"])
+
+
+def test_retention_that_fell_behind_the_commits_catches_up_in_one_run_for_the_newest(
+    daemon_factory, client_factory, root, tmp_path
+) -> None:
+    # The one maintenance thread is held in the first retention's listing of run/ (until ``gate`` exists)
+    # while twenty more commits there ask for retention: a busy node's thread falling behind.
+    run, gate = root / "run", tmp_path / "gate"
+    run.mkdir()
+    daemon = daemon_factory(faults=[{"op": "scandir", "match": str(run.resolve()), "exact": True, "errno": 0,
+                                     "wait_for": str(gate)}])
+    log = daemon.run_dir / "ckptd.log"
+    listings = lambda: log.read_text().count("event=fault op=scandir")  # noqa: E731  one per retention run
+    client = client_factory()
+    client.save_async({"s": 0}, run / "s0", step=0, keep_last=2).result(30)
+    wait_until(lambda: listings() == 1, 30, "the first retention is held in its listing of run/")
+    for step in range(1, 21):
+        client.save_async({"s": step}, run / f"s{step}", step=step, keep_last=2).result(30)
+    gate.touch()
+    wait_until(lambda: sorted(p.name for p in run.iterdir()) == ["s19", "s20"], 60,
+               lambda: f"retention caught up: run/ holds {sorted(p.name for p in run.iterdir())}")
+    # the held run, one for the newest request, and at most one asked for while that one ran
+    assert listings() <= 3, f"{listings()} retention runs for 21 commits: the backlog grew with every commit"
+
+
+def test_daemon_configured_retention_applies_per_directory(daemon_factory, client_factory, root) -> None:
+    (root / "run-a").mkdir()
+    (root / "run-b").mkdir()
+    daemon_factory("--keep", f"{root / 'run-a'}=1")
+    c = client_factory()
+    for step in (1, 2, 3):
+        c.save_async({"s": step}, root / "run-a" / f"s{step}", step=step).result(30)
+        c.save_async({"s": step}, root / "run-b" / f"s{step}", step=step).result(30)
+    wait_until(lambda: sorted(p.name for p in (root / "run-a").iterdir()) == ["s3"])
+    assert sorted(p.name for p in (root / "run-b").iterdir()) == ["s1", "s2", "s3"]
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_retention_removal_does_not_hold_up_the_next_commit(daemon_factory, client_factory, root,
+                                                                    tmp_path) -> None:
+    go = tmp_path / "go"
+    daemon = daemon_factory(faults=[{"op": "remove_tree", "match": "/old.deleting.incomplete", "errno": 0,
+                                     "wait_for": str(go)}])
+    client = client_factory()
+    client.save_async({"w": torch.ones(10)}, root / "old", step=1).result(30)
+    client.save_async({"w": torch.ones(10)}, root / "new", step=2, keep_last=1).result(30)
+    wait_until(lambda: "event=fault op=remove_tree" in (daemon.run_dir / "ckptd.log").read_text(), 20,
+               "the removal fault fired")
+    # the removal is held; a commit must not wait for it
+    assert client.save_async({"w": torch.ones(10)}, root / "other", step=3).result(30).path == root / "other"
+    assert (root / "old.deleting.incomplete").exists(), "the removal must still be held"
+    go.touch()
+    wait_until(lambda: sorted(os.listdir(root)) == ["new", "other"], 20, "retention removed the old one")

@@ -56,7 +56,7 @@ def open_fds_on(path: Path) -> list[str]:
     return found
 
 
-# -- 3. arguments -------------------------------------------------------------
+# -- arguments -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kwargs, error, names", [
@@ -133,7 +133,19 @@ def test_load_into_a_target_it_cannot_fill_is_a_type_error_naming_it(client, roo
         ckptd.load_into(target, root / "saved")
 
 
-# -- 2. fork --------------------------------------------------------------------
+def test_latest_of_no_path_is_a_type_error_not_none() -> None:
+    with pytest.raises(TypeError, match="root must be a path"):
+        ckptd.latest(None)
+
+
+@pytest.mark.parametrize("timeout, error", [(-1, ValueError), (float("nan"), ValueError), ("5", TypeError)])
+def test_client_wait_refuses_a_timeout_that_is_not_seconds(daemon, client, timeout, error) -> None:
+    with pytest.raises(error, match="timeout"):
+        client.wait(timeout)
+    client.wait(0.5)  # a real timeout still works
+
+
+# -- fork --------------------------------------------------------------------
 
 FORK_SCRIPT = textwrap.dedent("""
     import json, os, sys, torch, ckptd
@@ -198,7 +210,7 @@ def test_a_new_client_in_a_forked_child_saves_without_hanging(daemon, run_dir, r
     assert (root / "child-new" / "ckptd.json").is_file()
 
 
-# -- 4. Ctrl-C during staging --------------------------------------------------------
+# -- Ctrl-C during staging --------------------------------------------------------
 
 
 class _RaisesOnCopy(torch.Tensor):
@@ -243,7 +255,7 @@ def test_a_slot_a_save_gives_back_after_close_is_unlinked() -> None:
     assert pool.names == []
 
 
-# -- 5. loaded checkpoints own their memory ------------------------------------------
+# -- loaded checkpoints own their memory ------------------------------------------
 
 
 @pytest.fixture
@@ -312,7 +324,7 @@ def test_default_load_still_detects_a_corrupt_byte(saved_model) -> None:
     assert ckptd.load(path, verify=False)["step"] == 1
 
 
-# -- 9. non-regular files -------------------------------------------------------------
+# -- non-regular files -------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)
@@ -352,7 +364,7 @@ def test_a_huge_file_in_place_of_an_index_is_refused_unread(saved_model) -> None
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < (1 << 30) // 1024  # KiB: nothing read
 
 
-# -- 11. types that round-trip ----------------------------------------------------------
+# -- types that round-trip ----------------------------------------------------------
 
 
 def test_ordered_dict_and_torch_size_round_trip_exactly(client, root) -> None:
@@ -369,7 +381,7 @@ def test_ordered_dict_and_torch_size_round_trip_exactly(client, root) -> None:
     assert type(loaded["plain"]) is dict and loaded["plain"] == {"k": (1, 2)}
 
 
-# -- 12. shared memory in containers ------------------------------------------------------
+# -- shared memory in containers ------------------------------------------------------
 
 
 def _small_tmpfs(directory: Path) -> bool:

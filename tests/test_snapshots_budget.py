@@ -1,0 +1,76 @@
+"""The memory budget: held snapshots stay within it, eviction drops what is safe to drop, and a snapshot that
+cannot fit is refused saying what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckptd
+
+from helpers import SHM, ckptd_cli
+from snapshots import full, held_paths
+
+
+def test_the_budget_evicts_persisted_snapshots_then_refuses_saying_what_to_do(
+    daemon_factory, client_factory, root, run_dir
+) -> None:
+    daemon = daemon_factory("--memory-budget", "2MiB", "--keep-snapshots", "2")
+    client = client_factory()
+    small = {"w": torch.ones(200_000)}  # 0.77 MiB each: two fit, three do not
+    client.save_async(small, root / "a", step=1, persist=False).result(30)
+    client.save_async(small, root / "b", step=2, persist=False).result(30)
+    client.persist(root / "a")
+    client.save_async(small, root / "c", step=3, persist=False).result(30)  # evicts a: it is on disk
+    held = [s["path"] for s in daemon.status()["memory"]["snapshots"]]
+    assert held == [str(root / "b"), str(root / "c")]
+    with pytest.raises(ckptd.NoSpace) as refused:
+        client.save_async(small, root / "d", step=4, persist=False).result(30)
+    message = str(refused.value)
+    assert "memory budget is 2.0 MiB" in message and "1.5 MiB are held in 2 snapshot(s)" in message
+    assert "--memory-budget" in message and "persist" in message
+    assert [s["path"] for s in daemon.status()["memory"]["snapshots"]] == held  # nothing newest was dropped
+    daemon.stop()
+
+
+def test_a_snapshot_larger_than_the_budget_is_refused_and_later_small_ones_are_held(
+    daemon_factory, client_factory, root, run_dir
+) -> None:
+    daemon = daemon_factory("--memory-budget", "2MiB")
+    client = client_factory()
+    with pytest.raises(ckptd.NoSpace, match="memory budget is 2.0 MiB"):
+        client.save_async({"w": torch.ones(1_000_000)}, root / "big", step=1, persist=False).result(30)
+    assert max(SHM.joinpath(n).stat().st_size for n in client.slot_names) > 2 * 2**20  # the slot grew
+    for step in range(2, 6):  # staged into that grown slot, or the next: the budget counts the bytes, not the slot
+        small = {"w": torch.full((50_000,), float(step))}
+        client.save_async(small, root / f"s{step}", step=step, persist=False).result(30)
+        assert ckptd.load(root / f"s{step}", run_dir=run_dir)["w"].equal(small["w"])
+    memory = daemon.status()["memory"]
+    assert [s["path"] for s in memory["snapshots"]] == [str(root / "s5")]
+    assert memory["held_bytes"] == memory["snapshots"][0]["bytes"] < 2**20
+    daemon.stop()
+
+
+@pytest.mark.parametrize("budget, says", [("lots", "expected a number of bytes"), ("0", "at least 1048576 (1 MiB)"),
+                                          ("1024", "at least 1048576 (1 MiB)"), ("1PiB", "expected a number of bytes"),
+                                          ("1000TiB", "at most the size of")])
+def test_a_memory_budget_out_of_range_is_refused_at_start(run_dir, root, budget, says) -> None:
+    out = ckptd_cli("start", "--foreground", "--run-dir", str(run_dir), "--root", str(root),
+                    "--memory-budget", budget)
+    assert out.returncode == 2
+    assert "memory" in out.stderr and says in out.stderr, out.stderr
+
+
+def test_eviction_keeps_each_jobs_newest_by_step_and_never_another_jobs(daemon, client_factory, root,
+                                                                        run_dir) -> None:
+    job_a, job_b = client_factory(), client_factory()
+    job_a.save_async(full(1), root / "a-1", step=1, persist=False).result(30)
+    job_b.save_async(full(5), root / "b-5", step=5, persist=False).result(30)
+    assert held_paths(run_dir) == {str(root / "a-1"), str(root / "b-5")}
+    job_a.save_async(full(20), root / "a-20", step=20, persist=False).result(30)
+    job_a.save_async(full(0), root / "a-stepless", persist=False).result(30)
+    assert held_paths(run_dir) == {str(root / "b-5"), str(root / "a-20"), str(root / "a-stepless")}
+    job_a.save_async(full(0), root / "a-stepless-2", persist=False).result(30)  # still bounded
+    assert held_paths(run_dir) == {str(root / "b-5"), str(root / "a-20"), str(root / "a-stepless-2")}
+    assert ckptd.latest(root, run_dir=run_dir) == root / "a-20"
+    daemon.stop()
