@@ -105,6 +105,8 @@ class PendingCheckpoint(Attempt):
     state: CheckpointState = CheckpointState.PREPARING
     owns_directory: bool = False
     """Whether ``prepare`` made ``p.incomplete`` for this attempt: only then may a failure remove it."""
+    persists_snapshot: bool = False
+    """The daemon writes a held memory snapshot (``holding.py``), not a client's save: neither joins the other."""
 
     @property
     def arrived(self) -> set[int]:
@@ -229,7 +231,8 @@ class Commits:
         that a victim is still the version it judged and sets it aside (maintenance pool): so retention never
         deletes a version that replaced the one it checked (an overwrite committed while it asked the mirror)."""
 
-    def admit(self, commit: StagedShard, client: bytes, final: Path, pid: int) -> tuple[PendingCheckpoint, Path]:
+    def admit(self, commit: StagedShard, client: bytes, final: Path, pid: int, *, persist: bool = False
+              ) -> tuple[PendingCheckpoint, Path]:
         """Register one rank's commit (from process ``pid``) to ``final``; returns its checkpoint and shard file path.
 
         A new checkpoint starts ``preparing``: its directory is made by
@@ -244,8 +247,15 @@ class Commits:
             pending = PendingCheckpoint(path=final, world_size=commit.world_size, step=commit.step,
                                         overwrite=commit.overwrite, coordinated=commit.coordinated,
                                         keep_last=commit.keep_last, timeout=commit.timeout,
-                                        contributors=Contributors(commit.job))
+                                        contributors=Contributors(commit.job), persists_snapshot=persist)
             self.pending[final] = pending
+        if pending.persists_snapshot and not persist:
+            raise Conflict(f"the daemon is writing its memory snapshot of {display(final)} to disk there now; save "
+                           f"again once that is done (client.persist({display(final)!r}) returns then), or save "
+                           f"under another path")
+        if persist and not pending.persists_snapshot:
+            raise Conflict(f"a save of {display(final)} is being written; the memory snapshot of that path is not "
+                           f"persisted over it (once that save commits, the snapshot is dropped as older)")
         pending.check_join(commit)
         pending.join(commit, pid, Waiter(client, commit.id, commit.rank))
         pending.ranks_seen.add(commit.rank)

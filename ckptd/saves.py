@@ -112,7 +112,7 @@ class Saves:
         """
         state, final = self.state, examined.final
         current = state.commits.pending.get(final)
-        if current is not None and not internal:
+        if current is not None and not internal and not current.persists_snapshot:
             self._abandon_if_orphaned(current)
             conflict = current.broken_by(msg)
             if conflict is not None:  # the run's save is broken: every rank is told, this one included
@@ -130,13 +130,13 @@ class Saves:
             check_room(final, examined.space, msg.nbytes, state.reserved_on(examined.space.device),
                        margin_fraction=cfg.space_margin_fraction, margin_min=cfg.space_margin_bytes,
                        shm_min_free=cfg.shm_min_free, shm_free=examined.shm_free)
-            pending, dest = state.commits.admit(msg, ident, final, pid)
+            pending, dest = state.commits.admit(msg, ident, final, pid, persist=internal)
         except BaseException as exc:
             state.slots.release(examined.slot)
             self.refuse(ident, msg, exc)
-            if internal:
+            if internal:  # the persist fails, and only the persist: never a client's save of the same path
                 pending = state.commits.pending.get(final)
-                if pending is not None and pending.state is not CheckpointState.FAILED:
+                if pending is not None and pending.persists_snapshot and pending.state is not CheckpointState.FAILED:
                     self.fail(pending, exc)
                 else:
                     self.events.publish(Failed(final, exc if isinstance(exc, CkptdError) else InternalError(repr(exc))))

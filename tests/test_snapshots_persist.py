@@ -21,7 +21,7 @@ import pytest
 import ckptd
 from ckptd.client.memory import held_snapshots
 
-from helpers import SHM, equal_states, wait_until
+from helpers import SHM, equal_states, status, wait_until
 from snapshots import full, held, state_at
 
 
@@ -71,6 +71,38 @@ def test_a_snapshot_saved_with_overwrite_persists_over_the_checkpoint_it_replace
     wait_until(lambda: ckptd.read_index(root / "on-exit").step == 2, 20, "the snapshot is persisted on exit")
     assert ckptd.load(root / "on-exit")["w"].equal(full(2)["w"])
     daemon.stop()
+
+
+SLOW_RACE = [{"op": "write", "match": "/race", "errno": 0, "delay": 3.0}]
+
+
+@pytest.mark.parametrize("first", ["save", "persist"])
+def test_a_persist_and_a_save_of_the_same_path_never_fail_each_other(first, daemon_factory, client_factory,
+                                                                     root, run_dir) -> None:
+    """Whichever reaches the path first is written; the other is refused alone, saying why (both used to fail:
+    a refused persist failed the save it ran into)."""
+    daemon_factory(faults=SLOW_RACE)
+    client = client_factory()
+    path = root / "race"
+    client.save_async(full(1), path, step=1, persist=False).result(30)
+    with ThreadPoolExecutor(1) as pool:
+        if first == "save":
+            saved = client.save_async(full(2), path, step=2, overwrite=True)
+            wait_until(lambda: any(s["path"] == str(path) for s in status(run_dir)["saves"]), 30, "the save")
+            with pytest.raises(ckptd.Conflict, match="a save of .*race is being written; the memory snapshot"):
+                client.persist(path)
+            assert saved.result(60).path == path
+            assert ckptd.load(path)["w"].equal(full(2)["w"])
+        else:
+            persisting = pool.submit(client.persist, path)
+            wait_until(lambda: any(c["path"] == str(path) for c in status(run_dir)["checkpoints"]), 30,
+                       "the persist")
+            with pytest.raises(ckptd.Conflict, match="writing its memory snapshot of .*race to disk there now"):
+                client.save_async(full(2), path, step=2, overwrite=True).result(60)
+            assert persisting.result(60) == path
+            assert ckptd.load(path)["w"].equal(full(1)["w"])
+            client.save_async(full(2), path, step=2, overwrite=True).result(60)  # once on disk, the save goes
+            assert ckptd.load(path)["w"].equal(full(2)["w"])
 
 
 def test_a_disk_save_of_a_held_path_replaces_the_snapshot_for_every_reader(daemon, client_factory, root,
