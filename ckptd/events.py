@@ -2,7 +2,7 @@
 
 The lifecycle publishes: the save pipeline (``saves.py``) that a checkpoint
 committed or failed, the memory tier (``holding.py``) that a snapshot is held
-or dropped. Stats (and through them status and metrics), the mirror,
+or dropped, retention that it deleted a checkpoint. Stats (and through them status and metrics), the mirror,
 retention and the memory tier subscribe; ``server.py`` wires them. So the
 module that commits imports none of the modules that react to a commit, and
 a new reaction is one more subscription, not another hook inside the pipeline.
@@ -66,8 +66,15 @@ class Dropped:
     """``budget`` (evicted for a newer one), ``newer`` (beyond ``keep_snapshots``) or ``saved_to_disk``."""
 
 
-Event = Union[Committed, Failed, Held, Dropped]
-E = TypeVar("E", Committed, Failed, Held, Dropped)
+@dataclass(frozen=True)
+class Deleted:
+    """Retention deleted a committed checkpoint (``keep_last``, ``--keep``)."""
+
+    path: Path
+
+
+Event = Union[Committed, Failed, Held, Dropped, Deleted]
+E = TypeVar("E", Committed, Failed, Held, Dropped, Deleted)
 
 
 class Events:

@@ -38,7 +38,7 @@ from ckptd.protocol.shm import slot_name
 
 from .admission import Examined, examine
 from .config import DaemonConfig
-from .events import Committed, Dropped, Events, Failed, Held as HeldEvent
+from .events import Committed, Deleted, Dropped, Events, Failed, Held as HeldEvent
 from .replies import error_reply
 from .saves import Saves
 from .snapshots import HeldShard, HeldSnapshot, shards_of
@@ -307,6 +307,14 @@ class Holding:
 
     def failed(self, event: Failed) -> None:
         self.persisted(event.path, event.error)
+
+    def deleted(self, event: Deleted) -> None:
+        """Retention deleted the disk copy of a snapshot still held: it is in memory only again, so ``persist``
+        writes it again, and an exit or a drain persists it if it is its directory's newest."""
+        snap = self.snapshots.held.get(event.path)
+        if snap is not None and snap.persisted:
+            snap.persisted = False
+            log.info("event=snapshot_unpersisted path=%s reason=retention_deleted_disk_copy", snap.path)
 
     def persisted(self, path: Path, error: CkptdError | None) -> None:
         """The save pipeline committed (``error`` None) or failed checkpoint ``path`` (``Committed``, ``Failed``).

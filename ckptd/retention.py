@@ -26,7 +26,7 @@ from ckptd.protocol.names import INDEX_NAME
 
 from .catalog import SeamFiles
 from .config import DaemonConfig
-from .events import Committed
+from .events import Committed, Deleted, Events
 from .ownership import owner_marker, why_not_replaceable
 from .stats import Stats
 from .storage import CheckpointStorage
@@ -152,10 +152,12 @@ class Retainer:
     asked for wins over its directory's ``--keep``; with neither, nothing is deleted.
     """
 
-    def __init__(self, storage: CheckpointStorage, workers: Workers, config: DaemonConfig, stats: Stats,
+    def __init__(self, storage: CheckpointStorage, workers: Workers, config: DaemonConfig, stats: Stats, events: Events,
                  publishing: AbstractContextManager[Any], in_flight: Callable[[], Iterable[Path]],
                  not_uploaded: Callable[[Path], bool] | None = None) -> None:
         self.storage, self.workers, self.config, self.stats = storage, workers, config, stats
+        self.events = events
+        """Told of each checkpoint deleted: a snapshot held in memory is no longer on disk once its copy goes."""
         self.publishing, self.in_flight = publishing, in_flight
         self.not_uploaded = not_uploaded
         """Asked of each victim right before it goes (off the loop): the mirror lacks it, so it stays."""
@@ -189,3 +191,6 @@ class Retainer:
         if fut.exception() is not None:
             log.error("event=retention_failed path=%s error=%r", newest, fut.exception())
             self.stats.error(f"retention after {newest} failed: {fut.exception()!r}")
+            return
+        for deleted in fut.result():
+            self.events.publish(Deleted(deleted))

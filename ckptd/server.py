@@ -28,7 +28,7 @@ from ckptd.protocol.messages import (
 from ckptd.protocol.objects import display
 
 from .config import DaemonConfig
-from .events import Committed, Dropped, Events, Failed, Held
+from .events import Committed, Deleted, Dropped, Events, Failed, Held
 from .holding import Holding
 from .leases import Grant
 from .mirror import Mirrors
@@ -67,7 +67,8 @@ class Server:
         self.saves = Saves(self.state, self.workers, storage, config, self._send, self.known_dirs, self.events)
         self.holding = Holding(self.state, self.workers, storage, config, self._send, self.saves, self.events)
         mirrors = self.mirrors
-        self.retainer = Retainer(storage, self.workers, config, self.state.stats, self.state.commits.publishing,
+        self.retainer = Retainer(storage, self.workers, config, self.state.stats, self.events,
+                                 self.state.commits.publishing,
                                  lambda: self.state.commits.pending,
                                  None if mirrors is None else lambda victim: bool(mirrors.unmirrored([victim])))
         self._subscribe()
@@ -117,6 +118,7 @@ class Server:
         events.subscribe(Dropped, stats.dropped)
         events.subscribe(Committed, self.holding.committed)
         events.subscribe(Failed, self.holding.failed)
+        events.subscribe(Deleted, self.holding.deleted)
         if self.mirrors is not None:
             mirrors = self.mirrors
             events.subscribe(Committed, lambda e: mirrors.submit(e.path, e.keep_last))

@@ -105,6 +105,24 @@ def test_a_persist_and_a_save_of_the_same_path_never_fail_each_other(first, daem
             assert ckptd.load(path)["w"].equal(full(2)["w"])
 
 
+def test_a_held_snapshot_whose_disk_copy_retention_deleted_is_persisted_again(daemon_factory, client_factory, root,
+                                                                             run_dir) -> None:
+    """persist() acknowledges only what is on disk: a snapshot still held after retention deleted its persisted
+    copy is in memory only again (it used to stay marked persisted, and persist() returned at once)."""
+    kept = root / "kept"
+    kept.mkdir()
+    daemon_factory("--keep", f"{kept}=1", "--keep-snapshots", "3")
+    client = client_factory()
+    for step in (10, 11):
+        client.save_async(full(step), kept / f"step-{step}", step=step, persist=False).result(30)
+        assert client.persist(kept / f"step-{step}") == kept / f"step-{step}"
+    wait_until(lambda: not (kept / "step-10").exists(), 30, "retention deletes step-10 on disk")
+    wait_until(lambda: not next(s for s in held_snapshots(run_dir) if s["path"] == str(kept / "step-10"))["persisted"],
+               30, "the held step-10 is no longer marked persisted")
+    assert client.persist(kept / "step-10") == kept / "step-10"
+    assert ckptd.load(kept / "step-10")["w"].equal(full(10)["w"])  # read from disk: no run_dir, no memory tier
+
+
 def test_a_disk_save_of_a_held_path_replaces_the_snapshot_for_every_reader(daemon, client_factory, root,
                                                                              run_dir) -> None:
     client = client_factory()
