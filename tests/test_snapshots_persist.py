@@ -81,7 +81,7 @@ def test_a_persist_and_a_save_of_the_same_path_never_fail_each_other(first, daem
                                                                      root, run_dir) -> None:
     """Whichever reaches the path first is written; the other is refused alone, saying why (both used to fail:
     a refused persist failed the save it ran into)."""
-    daemon_factory(faults=SLOW_RACE)
+    daemon = daemon_factory(faults=SLOW_RACE)
     client = client_factory()
     path = root / "race"
     client.save_async(full(1), path, step=1, persist=False).result(30)
@@ -103,6 +103,7 @@ def test_a_persist_and_a_save_of_the_same_path_never_fail_each_other(first, daem
             assert ckptd.load(path)["w"].equal(full(1)["w"])
             client.save_async(full(2), path, step=2, overwrite=True).result(60)  # once on disk, the save goes
             assert ckptd.load(path)["w"].equal(full(2)["w"])
+    assert daemon.stop(timeout=60) == 0  # a clean stop: the slot the dropped snapshot held goes back first
 
 
 def test_a_held_snapshot_whose_disk_copy_retention_deleted_is_persisted_again(daemon_factory, client_factory, root,
@@ -111,7 +112,7 @@ def test_a_held_snapshot_whose_disk_copy_retention_deleted_is_persisted_again(da
     copy is in memory only again (it used to stay marked persisted, and persist() returned at once)."""
     kept = root / "kept"
     kept.mkdir()
-    daemon_factory("--keep", f"{kept}=1", "--keep-snapshots", "3")
+    daemon = daemon_factory("--keep", f"{kept}=1", "--keep-snapshots", "3")
     client = client_factory()
     for step in (10, 11):
         client.save_async(full(step), kept / f"step-{step}", step=step, persist=False).result(30)
@@ -121,6 +122,7 @@ def test_a_held_snapshot_whose_disk_copy_retention_deleted_is_persisted_again(da
                30, "the held step-10 is no longer marked persisted")
     assert client.persist(kept / "step-10") == kept / "step-10"
     assert ckptd.load(kept / "step-10")["w"].equal(full(10)["w"])  # read from disk: no run_dir, no memory tier
+    assert daemon.stop(timeout=60) == 0
 
 
 def test_a_disk_save_of_a_held_path_replaces_the_snapshot_for_every_reader(daemon, client_factory, root,
