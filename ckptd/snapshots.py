@@ -41,6 +41,7 @@ from typing import Any, ClassVar, Iterable
 from ckptd.protocol.errors import Conflict, NoSpace, RanksMissing
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
 from ckptd.protocol.messages import Snapshot
+from ckptd.protocol.objects import display
 
 from .attempt import Attempt, Waiter, Words
 from .contributors import Contributors
@@ -115,7 +116,7 @@ class HeldSnapshot(Attempt):
     def describe(self) -> dict[str, Any]:
         """The snapshot as ``Snapshots`` and ``ckptd status`` report it (keys documented in docs/status.md)."""
         return {
-            "path": str(self.path), "step": self.step, "world_size": self.world_size, "created": self.created,
+            "path": display(self.path), "step": self.step, "world_size": self.world_size, "created": self.created,
             "bytes": self.nbytes, "held_bytes": self.slot_bytes,
             "ranks_held": sorted(r for r, s in self.shards.items() if s.checksum is not None),
             "complete": self.acknowledged, "persisted": self.persisted, "persisting": self.persisting,

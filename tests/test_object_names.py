@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from helpers import ckptd_cli, keys, seeded_state as state, wait_until
+from helpers import ckptd_cli, keys, seeded_state as state, status, wait_until
 
 import ckptd
 from ckptd.protocol.endpoint import LOG_NAME
@@ -68,6 +68,9 @@ def test_a_memory_snapshot_of_an_object_name_is_found_listed_loaded_and_persiste
     listed = ckptd_cli("list", prefix, "--json", "--run-dir", str(run_dir))
     assert listed.returncode == 0, listed
     assert [(e["path"], e["state"]) for e in json.loads(listed.stdout)] == [(url, "memory")]
+    assert [s["path"] for s in status(run_dir)["memory"]["snapshots"]] == [url]  # a URL, never s3:/bucket
+    text = ckptd_cli("status", "--run-dir", str(run_dir)).stdout
+    assert url in text and one_slash(text) == [], text
     assert client.persist(url) == url
     assert keys(s3, bucket, "run/step-5/") == ["run/step-5/ckptd.json", "run/step-5/rank-00000-of-00001.safetensors"]
     assert ckptd.load(url)["step"] == 5  # from the bucket, no daemon asked
