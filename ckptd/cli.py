@@ -98,12 +98,21 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
 
 
+def lost_snapshots(pid: int | None, failed: list[str]) -> str:
+    """The one line that says a drain lost held snapshots (``path: why`` each)."""
+    return (f"ckptd: daemon (pid {pid}) stopped, but could not persist {len(failed)} held snapshot(s), now lost: "
+            + "; ".join(failed))
+
+
 def _start(args: argparse.Namespace, run_dir: Path) -> int:
     from .daemon import run_foreground, start_detached
 
     config = DaemonConfig(run_dir=run_dir, **config_kwargs(args), log_to_stderr=args.foreground and not args.quiet)
     if args.foreground:
-        run_foreground(config)
+        lost = run_foreground(config)
+        if lost:  # what a supervisor sees of a drain that lost held snapshots (``ckptd stop`` says the same)
+            print(lost_snapshots(os.getpid(), lost), file=sys.stderr)
+            return EXIT_ERROR
         return EXIT_OK
     pid = start_detached(["--run-dir", str(run_dir), *detached_argv(config, args)], run_dir)
     print(f"ckptd started (pid {pid}) on {config.endpoint}")
@@ -224,8 +233,7 @@ def _stop(args: argparse.Namespace, run_dir: Path) -> int:
     except FileNotFoundError:
         failed = []
     if failed:
-        print(f"ckptd: daemon (pid {pid}) stopped, but could not persist {len(failed)} held snapshot(s), now lost: "
-              + "; ".join(failed), file=sys.stderr)
+        print(lost_snapshots(pid, failed), file=sys.stderr)
         return EXIT_ERROR
     print(f"ckptd stopped (pid {pid})")
     return EXIT_OK

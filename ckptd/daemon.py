@@ -97,8 +97,9 @@ STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 """Each begins a drain (``Server.request_stop``)."""
 
 
-def run_foreground(config: DaemonConfig) -> None:
-    """Serve until stopped (``ckptd stop``, SIGTERM or SIGINT drain first)."""
+def run_foreground(config: DaemonConfig) -> list[str]:
+    """Serve until stopped (``ckptd stop``, SIGTERM or SIGINT drain first); returns the held snapshots the drain
+    could not persist (``path: why``), which are lost."""
     prepare_run_dir(config.run_dir)
     lock_fd = acquire_pid_lock(config.run_dir)
     setup_logging(config.run_dir, to_stderr=config.log_to_stderr)
@@ -127,6 +128,7 @@ def run_foreground(config: DaemonConfig) -> None:
                 signal.signal(sig, signal.SIG_IGN)
         if server.holding.drain_failures:
             (config.run_dir / DRAIN_FAILED_NAME).write_text("".join(f"{f}\n" for f in server.holding.drain_failures))
+        return server.holding.drain_failures
     finally:
         for name in (SOCKET_NAME, PID_NAME):
             try:

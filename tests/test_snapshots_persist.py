@@ -42,16 +42,20 @@ def test_a_persist_refused_for_space_leaves_the_snapshot_held_and_the_drain_pers
     assert "event=drain_persist snapshots=1" in (run_dir / "ckptd.log").read_text()
 
 
-def test_a_drain_that_cannot_persist_makes_ckptd_stop_fail_naming_the_lost_snapshot(
+def test_a_drain_that_cannot_persist_makes_ckptd_stop_and_the_daemon_fail_naming_the_lost_snapshot(
     daemon_factory, client_factory, root, run_dir
 ) -> None:
+    """``ckptd stop`` and the daemon's own exit status (what a supervisor sees of ``start --foreground``) both say
+    that a held snapshot was lost."""
     daemon = daemon_factory(faults=[{"op": "space", "match": str(root)}])
     client = client_factory()
     client.save_async(full(2), root / "s2", step=2, persist=False).result(30)
     stopped = daemon.cli("stop")
     assert stopped.returncode != 0, stopped.stdout
     assert "could not persist 1 held snapshot(s)" in stopped.stderr and str(root / "s2") in stopped.stderr
-    assert daemon.proc.wait(30) == 0
+    assert daemon.proc.wait(30) == 3
+    lost = daemon.proc.stderr.read().decode()
+    assert "could not persist 1 held snapshot(s), now lost" in lost and str(root / "s2") in lost, lost
     assert "event=drain_persist_failed" in (run_dir / "ckptd.log").read_text()
     assert not (root / "s2").exists()
 
