@@ -142,6 +142,11 @@ class DaemonConfig:
         if any(k < 1 for k in self.keep_last.values()):
             raise ValueError(f"keep_last values must be at least 1, got {self.keep_last}")
         self.keep_last = {_real(d): k for d, k in self.keep_last.items()}
+        for directory, keep in self.keep_last.items():
+            if not any(directory.is_relative_to(r) for r in self.roots):
+                shown = object_url(directory) if is_object_path(directory) else directory
+                raise ValueError(f"--keep {shown}={keep}: the directory is outside every --root, so no checkpoint is "
+                                 f"ever saved there and the rule would never apply")
         for local, remote in self.mirrors.items():
             if is_object_path(local) or not is_object_path(remote):
                 raise ValueError(f"--mirror {local}={remote}: mirror a local directory to an s3:// prefix")

@@ -10,6 +10,8 @@ never holding up the next commit.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -197,3 +199,14 @@ def test_a_slow_retention_removal_does_not_hold_up_the_next_commit(daemon_factor
     assert (root / "old.deleting.incomplete").exists(), "the removal must still be held"
     go.touch()
     wait_until(lambda: sorted(os.listdir(root)) == ["new", "other"], 20, "retention removed the old one")
+
+
+def test_start_refuses_a_keep_rule_outside_every_root(root, run_dir, tmp_path) -> None:
+    """A ``--keep`` rule no save can ever meet is a mistake (a typo in the directory): refused, not ignored."""
+    outside = tmp_path / "elsewhere"
+    done = subprocess.run([sys.executable, "-m", "ckptd", "start", "--foreground", "--run-dir", str(run_dir),
+                           "--root", str(root), "--keep", f"{root}/run=2", "--keep", f"{outside}=3"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"--keep {outside}=3: the directory is outside every --root" in done.stderr, done.stderr
+    assert not (run_dir / "ckptd.sock").exists()
