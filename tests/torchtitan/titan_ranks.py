@@ -135,6 +135,32 @@ def resume(rank: int, world: int, init: str, run_dir: str, folder: str, mode: st
     run_rank(rank, world, init, out, "resume", body)
 
 
+def switch_back(rank: int, world: int, init: str, run_dir: str, folder: str, out: str) -> None:
+    """torchtitan's own manager resumes in ``folder`` after ckptd's saved there and trains to ``SAVED + 2``;
+    ckptd's manager then tries to resume (the newest step) and to load step ``SAVED + 2`` by number."""
+    from torchtitan.components.checkpointer import CheckpointManager as OwnManager
+
+    from ckptd.integrations.torchtitan import CheckpointManager
+
+    def body() -> dict:
+        own = example.Run.build(config(OwnManager, folder, run_dir), steps=SAVED + 2)
+        own.manager.load()
+        log: dict[str, Any] = {"own_resumed_at": own.state.step}
+        train(own, SAVED + 2)
+        own.manager.close()
+        for name, step in (("resume", -1), ("load_step", SAVED + 2)):
+            run = example.Run.build(config(CheckpointManager, folder, run_dir), steps=SAVED + 4)
+            try:
+                run.manager.load(step)
+            except ValueError as exc:
+                log[name] = str(exc)
+            log[f"{name}_step"] = run.state.step
+            run.manager.close()
+        return log
+
+    run_rank(rank, world, init, out, "back", body)
+
+
 def resume_after_model_only_last_step(rank: int, world: int, init: str, run_dir: str, folder: str, out: str) -> None:
     """Train to ``SAVED`` with torchtitan's default last step (the model only), then try to resume from it."""
     from ckptd.integrations.torchtitan import CheckpointManager
