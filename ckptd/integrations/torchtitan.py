@@ -32,10 +32,9 @@ never deletes those (they hold no ``ckptd.json``). The way back is not
 symmetric: torchtitan's own manager sees no ``ckptd.json``, resumes from its
 own newest step and writes its DCP files into the ``step-N`` folders ckptd
 committed after it; a folder holding both runs' checkpoints is refused, never
-loaded. torchtitan's
-``ParallelAwareDataloader`` keeps its state per data-parallel rank and cannot
-take it to another data-parallel degree (torchtitan's own limit): there, name
-it in ``exclude_from_loading``.
+loaded. torchtitan's ``ParallelAwareDataloader`` keeps its state per
+data-parallel rank and cannot take it to another data-parallel degree
+(torchtitan's own limit): there, name it in ``exclude_from_loading``.
 
 Retention is ckptd's: ``keep_latest_k`` becomes the daemon's ``keep_last``,
 applied after each commit, and torchtitan's purge thread is never started
@@ -225,7 +224,8 @@ class CheckpointManager(DCPCheckpointManager):
         A checkpoint without ``ckptd.json`` (an ``initial_load_path`` to a DCP
         or Hugging Face checkpoint) is torchtitan's DCP load. Keys the
         checkpoint holds beyond ``state_dict`` are left (``exclude_from_loading``,
-        a model-only load), as DCP does; keys it lacks are an error.
+        a model-only load), as DCP does; keys it lacks are an error. A ckptd
+        checkpoint folder that also holds a DCP checkpoint is refused.
         """
         if from_hf or not os.path.isfile(os.path.join(checkpoint_id, INDEX_NAME)):
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)

@@ -2,7 +2,7 @@
 
 Collected only by ``make test-torchtitan`` (its venv has torchtitan). The
 first test is the whole story; the others each check one more of
-torchtitan's options (a switch from its DCP manager, its per-rank
+torchtitan's options (a switch from its DCP manager and back, its per-rank
 dataloader, the Hugging Face export, a model-only last step, a remote
 folder). Two
 ranks train the way torchtitan's ``Trainer`` does and save every 2 steps in
