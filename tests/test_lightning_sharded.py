@@ -66,15 +66,16 @@ def test_trainer_saves_sharded_top_k_and_last_and_resumes_on_three_ranks(daemon,
     assert whole["state_dict"]["net.0.weight"].shape == (32, 8)
     assert any(k.startswith("ModelCheckpoint") for k in whole["callbacks"])
 
-    second = run_example(daemon, ckpt_dir, 3, "--epochs", "4", "--resume")
+    weights, moments = digests(last)
+    second = run_example(daemon, ckpt_dir, 3, "--epochs", "7", "--resume")  # more epochs than the first run knew
     match = re.search(r"start at step (\d+) on 3 ranks: weights (\S+) moments (\S+)", second)
     assert match, second
     assert int(match.group(1)) == 12
-    weights, moments = digests(ckpt_dir / "epoch=2-step=12.ckpt")  # what last.ckpt held then: the same save
     assert float(match.group(2)) == weights and float(match.group(3)) == moments and moments != 0
-    # epoch 3 (3 steps on three ranks) displaced epoch 1: the restored ModelCheckpoint state went on pruning
-    assert sorted(os.listdir(ckpt_dir)) == ["epoch=2-step=12.ckpt", "epoch=3-step=15.ckpt", "last.ckpt"]
-    assert ckptd.read_index(last).world_size == 3 and ckptd.read_index(last).step == 15
+    # epochs 3 to 6 (3 steps each on three ranks) displaced epochs 1 and 2: the restored ModelCheckpoint state
+    # went on pruning
+    assert sorted(os.listdir(ckpt_dir)) == ["epoch=5-step=21.ckpt", "epoch=6-step=24.ckpt", "last.ckpt"]
+    assert ckptd.read_index(last).world_size == 3 and ckptd.read_index(last).step == 24
     assert not [p for p in root.rglob("*") if p.name.endswith(".incomplete")]
 
 

@@ -28,10 +28,13 @@ checkpoint in ``folder`` by its ``ckptd.json`` (``ckptd.latest``). A run
 that switches keeps going: DCP checkpoints torchtitan's own manager saved
 in ``folder`` count too (a newer one is loaded through DCP), as does an
 ``initial_load_path`` to a DCP or Hugging Face checkpoint. ckptd's retention
-never deletes those (they hold no ``ckptd.json``). torchtitan's
-``ParallelAwareDataloader`` keeps its state per data-parallel rank and cannot
-take it to another data-parallel degree (torchtitan's own limit): there, name
-it in ``exclude_from_loading``.
+never deletes those (they hold no ``ckptd.json``). The way back is not
+symmetric: torchtitan's own manager sees no ``ckptd.json``, resumes from its
+own newest step and writes its DCP files into the ``step-N`` folders ckptd
+committed after it; a folder holding both runs' checkpoints is refused, never
+loaded. torchtitan's ``ParallelAwareDataloader`` keeps its state per
+data-parallel rank and cannot take it to another data-parallel degree
+(torchtitan's own limit): there, name it in ``exclude_from_loading``.
 
 Retention is ckptd's: ``keep_latest_k`` becomes the daemon's ``keep_last``,
 applied after each commit, and torchtitan's purge thread is never started
@@ -61,6 +64,7 @@ except ImportError as exc:
     raise ImportError("ckptd.integrations.torchtitan needs torchtitan 0.3: pip install torchtitan==0.3.0") from exc
 
 import torch
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.stateful import Stateful
 
 import ckptd
@@ -73,6 +77,26 @@ _STEP_NAME = re.compile(r"step-(\d+)")
 """torchtitan's checkpoint folder name (``_create_checkpoint_id``), read back as the checkpoint's step."""
 DCP_METADATA = ".metadata"
 """The file that makes a directory a DCP checkpoint (``torch.distributed.checkpoint``'s metadata)."""
+
+
+def _check_one_run(checkpoint: str) -> None:
+    """Refuse the ckptd checkpoint ``checkpoint`` when a DCP checkpoint was written into the same folder.
+
+    torchtitan's own manager sees no ``ckptd.json``: switched back to, it
+    resumes from its own newest step and writes its DCP files into the
+    ``step-N`` folders ckptd committed after it. The folder then holds two
+    runs' checkpoints (ckptd's index still checks out), and which one a load
+    restores would depend on the manager: refuse rather than guess.
+    """
+    if not os.path.isfile(os.path.join(checkpoint, DCP_METADATA)):
+        return
+    data = sum(name.endswith(DEFAULT_SUFFIX) for name in os.listdir(checkpoint))
+    raise ValueError(
+        f"checkpoint {checkpoint} holds two runs' checkpoints: ckptd's ({INDEX_NAME} and the shards it lists) and a "
+        f"DCP checkpoint ckptd did not write ({DCP_METADATA} and {data} *{DEFAULT_SUFFIX} files), as torchtitan's "
+        f"own CheckpointManager leaves when it saves into a folder of ckptd's checkpoints; ckptd will not guess which "
+        f"to load. Move the files of the run you do not want out of {checkpoint}, or resume from another step "
+        "(checkpoint.load_step)")
 
 
 def _newest_dcp_step(folder: str) -> int:
@@ -200,11 +224,13 @@ class CheckpointManager(DCPCheckpointManager):
         A checkpoint without ``ckptd.json`` (an ``initial_load_path`` to a DCP
         or Hugging Face checkpoint) is torchtitan's DCP load. Keys the
         checkpoint holds beyond ``state_dict`` are left (``exclude_from_loading``,
-        a model-only load), as DCP does; keys it lacks are an error.
+        a model-only load), as DCP does; keys it lacks are an error. A ckptd
+        checkpoint folder that also holds a DCP checkpoint is refused.
         """
         if from_hf or not os.path.isfile(os.path.join(checkpoint_id, INDEX_NAME)):
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
+        _check_one_run(checkpoint_id)
         target = state_dicts(state_dict)
         report = load_into(target, checkpoint_id, strict=False, run_dir=self.run_dir)
         if report.missing:

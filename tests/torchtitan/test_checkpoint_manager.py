@@ -2,7 +2,7 @@
 
 Collected only by ``make test-torchtitan`` (its venv has torchtitan). The
 first test is the whole story; the others each check one more of
-torchtitan's options (a switch from its DCP manager, its per-rank
+torchtitan's options (a switch from its DCP manager and back, its per-rank
 dataloader, the Hugging Face export, a model-only last step, a remote
 folder). Two
 ranks train the way torchtitan's ``Trainer`` does and save every 2 steps in
@@ -30,7 +30,7 @@ from ckptd.integrations.torchtitan import CheckpointManager
 from helpers import wait_until
 from sharded_ranks import run_ranks
 from titan_ranks import (SAVED, export_last_step_in_hf, parallel_aware, resume, resume_after_model_only_last_step,
-                         train_until_killed, train_with_torchtitans_manager)
+                         carry_over, switch_back, train_to_saved, train_until_killed)
 from zygote import start_ranks
 
 
@@ -97,11 +97,52 @@ def test_run_switched_from_torchtitans_own_manager_resumes_from_its_dcp_checkpoi
     """A run saved by torchtitan's DCP manager, switched to ckptd's: it resumes from the newest DCP checkpoint."""
     folder, out = root / "titan", tmp_path / "out"
     out.mkdir()
-    run_ranks(train_with_torchtitans_manager, 2, tmp_path, "train", str(daemon.run_dir), str(folder), "disabled",
-              str(out))
+    run_ranks(train_to_saved, 2, tmp_path, "train", str(daemon.run_dir), str(folder), "torchtitan", str(out))
     assert (folder / f"step-{SAVED}" / ".metadata").is_file()
     check_resumed(daemon, folder, "async", tmp_path, out)
     assert (folder / f"step-{SAVED}" / ".metadata").is_file()  # ckptd's retention leaves DCP's checkpoints alone
+
+
+@pytest.mark.timeout(400)
+def test_a_step_folder_torchtitans_own_manager_wrote_into_after_ckptd_is_refused(daemon, root: Path,
+                                                                                tmp_path: Path) -> None:
+    """Switched back, torchtitan's own manager resumes from its own newest step (it sees no ``ckptd.json``) and
+    writes its DCP files into the step folder ckptd committed after it; ckptd's manager then loads that folder
+    neither as the resume step nor by number, naming the folder and the DCP files."""
+    folder, out = root / "titan", tmp_path / "out"
+    out.mkdir()
+    run_ranks(train_to_saved, 2, tmp_path, "train", str(daemon.run_dir), str(folder), "torchtitan", str(out))
+    check_resumed(daemon, folder, "async", tmp_path, out)  # ckptd's manager commits step SAVED + 2 on 3 ranks
+    logs = run_ranks(switch_back, 2, tmp_path, "back", str(daemon.run_dir), str(folder), str(out))
+    mixed = folder / f"step-{SAVED + 2}"
+    assert (mixed / ".metadata").is_file() and ckptd.read_index(mixed).world_size == 3  # two runs in one folder
+    assert ckptd.verify_checkpoint(mixed).ok  # ckptd's own files are intact: only a load can tell
+    for log in logs:
+        assert log["own_resumed_at"] == SAVED  # torchtitan's own manager ignored ckptd's step SAVED + 2
+        for name in ("resume", "load_step"):
+            assert log[f"{name}_step"] == 0, log  # nothing was loaded
+            assert log.get(name) == (
+                f"checkpoint {mixed} holds two runs' checkpoints: ckptd's (ckptd.json and the shards it lists) and a "
+                f"DCP checkpoint ckptd did not write (.metadata and 2 *.distcp files), as torchtitan's own "
+                "CheckpointManager leaves when it saves into a folder of ckptd's checkpoints; ckptd will not guess "
+                f"which to load. Move the files of the run you do not want out of {mixed}, or resume from another "
+                "step (checkpoint.load_step)"), log
+
+
+@pytest.mark.timeout(300)
+def test_a_ckptd_step_carried_over_with_dcp_resumes_in_torchtitans_own_manager(daemon, root: Path,
+                                                                              tmp_path: Path) -> None:
+    """The way back docs/integrations.md gives: a new folder, ckptd's step read through ``ckptd.dcp.StorageReader``
+    and written by ``dcp.save``; torchtitan's own manager resumes from it with every Stateful restored."""
+    folder, out = root / "titan", tmp_path / "out"
+    out.mkdir()
+    run_ranks(train_to_saved, 2, tmp_path, "train", str(daemon.run_dir), str(folder), "ckptd", str(out))
+    assert (folder / f"step-{SAVED}" / "ckptd.json").is_file()
+    logs = run_ranks(carry_over, 2, tmp_path, "carry", str(daemon.run_dir), str(folder), str(root / "titan-dcp"),
+                     str(out))
+    for log in logs:
+        assert (log["loaded"], log["step"], log["differ"]) == (True, SAVED, []), log
+    assert (root / "titan-dcp" / f"step-{SAVED}" / ".metadata").is_file()
 
 
 @pytest.mark.timeout(300)

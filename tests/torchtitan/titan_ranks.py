@@ -97,13 +97,21 @@ def train_until_killed(rank: int, world: int, init: str, run_dir: str, folder: s
     dist.barrier()  # waits for a peer that is gone
 
 
-def train_with_torchtitans_manager(rank: int, world: int, init: str, run_dir: str, folder: str, mode: str,
-                                   out: str) -> None:
-    """Train to step ``SAVED`` with torchtitan's own (DCP) manager, the run before the switch to ckptd's."""
-    from torchtitan.components.checkpointer import CheckpointManager
+def managers() -> dict[str, type]:
+    """The checkpoint managers by name: torchtitan's own (DCP) and ckptd's."""
+    from torchtitan.components.checkpointer import CheckpointManager as OwnManager
+
+    from ckptd.integrations.torchtitan import CheckpointManager
+
+    return {"torchtitan": OwnManager, "ckptd": CheckpointManager}
+
+
+def train_to_saved(rank: int, world: int, init: str, run_dir: str, folder: str, manager: str, out: str) -> None:
+    """Train to step ``SAVED`` with the ``manager`` named (``managers``), saving synchronously; rank 0 saves the
+    gathered state as the reference."""
 
     def body() -> dict:
-        run = example.Run.build(config(CheckpointManager, folder, run_dir, async_mode=mode), steps=100)
+        run = example.Run.build(config(managers()[manager], folder, run_dir), steps=100)
         saves = train(run, SAVED)
         run.manager.maybe_wait_for_saving()
         reference = snapshot(run)
@@ -133,6 +141,57 @@ def resume(rank: int, world: int, init: str, run_dir: str, folder: str, mode: st
         return log
 
     run_rank(rank, world, init, out, "resume", body)
+
+
+def switch_back(rank: int, world: int, init: str, run_dir: str, folder: str, out: str) -> None:
+    """torchtitan's own manager resumes in ``folder`` after ckptd's saved there and trains to ``SAVED + 2``;
+    ckptd's manager then tries to resume (the newest step) and to load step ``SAVED + 2`` by number."""
+    own_manager, manager = managers()["torchtitan"], managers()["ckptd"]
+
+    def body() -> dict:
+        own = example.Run.build(config(own_manager, folder, run_dir), steps=SAVED + 2)
+        own.manager.load()
+        log: dict[str, Any] = {"own_resumed_at": own.state.step}
+        train(own, SAVED + 2)
+        own.manager.close()
+        for name, step in (("resume", -1), ("load_step", SAVED + 2)):
+            run = example.Run.build(config(manager, folder, run_dir), steps=SAVED + 4)
+            try:
+                run.manager.load(step)
+            except ValueError as exc:
+                log[name] = str(exc)
+            log[f"{name}_step"] = run.state.step
+            run.manager.close()
+        return log
+
+    run_rank(rank, world, init, out, "back", body)
+
+
+def carry_over(rank: int, world: int, init: str, run_dir: str, folder: str, new_folder: str, out: str) -> None:
+    """Back to torchtitan's own manager in ``new_folder``, as docs/integrations.md says: ``dcp.load`` with
+    ``ckptd.dcp.StorageReader`` reads ckptd's step ``SAVED`` into the trainer's state, ``dcp.save`` writes it into
+    ``new_folder``; torchtitan's own manager then resumes from it. Logs what differs from the reference."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptd.dcp import StorageReader
+
+    own_manager = managers()["torchtitan"]
+
+    def body() -> dict:
+        run = example.Run.build(config(own_manager, new_folder, run_dir), steps=SAVED + 2)
+        state = {k: v for k, v in run.manager.states.items() if k != "model"} | run.model.state_dict()
+        dcp.load(state, storage_reader=StorageReader(f"{folder}/step-{SAVED}"))
+        dcp.save(state, checkpoint_id=f"{new_folder}/step-{SAVED}")
+        run.manager.close()
+        again = example.Run.build(config(own_manager, new_folder, run_dir), steps=SAVED + 2)
+        loaded = again.manager.load()
+        reference = torch.load(Path(out) / "reference.pt")
+        restored = snapshot(again)
+        again.manager.close()
+        return {"loaded": loaded, "step": again.state.step,
+                "differ": sorted(k for k in reference if not same(restored[k], reference[k]))}
+
+    run_rank(rank, world, init, out, "carry", body)
 
 
 def resume_after_model_only_last_step(rank: int, world: int, init: str, run_dir: str, folder: str, out: str) -> None:
