@@ -11,9 +11,11 @@ whose write fails leaves nothing pending: the path is free for a retry at once.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -255,3 +257,79 @@ def test_the_dcp_example_trains_on_two_ranks_and_resumes_on_three(daemon, root: 
     assert float(match.group(2)) == sum(t.double().sum().item() for t in saved["model"].values())
     assert "committed steps [9]" in second and "rank 2: trained to step 9" in second
     assert ckptd.read_index(ckpt_dir / "step-000009").world_size == 3
+
+
+def _rank_of_a_run(rank: int, world: int, init: str, run_dir: str, path: str, out: str, run: str) -> None:
+    """Rank ``rank`` of run ``run`` ("A" or "B", a launch of its own) saves two tensors filled with the run's value
+    to ``path`` through DCP (each rank writes one: DCP's de-duplication). A's rank 0 touches ``out/A0-durable`` once its shard is durable; A's rank 1 is late:
+    it writes only once ``out/B-ended`` exists; B's ranks write only once A's rank 0 is durable."""
+    def body() -> dict:
+        import ckptd.client.dcp_writer as dcp_writer
+
+        signals = Path(out)
+        if run == "A" and rank == 0:  # the agreement follows the Durable reply: a sign that the shard is durable
+            agree = dcp_writer.all_gather_msgpack
+
+            def agree_once_durable(value, group):
+                (signals / "A0-durable").touch()
+                return agree(value, group)
+
+            dcp_writer.all_gather_msgpack = agree_once_durable
+        gate = "B-ended" if run == "A" else "A0-durable"
+
+        class Gated(StorageWriter):
+            def write_data(self, plan, planner):
+                if (run, rank) != ("A", 0):
+                    wait_until(lambda: (signals / gate).exists(), timeout=240, what=gate)
+                return super().write_data(plan, planner)
+
+        client = ckptd.Client(run_dir=run_dir, spawn=False, commit_timeout=240, job=f"run-{run}")
+        try:
+            value = 1.0 if run == "A" else 2.0
+            dcp.save({"a": torch.full((1 << 16,), value), "b": torch.full((1 << 16,), value)},
+                     storage_writer=Gated(path, client=client))
+            return {"outcome": "saved"}
+        except CheckpointException as exc:
+            return {"outcome": str(exc)}
+        finally:
+            client.close()
+
+    run_rank(rank, world, init, out, run, body)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("launch", ["after A's first shard is durable", "at once"])
+def test_a_second_run_saving_the_same_path_is_refused_and_the_first_commits_its_own_data(daemon_at, tmp_path: Path,
+                                                                                        launch: str):
+    """Run B (another launch: another run name) saves the path run A is saving, while A's rank 0 is durable
+    and A's rank 1 is late: B's ranks get Conflict, the Abort B's writer then sends ends nothing of A's, and A
+    commits with A's data."""
+    from helpers import join_ranks
+    from zygote import start_ranks
+
+    root, run_dir = daemon_at
+    path = root / "two-runs" / launch.replace(" ", "-").replace("'", "")
+    runs = {}
+    for run in ("A", "B"):
+        if run == "B" and launch != "at once":
+            wait_until(lambda: (tmp_path / "A0-durable").exists(), timeout=240, what="A's rank 0 to be durable")
+        runs[run] = start_ranks(_rank_of_a_run, (2, str(tmp_path / f"init-{run}"), str(run_dir), str(path),
+                                                 str(tmp_path), run), 2)
+    try:
+        join_ranks(runs["B"], time.monotonic() + 300, "run B did not end")
+        (tmp_path / "B-ended").touch()
+        join_ranks(runs["A"], time.monotonic() + 300, "run A did not end")
+    finally:
+        for ctx in runs.values():
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+    logs = {(run, r): json.loads((tmp_path / f"{run}-{r}.json").read_text()) for run in "AB" for r in range(2)}
+    assert all("crash" not in log for log in logs.values()), logs
+    assert all("is being saved by another run of the job" in logs["B", r]["outcome"] for r in range(2)), logs
+    assert logs["A", 0]["outcome"] == logs["A", 1]["outcome"] == "saved", logs
+    assert [f.tensors for f in ckptd.read_index(path).files] == [1, 1]  # both ranks' shards
+    loaded = ckptd.load(path)
+    assert set(loaded) == {"a", "b"} and all(torch.equal(t, torch.full((1 << 16,), 1.0)) for t in loaded.values())
+    logged = (Path(run_dir) / "ckptd.log").read_text()
+    assert f"event=abort_of_other_run path={path} job='run-B' attempt_job='run-A'" in logged  # B did abort
