@@ -25,6 +25,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptd
 from ckptd.dcp import StorageReader, StorageWriter
+from ckptd.protocol.errors import Conflict
+from ckptd.protocol.index import ShardRecord, shard_name
+from ckptd.protocol.messages import Finalize
 from helpers import short_tempdir, start_daemon, wait_until
 from sharded_ranks import fsdp, full, run_rank, run_ranks
 
@@ -302,8 +305,8 @@ def _rank_of_a_run(rank: int, world: int, init: str, run_dir: str, path: str, ou
 def test_a_second_run_saving_the_same_path_is_refused_and_the_first_commits_its_own_data(daemon_at, tmp_path: Path,
                                                                                         launch: str):
     """Run B (another launch: another run name) saves the path run A is saving, while A's rank 0 is durable
-    and A's rank 1 is late: B's ranks get Conflict, the Abort B's writer then sends ends nothing of A's, and A
-    commits with A's data."""
+    and A's rank 1 is late: B's ranks get Conflict, the Abort B's writer then sends ends nothing of A's, a
+    Finalize of B's is refused, and A commits with A's data."""
     from helpers import join_ranks
     from zygote import start_ranks
 
@@ -317,6 +320,10 @@ def test_a_second_run_saving_the_same_path_is_refused_and_the_first_commits_its_
                                                  str(tmp_path), run), 2)
     try:
         join_ranks(runs["B"], time.monotonic() + 300, "run B did not end")
+        with ckptd.Client(run_dir=run_dir, spawn=False, job="run-B") as intruder:  # nor may B publish A's shards
+            conn, files = intruder._conn, tuple(ShardRecord(shard_name(r, 2), r, 4096, 0, 1) for r in range(2))
+            with pytest.raises(Conflict, match="is being saved by another run of the job"):
+                conn.call(Finalize(conn.next_id(), str(path), 2, None, False, None, files, "run-B"))
         (tmp_path / "B-ended").touch()
         join_ranks(runs["A"], time.monotonic() + 300, "run A did not end")
     finally:
@@ -333,3 +340,49 @@ def test_a_second_run_saving_the_same_path_is_refused_and_the_first_commits_its_
     assert set(loaded) == {"a", "b"} and all(torch.equal(t, torch.full((1 << 16,), 1.0)) for t in loaded.values())
     logged = (Path(run_dir) / "ckptd.log").read_text()
     assert f"event=abort_of_other_run path={path} job='run-B' attempt_job='run-A'" in logged  # B did abort
+
+
+def _rank_on_a_node_of_its_own(rank: int, world: int, init: str, run_dirs: list[str], path: str, out: str) -> None:
+    """Rank ``rank`` saves through its own node's daemon (``run_dirs[rank]``), then stays alive until
+    ``out/checked`` exists."""
+    def body() -> dict:
+        client = ckptd.Client(run_dir=run_dirs[rank], spawn=False, commit_timeout=120)
+        try:
+            dcp.save({"a": torch.ones(16), "b": torch.ones(16)}, storage_writer=StorageWriter(path, client=client))
+            (Path(out) / f"saved-{rank}").touch()
+            wait_until(lambda: (Path(out) / "checked").exists(), timeout=240, what="the test's check")
+        finally:
+            client.close()
+        return {}
+
+    run_rank(rank, world, init, out, "node", body)
+
+
+@pytest.mark.timeout(600)
+def test_another_nodes_daemon_lets_go_of_its_shards_once_global_rank_0s_daemon_published_them(tmp_path: Path):
+    """A coordinated attempt is kept on each node until it ends; on a node whose daemon does not publish it, it
+    ends when its directory is gone, not only when its ranks die."""
+    from helpers import join_ranks, wait_for_ranks
+    from zygote import start_ranks
+
+    root, run_dirs = tmp_path / "ckpts", [short_tempdir("ckn0-"), short_tempdir("ckn1-")]
+    root.mkdir()
+    daemons = [start_daemon(run_dir, root) for run_dir in run_dirs]
+    ctx = start_ranks(_rank_on_a_node_of_its_own, (2, str(tmp_path / "init"), [str(d) for d in run_dirs],
+                                                   str(root / "ckpt"), str(tmp_path)), 2)
+    try:
+        deadline = time.monotonic() + 300
+        wait_for_ranks(tmp_path, "saved", 2, ctx, deadline, "the save did not end")
+        assert ckptd.read_index(root / "ckpt").world_size == 2
+        assert daemons[0].status()["completed"]["count"] == 1 and daemons[1].status()["completed"]["count"] == 0
+        wait_until(lambda: not daemons[1].status()["checkpoints"], timeout=120,
+                   what="node 1's daemon to let go of the attempt node 0's published")
+        assert all(p.is_alive() for p in ctx.processes)  # let go because it was published, not because they died
+        (tmp_path / "checked").touch()
+        join_ranks(ctx, deadline)
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        for daemon in daemons:
+            daemon.kill()
