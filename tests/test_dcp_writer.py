@@ -343,13 +343,20 @@ def test_a_second_run_saving_the_same_path_is_refused_and_the_first_commits_its_
 
 
 def _rank_on_a_node_of_its_own(rank: int, world: int, init: str, run_dirs: list[str], path: str, out: str) -> None:
-    """Rank ``rank`` saves through its own node's daemon (``run_dirs[rank]``), then stays alive until
-    ``out/checked`` exists."""
+    """Rank ``rank`` saves through its own node's daemon (``run_dirs[rank]``), twice to one path, then stays alive
+    until ``out/checked`` exists."""
     def body() -> dict:
         client = ckptd.Client(run_dir=run_dirs[rank], spawn=False, commit_timeout=120)
+        outcome = "saved"
         try:
             dcp.save({"a": torch.ones(16), "b": torch.ones(16)}, storage_writer=StorageWriter(path, client=client))
-            (Path(out) / f"saved-{rank}").touch()
+            # at once again: node 1's daemon may not have seen the first attempt published yet
+            dcp.save({"a": torch.full((16,), 2.0), "b": torch.full((16,), 2.0)},
+                     storage_writer=StorageWriter(path, client=client, overwrite=True))
+        except CheckpointException as exc:
+            outcome = f"{exc} {exc.failures!r:.2000}"
+        try:
+            (Path(out) / f"saved-{rank}").write_text(outcome)
             wait_until(lambda: (Path(out) / "checked").exists(), timeout=240, what="the test's check")
         finally:
             client.close()
@@ -361,7 +368,8 @@ def _rank_on_a_node_of_its_own(rank: int, world: int, init: str, run_dirs: list[
 @pytest.mark.timeout(600)
 def test_another_nodes_daemon_lets_go_of_its_shards_once_global_rank_0s_daemon_published_them(tmp_path: Path):
     """A coordinated attempt is kept on each node until it ends; on a node whose daemon does not publish it, it
-    ends when its directory is gone, not only when its ranks die."""
+    ends when its directory is gone (not only when its ranks die), or when a rank of its run saves the path
+    again (the run agreed on the save before)."""
     from helpers import join_ranks, wait_for_ranks
     from zygote import start_ranks
 
@@ -372,9 +380,11 @@ def test_another_nodes_daemon_lets_go_of_its_shards_once_global_rank_0s_daemon_p
                                                    str(root / "ckpt"), str(tmp_path)), 2)
     try:
         deadline = time.monotonic() + 300
-        wait_for_ranks(tmp_path, "saved", 2, ctx, deadline, "the save did not end")
+        wait_for_ranks(tmp_path, "saved", 2, ctx, deadline, "the saves did not end")
+        assert [(tmp_path / f"saved-{r}").read_text() for r in range(2)] == ["saved", "saved"]
         assert ckptd.read_index(root / "ckpt").world_size == 2
-        assert daemons[0].status()["completed"]["count"] == 1 and daemons[1].status()["completed"]["count"] == 0
+        assert all(torch.equal(t, torch.full((16,), 2.0)) for t in ckptd.load(root / "ckpt").values())
+        assert daemons[0].status()["completed"]["count"] == 2 and daemons[1].status()["completed"]["count"] == 0
         wait_until(lambda: not daemons[1].status()["checkpoints"], timeout=120,
                    what="node 1's daemon to let go of the attempt node 0's published")
         assert all(p.is_alive() for p in ctx.processes)  # let go because it was published, not because they died
