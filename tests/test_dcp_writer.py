@@ -264,8 +264,9 @@ def test_the_dcp_example_trains_on_two_ranks_and_resumes_on_three(daemon, root: 
 
 def _rank_of_a_run(rank: int, world: int, init: str, run_dir: str, path: str, out: str, run: str) -> None:
     """Rank ``rank`` of run ``run`` ("A" or "B", a launch of its own) saves two tensors filled with the run's value
-    to ``path`` through DCP (each rank writes one: DCP's de-duplication). A's rank 0 touches ``out/A0-durable`` once its shard is durable; A's rank 1 is late:
-    it writes only once ``out/B-ended`` exists; B's ranks write only once A's rank 0 is durable."""
+    to ``path`` through DCP (each rank writes one: DCP's de-duplication). A's rank 0 touches ``out/A0-durable``
+    once its shard is durable; A's rank 1 is late: it writes only once ``out/B-ended`` exists; B's ranks write only
+    once A's rank 0 is durable."""
     def body() -> dict:
         import ckptd.client.dcp_writer as dcp_writer
 
