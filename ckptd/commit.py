@@ -258,7 +258,8 @@ class Commits:
         ``prepare`` on a worker before any of its shards is written. A rank
         of another job incarnation than the attempt's is refused
         (``Contributors``); one whose attempt was abandoned is not: the caller
-        failed that attempt first.
+        failed that attempt first. A rank of a settled attempt's own run that
+        saved there already starts a fresh attempt (``moved_on``).
         """
         self._refuse_late_rank_of_failed(final, commit)
         pending = self.pending.get(final)
