@@ -90,7 +90,7 @@ class Attempt:
     def check_join(self, msg: StagedShard) -> None:
         """Raise ``Conflict`` unless ``msg``'s rank may join: same run, same world and step, a rank not yet in."""
         words = self.words
-        self.contributors.refuse_other_job(self.path, msg)
+        self.contributors.refuse_other_job(self.path, msg.job)
         if (self.world_size, self.step, self.coordinated) != (msg.world_size, msg.step, msg.coordinated):
             raise Conflict(f"{words.noun} {self.path} {words.in_progress} with world size {self.world_size} and step "
                            f"{self.step}; this rank says world size {msg.world_size}, step {msg.step}")
@@ -138,6 +138,10 @@ class Attempt:
         w = self.words
         return RanksMissing(f"{w.noun} {display(self.path)} was abandoned: the process of its rank {rank} (pid "
                             f"{pid}) died before that rank {w.past}; {w.nothing}")
+
+    def answered(self, client: bytes, request_id: int) -> None:
+        """A rank's request had its one answer already (``Durable``): it no longer waits for this attempt's."""
+        self.waiting = [w for w in self.waiting if (w.client, w.request_id) != (client, request_id)]
 
     def tell_failed(self, send: Callable[[bytes, Message], None], code: ErrorCode, message: str) -> None:
         """Answer every waiting rank with one error: each is answered once."""

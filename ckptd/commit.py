@@ -10,7 +10,13 @@ commit within the checkpoint's timeout, ``p.incomplete`` is removed, no
 
 On several nodes (``coordinated``) each daemon only writes its own ranks'
 shards and answers ``Durable``; the ranks agree among themselves, and global
-rank 0's daemon receives ``Finalize`` and does the commit above.
+rank 0's daemon receives ``Finalize`` and does the commit above. A
+coordinated attempt whose shards are durable here is kept (``settled``) until
+it ends: published here by its own run's ``Finalize``, failed here by its own
+run's ``Abort``, its directory gone (published or discarded by another
+node's daemon), or its contributors all dead. While it is kept, a rank of
+another live run saving the same path is refused (``Conflict``), as it is
+while any attempt is in progress.
 
 All bookkeeping here runs on the loop thread; ``resolve_path``,
 ``prepare``, ``set_aside`` and ``finalize`` do I/O (only through the
@@ -115,6 +121,22 @@ class PendingCheckpoint(Attempt):
     @property
     def open(self) -> bool:
         return self.state in (CheckpointState.PREPARING, CheckpointState.WRITING)
+
+    @property
+    def settled(self) -> bool:
+        """A coordinated attempt whose shards here are all durable: it waits for its run's Finalize or Abort (here
+        or on another node's daemon), and nothing of it is in flight here."""
+        return self.coordinated and self.state is CheckpointState.WRITING and self.writing == 0
+
+    def moved_on(self, msg: StagedShard) -> bool:
+        """Whether ``msg``, a rank of this settled attempt's own run that already saved here, shows the attempt
+        ended elsewhere: a run's rank saves a path again only after its ranks agreed on the last save of it."""
+        return self.settled and msg.job == self.contributors.job and msg.rank in self.ranks_seen
+
+    def unclaimed(self) -> bool:
+        """Whether this settled attempt's contributors all died: no Finalize or Abort of theirs can come here."""
+        pids = self.contributors.pids
+        return self.settled and bool(pids) and len(self.contributors.dead()) == len(pids)
 
     def move_to(self, state: CheckpointState) -> None:
         """Change state along ``NEXT_STATES``; any other move is a defect in the pipeline, never done silently."""
@@ -239,10 +261,14 @@ class Commits:
         ``prepare`` on a worker before any of its shards is written. A rank
         of another job incarnation than the attempt's is refused
         (``Contributors``); one whose attempt was abandoned is not: the caller
-        failed that attempt first.
+        failed that attempt first. A rank of a settled attempt's own run that
+        saved there already starts a fresh attempt (``moved_on``).
         """
         self._refuse_late_rank_of_failed(final, commit)
         pending = self.pending.get(final)
+        if pending is not None and pending.moved_on(commit):
+            self.forget(pending)  # its directory is another node's daemon's to publish or remove: left alone
+            pending = None
         if pending is None:
             pending = PendingCheckpoint(path=final, world_size=commit.world_size, step=commit.step,
                                         overwrite=commit.overwrite, coordinated=commit.coordinated,
@@ -315,9 +341,7 @@ class Commits:
             return False
         if record is not None:
             pending.shards[record.rank] = record
-        if pending.coordinated:
-            if pending.writing == 0:
-                self.forget(pending)
+        if pending.coordinated:  # kept until its run's Finalize or Abort, or it ends elsewhere
             return False
         if pending.complete:
             pending.move_to(CheckpointState.COMMITTING)
@@ -340,11 +364,38 @@ class Commits:
                                                          time.monotonic() + remembered, pending.contributors)
 
     def from_finalize(self, msg: Finalize, client: bytes, final: Path) -> PendingCheckpoint:
-        """The checkpoint global rank 0 asks this daemon to commit (at ``final``, resolved)."""
-        return PendingCheckpoint(path=final, world_size=msg.world_size, step=msg.step, overwrite=msg.overwrite,
-                                 coordinated=True, keep_last=msg.keep_last, shards={f.rank: f for f in msg.files},
-                                 ranks_seen=set(range(msg.world_size)), state=CheckpointState.COMMITTING,
-                                 owns_directory=True, waiting=[Waiter(client, msg.id, 0)])
+        """The checkpoint global rank 0 asks this daemon to commit (at ``final``, resolved), ``committing``.
+
+        The attempt kept here for its run's ranks on this node is taken over;
+        one of another run is refused (``Conflict``: never publish another
+        run's shards). With none kept here (its ranks all on other nodes, or
+        this daemon restarted), the attempt is made from the message.
+        """
+        kept = self.pending.get(final)
+        if kept is not None:
+            kept.contributors.refuse_other_job(final, msg.job)
+            if not kept.settled or (kept.world_size, kept.step) != (msg.world_size, msg.step):
+                raise Conflict(f"checkpoint {display(final)} cannot be finalized: its attempt here is "
+                               f"{kept.state.value} with {kept.writing} shard(s) in flight, world size "
+                               f"{kept.world_size} and step {kept.step}; Finalize says world size {msg.world_size}, "
+                               f"step {msg.step}")
+            kept.move_to(CheckpointState.COMMITTING)
+            kept.overwrite, kept.keep_last = msg.overwrite, msg.keep_last
+            kept.shards = {f.rank: f for f in msg.files}
+            kept.ranks_seen = set(range(msg.world_size))
+            kept.waiting.append(Waiter(client, msg.id, 0))
+            return kept
+        pending = PendingCheckpoint(path=final, world_size=msg.world_size, step=msg.step, overwrite=msg.overwrite,
+                                    coordinated=True, keep_last=msg.keep_last, shards={f.rank: f for f in msg.files},
+                                    ranks_seen=set(range(msg.world_size)), state=CheckpointState.COMMITTING,
+                                    owns_directory=True, waiting=[Waiter(client, msg.id, 0)],
+                                    contributors=Contributors(msg.job))
+        self.pending[final] = pending  # taken: no other run's rank may start an attempt at the path meanwhile
+        return pending
+
+    def ended_elsewhere(self, pending: PendingCheckpoint) -> bool:
+        """Whether a settled attempt's directory is gone: another node's daemon published or discarded it (I/O)."""
+        return self.storage.stat(pending.incomplete) is None
 
     def finalize(self, pending: PendingCheckpoint) -> None:
         """Index, then publish: the checkpoint becomes visible (I/O; ``Checkpoints.publish`` says how).
@@ -435,6 +486,12 @@ class Commits:
     def cleared(self, path: Path) -> list[Retry]:
         """A failed attempt at ``path`` is out of the way: the retries that waited for it, to admit now."""
         return self.closing.pop(path, [])
+
+    @property
+    def in_progress(self) -> bool:
+        """Whether an attempt here has work of its own left (a settled one only waits for word from its run, which
+        may come to another node's daemon: a drain or an idle exit does not wait for it)."""
+        return any(not p.settled for p in self.pending.values())
 
     def forget(self, pending: PendingCheckpoint) -> None:
         if self.pending.get(pending.path) is pending:

@@ -62,14 +62,15 @@ class Contributors:
         ranks = ", ".join(f"{r} (pid {p})" for r, p in sorted(dead.items()))
         return f"the process of rank(s) {ranks} died before ranks {missing} saved"
 
-    def refuse_other_job(self, path: Path, msg: StagedShard) -> None:
-        """Raise ``Conflict`` if ``msg`` comes from another incarnation than this live attempt's."""
-        if msg.job != self.job:
+    def refuse_other_job(self, path: Path, job: str) -> None:
+        """Raise ``Conflict`` if ``job`` (a rank's, or a Finalize's) is another incarnation than this live
+        attempt's."""
+        if job != self.job:
             ranks = sorted(self.pids)
             raise Conflict(
                 f"checkpoint {display(path)} is being saved by another run of the job (incarnation "
                 f"{self.job or 'unnamed'!r}, ranks {ranks}, whose processes are alive); this rank is from "
-                f"incarnation {msg.job or 'unnamed'!r}. A checkpoint is only ever made of one run's shards: wait for "
+                f"incarnation {job or 'unnamed'!r}. A checkpoint is only ever made of one run's shards: wait for "
                 f"that save to end, or save under another path")
 
     def same_run_conflict(self, path: Path, msg: StagedShard, world_size: int, step: int | None,

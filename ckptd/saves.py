@@ -34,6 +34,7 @@ from ckptd.protocol.objects import display, is_permanent
 from .admission import Examined, check_room, examine
 from .commit import CheckpointState, PendingCheckpoint, Retry, resolve_path
 from .config import DaemonConfig
+from .contributors import Contributors
 from .events import Committed, Events, Failed
 from .replies import error_reply
 from .state import NodeState
@@ -47,6 +48,8 @@ DISCARD_RETRY_S = 1.0
 """A failed attempt whose removal failed for a transient reason (a store down) is removed again after this
 long, doubling up to ``MAX_DISCARD_RETRY_S``; its path takes no new save until then."""
 MAX_DISCARD_RETRY_S = 30.0
+LOOK_INTERVAL_S = 5.0
+"""How often housekeeping looks whether settled attempts ended on another node's daemon (one request each)."""
 Send = Callable[[bytes, Message], None]
 Examine = Callable[..., Examined]
 """``admission.examine`` or a stricter one with its signature (storage, slots, msg, *, pid, roots)."""
@@ -66,6 +69,9 @@ class Saves:
         """Told when a checkpoint commits or fails: stats, the mirror, retention and the memory tier react."""
         self._discards: dict[Path, int] = {}
         """Failed removals of attempts, by path: how many so far."""
+        self._looking = False
+        """Whether housekeeping's look for settled attempts that ended elsewhere is in flight (``let_go_ended``)."""
+        self._next_look = 0.0
 
     # -- admission ------------------------------------------------------------
 
@@ -103,17 +109,23 @@ class Saves:
         self.send(ident, error_reply(self.state.stats, msg.id, exc))
 
     def admit_examined(self, ident: bytes, msg: StagedShard, progress: Progress, examined: Examined, *, pid: int,
-                       internal: bool = False, expected_checksum: int | None = None) -> None:
+                       internal: bool = False, expected_checksum: int | None = None, looked: bool = False) -> None:
         """Queue an examined shard's write, sent by process ``pid``.
 
         ``internal``: the daemon persists a held snapshot, even while draining;
         a refusal fails the checkpoint (``Failed``) so the snapshot is not left
         persisting. ``expected_checksum``: the write must produce it.
+        ``looked``: a settled attempt of another run at the path was found
+        not to have ended elsewhere (``_look_then``), so the rank is refused.
         """
         state, final = self.state, examined.final
         current = state.commits.pending.get(final)
         if current is not None and not internal and not current.persists_snapshot:
             self._abandon_if_orphaned(current)
+            if current.settled and msg.job != current.contributors.job and not looked:
+                self._look_then(current, lambda: self.admit_examined(ident, msg, progress, examined, pid=pid,
+                                                                     looked=True))
+                return
             conflict = current.broken_by(msg)
             if conflict is not None:  # the run's save is broken: every rank is told, this one included
                 self.fail(current, conflict)
@@ -208,13 +220,22 @@ class Saves:
         if pending.coordinated and record is not None:
             self.send(job.client, Durable(job.msg.id, record.file, record.rank, record.size,
                                           record.checksum, record.tensors))
+            pending.answered(job.client, job.msg.id)
         if ready:
             self._finalize(pending)
 
     def finalize(self, ident: bytes, msg: Finalize) -> None:
-        """Global rank 0 asks this daemon to commit a multi-node checkpoint; Done or Error follows."""
-        self.resolve_then(ident, msg.id, msg.path,
-                          lambda final: self._finalize(self.state.commits.from_finalize(msg, ident, final)))
+        """Global rank 0 asks this daemon to commit a coordinated checkpoint; Done or Error follows."""
+
+        def finalize(final: Path) -> None:
+            try:
+                pending = self.state.commits.from_finalize(msg, ident, final)
+            except CkptdError as exc:  # another run's attempt holds the path: it is not this Finalize's to publish
+                self.send(ident, error_reply(self.state.stats, msg.id, exc))
+                return
+            self._finalize(pending)
+
+        self.resolve_then(ident, msg.id, msg.path, finalize)
 
     def resolve_then(self, ident: bytes, rid: int, raw: str, then: Callable[[Path], None]) -> None:
         """Resolve a client's checkpoint path on the admit pool, then ``then(final)`` (or an Error reply)."""
@@ -251,14 +272,24 @@ class Saves:
     # -- failures -------------------------------------------------------------
 
     def abort(self, ident: bytes, msg: Abort) -> None:
-        """A rank gave up on a checkpoint (multi-node); Ok follows once it is failed here."""
+        """A rank of run ``msg.job`` gave up on a coordinated checkpoint; Ok follows once it is failed here.
+
+        Only that run's attempt is failed: the Abort of a run whose ranks were
+        refused because another run is saving the path is logged and answered,
+        and the other run's attempt goes on.
+        """
 
         def abort(final: Path) -> None:
-            pending = self.state.commits.pending.get(final) or PendingCheckpoint(
-                path=final, world_size=1, step=None, overwrite=False, coordinated=True,
-                state=CheckpointState.WRITING, owns_directory=True)
-            if pending.state is not CheckpointState.FAILED:
-                self.fail(pending, RanksMissing(f"checkpoint {display(final)} was aborted: {msg.reason}"))
+            pending = self.state.commits.pending.get(final)
+            if pending is not None and pending.contributors.job != msg.job:
+                log.warning("event=abort_of_other_run path=%s job=%r attempt_job=%r reason=%s", final, msg.job,
+                            pending.contributors.job, msg.reason)
+            else:
+                pending = pending or PendingCheckpoint(
+                    path=final, world_size=1, step=None, overwrite=False, coordinated=True,
+                    state=CheckpointState.WRITING, owns_directory=True, contributors=Contributors(msg.job))
+                if pending.state is not CheckpointState.FAILED:
+                    self.fail(pending, RanksMissing(f"checkpoint {display(final)} was aborted: {msg.reason}"))
             self.send(ident, Ok(msg.id))
 
         self.resolve_then(ident, msg.id, msg.path, abort)
@@ -301,9 +332,47 @@ class Saves:
             self.admit_examined(retry.client, retry.msg, retry.progress, retry.examined, pid=retry.pid)
 
     def _abandon_if_orphaned(self, pending: PendingCheckpoint) -> None:
-        """Fail an attempt still missing ranks whose contributors died: no rank of their job can complete it."""
+        """Fail an attempt still missing ranks whose contributors died: no rank of their job can complete it; let
+        go of a settled one whose contributors all died (its directory may still be another node's to publish)."""
         if (why := pending.orphaned()) is not None:
             self.fail(pending, why)
+        elif pending.unclaimed():
+            self._let_go(pending, "its contributors all died")
+
+    def _let_go(self, pending: PendingCheckpoint, why: str) -> None:
+        """Forget a settled attempt that ended without a word here; nothing is removed, nobody is told."""
+        if self.state.commits.pending.get(pending.path) is pending and pending.settled:
+            log.info("event=let_go path=%s job=%r why=%s", pending.path, pending.contributors.job, why)
+            self.state.commits.forget(pending)
+
+    def _look_then(self, pending: PendingCheckpoint, then: Callable[[], None]) -> None:
+        """Let go of a settled attempt if its directory is gone (admit pool), then ``then`` on the loop."""
+
+        def looked(fut: Future) -> None:
+            if fut.exception() is None and fut.result():
+                self._let_go(pending, "its directory is gone: another node's daemon published or discarded it")
+            then()
+
+        self.workers.submit("admit", lambda: self.state.commits.ended_elsewhere(pending), looked)
+
+    def let_go_ended(self) -> None:
+        """Housekeeping: let go of settled attempts that another node's daemon published or discarded meanwhile
+        (one look at a time)."""
+        now = time.monotonic()
+        if self._looking or now < self._next_look:
+            return
+        kept = [p for p in self.state.commits.pending.values() if p.settled]
+        if not kept:
+            return
+        self._looking, self._next_look = True, now + LOOK_INTERVAL_S
+        commits = self.state.commits
+
+        def looked(fut: Future) -> None:
+            self._looking = False
+            for pending in fut.result() if fut.exception() is None else []:
+                self._let_go(pending, "its directory is gone: another node's daemon published or discarded it")
+
+        self.workers.submit("maintenance", lambda: [p for p in kept if commits.ended_elsewhere(p)], looked)
 
     def rank_died(self, job: str, world_size: int, rank: int, pid: int) -> None:
         """Rank ``rank`` of run ``job`` died without saving: fail its run's saves that still wait for it."""

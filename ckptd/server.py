@@ -271,6 +271,7 @@ class Server:
             if not self.state.pid_connected(pid):
                 self.workers.submit("maintenance", lambda pid=pid: self.state.slots.reclaim(pid))
         self.saves.abandon_orphaned()
+        self.saves.let_go_ended()
         self.holding.abandon_orphaned()
 
     def _busy(self) -> bool:
@@ -309,6 +310,6 @@ class Server:
             # after a grace for what the deadline itself started (removing the directories of the attempts it failed)
             busy = self.state.busy or self.workers.in_flight > self.workers.abandonable_in_flight
             graced = self.workers.abandonable_in_flight and now < self._drain_deadline + ABANDON_GRACE_S
-            return not busy and not self.state.commits.pending and not graced
+            return not busy and not self.state.commits.in_progress and not graced
         uploads_done = self.mirrors is None or self.mirrors.idle()
-        return uploads_done and not self._busy() and not self.state.commits.pending
+        return uploads_done and not self._busy() and not self.state.commits.in_progress

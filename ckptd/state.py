@@ -197,4 +197,4 @@ class NodeState:
     def idle(self) -> bool:
         """Nothing to do, and no snapshot held only in memory (a spawned daemon must not take one with it)."""
         unpersisted = any(not s.persisted for s in self.snapshots.held.values())
-        return not (self.clients or self.busy or self.commits.pending or unpersisted)
+        return not (self.clients or self.busy or self.commits.in_progress or unpersisted)

@@ -149,7 +149,7 @@ class Client:
         if detected.distributed and self.world_size > 1:
             group, self.job = agree_on_places(self.endpoint, commit_timeout, self.job or drawn())
         self._conn = self._connect()
-        self._coordinator = Coordinator(group, lambda: self._conn, self.rank) if group is not None else None
+        self._coordinator = Coordinator(group, lambda: self._conn, self.rank, self.job) if group is not None else None
         if reserve:
             try:
                 self._slots.reserve(reserve + HEADER_ROOM)

@@ -79,10 +79,12 @@ def agree_on_places(endpoint: str, timeout: float, job: str) -> tuple[dist.Proce
 class Coordinator:
     """One thread per client that turns durable shards into a committed checkpoint."""
 
-    def __init__(self, group: dist.ProcessGroup, connection: Callable[[], Connection], rank: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, connection: Callable[[], Connection], rank: int, job: str) -> None:
         self.group = group
         self.connection = connection
         self.rank = rank
+        self.job = job
+        """The run (``Client.job``) that Finalize and Abort name: a daemon acts only on that run's attempt."""
         self._queue: queue.SimpleQueue[_Save | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="ckptd-coordinate", daemon=True)
         self._thread.start()
@@ -140,7 +142,7 @@ class Coordinator:
         if failures:
             reason = "; ".join(failures)
             try:
-                conn.call(Abort(conn.next_id(), spec.path, reason))
+                conn.call(Abort(conn.next_id(), spec.path, reason, self.job))
             except Exception:
                 pass  # rank 0's daemon is gone too; the sweep will clean up
             code = next((e[2] for e in everyone if e[0] != "ok"), 0)
@@ -148,7 +150,7 @@ class Coordinator:
         files = tuple(ShardRecord(*entry[1]) for entry in everyone)
         try:
             done = conn.call(Finalize(conn.next_id(), spec.path, spec.world_size, spec.step,
-                                      spec.overwrite, spec.keep_last, files), timeout=spec.timeout)
+                                      spec.overwrite, spec.keep_last, files, self.job), timeout=spec.timeout)
         except CkptdError as exc:
             return ("error", exc.message, int(exc.code))
         return ("done", done.path, done.seconds)

@@ -220,7 +220,7 @@ class StorageWriter(_DCPStorageWriter):
         client = self.client
         conn = client._conn
         conn.call(Finalize(conn.next_id(), self.path, client.world_size, self.step, self.overwrite, self.keep_last,
-                           files), timeout=self.commit_timeout)
+                           files, client.job), timeout=self.commit_timeout)
 
     def storage_meta(self) -> None:
         self._save_begins()  # the first call of a save's planning, on the thread that runs the save
@@ -235,12 +235,15 @@ class StorageWriter(_DCPStorageWriter):
     def _abort(self, reason: str) -> None:
         """Fail this attempt on this node's daemon (best effort: the save's own error is what is raised).
 
-        Other nodes' daemons time their shards out (``commit_timeout``), as
-        with ``Client.save_async``'s own agreement across nodes.
+        It names this run: a rank refused because another run is saving the
+        path must not end that run's attempt. Other nodes' daemons let their
+        shards go once the attempt's directory is gone, as with
+        ``Client.save_async``'s own agreement across nodes.
         """
         try:
-            conn = self.client._conn
-            conn.call(Abort(conn.next_id(), self.path, reason))
+            client = self.client
+            conn = client._conn
+            conn.call(Abort(conn.next_id(), self.path, reason, client.job))
         except Exception:
             pass
 

@@ -105,8 +105,7 @@ class Hello(Message):
     def __post_init__(self) -> None:
         if not 1 <= self.world_size <= MAX_WORLD_SIZE or self.rank >= self.world_size:
             raise BadMessage(f"rank {self.rank} is not inside world size {self.world_size} (at most {MAX_WORLD_SIZE})")
-        if len(self.job) > MAX_JOB or not self.job.isprintable():
-            raise BadMessage(f"job {self.job[:40]!r} must be at most {MAX_JOB} printable characters")
+        _check_job(self.job)
 
 
 @dataclass(frozen=True)
@@ -183,8 +182,7 @@ class StagedShard(Message):
         _check_common(self.keep_last, self.timeout)
         if not self.header_len <= self.staged <= self.nbytes:
             raise BadMessage(f"staged {self.staged} must lie between the header ({self.header_len}) and nbytes ({self.nbytes})")
-        if len(self.job) > MAX_JOB or not self.job.isprintable():
-            raise BadMessage(f"job {self.job[:40]!r} must be at most {MAX_JOB} printable characters")
+        _check_job(self.job)
         if len(self.replicated) > MAX_REPLICATED_KEYS or not all(
                 isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_STRING and len(v) == REPLICATED_DIGEST_LEN
                 for k, v in self.replicated.items()):
@@ -292,6 +290,12 @@ def _check_path(path: str) -> None:
         )
 
 
+def _check_job(job: str) -> None:
+    """A run's name (``StagedShard.job``) is bounded and printable: it is logged and shown in errors."""
+    if len(job) > MAX_JOB or not job.isprintable():
+        raise BadMessage(f"job {job[:40]!r} must be at most {MAX_JOB} printable characters")
+
+
 def _check_common(keep_last: int | None, timeout: float) -> None:
     if keep_last is not None and keep_last < 1:
         raise BadMessage(f"keep_last must be at least 1, got {keep_last}")
@@ -351,6 +355,9 @@ class Finalize(Message):
     overwrite: bool
     keep_last: int | None
     files: tuple[ShardRecord, ...]
+    job: str = ""
+    """The run whose attempt this publishes (``StagedShard.job``): the daemon refuses to publish another run's.
+    Added later: a peer that predates it leaves it out (an unnamed run's)."""
     type: ClassVar[str] = "finalize"
 
     def __post_init__(self) -> None:
@@ -364,15 +371,26 @@ class Finalize(Message):
             if "/" in f.file or f.file in ("", ".", ".."):
                 raise BadMessage(f"finalize names file {f.file!r}, which is not a plain file name")
         _check_common(self.keep_last, 1.0)
+        _check_job(self.job)
 
 
 @dataclass(frozen=True)
 class Abort(Message):
-    """Give up checkpoint ``path`` (a rank failed): remove what was written."""
+    """Give up checkpoint ``path`` (a rank failed): remove what was written, if it is run ``job``'s attempt.
+
+    A rank refused because another run is saving the path aborts too; that
+    Abort must not end the other run's attempt, so it names its own run.
+    """
 
     path: str
     reason: str
+    job: str = ""
+    """The run whose attempt to give up (``StagedShard.job``). Added later: a peer that predates it leaves it out
+    (an unnamed run's)."""
     type: ClassVar[str] = "abort"
+
+    def __post_init__(self) -> None:
+        _check_job(self.job)
 
 
 @dataclass(frozen=True)

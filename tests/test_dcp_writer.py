@@ -11,8 +11,11 @@ whose write fails leaves nothing pending: the path is free for a retry at once.
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptd
 from ckptd.dcp import StorageReader, StorageWriter
+from ckptd.protocol.errors import Conflict
+from ckptd.protocol.index import ShardRecord, shard_name
+from ckptd.protocol.messages import Finalize
 from helpers import REPO, equal_states, short_tempdir, start_daemon, torchrun_example, wait_until
 from sharded_ranks import fsdp, full, run_rank, run_ranks
 
@@ -237,3 +243,140 @@ def test_the_dcp_example_trains_on_two_ranks_and_resumes_on_three(daemon, root: 
     assert float(match.group(2)) == sum(t.double().sum().item() for t in saved["model"].values())
     assert "committed steps [9]" in second and "rank 2: trained to step 9" in second
     assert ckptd.read_index(ckpt_dir / "step-000009").world_size == 3
+
+
+def _rank_of_a_run(rank: int, world: int, init: str, run_dir: str, path: str, out: str, run: str) -> None:
+    """Rank ``rank`` of run ``run`` ("A" or "B", a launch of its own) saves two tensors filled with the run's value
+    to ``path`` through DCP (each rank writes one: DCP's de-duplication). A's rank 0 touches ``out/A0-durable``
+    once its shard is durable; A's rank 1 is late: it writes only once ``out/B-ended`` exists; B's ranks write only
+    once A's rank 0 is durable."""
+    def body() -> dict:
+        import ckptd.client.dcp_writer as dcp_writer
+
+        signals = Path(out)
+        if run == "A" and rank == 0:  # the agreement follows the Durable reply: a sign that the shard is durable
+            agree = dcp_writer.all_gather_msgpack
+
+            def agree_once_durable(value, group):
+                (signals / "A0-durable").touch()
+                return agree(value, group)
+
+            dcp_writer.all_gather_msgpack = agree_once_durable
+        gate = "B-ended" if run == "A" else "A0-durable"
+
+        class Gated(StorageWriter):
+            def write_data(self, plan, planner):
+                if (run, rank) != ("A", 0):
+                    wait_until(lambda: (signals / gate).exists(), timeout=240, what=gate)
+                return super().write_data(plan, planner)
+
+        client = ckptd.Client(run_dir=run_dir, spawn=False, commit_timeout=240, job=f"run-{run}")
+        try:
+            value = 1.0 if run == "A" else 2.0
+            dcp.save({"a": torch.full((1 << 16,), value), "b": torch.full((1 << 16,), value)},
+                     storage_writer=Gated(path, client=client))
+            return {"outcome": "saved"}
+        except CheckpointException as exc:
+            return {"outcome": str(exc)}
+        finally:
+            client.close()
+
+    run_rank(rank, world, init, out, run, body)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("launch", ["after A's first shard is durable", "at once"])
+def test_a_second_run_saving_the_same_path_is_refused_and_the_first_commits_its_own_data(daemon_at, tmp_path: Path,
+                                                                                        launch: str):
+    """Run B (another launch: another run name) saves the path run A is saving, while A's rank 0 is durable
+    and A's rank 1 is late: B's ranks get Conflict, the Abort B's writer then sends ends nothing of A's, a
+    Finalize of B's is refused, and A commits with A's data."""
+    from helpers import join_ranks
+    from zygote import start_ranks
+
+    root, run_dir = daemon_at
+    path = root / "two-runs" / launch.replace(" ", "-").replace("'", "")
+    runs = {}
+    for run in ("A", "B"):
+        if run == "B" and launch != "at once":
+            wait_until(lambda: (tmp_path / "A0-durable").exists(), timeout=240, what="A's rank 0 to be durable")
+        runs[run] = start_ranks(_rank_of_a_run, (2, str(tmp_path / f"init-{run}"), str(run_dir), str(path),
+                                                 str(tmp_path), run), 2)
+    try:
+        join_ranks(runs["B"], time.monotonic() + 300, "run B did not end")
+        with ckptd.Client(run_dir=run_dir, spawn=False, job="run-B") as intruder:  # nor may B publish A's shards
+            conn, files = intruder._conn, tuple(ShardRecord(shard_name(r, 2), r, 4096, 0, 1) for r in range(2))
+            with pytest.raises(Conflict, match="is being saved by another run of the job"):
+                conn.call(Finalize(conn.next_id(), str(path), 2, None, False, None, files, "run-B"))
+        (tmp_path / "B-ended").touch()
+        join_ranks(runs["A"], time.monotonic() + 300, "run A did not end")
+    finally:
+        for ctx in runs.values():
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+    logs = {(run, r): json.loads((tmp_path / f"{run}-{r}.json").read_text()) for run in "AB" for r in range(2)}
+    assert all("crash" not in log for log in logs.values()), logs
+    assert all("is being saved by another run of the job" in logs["B", r]["outcome"] for r in range(2)), logs
+    assert logs["A", 0]["outcome"] == logs["A", 1]["outcome"] == "saved", logs
+    assert [f.tensors for f in ckptd.read_index(path).files] == [1, 1]  # both ranks' shards
+    loaded = ckptd.load(path)
+    assert set(loaded) == {"a", "b"} and all(torch.equal(t, torch.full((1 << 16,), 1.0)) for t in loaded.values())
+    logged = (Path(run_dir) / "ckptd.log").read_text()
+    assert f"event=abort_of_other_run path={path} job='run-B' attempt_job='run-A'" in logged  # B did abort
+
+
+def _rank_on_a_node_of_its_own(rank: int, world: int, init: str, run_dirs: list[str], path: str, out: str) -> None:
+    """Rank ``rank`` saves through its own node's daemon (``run_dirs[rank]``), twice to one path, then stays alive
+    until ``out/checked`` exists."""
+    def body() -> dict:
+        client = ckptd.Client(run_dir=run_dirs[rank], spawn=False, commit_timeout=120)
+        outcome = "saved"
+        try:
+            dcp.save({"a": torch.ones(16), "b": torch.ones(16)}, storage_writer=StorageWriter(path, client=client))
+            # at once again: node 1's daemon may not have seen the first attempt published yet
+            dcp.save({"a": torch.full((16,), 2.0), "b": torch.full((16,), 2.0)},
+                     storage_writer=StorageWriter(path, client=client, overwrite=True))
+        except CheckpointException as exc:
+            outcome = f"{exc} {exc.failures!r:.2000}"
+        try:
+            (Path(out) / f"saved-{rank}").write_text(outcome)
+            wait_until(lambda: (Path(out) / "checked").exists(), timeout=240, what="the test's check")
+        finally:
+            client.close()
+        return {}
+
+    run_rank(rank, world, init, out, "node", body)
+
+
+@pytest.mark.timeout(600)
+def test_another_nodes_daemon_lets_go_of_its_shards_once_global_rank_0s_daemon_published_them(tmp_path: Path):
+    """A coordinated attempt is kept on each node until it ends; on a node whose daemon does not publish it, it
+    ends when its directory is gone (not only when its ranks die), or when a rank of its run saves the path
+    again (the run agreed on the save before)."""
+    from helpers import join_ranks, wait_for_ranks
+    from zygote import start_ranks
+
+    root, run_dirs = tmp_path / "ckpts", [short_tempdir("ckn0-"), short_tempdir("ckn1-")]
+    root.mkdir()
+    daemons = [start_daemon(run_dir, root) for run_dir in run_dirs]
+    ctx = start_ranks(_rank_on_a_node_of_its_own, (2, str(tmp_path / "init"), [str(d) for d in run_dirs],
+                                                   str(root / "ckpt"), str(tmp_path)), 2)
+    try:
+        deadline = time.monotonic() + 300
+        wait_for_ranks(tmp_path, "saved", 2, ctx, deadline, "the saves did not end")
+        assert [(tmp_path / f"saved-{r}").read_text() for r in range(2)] == ["saved", "saved"]
+        assert ckptd.read_index(root / "ckpt").world_size == 2
+        assert all(torch.equal(t, torch.full((16,), 2.0)) for t in ckptd.load(root / "ckpt").values())
+        assert daemons[0].status()["completed"]["count"] == 2 and daemons[1].status()["completed"]["count"] == 0
+        wait_until(lambda: not daemons[1].status()["checkpoints"], timeout=120,
+                   what="node 1's daemon to let go of the attempt node 0's published")
+        assert all(p.is_alive() for p in ctx.processes)  # let go because it was published, not because they died
+        (tmp_path / "checked").touch()
+        join_ranks(ctx, deadline)
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        for daemon in daemons:
+            daemon.kill()

@@ -9,6 +9,8 @@ purpose, never silently).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ckptd.protocol.errors import ErrorCode
@@ -111,18 +113,20 @@ GOLDEN: dict[str, tuple[Message, str]] = {
                 ShardRecord("rank-00000-of-00002.safetensors", 0, 4128, 1, 2),
                 ShardRecord("rank-00001-of-00002.safetensors", 1, 4128, 2, 2),
             ),
+            job="torchelastic:abc:1",
         ),
-        "89a17601a474797065a866696e616c697a65a2696409a470617468ae2f636b7074"
+        "8aa17601a474797065a866696e616c697a65a2696409a470617468ae2f636b7074"
         "2f737465702d313030aa776f726c645f73697a6502a47374657064a96f76657277"
         "72697465c2a96b6565705f6c617374c0a566696c65739295bf72616e6b2d303030"
         "30302d6f662d30303030322e7361666574656e736f727300cd1020010295bf7261"
         "6e6b2d30303030312d6f662d30303030322e7361666574656e736f727301cd1020"
-        "0202",
+        "0202a36a6f62b2746f726368656c61737469633a6162633a31",
     ),
     "abort": (
-        Abort(id=10, path="/ckpt/step-100", reason="rank 3: daemon gone"),
-        "85a17601a474797065a561626f7274a269640aa470617468ae2f636b70742f7374"
-        "65702d313030a6726561736f6eb372616e6b20333a206461656d6f6e20676f6e65",
+        Abort(id=10, path="/ckpt/step-100", reason="rank 3: daemon gone", job="torchelastic:abc:1"),
+        "86a17601a474797065a561626f7274a269640aa470617468ae2f636b70742f7374"
+        "65702d313030a6726561736f6eb372616e6b20333a206461656d6f6e20676f6e65"
+        "a36a6f62b2746f726368656c61737469633a6162633a31",
     ),
     "lease": (
         Lease(id=11, limit=2),
@@ -254,6 +258,26 @@ def test_frozen_bytes_decode_back_to_the_same_message(kind):
 def test_from_wire_on_the_message_class_accepts_its_own_bytes(kind):
     msg, golden = GOLDEN[kind]
     assert type(msg).from_wire(bytes.fromhex(golden)) == msg
+
+
+BEFORE_JOB = {
+    "finalize": "89a17601a474797065a866696e616c697a65a2696409a470617468ae2f636b7074"
+                "2f737465702d313030aa776f726c645f73697a6502a47374657064a96f76657277"
+                "72697465c2a96b6565705f6c617374c0a566696c65739295bf72616e6b2d303030"
+                "30302d6f662d30303030322e7361666574656e736f727300cd1020010295bf7261"
+                "6e6b2d30303030312d6f662d30303030322e7361666574656e736f727301cd1020"
+                "0202",
+    "abort": "85a17601a474797065a561626f7274a269640aa470617468ae2f636b70742f7374"
+             "65702d313030a6726561736f6eb372616e6b20333a206461656d6f6e20676f6e65",
+}
+"""The frozen bytes of Finalize and Abort before they named their run (``job``)."""
+
+
+@pytest.mark.parametrize("kind", sorted(BEFORE_JOB))
+def test_a_finalize_or_abort_from_before_job_decodes_as_an_unnamed_runs(kind):
+    msg, _ = GOLDEN[kind]
+    decoded = decode(bytes.fromhex(BEFORE_JOB[kind]))
+    assert decoded == dataclasses.replace(msg, job="")
 
 
 def test_message_type_names_are_frozen():
