@@ -12,7 +12,6 @@ whose write fails leaves nothing pending: the path is free for a retry at once.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import re
 import time
