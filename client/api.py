@@ -23,7 +23,7 @@ from ckptd.protocol.objects import absolute, user_path
 from .checks import check_bool, check_client_args, check_int, check_keep_last, check_path, check_seconds, check_step
 from .connection import Connection
 from .coordinate import Coordinator, SaveSpec, agree_on_places
-from .incarnation import drawn, from_launcher
+from .incarnation import drawn, from_launcher, from_master
 from .flatten import Flat, flatten
 from .future import SaveFuture, SaveResult
 from .ranks import detect_ranks
@@ -101,11 +101,13 @@ class Client:
                 (the state's tensor bytes: room for the shard's header is
                 added).
             job: a name for this run of the job, the same on every rank and
-                different after a restart (default: the launcher's, from
-                torchrun or Slurm; else drawn by rank 0 when torch.distributed
-                is initialized). A checkpoint is only ever made of one run's
-                shards: a restarted job saving the same path never joins the
-                dead run's save.
+                different after a restart (default: the launcher's where it
+                names one launch, from torchrun's run id or Slurm's job step;
+                else drawn by rank 0 when torch.distributed is initialized;
+                see ``incarnation.py``). A checkpoint is only ever made of one
+                run's shards: a restarted job saving the same path never joins
+                the dead run's save, and a second live launch never joins the
+                first's.
         """
         check_client_args(max_inflight=max_inflight, rank=rank, world_size=world_size, local_rank=local_rank,
                           commit_timeout=commit_timeout, keep_last=keep_last, heartbeat=heartbeat, timeout=timeout,
@@ -148,6 +150,8 @@ class Client:
         group = None
         if detected.distributed and self.world_size > 1:
             group, self.job = agree_on_places(self.endpoint, commit_timeout, self.job or drawn())
+        elif not self.job:
+            self.job = from_master()
         self._conn = self._connect()
         self._coordinator = Coordinator(group, lambda: self._conn, self.rank, self.job) if group is not None else None
         if reserve:

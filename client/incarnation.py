@@ -1,18 +1,26 @@
 """Which run of a job this process belongs to: the ``job`` every commit carries.
 
 The daemon never lets one checkpoint mix shards of two runs of a job (a
-restarted job saving the same path as the run that died). It tells runs
-apart by this name and by the ranks' processes (``ckptd/contributors.py``);
-the name is what the ranks of one run share and a restarted run does not:
+restarted job saving the same path as the run that died, or a second launch
+of the same script while the first still runs). It tells runs apart by this
+name and by the ranks' processes (``ckptd/contributors.py``); the name is what
+the ranks of one launch share and no other live launch does:
 
 1. ``Client(job=...)``: the caller's own name for the run.
-2. The launcher's: torchrun/torchelastic (run id and restart count) or
-   Slurm (job, step and restart count).
-3. With torch.distributed initialized and no launcher name: rank 0 draws
-   one at random and the ranks agree on it when their ``Client``s start
+2. The launcher's, where it names one launch (``LAUNCHERS``): torchrun's
+   run id (``--rdzv-id``, or the one ``--standalone`` draws) with its
+   restart count, or Slurm's job and step (``srun``) with its restart count.
+   torchrun's default run id ``none`` (static rendezvous with
+   ``--master-port``, and c10d without ``--rdzv-id``) is every launch's, and
+   so is a Slurm job's batch step (no step id): no name.
+3. With torch.distributed initialized and no name yet: rank 0 draws one at
+   random and the ranks agree on it when their ``Client``s start
    (``coordinate.agree_on_places``).
-4. Otherwise none (""): the daemon then tells runs apart by their processes
-   alone, which holds for launchers that kill a run before restarting it.
+4. Otherwise, under torchrun: its rendezvous master (``MASTER_ADDR`` and
+   ``MASTER_PORT``, which no two live launches on a host share) and restart
+   count (``from_master``). Without either, none (""): the daemon tells
+   runs apart by their processes alone, which holds for launchers that kill
+   a run before restarting it.
 """
 
 from __future__ import annotations
@@ -23,27 +31,52 @@ import uuid
 
 from ckptd.protocol.messages import MAX_JOB
 
+SHARED_RUN_IDS = frozenset({"", "none"})
+"""torchrun run ids every launch has (its ``--rdzv-id`` default): they name no launch."""
+
 LAUNCHERS = (
     ("torchelastic", ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")),
     ("slurm", ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT")),
 )
-"""Launchers that name a run, by the environment variables that together do (the first must be set)."""
+"""Launchers that name a run, by the environment variables that together do. The variables before the last
+must all be set (a Slurm job without a step id is its batch step, which several launches may share)."""
+
+
+def _named(launcher: str, values: list[str]) -> str:
+    """``launcher:v1:v2...``, or its digest where a commit could not carry it (too long, not printable): the
+    same on every rank either way."""
+    name = ":".join([launcher, *values])
+    if len(name) <= MAX_JOB and name.isprintable():
+        return name
+    return f"{launcher}:{hashlib.blake2b(name.encode('utf-8', 'surrogatepass'), digest_size=16).hexdigest()}"
 
 
 def from_launcher() -> str:
-    """The run's name from its launcher's environment, or "" if no known launcher started this process.
+    """The run's name from its launcher's environment, or "" if no launcher that names one launch started this
+    process (torchrun's run id ``none`` names none).
 
     Whatever the variables hold (a run id is the user's to choose: long, or
-    with a newline), the name is one a commit can carry: a name that is too
-    long or not printable is replaced by its digest, the same on every rank.
+    with a newline), the name is one a commit can carry.
     """
     for launcher, keys in LAUNCHERS:
-        if os.environ.get(keys[0]):
-            name = ":".join([launcher, *(os.environ.get(k, "") for k in keys)])
-            if len(name) <= MAX_JOB and name.isprintable():
-                return name
-            return f"{launcher}:{hashlib.blake2b(name.encode('utf-8', 'surrogatepass'), digest_size=16).hexdigest()}"
+        values = [os.environ.get(k, "") for k in keys]
+        if all(values[:-1]) and not (launcher == "torchelastic" and values[0].strip() in SHARED_RUN_IDS):
+            return _named(launcher, values)
     return ""
+
+
+def from_master() -> str:
+    """torchrun's rendezvous master and restart count (``torchelastic:none@ADDR:PORT:N``), or "" outside torchrun.
+
+    Only for ranks that cannot agree over torch.distributed: a live launch
+    holds its master's port, so no two live launches on one host share it;
+    launches one after another may, and their ranks' processes tell them
+    apart.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not os.environ.get("MASTER_PORT"):
+        return ""
+    where = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ['MASTER_PORT']}"
+    return _named("torchelastic", [f"none@{where}", os.environ.get("TORCHELASTIC_RESTART_COUNT", "")])
 
 
 def drawn() -> str:
