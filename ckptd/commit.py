@@ -64,6 +64,7 @@ from .ownership import (
     check_replaceable,
     is_owner_marker,
     owner_marker,
+    release,
     remove_markers,
     why_not_leftover,
     why_not_replaceable,
@@ -472,6 +473,16 @@ class Commits:
         directory owned by a dead daemon, which the start-up sweep removes.
         """
         if not pending.owns_directory:
+            return None
+        return self.storage.discard(pending.incomplete, pending.path)
+
+    def release(self, pending: PendingCheckpoint) -> Path | None:
+        """Let go of this daemon's part of a settled attempt whose contributors all died (I/O): its marker goes,
+        and so does ``p.incomplete`` once no other daemon claims it; returns what is left to remove later."""
+        try:
+            if self.storage.stat(pending.incomplete) is None or not release(self.storage, pending.incomplete):
+                return None
+        except FileNotFoundError:  # removed meanwhile by the other node's daemon letting go
             return None
         return self.storage.discard(pending.incomplete, pending.path)
 

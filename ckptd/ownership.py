@@ -77,6 +77,23 @@ def remove_markers(storage: Files, directory: Path, *, dead_only: bool = False) 
         log.warning("event=marker_left path=%s error=%s", directory, exc.strerror or exc)
 
 
+def release(storage: Files, directory: Path) -> bool:
+    """Remove this daemon's marker from ``directory``; True if nobody else may still write or publish it (I/O).
+
+    A coordinated attempt's ``p.incomplete`` is shared by the daemons of
+    every node of its run, each with its own marker. A daemon whose ranks all
+    died lets go of its part; the last to let go (no marker left but dead
+    processes' of this host) removes the directory. A marker of another host
+    keeps it: that node's daemon may be publishing it now, and lets go of it
+    itself; a start-up sweep removes what a killed daemon held.
+    """
+    try:
+        storage.unlink(directory / owner_marker())
+    except FileNotFoundError:
+        pass
+    return all(dead_here(owner) for owner in marker_owners(storage, directory))
+
+
 def _is_shard_name(name: str) -> bool:
     parsed = parse_shard_name(name)
     return parsed is not None and shard_name(*parsed) == name

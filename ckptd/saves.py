@@ -336,14 +336,29 @@ class Saves:
         go of a settled one whose contributors all died (its directory may still be another node's to publish)."""
         if (why := pending.orphaned()) is not None:
             self.fail(pending, why)
-        elif pending.unclaimed():
-            self._let_go(pending, "its contributors all died")
+        elif pending.unclaimed() and self._let_go(pending, "its contributors all died"):
+            self._release(pending)
 
-    def _let_go(self, pending: PendingCheckpoint, why: str) -> None:
-        """Forget a settled attempt that ended without a word here; nothing is removed, nobody is told."""
-        if self.state.commits.pending.get(pending.path) is pending and pending.settled:
-            log.info("event=let_go path=%s job=%r why=%s", pending.path, pending.contributors.job, why)
-            self.state.commits.forget(pending)
+    def _let_go(self, pending: PendingCheckpoint, why: str) -> bool:
+        """Forget a settled attempt that ended without a word here; nobody is told. False if it was not kept."""
+        if self.state.commits.pending.get(pending.path) is not pending or not pending.settled:
+            return False
+        log.info("event=let_go path=%s job=%r why=%s", pending.path, pending.contributors.job, why)
+        self.state.commits.forget(pending)
+        return True
+
+    def _release(self, pending: PendingCheckpoint) -> None:
+        """Give up this daemon's part of an attempt no rank of its run can finish here (admit pool): the last
+        node's daemon to give it up removes ``p.incomplete`` (``ownership.release``)."""
+
+        def released(fut: Future) -> None:
+            if fut.exception() is not None:  # left for the next start's sweep
+                log.warning("event=release_failed path=%s error=%r", pending.incomplete, fut.exception())
+            elif (aside := fut.result()) is not None:
+                log.info("event=released path=%s", pending.incomplete)
+                self.workers.submit("maintenance", lambda: self.storage.remove_tree(aside))
+
+        self.workers.submit("admit", lambda: self.state.commits.release(pending), released)
 
     def _look_then(self, pending: PendingCheckpoint, then: Callable[[], None]) -> None:
         """Let go of a settled attempt if its directory is gone (admit pool), then ``then`` on the loop."""
