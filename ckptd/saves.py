@@ -76,8 +76,14 @@ class Saves:
     # -- admission ------------------------------------------------------------
 
     def write_shard(self, ident: bytes, msg: WriteShard) -> None:
-        """Start admitting one rank's shard; Accepted (or Error) follows."""
-        self.enter(ident, msg, examine, self.admit_examined)
+        """Start admitting one rank's shard; Accepted (or Error) follows.
+
+        Whether the daemon was draining is judged now, on arrival: a shard
+        that came before a stop is drained, however long its examination
+        takes (20,000 tensors on a loaded node), never refused as new."""
+        draining = self.state.draining
+        self.enter(ident, msg, examine,
+                   lambda *args, **kw: self.admit_examined(*args, arrived_draining=draining, **kw))
 
     def enter(self, ident: bytes, msg: StagedShard, examine: Examine, then: Admit) -> None:
         """The one way in for a rank's shard, to disk or to memory (``Snapshot``): count it, track its staging,
@@ -109,7 +115,8 @@ class Saves:
         self.send(ident, error_reply(self.state.stats, msg.id, exc))
 
     def admit_examined(self, ident: bytes, msg: StagedShard, progress: Progress, examined: Examined, *, pid: int,
-                       internal: bool = False, expected_checksum: int | None = None, looked: bool = False) -> None:
+                       internal: bool = False, expected_checksum: int | None = None, looked: bool = False,
+                       arrived_draining: bool | None = None) -> None:
         """Queue an examined shard's write, sent by process ``pid``.
 
         ``internal``: the daemon persists a held snapshot, even while draining;
@@ -117,6 +124,8 @@ class Saves:
         persisting. ``expected_checksum``: the write must produce it.
         ``looked``: a settled attempt of another run at the path was found
         not to have ended elsewhere (``_look_then``), so the rank is refused.
+        ``arrived_draining``: whether the daemon was draining when the shard
+        arrived (None: judge by now).
         """
         state, final = self.state, examined.final
         current = state.commits.pending.get(final)
@@ -124,7 +133,7 @@ class Saves:
             self._abandon_if_orphaned(current)
             if current.settled and msg.job != current.contributors.job and not looked:
                 self._look_then(current, lambda: self.admit_examined(ident, msg, progress, examined, pid=pid,
-                                                                     looked=True))
+                                                                     looked=True, arrived_draining=arrived_draining))
                 return
             conflict = current.broken_by(msg)
             if conflict is not None:  # the run's save is broken: every rank is told, this one included
@@ -135,7 +144,8 @@ class Saves:
         if state.commits.wait_for_cleanup(Retry(ident, msg, pid, progress, examined)):
             return  # a failed attempt's directory is still in the way: admitted once it is not
         try:
-            if state.draining and final not in state.commits.pending and not internal:
+            draining = state.draining if arrived_draining is None else arrived_draining
+            if draining and final not in state.commits.pending and not internal:
                 raise ShuttingDown("the daemon is draining and accepts no new saves (only missing ranks of "
                                    "checkpoints already in progress)")
             cfg = self.config

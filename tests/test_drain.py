@@ -143,3 +143,26 @@ def test_a_drain_lets_the_missing_rank_commit_and_refuses_new_checkpoints(daemon
     assert ckptd.load(root / "both", rank=0)["w"][0].item() == 1.0
     assert ckptd.load(root / "both", rank=1)["w"][0].item() == 2.0
     assert sorted(os.listdir(root)) == ["both"]
+
+
+def test_a_save_that_arrived_before_the_stop_is_drained_however_long_its_examination_takes(daemon_factory,
+                                                                                            client_factory, root,
+                                                                                            tmp_path) -> None:
+    """The stop comes while the daemon still examines a shard it received (its parent's resolution held by the
+    fault until the test lets it go): the shard arrived before the drain, so it is drained, not refused as new."""
+    gate = tmp_path / "go"
+    held = root / "held"
+    held.mkdir()
+    daemon = daemon_factory(faults=[{"op": "resolve", "match": str(held), "exact": True, "errno": 0,
+                                     "wait_for": str(gate)}])
+    client = client_factory(timeout=60)
+    fut = client.save_async({"w": torch.ones(100)}, held / "ckpt", block=False)
+    log = daemon.run_dir / "ckptd.log"
+    wait_until(lambda: f"event=fault op=resolve after=False action=delay=0 path={held}" in log.read_text(), 30,
+               "the daemon examines the shard")
+    daemon.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: "event=drain" in log.read_text(), 30, "the daemon drains")
+    gate.touch()
+    assert daemon.proc.wait(60) == 0
+    assert fut.result(10).path == held / "ckpt"
+    assert ckptd.load(held / "ckpt")["w"].tolist() == [1.0] * 100
