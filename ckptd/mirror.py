@@ -40,8 +40,9 @@ other uploads go on; a permanent one (no such bucket, access denied, a newer
 checkpoint of that name on the store) fails the upload at once and shows in
 ``ckptd status`` with its error, and the checkpoint stays local. Every
 attempt, failure and retry shows in ``ckptd status`` and the metrics. After
-an upload, mirror retention keeps the newest ``--mirror-keep`` checkpoints
-beside it on the store. Uploads run one checkpoint at a time on their own
+each checkpoint's turn (uploaded or skipped), mirror retention keeps the
+newest ``--mirror-keep`` of the checkpoints on the store beside it: only
+what is there counts. Uploads run one checkpoint at a time on their own
 thread, never on the daemon's write pools.
 """
 
@@ -293,8 +294,7 @@ class Mirrors:
             else:
                 log.info("event=mirrored path=%s dest=%s bytes=%d", checkpoint, upload.dest, upload.sent)
         try:
-            if self.keep is not None:
-                apply_retention(self.storage, dest, self.keep, set())
+            self._retain_on_store(dest)
         except Exception as exc:  # noqa: BLE001 - the upload stands; retention reports its own failure
             log.error("event=mirror_retention_failed path=%s error=%r", checkpoint, exc)
         try:
@@ -303,6 +303,20 @@ class Mirrors:
                 self.after_upload(beside[-1][1], upload.keep)  # local retention may now delete it: run it for the newest there
         except OSError as exc:  # the checkpoint stays until the next retention
             log.error("event=mirror_local_retention_failed path=%s error=%r", checkpoint, exc)
+
+    def _retain_on_store(self, dest: Path) -> None:
+        """``--mirror-keep`` beside ``dest``, counting only the checkpoints on the store.
+
+        Run for the newest one there, never for ``dest`` itself: a skipped checkpoint (older than those kept,
+        or deleted locally) is not on the store, and retention run for it counted it as one of the kept and
+        deleted a newer one in its place. Uploads need not go in step order (a retry's backoff, a restart's
+        scan), so the skipped one may well be the oldest.
+        """
+        if self.keep is None:
+            return
+        beside = committed_in(dest.parent, SeamFiles(self.storage))
+        if beside:
+            apply_retention(self.storage, beside[-1][1], self.keep, set())
 
     def _failed(self, checkpoint: Path, upload: Upload, exc: Exception) -> None:
         upload.error = getattr(exc, "message", None) or " ".join(
