@@ -156,7 +156,7 @@ class PendingCheckpoint(Attempt):
     def index(self, tensors: Mapping[str, TensorRecord] | None = None) -> CheckpointIndex:
         files = tuple(self.shards[r] for r in sorted(self.shards))
         return CheckpointIndex(world_size=self.world_size, step=self.step, created=time.time(), files=files,
-                               tensors=tensors or {})
+                               tensors=tensors or {}, keep_last=self.keep_last)
 
 
 FAILED_MEMORY_S = 600.0

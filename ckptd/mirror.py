@@ -34,14 +34,19 @@ beside it is not uploaded (mirror retention would delete it at once) and
 counts as settled for local retention, so a restart does not upload again
 what mirror retention deleted.
 
+Local retention deferred for an upload runs once it is done: the retention
+the newest checkpoint beside it asked for, its save's ``keep_last`` read from
+its index (so a restart does not forget it), or the directory's ``--keep``.
+
 A transient failure (endpoint down, timeouts) is retried without end, with
 exponential backoff (``BACKOFF_S`` doubling to ``MAX_BACKOFF_S``) while the
 other uploads go on; a permanent one (no such bucket, access denied, a newer
 checkpoint of that name on the store) fails the upload at once and shows in
 ``ckptd status`` with its error, and the checkpoint stays local. Every
 attempt, failure and retry shows in ``ckptd status`` and the metrics. After
-an upload, mirror retention keeps the newest ``--mirror-keep`` checkpoints
-beside it on the store. Uploads run one checkpoint at a time on their own
+each checkpoint's turn (uploaded or skipped), mirror retention keeps the
+newest ``--mirror-keep`` of the checkpoints on the store beside it: only
+what is there counts. Uploads run one checkpoint at a time on their own
 thread, never on the daemon's write pools.
 """
 
@@ -85,8 +90,6 @@ class Upload:
     state: str = "queued"
     """queued, uploading, retrying, uploaded, skipped (older than ``--mirror-keep`` keeps on the store) or failed
     (for good: the checkpoint stays local)."""
-    keep: int | None = None
-    """The save's ``keep_last``: local retention beside it runs again with it once it is uploaded."""
     attempts: int = 0
     error: str | None = None
     started: float | None = None
@@ -117,11 +120,11 @@ class Mirrors:
     counts: dict[str, int] = field(default_factory=lambda: {"uploaded": 0, "skipped": 0, "failed": 0, "retries": 0})
     after_upload: Callable[[Path, int | None], None] | None = None
     """Called (on the mirror thread) after an upload with the newest local checkpoint beside the uploaded one
-    and the uploaded one's ``keep_last``."""
+    and the ``keep_last`` that newest one's save asked for (from its index: a restart does not forget it)."""
 
     def __post_init__(self) -> None:
         self._cond = threading.Condition()
-        self._again: dict[Path, int | None] = {}
+        self._again: set[Path] = set()
         """Checkpoints committed again while their upload ran: queued again when it ends."""
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="ckptd-mirror", daemon=True)
@@ -138,19 +141,18 @@ class Mirrors:
         local = max(matches, key=lambda d: len(d.parts))
         return self.rules[local] / checkpoint.relative_to(local)
 
-    def submit(self, checkpoint: Path, keep: int | None = None) -> None:
-        """Queue ``checkpoint`` (just committed, ``keep``: its save's ``keep_last``) for upload."""
+    def submit(self, checkpoint: Path) -> None:
+        """Queue ``checkpoint`` (just committed) for upload."""
         dest = self.target(checkpoint)
         if dest is None:
             return
         with self._cond:
             queued = self.uploads.get(checkpoint)
             if queued is not None and queued.state != "uploading":
-                queued.keep = keep if keep is not None else queued.keep
                 return
             # one uploading is of the version before this commit (overwrite=True): upload again after it
             self.failed.pop(checkpoint, None)
-            self._again[checkpoint] = keep
+            self._again.add(checkpoint)
             if queued is None:
                 self._queue(checkpoint)
             self._cond.notify()
@@ -159,7 +161,8 @@ class Mirrors:
         """(Under the lock) the upload waiting in ``_again`` becomes a queued upload."""
         dest = self.target(checkpoint)
         assert dest is not None
-        self.uploads[checkpoint] = Upload(str(checkpoint), display(dest), keep=self._again.pop(checkpoint))
+        self._again.discard(checkpoint)
+        self.uploads[checkpoint] = Upload(str(checkpoint), display(dest))
 
     def unmirrored(self, checkpoints: list[Path]) -> set[Path]:
         """Those of ``checkpoints`` under a rule that are not on the mirror: local retention keeps them.
@@ -293,16 +296,30 @@ class Mirrors:
             else:
                 log.info("event=mirrored path=%s dest=%s bytes=%d", checkpoint, upload.dest, upload.sent)
         try:
-            if self.keep is not None:
-                apply_retention(self.storage, dest, self.keep, set())
+            self._retain_on_store(dest)
         except Exception as exc:  # noqa: BLE001 - the upload stands; retention reports its own failure
             log.error("event=mirror_retention_failed path=%s error=%r", checkpoint, exc)
-        try:
+        try:  # local retention may now delete it: the newest checkpoint's own retention, run again
             beside = committed_in(checkpoint.parent, SeamFiles(self.storage))
             if self.after_upload is not None and beside:
-                self.after_upload(beside[-1][1], upload.keep)  # local retention may now delete it: run it for the newest there
-        except OSError as exc:  # the checkpoint stays until the next retention
+                newest = beside[-1][1]
+                self.after_upload(newest, read_index(newest, SeamFiles(self.storage)).keep_last)
+        except (OSError, InvalidCheckpoint) as exc:  # the checkpoint stays until the next retention
             log.error("event=mirror_local_retention_failed path=%s error=%r", checkpoint, exc)
+
+    def _retain_on_store(self, dest: Path) -> None:
+        """``--mirror-keep`` beside ``dest``, counting only the checkpoints on the store.
+
+        Run for the newest one there, never for ``dest`` itself: a skipped checkpoint (older than those kept,
+        or deleted locally) is not on the store, and retention run for it counted it as one of the kept and
+        deleted a newer one in its place. Uploads need not go in step order (a retry's backoff, a restart's
+        scan), so the skipped one may well be the oldest.
+        """
+        if self.keep is None:
+            return
+        beside = committed_in(dest.parent, SeamFiles(self.storage))
+        if beside:
+            apply_retention(self.storage, beside[-1][1], self.keep, set())
 
     def _failed(self, checkpoint: Path, upload: Upload, exc: Exception) -> None:
         upload.error = getattr(exc, "message", None) or " ".join(

@@ -121,7 +121,7 @@ class Server:
         events.subscribe(Deleted, self.holding.deleted)
         if self.mirrors is not None:
             mirrors = self.mirrors
-            events.subscribe(Committed, lambda e: mirrors.submit(e.path, e.keep_last))
+            events.subscribe(Committed, lambda e: mirrors.submit(e.path))
         events.subscribe(Committed, self.retainer.committed)
 
     # -- loop ---------------------------------------------------------------

@@ -90,6 +90,10 @@ class CheckpointIndex:
     files: tuple[ShardRecord, ...]
     tensors: Mapping[str, TensorRecord] = field(default_factory=dict)
     """Global tensors by name (format version 2); empty when the state holds none."""
+    keep_last: int | None = None
+    """The retention its save asked for (``save_async(keep_last=)``; None: none, not written). The daemon
+    applies it after the commit, and again once the mirror holds what it had to keep: recorded here, that
+    request outlives the daemon that took it (``ckptd/mirror.py``)."""
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
     checksum_algorithm: str = CHECKSUM_ALGORITHM
@@ -108,6 +112,8 @@ class CheckpointIndex:
         doc = asdict(self)
         doc["files"] = [asdict(f) for f in self.files]
         doc["tensors"] = {name: asdict(t) for name, t in self.tensors.items()}
+        if self.keep_last is None:
+            del doc["keep_last"]
         return json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
 
     @classmethod
@@ -135,9 +141,12 @@ class CheckpointIndex:
                 raise ValueError(f"step {step!r} is not an integer")
             if type(created) not in (int, float) or not math.isfinite(created):
                 raise ValueError(f"created {created!r} is not a time")
+            keep_last = doc.get("keep_last")
+            if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
+                raise ValueError(f"keep_last {keep_last!r} is not a positive integer")
             checksums.updater(doc["checksum_algorithm"])  # never checked as something else
             index = cls(world_size=world_size, step=step, created=float(created), files=files, tensors=tensors,
-                        version=version,
+                        keep_last=keep_last, version=version,
                         checksum_algorithm=doc["checksum_algorithm"])
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise InvalidCheckpoint(f"{where}: index is not a valid ckptd index ({exc})") from None

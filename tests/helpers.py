@@ -244,6 +244,13 @@ def keys(s3: Any, bucket: str, prefix: str = "") -> list[str]:
     return sorted(o["Key"] for o in listed.get("Contents", []))
 
 
+def mirrored(s3: Any, bucket: str, prefix: str = "mirror") -> list[str]:
+    """Names of the checkpoints right under ``prefix`` in ``bucket`` whose index is there (what makes them exist
+    for readers), read straight from the S3 server ``s3``."""
+    return sorted(k.split("/")[-2] for k in keys(s3, bucket, f"{prefix}/") if k.count("/") == prefix.count("/") + 2
+                  and k.endswith(f"/{INDEX_NAME}"))
+
+
 def seeded_state(n: int = 1000, seed: int = 0) -> dict:
     """A small state whose tensors and ``step`` follow from ``seed``: a test knows what a checkpoint must hold."""
     import torch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -368,6 +369,7 @@ def test_shard_names_are_zero_padded_rank_of_world():
         pytest.param(make_index(), id="two-ranks"),
         pytest.param(make_index(world_size=1, step=None), id="no-step"),
         pytest.param(make_index(world_size=4, step=0, created=0.0), id="step-zero"),
+        pytest.param(dataclasses.replace(make_index(), keep_last=2), id="keep-last"),
     ],
 )
 def test_checkpoint_index_round_trips_through_json(index):
@@ -379,6 +381,7 @@ def test_checkpoint_index_round_trips_through_json(index):
 def test_checkpoint_index_json_names_its_format_version_and_checksum():
     doc = json.loads(make_index().to_json())
     assert (doc["format"], doc["version"], doc["checksum_algorithm"]) == ("ckptd", 2, "crc32c")
+    assert "keep_last" not in doc  # written only when the save asked for one: other indexes are as before
     assert doc["files"][1] == {"file": "rank-00001-of-00002.safetensors", "rank": 1, "size": 4128,
                                "checksum": 0xDEADBEEF + 1, "tensors": 2}
 
@@ -403,6 +406,8 @@ def test_checkpoint_index_finds_shards_by_rank_and_totals_their_bytes():
         pytest.param(index_doc(files="rank-0"), "index is not a valid ckptd index", id="files-not-a-list"),
         pytest.param(index_doc(world_size=3), "index lists ranks [0, 1] for world size 3", id="missing-rank"),
         pytest.param(index_doc(world_size=1), "index lists ranks [0, 1] for world size 1", id="extra-rank"),
+        pytest.param(index_doc(keep_last=0), "keep_last 0 is not a positive integer", id="keep-last-zero"),
+        pytest.param(index_doc(keep_last="2"), "keep_last '2' is not a positive integer", id="keep-last-string"),
         pytest.param(json.dumps({**json.loads(make_index(ranks=[0, 0]).to_json())}).encode(),
                      "index lists ranks [0, 0] for world size 2", id="duplicate-rank"),
         # Below: malformed values that must also end as InvalidCheckpoint.

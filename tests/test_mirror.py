@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import keys, seeded_state as state, wait_until
+from helpers import keys, mirrored, seeded_state as state, wait_until
 
 from ckptd.mirror import Mirrors
 from ckptd.routed import Routed
@@ -25,11 +25,6 @@ from ckptd.storage import LocalStorage
 import ckptd
 
 pytestmark = pytest.mark.usefixtures("bucket")
-
-
-def mirrored(s3, bucket: str) -> list[str]:
-    """Checkpoints whose index is on the mirror (what makes them exist for readers)."""
-    return sorted(k.split("/")[1] for k in keys(s3, bucket, "mirror/") if k.endswith("/ckptd.json"))
 
 
 def retention_has_run(client, root: Path) -> None:
