@@ -1,9 +1,13 @@
 """A job: ``world`` real rank processes (forked from the zygote), one incarnation of a training launch.
 
 Each rank holds a real ``ckptd.Client(rank=, world_size=)`` and obeys JSON
-commands the test writes to its FIFO (save, persist, exit), printing one JSON
-line per event (ready, returned, done), so a test can drive several ranks of
-one job in the order it chooses and SIGKILL any of them at a chosen moment.
+commands the test writes to its FIFO (save, dcp, persist, exit), printing one
+JSON line per event (ready, returned, done), so a test can drive several ranks
+of one job in the order it chooses and SIGKILL any of them at a chosen moment.
+A ``Launch`` says how the job was started, as a launcher would have: its
+environment (torchrun's or Slurm's variables, or none), an explicit ``job=``,
+and whether the ranks are under ``torch.distributed`` (a gloo group, as torchrun
+ranks are), which several nodes (one daemon each) and DCP saves need.
 Every tensor a rank saves is derived from (incarnation, save id, rank, step),
 and carries them, so a checkpoint holding shards of two saves (or of two
 incarnations) is detected when it is loaded.
@@ -17,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +41,17 @@ exec(STATE_SRC)  # defines tagged_state here too: the test knows the bytes every
 
 RANK = STATE_SRC + r'''
 import json, os, sys, threading
+from concurrent.futures import ThreadPoolExecutor
+run_dir, fifo, rank, world, inc, commit_timeout, launch = sys.argv[1:8]
+rank, world, inc, launch = int(rank), int(world), int(inc), json.loads(launch)
+for k in LAUNCHER_VARS:  # the zygote's environment is not the launch's
+    os.environ.pop(k, None)
+os.environ.update(launch["env"])
 import ckptd
-run_dir, fifo, rank, world, inc, commit_timeout = sys.argv[1:7]
-rank, world, inc = int(rank), int(world), int(inc)
+if launch["init"]:
+    import torch.distributed as dist
+    os.environ["LOCAL_RANK"] = str(launch["local_rank"])
+    dist.init_process_group("gloo", init_method="file://" + launch["init"], rank=rank, world_size=world)
 lock = threading.Lock()
 
 def say(**kw):
@@ -49,12 +62,28 @@ def error(exc):
     return {"ok": False, "error": type(exc).__name__, "message": str(exc)[:500]}
 
 client = ckptd.Client(run_dir=run_dir, spawn=False, rank=rank, world_size=world, timeout=10.0, heartbeat=0.2,
-                      commit_timeout=float(commit_timeout))
-say(event="ready", pid=os.getpid())
+                      commit_timeout=float(commit_timeout), job=launch["job"])
+dcp_saves = ThreadPoolExecutor(1)  # dcp.save blocks (collectives): one at a time, in order, off the command loop
+
+def dcp_save(cmd, cid):
+    import torch.distributed.checkpoint as dcp
+    from ckptd.dcp import StorageWriter
+    try:
+        state = {f"rank{rank}": tagged_state(inc, cmd["sid"], rank, cmd["step"])}
+        dcp.save(state, storage_writer=StorageWriter(cmd["path"], client=client, step=cmd["step"],
+                                                     overwrite=cmd["overwrite"], keep_last=cmd["keep_last"]))
+        say(event="done", id=cid, ok=True)
+    except BaseException as exc:
+        failures = getattr(exc, "failures", None)  # DCP's CheckpointException: (error, trace) by rank
+        cause = failures.get(rank, next(iter(failures.values())))[0] if failures else exc
+        say(event="done", id=cid, **error(cause), wrapped=type(exc).__name__)
+
+say(event="ready", pid=os.getpid(), job=client.job)
 for line in open(fifo):
     cmd = json.loads(line)
     op, cid = cmd["op"], cmd["id"]
     if op == "exit":
+        dcp_saves.shutdown()
         client.close()
         say(event="done", id=cid, ok=True)
         break
@@ -68,6 +97,9 @@ for line in open(fifo):
                 say(event="done", id=cid, **(error(exc) if exc is not None else {"ok": True}))
             fut.add_done_callback(finished)
             say(event="returned", id=cid)
+        elif op == "dcp":
+            dcp_saves.submit(dcp_save, cmd, cid)
+            say(event="returned", id=cid)
         elif op == "persist":
             client.persist(cmd["path"], timeout=60)
             say(event="done", id=cid, ok=True)
@@ -75,20 +107,43 @@ for line in open(fifo):
         say(event="returned", id=cid)
         say(event="done", id=cid, **error(exc))
 '''
+LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_STEP_ID",
+                 "SLURM_RESTART_COUNT")
+RANK = f"LAUNCHER_VARS = {LAUNCHER_VARS!r}\n" + RANK
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a job was launched: what its ranks find in their environment and pass to ``Client``."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    """The launcher's variables (``TORCHELASTIC_*``, ``SLURM_*``); every other launcher variable is unset."""
+    job: str | None = None
+    """``Client(job=...)``."""
+    dist: bool = False
+    """The ranks join one gloo group (``torch.distributed``) before their clients start, as torchrun's do."""
 
 
 class Rank:
     """One rank process and the events it printed (read on a thread, so its pipe never fills)."""
 
-    def __init__(self, run_dir: Path, fifo: Path, rank: int, world: int, inc: int, commit_timeout: float) -> None:
+    def __init__(self, run_dir: Path, fifo: Path, rank: int, world: int, inc: int, commit_timeout: float,
+                 launch: dict[str, Any]) -> None:
+        """Start the process; ``connect`` waits until its client is up (under torch.distributed, every rank's
+        ``Client()`` is collective: start them all first)."""
         os.mkfifo(fifo)
         self.rank = rank
-        self.proc = Script(RANK, str(run_dir), str(fifo), str(rank), str(world), str(inc), str(commit_timeout))
+        self._fifo_path = fifo
+        self.proc = Script(RANK, str(run_dir), str(fifo), str(rank), str(world), str(inc), str(commit_timeout),
+                           json.dumps(launch))
         self.seen: dict[tuple[str, int], dict] = {}
         self._cond = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
-        self.wait_for("ready", -1)
-        self._fifo = open(_open_writer(fifo, self.proc), "w", buffering=1)
+
+    def connect(self) -> None:
+        """Wait for the rank's client, then open its command FIFO."""
+        self.job = self.wait_for("ready", -1)["job"]
+        self._fifo = open(_open_writer(self._fifo_path, self.proc), "w", buffering=1)
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -125,7 +180,7 @@ class Rank:
         code = self.proc.wait(30)
         try:
             self._fifo.close()
-        except OSError:
+        except (OSError, AttributeError):  # AttributeError: killed before it connected
             pass
         return code
 
@@ -137,13 +192,34 @@ class Rank:
 
 
 class Job:
-    """``world`` ranks of one incarnation ``inc``, saving through the daemon on ``run_dir``."""
+    """``world`` ranks of one incarnation ``inc``, saving through the daemon on ``run_dir`` (or, given several run
+    dirs, one per node: the ranks split evenly over them in order, as a launcher places them)."""
 
-    def __init__(self, run_dir: Path, fifo_dir: Path, world: int, inc: int, commit_timeout: float = 120.0) -> None:
+    def __init__(self, run_dir: Path | list[Path], fifo_dir: Path, world: int, inc: int,
+                 commit_timeout: float = 120.0, launch: Launch = Launch()) -> None:
         self.inc = inc
-        self.ranks = [Rank(run_dir, fifo_dir / f"inc{inc}-rank{r}", r, world, inc, commit_timeout)
+        self.launch = launch
+        run_dirs = run_dir if isinstance(run_dir, list) else [run_dir]
+        per_node = -(-world // len(run_dirs))
+        assert launch.dist or len(run_dirs) == 1, "ranks on several nodes agree over torch.distributed"
+        init = str(fifo_dir / f"inc{inc}-init") if launch.dist else ""
+        self.ranks = [Rank(run_dirs[r // per_node], fifo_dir / f"inc{inc}-rank{r}", r, world, inc, commit_timeout,
+                           {"env": launch.env, "job": launch.job, "init": init, "local_rank": r % per_node})
                       for r in range(world)]
+        try:
+            for r in self.ranks:
+                r.connect()
+        except BaseException:
+            self.kill()
+            raise
+        self.node_of = [r // per_node for r in range(world)]
+        """Which run dir (node) each rank saves through."""
         self._ids = iter(range(10**9))
+
+    @property
+    def job(self) -> str:
+        """The name the ranks' clients chose for this run (``Client.job``; "" for none)."""
+        return self.ranks[0].job
 
     @property
     def pids(self) -> list[int]:

@@ -1,8 +1,10 @@
-"""The stateful test, short run: random sequences of saves of every tier, crashes and outages against a model.
+"""The stateful test, short runs: random sequences of saves, crashes, overlapping runs and outages against a model.
 
-The machine and its invariants are in ``tests/stateful.py``; ``make soak`` runs
-many more examples (``tests/soak/test_soak_stateful.py``). This run is
-derandomized, so it is the same sequence every time and cannot flake.
+The machine and its invariants are in ``tests/stateful.py`` (configurations in
+``tests/stateful_world.py``); ``make soak`` runs many more examples of each
+configuration (``tests/soak/test_soak_stateful.py``). Each configuration is a
+test of its own, a few short sequences: derandomized, so the same sequences
+every time. ``STATEFUL_EXAMPLES`` and ``STATEFUL_STEPS`` change the numbers.
 """
 
 from __future__ import annotations
@@ -14,9 +16,45 @@ from s3server import S3Server
 
 from stateful import run_stateful
 
+SHORT = {"tiers": (3, 10), "named_runs": (5, 6), "kills_inside": (2, 8), "mirror_keep": (2, 8),
+         "two_nodes": (3, 6), "dcp": (3, 6)}
+"""(sequences, steps) per configuration in ``make test``: about half a minute each on two busy cores."""
+
+
+def _run(aws: S3Server, config: str) -> None:
+    examples, steps = SHORT[config]
+    print(run_stateful(aws, config, examples=int(os.environ.get("STATEFUL_EXAMPLES", examples)),
+                       steps=int(os.environ.get("STATEFUL_STEPS", steps)), derandomize=True,
+                       shrink=os.environ.get("STATEFUL_SHRINK") == "1"))
+
 
 @pytest.mark.timeout(600)
-def test_random_saves_crashes_and_outages_keep_every_acknowledged_checkpoint_whole(aws: S3Server) -> None:
-    run_stateful(aws, examples=int(os.environ.get("STATEFUL_EXAMPLES", "6")),
-                 steps=int(os.environ.get("STATEFUL_STEPS", "12")), derandomize=True,
-                 shrink=os.environ.get("STATEFUL_SHRINK") == "1")
+def test_random_saves_of_every_tier_crashes_and_outages_keep_every_acknowledged_checkpoint_whole(
+        aws: S3Server) -> None:
+    _run(aws, "tiers")
+
+
+@pytest.mark.timeout(600)
+def test_overlapping_live_runs_named_by_every_launcher_never_mix_in_one_checkpoint(aws: S3Server) -> None:
+    _run(aws, "named_runs")
+
+
+@pytest.mark.timeout(600)
+def test_daemon_kills_inside_a_write_a_publish_and_a_retention_lose_nothing_acknowledged(aws: S3Server) -> None:
+    _run(aws, "kills_inside")
+
+
+@pytest.mark.timeout(600)
+def test_mirror_keep_and_keep_last_under_a_mirror_hold_across_outages_and_daemon_restarts(aws: S3Server) -> None:
+    _run(aws, "mirror_keep")
+
+
+@pytest.mark.timeout(600)
+def test_two_daemons_as_two_nodes_commit_whole_checkpoints_through_crashes_and_overlapping_runs(
+        aws: S3Server) -> None:
+    _run(aws, "two_nodes")
+
+
+@pytest.mark.timeout(600)
+def test_dcp_writer_saves_of_one_to_four_ranks_keep_every_acknowledged_checkpoint_whole(aws: S3Server) -> None:
+    _run(aws, "dcp")

@@ -1,4 +1,9 @@
-"""Soak: the stateful test of ``tests/test_stateful.py`` with many more, random, sequences (``make soak``)."""
+"""Soak: the stateful test of ``tests/test_stateful.py``, every configuration, many more random sequences.
+
+``make soak`` runs ``STATEFUL_EXAMPLES`` sequences of up to ``STATEFUL_STEPS``
+steps per configuration (``STATEFUL_CONFIGS``: a comma-separated subset); a
+failure is shrunk to its shortest sequence and printed.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +13,18 @@ import pytest
 from s3server import S3Server
 
 from stateful import run_stateful
+from stateful_world import CONFIGS
 
 pytestmark = pytest.mark.skipif(os.environ.get("CKPTD_SOAK") != "1",
                                 reason="soak test: run with `make soak` (CKPTD_SOAK=1)")
 
+CHOSEN = [c for c in os.environ.get("STATEFUL_CONFIGS", ",".join(CONFIGS)).split(",") if c]
+
 
 @pytest.mark.timeout(3600)
-def test_many_random_sequences_keep_every_acknowledged_checkpoint_whole(aws: S3Server) -> None:
-    """Random sequences each run (a failure is shrunk to its shortest sequence and printed)."""
-    run_stateful(aws, examples=int(os.environ.get("STATEFUL_EXAMPLES", "60")),
-                 steps=int(os.environ.get("STATEFUL_STEPS", "20")), derandomize=False,
-                 shrink=os.environ.get("STATEFUL_SHRINK", "1") == "1")
+@pytest.mark.parametrize("config", CHOSEN)
+def test_many_random_sequences_keep_every_acknowledged_checkpoint_whole(aws: S3Server, config: str) -> None:
+    """Random sequences of one configuration (``stateful_world.CONFIGS``)."""
+    print(run_stateful(aws, config, examples=int(os.environ.get("STATEFUL_EXAMPLES", "30")),
+                       steps=int(os.environ.get("STATEFUL_STEPS", "20")), derandomize=False,
+                       shrink=os.environ.get("STATEFUL_SHRINK", "1") == "1"))

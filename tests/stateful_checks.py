@@ -1,0 +1,311 @@
+"""The stateful machine's checks and bookkeeping: allowed outcomes, the model's updates, loads, the idle state.
+
+A mixin of ``tests/stateful.py``'s machine (``self.w`` is its ``World``,
+``self.model`` its ``Model``, ``self.job`` the live run): kept apart so each
+file holds one thing, the rules there and what they are checked against here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import ckptd
+from crashes import same
+from helpers import SHM, status, wait_until
+from jobs import Job, killed, tagged_state
+from stateful_world import IDLE_S, SNAPSHOTS, Saved
+
+RACE_S = 30.0
+"""How long the ranks of a run one of whose ranks was acknowledged may take to be acknowledged too (they are in
+the same commit)."""
+
+
+class Checks:
+    """What the machine's rules check their outcomes and the world against."""
+
+    # -- outcomes -------------------------------------------------------------------------------------------
+
+    def _allowed(self, tier: str, name: str, overwrite: bool, *, dcp: bool = False) -> set[str]:
+        """The outcomes the documented behaviour allows a save of every rank to ``name`` of ``tier``: ``ok`` or
+        the name of the error every rank gets.
+
+        - a free path: ``ok``;
+        - a committed checkpoint there: ``CheckpointExists``, or ``ok`` with ``overwrite`` (never on a store:
+          a store never replaces a checkpoint); a ``dcp.save`` may also replace one without ``overwrite``
+          (DCP's own writer does: issue 26, item 6, changes the default);
+        - a memory snapshot there: a snapshot held only in memory is replaced by the next one (``ok``) or refused
+          as an existing checkpoint once persisted (``CheckpointExists``: which of the two depends on whether the
+          drain or the exit persisted it first);
+        - a path that may or may not hold a checkpoint (a snapshot the daemon was allowed to lose, a checkpoint
+          retention was asked to delete and may not have yet): either of the outcomes above.
+        """
+        path = self.w.path(tier, name)
+        replaces = overwrite and tier != "s3"
+        if_present = {"ok"} if replaces else ({"ok", "CheckpointExists"} if dcp else {"CheckpointExists"})
+        if tier in SNAPSHOTS and path in self.model.must:
+            return {"ok", "CheckpointExists"}
+        maybe = path in self.model.may or (path in self.model.trimmed and tier in (*SNAPSHOTS, "mirror"))
+        if maybe:
+            return {"ok"} | if_present
+        return if_present if path in self.model.must else {"ok"}
+
+    def _outcomes(self, job: Job, cids: dict[int, int], timeout: float = 120) -> dict[int, dict]:
+        return {r: job.ranks[r].wait_for("done", cid, timeout) for r, cid in cids.items()}
+
+    def _check(self, what: str, outcomes: dict[int, dict], allowed: set[str]) -> str:
+        """The one outcome every rank was told (``ok`` or an error's name); fails unless it is in ``allowed``."""
+        told = {r: "ok" if o["ok"] else o["error"] for r, o in outcomes.items()}
+        assert len(set(told.values())) == 1, f"{what}: the ranks were told different outcomes: {outcomes}"
+        outcome = next(iter(told.values()))
+        assert outcome in allowed, f"{what}: {outcome}, where only {sorted(allowed)} are allowed: {outcomes}"
+        return outcome
+
+    def _check_run(self, what: str, outcomes: dict[int, dict], allowed: set[str]) -> str:
+        """For a run that raced another: ``ok`` if every rank was acknowledged, else ``refused``, each rank with an
+        error in ``allowed`` (its ranks are not coordinated on one node: one may meet the other run's live attempt,
+        ``Conflict``, another its commit, ``CheckpointExists``). Some ranks acknowledged and others not is a run
+        partly in a checkpoint: never allowed."""
+        told = {r: "ok" if o["ok"] else o["error"] for r, o in outcomes.items()}
+        if "ok" in told.values():
+            assert set(told.values()) == {"ok"} and len(told) == self.world, (
+                f"{what}: some ranks were acknowledged and some not: {outcomes}")
+            assert "ok" in allowed, f"{what}: acknowledged, where only {sorted(allowed)} are allowed"
+            return "ok"
+        assert set(told.values()) <= allowed - {"ok"}, (
+            f"{what}: refused with {sorted(set(told.values()))}, where only {sorted(allowed - {'ok'})} are allowed: "
+            f"{outcomes}")
+        return "refused"
+
+    def _race_outcomes(self, jobs: tuple[Job, ...], cids: tuple[dict[int, int], ...]) -> list[dict[int, dict]]:
+        """Each run's ranks' outcomes once it settled: every rank answered, or one was refused (its other ranks may
+        wait for a rank that will never come: the run is killed, as its launcher kills a run whose rank raised).
+        A run one of whose ranks was acknowledged must have every rank acknowledged within ``RACE_S``."""
+        deadline = time.monotonic() + 120
+        acked_at: dict[int, float] = {}
+        while True:
+            done = [{r: job.ranks[r].seen[("done", c)] for r, c in cid.items() if ("done", c) in job.ranks[r].seen}
+                    for job, cid in zip(jobs, cids)]
+            settled = []
+            for j, outcomes in enumerate(done):
+                if any(o["ok"] for o in outcomes.values()):
+                    acked_at.setdefault(j, time.monotonic())
+                refused = any(not o["ok"] for o in outcomes.values())
+                settled.append(len(outcomes) == len(cids[j]) or refused)
+                late = time.monotonic() - acked_at.get(j, time.monotonic()) > RACE_S
+                assert not late or len(outcomes) == len(cids[j]), (
+                    f"run {jobs[j].inc} (job {jobs[j].job!r}): ranks {sorted(outcomes)} were told {outcomes}, the "
+                    f"others nothing within {RACE_S:g} s: part of the run is in a checkpoint without the rest")
+            if all(settled):
+                return done
+            assert time.monotonic() < deadline, f"two live runs' saves never settled: {done}"
+            time.sleep(0.05)
+
+    # -- the model ------------------------------------------------------------------------------------------
+
+    def _acknowledged(self, tier: str, name: str, saved: Saved, keep_last: int | None) -> None:
+        path = self.w.path(tier, name)
+        self.model.must[path] = saved
+        self.model.may.pop(path, None)
+        self.model.trimmed.discard(path)
+        self.model.history.setdefault(path, []).append(saved)
+        if tier == "mirror":
+            self.model.mirrored_names.add(name)
+        keep = keep_last if keep_last is not None else (self.cfg.local_keep if tier == "mirror" else None)
+        if keep is None or tier in SNAPSHOTS:
+            return
+        siblings = [(s.step, s.seq, p) for p, s in self.model.must.items()
+                    if p != path and os.path.dirname(p) == os.path.dirname(path)]
+        for _, _, old in sorted(siblings, reverse=True)[keep - 1:]:
+            self.model.trimmed.add(old)
+            if tier != "mirror" or self.cfg.mirror_keep is not None:
+                self.model.allow_gone(old)  # with --mirror-keep a trimmed one may be neither local nor mirrored
+            # else: gone locally once uploaded, it must stay readable from the mirror
+
+    def _which_run(self, path: str, candidates: list[tuple[int, int]]) -> int:
+        """Which of ``candidates`` ((incarnation, save id)) ``path``'s rank 0 holds."""
+        tag = self._load(path, 0)["tag"].tolist()
+        assert (tag[0], tag[1]) in candidates, f"{path} holds save {tag[1]} of run {tag[0]}, not one of {candidates}"
+        return candidates.index((tag[0], tag[1]))
+
+    # -- processes ------------------------------------------------------------------------------------------
+
+    def _crash_job(self) -> None:
+        codes = self.job.kill()
+        assert all(killed(c) for c in codes), f"ranks did not die of SIGKILL: {codes}"
+        self._job_gone(self.job)
+        self.job = self._new_job()
+
+    def _job_gone(self, job: Job) -> None:
+        """``job``'s processes are gone: the daemon persists its newest complete snapshot (--persist-on-exit)."""
+        self.dead_pids += job.pids
+        newest = self._newest_held(lambda s: s.inc == job.inc)
+        if newest is not None and not newest.durable:
+            path = self._path_of(newest)
+            wait_until(lambda: self._persisted(path), 60, f"the dead job's newest snapshot {path} persisted")
+            newest.durable = True
+
+    def _restart_job_and_daemons(self, nodes: list[int]) -> None:
+        self.dead_pids += self.w.daemon_pids
+        self.job.kill()
+        self.dead_pids += self.job.pids
+        for node in nodes:
+            daemon = self.w.daemons[node]
+            if daemon.proc.poll() is None:
+                daemon.kill()
+            self.w.start_daemon(node)
+        self.job = self._new_job()
+
+    def _finished(self, job: Job, cids: dict[int, int]) -> bool:
+        return all(("done", cid) in job.ranks[r].seen for r, cid in cids.items())
+
+    def _path_of(self, saved: Saved) -> str:
+        return next(p for p, s in self.model.must.items() if s is saved)
+
+    def _newest_held(self, which) -> Saved | None:
+        """The newest (step, then commit order) snapshot the running daemon holds among ``which``."""
+        held = [(s.step, s.seq, s) for s in self.model.must.values()
+                if s.held_by == self.w.daemon.proc.pid and which(s)]
+        return max(held, key=lambda t: t[:2])[2] if held else None
+
+    # -- the daemons ----------------------------------------------------------------------------------------
+
+    def _statuses(self) -> list[dict]:
+        return [status(d) for d in self.w.run_dirs]
+
+    def _draining(self) -> bool:
+        try:
+            return status(self.w.run_dir, timeout=2)["daemon"]["draining"]
+        except AssertionError:
+            return False
+
+    def _persisted(self, path: str) -> bool:
+        """Whether ``path`` has an index on disk or in the bucket (not only in the daemon's memory)."""
+        if not path.startswith("s3://"):
+            return (Path(path) / "ckptd.json").exists()
+        key = path.split("/", 3)[3] + "/ckptd.json"
+        return bool(self.w.s3.client().list_objects_v2(Bucket=self.w.bucket, Prefix=key).get("KeyCount"))
+
+    def _shards_in(self, path: str) -> int:
+        """How many ranks' shards of ``path`` the daemons hold durable or in memory, all nodes together."""
+        count = 0
+        for info in self._statuses():
+            pending = [c["ranks_durable"] for c in info["checkpoints"] if c["path"] == path]
+            held = [len(s["ranks_held"]) for s in (info.get("memory") or {}).get("snapshots", [])
+                    if s["path"] == path]
+            count += max(pending + held + [0])
+        return count
+
+    def _idle(self) -> bool:
+        for info in self._statuses():
+            mirror = info.get("mirror") or {}
+            if info["saves"] or info["checkpoints"] or mirror.get("uploads"):
+                return False
+        return True
+
+    # -- loads ----------------------------------------------------------------------------------------------
+
+    def _load(self, path: str, rank: int) -> dict:
+        """Rank ``rank``'s state at ``path``, through the daemon of the node that rank saves through (a DCP
+        checkpoint holds it under ``rank<r>``)."""
+        per_node = -(-self.world // self.cfg.nodes)
+        state = ckptd.load(path, rank=rank, run_dir=self.w.run_dirs[rank // per_node])
+        return state.get(f"rank{rank}", state) if isinstance(state, dict) and "tag" not in state else state
+
+    def _check_loads(self) -> None:
+        for path, saved in self.model.must.items():
+            if path in self.model.trimmed and "/mir/" in path:
+                self._assert_loads(path, saved, alternative=self.w.mirrored(path))
+            else:
+                self._assert_loads(path, saved)
+        for path, olds in self.model.may.items():
+            self._assert_loads(path, olds, may=True)
+
+    def _assert_loads(self, path: str, saved: Saved | list[Saved], *, may: bool = False,
+                      alternative: str | None = None) -> None:
+        """Every rank of ``path`` loads bitwise as one save of one run, and that save is ``saved``."""
+        wanted = saved if isinstance(saved, list) else [saved]
+        where = path
+        try:
+            shards = {r: self._load(path, r) for r in range(self.world)}
+        except ckptd.InvalidCheckpoint as exc:
+            if may:  # gone, or going while it was read (retention removing it)
+                return
+            if alternative is None:
+                raise AssertionError(f"acknowledged checkpoint {path} does not load: {exc}") from None
+            where = alternative
+            try:
+                shards = {r: self._load(alternative, r) for r in range(self.world)}
+            except ckptd.InvalidCheckpoint as exc2:
+                raise AssertionError(f"acknowledged checkpoint {path} is neither local ({exc}) nor on the mirror "
+                                     f"({exc2})") from None
+        self._assert_one_save(where, shards, wanted, may)
+
+    def _assert_one_save(self, where: str, shards: dict[int, dict], wanted: list[Saved], may: bool = False) -> None:
+        tags = {r: s["tag"].tolist() for r, s in shards.items()}
+        assert len({(t[0], t[1]) for t in tags.values()}) == 1, f"{where} mixes saves: (inc, sid, rank, step) {tags}"
+        for r, shard in shards.items():
+            inc, sid, rank, step = tags[r]
+            assert rank == r, f"{where} rank {r} holds rank {rank}'s shard"
+            assert same(shard, tagged_state(inc, sid, rank, step)), f"{where} rank {r} is not bitwise its save {sid}"
+        inc, sid = tags[0][0], tags[0][1]
+        assert any((inc, sid) == (s.inc, s.sid) for s in wanted), (
+            f"{where} holds save {sid} of incarnation {inc}; the model says "
+            f"{[(s.inc, s.sid) for s in wanted]}" + (" (or absent)" if may else ""))
+
+    # -- the idle state -------------------------------------------------------------------------------------
+
+    def _idle_checks(self) -> None:
+        wait_until(self._idle, IDLE_S, lambda: f"the daemons idle; status: {self._statuses()}")
+        info = status(self.w.run_dir)
+        self._check_loads()
+        debris = [str(p) for p in self.w.root.rglob("*")
+                  if p.name.endswith(".incomplete") or ".discarded-" in p.name or ".deleting" in p.name]
+        assert not debris, f"debris after the daemons became idle: {debris}"
+        ours = set(self.dead_pids)
+        shm = [p.name for p in SHM.iterdir() if p.name.startswith(f"ckptd-{os.getuid()}-")
+               and int(p.name.split("-")[2]) in ours]
+        assert not shm, f"shared memory of dead processes left in /dev/shm: {shm}"
+        for path in [p for p in self.model.trimmed if p in self.model.must or p in self.model.may]:
+            if not path.startswith("s3://"):
+                assert not (Path(path) / "ckptd.json").exists(), f"retention never deleted {path}"
+        self._bucket_clean()
+        if self.cfg.mirror_keep is not None:
+            self._mirror_keeps()
+            return
+        for path, saved in self.model.must.items():
+            if "/mir/" in path:
+                unmirrored = [u["source"] for u in (info.get("mirror") or {}).get("unmirrored", [])]
+                if saved.overwrite or path not in unmirrored:  # a new save of a name still on the mirror may fail
+                    self._assert_loads(self.w.mirrored(path), saved)
+
+    def _mirror_keeps(self) -> None:
+        """``--mirror-keep N``: the store holds the N newest mirrored checkpoints (as many as were ever saved, if
+        fewer), each whole as one acknowledged save; it only counts what is on it (issue 26, item 3)."""
+        keys = [o["Key"] for o in self.w.s3.client().list_objects_v2(
+            Bucket=self.w.bucket, Prefix="mirror/").get("Contents", [])]
+        on_store = sorted(k.split("/")[1] for k in keys if k.endswith("/ckptd.json"))
+        want = min(self.cfg.mirror_keep, len(self.model.mirrored_names))
+        assert len(on_store) == want, (
+            f"--mirror-keep {self.cfg.mirror_keep}: the store holds {on_store}, where {want} of the "
+            f"{sorted(self.model.mirrored_names)} saved must be")
+        for name in on_store:
+            url = f"s3://{self.w.bucket}/mirror/{name}"
+            path = self.w.path("mirror", name)
+            self._assert_loads(url, self.model.history.get(path, []))
+
+    def _bucket_clean(self) -> None:
+        client = self.w.s3.client()
+        listed = client.list_objects_v2(Bucket=self.w.bucket).get("Contents", [])
+        keys = sorted(o["Key"] for o in listed)
+        committed = {k.rsplit("/", 1)[0] for k in keys if k.endswith("/ckptd.json")}
+        stray = [k for k in keys if k.rsplit("/", 1)[0] not in committed]
+        assert not stray, f"objects of no committed checkpoint in the bucket: {stray}"
+        # Not checked: multipart uploads an outage or a kill cut off. The client library can neither list nor
+        # abort an upload it no longer holds; they are invisible to readers, and docs/object-storage.md asks for a
+        # lifecycle rule (AbortIncompleteMultipartUpload) to remove them.
+        for key in committed:
+            url = f"s3://{self.w.bucket}/{key}"
+            if url not in self.model.must and url not in self.model.may and not key.startswith("mirror/"):
+                raise AssertionError(f"{url} is committed in the bucket but was never acknowledged")

@@ -1,0 +1,251 @@
+"""The stateful test's world and model: configurations, launches, what was acknowledged, the daemons.
+
+``tests/stateful.py`` holds the machine (its rules and checks); this module
+holds what it runs against: a ``Config`` (world sizes, nodes, tiers, the
+launchers whose names the runs carry, which rule families are on), the
+``Launch`` each launcher form gives a run (``launch_for``), the ``Model`` of
+what must exist, and the ``World`` of daemons, root, bucket and proxy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from ckptd.protocol.names import LOG_NAME
+from helpers import Daemon, short_tempdir, start_daemon
+from jobs import Launch
+from proxy import TcpProxy
+from s3server import S3Server
+
+NAMES = ("step-1", "step-2", "step-3")
+"""Few names, so saves collide: overwrites, re-saves after crashes, retention of older steps."""
+TIERS = ("disk", "memory", "s3", "s3-memory", "mirror")
+SNAPSHOTS = ("memory", "s3-memory")
+"""Tiers saved with ``persist=False``: held in the daemon's memory, persisted to the directory or bucket later."""
+IDLE_S = 60.0
+"""How long the daemon may take to settle (uploads retried after an outage back off up to this order)."""
+
+LAUNCH_FORMS = ("unnamed", "job", "torchrun-static", "torchrun-c10d", "slurm", "drawn")
+"""How a job's runs are named:
+
+- ``unnamed``: no launcher, no ``job=``, no torch.distributed: runs are told apart by their processes alone, so a
+  second *live* run may join the first's save (``docs/api.md`` says so); the overlap rule never runs there.
+- ``job``: ``Client(job="train-<n>")``, a new name for every run.
+- ``torchrun-static``: torchrun with ``--master-port`` (static rendezvous): ``TORCHELASTIC_RUN_ID=none`` and
+  ``TORCHELASTIC_RESTART_COUNT=0`` in *every* launch, ranks under torch.distributed (issue 26, item 1).
+- ``torchrun-c10d``: c10d rendezvous, a real ``--rdzv-id`` kept across restarts (the count goes up); a second
+  launch beside it has an id of its own.
+- ``slurm``: ``SLURM_JOB_ID``/``SLURM_STEP_ID``/``SLURM_RESTART_COUNT`` (a requeue counts up; a second live
+  step of the allocation has its own step id), ranks not under torch.distributed.
+- ``drawn``: no launcher, ranks under torch.distributed: rank 0 draws a name and the ranks agree on it.
+"""
+
+
+def launch_for(form: str, run: int, restarts: int, overlapping: int, dist: bool) -> Launch:
+    """The launch of run ``run`` of a job started with ``form``, after ``restarts`` restarts of its launch, as
+    the ``overlapping``-th launch alive at once (0: the job's own); ``dist`` forces torch.distributed (several
+    nodes and DCP need it)."""
+    if form == "unnamed":
+        return Launch(dist=dist)
+    if form == "job":
+        return Launch(job=f"train-{run}", dist=dist)
+    if form == "torchrun-static":
+        return Launch(env={"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0"}, dist=True)
+    if form == "torchrun-c10d":
+        return Launch(env={"TORCHELASTIC_RUN_ID": f"rdzv-{overlapping}", "TORCHELASTIC_RESTART_COUNT": str(restarts)},
+                      dist=True)
+    if form == "slurm":
+        return Launch(env={"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": str(overlapping),
+                           "SLURM_RESTART_COUNT": str(restarts)}, dist=dist)
+    assert form == "drawn", form
+    return Launch(dist=True)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration of the machine: what its examples may draw and which rules run."""
+
+    worlds: tuple[int, ...] = (2,)
+    nodes: int = 1
+    """Daemons, one run dir each, sharing the root (ranks split evenly over them, under torch.distributed)."""
+    tiers: tuple[str, ...] = TIERS
+    forms: tuple[str, ...] = ("unnamed",)
+    overlap: bool = False
+    """A second live run of the job saving the path the first saves."""
+    kills_inside: bool = False
+    """Daemon SIGKILLs inside a write, a publish and a retention (the fault-injecting storage's kill points)."""
+    mirror_keep: int | None = None
+    local_keep: int | None = 2
+    """``--keep mir=N`` on the mirrored directory (None: only the saves' ``keep_last``)."""
+    dcp: bool = False
+    """Saves through ``ckptd.dcp.StorageWriter`` (``dcp.save``) beside the client's own."""
+    outage_restarts: bool = False
+    """Saves to the mirrored directory during an outage, then a daemon SIGKILL and a start with the store back."""
+
+    @property
+    def dist(self) -> bool:
+        return self.nodes > 1 or self.dcp
+
+
+CONFIGS: dict[str, Config] = {
+    "tiers": Config(forms=("unnamed", "job")),
+    "named_runs": Config(worlds=(1, 2, 3), tiers=("disk", "s3", "memory"), overlap=True,
+                         forms=("job", "torchrun-static", "torchrun-c10d", "slurm", "drawn")),
+    "kills_inside": Config(worlds=(1, 2), tiers=("disk", "memory", "mirror"), kills_inside=True,
+                           forms=("unnamed", "torchrun-c10d")),
+    "mirror_keep": Config(worlds=(1, 2), tiers=("mirror", "disk"), mirror_keep=1, local_keep=None,
+                          outage_restarts=True, forms=("job",)),
+    "two_nodes": Config(worlds=(2, 4), nodes=2, tiers=("disk", "s3"), overlap=True,
+                        forms=("job", "torchrun-static", "drawn")),
+    "dcp": Config(worlds=(2, 3, 4), tiers=("disk", "s3", "mirror"), dcp=True, overlap=True,
+                  forms=("torchrun-c10d", "drawn")),
+}
+"""The configurations the short run and the soak run, by name (``tests/test_stateful.py``)."""
+
+
+@dataclass
+class Saved:
+    """One acknowledged save: which incarnation and save id wrote it, and in what order it committed."""
+
+    inc: int
+    sid: int
+    step: int
+    seq: int
+    durable: bool = True
+    """False for a memory snapshot not yet written to disk (a daemon kill may lose it)."""
+    held_by: int | None = None
+    """For a memory snapshot: the pid of the daemon holding it."""
+    overwrite: bool = False
+    """Saved with ``overwrite=True``: on a mirror, too, it replaces what was there."""
+    dcp: bool = False
+    """Saved by ``dcp.save``: each rank's state is under the key ``rank<r>``."""
+
+
+@dataclass
+class Model:
+    """What must exist. ``must`` loads exactly as recorded; ``may`` is absent or loads as recorded (a snapshot
+    the daemon was allowed to lose, a checkpoint retention was asked to delete but may not have yet)."""
+
+    must: dict[str, Saved] = field(default_factory=dict)
+    may: dict[str, list[Saved]] = field(default_factory=dict)
+    trimmed: set[str] = field(default_factory=set)
+    """Paths retention was asked to delete: gone once the daemon is idle."""
+    mirrored_names: set[str] = field(default_factory=set)
+    """Every name ever acknowledged in the mirrored directory (``--mirror-keep`` counts them)."""
+    history: dict[str, list[Saved]] = field(default_factory=dict)
+    """Every save ever acknowledged, by path (a mirror may hold an older version of a name)."""
+
+    def allow_gone(self, path: str) -> None:
+        saved = self.must.pop(path, None)
+        if saved is not None:
+            self.may.setdefault(path, []).append(saved)
+
+
+KILL_POINTS = {
+    "write": ("step-7", {"op": "write", "match": "/step-7.incomplete/"}),
+    "publish": ("step-8", {"op": "rename", "exact": True}),
+    "published": ("step-9", {"op": "rename", "exact": True, "after": True}),
+    "retention": ("step-0", {"op": "remove_tree", "match": "/step-0.deleting"}),
+}
+"""Where the daemon SIGKILLs itself (``tests/faults.py``): inside a shard's write, before and after the rename that
+publishes a checkpoint, and inside retention's removal of a victim it set aside. Each point has a name of its
+own in a directory of its own per cycle (``World.kill_dir``), so no other rule ever reaches it."""
+
+
+class World:
+    """The processes and places one example uses: a root, a bucket, the proxy, one daemon per node."""
+
+    def __init__(self, s3: S3Server, cfg: Config) -> None:
+        self.s3, self.cfg = s3, cfg
+        self.run_dirs = [short_tempdir("ckst-") for _ in range(cfg.nodes)]
+        self.root = short_tempdir("ckst-root-")
+        self.fifos = short_tempdir("ckst-fifo-")
+        for d in ("run", "mem", "mir", "kill"):
+            (self.root / d).mkdir()
+        self.bucket = s3.new_bucket()
+        self.proxy = TcpProxy("127.0.0.1", s3.port)
+        self.daemon_pids: list[int] = []
+        self.daemons: list[Daemon | None] = [None] * cfg.nodes
+        self.kill_cycle = 0
+        """The kill points of the running node-0 daemon are armed in ``kill_dir(kill_cycle)``."""
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run_dirs[0]
+
+    @property
+    def daemon(self) -> Daemon:
+        daemon = self.daemons[0]
+        assert daemon is not None
+        return daemon
+
+    def path(self, tier: str, name: str) -> str:
+        return {"disk": str(self.root / "run" / name), "memory": str(self.root / "mem" / name),
+                "mirror": str(self.root / "mir" / name), "s3": f"s3://{self.bucket}/run/{name}",
+                "s3-memory": f"s3://{self.bucket}/snap/{name}"}[tier]
+
+    def mirrored(self, path: str) -> str:
+        """Where the mirror rule puts a checkpoint of the mirrored directory."""
+        return f"s3://{self.bucket}/mirror/{Path(path).name}"
+
+    def kill_dir(self, cycle: int) -> Path:
+        return self.root / "kill" / f"c{cycle}"
+
+    def kill_faults(self) -> list[dict]:
+        where = self.kill_dir(self.kill_cycle)
+        where.mkdir(exist_ok=True)
+        faults = []
+        for name, fault in KILL_POINTS.values():
+            match = str(where / name) if fault.get("exact") else str(where) + fault["match"]
+            faults.append({**{k: v for k, v in fault.items() if k != "match"}, "match": match, "errno": 0,
+                           "kill": True})
+        return faults
+
+    def start_daemon(self, node: int = 0) -> None:
+        """Start node ``node``'s daemon, its view of the store going through the proxy. Node 0 holds the mirror
+        rule and the local retention rule (it commits); with kill points on, node 0 is armed for the next cycle."""
+        extra = ["--root", f"s3://{self.bucket}/run", "--root", f"s3://{self.bucket}/snap", "--keep-snapshots", "16",
+                 "--drain-timeout", "30"]
+        if node == 0:
+            extra += ["--mirror", f"{self.root / 'mir'}=s3://{self.bucket}/mirror"]
+            if self.cfg.local_keep is not None:
+                extra += ["--keep", f"{self.root / 'mir'}={self.cfg.local_keep}"]
+            if self.cfg.mirror_keep is not None:
+                extra += ["--mirror-keep", str(self.cfg.mirror_keep)]
+        faults = self.kill_faults() if self.cfg.kills_inside and node == 0 else None
+        with _env(AWS_ENDPOINT_URL=f"http://127.0.0.1:{self.proxy.port}"):
+            daemon = start_daemon(self.run_dirs[node], self.root, *extra, faults=faults)
+        self.daemons[node] = daemon
+        self.daemon_pids.append(daemon.proc.pid)
+
+    def last_fault(self, node: int = 0) -> str:
+        """The last ``event=fault`` line node ``node``'s daemon logged (what it hit just before it died)."""
+        lines = [ln for ln in (self.run_dirs[node] / LOG_NAME).read_text().splitlines() if "event=fault" in ln]
+        return lines[-1] if lines else ""
+
+    def close(self) -> None:
+        for daemon in self.daemons:
+            if daemon is not None and daemon.proc.poll() is None:
+                daemon.kill()
+        self.proxy.close()
+        for d in (*self.run_dirs, self.root, self.fifos):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@contextmanager
+def _env(**values: str) -> Iterator[None]:
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
