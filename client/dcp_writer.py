@@ -82,14 +82,18 @@ class StorageWriter(_DCPStorageWriter):
         check_bool("stage_in_slot", stage_in_slot)
         return super().__new__(_SlotStagingWriter if stage_in_slot and cls is StorageWriter else cls)
 
-    def __init__(self, path: str | os.PathLike, *, step: int | None = None, overwrite: bool = False,
+    def __init__(self, path: str | os.PathLike, *, step: int | None = None, overwrite: bool = True,
                  keep_last: int | None = None, client: Client | None = None,
                  run_dir: str | os.PathLike | None = None, commit_timeout: float = 600.0,
                  stage_in_slot: bool = False) -> None:
         """
         Args:
             path: the checkpoint (a directory; ``checkpoint_id`` replaces it).
-            step, overwrite, keep_last: as for ``Client.save_async``.
+            step, keep_last: as for ``Client.save_async``.
+            overwrite: replace a checkpoint at ``path`` (DCP's ``FileSystemWriter``
+                default), atomically as ``Client.save_async(overwrite=True)``:
+                the old one stays until the new one is renamed in its place.
+                ``False``: fail with ``CheckpointExists``, the old one kept.
             client: the ``ckptd.Client`` to save through (default: one made
                 here, collectively under torch.distributed, and closed by
                 ``close()``).
