@@ -92,6 +92,16 @@ TARGETS = [Target(*row) for row in (  # text, measured, reference (None: the val
     ("load_into from memory, verify=False ≤ 1.2 × memcpy into the same targets", "snapshots.restore_into_unverified",
      "snapshots.memcpy_into", 1.2, 20),
     ("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", "sharded_load_ckptd.cold", "sharded_load_dcp.cold", 0.8, 10))]
+SEPARATE = [  # measured by scripts of their own, not by ``make bench``: each with its command, date and load
+    "DCP writer per save (issue #26, `CKPTD_ROOTS=... OMP_NUM_THREADS=1 torchrun --nproc-per-node N "
+    "benchmarks/dcp_clients.py DIR --mib 128 --saves 8`, N = 1 and 2, 2026-12-01, library commit 398619d, load "
+    "average 9-10: other work shared the machine; both ways in one run, so only the ratios compare): "
+    "`dcp.save` with a `StorageWriter(path)` made per save, time from the writer made to committed, slowest rank. "
+    "A client per writer (what `StorageWriter(path)` did before) over the process's shared client (what it does "
+    "now): first save 1.27 × (1 rank: 0.52 s vs 0.41) and 1.57 × (2 ranks: 0.57 vs 0.36); steady saves 3.08 × "
+    "(0.55 vs 0.18) and 2.04 × (0.50 vs 0.24). The old default also never closed its clients: each save left its "
+    "slot (the rank's shard) in /dev/shm until the process exited.",
+]
 CAUSES = [  # of misses, as measured in runs of their own (per-thread /proc CPU, perf_counter, thread_time)
     "FSDP2 blocking: one intra-op thread per rank (as now): 0.94 × and 1.60 × in runs at load average 8 and 16 (2: 1.29 ×).",
     "Daemon CPU/GB (0.12): CRC32C thread 0.07 (14-15 GB/s per core, 256 KiB-64 MiB buffers alike, GIL released), writer "
@@ -302,5 +312,6 @@ def render(records: list[dict], meta: dict[str, Any]) -> str:
     for section, title, make, text in blocks:
         if section in sections:
             parts += ["", f"## {title}", "", text, "", make(recs)]
+    parts += ["", "## Measured by scripts of their own", "", *(f"- {m}" for m in SEPARATE)]
     parts += ["", "## Every repetition", "", *details(recs), ""]
     return "\n".join(parts)

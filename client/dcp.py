@@ -24,12 +24,12 @@ Reads view chunks in place in the mapped shard files (``ChunkFiles``): each
 file is mapped and its checksum verified once, on first use, and a read
 copies only the pages of the requested region.
 
-There is no ``StorageWriter``: DCP's writer contract hands the storage a
-plan of already-resolved items per rank and expects per-item ``WriteResult``
-futures and a coordinator ``finish(metadata)`` that writes the commit. ckptd's
-save is one staged slot per rank committed by the daemon when every rank is
-durable; mapping one onto the other would bypass either DCP's planner or
-ckptd's commit. ``Client.save_async`` already saves DTensor state directly.
+The metadata's ``planner_data`` maps each name to its key path in the saved
+state, as DCP's own writer records its planner's flattening: a planner that
+builds the state from the metadata alone (``_EmptyStateDictLoadPlanner``, as
+``dcp_to_torch_save`` and offline inspection use) nests it as saved.
+
+Saving through DCP is ``ckptd.dcp.StorageWriter`` (``dcp_writer.py``).
 """
 
 from __future__ import annotations
@@ -104,13 +104,16 @@ class StorageReader(_DCPStorageReader):
             return t
 
         described: dict[str, Any] = {}
+        paths: dict[str, tuple[str | int, ...]] = {}
         items: dict[str, Any] = {}
         value_files: dict[str, str] = {}
         for rank in _reading_order(index.world_size):
             record = index.shard(rank)
-            for name, value in self._rank_state(index, record, files, placeholder).items():
+            flat, rank_paths = self._rank_state(index, record, files, placeholder)
+            for name, value in flat.items():
                 if name in described:
                     continue  # a name several ranks saved: the first in the reading order describes it
+                paths[name] = rank_paths[name]
                 ref = refs.get(id(value)) if isinstance(value, torch.Tensor) else None
                 if ref is not None:
                     chunks = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
@@ -123,11 +126,14 @@ class StorageReader(_DCPStorageReader):
                     items[name] = _materialize(value, refs, files)
                     value_files[name] = record.file
         self._files, self._items, self._value_files = files, items, value_files
-        return Metadata(state_dict_metadata=described, storage_data=(files, items, value_files))
+        # DCP's own writer keeps its planner's flattening (DCP name -> key path) as planner_data; a planner that
+        # builds the state from the metadata (``_EmptyStateDictLoadPlanner``: ``dcp_to_torch_save``) nests by it.
+        return Metadata(state_dict_metadata=described, planner_data=paths, storage_data=(files, items, value_files))
 
     def _rank_state(self, index: CheckpointIndex, record: ShardRecord, files: ChunkFiles,
-                    placeholder: Callable[[GlobalRef], torch.Tensor]) -> dict[str, Any]:
-        """One rank's saved state flattened by DCP's names, tensors as placeholders (no tensor data read)."""
+                    placeholder: Callable[[GlobalRef], torch.Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """One rank's saved state flattened by DCP's names, tensors as placeholders (no tensor data read), and
+        each name's key path in the saved state."""
         entries, metadata, data_start = read_shard_header(self.path / record.file, record.size)
         structure = check_shard_structure([e.name for e in entries], metadata, record, index, self.path / record.file)
         per_rank = {e.name: e for e in entries}
@@ -146,8 +152,7 @@ class StorageReader(_DCPStorageReader):
             raise InvalidCheckpoint(f"shard {self.path / record.file} has a structure that cannot be read: {exc}") from None
         if not isinstance(state, dict):
             raise InvalidCheckpoint(f"checkpoint {self.path} holds a {type(state).__name__}; DCP loads dict states only")
-        flat, _ = flatten_state_dict(state)
-        return flat
+        return flatten_state_dict(state)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if isinstance(metadata.storage_data, tuple) and len(metadata.storage_data) == 3:

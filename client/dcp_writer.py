@@ -29,9 +29,11 @@ is refused naming its key. The result is an ordinary ckptd checkpoint:
 ``ckptd.load``, ``ckptd.load_into``, ``dcp.load`` with
 ``ckptd.dcp.StorageReader`` and DCP's ``HuggingFaceStorageReader`` read it.
 
+Given no ``client=``, a writer saves through its process's shared client
+(``dcp_shared.py``): made by the first such writer and reused by every later
+one, so a writer per save (the way DCP code is written) reuses the slots too.
 The writer pickles without its client (DCP's PROCESS executor sends it to a
-process of its own); there it uses one client per process, made on first use
-and reused for every later save, so its slots are reused too.
+process of its own), and there uses that process's shared client.
 """
 
 from __future__ import annotations
@@ -39,11 +41,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import StorageWriter as _DCPStorageWriter
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -60,6 +60,7 @@ from ckptd.protocol.messages import Abort, Durable, Finalize
 from .api import Client, checkpoint_target
 from .checks import check_bool, check_keep_last, check_path, check_seconds, check_step
 from .coordinate import all_gather_msgpack
+from .dcp_shared import agreement_group, release_shared_client, shared_client
 from .flatten import Flat, check_tensor, flatten
 
 __all__ = ["StorageWriter"]
@@ -68,11 +69,6 @@ __all__ = ["StorageWriter"]
 SHARD_RESULT = "ckptd.shard"
 """The fqn of the one extra ``WriteResult`` per rank that carries its shard's record to ``finish``."""
 
-_process_clients: dict[tuple[int, str | None, float], Client] = {}
-"""Clients made by writers that arrived pickled (DCP's PROCESS executor): one per process and daemon, reused."""
-_per_process_lock = threading.Lock()
-_groups: dict[tuple[int, int], "dist.ProcessGroup"] = {}
-"""Each process's agreement group (``agreement_group``)."""
 
 
 class StorageWriter(_DCPStorageWriter):
@@ -82,18 +78,22 @@ class StorageWriter(_DCPStorageWriter):
         check_bool("stage_in_slot", stage_in_slot)
         return super().__new__(_SlotStagingWriter if stage_in_slot and cls is StorageWriter else cls)
 
-    def __init__(self, path: str | os.PathLike, *, step: int | None = None, overwrite: bool = False,
+    def __init__(self, path: str | os.PathLike, *, step: int | None = None, overwrite: bool = True,
                  keep_last: int | None = None, client: Client | None = None,
                  run_dir: str | os.PathLike | None = None, commit_timeout: float = 600.0,
                  stage_in_slot: bool = False) -> None:
         """
         Args:
             path: the checkpoint (a directory; ``checkpoint_id`` replaces it).
-            step, overwrite, keep_last: as for ``Client.save_async``.
-            client: the ``ckptd.Client`` to save through (default: one made
-                here, collectively under torch.distributed, and closed by
-                ``close()``).
-            run_dir, commit_timeout: for the client made here.
+            step, keep_last: as for ``Client.save_async``.
+            overwrite: replace a checkpoint at ``path`` (DCP's ``FileSystemWriter``
+                default), atomically as ``Client.save_async(overwrite=True)``:
+                the old one stays until the new one is renamed in its place.
+                ``False``: fail with ``CheckpointExists``, the old one kept.
+            client: the ``ckptd.Client`` to save through (default: this
+                process's shared client for ``run_dir``, made by the first
+                writer, collectively under torch.distributed, and reused).
+            run_dir, commit_timeout: the shared client's (one per pair).
             stage_in_slot: be ``async_save``'s stager (DCP's ``AsyncStager``):
                 staging is the copy of this rank's planned items into the
                 slot, so every byte is copied once, and ``async_save``
@@ -114,8 +114,10 @@ class StorageWriter(_DCPStorageWriter):
             run_dir, commit_timeout = client.run_dir, client.commit_timeout
         self.run_dir = None if run_dir is None else os.path.abspath(check_path("run_dir", run_dir))
         self.commit_timeout = check_seconds("commit_timeout", commit_timeout)
-        self._owns_client = client is None
-        self._client: Client | None = client or Client(run_dir=self.run_dir, commit_timeout=self.commit_timeout)
+        self._client: Client | None = client
+        """The client given (None: the process's shared one, looked up at each use)."""
+        if client is None:
+            shared_client(self.run_dir, self.commit_timeout)  # made now: collective, as every rank makes its writer
         self._is_coordinator = False
         self._group = agreement_group(self.commit_timeout)  # collective: every rank makes its writer
 
@@ -125,7 +127,6 @@ class StorageWriter(_DCPStorageWriter):
         state = dict(self.__dict__)
         state["_client"] = None  # a client belongs to its process (its slots, its socket), and so does a group
         state["_group"] = None
-        state["_owns_client"] = False
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -134,19 +135,19 @@ class StorageWriter(_DCPStorageWriter):
 
     @property
     def client(self) -> Client:
-        """This process's client: the one given or made here, or (unpickled in another process) that process's."""
-        if self._client is None or self._client._pid != os.getpid():
-            key = (os.getpid(), self.run_dir, self.commit_timeout)
-            with _per_process_lock:
-                if key not in _process_clients:
-                    _process_clients[key] = Client(run_dir=self.run_dir, commit_timeout=self.commit_timeout)
-                self._client = _process_clients[key]
-        return self._client
+        """The client given, else (unpickled in another process too) this process's shared one."""
+        if self._client is not None:
+            return self._client
+        return shared_client(self.run_dir, self.commit_timeout)
 
     def close(self) -> None:
-        """Close the client this writer made (waits for its pending saves)."""
-        if self._owns_client and self._client is not None:
-            self._client.close()
+        """Close the shared client, waiting for its saves, to free its slots now (a given client is left alone).
+
+        Never needed: the shared client is closed at exit. The next writer
+        makes a new one, collectively: call it on every rank or on none.
+        """
+        if self._client is None:
+            release_shared_client(self.run_dir, self.commit_timeout)
 
     # -- DCP's StorageWriter contract -------------------------------------------
 
@@ -246,22 +247,6 @@ class StorageWriter(_DCPStorageWriter):
             conn.call(Abort(conn.next_id(), self.path, reason, client.job))
         except Exception:
             pass
-
-
-def agreement_group(timeout: float) -> "dist.ProcessGroup | None":
-    """This process's gloo group on which writers agree whether every rank's shard is durable (None: one rank).
-
-    Made once per process (collectively, on the first writer) and kept: a
-    group per save would cost a rendezvous each time. Never the training
-    group, which may not be gloo.
-    """
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-    key = (os.getpid(), id(dist.group.WORLD))
-    with _per_process_lock:
-        if key not in _groups:
-            _groups[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-        return _groups[key]
 
 
 def _item_bytes(item: Any) -> int:

@@ -78,6 +78,67 @@ def test_dcp_load_in_one_process_gives_full_tensors_and_plain_values(saved):
     assert not ckptd.dcp.StorageReader.validate_checkpoint_id(path.parent)
 
 
+def _plain_state() -> dict:
+    """Nested dicts, an optimizer's int keys and param groups, a list of tensors, a tuple, plain values."""
+    torch.manual_seed(1)
+    return {"model": {"layer.weight": torch.randn(3, 4), "layer.bias": torch.randn(3)},
+            "optim": {"state": {0: {"exp_avg": torch.randn(3, 4), "step": torch.tensor(7.0)}},
+                      "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0]}]},
+            "history": [torch.arange(4), torch.ones(2, dtype=torch.bfloat16)], "step": 5, "note": "run 1",
+            "shape": (2, 3)}
+
+
+def kinds(state: object) -> object:
+    """``state``'s containers and leaf types (a tensor's dtype and shape): equal only if nested alike."""
+    if isinstance(state, dict):
+        return {k: kinds(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return (type(state).__name__, [kinds(v) for v in state])
+    if isinstance(state, torch.Tensor):
+        return (state.dtype, tuple(state.shape))
+    return type(state).__name__
+
+
+def rebuilt(reader: object, keys: set[str] | None = None) -> dict:
+    """The state ``dcp_to_torch_save`` builds from ``reader``'s metadata alone (``keys``: only those)."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys), no_dist=True)
+    return state
+
+
+def test_a_state_rebuilt_from_the_metadata_nests_as_dcps_own_checkpoint_does(daemon, client_factory, root: Path,
+                                                                             tmp_path: Path):
+    """``dcp_to_torch_save`` of DCP's own checkpoint and what it does (``_load_state_dict`` with an
+    ``_EmptyStateDictLoadPlanner``: ``dcp.load`` into ``{}`` copies nothing back) with ckptd's reader over
+    ckptd's give the same nested state, also for some keys only."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    state = _plain_state()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "dcp"))
+    dcp.save(state, storage_writer=ckptd.dcp.StorageWriter(root / "ckptd", client=client_factory()))
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "dcp.pt")
+    reference = torch.load(tmp_path / "dcp.pt", weights_only=False)
+    assert set(reference) == set(state) and reference["step"] == 5  # DCP's own: nested as saved
+    for keys in (None, {"model", "step"}, {"optim.state"}):
+        dcps = rebuilt(dcp.FileSystemReader(tmp_path / "dcp"), keys)
+        ours = rebuilt(ckptd.dcp.StorageReader(root / "ckptd"), keys)
+        assert kinds(ours) == kinds(dcps) and equal_states(ours, dcps), keys
+        if keys is None:
+            assert kinds(ours) == kinds(reference) and equal_states(ours, reference)
+    torch.save(ours, tmp_path / "ckptd.pt")  # as dcp_to_torch_save ends
+    assert set(torch.load(tmp_path / "ckptd.pt", weights_only=False)["optim"]) == {"state"}
+
+
+def test_a_sharded_checkpoint_rebuilt_from_its_metadata_is_the_saved_state_whole(saved):
+    """Four FSDP2 ranks' DTensor state, rebuilt in one process from nothing but the checkpoint."""
+    path, reference = saved
+    state = rebuilt(ckptd.dcp.StorageReader(path))
+    assert kinds(state) == kinds(reference) and equal_states(state, reference)
+
+
 def test_a_damaged_shard_is_refused_by_its_checksum(saved, tmp_path: Path):
     path, reference = saved
     damaged = tmp_path / "damaged"
