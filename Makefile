@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-torchtitan soak demo bench clean
+.PHONY: test test-torchtitan test-nonumpy soak demo bench clean
 
 $(STAMP): setup.cfg pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,26 @@ $(TT_STAMP): setup.cfg pyproject.toml requirements-dev.txt requirements-torchtit
 test-torchtitan: $(TT_STAMP)
 	$(TT_PY) -m pytest -q --timeout=300 -n 0 tests/torchtitan $(PYTEST_ARGS)
 
+# The client's saves and loads where numpy is not installed: ckptd requires none and torch runs without it, but
+# torch's numpy bridge (Tensor.numpy(), torch.from_numpy) then raises, and `make test` cannot see a use of it
+# (Lightning brings numpy into .venv). .venv-nonumpy holds torch, ckptd's own requirements and the test runner, their
+# versions read from requirements-dev.txt (torch from pip's cache or the local wheel store: about a minute, once).
+# tests/nonumpy/ checks that numpy is absent and runs every load path; NONUMPY_TESTS adds the client's save and load
+# modules. tests/nonumpy/ is collected only here (`make test` skips that directory by name).
+NN_VENV := .venv-nonumpy
+NN_PY := $(NN_VENV)/bin/python
+NN_STAMP := $(NN_VENV)/.installed
+NONUMPY_TESTS := tests/nonumpy tests/test_save_roundtrip.py tests/test_loading.py tests/test_load_ranks.py \
+	tests/test_sharded_replicated.py
+
+$(NN_STAMP): setup.cfg pyproject.toml requirements-dev.txt
+	$(PYTHON) -m venv $(NN_VENV)
+	$(NN_PY) -m pip install --quiet --disable-pip-version-check $$(grep -E '^(torch|pytest)' requirements-dev.txt) -e .
+	touch $(NN_STAMP)
+
+test-nonumpy: $(NN_STAMP)
+	$(NN_PY) -m pytest -q --timeout=300 -n 2 --dist loadscope $(NONUMPY_TESTS) $(PYTEST_ARGS)
+
 # Long fuzzing, load and leak runs (tests/soak is skipped by `make test`).
 soak: $(STAMP)
 	CKPTD_SOAK=1 $(PY) -m pytest -q -s --timeout=3600 tests/soak $(PYTEST_ARGS)
@@ -50,4 +70,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(TT_VENV) demo-checkpoints .pytest_cache
+	rm -rf $(VENV) $(TT_VENV) $(NN_VENV) demo-checkpoints .pytest_cache

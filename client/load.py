@@ -242,7 +242,8 @@ def _map_tensors(files: ChunkFiles, record: ShardRecord) -> tuple[dict[str, str]
     """Views of the copy-on-write mapping of the shard (``mmap=True``), shared with its global tensors' chunks."""
     buf = files.mapped(record.file)
     try:
-        entries, metadata, data_start = parse_header(memoryview(buf.numpy()), record.size)
+        # A view of the mapping itself, through ctypes: never buf.numpy(), which fails where numpy is not installed.
+        entries, metadata, data_start = parse_header(bytes_of(buf).toreadonly(), record.size)
     except BadMessage as exc:
         raise InvalidCheckpoint(f"shard {files.path / record.file} has a bad header: {exc.message}") from None
     return metadata, {e.name: typed_view(buf[data_start + e.begin : data_start + e.end], e) for e in entries}

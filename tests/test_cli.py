@@ -64,15 +64,25 @@ def test_start_detaches_and_stop_drains(run_dir, root) -> None:
     assert ckptd_cli("status", "--run-dir", str(run_dir)).returncode == 1
 
 
-def test_status_watch_redraws_with_progress_bars_while_a_save_runs(daemon_factory, client_factory, root) -> None:
+def test_status_watch_redraws_with_progress_bars_while_a_save_runs(daemon_factory, client_factory, root,
+                                                                   tmp_path) -> None:
+    """The save is held in its fsync (the fault waits for ``watched``) until the watch has redrawn three times, so
+    every frame shows it, however slowly a loaded node starts the CLI."""
     import torch
 
-    daemon = daemon_factory(faults=[{"op": "fsync", "match": "slow", "errno": 0, "delay": 2.0}])
+    watched = tmp_path / "watched"
+    daemon = daemon_factory(faults=[{"op": "fsync", "match": "slow", "errno": 0, "wait_for": str(watched)}])
     fut = client_factory().save_async({"w": torch.ones(1000)}, root / "slow")
-    out = daemon.cli("status", "--watch", "--interval", "0.2", "--count", "3")
+    saves = lambda: [(s["state"], s["written"] == s["bytes"]) for s in daemon.status()["saves"]]  # noqa: E731
+    wait_until(lambda: saves() == [("fsync", True)], 60, lambda: f"the save written and held in its fsync: {saves()}")
+    try:
+        out = daemon.cli("status", "--watch", "--interval", "0.2", "--count", "3")
+    finally:
+        watched.touch()
     assert out.returncode == 0
-    assert out.stdout.count("\x1b[H\x1b[2J") == 3
-    assert "[########################] 100.0%" in out.stdout and "fsync" in out.stdout
+    frames = out.stdout.split("\x1b[H\x1b[2J")
+    assert frames[0] == "" and len(frames) == 4, out.stdout
+    assert all("[########################] 100.0%" in f and "fsync" in f for f in frames[1:]), out.stdout
     fut.result(30)
     assert daemon.cli("status", "--watch", "--json").returncode == 2
 

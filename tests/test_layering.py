@@ -132,6 +132,30 @@ def test_starting_the_daemons_modules_loads_no_torch() -> None:
     assert result.returncode == 0, result.stderr
 
 
+NEEDS_NUMPY = frozenset({"numpy", "from_numpy", "gather_object", "all_gather_object", "broadcast_object_list",
+                         "scatter_object_list", "send_object_list", "recv_object_list"})
+"""Attributes whose use needs numpy: ``Tensor.numpy()``, ``torch.from_numpy`` and torch.distributed's object
+collectives (they pickle into tensors through ``tensor.numpy()``)."""
+
+
+def test_no_runtime_module_uses_numpy_which_ckptd_does_not_require() -> None:
+    """torch installs and runs without numpy, where ``Tensor.numpy()`` raises "Numpy is not available"; ckptd
+    requires no numpy, so none of its code may need it. ``make test`` has numpy (Lightning brings it): this
+    reads the source, and ``make test-nonumpy`` runs the client's saves and loads where numpy is absent."""
+    found = set()
+    for p in [*_sources("client"), *_sources("protocol"), *_sources("ckptd"), *_sources("ckptd/integrations")]:
+        where = str(p.relative_to(REPO))
+        for node in ast.walk(ast.parse(p.read_text(), where)):
+            if isinstance(node, ast.Import):
+                found |= {f"{where}:{node.lineno}: import {a.name}" for a in node.names
+                          if a.name.split(".")[0] == "numpy"}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "numpy":
+                found.add(f"{where}:{node.lineno}: from {node.module} import")
+            elif isinstance(node, ast.Attribute) and node.attr in NEEDS_NUMPY:
+                found.add(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, f"these need numpy, which ckptd does not require: {sorted(found)}"
+
+
 REACTIONS = ("ckptd.mirror", "ckptd.retention", "ckptd.holding", "ckptd.metrics", "ckptd.stats")
 """Modules that react to a commit (they subscribe to ``ckptd/events.py``)."""
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,17 +23,18 @@ from ckptd.client.memory import held_snapshots
 
 from helpers import SHM, equal_states, segments_of, wait_until
 from snapshots import STATE_SRC, full, held_paths, state_at
+from zygote import Script
 
 
 TRAINER = STATE_SRC + r'''
-import json, os, sys, time
+import json, os, signal, sys
 import ckptd
 run_dir, root, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 client = ckptd.Client(run_dir=run_dir, spawn=False)
 for step in range(1, steps + 1):
-    client.save_async(state_at(step), f"{root}/step-{step}", step=step, persist=False).result(60)
+    client.save_async(state_at(step), f"{root}/step-{step}", step=step, persist=False).result()
 print(json.dumps({"pid": os.getpid(), "slots": client.slot_names, "lent": client._slots.lent_names}), flush=True)
-time.sleep(120)  # the test kills us
+signal.pause()  # until the test kills us
 '''
 
 RESUMER = STATE_SRC + r'''
@@ -52,29 +51,36 @@ print(json.dumps({"path": str(path), "step": loaded["step"],
 
 
 def resume(run_dir: Path, root: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", RESUMER, str(run_dir), str(root)], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
+    """What a fresh process resuming from ``ckptd.latest`` read. Forked from the zygote (no torch import to wait
+    through) and waited for until it exits, however long a loaded node takes: the test's timeout bounds it."""
+    proc = Script(RESUMER, str(run_dir), str(root))
+    try:
+        out, err = proc.communicate()
+    finally:
+        proc.stdout.close()
+        proc.stderr.close()
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)  # what bounds the waits on its processes below, none of which has a budget of its own
 def test_a_killed_trainer_resumes_bitwise_from_memory_and_its_persisted_snapshot_survives_a_restart(
     daemon_factory, root, run_dir, tmp_path
 ) -> None:
     daemon = daemon_factory()
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(run_dir), str(root), "3"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = trainer.stdout.readline()
+    trainer = Script(TRAINER, str(run_dir), str(root), "3")
+    line = trainer.stdout.readline()  # once its three snapshots are held, or at its death
     assert line, trainer.stderr.read()[-3000:]
     info = json.loads(line)
     assert len(info["lent"]) == 1 and len(info["slots"]) == 2  # one slot held, one to stage the next snapshot
     trainer.kill()
-    assert trainer.wait(30) == -signal.SIGKILL  # the trainer died, it did not exit
+    assert trainer.wait() == -signal.SIGKILL  # the trainer died, it did not exit
+    trainer.stdout.close()
+    trainer.stderr.close()
 
     # the daemon persists the dead trainer's newest snapshot; its other slots go, the held one stays
     persisted = lambda: [(s["path"], s["step"], s["persisted"]) for s in daemon.status()["memory"]["snapshots"]]  # noqa: E731
-    wait_until(lambda: persisted() == [(str(root / "step-3"), 3, True)], 15,
+    wait_until(lambda: persisted() == [(str(root / "step-3"), 3, True)], 60,
                lambda: f"the daemon persists the newest snapshot of a dead trainer; it holds {persisted()}")
     assert sorted(os.listdir(root)) == ["step-3"]  # steps 1 and 2 were dropped from memory, never written
     # the held slot was renamed to the daemon's own (no sweep of dead clients' slots takes it): the others go
