@@ -24,7 +24,10 @@ and ``step-N`` appears, committed, once every rank's shard is durable.
 
 Loads read each rank's regions straight into its tensors (``ckptd.load_into``:
 any world size, any mesh); the step to resume is the newest committed
-checkpoint in ``folder`` by its ``ckptd.json`` (``ckptd.latest``). A run
+checkpoint in ``folder`` by its ``ckptd.json`` (``ckptd.latest``). A save
+to a step that has a checkpoint replaces it atomically, as torchtitan's DCP
+writer overwrites: a run rolled back by ``load_step`` trains on past its
+later steps. A run
 that switches keeps going: DCP checkpoints torchtitan's own manager saved
 in ``folder`` count too (a newer one is loaded through DCP), as does an
 ``initial_load_path`` to a DCP or Hugging Face checkpoint. ckptd's retention
@@ -164,13 +167,19 @@ class CheckpointManager(DCPCheckpointManager):
                  enable_garbage_collection: bool = False, to_hf: bool = False) -> Future | None:
         """Save ``state_dict`` as the ckptd checkpoint ``checkpoint_id``; the save's future unless ``DISABLED``.
 
+        A checkpoint already at ``checkpoint_id`` is replaced, as torchtitan's
+        DCP writer overwrites it: a run rolled back by ``load_step`` saves
+        over the later steps it trains past. The replacement is ckptd's
+        ``overwrite=True``: the old checkpoint stays whole until the new one
+        commits, and only a ckptd checkpoint is ever replaced (a folder of
+        torchtitan's own DCP files is refused, naming them).
         ``to_hf`` (the last step's Hugging Face export) is torchtitan's own DCP write.
         """
         if to_hf:
             return super().dcp_save(state_dict, checkpoint_id, AsyncMode.DISABLED, enable_garbage_collection, to_hf)
         match = _STEP_NAME.fullmatch(os.path.basename(checkpoint_id))
         future = self._ckptd_client().save_async(state_dicts(state_dict), checkpoint_id,
-                                                 step=int(match.group(1)) if match else None)
+                                                 step=int(match.group(1)) if match else None, overwrite=True)
         if async_mode == AsyncMode.DISABLED:
             future.result()
             return None

@@ -29,8 +29,10 @@ from ckptd.integrations.torchtitan import CheckpointManager
 
 from helpers import wait_until
 from sharded_ranks import run_ranks
-from titan_ranks import (SAVED, export_last_step_in_hf, parallel_aware, resume, resume_after_model_only_last_step,
-                         carry_over, switch_back, train_to_saved, train_until_killed)
+from titan_ranks import (ROLLED_BACK_TO, SAVED, export_last_step_in_hf, parallel_aware, resume,
+                         resume_after_model_only_last_step, resume_at, carry_over, roll_back, same, switch_back,
+                         train_to_saved,
+                         train_until_killed)
 from zygote import start_ranks
 
 
@@ -89,6 +91,34 @@ def check_resumed(daemon, folder: Path, mode: str, tmp_path: Path, out: Path) ->
         assert log["purge_thread"] is False  # the daemon keeps keep_latest_k, not torchtitan's purge thread
     resumed = ckptd.read_index(folder / f"step-{SAVED + 2}")
     assert (resumed.step, resumed.world_size) == (SAVED + 2, 3)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("manager", ["torchtitan", "ckptd"])
+def test_a_run_rolled_back_by_load_step_saves_over_the_later_steps_as_torchtitan_does(daemon, root: Path,
+                                                                                    tmp_path: Path,
+                                                                                    manager: str) -> None:
+    """``checkpoint.load_step`` back to step 2 of 2, 4, 6 and training on: each later save replaces that step's
+    folder with the new run's state (torchtitan's own manager, DCP's writer, overwrites; ckptd's once refused every
+    rank with ``CheckpointExists``, and the job died one interval after the rollback)."""
+    folder, out = root / "titan", tmp_path / "out"
+    out.mkdir()
+    args = (str(daemon.run_dir), str(folder), manager)
+    first = run_ranks(roll_back, 2, tmp_path, "train", *args, "train", str(out))
+    assert [log["saves"] for log in first] == [[2, SAVED, SAVED + 2]] * 2
+    logs = run_ranks(roll_back, 2, tmp_path, "rollback", *args, "rollback", str(out))
+    for log in logs:
+        assert (log["loaded"], log["step"]) == (True, ROLLED_BACK_TO), log
+        assert "error" not in log, log
+        assert log["saves"] == [SAVED, SAVED + 2]
+    later = [SAVED, SAVED + 2]
+    for step in later:
+        again = torch.load(out / f"rollback-step-{step}.pt")
+        assert not same(again["model"], torch.load(out / f"train-step-{step}.pt")["model"])  # another trajectory
+    checks = run_ranks(resume_at, 2, tmp_path, "load", *args, later, str(out))
+    for log in checks:  # each later folder holds the rolled-back run's state
+        assert log["differ"] == {str(step): [] for step in later}, log
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2", f"step-{SAVED}", f"step-{SAVED + 2}"]
 
 
 @pytest.mark.timeout(300)
