@@ -196,7 +196,10 @@ def test_last_step_is_exported_in_hugging_face_format_as_torchtitan_does(daemon,
 def test_torchtitans_per_rank_dataloader_resumes_and_is_left_out_on_more_ranks(daemon, root: Path,
                                                                                tmp_path: Path) -> None:
     """torchtitan's ``ParallelAwareDataloader`` (state per data-parallel rank) comes back on as many ranks; on
-    more, torchtitan cannot move it (``exclude_from_loading=["dataloader"]``), and the rest still resumes."""
+    more, torchtitan cannot move it (``exclude_from_loading=["dataloader"]``), and the rest still resumes. Not
+    excluded, every rank is refused naming the world-size change (it once told the rank whose ``dp_rank_N`` was never
+    saved to look for a model-only checkpoint, and failed the others in torchtitan's own check after the model
+    loaded)."""
     folder, out = root / "titan", tmp_path / "out"
     out.mkdir()
     run_ranks(parallel_aware, 2, tmp_path, "save", str(daemon.run_dir), str(folder), "save", str(out))
@@ -205,6 +208,13 @@ def test_torchtitans_per_rank_dataloader_resumes_and_is_left_out_on_more_ranks(d
         for rank, log in enumerate(logs):
             assert log["loaded"] is True
             assert log["differ"] == differ, (phase, rank, log)
+    logs = run_ranks(parallel_aware, 3, tmp_path, "grow-all", str(daemon.run_dir), str(folder), "grow-all", str(out))
+    for log in logs:  # every rank names the world-size change, before anything is loaded
+        assert log == {"step": 0, "error": (
+            f"ValueError: checkpoint {folder}/step-{SAVED} was saved at a data-parallel degree of 2 (2 ranks) and "
+            "this run's is 3 (3 ranks): torchtitan's ParallelAwareDataloader keeps its state per data-parallel rank "
+            "and cannot move it to another degree; to resume the rest on this world size, name it in "
+            'checkpoint.exclude_from_loading (["dataloader"])')}, log
 
 
 @pytest.mark.timeout(300)
@@ -216,10 +226,11 @@ def test_resuming_from_a_model_only_last_step_names_what_it_lacks(daemon, root: 
                      str(out))
     for log in logs:
         assert log["step"] == 0, log  # nothing was loaded
-        assert log["error"] == (f"checkpoint {folder}/step-{SAVED} holds no dataloader, lr_scheduler, optimizer, "
-                                "train_state, so it cannot restore this run's state (a model-only checkpoint, such as "
-                                "the last step's with last_save_model_only=True?); checkpoint.exclude_from_loading "
-                                "names state not to load")
+        assert log["error"] == (f"checkpoint {folder}/step-{SAVED} holds the model alone, as torchtitan's last "
+                                "step does with last_save_model_only=True (its default), so it cannot resume training "
+                                "(dataloader, lr_scheduler, optimizer, train_state not saved): resume from an earlier "
+                                "step (checkpoint.load_step=N), and set last_save_model_only=False in runs you mean to "
+                                "continue")
 
 
 def test_a_remote_folder_is_refused_naming_the_mirror() -> None:

@@ -293,6 +293,14 @@ def parallel_aware(rank: int, world: int, init: str, run_dir: str, folder: str, 
         exclude = [DATALOADER] if phase == "grow" else []
         run = example.Run.build(config(CheckpointManager, folder, run_dir, exclude_from_loading=exclude), steps=100)
         with_torchtitans_dataloader(run)
+        if phase == "grow-all":  # more ranks, the dataloader not excluded
+            try:
+                run.manager.load()
+            except Exception as exc:
+                return {"error": f"{type(exc).__name__}: {exc}", "step": run.state.step}
+            finally:
+                run.manager.close()
+            return {"step": run.state.step}
         if phase == "save":
             batches = iter(run.dataloader)
             while run.state.step < SAVED:
