@@ -2,11 +2,11 @@
 
 Collected only by ``make test-torchtitan`` (its venv has torchtitan). The
 first test is the whole story; the others each check one more of
-torchtitan's options (a switch from its DCP manager and back, its per-rank
-dataloader, the Hugging Face export, a model-only last step, a remote
-folder). Two
-ranks train the way torchtitan's ``Trainer`` does and save every 2 steps in
-each of torchtitan's async modes; halfway through step 5 rank 1 kills itself
+torchtitan's options (a load_step rollback, a switch from its DCP manager
+and back, its per-rank dataloader, the Hugging Face export, a model-only last
+step, a remote folder). Two ranks train the way torchtitan's ``Trainer``
+does and save every 2 steps in each of torchtitan's async modes; halfway
+through step 5 rank 1 kills itself
 (the test sees its exit by SIGKILL) and rank 0 is stopped while it waits for
 it. Three ranks then resume: the model and optimizer (resharded), the LR
 scheduler, the dataloader and the train state must equal what rank 0
