@@ -10,11 +10,19 @@ The switch is the checkpoint config, in a torchtitan ``Trainer.Config`` too::
     from ckptd.integrations.torchtitan import CheckpointManager   # instead of torchtitan's
     checkpoint = CheckpointManager.Config(enable=True, interval=3, async_mode="async", keep_latest_k=2)
 
-Run it twice; the second run resumes from the newest checkpoint on another
-number of ranks::
+Run it twice with the same ``--steps``, the first stopped early as a
+preempted job would be; the second resumes from the newest checkpoint on
+another number of ranks and finishes::
 
-    torchrun --nproc-per-node 2 examples/torchtitan_train.py --ckpt-dir /ckpts/titan --steps 6
+    torchrun --nproc-per-node 2 examples/torchtitan_train.py --ckpt-dir /ckpts/titan --steps 9 --stop-at 6
     torchrun --nproc-per-node 3 examples/torchtitan_train.py --ckpt-dir /ckpts/titan --steps 9
+
+The config keeps torchtitan's defaults, ``last_save_model_only=True`` among
+them: the last step (``--steps``) saves the model alone, an export that no
+run resumes from (a resume from it is refused, naming the step). To go on
+training a run that reached its last step, set ``last_save_model_only=False``
+in the run you mean to continue, or resume an earlier step with
+``load_step``.
 """
 
 from __future__ import annotations
@@ -125,24 +133,27 @@ class Run:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt-dir", required=True)
-    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=9, help="the run's last step (torchtitan's training.steps)")
+    parser.add_argument("--stop-at", type=int, default=None,
+                        help="stop after this step, before the last, as a preempted job would (no last-step save)")
     parser.add_argument("--save-every", type=int, default=3)
     parser.add_argument("--async-mode", default="async", choices=["disabled", "async", "async_with_pinned_mem"])
     args = parser.parse_args()
     dist.init_process_group("gloo")
     config = CheckpointManager.Config(enable=True, folder=os.path.abspath(args.ckpt_dir), interval=args.save_every,
-                                      async_mode=args.async_mode, keep_latest_k=2, last_save_model_only=False,
-                                      initial_load_model_only=False)
+                                      async_mode=args.async_mode, keep_latest_k=2)
     run = Run.build(config, args.steps)
     if run.manager.load():
         print(f"rank {dist.get_rank()}: resumed at step {run.state.step} on {dist.get_world_size()} ranks, "
               f"{run.dataloader.consumed} batches consumed", flush=True)
     batches = iter(run.dataloader)
-    while run.state.step < args.steps:
+    stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
+    while run.state.step < stop:
         run.step(batches)
         run.manager.save(run.state.step, last_step=run.state.step == args.steps)
     run.manager.close()  # waits for the saves in flight
-    print(f"rank {dist.get_rank()}: trained to step {run.state.step}", flush=True)
+    done = "trained to" if run.state.step == args.steps else "stopped at"
+    print(f"rank {dist.get_rank()}: {done} step {run.state.step}", flush=True)
     dist.destroy_process_group()
 
 

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import ckptd  # noqa: E402
 from ckptd.integrations.lightning import CkptdCheckpointIO  # noqa: E402
 
-from helpers import wait_until
+from helpers import keys, wait_until
 
 SCORES = [0.9, 0.5, 0.2, 0.1]
 """The monitored score of epochs 0-3 (lower is better): after three epochs the best two are
@@ -92,7 +92,8 @@ class Recorder(Callback):
         }
 
 
-def make_trainer(root: Path, run_dir: Path, max_epochs: int, recorder: Recorder) -> tuple[L.Trainer, ModelCheckpoint]:
+def make_trainer(root: Path | str, run_dir: Path, max_epochs: int,
+                 recorder: Recorder) -> tuple[L.Trainer, ModelCheckpoint]:
     checkpoints = ModelCheckpoint(dirpath=root, monitor="score", mode="min", save_top_k=2)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False, enable_progress_bar=False,
@@ -300,3 +301,45 @@ def test_fit_resumes_from_an_s3_url_and_load_checkpoint_reads_it(s3, bucket, dae
     trainer2.fit(TinyModel(), loader(), loader(), ckpt_path=url)
     assert second.at_start["global_step"] == 8 and second.at_start["epoch"] == 2
     assert_equal_tensors(second.at_start["weights"], first.saved[1]["weights"])
+
+
+@pytest.fixture
+def s3_for_fsspec(aws, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """fsspec's ``s3://`` filesystem, which ``ModelCheckpoint`` asks whether a checkpoint exists: obstore's (ckptd's
+    own S3 library) on ``aws``'s plain-HTTP endpoint; fsspec's registry is left as the test found it."""
+    import fsspec.config
+    import obstore.fsspec
+    from fsspec.registry import _registry
+
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"client_options": {"allow_http": True}})
+    before = _registry.get("s3")
+    obstore.fsspec.register("s3")
+    try:
+        yield aws
+    finally:
+        if before is None:
+            del _registry["s3"]
+        else:
+            _registry["s3"] = before
+
+
+@pytest.mark.timeout(120)
+def test_save_top_k_into_a_bucket_deletes_the_displaced_checkpoint_from_the_bucket(
+        s3_for_fsspec, bucket: str, daemon_factory, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ModelCheckpoint(dirpath="s3://...", save_top_k=2)``: the epoch it displaces is gone from the bucket (the
+    plugin once read the URL as a local path under the working directory and deleted nothing)."""
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    torch.manual_seed(0)
+    trainer, checkpoints = make_trainer(f"s3://{bucket}/run", daemon.run_dir, 3, Recorder())
+    monkeypatch.chdir(root)  # where a URL misread as a local path would land
+    trainer.fit(TinyModel(), loader(), loader())
+    trainer.strategy.checkpoint_io.teardown()
+
+    best_two = ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+    assert sorted({k.split("/")[1] for k in keys(s3_for_fsspec, bucket, "run/")}) == best_two
+    assert sorted(checkpoints.best_k_models) == [f"s3://{bucket}/run/{name}" for name in best_two]
+    for name in best_two:
+        assert ckptd.read_index(f"s3://{bucket}/run/{name}").step == int(name.split("step=")[1].removesuffix(".ckpt"))
+    with pytest.raises(ckptd.InvalidCheckpoint, match=f"no checkpoint at s3://{bucket}/run/epoch=0-step=4.ckpt"):
+        ckptd.read_index(f"s3://{bucket}/run/epoch=0-step=4.ckpt")
+    assert entries(root) == []  # nothing was made, or looked for, under the working directory

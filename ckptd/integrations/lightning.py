@@ -98,7 +98,7 @@ except ImportError:  # only the older standalone package is installed
 from ckptd.client import Client, SaveFuture, load
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint
 from ckptd.protocol.index import incomplete_path, read_index
-from ckptd.protocol.objects import canonical, is_object_path
+from ckptd.protocol.objects import absolute, canonical, display, is_object_path
 from ckptd.retention import remove_checkpoint
 from ckptd.routed import load_storage
 from ckptd.storage import Kind
@@ -421,11 +421,19 @@ class CkptdCheckpointIO(CheckpointIO):
         a symlink (``save_last="link"``; the link, never its target) or the
         ``path.incomplete`` leftover of a failed save is deleted. Anything
         else at ``path`` is left alone with a warning: it is not ours. A
-        committed checkpoint is renamed to a ``.incomplete`` name first, so
-        no reader, and no ``ckptd.latest``, sees it half-deleted.
+        committed checkpoint is set aside first (renamed to a ``.incomplete``
+        name; on a store, its index deleted first), so no reader, and no
+        ``ckptd.latest``, sees it half-deleted. An ``s3://`` URL deletes the
+        objects under it (``ModelCheckpoint(dirpath="s3://...")``'s top-k).
+
+        The deletion runs in this process on the daemon's storage code, not
+        in the daemon: the daemon takes no delete request yet, so it is not
+        serialised with the daemon's publish of the same path (the plugin
+        waits for its own saves to that path first, which is what
+        ``ModelCheckpoint`` needs).
         """
         self._wait_for(self._key(path))
-        target, storage = Path(os.path.abspath(os.fspath(path))), load_storage(None)
+        target, storage = Path(absolute(path)), load_storage(None)  # an s3:// URL stays one, routed to the store
         st = storage.stat(target)  # a link is reported as one, never followed
         if st is not None and st.kind is Kind.LINK:
             with contextlib.suppress(FileNotFoundError):
@@ -434,13 +442,13 @@ class CkptdCheckpointIO(CheckpointIO):
             try:
                 read_index(target)
             except InvalidCheckpoint:
-                warnings.warn(f"CkptdCheckpointIO left {target} in place: it is not a committed ckptd checkpoint",
-                              stacklevel=2)
+                warnings.warn(f"CkptdCheckpointIO left {display(target)} in place: it is not a committed ckptd "
+                              "checkpoint", stacklevel=2)
             else:  # gone meanwhile (False) is fine too: the goal is reached
                 if remove_checkpoint(storage, target, marker=None):
-                    log.debug("removed checkpoint %s", target)
+                    log.debug("removed checkpoint %s", display(target))
         elif st is not None:
-            warnings.warn(f"CkptdCheckpointIO left {target} in place: it is a file, not a ckptd checkpoint",
+            warnings.warn(f"CkptdCheckpointIO left {display(target)} in place: it is a file, not a ckptd checkpoint",
                           stacklevel=2)
         leftover = incomplete_path(target)
         if (left := storage.stat(leftover)) is not None and left.kind is Kind.DIR:  # never a link's target

@@ -24,7 +24,10 @@ and ``step-N`` appears, committed, once every rank's shard is durable.
 
 Loads read each rank's regions straight into its tensors (``ckptd.load_into``:
 any world size, any mesh); the step to resume is the newest committed
-checkpoint in ``folder`` by its ``ckptd.json`` (``ckptd.latest``). A run
+checkpoint in ``folder`` by its ``ckptd.json`` (``ckptd.latest``). A save
+to a step that has a checkpoint replaces it atomically, as torchtitan's DCP
+writer overwrites: a run rolled back by ``load_step`` trains on past its
+later steps. A run
 that switches keeps going: DCP checkpoints torchtitan's own manager saved
 in ``folder`` count too (a newer one is loaded through DCP), as does an
 ``initial_load_path`` to a DCP or Hugging Face checkpoint. ckptd's retention
@@ -58,7 +61,7 @@ from typing import Any
 
 try:
     from torchtitan.components.checkpointer import AsyncMode, CheckpointManager as DCPCheckpointManager
-    from torchtitan.components.checkpointer.base import MODEL
+    from torchtitan.components.checkpointer.base import DATALOADER, MODEL
     from torchtitan.tools.filesystem import is_remote
 except ImportError as exc:
     raise ImportError("ckptd.integrations.torchtitan needs torchtitan 0.3: pip install torchtitan==0.3.0") from exc
@@ -75,6 +78,8 @@ __all__ = ["CheckpointManager"]
 
 _STEP_NAME = re.compile(r"step-(\d+)")
 """torchtitan's checkpoint folder name (``_create_checkpoint_id``), read back as the checkpoint's step."""
+_PER_RANK = "dp_rank_"
+"""How torchtitan's ``ParallelAwareDataloader`` names its state's entries, one per data-parallel rank."""
 DCP_METADATA = ".metadata"
 """The file that makes a directory a DCP checkpoint (``torch.distributed.checkpoint``'s metadata)."""
 
@@ -164,13 +169,19 @@ class CheckpointManager(DCPCheckpointManager):
                  enable_garbage_collection: bool = False, to_hf: bool = False) -> Future | None:
         """Save ``state_dict`` as the ckptd checkpoint ``checkpoint_id``; the save's future unless ``DISABLED``.
 
+        A checkpoint already at ``checkpoint_id`` is replaced, as torchtitan's
+        DCP writer overwrites it: a run rolled back by ``load_step`` saves
+        over the later steps it trains past. The replacement is ckptd's
+        ``overwrite=True``: the old checkpoint stays whole until the new one
+        commits, and only a ckptd checkpoint is ever replaced (a folder of
+        torchtitan's own DCP files is refused, naming them).
         ``to_hf`` (the last step's Hugging Face export) is torchtitan's own DCP write.
         """
         if to_hf:
             return super().dcp_save(state_dict, checkpoint_id, AsyncMode.DISABLED, enable_garbage_collection, to_hf)
         match = _STEP_NAME.fullmatch(os.path.basename(checkpoint_id))
         future = self._ckptd_client().save_async(state_dicts(state_dict), checkpoint_id,
-                                                 step=int(match.group(1)) if match else None)
+                                                 step=int(match.group(1)) if match else None, overwrite=True)
         if async_mode == AsyncMode.DISABLED:
             future.result()
             return None
@@ -232,14 +243,51 @@ class CheckpointManager(DCPCheckpointManager):
             return
         _check_one_run(checkpoint_id)
         target = state_dicts(state_dict)
+        self._check_data_parallel_degree(target, checkpoint_id)
         report = load_into(target, checkpoint_id, strict=False, run_dir=self.run_dir)
         if report.missing:
-            raise ValueError(f"checkpoint {checkpoint_id} holds no {', '.join(sorted(report.missing))}, so it cannot "
-                             "restore this run's state (a model-only checkpoint, such as the last step's with "
-                             "last_save_model_only=True?); checkpoint.exclude_from_loading names state not to load")
+            raise ValueError(self._missing_message(checkpoint_id, report.missing))
         load_stateful(state_dict, target)
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(target)
+
+    def _check_data_parallel_degree(self, target: dict[str, Any], checkpoint_id: str) -> None:
+        """Refuse, on every rank and before anything is loaded, a per-rank dataloader saved at another degree.
+
+        torchtitan's ``ParallelAwareDataloader`` saves ``{"dp_rank_N": ...,
+        "world_size": D}``, D its data-parallel degree, and cannot load at
+        another one: a rank whose ``dp_rank_N`` was never saved would find it
+        missing, the others would fail in torchtitan's own check after the
+        model was loaded. Only the dataloader's plain values are read here.
+        """
+        ours = target.get(DATALOADER)
+        if not (isinstance(ours, dict) and "world_size" in ours
+                and any(isinstance(k, str) and k.startswith(_PER_RANK) for k in ours)):
+            return
+        saved = {DATALOADER: dict(ours)}
+        load_into(saved, checkpoint_id, strict=False, run_dir=self.run_dir)
+        degree = saved[DATALOADER].get("world_size")
+        if degree == ours["world_size"]:
+            return
+        raise ValueError(
+            f"checkpoint {checkpoint_id} was saved at a data-parallel degree of {degree} "
+            f"({ckptd.read_index(checkpoint_id).world_size} ranks) and this run's is {ours['world_size']} "
+            f"({torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1} ranks): torchtitan's "
+            "ParallelAwareDataloader keeps its state per data-parallel rank and cannot move it to another degree; to "
+            f'resume the rest on this world size, name it in checkpoint.exclude_from_loading (["{DATALOADER}"])')
+
+    def _missing_message(self, checkpoint_id: str, missing: list[str]) -> str:
+        """Why ``checkpoint_id`` cannot restore this run: the model alone (torchtitan's default last step), or the
+        state it lacks."""
+        lacking = {name.split(".", 1)[0] for name in missing}
+        wanted = {k for k in self.states if k != MODEL and k not in self.exclude_from_loading}
+        if wanted and lacking == wanted:  # every state but the model's
+            return (f"checkpoint {checkpoint_id} holds the model alone, as torchtitan's last step does with "
+                    "last_save_model_only=True (its default), so it cannot resume training "
+                    f"({', '.join(sorted(wanted))} not saved): resume from an earlier step (checkpoint.load_step=N), "
+                    "and set last_save_model_only=False in runs you mean to continue")
+        return (f"checkpoint {checkpoint_id} holds no {', '.join(sorted(missing))}, so it cannot restore this run's "
+                "state; checkpoint.exclude_from_loading names state not to load")
 
     def _close(self) -> None:
         """Wait for the saves in flight (a failed one raises here), then torchtitan's close."""

@@ -2,11 +2,11 @@
 
 Collected only by ``make test-torchtitan`` (its venv has torchtitan). The
 first test is the whole story; the others each check one more of
-torchtitan's options (a switch from its DCP manager and back, its per-rank
-dataloader, the Hugging Face export, a model-only last step, a remote
-folder). Two
-ranks train the way torchtitan's ``Trainer`` does and save every 2 steps in
-each of torchtitan's async modes; halfway through step 5 rank 1 kills itself
+torchtitan's options (a load_step rollback, a switch from its DCP manager
+and back, its per-rank dataloader, the Hugging Face export, a model-only last
+step, a remote folder). Two ranks train the way torchtitan's ``Trainer``
+does and save every 2 steps in each of torchtitan's async modes; halfway
+through step 5 rank 1 kills itself
 (the test sees its exit by SIGKILL) and rank 0 is stopped while it waits for
 it. Three ranks then resume: the model and optimizer (resharded), the LR
 scheduler, the dataloader and the train state must equal what rank 0
@@ -29,8 +29,10 @@ from ckptd.integrations.torchtitan import CheckpointManager
 
 from helpers import wait_until
 from sharded_ranks import run_ranks
-from titan_ranks import (SAVED, export_last_step_in_hf, parallel_aware, resume, resume_after_model_only_last_step,
-                         carry_over, switch_back, train_to_saved, train_until_killed)
+from titan_ranks import (ROLLED_BACK_TO, SAVED, export_last_step_in_hf, parallel_aware, resume,
+                         resume_after_model_only_last_step, resume_at, carry_over, roll_back, same, switch_back,
+                         train_to_saved,
+                         train_until_killed)
 from zygote import start_ranks
 
 
@@ -89,6 +91,34 @@ def check_resumed(daemon, folder: Path, mode: str, tmp_path: Path, out: Path) ->
         assert log["purge_thread"] is False  # the daemon keeps keep_latest_k, not torchtitan's purge thread
     resumed = ckptd.read_index(folder / f"step-{SAVED + 2}")
     assert (resumed.step, resumed.world_size) == (SAVED + 2, 3)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("manager", ["torchtitan", "ckptd"])
+def test_a_run_rolled_back_by_load_step_saves_over_the_later_steps_as_torchtitan_does(daemon, root: Path,
+                                                                                    tmp_path: Path,
+                                                                                    manager: str) -> None:
+    """``checkpoint.load_step`` back to step 2 of 2, 4, 6 and training on: each later save replaces that step's
+    folder with the new run's state (torchtitan's own manager, DCP's writer, overwrites; ckptd's once refused every
+    rank with ``CheckpointExists``, and the job died one interval after the rollback)."""
+    folder, out = root / "titan", tmp_path / "out"
+    out.mkdir()
+    args = (str(daemon.run_dir), str(folder), manager)
+    first = run_ranks(roll_back, 2, tmp_path, "train", *args, "train", str(out))
+    assert [log["saves"] for log in first] == [[2, SAVED, SAVED + 2]] * 2
+    logs = run_ranks(roll_back, 2, tmp_path, "rollback", *args, "rollback", str(out))
+    for log in logs:
+        assert (log["loaded"], log["step"]) == (True, ROLLED_BACK_TO), log
+        assert "error" not in log, log
+        assert log["saves"] == [SAVED, SAVED + 2]
+    later = [SAVED, SAVED + 2]
+    for step in later:
+        again = torch.load(out / f"rollback-step-{step}.pt")
+        assert not same(again["model"], torch.load(out / f"train-step-{step}.pt")["model"])  # another trajectory
+    checks = run_ranks(resume_at, 2, tmp_path, "load", *args, later, str(out))
+    for log in checks:  # each later folder holds the rolled-back run's state
+        assert log["differ"] == {str(step): [] for step in later}, log
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2", f"step-{SAVED}", f"step-{SAVED + 2}"]
 
 
 @pytest.mark.timeout(300)
@@ -166,7 +196,10 @@ def test_last_step_is_exported_in_hugging_face_format_as_torchtitan_does(daemon,
 def test_torchtitans_per_rank_dataloader_resumes_and_is_left_out_on_more_ranks(daemon, root: Path,
                                                                                tmp_path: Path) -> None:
     """torchtitan's ``ParallelAwareDataloader`` (state per data-parallel rank) comes back on as many ranks; on
-    more, torchtitan cannot move it (``exclude_from_loading=["dataloader"]``), and the rest still resumes."""
+    more, torchtitan cannot move it (``exclude_from_loading=["dataloader"]``), and the rest still resumes. Not
+    excluded, every rank is refused naming the world-size change (it once told the rank whose ``dp_rank_N`` was never
+    saved to look for a model-only checkpoint, and failed the others in torchtitan's own check after the model
+    loaded)."""
     folder, out = root / "titan", tmp_path / "out"
     out.mkdir()
     run_ranks(parallel_aware, 2, tmp_path, "save", str(daemon.run_dir), str(folder), "save", str(out))
@@ -175,6 +208,13 @@ def test_torchtitans_per_rank_dataloader_resumes_and_is_left_out_on_more_ranks(d
         for rank, log in enumerate(logs):
             assert log["loaded"] is True
             assert log["differ"] == differ, (phase, rank, log)
+    logs = run_ranks(parallel_aware, 3, tmp_path, "grow-all", str(daemon.run_dir), str(folder), "grow-all", str(out))
+    for log in logs:  # every rank names the world-size change, before anything is loaded
+        assert log == {"step": 0, "error": (
+            f"ValueError: checkpoint {folder}/step-{SAVED} was saved at a data-parallel degree of 2 (2 ranks) and "
+            "this run's is 3 (3 ranks): torchtitan's ParallelAwareDataloader keeps its state per data-parallel rank "
+            "and cannot move it to another degree; to resume the rest on this world size, name it in "
+            'checkpoint.exclude_from_loading (["dataloader"])')}, log
 
 
 @pytest.mark.timeout(300)
@@ -186,10 +226,11 @@ def test_resuming_from_a_model_only_last_step_names_what_it_lacks(daemon, root: 
                      str(out))
     for log in logs:
         assert log["step"] == 0, log  # nothing was loaded
-        assert log["error"] == (f"checkpoint {folder}/step-{SAVED} holds no dataloader, lr_scheduler, optimizer, "
-                                "train_state, so it cannot restore this run's state (a model-only checkpoint, such as "
-                                "the last step's with last_save_model_only=True?); checkpoint.exclude_from_loading "
-                                "names state not to load")
+        assert log["error"] == (f"checkpoint {folder}/step-{SAVED} holds the model alone, as torchtitan's last "
+                                "step does with last_save_model_only=True (its default), so it cannot resume training "
+                                "(dataloader, lr_scheduler, optimizer, train_state not saved): resume from an earlier "
+                                "step (checkpoint.load_step=N), and set last_save_model_only=False in runs you mean to "
+                                "continue")
 
 
 def test_a_remote_folder_is_refused_naming_the_mirror() -> None:

@@ -293,6 +293,14 @@ def parallel_aware(rank: int, world: int, init: str, run_dir: str, folder: str, 
         exclude = [DATALOADER] if phase == "grow" else []
         run = example.Run.build(config(CheckpointManager, folder, run_dir, exclude_from_loading=exclude), steps=100)
         with_torchtitans_dataloader(run)
+        if phase == "grow-all":  # more ranks, the dataloader not excluded
+            try:
+                run.manager.load()
+            except Exception as exc:
+                return {"error": f"{type(exc).__name__}: {exc}", "step": run.state.step}
+            finally:
+                run.manager.close()
+            return {"step": run.state.step}
         if phase == "save":
             batches = iter(run.dataloader)
             while run.state.step < SAVED:
@@ -308,3 +316,61 @@ def parallel_aware(rank: int, world: int, init: str, run_dir: str, folder: str, 
         return {"loaded": loaded, "differ": sorted(k for k in reference if not same(restored[k], reference[k]))}
 
     run_rank(rank, world, init, out, phase, body)
+
+
+ROLLED_BACK_TO = 2
+"""The step the rollback run loads (``checkpoint.load_step``): two saves before the first run's newest, ``SAVED + 2``."""
+
+
+def roll_back(rank: int, world: int, init: str, run_dir: str, folder: str, manager: str, phase: str,
+              out: str) -> None:
+    """``phase`` "train": train to ``SAVED + 2`` with the ``manager`` named (saves at 2, 4, 6), rank 0 saving the
+    gathered state of each save as ``out/<phase>-step-N.pt``. "rollback": a new run loads step ``ROLLED_BACK_TO``
+    (``checkpoint.load_step``, the usual answer to a loss spike), skips the batches the first run took next (so its
+    steps differ from the first run's) and trains on to ``SAVED + 2``, saving over steps 4 and 6. Logs the steps
+    loaded and saved, or the save's error."""
+
+    def body() -> dict:
+        run = example.Run.build(config(managers()[manager], folder, run_dir, keep_latest_k=0), steps=SAVED + 2)
+        log: dict[str, Any] = {}
+        batches = iter(run.dataloader)
+        if phase == "rollback":
+            log["loaded"] = run.manager.load(step=ROLLED_BACK_TO)
+            log["step"] = run.state.step
+            run.dataloader.consumed += world  # the batches behind the spike are skipped
+            batches = iter(run.dataloader)
+        saves = []
+        try:
+            while run.state.step < SAVED + 2:
+                run.step(batches)
+                if run.manager.save(run.state.step):
+                    run.manager.maybe_wait_for_saving()
+                    saves.append(run.state.step)
+                    reference = snapshot(run)
+                    if rank == 0:
+                        torch.save(reference, Path(out) / f"{phase}-step-{run.state.step}.pt")
+        except Exception as exc:  # what the trainer would die of
+            log["error"] = f"{type(exc).__name__}: {exc}"
+        log["saves"] = saves
+        run.manager.close()
+        return log
+
+    run_rank(rank, world, init, out, phase, body)
+
+
+def resume_at(rank: int, world: int, init: str, run_dir: str, folder: str, manager: str, steps: list[int],
+              out: str) -> None:
+    """Load each of ``steps`` with the ``manager`` named; log what differs from ``out/rollback-step-<step>.pt``."""
+
+    def body() -> dict:
+        differ = {}
+        for step in steps:
+            run = example.Run.build(config(managers()[manager], folder, run_dir), steps=SAVED + 2)
+            run.manager.load(step=step)
+            restored = snapshot(run)
+            run.manager.close()
+            reference = torch.load(Path(out) / f"rollback-step-{step}.pt")
+            differ[str(step)] = sorted(k for k in reference if not same(restored[k], reference[k]))
+        return {"differ": differ}
+
+    run_rank(rank, world, init, out, "load", body)
