@@ -38,6 +38,9 @@ from s3server import S3Server
 from stateful_checks import Checks
 from stateful_world import CONFIGS, KILL_POINTS, NAMES, SNAPSHOTS, Config, Model, Saved, World, launch_for
 
+HANG_S = 240.0
+"""How long a step may wait for a state before it counts as hung: only a guard, never a pace (ranks start and
+agree over gloo on two cores busy with other test workers: a minute was once too little)."""
 REFUSED_BY_ANOTHER_RUN = {"Conflict", "CheckpointExists"}
 """What a run whose save met another live run's save of the path may be told: refused while the other's attempt
 lives (``Conflict``), or after it committed (``CheckpointExists``, without overwrite)."""
@@ -159,7 +162,7 @@ class CheckpointMachine(Checks, RuleBasedStateMachine):
         before = data.draw(st.integers(1, self.world - 1), label="before")
         path = self.w.path(tier, name)
         _, cids = self._save(self.job, list(range(before)), tier, name)
-        self._wait(lambda: self._shards_in(path) >= before or self._finished(self.job, cids), 60,
+        self._wait(lambda: self._shards_in(path) >= before or self._finished(self.job, cids), HANG_S,
                    f"{before} shards of {path} durable or held")
         self._crash_job()
         if resave:
@@ -321,7 +324,7 @@ class CheckpointMachine(Checks, RuleBasedStateMachine):
             for daemon in self.w.daemons:
                 daemon.proc.send_signal(signal.SIGTERM)
             if outage:  # the drain has begun and meets the outage; the store comes back within the drain's deadline
-                self._wait(lambda: self.w.daemon.proc.poll() is not None or self._draining(), 30, "the drain begun")
+                self._wait(lambda: self.w.daemon.proc.poll() is not None or self._draining(), HANG_S, "the drain begun")
         finally:
             self.w.proxy.restore()
         for daemon in self.w.daemons:
@@ -356,7 +359,7 @@ class CheckpointMachine(Checks, RuleBasedStateMachine):
             if tier == "mirror":  # committed locally (or refused); its upload meets the outage
                 self._outcomes(self.job, cids)
             # until the daemon met the outage (a save may also end without touching the store: refused)
-            self._wait(lambda: self.w.proxy.resets > resets or (self._finished(self.job, cids) and self._idle()), 60,
+            self._wait(lambda: self.w.proxy.resets > resets or (self._finished(self.job, cids) and self._idle()), HANG_S,
                        f"the daemon meeting the outage while saving {path}")
         finally:
             self.w.proxy.restore()
