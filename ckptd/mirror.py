@@ -75,6 +75,9 @@ MAX_BACKOFF_S = 60.0
 CHUNK = 16 * 1024 * 1024
 RECENT = 10
 """Finished uploads ``ckptd status`` still shows."""
+ACTIVE = ("uploading", "retaining")
+"""States of an upload the mirror thread is working on (``retaining``: uploaded or skipped, the retentions it
+allows running): never picked again, and a commit meanwhile is uploaded after it."""
 SCAN_DEPTH = 4
 """How deep under a mirrored DIR the start-up scan looks for committed checkpoints."""
 
@@ -148,7 +151,7 @@ class Mirrors:
             return
         with self._cond:
             queued = self.uploads.get(checkpoint)
-            if queued is not None and queued.state != "uploading":
+            if queued is not None and queued.state not in ACTIVE:
                 return
             # one uploading is of the version before this commit (overwrite=True): upload again after it
             self.failed.pop(checkpoint, None)
@@ -198,7 +201,7 @@ class Mirrors:
         """Stop uploading; what is left is logged, and the next start queues it again (``_scan``)."""
         with self._cond:
             self._closed = True
-            left = [str(p) for p in self.uploads]
+            left = [str(p) for p, u in self.uploads.items() if u.state != "retaining"]  # those are on the store
             self._cond.notify()
         if left:
             log.warning("event=mirror_left count=%d paths=%s note=uploaded_at_next_start", len(left), ",".join(left))
@@ -213,7 +216,7 @@ class Mirrors:
                     if self._closed:
                         return
                     now = time.monotonic()
-                    waiting = [(u.due, p) for p, u in self.uploads.items() if u.state != "uploading"]
+                    waiting = [(u.due, p) for p, u in self.uploads.items() if u.state not in ACTIVE]
                     ready = [w for w in waiting if w[0] <= now]
                     if ready:
                         checkpoint = min(ready)[1]
@@ -298,6 +301,7 @@ class Mirrors:
             self._failed(checkpoint, upload, exc)
             return
         upload.seconds = time.monotonic() - upload.started
+        upload.state = "retaining"
         # The retentions it allows run while it is still listed in ``uploads``: until they are done (or handed to
         # the maintenance thread) the daemon is not idle, and a store half-way through --mirror-keep's deletion
         # (index gone, shards left) is never shown as settled.
