@@ -220,8 +220,16 @@ class ObjectCheckpoints:
 
     def discard(self, attempt: Path, final: Path) -> Path | None:
         """Nothing can be renamed away: the attempt's prefix is removed in place, before any retry."""
-        self.files.remove_tree(attempt)
+        self._remove_attempt(attempt)
         return None
+
+    def _remove_attempt(self, attempt: Path) -> None:
+        """Remove an attempt's prefix, unless it holds an index: ``p.incomplete`` is ``p``'s own prefix, so with
+        an index there it is a committed checkpoint (this save was refused by it, or another run committed it
+        after this attempt began), and it stays whole. A dead attempt's markers left in it harm no reader."""
+        if self.files.stat(attempt / INDEX_NAME) is not None:
+            return
+        self.files.remove_tree(attempt)
 
     def set_aside(self, checkpoint: Path, *, marker: str | None) -> Path | None:
         """Delete the index first: without it the checkpoint is gone for readers."""
@@ -251,4 +259,4 @@ class ObjectCheckpoints:
         return listed.with_name(listed.name + INCOMPLETE_SUFFIX)
 
     def sweep(self, attempt: Path, *, move_to: Path | None) -> None:
-        self.files.remove_tree(attempt)  # nothing can be moved on a store
+        self._remove_attempt(attempt)  # nothing can be moved on a store

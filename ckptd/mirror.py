@@ -75,6 +75,9 @@ MAX_BACKOFF_S = 60.0
 CHUNK = 16 * 1024 * 1024
 RECENT = 10
 """Finished uploads ``ckptd status`` still shows."""
+ACTIVE = ("uploading", "retaining")
+"""States of an upload the mirror thread is working on (``retaining``: uploaded or skipped, the retentions it
+allows running): never picked again, and a commit meanwhile is uploaded after it."""
 SCAN_DEPTH = 4
 """How deep under a mirrored DIR the start-up scan looks for committed checkpoints."""
 
@@ -148,7 +151,7 @@ class Mirrors:
             return
         with self._cond:
             queued = self.uploads.get(checkpoint)
-            if queued is not None and queued.state != "uploading":
+            if queued is not None and queued.state not in ACTIVE:
                 return
             # one uploading is of the version before this commit (overwrite=True): upload again after it
             self.failed.pop(checkpoint, None)
@@ -198,7 +201,7 @@ class Mirrors:
         """Stop uploading; what is left is logged, and the next start queues it again (``_scan``)."""
         with self._cond:
             self._closed = True
-            left = [str(p) for p in self.uploads]
+            left = [str(p) for p, u in self.uploads.items() if u.state != "retaining"]  # those are on the store
             self._cond.notify()
         if left:
             log.warning("event=mirror_left count=%d paths=%s note=uploaded_at_next_start", len(left), ",".join(left))
@@ -213,7 +216,7 @@ class Mirrors:
                     if self._closed:
                         return
                     now = time.monotonic()
-                    waiting = [(u.due, p) for p, u in self.uploads.items() if u.state != "uploading"]
+                    waiting = [(u.due, p) for p, u in self.uploads.items() if u.state not in ACTIVE]
                     ready = [w for w in waiting if w[0] <= now]
                     if ready:
                         checkpoint = min(ready)[1]
@@ -224,12 +227,23 @@ class Mirrors:
             self._attempt(checkpoint, upload)
 
     def _scan(self) -> None:
-        """Queue every committed checkpoint under a rule's DIR that the store does not hold."""
+        """Queue every committed checkpoint under a rule's DIR that the store does not hold; then run
+        ``--mirror-keep`` where they go: a daemon killed between an upload and the retention after it left the
+        store holding one too many, and a start that uploads nothing there would never trim it."""
+        beside: dict[Path, Path] = {}
         for local in self.rules:
             for checkpoint in self._committed_under(local, SCAN_DEPTH):
                 if checkpoint in self.unmirrored([checkpoint]):
                     log.info("event=mirror_queued path=%s reason=not_on_mirror", checkpoint)
                     self.submit(checkpoint)
+                dest = self.target(checkpoint)
+                if dest is not None:
+                    beside.setdefault(dest.parent, dest)
+        for dest in beside.values():
+            try:
+                self._retain_on_store(dest)
+            except Exception as exc:  # noqa: BLE001 - the next upload there runs it again
+                log.error("event=mirror_retention_failed path=%s error=%r", dest, exc)
 
     def _committed_under(self, directory: Path, depth: int) -> list[Path]:
         found = [path for _, path in committed_in(directory, SeamFiles(self.storage))]
@@ -286,15 +300,11 @@ class Mirrors:
         except Exception as exc:  # noqa: BLE001 - every failure is reported, transient ones retried
             self._failed(checkpoint, upload, exc)
             return
-        with self._cond:  # logged with its removal from ``uploads``: ``close`` lists only what is left
-            upload.state, upload.error = "skipped" if skipped else "uploaded", None
-            upload.seconds = time.monotonic() - upload.started
-            self.counts["skipped" if skipped else "uploaded"] += 1
-            self._ended(checkpoint, upload)
-            if skipped:
-                log.info("event=mirror_skipped path=%s dest=%s reason=%s", checkpoint, upload.dest, skipped)
-            else:
-                log.info("event=mirrored path=%s dest=%s bytes=%d", checkpoint, upload.dest, upload.sent)
+        upload.seconds = time.monotonic() - upload.started
+        upload.state = "retaining"
+        # The retentions it allows run while it is still listed in ``uploads``: until they are done (or handed to
+        # the maintenance thread) the daemon is not idle, and a store half-way through --mirror-keep's deletion
+        # (index gone, shards left) is never shown as settled.
         try:
             self._retain_on_store(dest)
         except Exception as exc:  # noqa: BLE001 - the upload stands; retention reports its own failure
@@ -306,6 +316,14 @@ class Mirrors:
                 self.after_upload(newest, read_index(newest, SeamFiles(self.storage)).keep_last)
         except (OSError, InvalidCheckpoint) as exc:  # the checkpoint stays until the next retention
             log.error("event=mirror_local_retention_failed path=%s error=%r", checkpoint, exc)
+        with self._cond:  # logged with its removal from ``uploads``: ``close`` lists only what is left
+            upload.state, upload.error = "skipped" if skipped else "uploaded", None
+            self.counts["skipped" if skipped else "uploaded"] += 1
+            self._ended(checkpoint, upload)
+            if skipped:
+                log.info("event=mirror_skipped path=%s dest=%s reason=%s", checkpoint, upload.dest, skipped)
+            else:
+                log.info("event=mirrored path=%s dest=%s bytes=%d", checkpoint, upload.dest, upload.sent)
 
     def _retain_on_store(self, dest: Path) -> None:
         """``--mirror-keep`` beside ``dest``, counting only the checkpoints on the store.

@@ -269,16 +269,35 @@ class Checks:
         assert not shm, f"shared memory of dead processes left in /dev/shm: {shm}"
         for path in [p for p in self.model.trimmed if p in self.model.must or p in self.model.may]:
             if not path.startswith("s3://"):
-                assert not (Path(path) / "ckptd.json").exists(), f"retention never deleted {path}"
-        self._bucket_clean()
+                self._eventually(lambda path=path: not (Path(path) / "ckptd.json").exists(),
+                                 f"retention deleting {path}")
+        self._eventually(self._bucket_clean, "the bucket holding only committed checkpoints")
         if self.cfg.mirror_keep is not None:
-            self._mirror_keeps()
+            self._eventually(self._mirror_keeps, f"the store holding --mirror-keep {self.cfg.mirror_keep}")
             return
         for path, saved in self.model.must.items():
             if "/mir/" in path:
                 unmirrored = [u["source"] for u in (info.get("mirror") or {}).get("unmirrored", [])]
                 if saved.overwrite or path not in unmirrored:  # a new save of a name still on the mirror may fail
-                    self._assert_loads(self.w.mirrored(path), saved)
+                    self._eventually(lambda path=path, saved=saved: self._assert_loads(self.w.mirrored(path), saved),
+                                     f"{path} on the mirror")
+
+    def _eventually(self, check, what: str) -> None:
+        """Wait until ``check`` holds (returns truthy or None without raising); fail with its last word after
+        ``IDLE_S``. Idle by status is not the end of the daemon's work: retention queued after an upload, the
+        retention of the store after it (``--mirror-keep``) and a start's scan of the mirrored directory run on
+        its threads with nothing in ``status`` showing them, so the end state is waited for, not read once."""
+        last: list[str] = []
+
+        def holds() -> bool:
+            try:
+                ok = check()
+            except AssertionError as exc:
+                last[:] = [str(exc)]
+                return False
+            return ok is None or bool(ok)
+
+        wait_until(holds, IDLE_S, lambda: f"{what}: {last[0] if last else 'never true'}")
 
     def _mirror_keeps(self) -> None:
         """``--mirror-keep N``: the store holds the N newest mirrored checkpoints (as many as were ever saved, if
