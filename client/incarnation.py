@@ -12,7 +12,9 @@ the ranks of one launch share and no other live launch does:
    restart count, or Slurm's job and step (``srun``) with its restart count.
    torchrun's default run id ``none`` (static rendezvous with
    ``--master-port``, and c10d without ``--rdzv-id``) is every launch's, and
-   so is a Slurm job's batch step (no step id): no name.
+   so is a Slurm job's batch step (no step id): no name. Nor is the Slurm
+   step of a process torchrun started with ``none``: several torchruns may
+   run in one step.
 3. With torch.distributed initialized and no name yet: rank 0 draws one at
    random and the ranks agree on it when their ``Client``s start
    (``coordinate.agree_on_places``).
@@ -58,9 +60,11 @@ def from_launcher() -> str:
     Whatever the variables hold (a run id is the user's to choose: long, or
     with a newline), the name is one a commit can carry.
     """
+    if os.environ.get("TORCHELASTIC_RUN_ID", "").strip() in SHARED_RUN_IDS and "TORCHELASTIC_RUN_ID" in os.environ:
+        return ""  # torchrun started it and names no launch: several torchruns may share one Slurm step
     for launcher, keys in LAUNCHERS:
         values = [os.environ.get(k, "") for k in keys]
-        if all(values[:-1]) and not (launcher == "torchelastic" and values[0].strip() in SHARED_RUN_IDS):
+        if all(values[:-1]):
             return _named(launcher, values)
     return ""
 

@@ -168,7 +168,7 @@ def test_two_live_launches_named_alike_by_their_launcher_never_mix_one_checkpoin
     ({"SLURM_JOB_ID": "4242"}, ""),
     ({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "3", "SLURM_RESTART_COUNT": "1"}, "slurm:4242:3:1"),
     ({"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0", "SLURM_JOB_ID": "4242",
-      "SLURM_STEP_ID": "0"}, "slurm:4242:0:"),
+      "SLURM_STEP_ID": "0"}, ""),
     ({}, ""),
 ], ids=["torchrun-none", "torchrun-rdzv-id", "slurm-batch-step", "slurm-srun-step", "torchrun-none-in-srun",
         "no-launcher"])
