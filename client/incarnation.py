@@ -60,7 +60,8 @@ def from_launcher() -> str:
     Whatever the variables hold (a run id is the user's to choose: long, or
     with a newline), the name is one a commit can carry.
     """
-    if os.environ.get("TORCHELASTIC_RUN_ID", "").strip() in SHARED_RUN_IDS and "TORCHELASTIC_RUN_ID" in os.environ:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is not None and run_id.strip() in SHARED_RUN_IDS:
         return ""  # torchrun started it and names no launch: several torchruns may share one Slurm step
     for launcher, keys in LAUNCHERS:
         values = [os.environ.get(k, "") for k in keys]
