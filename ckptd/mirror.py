@@ -35,8 +35,9 @@ counts as settled for local retention, so a restart does not upload again
 what mirror retention deleted.
 
 Local retention deferred for an upload runs once it is done: the retention
-the newest checkpoint beside it asked for, its save's ``keep_last`` read from
-its index (so a restart does not forget it), or the directory's ``--keep``.
+the checkpoint committed last beside it asked for (as its commit ran it), its
+save's ``keep_last`` read from its index (so a restart does not forget it),
+or the directory's ``--keep``.
 
 A transient failure (endpoint down, timeouts) is retried without end, with
 exponential backoff (``BACKOFF_S`` doubling to ``MAX_BACKOFF_S``) while the
@@ -309,10 +310,12 @@ class Mirrors:
             self._retain_on_store(dest)
         except Exception as exc:  # noqa: BLE001 - the upload stands; retention reports its own failure
             log.error("event=mirror_retention_failed path=%s error=%r", checkpoint, exc)
-        try:  # local retention may now delete it: the newest checkpoint's own retention, run again
+        try:  # local retention may now delete it: the retention the last one committed beside it asked for, again
             beside = committed_in(checkpoint.parent, SeamFiles(self.storage))
             if self.after_upload is not None and beside:
-                newest = beside[-1][1]
+                # the last committed, not the highest step: a commit's retention keeps the checkpoint it committed
+                # (a rollback's lower step too), so the retention deferred for the mirror is that one's
+                newest = max(beside, key=lambda found: found[0][1])[1]
                 self.after_upload(newest, read_index(newest, SeamFiles(self.storage)).keep_last)
         except (OSError, InvalidCheckpoint) as exc:  # the checkpoint stays until the next retention
             log.error("event=mirror_local_retention_failed path=%s error=%r", checkpoint, exc)
@@ -337,7 +340,7 @@ class Mirrors:
             return
         beside = committed_in(dest.parent, SeamFiles(self.storage))
         if beside:
-            apply_retention(self.storage, beside[-1][1], self.keep, set())
+            apply_retention(self.storage, beside[-1][1], self.keep, set(), spare_later=False)
 
     def _failed(self, checkpoint: Path, upload: Upload, exc: Exception) -> None:
         upload.error = getattr(exc, "message", None) or " ".join(

@@ -37,7 +37,8 @@ log = logging.getLogger("ckptd")
 
 def apply_retention(storage: CheckpointStorage, newest: Path, keep_last: int, in_flight: set[Path],
                     keep: Callable[[Path], bool] | None = None,
-                    publishing: AbstractContextManager[Any] = nullcontext()) -> list[Path]:
+                    publishing: AbstractContextManager[Any] = nullcontext(),
+                    spare_later: bool = True) -> list[Path]:
     """Delete committed checkpoints beside ``newest`` beyond the newest ``keep_last``.
 
     ``newest`` (the checkpoint just committed) is never deleted, whatever its
@@ -49,6 +50,9 @@ def apply_retention(storage: CheckpointStorage, newest: Path, keep_last: int, in
     ``keep`` may itself take seconds (it asks the mirror's store): so the victim is set aside only if its
     index is still the one it had before ``keep`` was asked, checked under ``publishing`` (the lock a commit
     holds while it takes a name), so an overwrite committed meanwhile is never the version deleted.
+    ``spare_later=False`` (the mirror's ``--mirror-keep``, run for the newest checkpoint on the store in
+    retention's order, one directory at a time) keeps only the newest ``keep_last`` in that order: an older
+    step uploaded after a newer one was created later than it, and sparing it kept it on the store for good.
     Returns what was deleted.
     """
     if keep_last < 1:
@@ -57,7 +61,7 @@ def apply_retention(storage: CheckpointStorage, newest: Path, keep_last: int, in
     created = next((key[1] for key, path in found if path == newest), float("inf"))
     others = [(key, path) for key, path in found if path != newest]
     victims = [p for key, p in others[: max(0, len(others) - (keep_last - 1))]
-               if p not in in_flight and key[1] <= created]  # one committed after newest (this runs later) stays
+               if p not in in_flight and (key[1] <= created or not spare_later)]  # one committed after newest (this runs later) stays
     deleted = []
     for victim in victims:
         judged = _index_bytes(storage, victim)

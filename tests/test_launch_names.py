@@ -1,8 +1,9 @@
 """Two live launches of one script never make one checkpoint, whatever their launcher calls them.
 
 torchrun's static rendezvous (``--master-port``) and its c10d rendezvous
-without ``--rdzv-id`` name every launch ``none``; a Slurm job's batch step has
-no step id. Runs named alike by their launcher must still be told apart: the
+without ``--rdzv-id`` name every launch ``none``, also where several torchruns
+share one Slurm step (its job and step ids); a Slurm job's batch step has no
+step id. Runs named alike by their launcher must still be told apart: the
 ranks agree on a name over torch.distributed (``client/incarnation.py``). Each
 test starts two real launches (torchrun forked from the zygote, its ranks
 fresh interpreters; or ranks started the way ``srun`` or a hand-written
@@ -82,6 +83,8 @@ class Launch:
             rendezvous = (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"] if form == "torchrun-c10d"
                           else ["--master-addr", "127.0.0.1", "--master-port", str(port)])
             env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "SLURM"))}
+            if form == "torchrun-in-srun-step":  # two torchruns started by one srun step: its ids are both's
+                env.update({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "0"})
             self.procs = [Script(_RUN_MODULE, str(REPO), json.dumps(env), "torch.distributed.run",
                                  "--nnodes", "1", "--nproc-per-node", "2", *rendezvous, str(script), json.dumps(args))]
         else:
@@ -128,7 +131,7 @@ def saving(daemon, path: Path) -> bool:
         c["path"] == str(path) for c in info["checkpoints"])
 
 
-FORMS = ["torchrun-static", "torchrun-c10d", "torchrun-static-no-process-group", "slurm-batch", "no-launcher"]
+FORMS = ["torchrun-static", "torchrun-c10d", "torchrun-in-srun-step", "torchrun-static-no-process-group", "slurm-batch", "no-launcher"]
 
 
 @pytest.mark.timeout(400)

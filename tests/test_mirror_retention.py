@@ -107,3 +107,61 @@ def test_keep_last_trims_local_copies_once_a_restart_has_uploaded_them(rule, s3,
     wait_until(lambda: local(run) == ["step-3", "step-4"], timeout=60,
                what=lambda: f"keep_last=2 applied after the restart's uploads, not {local(run)}")
     assert ckptd.load(run / "step-4")["step"] == 4
+
+
+def test_mirror_keep_trims_an_older_step_saved_after_the_newest_once_both_are_on_the_store(
+        s3, bucket, daemon_factory, client_factory, root) -> None:
+    """Saved during an outage, ``step-3`` then ``step-2`` (a rollback: created later, older by step), and the
+    daemon killed: its restart uploads ``step-2`` first (the scan queues both at once) and ``step-3`` after.
+    ``--mirror-keep 1`` keeps ``step-3``, the newest in retention's order, and deletes ``step-2`` however late it
+    was created (it was kept for good when the store's retention spared checkpoints created after the newest)."""
+    run, other = root / "run", root / "other"
+    run.mkdir()
+    other.mkdir()
+    args = ("--mirror", f"{run}=s3://{bucket}/mirror", "--mirror", f"{other}=s3://{bucket}/other",
+            "--mirror-keep", "1")
+    daemon = daemon_factory(*args)
+    client = client_factory()
+    s3.stop()
+    try:
+        for step in (3, 2):
+            client.save_async(state(seed=step), run / f"step-{step}", step=step).result(30)
+        client.close()
+        daemon.proc.send_signal(signal.SIGKILL)
+        assert daemon.proc.wait(10) == -signal.SIGKILL
+    finally:
+        s3.start()
+    daemon = daemon_factory(*args)
+    wait_until(lambda: daemon.status()["mirror"]["uploaded"] == 2, timeout=90,
+               what=lambda: f"both uploaded (status: {daemon.status()['mirror']})")
+    mirror_has_run(client_factory(), s3, bucket, other, "a")
+    assert mirrored(s3, bucket) == ["step-3"]
+    assert ckptd.load(f"s3://{bucket}/mirror/step-3")["step"] == 3
+
+
+def test_keep_last_deferred_for_the_mirror_keeps_the_rollback_its_commit_kept(s3, bucket, daemon_factory,
+                                                                              client_factory, root) -> None:
+    """``step-3`` then ``step-2`` (a rollback) saved with ``keep_last=1`` during an outage: ``step-2``'s commit
+    keeps ``step-2`` and would delete ``step-3``, which waits for the mirror. Once a restart has uploaded both,
+    the deferred retention is that commit's: ``step-3`` goes locally (it is on the mirror), ``step-2`` stays."""
+    run = root / "run"
+    run.mkdir()
+    args = ("--mirror", f"{run}=s3://{bucket}/mirror")
+    daemon = daemon_factory(*args)
+    client = client_factory()
+    s3.stop()
+    try:
+        for step in (3, 2):
+            client.save_async(state(seed=step), run / f"step-{step}", step=step, keep_last=1).result(30)
+        client.close()
+        daemon.proc.send_signal(signal.SIGKILL)
+        assert daemon.proc.wait(10) == -signal.SIGKILL
+        assert local(run) == ["step-2", "step-3"]  # step-3 is not on the mirror yet
+    finally:
+        s3.start()
+    daemon = daemon_factory(*args)
+    wait_until(lambda: mirrored(s3, bucket) == ["step-2", "step-3"], timeout=90,
+               what=lambda: f"both on the mirror (status: {daemon.status()['mirror']})")
+    wait_until(lambda: local(run) == ["step-2"], timeout=60,
+               what=lambda: f"keep_last=1 of step-2's save applied after the uploads, not {local(run)}")
+    assert ckptd.load(run / "step-2")["step"] == 2
