@@ -39,7 +39,7 @@ from ckptd.protocol.shm import slot_name
 from .admission import Examined, examine
 from .config import DaemonConfig
 from .events import Committed, Deleted, Dropped, Events, Failed, Held as HeldEvent
-from .replies import error_reply
+from .replies import as_error, error_reply
 from .saves import Saves
 from .snapshots import HeldShard, HeldSnapshot, shards_of
 from .state import NodeState
@@ -104,7 +104,9 @@ class Holding:
             crc = checksum_when_staged(memoryview(slot.map), msg.nbytes, progress)
             slots.adopt(slot, name)
             return crc
-        self.workers.submit("checksum", checksum_and_adopt, lambda f: self._checksummed(ident, msg, snap, f))
+        self.workers.submit("checksum", checksum_and_adopt, lambda f: self._checksummed(ident, msg, snap, f),
+                            failed=lambda exc: self.fail(snap, exc) if self.snapshots.held.get(snap.path) is snap
+                            else None)
 
     def _checksummed(self, ident: bytes, msg: Snapshot, snap: HeldSnapshot, fut: Future) -> None:
         self.state.end_save(ident, msg.id)
@@ -150,11 +152,11 @@ class Holding:
     def fail(self, snap: HeldSnapshot, exc: BaseException) -> None:
         """A snapshot failed: tell its waiting ranks, drop its shards (their slots go back with the error)."""
         self.snapshots.remove(snap)
-        reply = error_reply(self.state.stats, 0, exc)
-        log.warning("event=snapshot_failed path=%s error=%s", snap.path, reply.message)
-        snap.tell_failed(self.send, reply.code, reply.message)
+        error = as_error(self.state.stats, exc)
+        log.warning("event=snapshot_failed path=%s error=%s", snap.path, error.message)
+        snap.tell_failed(self.send, error.code, error.message)
         for client, rid in snap.persist_waiting:
-            self.send(client, Error(rid, reply.code, reply.message))
+            self.send(client, Error(rid, error.code, error.message))
         self._return_unheld([sh for sh in snap.shards.values() if sh.checksum is not None])  # the others: when
         # checksummed (``_checksummed``)
 
@@ -286,7 +288,8 @@ class Holding:
         snap.persisting, snap.persist_started = True, time.monotonic()
         log.info("event=persist path=%s step=%s", snap.path, snap.step)
         storage, final = self.storage, snap.path
-        self.workers.submit("admit", lambda: storage.space(final.parent), lambda fut: self._persist_room(snap, fut))
+        self.workers.submit("admit", lambda: storage.space(final.parent), lambda fut: self._persist_room(snap, fut),
+                            failed=lambda exc: self.persisted(snap.path, as_error(self.state.stats, exc)))
 
     def _persist_room(self, snap: HeldSnapshot, fut: Future) -> None:
         if fut.exception() is not None:

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
-from ckptd.protocol.errors import CkptdError, InternalError, RanksMissing, ShuttingDown, WriteFailed
+from ckptd.protocol.errors import CkptdError, RanksMissing, ShuttingDown, WriteFailed
 from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.messages import Abort, Accepted, Done, Durable, Finalize, Message, Ok, StagedShard, WriteShard
 from ckptd.protocol.objects import display, is_permanent
@@ -36,7 +36,7 @@ from .commit import CheckpointState, PendingCheckpoint, Retry, resolve_path
 from .config import DaemonConfig
 from .contributors import Contributors
 from .events import Committed, Events, Failed
-from .replies import error_reply
+from .replies import as_error, error_reply
 from .state import NodeState
 from .storage import CheckpointStorage
 from .sweep import KnownDirs
@@ -98,7 +98,8 @@ class Saves:
             else:
                 then(ident, msg, progress, fut.result(), pid=pid)
 
-        self.workers.submit("admit", lambda: examine(self.storage, slots, msg, pid=pid, roots=roots), examined)
+        self.workers.submit("admit", lambda: examine(self.storage, slots, msg, pid=pid, roots=roots), examined,
+                            failed=lambda exc: self.refuse(ident, msg, exc))
 
     def staged(self, ident: bytes, upto: int, error: str | None, request_id: int) -> None:
         progress = self.state.staging.get((ident, request_id))
@@ -161,7 +162,7 @@ class Saves:
                 if pending is not None and pending.persists_snapshot and pending.state is not CheckpointState.FAILED:
                     self.fail(pending, exc)
                 else:
-                    self.events.publish(Failed(final, exc if isinstance(exc, CkptdError) else InternalError(repr(exc))))
+                    self.events.publish(Failed(final, as_error(state.stats, exc)))
             return
         job = WriteJob(ident, msg, examined.slot, dest, pending.path, progress, device=examined.space.device,
                        expected_checksum=expected_checksum)
@@ -175,7 +176,8 @@ class Saves:
             return
         if pending.queued is None:
             pending.queued = []
-            self.workers.submit("admit", lambda: self._prepare(pending), lambda fut: self._prepared(pending, fut))
+            self.workers.submit("admit", lambda: self._prepare(pending), lambda fut: self._prepared(pending, fut),
+                                failed=self._fails(pending))
         pending.queued.append(job)
 
     def _prepare(self, pending: PendingCheckpoint) -> None:
@@ -206,7 +208,8 @@ class Saves:
     def _start(self, job: WriteJob, pending: PendingCheckpoint) -> None:
         cfg, storage, checksums = self.config, self.storage, self.workers.checksums
         run = lambda: write_shard(job, storage, checksums, direct=cfg.direct_io, chunk=cfg.chunk_bytes)  # noqa: E731
-        self.workers.submit("write", run, lambda fut: self._write_finished(job, pending, fut))
+        self.workers.submit("write", run, lambda fut: self._write_finished(job, pending, fut),
+                            failed=lambda exc: self._write_defect(job, pending, exc))
 
     # -- writes and commits ---------------------------------------------------
 
@@ -234,6 +237,18 @@ class Saves:
         if ready:
             self._finalize(pending)
 
+    def _write_defect(self, job: WriteJob, pending: PendingCheckpoint, exc: BaseException) -> None:
+        """``_write_finished`` raised: the write is over, so it ends here if the completion had not ended it yet
+        (its slot back, its shard no longer in flight), and the attempt fails on every rank (and is discarded once
+        nothing of it is written any more)."""
+        if job in self.state.jobs:
+            self.state.finish_job(job)
+            job.state = WriteState.FAILED
+            self.state.commits.shard_done(pending, None)
+            if pending.state is CheckpointState.FAILED and pending.writing == 0:  # failed by an earlier rank
+                self._discard(pending)
+        self._fails(pending)(exc)
+
     def finalize(self, ident: bytes, msg: Finalize) -> None:
         """Global rank 0 asks this daemon to commit a coordinated checkpoint; Done or Error follows."""
 
@@ -258,11 +273,12 @@ class Saves:
             else:
                 then(fut.result())
 
-        self.workers.submit("admit", lambda: resolve_path(self.storage, raw, roots), resolved)
+        self.workers.submit("admit", lambda: resolve_path(self.storage, raw, roots), resolved,
+                            failed=lambda exc: self.send(ident, error_reply(self.state.stats, rid, exc)))
 
     def _finalize(self, pending: PendingCheckpoint) -> None:
         self.workers.submit("commit", lambda: self.state.commits.finalize(pending),
-                            lambda fut: self._finalized(pending, fut))
+                            lambda fut: self._finalized(pending, fut), failed=self._fails(pending))
 
     def _finalized(self, pending: PendingCheckpoint, fut: Future) -> None:
         if fut.exception() is not None:
@@ -306,17 +322,24 @@ class Saves:
 
     def fail(self, pending: PendingCheckpoint, exc: BaseException) -> None:
         """Fail a checkpoint: tell every rank, remember why, clean up once no shard is being written."""
-        if not isinstance(exc, CkptdError):
-            log.error("event=internal_error path=%s error=%r", pending.path, exc)
-            exc = InternalError(f"internal error while saving {pending.path}: {exc!r}")
         state = self.state
+        exc = as_error(state.stats, exc)
         state.commits.fail(pending, exc)
-        state.stats.error(exc.message)
         log.warning("event=failed path=%s error=%s", pending.path, exc.message)
         pending.tell_failed(self.send, exc.code, exc.message)
         self.events.publish(Failed(pending.path, exc))
         if pending.writing == 0:  # else the last shard to finish discards (_write_finished)
             self._discard(pending)
+
+    def _fails(self, pending: PendingCheckpoint) -> Callable[[BaseException], None]:
+        """What a completion of ``pending``'s work that raised does: fail it on every waiting rank now (unless it
+        already ended), so none waits for its timeout."""
+
+        def failed(exc: BaseException) -> None:
+            if pending.state not in (CheckpointState.FAILED, CheckpointState.COMMITTED):
+                self.fail(pending, exc)
+
+        return failed
 
     def _discard(self, pending: PendingCheckpoint) -> None:
         self.workers.submit("admit", lambda: self.state.commits.set_aside(pending),

@@ -20,8 +20,10 @@ The loop thread never does file I/O. Everything that does runs here:
   crash-safe, so abandoning it is as safe as a crash.
 - ``status``: one thread for the free-space numbers of ``ckptd status`` and metrics.
 
-``submit(pool, work, then)`` runs ``work`` on a pool; ``then(future)`` runs
-back on the loop thread (a queue plus an eventfd that wakes its poll).
+``submit(pool, work, then, failed)`` runs ``work`` on a pool; ``then(future)``
+runs back on the loop thread (a queue plus an eventfd that wakes its poll). A
+completion that raises is a defect, but ranks may wait on it: ``failed(exc)``
+(the attempt's failure) answers them at once instead of at their timeout.
 """
 
 from __future__ import annotations
@@ -101,8 +103,10 @@ class Workers:
     def checksums(self) -> ThreadPoolExecutor:
         return self.pools["checksum"]
 
-    def submit(self, pool: str, work: Callable[[], object], then: Callable[[Future], None] | None = None) -> None:
-        """Run ``work`` on ``pool``; ``then(future)`` runs later on the loop thread (``apply_finished``)."""
+    def submit(self, pool: str, work: Callable[[], object], then: Callable[[Future], None] | None = None,
+               failed: Callable[[BaseException], None] | None = None) -> None:
+        """Run ``work`` on ``pool``; ``then(future)`` runs later on the loop thread (``apply_finished``), and
+        ``failed(exc)`` if ``then`` raised ``exc`` (ranks waiting on it must not wait for their timeout)."""
         self.in_flight += 1
         abandonable = pool == ABANDONABLE
         self.abandonable_in_flight += abandonable
@@ -110,7 +114,7 @@ class Workers:
         def report(fut: Future) -> None:
             if self.closed:  # abandoned work that finished during the exit: its fd may be another's now
                 return
-            self._finished.put(lambda: self._done(fut, then, abandonable))
+            self._finished.put(lambda: self._done(fut, then, failed, abandonable))
             os.eventfd_write(self.wake_fd, 1)
 
         (self.abandonable if abandonable else self.pools[pool]).submit(work).add_done_callback(report)
@@ -122,7 +126,8 @@ class Workers:
         self._finished.put(fn)
         os.eventfd_write(self.wake_fd, 1)
 
-    def _done(self, fut: Future, then: Callable[[Future], None] | None, abandonable: bool) -> None:
+    def _done(self, fut: Future, then: Callable[[Future], None] | None,
+              failed: Callable[[BaseException], None] | None, abandonable: bool) -> None:
         self.in_flight -= 1
         self.abandonable_in_flight -= abandonable
         try:
@@ -130,8 +135,14 @@ class Workers:
                 then(fut)
             elif fut.exception() is not None:
                 log.error("event=background_failed error=%r", fut.exception())
-        except Exception:  # a bug in a completion must not end the loop
-            log.exception("event=internal_error")
+        except Exception as exc:  # a bug in a completion must not end the loop
+            if failed is None:
+                log.exception("event=internal_error")
+                return
+            try:
+                failed(exc)  # logs it with its traceback (``replies.as_error``)
+            except Exception:
+                log.exception("event=internal_error")
 
     def woken(self) -> None:
         """Clear the wake-up fd after the poll saw it."""

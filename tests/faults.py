@@ -35,6 +35,10 @@ class Fault:
     checkpoints' directory), and space: the filesystem reports
     no free space (until the ``wait_for`` file exists, if one is named). Each fault that acts logs
     ``event=fault`` first, so a test can tell which call it hit.
+
+    One is no storage call: ``completion`` raises ``RuntimeError`` in the loop-thread completion of a shard's
+    write into a checkpoint whose path matches (``Saves._write_finished``), a defect of the daemon's own code
+    that no storage call can reach (the loop thread does no I/O). The storage loaded into the daemon installs it.
     """
 
     op: str
@@ -69,6 +73,19 @@ class FaultyStorage(LocalStorage):
             faults = [Fault(**f) for f in json.loads(os.environ.get(ENV) or "[]")]
         self.faults = faults
         self._paths: dict[int, str] = {}
+        if any(f.op == "completion" for f in faults):
+            self._install_completion_faults()
+
+    def _install_completion_faults(self) -> None:
+        from ckptd.saves import Saves
+
+        write_finished, inject = Saves._write_finished, self._inject
+
+        def raising(saves, job, pending, fut):  # noqa: ANN001, ANN202 - Saves._write_finished's own signature
+            inject("completion", str(pending.path))
+            return write_finished(saves, job, pending, fut)
+
+        Saves._write_finished = raising
 
     def _inject(self, op: str, where: str, *, after: bool = False) -> None:
         for f in self.faults:
@@ -82,6 +99,8 @@ class FaultyStorage(LocalStorage):
                     time.sleep(0.05)
                 if f.kill:
                     os.kill(os.getpid(), signal.SIGKILL)
+                if op == "completion":
+                    raise RuntimeError(f"injected defect in the completion of {where}")
                 if f.errno:
                     raise OSError(f.errno, f"{os.strerror(f.errno)} (injected)", where)
 

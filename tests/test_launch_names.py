@@ -103,7 +103,10 @@ class Launch:
         return json.loads(f.read_text()) if f.exists() else None
 
     def wait(self, rank: int, event: str) -> dict:
-        wait_until(lambda: self.said(rank, event) is not None or any(p.poll() is not None for p in self.procs), 180,
+        # the process that runs ``rank`` (torchrun runs both): a rank that has its answer exits while the other
+        # still saves
+        proc = self.procs[rank] if len(self.procs) > 1 else self.procs[0]
+        wait_until(lambda: self.said(rank, event) is not None or proc.poll() is not None, 180,
                    f"launch {self.name} rank {rank} says {event}")
         said = self.said(rank, event)
         assert said is not None, f"launch {self.name} exited early: {self.output()}"

@@ -12,6 +12,7 @@ import torch
 
 import ckptd
 
+from ckptd.protocol.endpoint import LOG_NAME
 from helpers import wait_until
 
 
@@ -134,3 +135,23 @@ def test_a_failed_parent_fsync_after_the_rename_reports_the_checkpoint_as_visibl
     # what the error says is true: the checkpoint is there, whole, and holds no owner marker
     assert torch.equal(ckptd.load(root / "honest")["w"], torch.ones(100))
     assert sorted(os.listdir(root / "honest")) == ["ckptd.json", "rank-00000-of-00001.safetensors"]
+
+
+def test_a_defect_in_a_completion_answers_every_waiting_rank_at_once_and_the_daemon_keeps_serving(
+        daemon_factory, client_factory, root) -> None:
+    """A completion on the loop thread that raises (injected: ``completion`` in ``tests/faults.py``) fails its
+    attempt on every rank waiting for it with an ``InternalError``, logged with its traceback; before, it was only
+    logged and the ranks waited for their commit timeout (here ten minutes: the wait would outlast the test)."""
+    daemon = daemon_factory(faults=[{"op": "completion", "match": "doomed", "errno": 0}])
+    clients = [client_factory(rank=r, world_size=2, commit_timeout=600) for r in (0, 1)]
+    futures = [c.save_async({"w": torch.full((64,), float(c.rank))}, root / "doomed") for c in clients]
+    for fut in futures:
+        with pytest.raises(ckptd.InternalError, match="injected defect in the completion"):
+            fut.result(120)
+    log = (daemon.run_dir / LOG_NAME).read_text()
+    assert "event=fault op=completion" in log and "Traceback" in log
+    wait_until(lambda: not (root / "doomed.incomplete").exists(), what="the failed attempt's directory removed")
+    assert not (root / "doomed").exists()
+    for fut in [c.save_async({"w": torch.ones(4)}, root / "after", step=1) for c in clients]:
+        fut.result(60)
+    assert ckptd.load(root / "after")["w"].tolist() == [1.0] * 4

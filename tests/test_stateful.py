@@ -16,12 +16,9 @@ from s3server import S3Server
 
 from stateful import run_stateful
 
-SHORT = {"tiers": (3, 10), "named_runs": (5, 6), "kills_inside": (2, 8), "two_nodes": (3, 6), "dcp": (3, 6)}
-"""(sequences, steps) per configuration in ``make test``: about half a minute each on two busy cores.
-
-``mirror_keep`` runs in ``make soak`` only, for now: on two busy cores it still ends, in about 2 runs of 7, with
-the store holding two checkpoints under ``--mirror-keep 1`` for good (RELIABILITY.md, "open"), and a red
-``make test`` would hold back everything else. It stays in the soak, failing, until that is fixed."""
+SHORT = {"tiers": (3, 10), "named_runs": (5, 6), "kills_inside": (2, 8), "two_nodes": (3, 6), "dcp": (3, 6),
+         "mirror_keep": (2, 8)}
+"""(sequences, steps) per configuration in ``make test``: about half a minute each on two busy cores."""
 
 
 def _run(aws: S3Server, config: str) -> None:
@@ -51,6 +48,11 @@ def test_daemon_kills_inside_a_write_a_publish_and_a_retention_lose_nothing_ackn
 def test_two_daemons_as_two_nodes_commit_whole_checkpoints_through_crashes_and_overlapping_runs(
         aws: S3Server) -> None:
     _run(aws, "two_nodes")
+
+
+@pytest.mark.timeout(600)
+def test_mirror_keep_and_keep_last_under_a_mirror_hold_across_outages_and_daemon_restarts(aws: S3Server) -> None:
+    _run(aws, "mirror_keep")
 
 
 @pytest.mark.timeout(600)
