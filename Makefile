@@ -23,7 +23,7 @@ PYTEST_WORKERS ?= 3
 test: $(STAMP)
 	$(PY) -m pytest -q --timeout=180 -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
-# The torchtitan integration (ckptd/integrations/torchtitan.py) against torchtitan itself, in a venv of its own:
+# The torchtitan integration (integrations/torchtitan.py) against torchtitan itself, in a venv of its own:
 # torchtitan 0.3 pulls in 465 MB and 42 packages beyond .venv (requirements-torchtitan.txt says what was measured), which
 # `make test` does without. tests/torchtitan/ is collected only here (`make test` skips that directory by name).
 TT_VENV := .venv-torchtitan

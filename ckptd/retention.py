@@ -21,7 +21,9 @@ from typing import Any, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptd.protocol.errors import Conflict, InvalidCheckpoint
 from ckptd.protocol.index import committed_in
+from ckptd.protocol.objects import display
 from ckptd.protocol.names import INDEX_NAME
 
 from .catalog import SeamFiles
@@ -61,7 +63,7 @@ def apply_retention(storage: CheckpointStorage, newest: Path, keep_last: int, in
     created = next((key[1] for key, path in found if path == newest), float("inf"))
     others = [(key, path) for key, path in found if path != newest]
     victims = [p for key, p in others[: max(0, len(others) - (keep_last - 1))]
-               if p not in in_flight and (key[1] <= created or not spare_later)]  # one committed after newest (this runs later) stays
+               if p not in in_flight and (key[1] <= created or not spare_later)]  # committed after newest: stays
     deleted = []
     for victim in victims:
         judged = _index_bytes(storage, victim)
@@ -73,20 +75,47 @@ def apply_retention(storage: CheckpointStorage, newest: Path, keep_last: int, in
             log.warning("event=retention_skip path=%s reason=%s", victim, reason)
             continue
         try:
-            with storage.delete_guard(victim, publishing):
-                if _index_bytes(storage, victim) != judged:
-                    log.info("event=retention_skip path=%s reason=saved_again", victim)
-                    continue
-                doomed = storage.set_aside(victim, marker=owner_marker())
-            if doomed is None:
-                continue
-            storage.remove_tree(doomed)
+            gone = delete_judged(storage, victim, judged, publishing)
         except OSError as exc:
             log.warning("event=retention_skip path=%s error=%s", victim, exc.strerror or exc)
             continue
-        deleted.append(victim)
-        log.info("event=retention_deleted path=%s", victim)
+        if gone is None:
+            log.info("event=retention_skip path=%s reason=saved_again", victim)
+        elif gone:
+            deleted.append(victim)
+            log.info("event=retention_deleted path=%s", victim)
     return deleted
+
+
+def delete_judged(storage: CheckpointStorage, checkpoint: Path, judged: bytes | None,
+                  publishing: AbstractContextManager[Any]) -> bool | None:
+    """The daemon's delete of a committed checkpoint judged deletable while its index was ``judged``: set aside
+    under ``publishing`` (with this daemon's owner marker, so a crash leaves what the start-up sweep removes),
+    then removed. True once deleted, False if it was gone already, None if it was saved again meanwhile (kept)."""
+    with storage.delete_guard(checkpoint, publishing):
+        if _index_bytes(storage, checkpoint) != judged:
+            return None
+        doomed = storage.set_aside(checkpoint, marker=owner_marker())
+    if doomed is None:
+        return False
+    storage.remove_tree(doomed)
+    return True
+
+
+def delete_on_request(storage: CheckpointStorage, checkpoint: Path,
+                      publishing: AbstractContextManager[Any]) -> bool:
+    """A trainer's ``Delete`` (``Client.delete``): True once ``checkpoint`` is deleted, False if nothing is there;
+    ``InvalidCheckpoint`` naming why if what is there is not a committed ckptd checkpoint (maintenance thread)."""
+    if storage.stat(checkpoint) is None:
+        return False
+    judged = _index_bytes(storage, checkpoint)
+    reason = why_not_replaceable(storage, checkpoint)
+    if reason is not None:
+        raise InvalidCheckpoint(f"{display(checkpoint)} is not deleted: {reason}")
+    gone = delete_judged(storage, checkpoint, judged, publishing)
+    if gone is None:
+        raise Conflict(f"{display(checkpoint)} is not deleted: it was saved again while the daemon examined it")
+    return gone
 
 
 @dataclass(frozen=True)
@@ -133,22 +162,6 @@ def _index_bytes(storage: CheckpointStorage, checkpoint: Path) -> bytes | None:
     return None if st is None else storage.read(checkpoint / INDEX_NAME, 0, st.size)
 
 
-def remove_checkpoint(storage: CheckpointStorage, path: Path, *, marker: str | None) -> bool:
-    """Delete a committed checkpoint in two phases; False if it was already gone.
-
-    The one two-phase delete (retention and the Lightning plugin): set aside
-    first (``Checkpoints.set_aside``), so readers see it vanish at once and
-    never half removed, then remove what is left. With ``marker`` (the
-    daemon's owner marker), a crash between the two leaves what the start-up
-    sweep removes.
-    """
-    doomed = storage.set_aside(path, marker=marker)
-    if doomed is None:
-        return False
-    storage.remove_tree(doomed)
-    return True
-
-
 class Retainer:
     """Runs retention after each commit and each upload, one waiting run per directory (``RetentionQueue``).
 
@@ -190,6 +203,26 @@ class Retainer:
                                    self.not_uploaded, self.publishing)
 
         self.workers.submit("maintenance", run, lambda fut: self._done(newest, fut))
+
+    def delete(self, final: Path, answer: Callable[[BaseException | None], None]) -> None:
+        """A trainer's ``Delete`` of ``final`` (loop thread): refused while a save to it is in flight, else the
+        two-phase delete on the maintenance thread (the one retention runs on, under the same publish lock);
+        ``answer(None)`` once done (or the error), and ``Deleted`` published after it."""
+        if final in set(self.in_flight()):
+            answer(Conflict(f"{display(final)} is not deleted: a save to it is in progress"))
+            return
+
+        def done(fut: Future) -> None:
+            if fut.exception() is not None:
+                answer(fut.exception())
+                return
+            answer(None)
+            if fut.result():
+                log.info("event=deleted path=%s reason=request", final)
+                self.events.publish(Deleted(final))
+
+        self.workers.submit("maintenance", lambda: delete_on_request(self.storage, final, self.publishing), done,
+                            failed=answer)
 
     def _done(self, newest: Path, fut: Future) -> None:
         if fut.exception() is not None:

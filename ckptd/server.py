@@ -21,7 +21,7 @@ import zmq
 from ckptd.protocol import __version__
 from ckptd.protocol.errors import BadMessage, ErrorCode
 from ckptd.protocol.messages import (
-    MAX_MESSAGE_BYTES, Abort, Bye, Error, Finalize, Granted, Hello, Lease, Message, Ok, Persist, Pin, Ping, Pong,
+    MAX_MESSAGE_BYTES, Abort, Bye, Delete, Error, Finalize, Granted, Hello, Lease, Message, Ok, Persist, Pin, Ping, Pong,
     Release, Snapshot, Snapshots, Staged, StagedShard, Status, StatusReply, Stop, Unpin, Welcome, WriteShard, decode,
     request_id,
 )
@@ -98,6 +98,7 @@ class Server:
             Ping: lambda ident, m: Pong(m.id),
             Lease: self._on_lease,
             Release: self._on_release,
+            Delete: self._on_delete,
             Bye: self._on_bye,
             Stop: self._on_stop,
         }
@@ -228,6 +229,14 @@ class Server:
         client = self.state.client(ident)
         self._send_grants(self.state.leases.request(ident, msg.id, client.pid, msg.limit))
         return None  # Granted follows when a lease is free
+
+    def _on_delete(self, ident: bytes, msg: Delete) -> None:
+        """Delete a committed checkpoint for a trainer (``Client.delete``): Ok, or the Error saying why not."""
+
+        def answer(exc: BaseException | None) -> None:
+            self._send(ident, Ok(msg.id) if exc is None else error_reply(self.state.stats, msg.id, exc))
+
+        self.saves.resolve_then(ident, msg.id, msg.path, lambda final: self.retainer.delete(final, answer))
 
     def _on_release(self, ident: bytes, msg: Release) -> Message:
         self._send_grants(self.state.leases.release(ident))

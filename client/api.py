@@ -16,7 +16,7 @@ from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.errors import Busy, CkptdError, InternalError, InvalidCheckpoint, NoSpace
 from ckptd.protocol.layout import ShardLayout
 from ckptd.protocol.messages import (
-    DEFAULT_COMMIT_TIMEOUT, Bye, Done, Durable, Held, Persist, Ping, Snapshot, Staged, WriteShard,
+    DEFAULT_COMMIT_TIMEOUT, Bye, Delete, Done, Durable, Held, Ok, Persist, Ping, Snapshot, Staged, WriteShard,
 )
 from ckptd.protocol.objects import absolute, user_path
 
@@ -454,6 +454,28 @@ class Client:
             raise TimeoutError(f"persist({target!r}) was not committed to disk within {wait:g} s") from None
         assert isinstance(done, Done)
         return user_path(done.path)
+
+    def delete(self, path: str | os.PathLike, *, timeout: float | None = None) -> None:
+        """Delete the committed checkpoint ``path`` through this node's daemon (nothing there is fine).
+
+        The daemon deletes it as its retention does: only a committed ckptd
+        checkpoint holding nothing but ckptd's files, under its publish lock
+        (never a version saved again meanwhile), set aside first so no reader
+        sees it half deleted, on disk or on an object store (``s3://``). A
+        save to it in flight is refused (``Conflict``), and what is not a
+        ckptd checkpoint is left where it is (``InvalidCheckpoint`` says why).
+        """
+        self._check_process()
+        if self._closed:
+            raise RuntimeError("this ckptd client is closed")
+        target = absolute(check_path("path", path))
+        wait = self.commit_timeout if timeout is None else check_seconds("timeout", timeout)
+        self._reconnect_if_lost()
+        try:
+            ok = self._conn.call(Delete(self._conn.next_id(), target), timeout=wait)
+        except TimeoutError:
+            raise TimeoutError(f"delete({target!r}) got no answer from the daemon within {wait:g} s") from None
+        assert isinstance(ok, Ok)
 
     @property
     def slot_names(self) -> list[str]:

@@ -16,6 +16,7 @@ Conversation::
     WriteShard       ──▶        Accepted ... later Done | Error   (its tensor table, or the digest of one sent before)
     Snapshot         ──▶        Accepted ... later Held | Error   (kept in node memory, not written)
     Persist          ──▶        Done | Error      (write a held snapshot to disk)
+    Delete           ──▶        Ok | Error        (a committed checkpoint, as retention deletes it)
     Snapshots        ──▶        SnapshotList      (what the daemon holds in memory)
     Pin              ──▶        SnapshotList      (that snapshot, kept as it is until Unpin: a reader's lease)
     Unpin            ──▶        Ok
@@ -230,6 +231,18 @@ class Persist(Message):
 
     path: str
     type: ClassVar[str] = "persist"
+
+    def __post_init__(self) -> None:
+        _check_path(self.path)
+
+
+@dataclass(frozen=True)
+class Delete(Message):
+    """Delete committed checkpoint ``path`` (``Ok`` once it is gone, or was): the daemon's two-phase delete, under
+    its publish lock, as retention deletes. A save in flight to it, or what is not a ckptd checkpoint, is refused."""
+
+    path: str
+    type: ClassVar[str] = "delete"
 
     def __post_init__(self) -> None:
         _check_path(self.path)
@@ -471,7 +484,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.type: cls
     for cls in (Hello, Welcome, WriteShard, Staged, Accepted, Durable, Finalize, Abort, Done, Lease, Granted, Release, Error,
                 Status, StatusReply, Ping, Pong, Bye, Stop, Ok, Snapshot, Held, Persist, Snapshots, SnapshotList,
-                Pin, Unpin)
+                Pin, Unpin, Delete)
 }
 
 

@@ -29,6 +29,7 @@ NORMAL_REPLY = {
     "release": "ok",
     "snapshot": "accepted",
     "persist": "done",
+    "delete": "ok",
     "snapshots": "snapshot_list",
 }
 FINAL_REPLIES = {"done", "error", "durable", "held"}
@@ -39,9 +40,9 @@ NEVER_SENT = {"stop"}
 """The one request that may stop the daemon; the fuzzer does not send it."""
 SILENT_WHEN_VALID = {"staged"}
 """Notices: a valid one gets no reply at all (an invalid one gets its Error)."""
-LATE_FIRST_REPLY = {"commit", "snapshot", "finalize", "abort", "persist", "status", "lease"}
+LATE_FIRST_REPLY = {"commit", "snapshot", "finalize", "abort", "persist", "delete", "status", "lease"}
 """Requests whose one reply may come after later requests are answered (their I/O runs on the daemon's
-worker pools: admission, and the path resolution of finalize, abort and persist; the lease queue)."""
+worker pools: admission, and the path resolution of finalize, abort, persist and delete; the lease queue)."""
 COMMIT_FIELDS = {f.name for f in dataclasses.fields(WriteShard)} - {"id"}
 
 

@@ -75,6 +75,7 @@ VALID_FIELDS: dict[str, dict[str, Any]] = {
     "ok": {},
     "held": {"path": "/ckpt/step-101", "bytes_held": 4128, "seconds": 0.5, "released": ["ckptd-1000-4242-0"]},
     "persist": {"path": "/ckpt/step-101"},
+    "delete": {"path": "/ckpt/step-101"},
     "pin": {"path": "/ckpt/step-101"},
     "unpin": {"path": "/ckpt/step-101"},
     "snapshots": {},

@@ -15,13 +15,16 @@ from pathlib import Path
 
 from helpers import REPO
 
-DAEMON_SIDE = frozenset({"integrations", "dcp"})
+DAEMON_SIDE = frozenset({"dcp"})
 """Modules under ``ckptd/`` that are the client's (torch-side), not the daemon's."""
+FACE = ("__init__", "dcp")
+"""The package face under ``ckptd/``: what ``import ckptd`` and ``ckptd.dcp`` give, the client's and the protocol's."""
 
 
 def _imports(path: Path) -> set[str]:
     """Every module ``path`` imports, absolute (relative imports resolved against its package)."""
-    package = {"protocol": "ckptd.protocol", "client": "ckptd.client"}.get(path.parent.name, "ckptd")
+    package = {"protocol": "ckptd.protocol", "client": "ckptd.client",
+               "integrations": "ckptd.integrations"}.get(path.parent.name, "ckptd")
     return _imports_of(ast.parse(path.read_text(), str(path)), package)
 
 
@@ -48,6 +51,18 @@ def test_the_client_never_imports_daemon_internals() -> None:
     assert not bad, f"client/ may use ckptd.protocol only: {bad}"
 
 
+def test_the_integrations_and_the_package_face_reach_only_the_client_and_the_protocol() -> None:
+    """Torch-side adapters (``integrations/``, imported as ``ckptd.integrations``) and the package face use the
+    client and the protocol, never the daemon's modules: what they need of the daemon (deleting a checkpoint,
+    say) is a request to it (``Client.delete``), so it runs under the daemon's own locks."""
+    allowed = ("ckptd.protocol", "ckptd.client", "ckptd.integrations")
+    sources = [*_sources("integrations"), *(REPO / "ckptd" / f"{name}.py" for name in FACE)]
+    assert len(sources) > len(FACE), "integrations/ holds no module"
+    bad = {f"{p.relative_to(REPO)}: {m}" for p in sources for m in _imports(p)
+           if m.startswith("ckptd.") and not m.startswith(allowed)}
+    assert not bad, f"integrations/ and the package face may use ckptd.client and ckptd.protocol only: {bad}"
+
+
 BACKEND_BLIND = ("writer", "retention", "admission", "holding", "snapshots", "saves", "sweep", "mirror")
 """Daemon modules that speak to storage in checkpoint operations only (``ckptd.storage.Checkpoints``)."""
 
@@ -57,7 +72,7 @@ def test_the_checkpoint_lifecycle_never_asks_which_backend_a_name_is_on() -> Non
     ask whether a name is on an object store; what writes, publishes and deletes checkpoints does not."""
     blind = [p for p in _sources("ckptd") if p.stem in BACKEND_BLIND]
     asking = {f"{p.name}: {m}" for p in blind for m in _imports(p) if m.endswith(".is_object_path")}
-    asking |= {p.name for p in [*_sources("ckptd"), *_sources("ckptd/integrations")] if "can_rename" in p.read_text()}
+    asking |= {p.name for p in [*_sources("ckptd"), *_sources("integrations")] if "can_rename" in p.read_text()}
     assert not asking, f"checkpoint operations, not backend checks: {asking}"
 
 
@@ -143,7 +158,7 @@ def test_no_runtime_module_uses_numpy_which_ckptd_does_not_require() -> None:
     requires no numpy, so none of its code may need it. ``make test`` has numpy (Lightning brings it): this
     reads the source, and ``make test-nonumpy`` runs the client's saves and loads where numpy is absent."""
     found = set()
-    for p in [*_sources("client"), *_sources("protocol"), *_sources("ckptd"), *_sources("ckptd/integrations")]:
+    for p in [*_sources("client"), *_sources("protocol"), *_sources("ckptd"), *_sources("integrations")]:
         where = str(p.relative_to(REPO))
         for node in ast.walk(ast.parse(p.read_text(), where)):
             if isinstance(node, ast.Import):

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import ckptd
 from ckptd.ownership import owner_marker
+from ckptd.protocol.endpoint import LOG_NAME
 from ckptd.protocol.index import INDEX_NAME, CheckpointIndex, shard_name
 from ckptd.retention import apply_retention
 from ckptd.checkpoints_store import ObjectCheckpoints
@@ -210,3 +212,31 @@ def test_start_refuses_a_keep_rule_outside_every_root(root, run_dir, tmp_path) -
     assert done.returncode == 2, done.stderr
     assert f"--keep {outside}=3: the directory is outside every --root" in done.stderr, done.stderr
     assert not (run_dir / "ckptd.sock").exists()
+
+
+def test_client_delete_removes_a_committed_checkpoint_through_the_daemon_and_nothing_else(
+        daemon_factory, client_factory, root, tmp_path) -> None:
+    """``Client.delete``: the daemon's two-phase delete, refused for what is not a ckptd checkpoint, for a save in
+    flight to the path and outside the roots; nothing there is fine."""
+    daemon = daemon_factory(faults=[{"op": "rename", "match": "held", "errno": 0,
+                                     "wait_for": str(tmp_path / "go")}])
+    client = client_factory()
+    client.save_async({"w": torch.ones(8)}, root / "step-1", step=1).result(30)
+    client.delete(root / "step-1")
+    assert not (root / "step-1").exists() and not list(root.iterdir())
+    client.delete(root / "step-1")  # gone already: nothing to do
+    (root / "notes").mkdir()
+    (root / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(ckptd.InvalidCheckpoint, match="not a committed ckptd checkpoint"):
+        client.delete(root / "notes")
+    assert (root / "notes" / "todo.txt").read_text() == "mine"
+    with pytest.raises(ckptd.PathNotAllowed):
+        client.delete(tmp_path / "elsewhere")
+    fut = client.save_async({"w": torch.ones(8)}, root / "held", step=2)
+    wait_until(lambda: "event=fault op=rename" in (daemon.run_dir / LOG_NAME).read_text(), 30,
+               "the save's publish held by the fault")
+    with pytest.raises(ckptd.Conflict, match="a save to it is in progress"):
+        client.delete(root / "held")
+    (tmp_path / "go").touch()
+    fut.result(30)
+    assert ckptd.load(root / "held")["w"].tolist() == [1.0] * 8

@@ -97,11 +97,7 @@ except ImportError:  # only the older standalone package is installed
 
 from ckptd.client import Client, SaveFuture, load
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint
-from ckptd.protocol.index import incomplete_path, read_index
 from ckptd.protocol.objects import absolute, canonical, display, is_object_path
-from ckptd.retention import remove_checkpoint
-from ckptd.routed import load_storage
-from ckptd.storage import Kind
 
 __all__ = ["CkptdCheckpointIO", "to_plain"]
 
@@ -417,42 +413,28 @@ class CkptdCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Delete the checkpoint at ``path`` once no save to it is in flight; absent is fine.
 
-        Only a committed ckptd checkpoint directory (its index reads back),
-        a symlink (``save_last="link"``; the link, never its target) or the
-        ``path.incomplete`` leftover of a failed save is deleted. Anything
-        else at ``path`` is left alone with a warning: it is not ours. A
-        committed checkpoint is set aside first (renamed to a ``.incomplete``
-        name; on a store, its index deleted first), so no reader, and no
-        ``ckptd.latest``, sees it half-deleted. An ``s3://`` URL deletes the
-        objects under it (``ModelCheckpoint(dirpath="s3://...")``'s top-k).
-
-        The deletion runs in this process on the daemon's storage code, not
-        in the daemon: the daemon takes no delete request yet, so it is not
-        serialised with the daemon's publish of the same path (the plugin
-        waits for its own saves to that path first, which is what
-        ``ModelCheckpoint`` needs).
+        A committed ckptd checkpoint is deleted by the daemon (``Client.delete``),
+        as its retention deletes one: under its publish lock, set aside first
+        (so no reader, and no ``ckptd.latest``, sees it half deleted), on disk
+        or under an ``s3://`` URL (``ModelCheckpoint(dirpath="s3://...")``'s
+        top-k). A symlink (``save_last="link"``) is unlinked here: the link,
+        never its target. Anything else at ``path`` is left alone with a
+        warning saying why: it is not ours. What a failed save left is the
+        daemon's to remove, and it does.
         """
         self._wait_for(self._key(path))
-        target, storage = Path(absolute(path)), load_storage(None)  # an s3:// URL stays one, routed to the store
-        st = storage.stat(target)  # a link is reported as one, never followed
-        if st is not None and st.kind is Kind.LINK:
+        target = absolute(path)
+        if not is_object_path(target) and os.path.islink(target):
             with contextlib.suppress(FileNotFoundError):
-                storage.unlink(target)
-        elif st is not None and st.kind is Kind.DIR:
-            try:
-                read_index(target)
-            except InvalidCheckpoint:
-                warnings.warn(f"CkptdCheckpointIO left {display(target)} in place: it is not a committed ckptd "
-                              "checkpoint", stacklevel=2)
-            else:  # gone meanwhile (False) is fine too: the goal is reached
-                if remove_checkpoint(storage, target, marker=None):
-                    log.debug("removed checkpoint %s", display(target))
-        elif st is not None:
-            warnings.warn(f"CkptdCheckpointIO left {display(target)} in place: it is a file, not a ckptd checkpoint",
-                          stacklevel=2)
-        leftover = incomplete_path(target)
-        if (left := storage.stat(leftover)) is not None and left.kind is Kind.DIR:  # never a link's target
-            storage.remove_tree(leftover)
+                os.unlink(target)
+            return
+        try:
+            self.client.delete(target)
+        except InvalidCheckpoint as exc:
+            warnings.warn(f"CkptdCheckpointIO left {display(target)} in place: it is not a ckptd checkpoint the "
+                          f"daemon may delete ({exc.message})", stacklevel=2)
+        else:
+            log.debug("removed checkpoint %s", display(target))
 
     def teardown(self) -> None:
         """Wait for every pending save, close the client, then raise the first failed save."""
