@@ -28,7 +28,7 @@ from ckptd.protocol.layout import TensorEntry, parse_header
 from ckptd.protocol.messages import StagedShard
 from ckptd.protocol.shm import SHM_REMEDIES, shm_usage
 
-from .commit import refuse_existing, resolve_path
+from .paths import refuse_existing, resolve_path
 from .render import human_bytes
 from .slot_maps import MappedSlot, SlotMaps
 from .storage import CheckpointStorage, Space

@@ -18,8 +18,8 @@ node's daemon), or its contributors all dead. While it is kept, a rank of
 another live run saving the same path is refused (``Conflict``), as it is
 while any attempt is in progress.
 
-All bookkeeping here runs on the loop thread; ``resolve_path``,
-``prepare``, ``set_aside`` and ``finalize`` do I/O (only through the
+All bookkeeping here runs on the loop thread; ``prepare``, ``set_aside`` and
+``finalize`` do I/O (only through the
 ``Storage``) and run on the worker pools. A checkpoint goes through::
 
     preparing -> writing -> committing -> committed      (or -> failed)
@@ -41,12 +41,10 @@ from ckptd.protocol.errors import (
     Conflict,
     InternalError,
     InvalidCheckpoint,
-    PathNotAllowed,
     RanksMissing,
     WriteFailed,
 )
 from ckptd.protocol.index import (
-    INCOMPLETE_SUFFIX,
     CheckpointIndex,
     ShardRecord,
     TensorRecord,
@@ -55,19 +53,18 @@ from ckptd.protocol.index import (
 )
 from ckptd.protocol.messages import Finalize, StagedShard
 from ckptd.protocol.inspect import read_shard_header
-from ckptd.protocol.objects import display, is_object_path
+from ckptd.protocol.objects import display
 
 from .attempt import Attempt, Waiter, Words
+from .paths import refuse_existing
 from .catalog import SeamFiles
 from .contributors import Contributors
 from .ownership import (
-    check_replaceable,
     is_owner_marker,
     owner_marker,
     release,
     remove_markers,
     why_not_leftover,
-    why_not_replaceable,
 )
 from .storage import CheckpointStorage, Kind, PublishedNotDurable
 
@@ -186,56 +183,6 @@ class Retry:
     pid: int
     progress: "Progress"
     examined: "Examined"
-
-
-def resolve_path(storage: CheckpointStorage, raw: str, roots: tuple[Path, ...]) -> Path:
-    """The final checkpoint path for ``raw``, if it lies under an allowed root (I/O).
-
-    Symlinks and ``..`` in the parent are resolved first, so neither can lead
-    the write outside the roots.
-    """
-    path = Path(raw)
-    try:
-        is_object = is_object_path(raw)
-    except ValueError as exc:
-        raise PathNotAllowed(f"checkpoint path: {exc}") from None
-    if not path.is_absolute() and not is_object:
-        raise PathNotAllowed(f"checkpoint path {raw!r} must be absolute (or an s3:// URL)")
-    if path.name in ("", ".", "..") or path.name.endswith(INCOMPLETE_SUFFIX):
-        raise PathNotAllowed(f"checkpoint path {raw!r} must end in a name that is not {INCOMPLETE_SUFFIX!r}")
-    try:
-        final = storage.resolve(path.parent) / path.name
-        if not any(final.is_relative_to(root) and final != root for root in roots):
-            allowed = ", ".join(display(r) for r in roots)
-            hint = ""
-            if is_object and len(final.parts) < 3:  # s3://bucket: a bucket, no checkpoint name in it
-                hint = "; a checkpoint on an object store is named s3://BUCKET/NAME (a bucket is no checkpoint)"
-            elif is_object:
-                hint = (f"; to save there, start the daemon with --root {display(final.parent)} (a daemon the client "
-                        f"spawns reads its roots from $CKPTD_ROOTS)")
-            raise PathNotAllowed(f"checkpoint path {display(final)} is not strictly below the daemon's allowed roots "
-                                 f"({allowed}){hint}")
-        st = None if is_object else storage.stat(final)  # an object is never a link: no request before Accepted
-        if st is not None and st.kind is Kind.LINK:
-            raise PathNotAllowed(f"checkpoint path {final} is a symbolic link")
-    except OSError as exc:  # a name too long, a loop of links...
-        raise PathNotAllowed(f"checkpoint path {raw!r:.200} cannot be used: {exc.strerror or exc}") from None
-    return final
-
-
-def refuse_existing(storage: CheckpointStorage, final: Path, overwrite: bool) -> None:
-    """Something is at ``final``: only a committed ckptd checkpoint, with ``overwrite``, may be replaced (I/O)."""
-    refusal = storage.replace_refusal(final)
-    if refusal is not None:
-        raise CheckpointExists(refusal)
-    if overwrite:
-        check_replaceable(storage, final)
-        return
-    reason = why_not_replaceable(storage, final)
-    if reason is None:
-        raise CheckpointExists(f"checkpoint {final} already exists; pass overwrite=True to replace it")
-    raise CheckpointExists(f"{final} already exists, and overwrite=True would not replace it either: "
-                           f"{reason}; save under another path")
 
 
 class Commits:

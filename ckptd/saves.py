@@ -32,7 +32,8 @@ from ckptd.protocol.messages import Abort, Accepted, Done, Durable, Finalize, Me
 from ckptd.protocol.objects import display, is_permanent
 
 from .admission import Examined, check_room, examine
-from .commit import CheckpointState, PendingCheckpoint, Retry, resolve_path
+from .commit import CheckpointState, PendingCheckpoint, Retry
+from .paths import resolve_path
 from .config import DaemonConfig
 from .contributors import Contributors
 from .events import Committed, Events, Failed
