@@ -22,10 +22,10 @@ from ckptd.protocol.errors import CkptdError, DaemonUnavailable
 from ckptd.protocol.messages import Error, SnapshotList, Snapshots, Status, StatusReply, Stop
 from ckptd.protocol.objects import display, is_object_path
 
-from .config import DaemonConfig
-from .options import add_start_options, config_kwargs, detached_argv, path_arg, positive_int, seconds
-from .control import request
-from .render import human_bytes, printable, render_status
+from ckptd.loop.config import DaemonConfig
+from ckptd.tools.options import add_start_options, config_kwargs, detached_argv, path_arg, positive_int, seconds
+from ckptd.tools.control import request
+from ckptd.tools.render import human_bytes, printable, render_status
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
@@ -105,7 +105,7 @@ def lost_snapshots(pid: int | None, failed: list[str]) -> str:
 
 
 def _start(args: argparse.Namespace, run_dir: Path) -> int:
-    from .daemon import run_foreground, start_detached
+    from ckptd.loop.daemon import run_foreground, start_detached
 
     config = DaemonConfig(run_dir=run_dir, **config_kwargs(args), log_to_stderr=args.foreground and not args.quiet)
     if args.foreground:
@@ -120,7 +120,7 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
 
 
 def _list(args: argparse.Namespace, run_dir: Path) -> int:
-    from .listing import add_memory, list_checkpoints, render_listing
+    from ckptd.tools.listing import add_memory, list_checkpoints, render_listing
 
     on_disk = is_object_path(args.root) or args.root.is_dir()
     rows = list_checkpoints(args.root) if on_disk else []
@@ -178,7 +178,7 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _export(args: argparse.Namespace, run_dir: Path) -> int:
-    from .export import export_checkpoint
+    from ckptd.tools.export import export_checkpoint
 
     result = export_checkpoint(args.path, args.outdir, prefix=args.prefix, max_shard_size=args.max_shard_size)
     index_note = " and an index" if result.tensor_files < len(result.files) else ""
@@ -216,7 +216,7 @@ def _status(args: argparse.Namespace, run_dir: Path) -> int:
 
 
 def _stop(args: argparse.Namespace, run_dir: Path) -> int:
-    from .daemon import wait_for_exit
+    from ckptd.loop.daemon import wait_for_exit
 
     deadline = time.monotonic() + args.timeout  # the whole command, answers and drain alike
     status = request(run_dir, Status(1), timeout=min(5.0, args.timeout))

@@ -3,7 +3,7 @@
 The daemon never lets one checkpoint mix shards of two runs of a job (a
 restarted job saving the same path as the run that died, or a second launch
 of the same script while the first still runs). It tells runs apart by this
-name and by the ranks' processes (``ckptd/contributors.py``); the name is what
+name and by the ranks' processes (``ckptd/lifecycle/contributors.py``); the name is what
 the ranks of one launch share and no other live launch does:
 
 1. ``Client(job=...)``: the caller's own name for the run.

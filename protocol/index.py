@@ -93,7 +93,7 @@ class CheckpointIndex:
     keep_last: int | None = None
     """The retention its save asked for (``save_async(keep_last=)``; None: none, not written). The daemon
     applies it after the commit, and again once the mirror holds what it had to keep: recorded here, that
-    request outlives the daemon that took it (``ckptd/mirror.py``)."""
+    request outlives the daemon that took it (``ckptd/upkeep/mirror.py``)."""
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
     checksum_algorithm: str = CHECKSUM_ALGORITHM

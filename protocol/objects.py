@@ -1,6 +1,6 @@
 """Checkpoints on an object store (``s3://bucket/prefix``): names, reads and listings.
 
-The daemon (through its storage seam, ``ckptd/checkpoints_store.py``) and the client
+The daemon (through its storage seam, ``ckptd/storage/store.py``) and the client
 (``load``, ``latest``) both read object stores with what is here; only the
 daemon writes. The client library is ``obstore`` (an optional extra:
 ``pip install ckptd[s3]``), chosen by measurement (``benchmarks/objects.py``,
@@ -129,7 +129,7 @@ def display(path: Path | str) -> str:
     """How a name reads in a message: ``s3://...`` for an object, else as it is.
 
     An object's ``.incomplete`` part is left out: on a store it names the
-    same prefix as the checkpoint (``ckptd/checkpoints_store.py``), so the message
+    same prefix as the checkpoint (``ckptd/storage/store.py``), so the message
     names the keys that exist.
     """
     if not is_object_path(path):

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd.storage import Entry, LocalStorage, Space
+from ckptd.storage.contract import Entry, LocalStorage, Space
 
 log = logging.getLogger("ckptd")
 SPEC = "tests.faults:FaultyStorage"
@@ -64,7 +64,7 @@ class Fault:
 class FaultyStorage(LocalStorage):
     """The local filesystem, with the faults listed in ``CKPTD_FAULTS`` injected.
 
-    The daemon's checkpoint operations on local names (``ckptd/checkpoints_local.py``: a shard's writer,
+    The daemon's checkpoint operations on local names (``ckptd/storage/local.py``: a shard's writer,
     publish, discard, set aside) run on it, so each fault acts inside the operation that makes the call.
     """
 
@@ -77,7 +77,7 @@ class FaultyStorage(LocalStorage):
             self._install_completion_faults()
 
     def _install_completion_faults(self) -> None:
-        from ckptd.saves import Saves
+        from ckptd.lifecycle.saves import Saves
 
         write_finished, inject = Saves._write_finished, self._inject
 

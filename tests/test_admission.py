@@ -22,15 +22,15 @@ import pytest
 import torch
 
 import ckptd
-from ckptd.admission import check_room, examine
+from ckptd.lifecycle.admission import check_room, examine
 from ckptd.client.flatten import flatten
 from ckptd.client.slots import Slot
 from ckptd.client.staging import layout_for, write_header
 from ckptd.protocol.errors import BadSlot, NoSpace, PathNotAllowed
 from ckptd.protocol.messages import WriteShard
-from ckptd.routed import Routed
-from ckptd.slot_maps import SlotMaps
-from ckptd.storage import LocalStorage, filesystem_type
+from ckptd.storage.routed import Routed
+from ckptd.lifecycle.slot_maps import SlotMaps
+from ckptd.storage.contract import LocalStorage, filesystem_type
 
 from helpers import MiB, floats, tmpfs, wait_until
 
@@ -99,10 +99,10 @@ def test_the_filesystem_type_comes_from_the_deepest_mount_above_the_path(tmp_pat
         f"30 22 0:50 / {str(inner).replace(' ', chr(92) + '040')} rw - tmpfs tmpfs rw\n"
         "broken line without a separator\n"
     )
-    monkeypatch.setattr("ckptd.storage.MOUNTINFO", table)
+    monkeypatch.setattr("ckptd.storage.contract.MOUNTINFO", table)
     assert filesystem_type(inner / "ckpt") == "tmpfs"
     assert filesystem_type(tmp_path) == "ext4"
-    monkeypatch.setattr("ckptd.storage.MOUNTINFO", tmp_path / "missing")
+    monkeypatch.setattr("ckptd.storage.contract.MOUNTINFO", tmp_path / "missing")
     assert filesystem_type(tmp_path) == "unknown"
 
 

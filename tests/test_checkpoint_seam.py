@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.checkpoints_local import LocalCheckpoints
-from ckptd.checkpoints_store import ObjectCheckpoints, ObjectStorage
-from ckptd.ownership import owner_marker
+from ckptd.storage.local import LocalCheckpoints
+from ckptd.storage.store import ObjectCheckpoints, ObjectStorage
+from ckptd.storage.ownership import owner_marker
 from ckptd.protocol.errors import CheckpointExists
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
 from ckptd.protocol.names import (
@@ -28,8 +28,8 @@ from ckptd.protocol.names import (
     incomplete_path,
     shard_name,
 )
-from ckptd.routed import Routed
-from ckptd.storage import CheckpointStorage, Checkpoints, LocalStorage
+from ckptd.storage.routed import Routed
+from ckptd.storage.contract import CheckpointStorage, Checkpoints, LocalStorage
 
 
 def attempt_of(final: Path, step: int, fill: bytes) -> tuple[Path, bytes]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.events import Committed, Dropped, Events, Failed, Held
+from ckptd.loop.events import Committed, Dropped, Events, Failed, Held
 from ckptd.protocol.errors import WriteFailed
 
 

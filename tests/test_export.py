@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckptd
-from ckptd.export import export_checkpoint, parse_size
+from ckptd.tools.export import export_checkpoint, parse_size
 from sharded_ranks import model, sharded_checkpoint
 
 

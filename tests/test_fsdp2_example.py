@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import ckptd
-from ckptd.export import export_checkpoint
+from ckptd.tools.export import export_checkpoint
 
 from helpers import REPO, torchrun_example
 

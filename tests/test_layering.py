@@ -21,15 +21,37 @@ FACE = ("__init__", "dcp")
 """The package face under ``ckptd/``: what ``import ckptd`` and ``ckptd.dcp`` give, the client's and the protocol's."""
 
 
+PACKAGES = {"protocol": "ckptd.protocol", "client": "ckptd.client", "integrations": "ckptd.integrations"}
+"""Source folders at the top of the repository that import under another name (``setup.cfg``'s package_dir)."""
+
+
+def _package(path: Path) -> str:
+    """The dotted package ``path`` (a module) belongs to."""
+    parts = path.relative_to(REPO).parent.parts
+    return ".".join([PACKAGES.get(parts[0], parts[0]), *parts[1:]])
+
+
 def _imports(path: Path) -> set[str]:
     """Every module ``path`` imports, absolute (relative imports resolved against its package)."""
-    package = {"protocol": "ckptd.protocol", "client": "ckptd.client",
-               "integrations": "ckptd.integrations"}.get(path.parent.name, "ckptd")
-    return _imports_of(ast.parse(path.read_text(), str(path)), package)
+    return _imports_of(ast.parse(path.read_text(), str(path)), _package(path))
 
 
 def _sources(layer: str) -> list[Path]:
     return sorted((REPO / layer).glob("*.py"))
+
+
+def _daemon() -> list[Path]:
+    """Every module of the daemon's package, its role folders included."""
+    return sorted((REPO / "ckptd").rglob("*.py"))
+
+
+def _by_stem(name: str) -> Path:
+    (path,) = [p for p in _daemon() if p.stem == name]
+    return path
+
+
+def _dotted(path: Path) -> str:
+    return path.stem if path.stem == "__init__" else f"{_package(path)}.{path.stem}"
 
 
 def test_the_protocol_imports_neither_the_daemon_nor_the_client_nor_torch() -> None:
@@ -39,7 +61,7 @@ def test_the_protocol_imports_neither_the_daemon_nor_the_client_nor_torch() -> N
 
 
 def test_the_daemon_never_imports_torch_or_the_client() -> None:
-    daemon = [p for p in _sources("ckptd") if p.stem not in DAEMON_SIDE]
+    daemon = [p for p in _daemon() if p.stem not in DAEMON_SIDE]
     bad = {f"{p.name}: {m}" for p in daemon for m in _imports(p)
            if m == "torch" or m.startswith("torch.") or m.startswith("ckptd.client") or m == "lightning"}
     assert not bad, f"the daemon must stay torch-free: {bad}"
@@ -64,15 +86,15 @@ def test_the_integrations_and_the_package_face_reach_only_the_client_and_the_pro
 
 
 BACKEND_BLIND = ("writer", "retention", "admission", "holding", "snapshots", "saves", "sweep", "mirror")
-"""Daemon modules that speak to storage in checkpoint operations only (``ckptd.storage.Checkpoints``)."""
+"""Daemon modules that speak to storage in checkpoint operations only (``ckptd.storage.contract.Checkpoints``)."""
 
 
 def test_the_checkpoint_lifecycle_never_asks_which_backend_a_name_is_on() -> None:
-    """Only the storage implementations (``ckptd/routed.py`` and what it routes to), path parsing and messages
+    """Only the storage implementations (``ckptd/storage/routed.py`` and what it routes to), path parsing and messages
     ask whether a name is on an object store; what writes, publishes and deletes checkpoints does not."""
-    blind = [p for p in _sources("ckptd") if p.stem in BACKEND_BLIND]
+    blind = [p for p in _daemon() if p.stem in BACKEND_BLIND]
     asking = {f"{p.name}: {m}" for p in blind for m in _imports(p) if m.endswith(".is_object_path")}
-    asking |= {p.name for p in [*_sources("ckptd"), *_sources("integrations")] if "can_rename" in p.read_text()}
+    asking |= {p.name for p in [*_daemon(), *_sources("integrations")] if "can_rename" in p.read_text()}
     assert not asking, f"checkpoint operations, not backend checks: {asking}"
 
 
@@ -86,7 +108,7 @@ def test_readers_never_ask_which_backend_a_name_is_on() -> None:
     """Loads, ``ckptd export`` and listings open shards and indexes through ``protocol/reading.py``
     (``files_for``, ``shard_reader``), which alone picks a local file or an object; a reader that asks
     ``is_object_path`` itself is a second, diverging read path."""
-    readers = [*_sources("client"), *(REPO / "ckptd" / f"{name}.py" for name in READERS),
+    readers = [*_sources("client"), *(_by_stem(name) for name in READERS),
                *(p for p in _sources("protocol") if p.stem not in CHOOSERS)]
     asking = {str(p.relative_to(REPO)) for p in readers if "is_object_path" in p.read_text()}
     assert not asking, f"read through protocol/reading.py instead of asking is_object_path: {sorted(asking)}"
@@ -133,15 +155,47 @@ def test_the_protocol_modules_import_one_another_without_a_cycle() -> None:
         visit(name, [])
 
 
+ROLES = ("loop", "lifecycle", "storage", "upkeep", "tools")
+"""The daemon's role folders (``docs/design.md``'s code map); its top level holds the package face and the CLI."""
+MAX_TOP_LEVEL = 10
+
+
+def test_the_daemon_is_grouped_by_role_without_an_import_cycle_or_a_folder_importing_the_level_above() -> None:
+    """A newcomer finds the loop, the lifecycle, the storage, the upkeep and the tools by folder; no module of a
+    role folder imports the top level (the face, the CLI), and no module imports itself back through others."""
+    top = sorted(p.stem for p in (REPO / "ckptd").glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, f"ckptd/ holds {len(top)} modules at its top level: {top}"
+    folders = sorted(p.name for p in (REPO / "ckptd").iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == sorted(ROLES), folders
+    above = {f"ckptd.{name}" for name in top if name != "__init__"}
+    bad = {f"{p.relative_to(REPO)}: {m}" for p in _daemon() if p.parent.name in ROLES for m in _imports(p)
+           if m in above or m.startswith(tuple(f"{a}." for a in above))}
+    assert not bad, f"a role folder imports the level above it: {sorted(bad)}"
+    modules = {_dotted(p): p for p in _daemon() if p.stem != "__init__"}
+    edges = {name: {m for m in modules if m != name and any(i == m or i.startswith(f"{m}.") for i in _imports(p))}
+             for name, p in modules.items()}
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        assert name not in trail, f"import cycle: {' -> '.join(trail[trail.index(name):] + [name])}"
+        if name not in done:
+            for nxt in sorted(edges[name]):
+                visit(nxt, trail + [name])
+            done.add(name)
+
+    for name in sorted(modules):
+        visit(name, [])
+
+
 def test_the_storage_contract_imports_no_implementation_of_it() -> None:
-    """``ckptd/storage.py`` is the contract the implementations build on: importing one back is a cycle."""
-    ours = {m for m in _imports(REPO / "ckptd" / "storage.py")
+    """``ckptd/storage/contract.py`` is the contract the implementations build on: importing one back is a cycle."""
+    ours = {m for m in _imports(REPO / "ckptd" / "storage" / "contract.py")
             if m.startswith("ckptd.") and not m.startswith("ckptd.protocol")}
-    assert not ours, f"ckptd/storage.py must not import {ours}"
+    assert not ours, f"ckptd/storage/contract.py must not import {ours}"
 
 
 def test_starting_the_daemons_modules_loads_no_torch() -> None:
-    code = ("import sys, ckptd.server, ckptd.cli, ckptd.daemon; "
+    code = ("import sys, ckptd.loop.server, ckptd.cli, ckptd.loop.daemon; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -158,7 +212,7 @@ def test_no_runtime_module_uses_numpy_which_ckptd_does_not_require() -> None:
     requires no numpy, so none of its code may need it. ``make test`` has numpy (Lightning brings it): this
     reads the source, and ``make test-nonumpy`` runs the client's saves and loads where numpy is absent."""
     found = set()
-    for p in [*_sources("client"), *_sources("protocol"), *_sources("ckptd"), *_sources("integrations")]:
+    for p in [*_sources("client"), *_sources("protocol"), *_daemon(), *_sources("integrations")]:
         where = str(p.relative_to(REPO))
         for node in ast.walk(ast.parse(p.read_text(), where)):
             if isinstance(node, ast.Import):
@@ -171,11 +225,12 @@ def test_no_runtime_module_uses_numpy_which_ckptd_does_not_require() -> None:
     assert not found, f"these need numpy, which ckptd does not require: {sorted(found)}"
 
 
-REACTIONS = ("ckptd.mirror", "ckptd.retention", "ckptd.holding", "ckptd.metrics", "ckptd.stats")
-"""Modules that react to a commit (they subscribe to ``ckptd/events.py``)."""
+REACTIONS = ("ckptd.upkeep.mirror", "ckptd.upkeep.retention", "ckptd.lifecycle.holding", "ckptd.loop.metrics",
+             "ckptd.loop.stats")
+"""Modules that react to a commit (they subscribe to ``ckptd/loop/events.py``)."""
 
 
 def test_the_modules_that_commit_import_none_of_the_modules_that_react_to_a_commit() -> None:
-    committing = [REPO / "ckptd" / f"{name}.py" for name in ("saves", "commit", "writer", "admission")]
+    committing = [_by_stem(name) for name in ("saves", "commit", "writer", "admission")]
     bad = {f"{p.name}: {m}" for p in committing for m in _imports(p) if m.startswith(REACTIONS)}
     assert not bad, f"a reaction to a commit subscribes to its event instead of being called by the pipeline: {bad}"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.config import DaemonConfig
-from ckptd.routed import load_storage
-from ckptd.storage import Kind, LocalStorage, Storage
+from ckptd.loop.config import DaemonConfig
+from ckptd.storage.routed import load_storage
+from ckptd.storage.contract import Kind, LocalStorage, Storage
 
 
 @pytest.fixture
@@ -108,11 +108,11 @@ def test_space_is_measured_at_the_nearest_existing_ancestor(fs, tmp_path) -> Non
 
 def test_load_storage_names_what_is_wrong_with_the_option() -> None:
     assert isinstance(load_storage(None).local, LocalStorage)  # s3:// names go to the object store beside it
-    assert isinstance(load_storage("ckptd.storage:LocalStorage").local, LocalStorage)
+    assert isinstance(load_storage("ckptd.storage.contract:LocalStorage").local, LocalStorage)
     with pytest.raises(ValueError, match="module:Class"):
-        load_storage("ckptd.storage")
+        load_storage("ckptd.storage.contract")
     with pytest.raises(ValueError, match="cannot be loaded"):
-        load_storage("ckptd.storage:NoSuchClass")
+        load_storage("ckptd.storage.contract:NoSuchClass")
     with pytest.raises(ValueError, match="does not implement"):
         load_storage("pathlib:PurePath")
     with pytest.raises(ValueError, match="names a module, not a class"):
@@ -124,4 +124,4 @@ def test_load_storage_names_what_is_wrong_with_the_option() -> None:
 def test_a_daemon_config_refuses_a_storage_that_cannot_be_loaded(tmp_path) -> None:
     with pytest.raises(ValueError, match="--storage 'no.such.module:Storage' cannot be loaded"):
         DaemonConfig(run_dir=tmp_path, roots=(tmp_path,), storage="no.such.module:Storage")
-    assert DaemonConfig(run_dir=tmp_path, roots=(tmp_path,), storage="ckptd.storage:LocalStorage").storage
+    assert DaemonConfig(run_dir=tmp_path, roots=(tmp_path,), storage="ckptd.storage.contract:LocalStorage").storage

@@ -16,11 +16,11 @@ import pytest
 import torch
 from helpers import keys, mirrored, seeded_state as state, wait_until
 
-from ckptd.mirror import Mirrors
-from ckptd.routed import Routed
+from ckptd.upkeep.mirror import Mirrors
+from ckptd.storage.routed import Routed
 from ckptd.protocol.endpoint import LOG_NAME
 from ckptd.protocol.objects import is_object_path
-from ckptd.storage import LocalStorage
+from ckptd.storage.contract import LocalStorage
 
 import ckptd
 

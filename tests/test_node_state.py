@@ -7,16 +7,16 @@ from pathlib import Path
 import os
 import pytest
 
-from ckptd.commit import CheckpointState
-from ckptd.config import DaemonConfig
+from ckptd.lifecycle.commit import CheckpointState
+from ckptd.loop.config import DaemonConfig
 from ckptd.protocol.errors import Conflict, InternalError, RanksMissing, UnknownClient
 from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.layout import TensorEntry
 from ckptd.protocol.messages import WriteShard, Error, Snapshot
-from ckptd.snapshots import Snapshots
-from ckptd.state import NodeState
-from ckptd.storage import LocalStorage
-from ckptd.writer import WriteJob
+from ckptd.lifecycle.snapshots import Snapshots
+from ckptd.loop.state import NodeState
+from ckptd.storage.contract import LocalStorage
+from ckptd.lifecycle.writer import WriteJob
 
 SHARD = 8192
 TENSORS = (TensorEntry("w", "U8", (4096,), 0, 4096),)

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import ckptd
-from ckptd.ownership import owner_marker
+from ckptd.storage.ownership import owner_marker
 from ckptd.protocol.endpoint import LOG_NAME
 from ckptd.protocol.index import INDEX_NAME, CheckpointIndex, shard_name
-from ckptd.retention import apply_retention
-from ckptd.checkpoints_store import ObjectCheckpoints
-from ckptd.routed import Routed
-from ckptd.storage import LocalStorage
+from ckptd.upkeep.retention import apply_retention
+from ckptd.storage.store import ObjectCheckpoints
+from ckptd.storage.routed import Routed
+from ckptd.storage.contract import LocalStorage
 
 from helpers import checkpoint, wait_until
 

@@ -20,7 +20,7 @@ import torch
 
 import ckptd
 from ckptd.client.slots import Slot
-from ckptd.slot_maps import SlotMaps
+from ckptd.lifecycle.slot_maps import SlotMaps
 from helpers import SHM, floats, own_segments, tmpfs, wait_until
 from zygote import Script
 

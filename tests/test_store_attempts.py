@@ -1,7 +1,7 @@
 """On an object store an attempt's ``p.incomplete`` is ``p``'s own prefix: cleaning up an attempt never removes ``p``.
 
 A store has no rename, so ``p.incomplete`` and ``p`` name one prefix
-(``ckptd/checkpoints_store.py``). Every cleanup of a failed or abandoned
+(``ckptd/storage/store.py``). Every cleanup of a failed or abandoned
 attempt (a refused save's Abort, a failed attempt set aside, the last daemon
 letting go of a dead run's attempt, a start's sweep) removes that prefix; when
 ``p`` is a committed checkpoint (its index is there), removing it would delete

@@ -15,7 +15,7 @@ import ckptd
 from ckptd.client.staging import STREAM_MIN_BYTES
 from ckptd.protocol.checksums import updater
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
-from ckptd.writer import CRC_CHUNK, Progress, checksum_when_staged
+from ckptd.lifecycle.writer import CRC_CHUNK, Progress, checksum_when_staged
 
 from helpers import wait_until
 

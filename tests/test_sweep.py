@@ -1,7 +1,7 @@
 """The start-up sweep: a daemon removes what dead writers left (``.incomplete`` directories, owner markers,
 shared-memory slots), on this host only, and nothing a live process or another node still owns.
 
-First on its own (``ckptd.sweep``, ``ckptd.slot_maps``: real directories, no daemon): owner markers name this host
+First on its own (``ckptd.upkeep.sweep``, ``ckptd.lifecycle.slot_maps``: real directories, no daemon): owner markers name this host
 and a live or a dead pid. Then real daemons starting over what an earlier one, or a killed one, left."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import pytest
 import torch
 
 import ckptd
-from ckptd.ownership import owner_marker
+from ckptd.storage.ownership import owner_marker
 from ckptd.protocol.index import shard_name
 from ckptd.protocol.names import OWNER_PREFIX, SWEPT_DIR
-from ckptd.routed import Routed
-from ckptd.slot_maps import reclaim_orphaned_slots
-from ckptd.storage import LocalStorage
-from ckptd.sweep import KnownDirs, MAX_KNOWN_DIRS, is_orphaned, sweep_incomplete
+from ckptd.storage.routed import Routed
+from ckptd.lifecycle.slot_maps import reclaim_orphaned_slots
+from ckptd.storage.contract import LocalStorage
+from ckptd.upkeep.sweep import KnownDirs, MAX_KNOWN_DIRS, is_orphaned, sweep_incomplete
 
 from helpers import SHM, checkpoint, dead_pid, wait_until
 

@@ -36,17 +36,17 @@ from ckptd.protocol.messages import (
 from ckptd.protocol.objects import display, is_permanent
 from ckptd.protocol.shm import slot_name
 
-from .admission import Examined, examine
-from .config import DaemonConfig
-from .events import Committed, Deleted, Dropped, Events, Failed, Held as HeldEvent
-from .replies import as_error, error_reply
-from .saves import Saves
-from .snapshots import HeldShard, HeldSnapshot, shards_of
-from .state import NodeState
-from .slot_maps import SlotMaps
-from .storage import CheckpointStorage
-from .workers import Workers
-from .writer import Progress, checksum_when_staged
+from ckptd.lifecycle.admission import Examined, examine
+from ckptd.loop.config import DaemonConfig
+from ckptd.loop.events import Committed, Deleted, Dropped, Events, Failed, Held as HeldEvent
+from ckptd.loop.replies import as_error, error_reply
+from ckptd.lifecycle.saves import Saves
+from ckptd.lifecycle.snapshots import HeldShard, HeldSnapshot, shards_of
+from ckptd.loop.state import NodeState
+from ckptd.lifecycle.slot_maps import SlotMaps
+from ckptd.storage.contract import CheckpointStorage
+from ckptd.loop.workers import Workers
+from ckptd.lifecycle.writer import Progress, checksum_when_staged
 
 log = logging.getLogger("ckptd")
 DRAIN_RETRY_S = 0.5

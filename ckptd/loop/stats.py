@@ -21,13 +21,13 @@ from ckptd.protocol import __version__
 from ckptd.protocol.objects import display, is_object_path
 from ckptd.protocol.shm import shm_usage
 
-from .config import DaemonConfig
-from .events import Committed, Dropped, Held
-from .storage import Files
+from ckptd.loop.config import DaemonConfig
+from ckptd.loop.events import Committed, Dropped, Held
+from ckptd.storage.contract import Files
 
 if TYPE_CHECKING:
-    from .commit import PendingCheckpoint
-    from .writer import WriteJob
+    from ckptd.lifecycle.commit import PendingCheckpoint
+    from ckptd.lifecycle.writer import WriteJob
 
 
 class NodeView(Protocol):

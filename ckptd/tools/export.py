@@ -43,7 +43,7 @@ from ckptd.protocol.layout import DTYPE_SIZES, plan_layout
 from ckptd.protocol.reading import shard_reader
 from ckptd.protocol.shard_reads import ShardReader
 
-from .storage import LocalStorage
+from ckptd.storage.contract import LocalStorage
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -5,8 +5,8 @@ in checkpoint operations (``Checkpoints``): open a shard writer, publish an
 attempt under its final name (replacing or not), discard an attempt, set a
 committed checkpoint aside to delete it. They never ask which backend they
 are on. Two implementations exist: a local filesystem publishes by rename
-(``ckptd/checkpoints_local.py``), an object store by writing the index last
-(``ckptd/checkpoints_store.py``); ``ckptd/routed.py`` puts them side by side by name.
+(``ckptd/storage/local.py``), an object store by writing the index last
+(``ckptd/storage/store.py``); ``ckptd/storage/routed.py`` puts them side by side by name.
 
 Both rest on file operations by name (``Files``): the POSIX calls of the
 local filesystem (``LocalStorage``, a ``Storage``: with the descriptors a
@@ -361,6 +361,6 @@ def filesystem_type(path: Path) -> str:
 
 @runtime_checkable
 class CheckpointStorage(Checkpoints, Files, Protocol):
-    """Both seams, as the daemon holds them (``ckptd/routed.py``): checkpoint operations, and the file
+    """Both seams, as the daemon holds them (``ckptd/storage/routed.py``): checkpoint operations, and the file
     operations that ownership checks, listing and the sweep still read through."""
 

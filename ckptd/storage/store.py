@@ -1,7 +1,7 @@
 """Checkpoints on an object store (``s3://``): shards uploaded straight from the slot, published by the index.
 
 An object store has no directories, no rename and no fsync, so the seam's
-operations mean this here (``ckptd/storage.py`` holds the contract):
+operations mean this here (``ckptd/storage/contract.py`` holds the contract):
 
 - A checkpoint ``p`` is the prefix ``p/``; its ``p.incomplete`` is the same
   prefix (names ending in ``.incomplete`` map to the name without it).
@@ -34,7 +34,7 @@ from ckptd.protocol.errors import CheckpointExists
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME
 from ckptd.protocol.objects import display
 
-from .storage import Entry, Files, Kind, Space, Stat
+from ckptd.storage.contract import Entry, Files, Kind, Space, Stat
 
 QUEUED_CHUNKS = 4
 """Chunks handed to an upload and not yet taken by it (bounds the copy the daemon holds)."""

@@ -13,7 +13,7 @@ from ckptd.protocol.shm import shm_usage
 
 from ckptd.protocol.objects import is_object_path, object_url, require_library
 
-from .routed import load_storage
+from ckptd.storage.routed import load_storage
 
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 """Bytes per ``pwrite`` of a shard. Fewer, larger O_DIRECT writes cost the kernel less per byte: 1 GiB from a slot on
@@ -68,7 +68,7 @@ class DaemonConfig:
     """Also log to stderr (``ckptd start --foreground``)."""
     mirrors: dict[Path, Path] = field(default_factory=dict)
     """``--mirror LOCAL_DIR=s3://bucket/prefix``: checkpoints committed under the
-    directory are uploaded there after their commit (``ckptd/mirror.py``)."""
+    directory are uploaded there after their commit (``ckptd/upkeep/mirror.py``)."""
     mirror_keep: int | None = None
     """Keep only this many newest checkpoints beside each mirrored one on the store (None: all)."""
     keep_last: dict[Path, int] = field(default_factory=dict)
@@ -113,7 +113,7 @@ class DaemonConfig:
     """When the last client of a snapshot's ranks closes or dies, ``newest``
     persists its newest snapshot not yet on disk; ``never`` leaves it in memory only."""
     storage: str | None = field(default_factory=lambda: os.environ.get("CKPTD_STORAGE") or None)
-    """``module:Class`` of the checkpoint storage (``ckptd.storage.Storage``); default ``$CKPTD_STORAGE``,
+    """``module:Class`` of the checkpoint storage (``ckptd.storage.contract.Storage``); default ``$CKPTD_STORAGE``,
     else None: the local filesystem. Tests load their fault-injecting one here."""
 
     def __post_init__(self) -> None:

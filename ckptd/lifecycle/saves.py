@@ -31,18 +31,18 @@ from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.messages import Abort, Accepted, Done, Durable, Finalize, Message, Ok, StagedShard, WriteShard
 from ckptd.protocol.objects import display, is_permanent
 
-from .admission import Examined, check_room, examine
-from .commit import CheckpointState, PendingCheckpoint, Retry
-from .paths import resolve_path
-from .config import DaemonConfig
-from .contributors import Contributors
-from .events import Committed, Events, Failed
-from .replies import as_error, error_reply
-from .state import NodeState
-from .storage import CheckpointStorage
-from .sweep import KnownDirs
-from .workers import Workers
-from .writer import Progress, WriteJob, WriteState, write_shard
+from ckptd.lifecycle.admission import Examined, check_room, examine
+from ckptd.lifecycle.commit import CheckpointState, PendingCheckpoint, Retry
+from ckptd.lifecycle.paths import resolve_path
+from ckptd.loop.config import DaemonConfig
+from ckptd.lifecycle.contributors import Contributors
+from ckptd.loop.events import Committed, Events, Failed
+from ckptd.loop.replies import as_error, error_reply
+from ckptd.loop.state import NodeState
+from ckptd.storage.contract import CheckpointStorage
+from ckptd.upkeep.sweep import KnownDirs
+from ckptd.loop.workers import Workers
+from ckptd.lifecycle.writer import Progress, WriteJob, WriteState, write_shard
 
 log = logging.getLogger("ckptd")
 DISCARD_RETRY_S = 1.0

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from ckptd.protocol.objects import check_url, display, object_url
 
-from .config import DaemonConfig
+from ckptd.loop.config import DaemonConfig
 
 
 def seconds(text: str) -> float:
@@ -41,7 +41,7 @@ def positive_int(text: str) -> int:
 
 
 def memory_size(text: str) -> int:
-    from .export import parse_size
+    from ckptd.tools.export import parse_size
 
     if text.strip().lstrip("-").isdigit():  # a plain number (0, -1): the range check names the bounds
         return int(text)

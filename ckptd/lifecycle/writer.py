@@ -34,8 +34,8 @@ from ckptd.protocol.layout import PAGE_SIZE
 from ckptd.protocol.messages import StagedShard
 from ckptd.protocol.objects import display
 
-from .slot_maps import MappedSlot
-from .storage import Checkpoints
+from ckptd.lifecycle.slot_maps import MappedSlot
+from ckptd.storage.contract import Checkpoints
 
 CRC_CHUNK = 16 * 1024 * 1024
 

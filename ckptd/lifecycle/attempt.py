@@ -23,7 +23,7 @@ from ckptd.protocol.errors import Conflict, ErrorCode, RanksMissing
 from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Error, Message, StagedShard
 from ckptd.protocol.objects import display
 
-from .contributors import Contributors
+from ckptd.lifecycle.contributors import Contributors
 
 
 @dataclass(frozen=True)

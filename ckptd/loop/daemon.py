@@ -25,10 +25,10 @@ from ckptd.protocol.names import DRAIN_FAILED_NAME, ERR_NAME, LOG_NAME, PID_NAME
 from ckptd.protocol.errors import CkptdError
 from ckptd.protocol.objects import check_bucket, display, is_object_path
 
-from .config import DaemonConfig
-from .control import probe
-from .server import Server
-from .routed import load_storage
+from ckptd.loop.config import DaemonConfig
+from ckptd.tools.control import probe
+from ckptd.loop.server import Server
+from ckptd.storage.routed import load_storage
 
 log = logging.getLogger("ckptd")
 """Written when a drain could not persist held snapshots (one line each): ``ckptd stop`` reports it."""

@@ -23,14 +23,14 @@ from ckptd.protocol.layout import CheckedTable
 from ckptd.protocol.messages import StagedShard
 from ckptd.protocol.processes import pid_alive
 
-from .commit import Commits, PendingCheckpoint
-from .config import DaemonConfig
-from .leases import Grant, LoadLeases
-from .slot_maps import SlotMaps
-from .snapshots import Snapshots
-from .stats import Stats
-from .storage import CheckpointStorage
-from .writer import Progress, WriteJob
+from ckptd.lifecycle.commit import Commits, PendingCheckpoint
+from ckptd.loop.config import DaemonConfig
+from ckptd.loop.leases import Grant, LoadLeases
+from ckptd.lifecycle.slot_maps import SlotMaps
+from ckptd.lifecycle.snapshots import Snapshots
+from ckptd.loop.stats import Stats
+from ckptd.storage.contract import CheckpointStorage
+from ckptd.lifecycle.writer import Progress, WriteJob
 
 MAX_PID = 1 << 22
 """The kernel's largest possible pid_max."""

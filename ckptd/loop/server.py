@@ -27,20 +27,20 @@ from ckptd.protocol.messages import (
 )
 from ckptd.protocol.objects import display
 
-from .config import DaemonConfig
-from .events import Committed, Deleted, Dropped, Events, Failed, Held
-from .holding import Holding
-from .leases import Grant
-from .mirror import Mirrors
-from .retention import Retainer
-from .replies import error_reply
-from .saves import Saves
-from .slot_maps import reclaim_orphaned_slots
-from .state import MAX_PID, NodeState
-from .stats import add_filesystems
-from .storage import CheckpointStorage
-from .sweep import KnownDirs, sweep_incomplete
-from .workers import Workers
+from ckptd.loop.config import DaemonConfig
+from ckptd.loop.events import Committed, Deleted, Dropped, Events, Failed, Held
+from ckptd.lifecycle.holding import Holding
+from ckptd.loop.leases import Grant
+from ckptd.upkeep.mirror import Mirrors
+from ckptd.upkeep.retention import Retainer
+from ckptd.loop.replies import error_reply
+from ckptd.lifecycle.saves import Saves
+from ckptd.lifecycle.slot_maps import reclaim_orphaned_slots
+from ckptd.loop.state import MAX_PID, NodeState
+from ckptd.loop.stats import add_filesystems
+from ckptd.storage.contract import CheckpointStorage
+from ckptd.upkeep.sweep import KnownDirs, sweep_incomplete
+from ckptd.loop.workers import Workers
 
 log = logging.getLogger("ckptd")
 POLL_MS = 200
@@ -77,7 +77,7 @@ class Server:
             self.mirrors.start()
         self.metrics = None
         if config.metrics_port is not None or config.metrics_textfile is not None:
-            from .metrics import Metrics
+            from ckptd.loop.metrics import Metrics
 
             self.metrics = Metrics(port=config.metrics_port, addr=config.metrics_addr,
                                    textfile=config.metrics_textfile)

@@ -55,22 +55,22 @@ from ckptd.protocol.messages import Finalize, StagedShard
 from ckptd.protocol.inspect import read_shard_header
 from ckptd.protocol.objects import display
 
-from .attempt import Attempt, Waiter, Words
-from .paths import refuse_existing
-from .catalog import SeamFiles
-from .contributors import Contributors
-from .ownership import (
+from ckptd.lifecycle.attempt import Attempt, Waiter, Words
+from ckptd.lifecycle.paths import refuse_existing
+from ckptd.storage.catalog import SeamFiles
+from ckptd.lifecycle.contributors import Contributors
+from ckptd.storage.ownership import (
     is_owner_marker,
     owner_marker,
     release,
     remove_markers,
     why_not_leftover,
 )
-from .storage import CheckpointStorage, Kind, PublishedNotDurable
+from ckptd.storage.contract import CheckpointStorage, Kind, PublishedNotDurable
 
 if TYPE_CHECKING:
-    from .admission import Examined
-    from .writer import Progress, WriteJob
+    from ckptd.lifecycle.admission import Examined
+    from ckptd.lifecycle.writer import Progress, WriteJob
 
 
 class CheckpointState(str, Enum):

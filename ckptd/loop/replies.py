@@ -16,7 +16,7 @@ import logging
 from ckptd.protocol.errors import CkptdError, InternalError
 from ckptd.protocol.messages import Error
 
-from .stats import Stats
+from ckptd.loop.stats import Stats
 
 log = logging.getLogger("ckptd")
 

@@ -28,11 +28,11 @@ from ckptd.protocol.layout import TensorEntry, parse_header
 from ckptd.protocol.messages import StagedShard
 from ckptd.protocol.shm import SHM_REMEDIES, shm_usage
 
-from .paths import refuse_existing, resolve_path
-from .render import human_bytes
-from .slot_maps import MappedSlot, SlotMaps
-from .storage import CheckpointStorage, Space
-from .writer import round_up
+from ckptd.lifecycle.paths import refuse_existing, resolve_path
+from ckptd.tools.render import human_bytes
+from ckptd.lifecycle.slot_maps import MappedSlot, SlotMaps
+from ckptd.storage.contract import CheckpointStorage, Space
+from ckptd.lifecycle.writer import round_up
 
 
 @dataclass

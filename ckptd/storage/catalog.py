@@ -17,7 +17,7 @@ from pathlib import Path
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.reading import no_index_message
 
-from .storage import Files, Kind
+from ckptd.storage.contract import Files, Kind
 
 
 class SeamFiles:

@@ -43,10 +43,10 @@ from ckptd.protocol.index import CHECKSUM_ALGORITHM
 from ckptd.protocol.messages import Snapshot
 from ckptd.protocol.objects import display
 
-from .attempt import Attempt, Waiter, Words
-from .contributors import Contributors
-from .render import human_bytes
-from .slot_maps import MappedSlot
+from ckptd.lifecycle.attempt import Attempt, Waiter, Words
+from ckptd.lifecycle.contributors import Contributors
+from ckptd.tools.render import human_bytes
+from ckptd.lifecycle.slot_maps import MappedSlot
 
 
 @dataclass

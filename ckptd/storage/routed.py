@@ -16,9 +16,9 @@ from typing import Any
 
 from ckptd.protocol.objects import is_object_path
 
-from .checkpoints_local import LocalCheckpoints
-from .checkpoints_store import ObjectCheckpoints, ObjectStorage
-from .storage import Checkpoints, Entry, Files, LocalStorage, ShardWriter, Space, Stat, Storage
+from ckptd.storage.local import LocalCheckpoints
+from ckptd.storage.store import ObjectCheckpoints, ObjectStorage
+from ckptd.storage.contract import Checkpoints, Entry, Files, LocalStorage, ShardWriter, Space, Stat, Storage
 
 
 class Routed:
@@ -134,11 +134,11 @@ def _local_storage(spec: str | None) -> Storage:
         raise ValueError(f"--storage {spec!r} cannot be loaded: {exc}") from None
     if not isinstance(cls, type):
         raise ValueError(f"--storage {spec!r} names a {type(cls).__name__}, not a class implementing "
-                         "ckptd.storage.Storage")
+                         "ckptd.storage.contract.Storage")
     try:
         storage = cls()
     except Exception as exc:
         raise ValueError(f"--storage {spec!r} could not be created without arguments: {exc!r}") from None
     if not isinstance(storage, Storage):
-        raise ValueError(f"--storage {spec!r} does not implement ckptd.storage.Storage")
+        raise ValueError(f"--storage {spec!r} does not implement ckptd.storage.contract.Storage")
     return storage

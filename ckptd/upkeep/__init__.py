@@ -1,0 +1,1 @@
+"""Background upkeep: retention, the start-up sweep, the mirror's uploads."""
