@@ -2,8 +2,9 @@
 
 torchrun's static rendezvous (``--master-port``) and its c10d rendezvous
 without ``--rdzv-id`` name every launch ``none``, also where several torchruns
-share one Slurm step (its job and step ids); a Slurm job's batch step has no
-step id. Runs named alike by their launcher must still be told apart: the
+share one Slurm step (its job and step ids); two torchruns of one allocation
+are often given one ``--rdzv-id``; a Slurm job's batch step has no step id;
+a hand-written launcher names nothing. Runs named alike by their launcher must still be told apart: the
 ranks agree on a name over torch.distributed (``client/incarnation.py``). Each
 test starts two real launches (torchrun forked from the zygote, its ranks
 fresh interpreters; or ranks started the way ``srun`` or a hand-written
@@ -76,12 +77,13 @@ class Launch:
         port = free_port()
         script = out / "rank.py"
         script.write_text(RANK)
-        args = {"env": {"OMP_NUM_THREADS": "1"}, "process_group": form != "torchrun-static-no-process-group",
+        args = {"env": {"OMP_NUM_THREADS": "1"}, "process_group": not form.endswith("no-process-group"),
                 "run_dir": str(run_dir), "out": str(out), "name": name, "path": str(path), "value": value,
                 "port": port}
         if form.startswith("torchrun"):
-            rendezvous = (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"] if form == "torchrun-c10d"
-                          else ["--master-addr", "127.0.0.1", "--master-port", str(port)])
+            c10d = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+            rendezvous = {"torchrun-c10d": c10d, "torchrun-c10d-one-rdzv-id": [*c10d, "--rdzv-id", "4242"]}.get(
+                form, ["--master-addr", "127.0.0.1", "--master-port", str(port)])
             env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "SLURM"))}
             if form == "torchrun-in-srun-step":  # two torchruns started by one srun step: its ids are both's
                 env.update({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "0"})
@@ -134,7 +136,8 @@ def saving(daemon, path: Path) -> bool:
         c["path"] == str(path) for c in info["checkpoints"])
 
 
-FORMS = ["torchrun-static", "torchrun-c10d", "torchrun-in-srun-step", "torchrun-static-no-process-group", "slurm-batch", "no-launcher"]
+FORMS = ["torchrun-static", "torchrun-c10d", "torchrun-c10d-one-rdzv-id", "torchrun-in-srun-step",
+         "torchrun-static-no-process-group", "slurm-batch", "no-launcher", "no-launcher-no-process-group"]
 
 
 @pytest.mark.timeout(400)
@@ -171,19 +174,20 @@ def test_two_live_launches_named_alike_by_their_launcher_never_mix_one_checkpoin
 @pytest.mark.parametrize(("env", "named"), [
     ({"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0"}, ""),
     ({"TORCHELASTIC_RUN_ID": "my-rdzv-id", "TORCHELASTIC_RESTART_COUNT": "2"}, "torchelastic:my-rdzv-id:2"),
+    ({"TORCHELASTIC_RUN_ID": "4242", "TORCHELASTIC_RESTART_COUNT": "0", "MASTER_ADDR": "10.0.0.7",
+      "MASTER_PORT": "29500", "RANK": "3"}, "torchelastic:4242@10.0.0.7:29500:0"),
     ({"SLURM_JOB_ID": "4242"}, ""),
     ({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "3", "SLURM_RESTART_COUNT": "1"}, "slurm:4242:3:1"),
     ({"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0", "SLURM_JOB_ID": "4242",
       "SLURM_STEP_ID": "0"}, ""),
     ({}, ""),
-], ids=["torchrun-none", "torchrun-rdzv-id", "slurm-batch-step", "slurm-srun-step", "torchrun-none-in-srun",
+], ids=["torchrun-none", "torchrun-rdzv-id", "torchrun-rdzv-id-and-master", "slurm-batch-step", "slurm-srun-step", "torchrun-none-in-srun",
         "no-launcher"])
 def test_only_launcher_variables_that_name_one_launch_name_the_run(monkeypatch, env, named) -> None:
-    from ckptd.client.incarnation import LAUNCHERS, from_launcher
+    from ckptd.client.incarnation import LAUNCHERS, MASTER_VARIABLES, from_launcher
 
-    for _, keys in LAUNCHERS:
-        for key in keys:
-            monkeypatch.delenv(key, raising=False)
+    for key in [*(k for _, keys in LAUNCHERS for k in keys), *MASTER_VARIABLES]:
+        monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert from_launcher() == named
