@@ -41,7 +41,6 @@ from ckptd.protocol.errors import (
     Conflict,
     InternalError,
     InvalidCheckpoint,
-    RanksMissing,
     WriteFailed,
 )
 from ckptd.protocol.index import (
@@ -295,11 +294,10 @@ class Commits:
             pending.move_to(CheckpointState.COMMITTING)
         return pending.complete
 
-    def overdue(self, now: float) -> list[tuple[PendingCheckpoint, RanksMissing]]:
-        """Checkpoints whose missing ranks did not commit within the timeout."""
+    def forget_old_failures(self, now: float) -> None:
+        """Forget why attempts failed once no late rank of theirs can still come (``FailedCheckpoint.expires``)."""
         for path in [p for p, f in self.failed.items() if now > f.expires]:
             del self.failed[path]
-        return [(p, error) for p in self.pending.values() if (error := p.overdue(now)) is not None]
 
     def fail(self, pending: PendingCheckpoint, error: CkptdError) -> None:
         """Forget a failed checkpoint, remembering why for its late ranks."""

@@ -81,7 +81,7 @@ class Holding:
     def _examined(self, ident: bytes, msg: Snapshot, progress: Progress, examined: Examined, *, pid: int) -> None:
         current = self.snapshots.held.get(examined.final)
         if current is not None:
-            self._abandon_if_orphaned(current)
+            self.abandon(current)
             current = self.snapshots.held.get(examined.final)
         conflict = None if current is None else current.broken_by(msg)
         try:
@@ -182,25 +182,18 @@ class Holding:
                 slots.give_back(sh.slot, sh.msg.slot)
         self.workers.submit("maintenance", work, lambda fut: done(back, fut))
 
-    def _abandon_if_orphaned(self, snap: HeldSnapshot) -> None:
+    # -- the registry's housekeeping (``registry.Registry``) -------------------------------------------------
+
+    def attempts(self) -> list[HeldSnapshot]:
+        return list(self.snapshots.held.values())
+
+    def abandon(self, snap: HeldSnapshot) -> None:
         """Fail a snapshot still missing ranks whose contributors died: no rank of their job can complete it."""
         if (why := snap.orphaned()) is not None:
             self.fail(snap, why)
 
-    def rank_died(self, job: str, world_size: int, rank: int, pid: int) -> None:
-        """Rank ``rank`` of run ``job`` died without snapshotting: fail its run's snapshots still waiting for it."""
-        for snap in list(self.snapshots.held.values()):
-            if (why := snap.rank_died(job, world_size, rank, pid)) is not None:
-                self.fail(snap, why)
-
-    def abandon_orphaned(self) -> None:
-        """Housekeeping: drop every snapshot whose contributors died before it was complete."""
-        for snap in list(self.snapshots.held.values()):
-            self._abandon_if_orphaned(snap)
-
-    def fail_overdue(self) -> None:
-        for snap, error in self.snapshots.overdue(time.monotonic()):
-            self.fail(snap, error)
+    def tidy(self, now: float) -> None:
+        """Nothing of its own: a snapshot's life after it is held is the budget's and its readers'."""
 
     def _drop(self, snaps: list[HeldSnapshot], reason: str, then: Callable[[], None] = lambda: None) -> None:
         """Release the slots of snapshots dropped from the books, except those a reader pins: parked until it

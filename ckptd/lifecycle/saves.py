@@ -71,7 +71,7 @@ class Saves:
         self._discards: dict[Path, int] = {}
         """Failed removals of attempts, by path: how many so far."""
         self._looking = False
-        """Whether housekeeping's look for settled attempts that ended elsewhere is in flight (``let_go_ended``)."""
+        """Whether housekeeping's look for settled attempts that ended elsewhere is in flight (``_let_go_ended``)."""
         self._next_look = 0.0
 
     # -- admission ------------------------------------------------------------
@@ -132,7 +132,7 @@ class Saves:
         state, final = self.state, examined.final
         current = state.commits.pending.get(final)
         if current is not None and not internal and not current.persists_snapshot:
-            self._abandon_if_orphaned(current)
+            self.abandon(current)
             if current.settled and msg.job != current.contributors.job and not looked:
                 self._look_then(current, lambda: self.admit_examined(ident, msg, progress, examined, pid=pid,
                                                                      looked=True, arrived_draining=arrived_draining))
@@ -365,7 +365,7 @@ class Saves:
         for retry in state.commits.cleared(pending.path):
             self.admit_examined(retry.client, retry.msg, retry.progress, retry.examined, pid=retry.pid)
 
-    def _abandon_if_orphaned(self, pending: PendingCheckpoint) -> None:
+    def abandon(self, pending: PendingCheckpoint) -> None:
         """Fail an attempt still missing ranks whose contributors died: no rank of their job can complete it; let
         go of a settled one whose contributors all died (its directory may still be another node's to publish)."""
         if (why := pending.orphaned()) is not None:
@@ -404,7 +404,7 @@ class Saves:
 
         self.workers.submit("admit", lambda: self.state.commits.ended_elsewhere(pending), looked)
 
-    def let_go_ended(self) -> None:
+    def _let_go_ended(self) -> None:
         """Housekeeping: let go of settled attempts that another node's daemon published or discarded meanwhile
         (one look at a time)."""
         now = time.monotonic()
@@ -423,20 +423,14 @@ class Saves:
 
         self.workers.submit("maintenance", lambda: [p for p in kept if commits.ended_elsewhere(p)], looked)
 
-    def rank_died(self, job: str, world_size: int, rank: int, pid: int) -> None:
-        """Rank ``rank`` of run ``job`` died without saving: fail its run's saves that still wait for it."""
-        for pending in list(self.state.commits.pending.values()):
-            if (why := pending.rank_died(job, world_size, rank, pid)) is not None:
-                self.fail(pending, why)
+    # -- the registry's housekeeping (``registry.Registry``) -------------------------------------------------
 
-    def abandon_orphaned(self) -> None:
-        """Housekeeping: abandon every attempt whose contributors died before it was complete."""
-        for pending in list(self.state.commits.pending.values()):
-            self._abandon_if_orphaned(pending)
+    def attempts(self) -> list[PendingCheckpoint]:
+        return list(self.state.commits.pending.values())
 
-    def fail_overdue(self) -> None:
-        for pending, error in self.state.commits.overdue(time.monotonic()):
-            self.fail(pending, error)
+    def tidy(self, now: float) -> None:
+        self.state.commits.forget_old_failures(now)
+        self._let_go_ended()
 
     def fail_waiting_for_ranks(self) -> None:
         """At the end of a drain: checkpoints still missing ranks fail with ``ShuttingDown``."""

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterable
 
-from ckptd.protocol.errors import Conflict, NoSpace, RanksMissing
+from ckptd.protocol.errors import Conflict, NoSpace
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
 from ckptd.protocol.messages import Snapshot
 from ckptd.protocol.objects import display
@@ -206,10 +206,6 @@ class Snapshots:
     def remove(self, snap: HeldSnapshot) -> None:
         if self.held.get(snap.path) is snap:
             del self.held[snap.path]
-
-    def overdue(self, now: float) -> list[tuple[HeldSnapshot, RanksMissing]]:
-        """Snapshots still missing ranks after their commit timeout, and why they fail."""
-        return [(s, error) for s in self.held.values() if (error := s.overdue(now)) is not None]
 
     def newest(self, *, pid: int | None = None) -> list[HeldSnapshot]:
         """Per directory, the newest acknowledged snapshot not yet on disk (of client ``pid``'s ranks, if given)."""

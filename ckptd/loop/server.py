@@ -30,6 +30,7 @@ from ckptd.protocol.objects import display
 from ckptd.loop.config import DaemonConfig
 from ckptd.loop.events import Committed, Deleted, Dropped, Events, Failed, Held
 from ckptd.lifecycle.holding import Holding
+from ckptd.lifecycle.registry import DeadRank, Registry
 from ckptd.loop.leases import Grant
 from ckptd.upkeep.mirror import Mirrors
 from ckptd.upkeep.retention import Retainer
@@ -66,6 +67,7 @@ class Server:
         self.mirrors = Mirrors(storage, config.mirrors, config.mirror_keep) if config.mirrors else None
         self.saves = Saves(self.state, self.workers, storage, config, self._send, self.known_dirs, self.events)
         self.holding = Holding(self.state, self.workers, storage, config, self._send, self.saves, self.events)
+        self.attempts = Registry((self.saves, self.holding))
         mirrors = self.mirrors
         self.retainer = Retainer(storage, self.workers, config, self.state.stats, self.events,
                                  self.state.commits.publishing,
@@ -266,22 +268,18 @@ class Server:
         if self.metrics is not None:
             metrics, info = self.metrics, self._snapshot()
             self.workers.submit("status", lambda: metrics.update(add_filesystems(info, self.storage)))
-        self.saves.fail_overdue()
-        self.holding.fail_overdue()
         if self.state.slots.mapped_bytes:  # slots clients replaced; nothing to do (nor to keep busy) when none
             self.workers.submit("maintenance", self.state.slots.drop_unlinked)
+        died = []
         for ident in self.state.dead_clients():
             client = self.state.clients[ident]
             pid = client.pid
             self._teardown(ident, f"the client (pid {pid}) died before it finished staging")
             if client.job:  # a rank of a named run: its run's saves still waiting for it never complete
-                self.saves.rank_died(client.job, client.world_size, client.rank, pid)
-                self.holding.rank_died(client.job, client.world_size, client.rank, pid)
+                died.append(DeadRank(client.job, client.world_size, client.rank, pid))
             if not self.state.pid_connected(pid):
                 self.workers.submit("maintenance", lambda pid=pid: self.state.slots.reclaim(pid))
-        self.saves.abandon_orphaned()
-        self.saves.let_go_ended()
-        self.holding.abandon_orphaned()
+        self.attempts.housekeep(time.monotonic(), died)
 
     def _busy(self) -> bool:
         return self.state.busy or self.workers.in_flight > 0
