@@ -187,9 +187,8 @@ class Retry:
 class Commits:
     """Checkpoints in progress on this daemon, by final path (bookkeeping on the loop; I/O where marked)."""
 
-    def __init__(self, storage: CheckpointStorage, roots: tuple[Path, ...]) -> None:
+    def __init__(self, storage: CheckpointStorage) -> None:
         self.storage = storage
-        self.roots = roots
         self.pending: dict[Path, PendingCheckpoint] = {}
         self.failed: dict[Path, FailedCheckpoint] = {}
         self.closing: dict[Path, list[Retry]] = {}

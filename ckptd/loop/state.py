@@ -65,7 +65,7 @@ class NodeState:
         it here)."""
         self.jobs: list[WriteJob] = []
         """Admitted shard writes, queued or running, until they end."""
-        self.commits = Commits(storage, config.roots)
+        self.commits = Commits(storage)
         self.leases = LoadLeases(config.max_concurrent_loads)
         self.slots = slots if slots is not None else SlotMaps()
         self.stats = Stats(config)
