@@ -28,7 +28,7 @@ from enum import Enum
 from pathlib import Path
 
 from ckptd.protocol.checksums import updater
-from ckptd.protocol.errors import CkptdError, WriteFailed
+from ckptd.protocol.errors import WriteFailed
 from ckptd.protocol.index import CHECKSUM_ALGORITHM, ShardRecord
 from ckptd.protocol.layout import PAGE_SIZE
 from ckptd.protocol.messages import StagedShard
