@@ -7,7 +7,7 @@ from pathlib import Path
 import os
 import pytest
 
-from ckptd.lifecycle.commit import CheckpointState
+from ckptd.lifecycle.attempt import AttemptState
 from ckptd.loop.config import DaemonConfig
 from ckptd.protocol.errors import Conflict, InternalError, RanksMissing, UnknownClient
 from ckptd.protocol.index import ShardRecord
@@ -113,17 +113,17 @@ def test_reserved_bytes_are_what_is_admitted_and_not_yet_written_per_device(stat
 def test_ranks_join_one_pending_checkpoint_until_it_is_complete(state, tmp_path) -> None:
     final = tmp_path / "two"
     first, dest = state.commits.admit(commit(1, rank=0, world_size=2), b"a", final, os.getpid())
-    assert first.state is CheckpointState.PREPARING and dest == tmp_path / "two.incomplete/rank-00000-of-00002.safetensors"
+    assert first.state is AttemptState.PREPARING and dest == tmp_path / "two.incomplete/rank-00000-of-00002.safetensors"
     second, _ = state.commits.admit(commit(2, rank=1, world_size=2), b"b", final, os.getpid())
     assert second is first and first.writing == 2 and first.missing == []
     with pytest.raises(Conflict, match="rank 1 .* already being written"):
         state.commits.admit(commit(3, rank=1, world_size=2), b"b", final, os.getpid())
     with pytest.raises(Conflict, match="world size 2"):
         state.commits.admit(commit(4, rank=0, world_size=3), b"c", final, os.getpid())
-    first.move_to(CheckpointState.WRITING)
+    first.move_to(AttemptState.WRITING)
     assert not state.commits.shard_done(first, ShardRecord("rank-00000-of-00002.safetensors", 0, SHARD, 1, 0))
     assert state.commits.shard_done(first, ShardRecord("rank-00001-of-00002.safetensors", 1, SHARD, 1, 0))
-    assert first.state is CheckpointState.COMMITTING
+    assert first.state is AttemptState.COMMITTING
     assert [c for c in state.checkpoints] == [first]
 
 
@@ -131,23 +131,23 @@ def test_a_failed_checkpoint_fails_its_late_ranks_the_same_way_and_a_retry_start
     final = tmp_path / "lonely"
     pending, _ = state.commits.admit(commit(1, rank=0, world_size=2), b"a", final, os.getpid())
     state.commits.fail(pending, RanksMissing("ranks [1] never came"))
-    assert pending.state is CheckpointState.FAILED and final not in state.commits.pending
+    assert pending.state is AttemptState.FAILED and final not in state.commits.pending
     with pytest.raises(RanksMissing, match="ranks \\[1\\] never came"):
         state.commits.admit(commit(2, rank=1, world_size=2), b"b", final, os.getpid())
     retry, _ = state.commits.admit(commit(3, rank=0, world_size=2), b"a", final, os.getpid())
-    assert retry is not pending and retry.state is CheckpointState.PREPARING
+    assert retry is not pending and retry.state is AttemptState.PREPARING
 
 
 def test_a_checkpoint_moves_only_forward_and_ends_once(state, tmp_path) -> None:
     pending, _ = state.commits.admit(commit(1), b"a", tmp_path / "once", os.getpid())
     with pytest.raises(InternalError, match="cannot go from preparing to committing"):
-        pending.move_to(CheckpointState.COMMITTING)  # no shard is written before its directory exists
-    pending.move_to(CheckpointState.WRITING)
+        pending.move_to(AttemptState.COMMITTING)  # no shard is written before its directory exists
+    pending.move_to(AttemptState.WRITING)
     state.commits.fail(pending, RanksMissing("gone"))
     with pytest.raises(InternalError, match="cannot go from failed to failed"):
         state.commits.fail(pending, RanksMissing("twice"))  # each rank is told once
     with pytest.raises(InternalError, match="cannot go from failed to committed"):
-        pending.move_to(CheckpointState.COMMITTED)
+        pending.move_to(AttemptState.COMMITTED)
 
 
 def test_disk_and_memory_attempts_share_one_set_of_rules_for_their_ranks(state, tmp_path) -> None:

@@ -9,21 +9,76 @@ or when the ranks disagree. That much lives here, once; what happens to the
 bytes (written and renamed, or held and checksummed) lives in the subclasses
 and their pipelines (``saves.py``, ``holding.py``).
 
+Both kinds live by one state model (``AttemptState``, ``NEXT_STATES``):
+``move_to`` is the only way an attempt changes state, refuses any move the
+table does not list (a defect, raised as ``InternalError``), and logs each
+end (``event=attempt_ended``).
+
 Bookkeeping only, on the loop thread.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Callable, ClassVar
 
-from ckptd.protocol.errors import Conflict, ErrorCode, RanksMissing
+from ckptd.protocol.errors import Conflict, ErrorCode, InternalError, RanksMissing
 from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Error, Message, StagedShard
 from ckptd.protocol.objects import display
 
 from ckptd.lifecycle.contributors import Contributors
+
+log = logging.getLogger("ckptd")
+
+
+class AttemptState(str, Enum):
+    """Where an attempt is in its life: one model for disk attempts and memory snapshots (``NEXT_STATES``)."""
+
+    PREPARING = "preparing"
+    """Disk: its ``.incomplete`` directory is being made; its ranks wait for Accepted."""
+    WRITING = "writing"
+    """Disk: its shards are being written (on several nodes, kept until its run's Finalize or Abort)."""
+    COMMITTING = "committing"
+    """Disk: every shard durable, the index and the rename (the publish) under way."""
+    HOLDING = "holding"
+    """Memory: its ranks' shards arrive and are checksummed; nothing is told yet."""
+    HELD = "held"
+    """Memory: complete and its ranks told; in node memory only."""
+    PERSISTING = "persisting"
+    """Memory: held, and being written to disk by the save pipeline."""
+    PERSISTED = "persisted"
+    """Memory: held, and committed on disk too (back to ``held`` if retention deletes that copy)."""
+    COMMITTED = "committed"
+    """Ended, disk: published under its name."""
+    FAILED = "failed"
+    """Ended: every waiting rank was told why; nothing of it is kept."""
+    DROPPED = "dropped"
+    """Ended, memory: evicted by the budget, replaced by newer snapshots, or shadowed by a disk save."""
+    LET_GO = "let go"
+    """Ended, disk, several nodes: settled here, and published or discarded by another node's daemon, or left to
+    it after its contributors died; nobody here is told."""
+
+
+_S = AttemptState
+NEXT_STATES: dict[AttemptState, frozenset[AttemptState]] = {
+    _S.PREPARING: frozenset({_S.WRITING, _S.FAILED}),
+    _S.WRITING: frozenset({_S.COMMITTING, _S.FAILED, _S.LET_GO}),
+    _S.COMMITTING: frozenset({_S.COMMITTED, _S.FAILED}),
+    _S.HOLDING: frozenset({_S.HELD, _S.FAILED}),
+    _S.HELD: frozenset({_S.PERSISTING, _S.DROPPED}),
+    _S.PERSISTING: frozenset({_S.PERSISTED, _S.HELD}),
+    _S.PERSISTED: frozenset({_S.HELD, _S.DROPPED}),
+    _S.COMMITTED: frozenset(),
+    _S.FAILED: frozenset(),
+    _S.DROPPED: frozenset(),
+    _S.LET_GO: frozenset(),
+}
+"""The only moves an attempt makes (``Attempt.move_to``); it ends once, in one of ``ENDED``."""
+ENDED = frozenset(state for state, after in NEXT_STATES.items() if not after)
 
 
 @dataclass(frozen=True)
@@ -72,6 +127,8 @@ class Attempt:
     contributors: Contributors = field(default_factory=lambda: Contributors(""))
     """The run and the processes whose shards this attempt holds (no other may join)."""
     waiting: list[Waiter] = field(default_factory=list)
+    state: AttemptState
+    """Set by each kind to where it starts (``PendingCheckpoint``: preparing; ``HeldSnapshot``: holding)."""
 
     @property
     def arrived(self) -> set[int]:
@@ -82,6 +139,18 @@ class Attempt:
     def open(self) -> bool:
         """Whether ranks may still join (and so whether it can be overdue, abandoned or broken by a rank)."""
         raise NotImplementedError
+
+    def move_to(self, state: AttemptState) -> None:
+        """Change state along ``NEXT_STATES``; any other move is a defect in a pipeline, never done silently."""
+        if state not in NEXT_STATES[self.state]:
+            raise InternalError(f"{self.words.noun} {self.path} cannot go from {self.state.value} to {state.value}")
+        self.state = state
+        if state in ENDED:
+            log.info("event=attempt_ended kind=%s path=%s state=%s", self.words.noun, self.path, state.value)
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED
 
     @property
     def missing(self) -> list[int]:

@@ -23,6 +23,9 @@ All bookkeeping here runs on the loop thread; ``prepare``, ``set_aside`` and
 ``Storage``) and run on the worker pools. A checkpoint goes through::
 
     preparing -> writing -> committing -> committed      (or -> failed)
+
+and, on several nodes, a settled attempt another node's daemon publishes or
+discards goes from writing to let go (``attempt.NEXT_STATES``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Mapping
 
@@ -39,7 +41,6 @@ from ckptd.protocol.errors import (
     CheckpointExists,
     CkptdError,
     Conflict,
-    InternalError,
     InvalidCheckpoint,
     WriteFailed,
 )
@@ -54,7 +55,7 @@ from ckptd.protocol.messages import Finalize, StagedShard
 from ckptd.protocol.inspect import read_shard_header
 from ckptd.protocol.objects import display
 
-from ckptd.lifecycle.attempt import Attempt, Waiter, Words
+from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter, Words
 from ckptd.lifecycle.paths import refuse_existing
 from ckptd.storage.catalog import SeamFiles
 from ckptd.lifecycle.contributors import Contributors
@@ -72,25 +73,6 @@ if TYPE_CHECKING:
     from ckptd.lifecycle.writer import Progress, WriteJob
 
 
-class CheckpointState(str, Enum):
-    PREPARING = "preparing"
-    """Its ``.incomplete`` directory is being created; its ranks wait for Accepted."""
-    WRITING = "writing"
-    COMMITTING = "committing"
-    COMMITTED = "committed"
-    FAILED = "failed"
-
-
-NEXT_STATES: dict[CheckpointState, frozenset[CheckpointState]] = {
-    CheckpointState.PREPARING: frozenset({CheckpointState.WRITING, CheckpointState.FAILED}),
-    CheckpointState.WRITING: frozenset({CheckpointState.COMMITTING, CheckpointState.FAILED}),
-    CheckpointState.COMMITTING: frozenset({CheckpointState.COMMITTED, CheckpointState.FAILED}),
-    CheckpointState.COMMITTED: frozenset(),
-    CheckpointState.FAILED: frozenset(),
-}
-"""The only moves an attempt makes (``PendingCheckpoint.move_to``): it ends once, committed or failed."""
-
-
 @dataclass(kw_only=True)
 class PendingCheckpoint(Attempt):
     """A checkpoint some ranks have committed and that is not final yet: its ranks, shards, writes and state."""
@@ -105,7 +87,7 @@ class PendingCheckpoint(Attempt):
     """Shards of this checkpoint admitted here and not yet durable or failed."""
     queued: list[WriteJob] | None = None
     """Admitted writes waiting for ``p.incomplete`` to be made (None: nobody has started making it yet)."""
-    state: CheckpointState = CheckpointState.PREPARING
+    state: AttemptState = AttemptState.PREPARING
     owns_directory: bool = False
     """Whether ``prepare`` made ``p.incomplete`` for this attempt: only then may a failure remove it."""
     persists_snapshot: bool = False
@@ -117,13 +99,13 @@ class PendingCheckpoint(Attempt):
 
     @property
     def open(self) -> bool:
-        return self.state in (CheckpointState.PREPARING, CheckpointState.WRITING)
+        return self.state in (AttemptState.PREPARING, AttemptState.WRITING)
 
     @property
     def settled(self) -> bool:
         """A coordinated attempt whose shards here are all durable: it waits for its run's Finalize or Abort (here
         or on another node's daemon), and nothing of it is in flight here."""
-        return self.coordinated and self.state is CheckpointState.WRITING and self.writing == 0
+        return self.coordinated and self.state is AttemptState.WRITING and self.writing == 0
 
     def moved_on(self, msg: StagedShard) -> bool:
         """Whether ``msg``, a rank of this settled attempt's own run that already saved here, shows the attempt
@@ -134,12 +116,6 @@ class PendingCheckpoint(Attempt):
         """Whether this settled attempt's contributors all died: no Finalize or Abort of theirs can come here."""
         pids = self.contributors.pids
         return self.settled and bool(pids) and len(self.contributors.dead()) == len(pids)
-
-    def move_to(self, state: CheckpointState) -> None:
-        """Change state along ``NEXT_STATES``; any other move is a defect in the pipeline, never done silently."""
-        if state not in NEXT_STATES[self.state]:
-            raise InternalError(f"checkpoint {self.path} cannot go from {self.state.value} to {state.value}")
-        self.state = state
 
     @property
     def incomplete(self) -> Path:
@@ -214,6 +190,7 @@ class Commits:
         pending = self.pending.get(final)
         if pending is not None and pending.moved_on(commit):
             self.forget(pending)  # its directory is another node's daemon's to publish or remove: left alone
+            pending.move_to(AttemptState.LET_GO)
             pending = None
         if pending is None:
             pending = PendingCheckpoint(path=final, world_size=commit.world_size, step=commit.step,
@@ -283,14 +260,14 @@ class Commits:
     def shard_done(self, pending: PendingCheckpoint, record: ShardRecord | None) -> bool:
         """Record a shard's end (None: it failed); True when the checkpoint can be finalized."""
         pending.writing -= 1
-        if pending.state is CheckpointState.FAILED:
+        if pending.state is AttemptState.FAILED:
             return False
         if record is not None:
             pending.shards[record.rank] = record
         if pending.coordinated:  # kept until its run's Finalize or Abort, or it ends elsewhere
             return False
         if pending.complete:
-            pending.move_to(CheckpointState.COMMITTING)
+            pending.move_to(AttemptState.COMMITTING)
         return pending.complete
 
     def forget_old_failures(self, now: float) -> None:
@@ -300,7 +277,7 @@ class Commits:
 
     def fail(self, pending: PendingCheckpoint, error: CkptdError) -> None:
         """Forget a failed checkpoint, remembering why for its late ranks."""
-        pending.move_to(CheckpointState.FAILED)
+        pending.move_to(AttemptState.FAILED)
         self.forget(pending)
         self.closing.setdefault(pending.path, [])
         if not pending.coordinated:  # across nodes the ranks' own agreement tells late ranks
@@ -324,7 +301,7 @@ class Commits:
                                f"{kept.state.value} with {kept.writing} shard(s) in flight, world size "
                                f"{kept.world_size} and step {kept.step}; Finalize says world size {msg.world_size}, "
                                f"step {msg.step}")
-            kept.move_to(CheckpointState.COMMITTING)
+            kept.move_to(AttemptState.COMMITTING)
             kept.overwrite, kept.keep_last = msg.overwrite, msg.keep_last
             kept.shards = {f.rank: f for f in msg.files}
             kept.ranks_seen = set(range(msg.world_size))
@@ -332,7 +309,7 @@ class Commits:
             return kept
         pending = PendingCheckpoint(path=final, world_size=msg.world_size, step=msg.step, overwrite=msg.overwrite,
                                     coordinated=True, keep_last=msg.keep_last, shards={f.rank: f for f in msg.files},
-                                    ranks_seen=set(range(msg.world_size)), state=CheckpointState.COMMITTING,
+                                    ranks_seen=set(range(msg.world_size)), state=AttemptState.COMMITTING,
                                     owns_directory=True, waiting=[Waiter(client, msg.id, 0)],
                                     contributors=Contributors(msg.job))
         self.pending[final] = pending  # taken: no other run's rank may start an attempt at the path meanwhile

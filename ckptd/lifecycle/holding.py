@@ -36,6 +36,7 @@ from ckptd.protocol.messages import (
 from ckptd.protocol.objects import display, is_permanent
 from ckptd.protocol.shm import slot_name
 
+from ckptd.lifecycle.attempt import AttemptState
 from ckptd.lifecycle.admission import Examined, examine
 from ckptd.loop.config import DaemonConfig
 from ckptd.loop.events import Committed, Deleted, Dropped, Events, Failed, Held as HeldEvent
@@ -136,7 +137,7 @@ class Holding:
 
     def _acknowledge(self, snap: HeldSnapshot) -> None:
         """Every rank held here: from now on it is a snapshot a restore may use."""
-        snap.acknowledged = True
+        snap.move_to(AttemptState.HELD)
         self.events.publish(HeldEvent(snap.path, snap.step, snap.nbytes))
 
     def _tell_held(self, snap: HeldSnapshot) -> None:
@@ -151,7 +152,7 @@ class Holding:
 
     def fail(self, snap: HeldSnapshot, exc: BaseException) -> None:
         """A snapshot failed: tell its waiting ranks, drop its shards (their slots go back with the error)."""
-        self.snapshots.remove(snap)
+        self.snapshots.remove(snap, AttemptState.FAILED)
         error = as_error(self.state.stats, exc)
         log.warning("event=snapshot_failed path=%s error=%s", snap.path, error.message)
         snap.tell_failed(self.send, error.code, error.message)
@@ -278,7 +279,8 @@ class Holding:
 
     def start_persist(self, snap: HeldSnapshot) -> None:
         """Hand every held shard of ``snap`` to the save pipeline; ``persisted`` answers its waiters."""
-        snap.persisting, snap.persist_started = True, time.monotonic()
+        snap.move_to(AttemptState.PERSISTING)
+        snap.persist_started = time.monotonic()
         log.info("event=persist path=%s step=%s", snap.path, snap.step)
         storage, final = self.storage, snap.path
         self.workers.submit("admit", lambda: storage.space(final.parent), lambda fut: self._persist_room(snap, fut),
@@ -309,7 +311,7 @@ class Holding:
         writes it again, and an exit or a drain persists it if it is its directory's newest."""
         snap = self.snapshots.held.get(event.path)
         if snap is not None and snap.persisted:
-            snap.persisted = False
+            snap.move_to(AttemptState.HELD)
             log.info("event=snapshot_unpersisted path=%s reason=retention_deleted_disk_copy", snap.path)
 
     def persisted(self, path: Path, error: CkptdError | None) -> None:
@@ -330,11 +332,11 @@ class Holding:
                 if not snap.acknowledged:
                     self.fail(snap, why)
                     return
-                self.snapshots.remove(snap)
+                self.snapshots.remove(snap, AttemptState.DROPPED)
                 self._drop([snap], "saved_to_disk")
                 self._answer_persists(snap, why)
             return
-        snap.persisting, snap.persisted = False, error is None
+        snap.move_to(AttemptState.PERSISTED if error is None else AttemptState.HELD)
         if error is not None:
             log.warning("event=persist_failed path=%s draining=%s error=%s", path, self.state.draining, error.message)
             self.state.stats.error(f"persisting snapshot {path} failed: {error.message}")

@@ -32,7 +32,8 @@ from ckptd.protocol.messages import Abort, Accepted, Done, Durable, Finalize, Me
 from ckptd.protocol.objects import display, is_permanent
 
 from ckptd.lifecycle.admission import Examined, check_room, examine
-from ckptd.lifecycle.commit import CheckpointState, PendingCheckpoint, Retry
+from ckptd.lifecycle.attempt import AttemptState
+from ckptd.lifecycle.commit import PendingCheckpoint, Retry
 from ckptd.lifecycle.paths import resolve_path
 from ckptd.loop.config import DaemonConfig
 from ckptd.lifecycle.contributors import Contributors
@@ -160,7 +161,7 @@ class Saves:
             self.refuse(ident, msg, exc)
             if internal:  # the persist fails, and only the persist: never a client's save of the same path
                 pending = state.commits.pending.get(final)
-                if pending is not None and pending.persists_snapshot and pending.state is not CheckpointState.FAILED:
+                if pending is not None and pending.persists_snapshot and pending.state is not AttemptState.FAILED:
                     self.fail(pending, exc)
                 else:
                     self.events.publish(Failed(final, as_error(state.stats, exc)))
@@ -172,7 +173,7 @@ class Saves:
         # The daemon holds the save now (its slot mapped, its job listed): the client may go on, before the
         # checkpoint's directory exists (a failure to make it fails the save through its future).
         self.send(ident, Accepted(msg.id))
-        if pending.state is not CheckpointState.PREPARING:
+        if pending.state is not AttemptState.PREPARING:
             self._start(job, pending)
             return
         if pending.queued is None:
@@ -196,9 +197,9 @@ class Saves:
     def _prepared(self, pending: PendingCheckpoint, fut: Future) -> None:
         jobs, pending.queued = pending.queued or [], []
         pending.owns_directory = fut.exception() is None
-        if pending.state is CheckpointState.PREPARING:
+        if pending.state is AttemptState.PREPARING:
             if fut.exception() is None:
-                pending.move_to(CheckpointState.WRITING)
+                pending.move_to(AttemptState.WRITING)
                 for job in jobs:
                     self._start(job, pending)
                 return
@@ -224,10 +225,10 @@ class Saves:
                 f"(checksum {record.checksum:#010x} now, {job.expected_checksum:#010x} when held): not persisted"), None
         if record is None:
             job.state = WriteState.FAILED
-            if exc is not None and pending.state is not CheckpointState.FAILED:
+            if exc is not None and pending.state is not AttemptState.FAILED:
                 self.fail(pending, exc)
         ready = self.state.commits.shard_done(pending, record)
-        if pending.state is CheckpointState.FAILED:
+        if pending.state is AttemptState.FAILED:
             if pending.writing == 0:
                 self._discard(pending)
             return
@@ -246,7 +247,7 @@ class Saves:
             self.state.finish_job(job)
             job.state = WriteState.FAILED
             self.state.commits.shard_done(pending, None)
-            if pending.state is CheckpointState.FAILED and pending.writing == 0:  # failed by an earlier rank
+            if pending.state is AttemptState.FAILED and pending.writing == 0:  # failed by an earlier rank
                 self._discard(pending)
         self._fails(pending)(exc)
 
@@ -286,7 +287,7 @@ class Saves:
             self.fail(pending, fut.exception())
             return
         self.state.commits.forget(pending)
-        pending.move_to(CheckpointState.COMMITTED)
+        pending.move_to(AttemptState.COMMITTED)
         seconds = time.monotonic() - pending.started_at
         nbytes = pending.index().total_bytes
         log.info("event=committed path=%s bytes=%d seconds=%.3f", pending.path, nbytes, seconds)
@@ -314,8 +315,8 @@ class Saves:
             else:
                 pending = pending or PendingCheckpoint(
                     path=final, world_size=1, step=None, overwrite=False, coordinated=True,
-                    state=CheckpointState.WRITING, owns_directory=True, contributors=Contributors(msg.job))
-                if pending.state is not CheckpointState.FAILED:
+                    state=AttemptState.WRITING, owns_directory=True, contributors=Contributors(msg.job))
+                if pending.state is not AttemptState.FAILED:
                     self.fail(pending, RanksMissing(f"checkpoint {display(final)} was aborted: {msg.reason}"))
             self.send(ident, Ok(msg.id))
 
@@ -337,7 +338,7 @@ class Saves:
         already ended), so none waits for its timeout."""
 
         def failed(exc: BaseException) -> None:
-            if pending.state not in (CheckpointState.FAILED, CheckpointState.COMMITTED):
+            if pending.state not in (AttemptState.FAILED, AttemptState.COMMITTED):
                 self.fail(pending, exc)
 
         return failed
@@ -379,6 +380,7 @@ class Saves:
             return False
         log.info("event=let_go path=%s job=%r why=%s", pending.path, pending.contributors.job, why)
         self.state.commits.forget(pending)
+        pending.move_to(AttemptState.LET_GO)
         return True
 
     def _release(self, pending: PendingCheckpoint) -> None:
@@ -435,7 +437,7 @@ class Saves:
     def fail_waiting_for_ranks(self) -> None:
         """At the end of a drain: checkpoints still missing ranks fail with ``ShuttingDown``."""
         waiting = [p for p in self.state.commits.pending.values()
-                   if p.state is not CheckpointState.COMMITTING and not p.coordinated and p.missing]
+                   if p.state is not AttemptState.COMMITTING and not p.coordinated and p.missing]
         for pending in waiting:
             self.fail(pending, ShuttingDown(
                 f"the daemon was stopped while checkpoint {pending.path} waited for ranks {pending.missing} "

@@ -43,7 +43,7 @@ from ckptd.protocol.index import CHECKSUM_ALGORITHM
 from ckptd.protocol.messages import Snapshot
 from ckptd.protocol.objects import display
 
-from ckptd.lifecycle.attempt import Attempt, Waiter, Words
+from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter, Words
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.tools.render import human_bytes
 from ckptd.lifecycle.slot_maps import MappedSlot
@@ -71,10 +71,7 @@ class HeldSnapshot(Attempt):
                                    "is already held", "nothing was held")
     shards: dict[int, HeldShard] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
-    acknowledged: bool = False
-    """Complete and its ranks told: from now on it is a snapshot a restore may use."""
-    persisted: bool = False
-    persisting: bool = False
+    state: AttemptState = AttemptState.HOLDING
     persist_waiting: list[tuple[bytes, int]] = field(default_factory=list)
     """(client, request id) of every ``Persist`` owed a ``Done`` or an ``Error`` for this snapshot."""
     persist_started: float = 0.0
@@ -87,7 +84,20 @@ class HeldSnapshot(Attempt):
 
     @property
     def open(self) -> bool:
-        return not self.acknowledged
+        return self.state is AttemptState.HOLDING
+
+    @property
+    def acknowledged(self) -> bool:
+        """Complete and its ranks told: from now on it is a snapshot a restore may use."""
+        return self.state in (AttemptState.HELD, AttemptState.PERSISTING, AttemptState.PERSISTED)
+
+    @property
+    def persisting(self) -> bool:
+        return self.state is AttemptState.PERSISTING
+
+    @property
+    def persisted(self) -> bool:
+        return self.state is AttemptState.PERSISTED
 
     @property
     def checksummed(self) -> bool:
@@ -171,7 +181,7 @@ class Snapshots:
                             key=lambda s: s.order)  # a pinned one's memory would stay until its readers are done
         while self.held_bytes + needed > self.budget and candidates:
             victim = candidates.pop(0)
-            del self.held[victim.path]
+            self.remove(victim, AttemptState.DROPPED)
             evicted.append(victim)
         if self.held_bytes + needed > self.budget:
             unpersisted = sum(1 for s in self.held.values() if not s.persisted)
@@ -200,12 +210,14 @@ class Snapshots:
                      key=lambda s: s.order, reverse=True)
         dropped = [s for s in job[self.keep:] if s is not snap]
         for s in dropped:
-            del self.held[s.path]
+            self.remove(s, AttemptState.DROPPED)
         return dropped
 
-    def remove(self, snap: HeldSnapshot) -> None:
+    def remove(self, snap: HeldSnapshot, ended: AttemptState) -> None:
+        """``snap`` ends (failed or dropped) and leaves the books."""
         if self.held.get(snap.path) is snap:
             del self.held[snap.path]
+        snap.move_to(ended)
 
     def newest(self, *, pid: int | None = None) -> list[HeldSnapshot]:
         """Per directory, the newest acknowledged snapshot not yet on disk (of client ``pid``'s ranks, if given)."""

@@ -1,0 +1,65 @@
+"""One state model for every attempt, disk or memory: each way an attempt ends is a move of ``NEXT_STATES``.
+
+The table is read as a graph (every state an attempt can be in leads to an end), and a real daemon is driven
+through the ends a node can reach on its own (committed, failed on disk and in memory, a snapshot persisted,
+dropped for a newer one and shadowed by a disk save): each is logged as the end it is, and no move the table
+does not list (``cannot go from``, an ``InternalError``) ever happens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckptd
+from ckptd.lifecycle.attempt import ENDED, NEXT_STATES, AttemptState
+from ckptd.protocol.endpoint import LOG_NAME
+from helpers import wait_until
+
+
+def test_every_state_leads_to_an_end_and_only_the_ends_lead_nowhere() -> None:
+    assert ENDED == {AttemptState.COMMITTED, AttemptState.FAILED, AttemptState.DROPPED, AttemptState.LET_GO}
+    assert set(NEXT_STATES) == set(AttemptState)
+    for start in AttemptState:
+        seen, todo = set(), [start]
+        while todo:
+            state = todo.pop()
+            seen.add(state)
+            todo += [s for s in NEXT_STATES[state] if s not in seen]
+        assert seen & ENDED, f"{start.value} leads to no end"
+
+
+def ended(log: str) -> list[tuple[str, str, str]]:
+    """(kind, path's name, end) of every attempt the daemon logged as ended."""
+    rows = []
+    for line in log.splitlines():
+        if "event=attempt_ended" in line:
+            fields = dict(f.split("=", 1) for f in line.split("event=attempt_ended ", 1)[1].split(" ", 2)[:2])
+            rows.append((fields["kind"], fields["path"].rsplit("/", 1)[-1], line.rsplit("state=", 1)[1]))
+    return rows
+
+
+@pytest.mark.timeout(120)
+def test_each_way_an_attempt_ends_on_a_node_is_a_move_of_the_table(daemon_factory, client_factory, root) -> None:
+    daemon = daemon_factory("--keep-snapshots", "1", faults=[{"op": "write", "match": "doomed"}])
+    client = client_factory()
+    client.save_async({"w": torch.ones(4)}, root / "saved", step=1).result(30)
+    with pytest.raises(ckptd.WriteFailed):
+        client.save_async({"w": torch.ones(4)}, root / "doomed", step=2).result(30)
+    client.save_async({"w": torch.ones(4)}, root / "mem" / "s-1", step=1, persist=False).result(30)
+    client.save_async({"w": torch.ones(4)}, root / "mem" / "s-2", step=2, persist=False).result(30)  # drops s-1
+    client.persist(root / "mem" / "s-2")
+    client.save_async({"w": torch.ones(4)}, root / "shadow", step=3, persist=False).result(30)
+    client.save_async({"w": torch.full((4,), 2.0)}, root / "shadow", step=3).result(30)  # the disk save shadows it
+    lonely = client_factory(rank=0, world_size=2, commit_timeout=1.0)
+    with pytest.raises(ckptd.RanksMissing):
+        lonely.save_async({"w": torch.ones(4)}, root / "mem" / "s-9", step=9, persist=False).result(60)
+    log_path = daemon.run_dir / LOG_NAME
+    wanted = {("checkpoint", "saved", "committed"), ("checkpoint", "doomed", "failed"),
+              ("snapshot", "s-1", "dropped"), ("checkpoint", "s-2", "committed"),
+              ("checkpoint", "shadow", "committed"), ("snapshot", "shadow", "dropped"),
+              ("snapshot", "s-9", "failed")}
+    wait_until(lambda: wanted <= set(ended(log_path.read_text())), 30,
+               lambda: f"every end logged; logged: {ended(log_path.read_text())}")
+    assert "cannot go from" not in log_path.read_text()
+    assert ckptd.load(root / "shadow")["w"].tolist() == [2.0] * 4
