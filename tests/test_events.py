@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.loop.events import Committed, Dropped, Events, Failed, Held
+from ckptd.loop.events import Committed, Events, Failed, SnapshotDropped, SnapshotHeld
 from ckptd.protocol.errors import WriteFailed
 
 
@@ -22,20 +22,20 @@ def test_subscribers_run_in_order_and_only_for_their_event_type() -> None:
     events.subscribe(Committed, lambda e: told.append(("second", e.path)))
     events.publish(Committed(Path("/c/a"), 1, 10, 0.5, None))
     events.publish(Failed(Path("/c/b"), WriteFailed("disk full")))
-    events.publish(Held(Path("/c/m"), 2, 10))  # nobody listens: nothing happens
+    events.publish(SnapshotHeld(Path("/c/m"), 2, 10))  # nobody listens: nothing happens
     assert told == [("first", Path("/c/a")), ("second", Path("/c/a")), ("failed", "disk full")]
 
 
 def test_a_subscriber_that_raises_is_logged_and_the_next_one_still_runs(caplog: pytest.LogCaptureFixture) -> None:
     events, told = Events(), []
 
-    def broken(event: Dropped) -> None:
+    def broken(event: SnapshotDropped) -> None:
         raise RuntimeError("a defect in one reaction")
 
-    events.subscribe(Dropped, broken)
-    events.subscribe(Dropped, lambda e: told.append(e.reason))
+    events.subscribe(SnapshotDropped, broken)
+    events.subscribe(SnapshotDropped, lambda e: told.append(e.reason))
     with caplog.at_level(logging.ERROR, logger="ckptd"):
-        events.publish(Dropped(Path("/c/m"), 3, "budget"))
+        events.publish(SnapshotDropped(Path("/c/m"), 3, "budget"))
     assert told == ["budget"]
-    assert "event=subscriber_failed kind=Dropped path=/c/m" in caplog.text
+    assert "event=subscriber_failed kind=SnapshotDropped path=/c/m" in caplog.text
     assert "a defect in one reaction" in caplog.text

@@ -38,7 +38,7 @@ def test_leases_are_granted_first_come_first_served_up_to_the_limit() -> None:
     assert leases.request(D, 4, pid=13, limit=None) == []
     assert granted(leases.release(B)) == [(C, 3)]
     assert granted(leases.release(A)) == [(D, 4)]
-    snap = leases.snapshot()
+    snap = leases.status()
     assert snap["default_limit"] == 2 and sorted(h["pid"] for h in snap["held"]) == [12, 13] and snap["waiting"] == []
 
 
@@ -46,7 +46,7 @@ def test_a_request_naming_its_own_limit_overrides_the_daemon_default() -> None:
     leases = LoadLeases(default_limit=None)  # no default: every request is granted at once
     assert granted(leases.request(A, 1, pid=10, limit=None)) == [(A, 1)]
     assert leases.request(B, 2, pid=11, limit=1) == []  # asks for at most one holder; A holds
-    assert [w["pid"] for w in leases.snapshot()["waiting"]] == [11]
+    assert [w["pid"] for w in leases.status()["waiting"]] == [11]
     assert granted(leases.release(A)) == [(B, 2)]
 
 
@@ -62,7 +62,7 @@ def test_a_second_request_from_the_same_client_gives_back_its_first_lease() -> N
     leases = LoadLeases(default_limit=1)
     leases.request(A, 1, pid=10, limit=None)
     assert granted(leases.request(A, 2, pid=10, limit=None)) == [(A, 2)]
-    assert len(leases.snapshot()["held"]) == 1
+    assert len(leases.status()["held"]) == 1
 
 
 def test_a_gone_client_loses_its_lease_and_its_queued_requests_and_the_next_waiter_is_granted() -> None:
@@ -72,7 +72,7 @@ def test_a_gone_client_loses_its_lease_and_its_queued_requests_and_the_next_wait
     leases.request(C, 3, pid=12, limit=None)
     assert granted(leases.drop_client(B)) == []  # the daemon tears down each connection of a dead process
     assert granted(leases.drop_client(A)) == [(C, 3)]
-    snap = leases.snapshot()
+    snap = leases.status()
     assert [h["pid"] for h in snap["held"]] == [12] and snap["waiting"] == []
 
 
@@ -80,7 +80,7 @@ def test_releasing_a_lease_never_held_changes_nothing() -> None:
     leases = LoadLeases(default_limit=1)
     leases.request(A, 1, pid=10, limit=None)
     assert leases.release(B) == []
-    assert [h["pid"] for h in leases.snapshot()["held"]] == [10]
+    assert [h["pid"] for h in leases.status()["held"]] == [10]
 
 
 def _max_overlap(intervals: list[tuple[float, float]]) -> int:

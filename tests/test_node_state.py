@@ -91,9 +91,9 @@ def test_a_save_counts_for_its_client_and_ends_with_its_write(state) -> None:
     assert state.staging[(b"a", 1)] is progress and state.busy
     job = WriteJob(b"a", commit(1), FakeSlot("ckptd-0-1-1"), Path("/ckpts/a.incomplete/r"), Path("/ckpts/a"),
                    progress, device=7)
-    state.jobs.append(job)
+    state.writes.append(job)
     state.finish_job(job)
-    assert state.jobs == [] and state.staging == {} and state.slots.released == ["ckptd-0-1-1"]
+    assert state.writes == [] and state.staging == {} and state.slots.released == ["ckptd-0-1-1"]
     assert job.finished_at is not None
     assert not state.busy
 
@@ -104,7 +104,7 @@ def test_reserved_bytes_are_what_is_admitted_and_not_yet_written_per_device(stat
         progress = state.begin_save(b"a", client, commit(rid), deadline=1e18)
         job = WriteJob(b"a", commit(rid), FakeSlot(str(rid)), Path("/x"), Path("/y"), progress, device=device)
         job.written = written
-        state.jobs.append(job)
+        state.writes.append(job)
     assert state.reserved_on(7) == 2 * SHARD - 1000
     assert state.reserved_on(8) == SHARD
     assert state.reserved_on(9) == 0
@@ -170,7 +170,7 @@ def test_disk_and_memory_attempts_share_one_set_of_rules_for_their_ranks(state, 
 
 def test_the_status_view_reads_the_state_without_a_server(state) -> None:
     state.hello(b"a", 42)
-    info = state.stats.snapshot(state)
+    info = state.stats.status(state)
     assert [c["pid"] for c in info["clients"]] == [42]
     assert info["writes"] == {"max_concurrent": 2, "writing": 0, "queued": 0, "throughput_bps": 0}
     assert info["daemon"]["draining"] is False and info["checkpoints"] == []

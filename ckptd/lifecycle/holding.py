@@ -39,7 +39,7 @@ from ckptd.protocol.shm import slot_name
 from ckptd.lifecycle.attempt import AttemptState
 from ckptd.lifecycle.admission import Examined, examine
 from ckptd.loop.config import DaemonConfig
-from ckptd.loop.events import Committed, Deleted, Dropped, Events, Failed, Held as HeldEvent
+from ckptd.loop.events import Committed, Deleted, Events, Failed, SnapshotDropped, SnapshotHeld
 from ckptd.loop.replies import as_error, error_reply
 from ckptd.lifecycle.saves import Saves
 from ckptd.lifecycle.snapshots import HeldShard, HeldSnapshot, shards_of
@@ -96,7 +96,7 @@ class Holding:
             return
         for old in evicted:
             log.info("event=snapshot_evicted path=%s step=%s reason=budget", old.path, old.step)
-            self.events.publish(Dropped(old.path, old.step, "budget"))
+            self.events.publish(SnapshotDropped(old.path, old.step, "budget"))
         self._release(shards_of(evicted))  # never pinned: the budget evicts none a reader holds
         self.send(ident, Accepted(msg.id))
         slot, slots, name = examined.slot, self.state.slots, slot_name(os.getuid(), os.getpid(), next(self._names))
@@ -127,6 +127,7 @@ class Holding:
             self.send(ident, self._held(snap, msg.id, msg.nbytes, shard.pid))
             if snap.complete and not snap.acknowledged:
                 self._acknowledge(snap)
+                self._published_held(snap)  # its last rank was just told
             return
         if not snap.complete:
             return
@@ -138,13 +139,17 @@ class Holding:
     def _acknowledge(self, snap: HeldSnapshot) -> None:
         """Every rank held here: from now on it is a snapshot a restore may use."""
         snap.move_to(AttemptState.HELD)
-        self.events.publish(HeldEvent(snap.path, snap.step, snap.nbytes))
+
+    def _published_held(self, snap: HeldSnapshot) -> None:
+        """``SnapshotHeld``, once its ranks were told (``events.py``: handlers run after the ranks are answered)."""
+        self.events.publish(SnapshotHeld(snap.path, snap.step, snap.nbytes))
 
     def _tell_held(self, snap: HeldSnapshot) -> None:
         """Held to every rank, once the slots it released are back under their names (so the reply can name them)."""
         for waiter in snap.waiting:
             self.send(waiter.client, self._held(snap, waiter.request_id, waiter.nbytes, waiter.pid))
         snap.waiting = []
+        self._published_held(snap)
 
     def _held(self, snap: HeldSnapshot, rid: int, nbytes: int, pid: int) -> Held:
         return Held(rid, str(snap.path), nbytes, time.monotonic() - snap.started_at,
@@ -200,7 +205,7 @@ class Holding:
         """Release the slots of snapshots dropped from the books, except those a reader pins: parked until it
         unpins (a reader copies straight out of the slot, which must not go back to its trainer meanwhile)."""
         for snap in snaps:
-            self.events.publish(Dropped(snap.path, snap.step, reason))
+            self.events.publish(SnapshotDropped(snap.path, snap.step, reason))
         pinned = [s for s in snaps if s.readers]
         for snap in pinned:
             log.info("event=snapshot_drop_deferred path=%s step=%s readers=%d", snap.path, snap.step,

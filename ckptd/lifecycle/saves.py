@@ -168,7 +168,7 @@ class Saves:
             return
         job = WriteJob(ident, msg, examined.slot, dest, pending.path, progress, device=examined.space.device,
                        expected_checksum=expected_checksum)
-        state.jobs.append(job)
+        state.writes.append(job)
         log.info("event=admitted path=%s rank=%d bytes=%d", pending.path, msg.rank, msg.nbytes)
         # The daemon holds the save now (its slot mapped, its job listed): the client may go on, before the
         # checkpoint's directory exists (a failure to make it fails the save through its future).
@@ -243,7 +243,7 @@ class Saves:
         """``_write_finished`` raised: the write is over, so it ends here if the completion had not ended it yet
         (its slot back, its shard no longer in flight), and the attempt fails on every rank (and is discarded once
         nothing of it is written any more)."""
-        if job in self.state.jobs:
+        if job in self.state.writes:
             self.state.finish_job(job)
             job.state = WriteState.FAILED
             self.state.commits.shard_done(pending, None)

@@ -48,7 +48,7 @@ class Failed:
 
 
 @dataclass(frozen=True)
-class Held:
+class SnapshotHeld:
     """Every rank of a snapshot is held in node memory (its ranks were told ``Held``)."""
 
     path: Path
@@ -57,7 +57,7 @@ class Held:
 
 
 @dataclass(frozen=True)
-class Dropped:
+class SnapshotDropped:
     """A held snapshot left node memory (its slots go back to their clients or are unlinked)."""
 
     path: Path
@@ -73,8 +73,8 @@ class Deleted:
     path: Path
 
 
-Event = Union[Committed, Failed, Held, Dropped, Deleted]
-E = TypeVar("E", Committed, Failed, Held, Dropped, Deleted)
+Event = Union[Committed, Failed, SnapshotHeld, SnapshotDropped, Deleted]
+E = TypeVar("E", Committed, Failed, SnapshotHeld, SnapshotDropped, Deleted)
 
 
 class Events:

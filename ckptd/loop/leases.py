@@ -64,7 +64,7 @@ class LoadLeases:
             grants.append(Grant(head.client, head.request_id, time.monotonic() - head.since))
         return grants
 
-    def snapshot(self) -> dict:
+    def status(self) -> dict:
         now = time.monotonic()
         return {
             "default_limit": self.default_limit,

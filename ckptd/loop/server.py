@@ -28,7 +28,7 @@ from ckptd.protocol.messages import (
 from ckptd.protocol.objects import display
 
 from ckptd.loop.config import DaemonConfig
-from ckptd.loop.events import Committed, Deleted, Dropped, Events, Failed, Held
+from ckptd.loop.events import Committed, Deleted, Events, Failed, SnapshotDropped, SnapshotHeld
 from ckptd.lifecycle.holding import Holding
 from ckptd.lifecycle.registry import DeadRank, Registry
 from ckptd.loop.leases import Grant
@@ -117,8 +117,8 @@ class Server:
         (a snapshot persisted or shadowed by a disk save), the upload, and retention last (it asks the mirror)."""
         events, stats = self.events, self.state.stats
         events.subscribe(Committed, stats.committed)
-        events.subscribe(Held, stats.held)
-        events.subscribe(Dropped, stats.dropped)
+        events.subscribe(SnapshotHeld, stats.held)
+        events.subscribe(SnapshotDropped, stats.dropped)
         events.subscribe(Committed, self.holding.committed)
         events.subscribe(Failed, self.holding.failed)
         events.subscribe(Deleted, self.holding.deleted)
@@ -215,14 +215,14 @@ class Server:
         log.info("event=hello pid=%d version=%s", msg.pid, msg.client_version)
         return Welcome(msg.id, os.getpid(), __version__, tuple(str(r) for r in self.config.roots))
 
-    def _snapshot(self) -> dict:
-        info = self.state.stats.snapshot(self.state)
+    def _status_info(self) -> dict:
+        info = self.state.stats.status(self.state)
         if self.mirrors is not None:
-            info["mirror"] = self.mirrors.snapshot()
+            info["mirror"] = self.mirrors.status()
         return info
 
     def _on_status(self, ident: bytes, msg: Status) -> None:
-        info = self._snapshot()
+        info = self._status_info()
         self.workers.submit("status", lambda: add_filesystems(info, self.storage),
                             lambda fut: self._send(ident, StatusReply(msg.id, fut.result())))
         return None  # the reply follows once the filesystems' numbers are in
@@ -266,7 +266,7 @@ class Server:
 
     def _housekeeping(self) -> None:
         if self.metrics is not None:
-            metrics, info = self.metrics, self._snapshot()
+            metrics, info = self.metrics, self._status_info()
             self.workers.submit("status", lambda: metrics.update(add_filesystems(info, self.storage)))
         if self.state.slots.mapped_bytes:  # slots clients replaced; nothing to do (nor to keep busy) when none
             self.workers.submit("maintenance", self.state.slots.drop_unlinked)
@@ -308,7 +308,7 @@ class Server:
         now = time.monotonic()
         if self._drain_deadline is None:
             self._drain_deadline = now + self.config.drain_timeout
-            log.info("event=drain checkpoints=%d writes=%d", len(self.state.commits.pending), len(self.state.jobs))
+            log.info("event=drain checkpoints=%d writes=%d", len(self.state.commits.pending), len(self.state.writes))
             self.holding.drain()
         if now >= self._drain_deadline:
             self.saves.fail_waiting_for_ranks()

@@ -63,8 +63,8 @@ class NodeState:
         self.staging: dict[tuple[bytes, int], Progress] = {}
         """Staging progress of every shard from its WriteShard or Snapshot until its write ends (``Staged`` finds
         it here)."""
-        self.jobs: list[WriteJob] = []
-        """Admitted shard writes, queued or running, until they end."""
+        self.writes: list[WriteJob] = []
+        """Admitted shard writes, queued or running, until they end (their bytes reserved on their device)."""
         self.commits = Commits(storage)
         self.leases = LoadLeases(config.max_concurrent_loads)
         self.slots = slots if slots is not None else SlotMaps()
@@ -79,10 +79,6 @@ class NodeState:
         return self.clients.values()
 
     @property
-    def write_jobs(self) -> list[WriteJob]:
-        return self.jobs
-
-    @property
     def checkpoints(self) -> Iterable[PendingCheckpoint]:
         return self.commits.pending.values()
 
@@ -94,10 +90,10 @@ class NodeState:
     def shm_dir(self) -> Path:
         return self.slots.shm_dir
 
-    def lease_snapshot(self) -> Mapping[str, Any]:
-        return self.leases.snapshot()
+    def lease_status(self) -> Mapping[str, Any]:
+        return self.leases.status()
 
-    def memory_snapshot(self) -> Mapping[str, Any]:
+    def memory_status(self) -> Mapping[str, Any]:
         return self.snapshots.summary()
 
     # -- clients ------------------------------------------------------------------
@@ -181,17 +177,17 @@ class NodeState:
 
     def reserved_on(self, device: int) -> int:
         """Bytes admitted to ``device`` and not yet written (admission's promise)."""
-        return sum(j.msg.nbytes - j.written for j in self.jobs if j.device == device)
+        return sum(j.msg.nbytes - j.written for j in self.writes if j.device == device)
 
     def finish_job(self, job: WriteJob) -> None:
-        self.jobs.remove(job)
+        self.writes.remove(job)
         self.slots.release(job.slot)
         self.end_save(job.client, job.msg.id)
         job.finished_at = time.monotonic()
 
     @property
     def busy(self) -> bool:
-        return bool(self.staging or self.jobs or self.commits.closing)
+        return bool(self.staging or self.writes or self.commits.closing)
 
     @property
     def idle(self) -> bool:

@@ -22,7 +22,7 @@ from ckptd.protocol.objects import display, is_object_path
 from ckptd.protocol.shm import shm_usage
 
 from ckptd.loop.config import DaemonConfig
-from ckptd.loop.events import Committed, Dropped, Held
+from ckptd.loop.events import Committed, SnapshotDropped, SnapshotHeld
 from ckptd.storage.contract import Files
 
 if TYPE_CHECKING:
@@ -34,19 +34,19 @@ class NodeView(Protocol):
     """What status may read of the node state (``state.NodeState`` is one)."""
 
     draining: bool
+    writes: list["WriteJob"]
+    """Shard writes admitted and not yet ended."""
 
     @property
     def client_records(self) -> Iterable[Any]: ...
-    @property
-    def write_jobs(self) -> list["WriteJob"]: ...
     @property
     def checkpoints(self) -> Iterable["PendingCheckpoint"]: ...
     @property
     def shm_mapped_bytes(self) -> int: ...
     @property
     def shm_dir(self) -> Path: ...
-    def lease_snapshot(self) -> Mapping[str, Any]: ...
-    def memory_snapshot(self) -> Mapping[str, Any]: ...
+    def lease_status(self) -> Mapping[str, Any]: ...
+    def memory_status(self) -> Mapping[str, Any]: ...
 
 RECENT_ERRORS = 20
 
@@ -78,17 +78,17 @@ class Stats:
             "time": time.time(),
         }
 
-    def held(self, event: Held) -> None:
+    def held(self, event: SnapshotHeld) -> None:
         self.snapshots_held += 1
 
-    def dropped(self, event: Dropped) -> None:
+    def dropped(self, event: SnapshotDropped) -> None:
         self.snapshots_dropped += 1
 
     def error(self, message: str) -> None:
         self.errors.append({"time": time.time(), "message": message})
         self.errors_total += 1
 
-    def snapshot(self, view: NodeView) -> dict[str, Any]:
+    def status(self, view: NodeView) -> dict[str, Any]:
         """Everything but the filesystems' numbers, from memory (the loop thread)."""
         now = time.monotonic()
         saves = [
@@ -103,7 +103,7 @@ class Stats:
                 "waited_s": round((job.started_at or now) - job.queued_at, 6),
                 "elapsed_s": round(now - job.queued_at, 6),
             }
-            for job in view.write_jobs
+            for job in view.writes
         ]
         checkpoints = [
             {
@@ -134,9 +134,9 @@ class Stats:
             ],
             "writes": {
                 "max_concurrent": self.config.max_concurrent_writes,
-                "writing": sum(1 for j in view.write_jobs if j.state != "queued"),
-                "queued": sum(1 for j in view.write_jobs if j.state == "queued"),
-                "throughput_bps": _throughput(view.write_jobs, now),
+                "writing": sum(1 for j in view.writes if j.state != "queued"),
+                "queued": sum(1 for j in view.writes if j.state == "queued"),
+                "throughput_bps": _throughput(view.writes, now),
             },
             "saves": saves,
             "checkpoints": checkpoints,
@@ -149,8 +149,8 @@ class Stats:
             "errors_total": self.errors_total,
             "shm_mapped_bytes": view.shm_mapped_bytes,
             "shm": {"dir": str(view.shm_dir), "total_bytes": None, "free_bytes": None},
-            "loads": dict(view.lease_snapshot()),
-            "memory": {**view.memory_snapshot(), "held_total": self.snapshots_held,
+            "loads": dict(view.lease_status()),
+            "memory": {**view.memory_status(), "held_total": self.snapshots_held,
                        "dropped_total": self.snapshots_dropped},
             "roots": [{"path": display(r), "free_bytes": None, "total_bytes": None} for r in self.config.roots],
         }

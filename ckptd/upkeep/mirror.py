@@ -192,7 +192,7 @@ class Mirrors:
         with self._cond:
             return not self.uploads
 
-    def snapshot(self) -> dict[str, Any]:
+    def status(self) -> dict[str, Any]:
         with self._cond:
             return {"rules": {str(k): display(v) for k, v in self.rules.items()}, "keep": self.keep,
                     "uploads": [u.view() for u in self.uploads.values()], "recent": [u.view() for u in self.recent],
