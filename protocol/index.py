@@ -248,8 +248,8 @@ def read_index(path: Path | str, files: CheckpointFiles | None = None) -> Checkp
 
 
 def _store_failed(files: CheckpointFiles, exc: InvalidCheckpoint) -> bool:
-    """Whether reading failed because a strict store did not answer (not because the checkpoint is gone)."""
-    return files.strict and exc.message.startswith("cannot read")
+    """Whether reading failed because a store did not answer (``unanswered_is_error``) (not because the checkpoint is gone)."""
+    return files.unanswered_is_error and exc.message.startswith("cannot read")
 
 
 def committed_in(directory: Path | str, files: CheckpointFiles | None = None) -> list[tuple[tuple[int, float], Path]]:
@@ -263,7 +263,7 @@ def committed_in(directory: Path | str, files: CheckpointFiles | None = None) ->
     try:
         paths = files.subdirs(Path(directory))
     except OSError as exc:
-        if files.strict:  # a typo, no credentials or no endpoint must not read as "none yet"
+        if files.unanswered_is_error:  # a typo, no credentials or no endpoint must not read as "none yet"
             raise InvalidCheckpoint(f"cannot list {objects.display(directory)}: {exc.strerror}") from None
         return []
     found = []
@@ -296,7 +296,7 @@ def missing_or_truncated(path: Path | str, index: CheckpointIndex,
         except FileNotFoundError:
             return f"shard {objects.display(shard)} is missing"
         except OSError as exc:
-            if files.strict:  # the store failed to answer: that says nothing of the shard
+            if files.unanswered_is_error:  # the store failed to answer: that says nothing of the shard
                 raise InvalidCheckpoint(f"cannot read {objects.display(shard)}: {exc.strerror}") from None
             return f"shard {shard} is missing or unreadable: {exc.strerror}"
         if not regular:

@@ -8,7 +8,7 @@ as a ``ShardReader`` (``reader``): a local file mapped and read by
 (``protocol/ranged.py``), the same calls either way. The client and the CLI read local files
 (``LocalFiles``) and objects (``ObjectFiles``) directly, ``files_for``
 picking by name; the daemon reads through its storage seam
-(``ckptd/storage/catalog.py``), so its reads run the same code, through whatever
+(``ckptd/storage/reads.py``), so its reads run the same code, through whatever
 storage it was started with (a fault-injecting one included).
 """
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # a type only: the index module reads through this one
 class CheckpointFiles(Protocol):
     """What a reader of committed checkpoints asks of the place they are in."""
 
-    strict: bool
+    unanswered_is_error: bool
     """Whether a failure to answer must not read as "absent": on a store, a typo, no credentials or an outage
     must not read as "no checkpoint" (nor skip the newest one). Where False, what cannot be read is skipped."""
 
@@ -70,7 +70,7 @@ def no_index_message(checkpoint: Path, is_dir: bool) -> str:
 class LocalFiles:
     """Local files, opened as regular files only (``protocol/files.py``)."""
 
-    strict = False
+    unanswered_is_error = False
     fetched = False
     """A shard read whole stays a mapping of its file: a reader wanting tensors of its own reads them out of it."""
 
@@ -106,7 +106,7 @@ class LocalFiles:
 class ObjectFiles:
     """Objects on a store (``s3://``): a checkpoint is a prefix, its files are objects."""
 
-    strict = True
+    unanswered_is_error = True
     fetched = True
     """A shard read whole is fetched into this process's own memory, which tensors may then view."""
 

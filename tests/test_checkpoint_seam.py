@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.storage.local import LocalCheckpoints
-from ckptd.storage.store import ObjectCheckpoints, ObjectStorage
+from ckptd.storage.store import ObjectCheckpoints, ObjectFiles
 from ckptd.storage.ownership import owner_marker
 from ckptd.protocol.errors import CheckpointExists
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
@@ -70,7 +70,7 @@ def test_the_daemons_storage_has_both_seams_and_sends_each_name_to_its_backend(t
     routed = Routed(LocalStorage())
     assert isinstance(routed, CheckpointStorage)
     assert isinstance(LocalCheckpoints(LocalStorage()), Checkpoints)
-    assert isinstance(ObjectCheckpoints(ObjectStorage()), Checkpoints)
+    assert isinstance(ObjectCheckpoints(ObjectFiles()), Checkpoints)
     assert isinstance(routed.checkpoints(tmp_path / "a"), LocalCheckpoints)
     assert isinstance(routed.checkpoints(Path("s3://bucket/a")), ObjectCheckpoints)
 

@@ -57,7 +57,7 @@ from ckptd.protocol.objects import display
 
 from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter, Words
 from ckptd.lifecycle.paths import refuse_existing
-from ckptd.storage.catalog import SeamFiles
+from ckptd.storage.reads import SeamFiles
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.storage.ownership import (
     is_owner_marker,

@@ -28,7 +28,7 @@ from ckptd.protocol.errors import CheckpointExists, InvalidCheckpoint
 from ckptd.protocol.index import read_index
 from ckptd.protocol.names import INDEX_NAME, owner_marker_name, parse_owner_marker, parse_shard_name, shard_name
 
-from ckptd.storage.catalog import SeamFiles
+from ckptd.storage.reads import SeamFiles
 from ckptd.protocol.processes import pid_alive
 from ckptd.storage.contract import Files, Kind
 

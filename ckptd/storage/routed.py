@@ -3,7 +3,7 @@
 ``Routed`` is both seams at once, each call sent by the name it is about:
 the checkpoint operations (``LocalCheckpoints`` or ``ObjectCheckpoints``) and
 the file operations beneath them (the local ``Storage``, which
-``--storage module:Class`` may replace, or ``ObjectStorage``). This is the
+``--storage module:Class`` may replace, or ``ObjectFiles``). This is the
 one place that asks which backend a name is on.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 from ckptd.protocol.objects import is_object_path
 
 from ckptd.storage.local import LocalCheckpoints
-from ckptd.storage.store import ObjectCheckpoints, ObjectStorage
+from ckptd.storage.store import ObjectCheckpoints, ObjectFiles
 from ckptd.storage.contract import Checkpoints, Entry, Files, LocalStorage, ShardWriter, Space, Stat, Storage
 
 
@@ -26,7 +26,7 @@ class Routed:
 
     def __init__(self, local: Storage) -> None:
         self.local = local
-        self.objects = ObjectStorage()
+        self.objects = ObjectFiles()
         self.local_checkpoints: Checkpoints = LocalCheckpoints(local)
         self.object_checkpoints: Checkpoints = ObjectCheckpoints(self.objects)
 

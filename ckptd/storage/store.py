@@ -16,7 +16,7 @@ operations mean this here (``ckptd/storage/contract.py`` holds the contract):
   checkpoint loses its index first.
 - ``space`` reports no limit (the store enforces its own quotas).
 
-``ObjectStorage`` holds the file operations beneath (objects, prefixes,
+``ObjectFiles`` holds the file operations beneath (objects, prefixes,
 ranged reads); ``ObjectCheckpoints`` the checkpoint operations on top.
 """
 
@@ -95,7 +95,7 @@ class _Upload:
         raise OSError(errno.EIO, "the upload ended early", objects.object_url(self.path))
 
 
-class ObjectStorage:
+class ObjectFiles:
     """The file operations of the seam for ``s3://`` names (see the module docstring); a shard is uploaded
     through ``ObjectCheckpoints.open_shard``, never opened."""
 
@@ -201,7 +201,7 @@ class ObjectCheckpoints:
     """``Checkpoints`` where the index written last publishes (see the module docstring).
 
     Only ``open_shard`` needs a store; the rest goes through ``files`` (an
-    ``ObjectStorage``, or any storage a test runs this protocol on).
+    ``ObjectFiles``, or any storage a test runs this protocol on).
     """
 
     def __init__(self, files: Files) -> None:

@@ -26,7 +26,7 @@ from ckptd.protocol.index import committed_in
 from ckptd.protocol.objects import display
 from ckptd.protocol.names import INDEX_NAME
 
-from ckptd.storage.catalog import SeamFiles
+from ckptd.storage.reads import SeamFiles
 from ckptd.loop.config import DaemonConfig
 from ckptd.loop.events import Committed, Deleted, Events
 from ckptd.storage.ownership import owner_marker, why_not_replaceable

@@ -23,10 +23,10 @@ from ckptd.storage.contract import Files, Kind
 class SeamFiles:
     """``ckptd.protocol.reading.CheckpointFiles`` through the daemon's storage seam.
 
-    Not strict: what the daemon cannot read it skips (retention deletes nothing it could not judge).
+    A failure to answer is no error here: what the daemon cannot read it skips (retention deletes nothing it could not judge).
     """
 
-    strict = False
+    unanswered_is_error = False
 
     def __init__(self, storage: Files) -> None:
         self.storage = storage
