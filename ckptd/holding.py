@@ -79,10 +79,10 @@ class Holding:
         self.saves.enter(ident, msg, _examine, self._examined)
 
     def _examined(self, ident: bytes, msg: Snapshot, progress: Progress, examined: Examined, *, pid: int) -> None:
-        current = self.snapshots.held.get(examined.final)
+        current = self.snapshots.opening(examined.final)
         if current is not None:
             self._abandon_if_orphaned(current)
-            current = self.snapshots.held.get(examined.final)
+            current = self.snapshots.opening(examined.final)
         conflict = None if current is None else current.broken_by(msg)
         try:
             if conflict is not None:  # the snapshot fails on every rank, this one included
@@ -108,7 +108,7 @@ class Holding:
 
     def _checksummed(self, ident: bytes, msg: Snapshot, snap: HeldSnapshot, fut: Future) -> None:
         self.state.end_save(ident, msg.id)
-        shard, failed = snap.shards[msg.rank], self.snapshots.held.get(snap.path) is not snap
+        shard, failed = snap.shards[msg.rank], not self.snapshots.holds(snap)
         if fut.exception() is not None:  # not adopted
             self.state.slots.release(shard.slot)
             if not failed:
@@ -128,14 +128,43 @@ class Holding:
         if not snap.complete:
             return
         self._acknowledge(snap)
-        self._drop(self.snapshots.newer_than_kept(snap), "newer", then=lambda: self._tell_held(snap))
-        if snap.persist_waiting:
-            self.start_persist(snap)
 
     def _acknowledge(self, snap: HeldSnapshot) -> None:
-        """Every rank held here: from now on it is a snapshot a restore may use."""
+        """Every rank held here: from now on it is a snapshot a restore may use. A replacement (``overwrite=True``
+        over a held snapshot) takes its path now, or, while the one it replaces is being written to disk, once
+        that write ended (``persisted``): that write's end must find the snapshot it was writing."""
         snap.acknowledged = True
+        replaced = self.snapshots.replaced_by(snap)
+        if replaced is not None and replaced.persisting:
+            log.info("event=snapshot_replace_deferred path=%s step=%s reason=persisting", snap.path, snap.step)
+            return
+        self._take_path(snap)
+
+    def _take_path(self, snap: HeldSnapshot) -> None:
+        """``snap`` (complete, acknowledged) is the snapshot of its path: the one it replaces and older ones of its
+        job beyond ``--keep-snapshots`` are dropped, then its ranks are told ``Held``."""
+        replaced = self.snapshots.promote(snap)
         self.events.publish(HeldEvent(snap.path, snap.step, snap.nbytes))
+        dropped = [] if replaced is None else [(replaced, "replaced")]
+        if replaced is not None:
+            log.info("event=snapshot_dropped path=%s step=%s reason=replaced", replaced.path, replaced.step)
+            self._answer_persists(replaced, InvalidCheckpoint(
+                f"snapshot {display(snap.path)} was replaced in memory by a newer one (overwrite=True)"))
+        if snap.coordinated:  # its ranks were told as each was held; they agree among themselves
+            self._drop(dropped)
+            return
+        # One release for both, then Held: it names every slot they give back, so the trainer reuses them
+        self._drop([*dropped, *((s, "newer") for s in self.snapshots.newer_than_kept(snap))],
+                   then=lambda: self._tell_held(snap))
+        if snap.persist_waiting or self._left_behind(snap):
+            self.start_persist(snap)
+
+    def _left_behind(self, snap: HeldSnapshot) -> bool:
+        """Whether ``snap`` took its path after every client of its ranks had gone (a replacement that waited for
+        the write of the one it replaced): it is persisted as their exit would have (``client_gone``)."""
+        pids = {sh.pid for sh in snap.shards.values()}
+        return (self.config.persist_on_exit == "newest" and not any(self.state.pid_connected(p) for p in pids)
+                and any(s is snap for p in pids for s in self.snapshots.newest(pid=p)))
 
     def _tell_held(self, snap: HeldSnapshot) -> None:
         """Held to every rank, once the slots it released are back under their names (so the reply can name them)."""
@@ -187,23 +216,25 @@ class Holding:
 
     def rank_died(self, job: str, world_size: int, rank: int, pid: int) -> None:
         """Rank ``rank`` of run ``job`` died without snapshotting: fail its run's snapshots still waiting for it."""
-        for snap in list(self.snapshots.held.values()):
+        for snap in self.snapshots.all():
             if (why := snap.rank_died(job, world_size, rank, pid)) is not None:
                 self.fail(snap, why)
 
     def abandon_orphaned(self) -> None:
         """Housekeeping: drop every snapshot whose contributors died before it was complete."""
-        for snap in list(self.snapshots.held.values()):
+        for snap in self.snapshots.all():
             self._abandon_if_orphaned(snap)
 
     def fail_overdue(self) -> None:
         for snap, error in self.snapshots.overdue(time.monotonic()):
             self.fail(snap, error)
 
-    def _drop(self, snaps: list[HeldSnapshot], reason: str, then: Callable[[], None] = lambda: None) -> None:
-        """Release the slots of snapshots dropped from the books, except those a reader pins: parked until it
-        unpins (a reader copies straight out of the slot, which must not go back to its trainer meanwhile)."""
-        for snap in snaps:
+    def _drop(self, dropped: list[tuple[HeldSnapshot, str]], then: Callable[[], None] = lambda: None) -> None:
+        """Release the slots of snapshots dropped from the books (each with why), except those a reader pins:
+        parked until it unpins (a reader copies straight out of the slot, which must not go back to its trainer
+        meanwhile)."""
+        snaps = [snap for snap, _ in dropped]
+        for snap, reason in dropped:
             self.events.publish(Dropped(snap.path, snap.step, reason))
         pinned = [s for s in snaps if s.readers]
         for snap in pinned:
@@ -331,11 +362,14 @@ class Holding:
             if error is None:
                 log.info("event=snapshot_dropped path=%s step=%s reason=saved_to_disk", snap.path, snap.step)
                 why = InvalidCheckpoint(f"snapshot {path} was dropped from memory: a disk save committed the same path")
+                replacing = self.snapshots.replacing.get(path)
+                if replacing is not None:  # older than that save, as the one it was to replace
+                    self.fail(replacing, why)
                 if not snap.acknowledged:
                     self.fail(snap, why)
                     return
                 self.snapshots.remove(snap)
-                self._drop([snap], "saved_to_disk")
+                self._drop([(snap, "saved_to_disk")])
                 self._answer_persists(snap, why)
             return
         snap.persisting, snap.persisted = False, error is None
@@ -347,6 +381,9 @@ class Holding:
             if self.state.draining:
                 self.drain_failures.append(f"{display(path)}: {error.message}")
         self._answer_persists(snap, error)
+        replacing = self.snapshots.replacing.get(path)
+        if replacing is not None and replacing.acknowledged:  # it waited for this write to end (``_acknowledge``)
+            self._take_path(replacing)
 
     def _retry_in_drain(self, snap: HeldSnapshot) -> bool:
         """Persist ``snap`` again after a backoff if the drain's deadline allows (a write may fail for a moment:
@@ -395,9 +432,10 @@ class Holding:
         still under this daemon's own name (a release or give-back queued
         behind abandoned maintenance).
         """
-        held = shards_of([*self.snapshots.held.values(), *self.snapshots.parked])
+        held = shards_of([*self.snapshots.all(), *self.snapshots.parked])
         owed = [n for names in self.snapshots.released.values() for n in names]
         self.snapshots.held.clear()
+        self.snapshots.replacing.clear()
         self.snapshots.parked.clear()
         self.snapshots.released.clear()
         for shard in held:  # a shard never taken over keeps its client's name: the client's to unlink
