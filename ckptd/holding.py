@@ -33,10 +33,11 @@ from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed,
 from ckptd.protocol.messages import (
     Accepted, Done, Error, Held, Message, Ok, Persist, Pin, Snapshot, SnapshotList, Snapshots, Unpin,
 )
-from ckptd.protocol.objects import display, is_permanent
+from ckptd.protocol.objects import display, is_object_path, is_permanent
 from ckptd.protocol.shm import slot_name
 
 from .admission import Examined, examine
+from .commit import refuse_existing
 from .config import DaemonConfig
 from .events import Committed, Deleted, Dropped, Events, Failed, Held as HeldEvent
 from .replies import error_reply
@@ -455,14 +456,36 @@ class Holding:
 
 def _examine(storage: CheckpointStorage, slots: SlotMaps, msg: Snapshot, *, pid: int,
              roots: tuple[Path, ...]) -> Examined:
-    """A disk save's checks, and one a disk save makes only when it writes: the path's nearest existing ancestor
-    is a directory. A snapshot that could never be persisted is refused now, not when its trainer dies (I/O)."""
+    """A disk save's checks, and those a disk save makes only when it writes: the path's nearest existing ancestor
+    is a directory, and on an object store nothing is at the name (a disk save asks in ``Commits.prepare``). A
+    snapshot that could never be persisted is refused now, not when its trainer dies or the daemon drains (I/O)."""
     examined = examine(storage, slots, msg, pid=pid, roots=roots)
-    blocked = storage.not_a_directory(examined.final.parent)
-    if blocked is not None:
+    try:
+        blocked = storage.not_a_directory(examined.final.parent)
+        if blocked is not None:
+            raise PathNotAllowed(f"snapshot {examined.final} could never be persisted: {blocked} is not a directory")
+        if is_object_path(examined.final):
+            _refuse_existing_object(storage, examined.final, msg.overwrite)
+    except BaseException:
         slots.release(examined.slot)
-        raise PathNotAllowed(f"snapshot {examined.final} could never be persisted: {blocked} is not a directory")
+        raise
     return examined
+
+
+def _refuse_existing_object(storage: CheckpointStorage, final: Path, overwrite: bool) -> None:
+    """``CheckpointExists`` if the store holds something at ``final`` (a store never replaces a checkpoint, so
+    such a snapshot could never be persisted). A store that does not answer for now (an outage) holds the
+    snapshot up: memory snapshots do not wait for the store, and persisting it asks again."""
+    try:
+        there = storage.stat(final) is not None
+    except OSError as exc:
+        if is_permanent(exc):
+            raise WriteFailed(f"snapshot {display(final)}: the store cannot be asked whether the name is taken: "
+                              f"{exc}") from exc
+        log.info("event=snapshot_unchecked path=%s error=%r", display(final), exc)
+        return
+    if there:
+        refuse_existing(storage, final, overwrite)
 
 
 def _transient(error: CkptdError) -> bool:
