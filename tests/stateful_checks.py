@@ -203,6 +203,22 @@ class Checks:
             count += max(pending + held + [0])
         return count
 
+    def _settled(self, path: str, ranks: list[int], since: float) -> bool:
+        """Whether every node that ``ranks`` of the job sent a shard of ``path`` to made each durable, or refused
+        them: an error naming ``path`` since ``since`` (wall clock, as ``status`` stamps errors) and nothing of
+        ``path`` in progress there any more (a refused rank of a save across nodes stays unanswered until the
+        ranks agree, which a rank that never saves holds up: ``client/coordinate.py``)."""
+        for node, info in enumerate(self._statuses()):
+            sending = sum(1 for r in ranks if self.job.node_of[r] == node)
+            durable = max([c["ranks_durable"] for c in info["checkpoints"] if c["path"] == path] + [0])
+            if sending == 0 or durable >= sending:
+                continue
+            refused = any(e["time"] >= since and path in e["message"] for e in info["errors"])
+            busy = any(c["path"] == path for c in [*info["checkpoints"], *info["saves"]])
+            if not refused or busy:
+                return False
+        return True
+
     def _idle(self) -> bool:
         for info in self._statuses():
             mirror = info.get("mirror") or {}
