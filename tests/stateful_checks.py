@@ -35,17 +35,18 @@ class Checks:
         - a committed checkpoint there: ``CheckpointExists``, or ``ok`` with ``overwrite`` (never on a store:
           a store never replaces a checkpoint); a ``dcp.save`` may also replace one without ``overwrite``
           (DCP's own writer does: issue 26, item 6, changes the default);
-        - a memory snapshot there: a snapshot held only in memory is replaced by the next one (``ok``) or refused
-          as an existing checkpoint once persisted (``CheckpointExists``: which of the two depends on whether the
-          drain or the exit persisted it first);
+        - a memory snapshot there, held or persisted: a checkpoint like any other (docs/memory.md): refused
+          (``CheckpointExists``), replaced with ``overwrite`` (``ok``); of an ``s3://`` name, replaced only while
+          held in memory alone: one the store holds is refused, with ``overwrite`` too (docs/object-storage.md);
         - a path that may or may not hold a checkpoint (a snapshot the daemon was allowed to lose, a checkpoint
           retention was asked to delete and may not have yet): either of the outcomes above.
         """
         path = self.w.path(tier, name)
-        replaces = overwrite and tier != "s3"
+        replaces = overwrite and tier not in ("s3", "s3-memory")
         if_present = {"ok"} if replaces else ({"ok", "CheckpointExists"} if dcp else {"CheckpointExists"})
-        if tier in SNAPSHOTS and path in self.model.must:
-            return {"ok", "CheckpointExists"}
+        saved = self.model.must.get(path)
+        if tier == "s3-memory" and overwrite and saved is not None and not saved.durable:
+            return {"ok"}  # held in memory only: replaced there
         maybe = path in self.model.may or (path in self.model.trimmed and tier in (*SNAPSHOTS, "mirror"))
         if maybe:
             return {"ok"} | if_present
@@ -138,13 +139,18 @@ class Checks:
         self.job = self._new_job()
 
     def _job_gone(self, job: Job) -> None:
-        """``job``'s processes are gone: the daemon persists its newest complete snapshot (--persist-on-exit)."""
+        """``job``'s processes are gone: the daemon persists its newest complete snapshot of each directory
+        (--persist-on-exit)."""
         self.dead_pids += job.pids
-        newest = self._newest_held(lambda s: s.inc == job.inc)
-        if newest is not None and not newest.durable:
-            path = self._path_of(newest)
-            wait_until(lambda: self._persisted(path), 60, f"the dead job's newest snapshot {path} persisted")
-            newest.durable = True
+        parents = {os.path.dirname(p) for p, s in self.model.must.items() if s.inc == job.inc}
+        for parent in sorted(parents):
+            newest = self._newest_held(lambda s, parent=parent: s.inc == job.inc
+                                       and os.path.dirname(self._path_of(s)) == parent)
+            if newest is not None and not newest.durable:
+                path = self._path_of(newest)
+                wait_until(lambda path=path: self._persisted(path), 60,
+                           f"the dead job's newest snapshot {path} persisted")
+                newest.durable = True
 
     def _restart_job_and_daemons(self, nodes: list[int]) -> None:
         self.dead_pids += self.w.daemon_pids
@@ -196,6 +202,22 @@ class Checks:
                     if s["path"] == path]
             count += max(pending + held + [0])
         return count
+
+    def _settled(self, path: str, ranks: list[int], since: float) -> bool:
+        """Whether every node that ``ranks`` of the job sent a shard of ``path`` to made each durable, or refused
+        them: an error naming ``path`` since ``since`` (wall clock, as ``status`` stamps errors) and nothing of
+        ``path`` in progress there any more (a refused rank of a save across nodes stays unanswered until the
+        ranks agree, which a rank that never saves holds up: ``client/coordinate.py``)."""
+        for node, info in enumerate(self._statuses()):
+            sending = sum(1 for r in ranks if self.job.node_of[r] == node)
+            durable = max([c["ranks_durable"] for c in info["checkpoints"] if c["path"] == path] + [0])
+            if sending == 0 or durable >= sending:
+                continue
+            refused = any(e["time"] >= since and path in e["message"] for e in info["errors"])
+            busy = any(c["path"] == path for c in [*info["checkpoints"], *info["saves"]])
+            if not refused or busy:
+                return False
+        return True
 
     def _idle(self) -> bool:
         for info in self._statuses():

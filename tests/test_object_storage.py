@@ -165,6 +165,24 @@ def test_an_s3_checkpoint_is_never_replaced_in_place(s3, bucket, daemon_factory,
     assert s3.client().list_objects_v2(Bucket=bucket)["Contents"] == before  # refused before anything was written
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_memory_snapshot_of_a_name_the_store_holds_is_refused_when_taken(overwrite, s3, bucket, daemon_factory,
+                                                                           client_factory, root) -> None:
+    """As a direct save of it is: a store never replaces a checkpoint, so such a snapshot could never be persisted
+    (it was held, its persist on exit failed and ``ckptd stop`` exited 3 naming it; cf. the stateful soak, ``tiers``)."""
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    client = client_factory()
+    url = f"s3://{bucket}/snap/step-1"
+    client.save_async(state(seed=1), url, step=1).result(30)
+    with pytest.raises(ckptd.CheckpointExists, match="already exists on the object store"):
+        client.save_async(state(seed=5), url, step=1, persist=False, overwrite=overwrite).result(30)
+    assert daemon.status()["memory"]["snapshots"] == []
+    client.save_async(state(seed=2), f"s3://{bucket}/snap/step-2", step=2, persist=False).result(30)  # a free name
+    client.close()
+    assert daemon.stop(60) == 0
+    assert ckptd.load(url)["step"] == 1 and ckptd.load(f"s3://{bucket}/snap/step-2")["step"] == 2
+
+
 def test_a_save_without_credentials_fails_as_a_write_that_names_them(s3, bucket, daemon_factory, client_factory,
                                                                      root, monkeypatch) -> None:
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):

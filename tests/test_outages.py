@@ -43,6 +43,24 @@ def test_a_stop_during_a_brief_outage_still_persists_a_memory_only_snapshot(prox
     assert "event=persist_retry" in log.read_text()
 
 
+def test_a_memory_snapshot_of_an_object_name_taken_while_the_store_is_away_is_held(proxy, bucket, daemon_factory,
+                                                                                 client_factory, run_dir) -> None:
+    """A snapshot of an ``s3://`` name asks the store whether the name is taken; a store that does not answer
+    holds it up no more than a memory snapshot waits for a disk: it is held, and persisted once the store is back."""
+    daemon = daemon_factory("--root", f"s3://{bucket}")
+    client = client_factory()
+    url = f"s3://{bucket}/run/step-6"
+    proxy.cut()
+    try:
+        client.save_async(state(seed=6), url, step=6, persist=False).result(60)
+    finally:
+        proxy.restore()
+    assert "event=snapshot_unchecked" in (run_dir / LOG_NAME).read_text()
+    assert client.persist(url) == url
+    assert ckptd.load(url)["step"] == 6
+    assert daemon.stop(60) == 0
+
+
 def test_what_a_failed_save_wrote_is_removed_once_the_endpoint_is_back(proxy, s3, bucket, daemon_factory,
                                                                       client_factory, run_dir) -> None:
     daemon = daemon_factory("--root", f"s3://{bucket}")

@@ -17,6 +17,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 import ckptd
 from ckptd.client.memory import held_snapshots
@@ -167,3 +168,53 @@ def test_ckptd_list_shows_a_directory_only_memory_holds(daemon, client_factory, 
     missing = daemon.cli("list", str(root / "nothing-here"))
     assert missing.returncode != 0 and "holds no snapshots under it" in missing.stderr
     daemon.stop()
+
+
+
+def test_a_snapshot_over_a_held_one_is_refused_as_existing_and_replaces_it_with_overwrite(
+    daemon, client_factory, root, run_dir
+) -> None:
+    """A held snapshot is checkpoint ``path`` (docs/memory.md): another snapshot of that path is refused with
+    ``CheckpointExists`` as a disk save would be, and with ``overwrite=True`` replaces it, held or persisted; the
+    held one serves until its replacement is completely held, so one that fails leaves it (both used to get
+    ``Conflict``: "already held in memory", found by the stateful soak, ``kills_inside``)."""
+    path = root / "snap"
+    ranks = [client_factory(rank=r, world_size=2, commit_timeout=10) for r in (0, 1)]
+
+    def states(step: int) -> list[dict]:
+        return [{"r": torch.full((1000,), 10 * step + r), "step": step} for r in (0, 1)]
+
+    def holds(where: Path, step: int, world: int = 2) -> bool:
+        return all(equal_states(ckptd.load(where, rank=r, run_dir=run_dir), states(step)[r]) for r in range(world))
+
+    futures = [c.save_async(s, path, step=1, persist=False) for c, s in zip(ranks, states(1))]
+    assert [f.result(30).path for f in futures] == [path] * 2
+    for future in [c.save_async(s, path, step=2, persist=False) for c, s in zip(ranks, states(2))]:
+        with pytest.raises(ckptd.CheckpointExists, match="already held in memory; pass overwrite=True"):
+            future.result(30)
+    assert holds(path, 1)
+    lonely = ranks[0].save_async(states(3)[0], path, step=3, persist=False, overwrite=True)
+    wait_until(lambda: "snap" in str(daemon.status()["saves"]) or lonely.done(), 30, "rank 0's replacement seen")
+    assert holds(path, 1)  # the replacement is not complete: the held one serves
+    with pytest.raises(ckptd.RanksMissing, match=r"ranks \[1\] of 2"):
+        lonely.result(30)
+    assert holds(path, 1)
+    for client in ranks:
+        client.close()
+    wait_until(lambda: (path / "ckptd.json").exists(), 30, "the held one persisted on exit")
+    assert all(equal_states(ckptd.load(path, rank=r), states(1)[r]) for r in (0, 1))
+
+    # One rank, one client in this process: the daemon tells slots and exits apart by pid
+    solo, one = client_factory(), root / "solo"
+    solo.save_async(states(4)[0], one, step=4, persist=False).result(30)
+    assert solo.save_async(states(5)[0], one, step=5, persist=False, overwrite=True).result(30).path == one
+    assert holds(one, 5, world=1)
+    assert solo.persist(one) == one and ckptd.read_index(one).step == 5
+    assert solo.save_async(states(6)[0], one, step=6, persist=False, overwrite=True).result(30).path == one
+    assert holds(one, 6, world=1) and ckptd.read_index(one).step == 5  # over a persisted one: memory first
+    assert [s["step"] for s in daemon.status()["memory"]["snapshots"] if s["path"] == str(one)] == [6]
+    assert len(solo.slot_names) == 2  # the replaced one's slot came back: the pool alternates, as ever
+    solo.close()
+    wait_until(lambda: ckptd.read_index(one).step == 6, 30, "the replacement persisted on exit")
+    assert equal_states(ckptd.load(one), states(6)[0])
+    assert daemon.stop() == 0

@@ -14,7 +14,8 @@ import os
 import pytest
 from s3server import S3Server
 
-from stateful import run_stateful
+from stateful import CheckpointMachine, run_stateful
+from stateful_world import CONFIGS
 
 SHORT = {"tiers": (3, 10), "named_runs": (5, 6), "kills_inside": (2, 8), "two_nodes": (3, 6), "dcp": (3, 6),
          "mirror_keep": (2, 8)}
@@ -58,3 +59,40 @@ def test_mirror_keep_and_keep_last_under_a_mirror_hold_across_outages_and_daemon
 @pytest.mark.timeout(600)
 def test_dcp_writer_saves_of_one_to_four_ranks_keep_every_acknowledged_checkpoint_whole(aws: S3Server) -> None:
     _run(aws, "dcp")
+
+
+class _Drawn:
+    """Stands in for Hypothesis's ``data`` in a rule called by hand: each draw is the value given for its label."""
+
+    def __init__(self, **values: object) -> None:
+        self.values = values
+
+    def draw(self, strategy: object, label: str) -> object:
+        return self.values[label]
+
+
+@pytest.mark.timeout(600)
+def test_a_job_killed_mid_save_of_a_name_the_store_holds_on_two_nodes_is_killed_once_its_daemons_refused(
+        aws: S3Server) -> None:
+    """The shrunk ``two_nodes`` soak failure, by hand: 4 ranks on two daemons commit ``s3://…/step-2``, then 3 of
+    them save it again and the job is killed mid-save. Every daemon refuses its ranks at once (``CheckpointExists``:
+    a store never replaces), but no rank's future resolves: it waits for the ranks' agreement, which rank 3 (it
+    never saves) holds up until the commit timeout. The rule waited for 3 shards durable or every future answered,
+    a state the refused ranks reach only at that timeout (a 60 s guard failed); it waits for the refusals now."""
+    machine = type("Machine_two_nodes", (CheckpointMachine,), {"s3": aws, "cfg": CONFIGS["two_nodes"]})()
+    try:
+        machine.world, machine.form = 4, "job"
+        machine.job = machine._new_job()
+        machine._save_all("s3", "step-2", False, None, False)
+        job, crash, answered = machine.job, machine._crash_job, []
+
+        def counted_crash() -> None:  # what the ranks were told when the kill began (a kill also answers some)
+            answered[:] = [sum(1 for key in rank.seen if key[0] == "done") for rank in job.ranks]
+            crash()
+        machine._crash_job = counted_crash
+        machine.job_crashes_mid_save(_Drawn(tier="s3", before=3), "step-2", False)
+        assert answered == [1, 1, 1, 1], f"the killed save was answered before the kill: {answered}"
+        machine.every_acknowledged_checkpoint_loads_as_saved()
+        machine.settle()
+    finally:
+        machine.teardown()

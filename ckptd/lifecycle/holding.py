@@ -33,11 +33,12 @@ from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed,
 from ckptd.protocol.messages import (
     Accepted, Done, Error, Held, Message, Ok, Persist, Pin, Snapshot, SnapshotList, Snapshots, Unpin,
 )
-from ckptd.protocol.objects import display, is_permanent
+from ckptd.protocol.objects import display, is_object_path, is_permanent
 from ckptd.protocol.shm import slot_name
 
 from ckptd.lifecycle.attempt import AttemptState
 from ckptd.lifecycle.admission import Examined, examine
+from ckptd.lifecycle.paths import refuse_existing
 from ckptd.loop.config import DaemonConfig
 from ckptd.loop.events import Committed, Deleted, Events, Failed, SnapshotDropped, SnapshotHeld
 from ckptd.loop.replies import as_error, error_reply
@@ -80,10 +81,10 @@ class Holding:
         self.saves.enter(ident, msg, _examine, self._examined)
 
     def _examined(self, ident: bytes, msg: Snapshot, progress: Progress, examined: Examined, *, pid: int) -> None:
-        current = self.snapshots.held.get(examined.final)
+        current = self.snapshots.opening(examined.final)
         if current is not None:
             self.abandon(current)
-            current = self.snapshots.held.get(examined.final)
+            current = self.snapshots.opening(examined.final)
         conflict = None if current is None else current.broken_by(msg)
         try:
             if conflict is not None:  # the snapshot fails on every rank, this one included
@@ -111,7 +112,7 @@ class Holding:
 
     def _checksummed(self, ident: bytes, msg: Snapshot, snap: HeldSnapshot, fut: Future) -> None:
         self.state.end_save(ident, msg.id)
-        shard, failed = snap.shards[msg.rank], self.snapshots.held.get(snap.path) is not snap
+        shard, failed = snap.shards[msg.rank], not self.snapshots.holds(snap)
         if fut.exception() is not None:  # not adopted
             self.state.slots.release(shard.slot)
             if not failed:
@@ -127,18 +128,47 @@ class Holding:
             self.send(ident, self._held(snap, msg.id, msg.nbytes, shard.pid))
             if snap.complete and not snap.acknowledged:
                 self._acknowledge(snap)
-                self._published_held(snap)  # its last rank was just told
             return
         if not snap.complete:
             return
         self._acknowledge(snap)
-        self._drop(self.snapshots.newer_than_kept(snap), "newer", then=lambda: self._tell_held(snap))
-        if snap.persist_waiting:
-            self.start_persist(snap)
 
     def _acknowledge(self, snap: HeldSnapshot) -> None:
-        """Every rank held here: from now on it is a snapshot a restore may use."""
+        """Every rank held here: from now on it is a snapshot a restore may use. A replacement (``overwrite=True``
+        over a held snapshot) takes its path now, or, while the one it replaces is being written to disk, once
+        that write ended (``persisted``): that write's end must find the snapshot it was writing."""
         snap.move_to(AttemptState.HELD)
+        replaced = self.snapshots.replaced_by(snap)
+        if replaced is not None and replaced.persisting:
+            log.info("event=snapshot_replace_deferred path=%s step=%s reason=persisting", snap.path, snap.step)
+            return
+        self._take_path(snap)
+
+    def _take_path(self, snap: HeldSnapshot) -> None:
+        """``snap`` (complete, acknowledged) is the snapshot of its path: the one it replaces and older ones of its
+        job beyond ``--keep-snapshots`` are dropped, then its ranks are told ``Held``."""
+        replaced = self.snapshots.promote(snap)
+        dropped = [] if replaced is None else [(replaced, "replaced")]
+        if replaced is not None:
+            log.info("event=snapshot_dropped path=%s step=%s reason=replaced", replaced.path, replaced.step)
+            self._answer_persists(replaced, InvalidCheckpoint(
+                f"snapshot {display(snap.path)} was replaced in memory by a newer one (overwrite=True)"))
+        if snap.coordinated:  # its ranks were told as each was held; they agree among themselves
+            self._drop(dropped)
+            self._published_held(snap)
+            return
+        # One release for both, then Held: it names every slot they give back, so the trainer reuses them
+        self._drop([*dropped, *((s, "newer") for s in self.snapshots.newer_than_kept(snap))],
+                   then=lambda: self._tell_held(snap))
+        if snap.persist_waiting or self._left_behind(snap):
+            self.start_persist(snap)
+
+    def _left_behind(self, snap: HeldSnapshot) -> bool:
+        """Whether ``snap`` took its path after every client of its ranks had gone (a replacement that waited for
+        the write of the one it replaced): it is persisted as their exit would have (``client_gone``)."""
+        pids = {sh.pid for sh in snap.shards.values()}
+        return (self.config.persist_on_exit == "newest" and not any(self.state.pid_connected(p) for p in pids)
+                and any(s is snap for p in pids for s in self.snapshots.newest(pid=p)))
 
     def _published_held(self, snap: HeldSnapshot) -> None:
         """``SnapshotHeld``, once its ranks were told (``events.py``: handlers run after the ranks are answered)."""
@@ -191,7 +221,7 @@ class Holding:
     # -- the registry's housekeeping (``registry.Registry``) -------------------------------------------------
 
     def attempts(self) -> list[HeldSnapshot]:
-        return list(self.snapshots.held.values())
+        return self.snapshots.all()
 
     def abandon(self, snap: HeldSnapshot) -> None:
         """Fail a snapshot still missing ranks whose contributors died: no rank of their job can complete it."""
@@ -201,10 +231,12 @@ class Holding:
     def tidy(self, now: float) -> None:
         """Nothing of its own: a snapshot's life after it is held is the budget's and its readers'."""
 
-    def _drop(self, snaps: list[HeldSnapshot], reason: str, then: Callable[[], None] = lambda: None) -> None:
-        """Release the slots of snapshots dropped from the books, except those a reader pins: parked until it
-        unpins (a reader copies straight out of the slot, which must not go back to its trainer meanwhile)."""
-        for snap in snaps:
+    def _drop(self, dropped: list[tuple[HeldSnapshot, str]], then: Callable[[], None] = lambda: None) -> None:
+        """Release the slots of snapshots dropped from the books (each with why), except those a reader pins:
+        parked until it unpins (a reader copies straight out of the slot, which must not go back to its trainer
+        meanwhile)."""
+        snaps = [snap for snap, _ in dropped]
+        for snap, reason in dropped:
             self.events.publish(SnapshotDropped(snap.path, snap.step, reason))
         pinned = [s for s in snaps if s.readers]
         for snap in pinned:
@@ -334,11 +366,14 @@ class Holding:
             if error is None:
                 log.info("event=snapshot_dropped path=%s step=%s reason=saved_to_disk", snap.path, snap.step)
                 why = InvalidCheckpoint(f"snapshot {path} was dropped from memory: a disk save committed the same path")
+                replacing = self.snapshots.replacing.get(path)
+                if replacing is not None:  # older than that save, as the one it was to replace
+                    self.fail(replacing, why)
                 if not snap.acknowledged:
                     self.fail(snap, why)
                     return
                 self.snapshots.remove(snap, AttemptState.DROPPED)
-                self._drop([snap], "saved_to_disk")
+                self._drop([(snap, "saved_to_disk")])
                 self._answer_persists(snap, why)
             return
         snap.move_to(AttemptState.PERSISTED if error is None else AttemptState.HELD)
@@ -350,6 +385,9 @@ class Holding:
             if self.state.draining:
                 self.drain_failures.append(f"{display(path)}: {error.message}")
         self._answer_persists(snap, error)
+        replacing = self.snapshots.replacing.get(path)
+        if replacing is not None and replacing.acknowledged:  # it waited for this write to end (``_acknowledge``)
+            self._take_path(replacing)
 
     def _retry_in_drain(self, snap: HeldSnapshot) -> bool:
         """Persist ``snap`` again after a backoff if the drain's deadline allows (a write may fail for a moment:
@@ -398,9 +436,10 @@ class Holding:
         still under this daemon's own name (a release or give-back queued
         behind abandoned maintenance).
         """
-        held = shards_of([*self.snapshots.held.values(), *self.snapshots.parked])
+        held = shards_of([*self.snapshots.all(), *self.snapshots.parked])
         owed = [n for names in self.snapshots.released.values() for n in names]
         self.snapshots.held.clear()
+        self.snapshots.replacing.clear()
         self.snapshots.parked.clear()
         self.snapshots.released.clear()
         for shard in held:  # a shard never taken over keeps its client's name: the client's to unlink
@@ -420,14 +459,36 @@ class Holding:
 
 def _examine(storage: CheckpointStorage, slots: SlotMaps, msg: Snapshot, *, pid: int,
              roots: tuple[Path, ...]) -> Examined:
-    """A disk save's checks, and one a disk save makes only when it writes: the path's nearest existing ancestor
-    is a directory. A snapshot that could never be persisted is refused now, not when its trainer dies (I/O)."""
+    """A disk save's checks, and those a disk save makes only when it writes: the path's nearest existing ancestor
+    is a directory, and on an object store nothing is at the name (a disk save asks in ``Commits.prepare``). A
+    snapshot that could never be persisted is refused now, not when its trainer dies or the daemon drains (I/O)."""
     examined = examine(storage, slots, msg, pid=pid, roots=roots)
-    blocked = storage.not_a_directory(examined.final.parent)
-    if blocked is not None:
+    try:
+        blocked = storage.not_a_directory(examined.final.parent)
+        if blocked is not None:
+            raise PathNotAllowed(f"snapshot {examined.final} could never be persisted: {blocked} is not a directory")
+        if is_object_path(examined.final):
+            _refuse_existing_object(storage, examined.final, msg.overwrite)
+    except BaseException:
         slots.release(examined.slot)
-        raise PathNotAllowed(f"snapshot {examined.final} could never be persisted: {blocked} is not a directory")
+        raise
     return examined
+
+
+def _refuse_existing_object(storage: CheckpointStorage, final: Path, overwrite: bool) -> None:
+    """``CheckpointExists`` if the store holds something at ``final`` (a store never replaces a checkpoint, so
+    such a snapshot could never be persisted). A store that does not answer for now (an outage) holds the
+    snapshot up: memory snapshots do not wait for the store, and persisting it asks again."""
+    try:
+        there = storage.stat(final) is not None
+    except OSError as exc:
+        if is_permanent(exc):
+            raise WriteFailed(f"snapshot {display(final)}: the store cannot be asked whether the name is taken: "
+                              f"{exc}") from exc
+        log.info("event=snapshot_unchecked path=%s error=%r", display(final), exc)
+        return
+    if there:
+        refuse_existing(storage, final, overwrite)
 
 
 def _transient(error: CkptdError) -> bool:

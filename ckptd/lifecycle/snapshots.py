@@ -10,7 +10,11 @@ themselves). Only then are its ranks told ``Held``, and only then are older
 snapshots of the same job dropped: per directory and client, the newest
 ``keep_snapshots`` (by step, then time, as ``latest`` ranks them) stay, so a
 snapshot is dropped only after a newer one is completely held, and never for
-another job's.
+another job's. A snapshot of a path whose snapshot is held is refused as an
+existing checkpoint (``CheckpointExists``), as a disk save would be; with
+``overwrite=True`` it is assembled beside the held one (``replacing``) and
+takes the path only once it is complete, so a replacement that fails leaves
+the held one as it was.
 
 The memory budget counts the snapshots' bytes (their shards' sizes), not
 the slots they are held in: a client's slot only grows, so one snapshot
@@ -38,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterable
 
-from ckptd.protocol.errors import Conflict, NoSpace
+from ckptd.protocol.errors import CheckpointExists, Conflict, NoSpace
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
 from ckptd.protocol.messages import Snapshot
 from ckptd.protocol.objects import display
@@ -148,28 +152,65 @@ class Snapshots:
         """Slots dropped from snapshots whose client is alive, by its pid: named in its next ``Held``."""
         self.parked: list[HeldSnapshot] = []
         """Dropped while pinned by a reader: no longer listed, their slots released when the last reader unpins."""
+        self.replacing: dict[Path, HeldSnapshot] = {}
+        """Snapshots saved with ``overwrite=True`` over the acknowledged one held at their path, by path: not
+        listed, read or persisted until complete (``promote``), so the held one serves until then."""
+
+    def all(self) -> list[HeldSnapshot]:
+        """Every snapshot this daemon assembles or holds (held and replacing; not the parked)."""
+        return [*self.held.values(), *self.replacing.values()]
+
+    def opening(self, final: Path) -> HeldSnapshot | None:
+        """The snapshot at ``final`` that ranks still join: its replacement if one is open, else the held one."""
+        return self.replacing.get(final) or self.held.get(final)
+
+    def holds(self, snap: HeldSnapshot) -> bool:
+        """Whether ``snap`` is still this daemon's (held or replacing): not failed, dropped or replaced."""
+        return self.held.get(snap.path) is snap or self.replacing.get(snap.path) is snap
+
+    def replaced_by(self, snap: HeldSnapshot) -> HeldSnapshot | None:
+        """The held snapshot ``snap`` (a complete replacement) is to take the path of; None if it is no
+        replacement. ``promote`` makes the swap."""
+        return self.held.get(snap.path) if self.replacing.get(snap.path) is snap else None
+
+    def promote(self, snap: HeldSnapshot) -> HeldSnapshot | None:
+        """A complete replacement takes its path; returns the snapshot it replaced, dropped from the books."""
+        if self.replacing.get(snap.path) is not snap:
+            return None
+        del self.replacing[snap.path]
+        old = self.held.get(snap.path)
+        self.held[snap.path] = snap
+        if old is not None:
+            old.move_to(AttemptState.DROPPED)
+        return old
 
     @property
     def held_bytes(self) -> int:
         """What the budget counts: the snapshots held and those parked for their readers."""
-        return sum(s.nbytes for s in self.held.values()) + sum(s.nbytes for s in self.parked)
+        return sum(s.nbytes for s in self.all()) + sum(s.nbytes for s in self.parked)
 
     def admit(self, msg: Snapshot, final: Path, slot: MappedSlot, pid: int, client: bytes
               ) -> tuple[HeldSnapshot, list[HeldSnapshot]]:
         """Register one rank's shard; returns its snapshot and the persisted ones evicted to make room.
 
-        Raises ``NoSpace`` (the budget) or ``Conflict`` (the rank is held already, or the world differs).
+        Raises ``NoSpace`` (the budget), ``CheckpointExists`` (a snapshot is held at the path, no ``overwrite``) or
+        ``Conflict`` (the rank is held already, or the world differs, or another run's snapshot is open there).
         """
-        snap = self.held.get(final)
-        if snap is not None and snap.acknowledged:
-            raise Conflict(f"snapshot {final} is already held in memory; snapshot under a new path (one per step)")
+        held = self.held.get(final)
+        into = self.held
+        if held is not None and held.acknowledged:
+            if not msg.overwrite:
+                raise CheckpointExists(f"snapshot {display(final)} is already held in memory; pass overwrite=True "
+                                       f"to replace it, or snapshot under a new path (one per step)")
+            into = self.replacing
+        snap = into.get(final)
         if snap is not None:
             snap.check_join(msg)
         evicted = self._make_room(final, msg.nbytes)
         if snap is None:
-            snap = self.held[final] = HeldSnapshot(path=final, world_size=msg.world_size, step=msg.step,
-                                                   coordinated=msg.coordinated, timeout=msg.timeout,
-                                                   contributors=Contributors(msg.job))
+            snap = into[final] = HeldSnapshot(path=final, world_size=msg.world_size, step=msg.step,
+                                              coordinated=msg.coordinated, timeout=msg.timeout,
+                                              contributors=Contributors(msg.job))
         snap.join(msg, pid, Waiter(client, msg.id, msg.rank, pid, msg.nbytes))
         snap.shards[msg.rank] = HeldShard(msg, slot, pid, client)
         return snap, evicted
@@ -217,6 +258,8 @@ class Snapshots:
         """``snap`` ends (failed or dropped) and leaves the books."""
         if self.held.get(snap.path) is snap:
             del self.held[snap.path]
+        if self.replacing.get(snap.path) is snap:
+            del self.replacing[snap.path]
         snap.move_to(ended)
 
     def newest(self, *, pid: int | None = None) -> list[HeldSnapshot]:

@@ -192,5 +192,5 @@ class NodeState:
     @property
     def idle(self) -> bool:
         """Nothing to do, and no snapshot held only in memory (a spawned daemon must not take one with it)."""
-        unpersisted = any(not s.persisted for s in self.snapshots.held.values())
+        unpersisted = any(not s.persisted for s in self.snapshots.all())
         return not (self.clients or self.busy or self.commits.in_progress or unpersisted)
