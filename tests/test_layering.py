@@ -135,13 +135,8 @@ def _imports_of(tree: ast.AST, package: str) -> set[str]:
     return found
 
 
-def test_the_protocol_modules_import_one_another_without_a_cycle() -> None:
-    """The reader stack sits on the shard readers, which sit on the checks (``protocol/shard_reads.py``), never
-    back on the index or inspect modules that read through the stack: a cycle makes import order matter."""
-    modules = {p.stem: p for p in _sources("protocol")}
-    edges = {name: {m.split(".")[2] for m in _runtime_imports(path)
-                    if m.startswith("ckptd.protocol.") and m.split(".")[2] in modules and m.split(".")[2] != name}
-             for name, path in modules.items()}
+def _assert_no_cycle(edges: dict[str, set[str]]) -> None:
+    """Fail naming the first import cycle in ``edges`` (module: the modules it imports)."""
     done: set[str] = set()
 
     def visit(name: str, trail: list[str]) -> None:
@@ -151,8 +146,18 @@ def test_the_protocol_modules_import_one_another_without_a_cycle() -> None:
                 visit(nxt, trail + [name])
             done.add(name)
 
-    for name in sorted(modules):
+    for name in sorted(edges):
         visit(name, [])
+
+
+def test_the_protocol_modules_import_one_another_without_a_cycle() -> None:
+    """The reader stack sits on the shard readers, which sit on the checks (``protocol/shard_reads.py``), never
+    back on the index or inspect modules that read through the stack: a cycle makes import order matter."""
+    modules = {p.stem: p for p in _sources("protocol")}
+    edges = {name: {m.split(".")[2] for m in _runtime_imports(path)
+                    if m.startswith("ckptd.protocol.") and m.split(".")[2] in modules and m.split(".")[2] != name}
+             for name, path in modules.items()}
+    _assert_no_cycle(edges)
 
 
 ROLES = ("loop", "lifecycle", "storage", "upkeep", "tools")
@@ -174,17 +179,7 @@ def test_the_daemon_is_grouped_by_role_without_an_import_cycle_or_a_folder_impor
     modules = {_dotted(p): p for p in _daemon() if p.stem != "__init__"}
     edges = {name: {m for m in modules if m != name and any(i == m or i.startswith(f"{m}.") for i in _imports(p))}
              for name, p in modules.items()}
-    done: set[str] = set()
-
-    def visit(name: str, trail: list[str]) -> None:
-        assert name not in trail, f"import cycle: {' -> '.join(trail[trail.index(name):] + [name])}"
-        if name not in done:
-            for nxt in sorted(edges[name]):
-                visit(nxt, trail + [name])
-            done.add(name)
-
-    for name in sorted(modules):
-        visit(name, [])
+    _assert_no_cycle(edges)
 
 
 def test_the_storage_contract_imports_no_implementation_of_it() -> None:

@@ -21,6 +21,25 @@ def local(run: Path) -> list[str]:
     return sorted(p.name for p in run.iterdir())
 
 
+def saved_in_an_outage_then_killed(s3, daemon_factory, client_factory, args: tuple[str, ...], run: Path,
+                                   steps: tuple[int, ...], keep_last: int | None = None):
+    """Save ``run/step-N`` for ``steps`` in that order while the store is down, SIGKILL the daemon (proven by its
+    exit status) before any upload, bring the store back and start a daemon with the same ``args``: returned."""
+    daemon = daemon_factory(*args)
+    client = client_factory()
+    s3.stop()
+    try:
+        for step in steps:
+            client.save_async(state(seed=step), run / f"step-{step}", step=step, keep_last=keep_last).result(30)
+        client.close()
+        daemon.proc.send_signal(signal.SIGKILL)
+        assert daemon.proc.wait(10) == -signal.SIGKILL
+        assert local(run) == sorted(f"step-{step}" for step in steps)  # none could be uploaded, none trimmed
+    finally:
+        s3.start()
+    return daemon_factory(*args)
+
+
 def mirror_has_run(client, s3, bucket: str, other: Path, name: str) -> None:
     """Uploads run one at a time, each with the mirror's retention after it: once ``other/name`` (saved now,
     under the rule ``other=s3://bucket/other``) is on the store, all that was queued before it has run."""
@@ -61,18 +80,7 @@ def test_a_restart_that_uploads_the_newest_first_leaves_it_on_the_mirror(s3, buc
     other.mkdir()
     args = ("--mirror", f"{run}=s3://{bucket}/mirror", "--mirror", f"{other}=s3://{bucket}/other",
             "--mirror-keep", "1")
-    daemon = daemon_factory(*args)
-    client = client_factory()
-    s3.stop()
-    try:
-        for step in (9, 10):
-            client.save_async(state(seed=step), run / f"step-{step}", step=step).result(30)
-        client.close()
-        daemon.proc.send_signal(signal.SIGKILL)
-        assert daemon.proc.wait(10) == -signal.SIGKILL
-    finally:
-        s3.start()
-    daemon = daemon_factory(*args)
+    daemon = saved_in_an_outage_then_killed(s3, daemon_factory, client_factory, args, run, (9, 10))
     wait_until(lambda: daemon.status()["mirror"]["skipped"] == 1, timeout=60,
                what=lambda: f"step-9 skipped (status: {daemon.status()['mirror']})")
     mirror_has_run(client_factory(), s3, bucket, other, "a")
@@ -89,19 +97,7 @@ def test_keep_last_trims_local_copies_once_a_restart_has_uploaded_them(rule, s3,
     run = root / "run"
     run.mkdir()
     args = ("--mirror", f"{run}=s3://{bucket}/mirror", *(a.format(run=run) for a in rule))
-    daemon = daemon_factory(*args)
-    client = client_factory()
-    s3.stop()
-    try:
-        for step in (1, 2, 3, 4):
-            client.save_async(state(seed=step), run / f"step-{step}", step=step, keep_last=2).result(30)
-        client.close()
-        daemon.proc.send_signal(signal.SIGKILL)
-        assert daemon.proc.wait(10) == -signal.SIGKILL
-        assert local(run) == ["step-1", "step-2", "step-3", "step-4"]  # none could be uploaded
-    finally:
-        s3.start()
-    daemon = daemon_factory(*args)
+    daemon = saved_in_an_outage_then_killed(s3, daemon_factory, client_factory, args, run, (1, 2, 3, 4), keep_last=2)
     wait_until(lambda: mirrored(s3, bucket) == ["step-1", "step-2", "step-3", "step-4"], timeout=90,
                what=lambda: f"all four on the mirror (status: {daemon.status()['mirror']})")
     wait_until(lambda: local(run) == ["step-3", "step-4"], timeout=60,
@@ -120,18 +116,7 @@ def test_mirror_keep_trims_an_older_step_saved_after_the_newest_once_both_are_on
     other.mkdir()
     args = ("--mirror", f"{run}=s3://{bucket}/mirror", "--mirror", f"{other}=s3://{bucket}/other",
             "--mirror-keep", "1")
-    daemon = daemon_factory(*args)
-    client = client_factory()
-    s3.stop()
-    try:
-        for step in (3, 2):
-            client.save_async(state(seed=step), run / f"step-{step}", step=step).result(30)
-        client.close()
-        daemon.proc.send_signal(signal.SIGKILL)
-        assert daemon.proc.wait(10) == -signal.SIGKILL
-    finally:
-        s3.start()
-    daemon = daemon_factory(*args)
+    daemon = saved_in_an_outage_then_killed(s3, daemon_factory, client_factory, args, run, (3, 2))
     wait_until(lambda: daemon.status()["mirror"]["uploaded"] == 2, timeout=90,
                what=lambda: f"both uploaded (status: {daemon.status()['mirror']})")
     mirror_has_run(client_factory(), s3, bucket, other, "a")
@@ -147,19 +132,7 @@ def test_keep_last_deferred_for_the_mirror_keeps_the_rollback_its_commit_kept(s3
     run = root / "run"
     run.mkdir()
     args = ("--mirror", f"{run}=s3://{bucket}/mirror")
-    daemon = daemon_factory(*args)
-    client = client_factory()
-    s3.stop()
-    try:
-        for step in (3, 2):
-            client.save_async(state(seed=step), run / f"step-{step}", step=step, keep_last=1).result(30)
-        client.close()
-        daemon.proc.send_signal(signal.SIGKILL)
-        assert daemon.proc.wait(10) == -signal.SIGKILL
-        assert local(run) == ["step-2", "step-3"]  # step-3 is not on the mirror yet
-    finally:
-        s3.start()
-    daemon = daemon_factory(*args)
+    daemon = saved_in_an_outage_then_killed(s3, daemon_factory, client_factory, args, run, (3, 2), keep_last=1)
     wait_until(lambda: mirrored(s3, bucket) == ["step-2", "step-3"], timeout=90,
                what=lambda: f"both on the mirror (status: {daemon.status()['mirror']})")
     wait_until(lambda: local(run) == ["step-2"], timeout=60,

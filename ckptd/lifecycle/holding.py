@@ -33,7 +33,7 @@ from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed,
 from ckptd.protocol.messages import (
     Accepted, Done, Error, Held, Message, Ok, Persist, Pin, Snapshot, SnapshotList, Snapshots, Unpin,
 )
-from ckptd.protocol.objects import display, is_object_path, is_permanent
+from ckptd.protocol.objects import display, is_permanent
 from ckptd.protocol.shm import slot_name
 
 from ckptd.lifecycle.attempt import AttemptState
@@ -467,7 +467,7 @@ def _examine(storage: CheckpointStorage, slots: SlotMaps, msg: Snapshot, *, pid:
         blocked = storage.not_a_directory(examined.final.parent)
         if blocked is not None:
             raise PathNotAllowed(f"snapshot {examined.final} could never be persisted: {blocked} is not a directory")
-        if is_object_path(examined.final):
+        if storage.replace_refusal(examined.final) is not None:  # what is there could never be replaced
             _refuse_existing_object(storage, examined.final, msg.overwrite)
     except BaseException:
         slots.release(examined.slot)
@@ -476,8 +476,8 @@ def _examine(storage: CheckpointStorage, slots: SlotMaps, msg: Snapshot, *, pid:
 
 
 def _refuse_existing_object(storage: CheckpointStorage, final: Path, overwrite: bool) -> None:
-    """``CheckpointExists`` if the store holds something at ``final`` (a store never replaces a checkpoint, so
-    such a snapshot could never be persisted). A store that does not answer for now (an outage) holds the
+    """``CheckpointExists`` if something is at ``final`` where nothing is ever replaced (an object store: such a
+    snapshot could never be persisted). A store that does not answer for now (an outage) holds the
     snapshot up: memory snapshots do not wait for the store, and persisting it asks again."""
     try:
         there = storage.stat(final) is not None
