@@ -23,8 +23,8 @@ from ckptd.protocol.messages import Error, SnapshotList, Snapshots, Status, Stat
 from ckptd.protocol.objects import display, is_object_path
 
 from ckptd.loop.config import DaemonConfig
-from ckptd.tools.options import add_start_options, config_kwargs, detached_argv, path_arg, positive_int, seconds
 from ckptd.tools.control import request
+from ckptd.tools.options import add_start_options, config_kwargs, detached_argv, path_arg, positive_int, seconds
 from ckptd.tools.render import human_bytes, printable, render_status
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3

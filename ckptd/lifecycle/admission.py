@@ -29,10 +29,10 @@ from ckptd.protocol.messages import StagedShard
 from ckptd.protocol.shm import SHM_REMEDIES, shm_usage
 
 from ckptd.lifecycle.paths import refuse_existing, resolve_path
-from ckptd.tools.render import human_bytes
 from ckptd.lifecycle.slot_maps import MappedSlot, SlotMaps
-from ckptd.storage.contract import CheckpointStorage, Space
 from ckptd.lifecycle.writer import round_up
+from ckptd.storage.contract import CheckpointStorage, Space
+from ckptd.tools.render import human_bytes
 
 
 @dataclass

@@ -56,9 +56,9 @@ from ckptd.protocol.inspect import read_shard_header
 from ckptd.protocol.objects import display
 
 from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter, Words
+from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.paths import refuse_existing
 from ckptd.storage.reads import SeamFiles
-from ckptd.lifecycle.contributors import Contributors
 from ckptd.storage.ownership import (
     is_owner_marker,
     owner_marker,

@@ -36,19 +36,19 @@ from ckptd.protocol.messages import (
 from ckptd.protocol.objects import display, is_permanent
 from ckptd.protocol.shm import slot_name
 
-from ckptd.lifecycle.attempt import AttemptState
 from ckptd.lifecycle.admission import Examined, examine
+from ckptd.lifecycle.attempt import AttemptState
 from ckptd.lifecycle.paths import refuse_existing
+from ckptd.lifecycle.saves import Saves
+from ckptd.lifecycle.slot_maps import SlotMaps
+from ckptd.lifecycle.snapshots import HeldShard, HeldSnapshot, shards_of
+from ckptd.lifecycle.writer import Progress, checksum_when_staged
 from ckptd.loop.config import DaemonConfig
 from ckptd.loop.events import Committed, Deleted, Events, Failed, SnapshotDropped, SnapshotHeld
 from ckptd.loop.replies import as_error, error_reply
-from ckptd.lifecycle.saves import Saves
-from ckptd.lifecycle.snapshots import HeldShard, HeldSnapshot, shards_of
 from ckptd.loop.state import NodeState
-from ckptd.lifecycle.slot_maps import SlotMaps
-from ckptd.storage.contract import CheckpointStorage
 from ckptd.loop.workers import Workers
-from ckptd.lifecycle.writer import Progress, checksum_when_staged
+from ckptd.storage.contract import CheckpointStorage
 
 log = logging.getLogger("ckptd")
 DRAIN_RETRY_S = 0.5

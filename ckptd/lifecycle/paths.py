@@ -14,8 +14,8 @@ from ckptd.protocol.errors import CheckpointExists, PathNotAllowed
 from ckptd.protocol.index import INCOMPLETE_SUFFIX
 from ckptd.protocol.objects import display, is_object_path
 
-from ckptd.storage.ownership import check_replaceable, why_not_replaceable
 from ckptd.storage.contract import CheckpointStorage, Kind
+from ckptd.storage.ownership import check_replaceable, why_not_replaceable
 
 
 def resolve_path(storage: CheckpointStorage, raw: str, roots: tuple[Path, ...]) -> Path:

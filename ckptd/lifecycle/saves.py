@@ -34,16 +34,16 @@ from ckptd.protocol.objects import display, is_permanent
 from ckptd.lifecycle.admission import Examined, check_room, examine
 from ckptd.lifecycle.attempt import AttemptState
 from ckptd.lifecycle.commit import PendingCheckpoint, Retry
-from ckptd.lifecycle.paths import resolve_path
-from ckptd.loop.config import DaemonConfig
 from ckptd.lifecycle.contributors import Contributors
+from ckptd.lifecycle.paths import resolve_path
+from ckptd.lifecycle.writer import Progress, WriteJob, WriteState, write_shard
+from ckptd.loop.config import DaemonConfig
 from ckptd.loop.events import Committed, Events, Failed
 from ckptd.loop.replies import as_error, error_reply
 from ckptd.loop.state import NodeState
+from ckptd.loop.workers import Workers
 from ckptd.storage.contract import CheckpointStorage
 from ckptd.upkeep.sweep import KnownDirs
-from ckptd.loop.workers import Workers
-from ckptd.lifecycle.writer import Progress, WriteJob, WriteState, write_shard
 
 log = logging.getLogger("ckptd")
 DISCARD_RETRY_S = 1.0

@@ -49,8 +49,8 @@ from ckptd.protocol.objects import display
 
 from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter, Words
 from ckptd.lifecycle.contributors import Contributors
-from ckptd.tools.render import human_bytes
 from ckptd.lifecycle.slot_maps import MappedSlot
+from ckptd.tools.render import human_bytes
 
 
 @dataclass

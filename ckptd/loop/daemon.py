@@ -26,9 +26,9 @@ from ckptd.protocol.errors import CkptdError
 from ckptd.protocol.objects import check_bucket, display, is_object_path
 
 from ckptd.loop.config import DaemonConfig
-from ckptd.tools.control import probe
 from ckptd.loop.server import Server
 from ckptd.storage.routed import load_storage
+from ckptd.tools.control import probe
 
 log = logging.getLogger("ckptd")
 """Written when a drain could not persist held snapshots (one line each): ``ckptd stop`` reports it."""

@@ -27,21 +27,21 @@ from ckptd.protocol.messages import (
 )
 from ckptd.protocol.objects import display
 
-from ckptd.loop.config import DaemonConfig
-from ckptd.loop.events import Committed, Deleted, Events, Failed, SnapshotDropped, SnapshotHeld
 from ckptd.lifecycle.holding import Holding
 from ckptd.lifecycle.registry import DeadRank, Registry
-from ckptd.loop.leases import Grant
-from ckptd.upkeep.mirror import Mirrors
-from ckptd.upkeep.retention import Retainer
-from ckptd.loop.replies import error_reply
 from ckptd.lifecycle.saves import Saves
 from ckptd.lifecycle.slot_maps import reclaim_orphaned_slots
+from ckptd.loop.config import DaemonConfig
+from ckptd.loop.events import Committed, Deleted, Events, Failed, SnapshotDropped, SnapshotHeld
+from ckptd.loop.leases import Grant
+from ckptd.loop.replies import error_reply
 from ckptd.loop.state import MAX_PID, NodeState
 from ckptd.loop.stats import add_filesystems
-from ckptd.storage.contract import CheckpointStorage
-from ckptd.upkeep.sweep import KnownDirs, sweep_incomplete
 from ckptd.loop.workers import Workers
+from ckptd.storage.contract import CheckpointStorage
+from ckptd.upkeep.mirror import Mirrors
+from ckptd.upkeep.retention import Retainer
+from ckptd.upkeep.sweep import KnownDirs, sweep_incomplete
 
 log = logging.getLogger("ckptd")
 POLL_MS = 200

@@ -24,13 +24,13 @@ from ckptd.protocol.messages import StagedShard
 from ckptd.protocol.processes import pid_alive
 
 from ckptd.lifecycle.commit import Commits, PendingCheckpoint
-from ckptd.loop.config import DaemonConfig
-from ckptd.loop.leases import Grant, LoadLeases
 from ckptd.lifecycle.slot_maps import SlotMaps
 from ckptd.lifecycle.snapshots import Snapshots
+from ckptd.lifecycle.writer import Progress, WriteJob
+from ckptd.loop.config import DaemonConfig
+from ckptd.loop.leases import Grant, LoadLeases
 from ckptd.loop.stats import Stats
 from ckptd.storage.contract import CheckpointStorage
-from ckptd.lifecycle.writer import Progress, WriteJob
 
 MAX_PID = 1 << 22
 """The kernel's largest possible pid_max."""

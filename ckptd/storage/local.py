@@ -21,8 +21,8 @@ from typing import Any
 from ckptd.protocol.errors import CheckpointExists
 from ckptd.protocol.names import INDEX_NAME, deleting_path, discarded_path
 
-from ckptd.storage.ownership import check_replaceable, owner_marker, remove_markers
 from ckptd.storage.contract import Kind, PublishedNotDurable, Storage
+from ckptd.storage.ownership import check_replaceable, owner_marker, remove_markers
 
 
 class LocalShard:

@@ -16,9 +16,9 @@ from typing import Any
 
 from ckptd.protocol.objects import is_object_path
 
+from ckptd.storage.contract import Checkpoints, Entry, Files, LocalStorage, ShardWriter, Space, Stat, Storage
 from ckptd.storage.local import LocalCheckpoints
 from ckptd.storage.store import ObjectCheckpoints, ObjectFiles
-from ckptd.storage.contract import Checkpoints, Entry, Files, LocalStorage, ShardWriter, Space, Stat, Storage
 
 
 class Routed:

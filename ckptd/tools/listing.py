@@ -22,10 +22,10 @@ from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, missing_or_truncated, read_index
 from ckptd.protocol.objects import canonical, display
 
-from ckptd.storage.reads import SeamFiles, tree_bytes
-from ckptd.tools.render import human_bytes, printable
-from ckptd.storage.routed import load_storage
 from ckptd.storage.contract import Files, Kind
+from ckptd.storage.reads import SeamFiles, tree_bytes
+from ckptd.storage.routed import load_storage
+from ckptd.tools.render import human_bytes, printable
 
 
 class EntryState(str, Enum):

@@ -66,9 +66,9 @@ from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME, CheckpointIndex, committed_in, read_index
 from ckptd.protocol.objects import display, is_permanent
 
+from ckptd.storage.contract import CheckpointStorage, Kind
 from ckptd.storage.reads import SeamFiles
 from ckptd.upkeep.retention import apply_retention
-from ckptd.storage.contract import CheckpointStorage, Kind
 
 log = logging.getLogger("ckptd")
 BACKOFF_S = 1.0

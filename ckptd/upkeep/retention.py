@@ -26,13 +26,13 @@ from ckptd.protocol.index import committed_in
 from ckptd.protocol.objects import display
 from ckptd.protocol.names import INDEX_NAME
 
-from ckptd.storage.reads import SeamFiles
 from ckptd.loop.config import DaemonConfig
 from ckptd.loop.events import Committed, Deleted, Events
-from ckptd.storage.ownership import owner_marker, why_not_replaceable
 from ckptd.loop.stats import Stats
-from ckptd.storage.contract import CheckpointStorage
 from ckptd.loop.workers import Workers
+from ckptd.storage.contract import CheckpointStorage
+from ckptd.storage.ownership import owner_marker, why_not_replaceable
+from ckptd.storage.reads import SeamFiles
 
 log = logging.getLogger("ckptd")
 

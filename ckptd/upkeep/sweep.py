@@ -15,8 +15,8 @@ from pathlib import Path
 from ckptd.protocol.names import INCOMPLETE_SUFFIX, INDEX_NAME, KNOWN_DIRS_NAME, SWEPT_DIR
 from ckptd.protocol.objects import SCHEME
 
-from ckptd.storage.ownership import dead_here, marker_owners, remove_markers
 from ckptd.storage.contract import CheckpointStorage, Files, Kind
+from ckptd.storage.ownership import dead_here, marker_owners, remove_markers
 
 log = logging.getLogger("ckptd")
 MAX_KNOWN_DIRS = 1000
