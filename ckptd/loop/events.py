@@ -68,7 +68,7 @@ class SnapshotDropped:
 
 @dataclass(frozen=True)
 class Deleted:
-    """Retention deleted a committed checkpoint (``keep_last``, ``--keep``)."""
+    """A committed checkpoint was deleted: by retention (``keep_last``, ``--keep``) or a trainer's ``Delete``."""
 
     path: Path
 

@@ -8,7 +8,9 @@ not the newest, and no save is writing it. A victim first gets this daemon's
 owner marker, then is renamed to a ``.incomplete`` name, so readers see it
 vanish at once, and only then removed: a daemon that dies between the rename
 and the removal leaves a ``.incomplete`` directory whose only owner is dead,
-which the next start-up sweep removes.
+which the next start-up sweep removes. A trainer's ``Delete`` (``Client.delete``,
+the Lightning plugin's ``remove_checkpoint``) is the same delete
+(``delete_judged``), on the same thread, under the same publish lock.
 """
 
 from __future__ import annotations
