@@ -85,7 +85,8 @@ def test_the_integrations_and_the_package_face_reach_only_the_client_and_the_pro
     assert not bad, f"integrations/ and the package face may use ckptd.client and ckptd.protocol only: {bad}"
 
 
-BACKEND_BLIND = ("writer", "retention", "admission", "holding", "snapshots", "saves", "sweep", "mirror")
+BACKEND_BLIND = ("writer", "retention", "admission", "holding", "snapshots", "saves", "sweep", "mirror", "commit",
+                 "stats", "attempt", "registry")
 """Daemon modules that speak to storage in checkpoint operations only (``ckptd.storage.contract.Checkpoints``)."""
 
 

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 import psutil
 
 from ckptd.protocol import __version__
-from ckptd.protocol.objects import display, is_object_path
+from ckptd.protocol.objects import display
 from ckptd.protocol.shm import shm_usage
 
 from ckptd.loop.config import DaemonConfig
 from ckptd.loop.events import Committed, SnapshotDropped, SnapshotHeld
-from ckptd.storage.contract import Files
+from ckptd.storage.contract import UNLIMITED, Files
 
 if TYPE_CHECKING:
     from ckptd.lifecycle.commit import PendingCheckpoint
@@ -171,10 +171,10 @@ def _throughput(jobs: list, now: float) -> float:
 
 
 def _root_usage(storage: Files, root: Path) -> dict[str, Any]:
-    if is_object_path(root):  # a store enforces its own quotas: it has no free space to show
-        return {"path": display(root), "free_bytes": None, "total_bytes": None, "object_store": True}
     try:
         space = storage.space(root)
-        return {"path": str(root), "free_bytes": space.free, "total_bytes": space.total}
     except OSError:
-        return {"path": str(root), "free_bytes": None, "total_bytes": None}
+        return {"path": display(root), "free_bytes": None, "total_bytes": None}
+    if space.total == UNLIMITED:  # a store enforces its own quotas: it has no free space to show
+        return {"path": display(root), "free_bytes": None, "total_bytes": None, "object_store": True}
+    return {"path": display(root), "free_bytes": space.free, "total_bytes": space.total}

@@ -88,6 +88,10 @@ class Stat:
     mtime: float
 
 
+UNLIMITED = 1 << 62
+"""The free and total bytes a store reports (``Space``): it enforces its own quotas, and has no free space to show."""
+
+
 @dataclass(frozen=True)
 class Space:
     """Room where a path would be written (its nearest existing ancestor)."""

@@ -34,11 +34,10 @@ from ckptd.protocol.errors import CheckpointExists
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME
 from ckptd.protocol.objects import display
 
-from ckptd.storage.contract import Entry, Files, Kind, Space, Stat
+from ckptd.storage.contract import UNLIMITED, Entry, Files, Kind, Space, Stat
 
 QUEUED_CHUNKS = 4
 """Chunks handed to an upload and not yet taken by it (bounds the copy the daemon holds)."""
-UNLIMITED = 1 << 62
 
 
 def key_path(path: Path) -> Path:
