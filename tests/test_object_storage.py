@@ -566,3 +566,19 @@ def test_a_bucket_alone_is_no_checkpoint_name_and_the_error_says_what_is(s3, buc
     daemon_factory("--root", f"s3://{bucket}/run")
     with pytest.raises(ckptd.PathNotAllowed, match=r"named s3://BUCKET/NAME \(a bucket is no checkpoint\)"):
         client_factory().save_async(state(seed=1), f"s3://{bucket}", step=1).result(30)
+
+
+def test_client_delete_on_the_store_deletes_a_checkpoint_and_leaves_what_is_none(s3, bucket, daemon_factory,
+                                                                                client_factory, root) -> None:
+    """On a store a prefix is only its objects: stray objects without an index are something there, which is
+    named and left (it was reported deleted), and a committed checkpoint goes whole."""
+    daemon_factory("--root", f"s3://{bucket}")
+    client = client_factory()
+    url = f"s3://{bucket}/runs/step-1"
+    client.save_async(state(seed=1), url, step=1).result(30)
+    s3.client().put_object(Bucket=bucket, Key="runs/stray/data.bin", Body=b"mine")
+    with pytest.raises(InvalidCheckpoint, match=f"not a committed ckptd checkpoint: it has no {INDEX_NAME}"):
+        client.delete(f"s3://{bucket}/runs/stray")
+    client.delete(url)
+    assert keys(s3, bucket) == ["runs/stray/data.bin"]
+    assert ckptd.latest(f"s3://{bucket}/runs") is None

@@ -240,3 +240,45 @@ def test_client_delete_removes_a_committed_checkpoint_through_the_daemon_and_not
     (tmp_path / "go").touch()
     fut.result(30)
     assert ckptd.load(root / "held")["w"].tolist() == [1.0] * 8
+
+
+def test_client_delete_of_a_snapshot_path_drops_the_held_snapshot_too(daemon_factory, client_factory, root,
+                                                                       run_dir) -> None:
+    """A memory snapshot, persisted or in memory only, is deleted everywhere: it is no longer listed or loaded,
+    and nothing writes it back on exit (it was unpersisted by the delete and persisted again at close)."""
+    daemon = daemon_factory()
+    client = client_factory()
+    persisted, in_memory = root / "a" / "step-1", root / "b" / "step-2"  # two directories: both stay held
+    for path in (persisted, in_memory):
+        path.parent.mkdir()
+        client.save_async({"w": torch.ones(4)}, path, step=1, persist=False).result(30)
+    client.persist(persisted)
+    for path in (persisted, in_memory):
+        client.delete(path)
+        assert ckptd.latest(path.parent, run_dir=run_dir) is None
+    client.close()
+    wait_until(lambda: daemon.status()["memory"]["snapshots"] == [], 30, "the snapshots dropped")
+    log = (daemon.run_dir / LOG_NAME).read_text()
+    assert log.count("reason=deleted") == 2, log[-2000:]
+    assert list(persisted.parent.iterdir()) == [] and list(in_memory.parent.iterdir()) == []
+
+
+def test_a_daemon_killed_inside_a_deletion_leaves_what_its_restart_sweeps(daemon_factory, client_factory,
+                                                                          root) -> None:
+    """Killed after a victim's shard went but before the rest (the fault kills the daemon right after that
+    unlink, proven by its exit status): the set-aside directory still holds the daemon's owner marker (removed
+    last), so the next start sweeps it; before, the marker often went first and the leftover stayed for good."""
+    daemon = daemon_factory(faults=[{"op": "unlink", "match": "step-1.deleting", "errno": 0, "kill": True,
+                                     "after": True}])
+    client = client_factory()
+    client.save_async({"w": torch.ones(1000)}, root / "step-1", step=1).result(30)
+    client.save_async({"w": torch.ones(1000)}, root / "step-2", step=2, keep_last=1).result(30)
+    assert daemon.proc.wait(30) == -9  # died inside the removal of step-1
+    aside = root / "step-1.deleting.incomplete"
+    left = sorted(p.name for p in aside.iterdir())
+    assert any(n.startswith(".ckptd-owner-") for n in left) and len(left) < 3, left
+    client.close()
+    daemon_factory()
+    wait_until(lambda: not aside.exists(), 30, lambda: f"the restart sweeps {aside}: {sorted(root.iterdir())}")
+    assert sorted(p.name for p in root.iterdir()) == ["step-2"]
+    assert ckptd.load(root / "step-2")["w"].tolist() == [1.0] * 1000

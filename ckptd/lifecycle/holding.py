@@ -255,6 +255,25 @@ class Holding:
         self._release(shards_of(self.snapshots.unpin(ident, Path(msg.path))))
         return Ok(msg.id)
 
+    def in_the_way_of_delete(self, final: Path) -> str | None:
+        """Why a trainer's ``Delete`` of ``final`` must wait: a snapshot of it still being taken, replaced or
+        written to disk (None: none is)."""
+        snap = self.snapshots.opening(final)
+        if snap is not None and (snap.open or snap.persisting or self.snapshots.replacing.get(final) is snap):
+            return f"a memory snapshot of it is being {'written to disk' if snap.persisting else 'taken'}"
+        return None
+
+    def deleted_on_request(self, final: Path) -> None:
+        """A trainer deleted ``final`` (``Client.delete``): the snapshot held of it goes too, or it would be
+        listed, loaded, and persisted again on exit, as if the delete had not happened."""
+        snap = self.snapshots.held.get(final)
+        if snap is None or not snap.acknowledged or snap.persisting:
+            return
+        log.info("event=snapshot_dropped path=%s step=%s reason=deleted", snap.path, snap.step)
+        self.snapshots.remove(snap, AttemptState.DROPPED)
+        self._answer_persists(snap, InvalidCheckpoint(f"snapshot {display(final)} was deleted (client.delete)"))
+        self._drop([(snap, "deleted")])
+
     def reader_gone(self, ident: bytes) -> None:
         """A connection closed or its process died: its pins end."""
         self._release(shards_of(self.snapshots.unpin(ident)))

@@ -113,9 +113,11 @@ class Saves:
             progress.advance(upto)
 
     def refuse(self, ident: bytes, msg: StagedShard, exc: BaseException) -> None:
-        """A rank's shard is not taken: its save ends, and it is told why."""
+        """A rank's shard is not taken: its save ends, it is told why, and the log says so."""
         self.state.end_save(ident, msg.id)
-        self.send(ident, error_reply(self.state.stats, msg.id, exc))
+        reply = error_reply(self.state.stats, msg.id, exc)
+        log.warning("event=refused type=%s path=%s rank=%d error=%s", msg.type, msg.path, msg.rank, reply.message)
+        self.send(ident, reply)
 
     def admit_examined(self, ident: bytes, msg: StagedShard, progress: Progress, examined: Examined, *, pid: int,
                        internal: bool = False, expected_checksum: int | None = None, looked: bool = False,

@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import zmq
 
 from ckptd.protocol import __version__
-from ckptd.protocol.errors import BadMessage, ErrorCode
+from ckptd.protocol.errors import BadMessage, Conflict, ErrorCode
 from ckptd.protocol.messages import (
     MAX_MESSAGE_BYTES, Abort, Bye, Delete, Error, Finalize, Granted, Hello, Lease, Message, Ok, Persist, Pin, Ping, Pong,
     Release, Snapshot, Snapshots, Staged, StagedShard, Status, StatusReply, Stop, Unpin, Welcome, WriteShard, decode,
@@ -235,10 +236,21 @@ class Server:
     def _on_delete(self, ident: bytes, msg: Delete) -> None:
         """Delete a committed checkpoint for a trainer (``Client.delete``): Ok, or the Error saying why not."""
 
-        def answer(exc: BaseException | None) -> None:
-            self._send(ident, Ok(msg.id) if exc is None else error_reply(self.state.stats, msg.id, exc))
+        def delete(final: Path) -> None:
+            snapshot = self.holding.in_the_way_of_delete(final)
+            if snapshot is not None:
+                self._send(ident, error_reply(self.state.stats, msg.id, Conflict(
+                    f"{display(final)} is not deleted: {snapshot}; delete it once that is done")))
+                return
 
-        self.saves.resolve_then(ident, msg.id, msg.path, lambda final: self.retainer.delete(final, answer))
+            def answer(exc: BaseException | None) -> None:
+                if exc is None:
+                    self.holding.deleted_on_request(final)
+                self._send(ident, Ok(msg.id) if exc is None else error_reply(self.state.stats, msg.id, exc))
+
+            self.retainer.delete(final, answer)
+
+        self.saves.resolve_then(ident, msg.id, msg.path, delete)
 
     def _on_release(self, ident: bytes, msg: Release) -> Message:
         self._send_grants(self.state.leases.release(ident))

@@ -57,6 +57,8 @@ from pathlib import Path
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
+from ckptd.protocol.names import OWNER_PREFIX
+
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -320,6 +322,24 @@ class LocalStorage:
         os.unlink(path)
 
     def remove_tree(self, path: Path) -> None:
+        """Remove ``path`` and everything under it, its owner markers last: a removal cut short (a crash) leaves
+        a directory its markers still name, which the start-up sweep removes. In ``shutil``'s order a marker
+        often went first, and a crash then left shards no daemon claimed, for good."""
+        try:
+            with os.scandir(path) as it:
+                entries = [(e.name.startswith(OWNER_PREFIX), e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        except OSError:
+            entries = []
+        for marker, name, is_dir in sorted(entries):
+            if marker:
+                break
+            try:
+                if is_dir:
+                    shutil.rmtree(path / name, ignore_errors=True)
+                else:
+                    self.unlink(path / name)
+            except OSError:
+                pass  # what is left goes with the tree below
         shutil.rmtree(path, ignore_errors=True)
 
     def scandir(self, path: Path) -> list[Entry]:

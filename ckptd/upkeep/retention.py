@@ -109,7 +109,10 @@ def delete_on_request(storage: CheckpointStorage, checkpoint: Path,
     """A trainer's ``Delete`` (``Client.delete``): True once ``checkpoint`` is deleted, False if nothing is there;
     ``InvalidCheckpoint`` naming why if what is there is not a committed ckptd checkpoint (maintenance thread)."""
     if storage.stat(checkpoint) is None:
-        return False
+        if not _holds_anything(storage, checkpoint):
+            return False
+        raise InvalidCheckpoint(f"{display(checkpoint)} is not deleted: it is not a committed ckptd checkpoint: "
+                                f"it has no {INDEX_NAME}")
     judged = _index_bytes(storage, checkpoint)
     reason = why_not_replaceable(storage, checkpoint)
     if reason is not None:
@@ -118,6 +121,15 @@ def delete_on_request(storage: CheckpointStorage, checkpoint: Path,
     if gone is None:
         raise Conflict(f"{display(checkpoint)} is not deleted: it was saved again while the daemon examined it")
     return gone
+
+
+def _holds_anything(storage: CheckpointStorage, path: Path) -> bool:
+    """Whether anything is listed under ``path``: on a store a prefix exists only as the objects under it, so
+    stray objects without an index are something there, not nothing."""
+    try:
+        return bool(storage.scandir(path))
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
