@@ -14,7 +14,7 @@ import torch
 import ckptd
 from ckptd.lifecycle.attempt import ENDED, NEXT_STATES, AttemptState
 from ckptd.protocol.endpoint import LOG_NAME
-from helpers import wait_until
+from helpers import SHM, wait_until
 
 
 def test_every_state_leads_to_an_end_and_only_the_ends_lead_nowhere() -> None:
@@ -54,6 +54,9 @@ def test_each_way_an_attempt_ends_on_a_node_is_a_move_of_the_table(daemon_factor
     lonely = client_factory(rank=0, world_size=2, commit_timeout=1.0)
     with pytest.raises(ckptd.RanksMissing):
         lonely.save_async({"w": torch.ones(4)}, root / "mem" / "s-9", step=9, persist=False).result(60)
+    # the failed snapshot's slot goes back under its client's name after the error (on the daemon's pool): the
+    # client may only close once it is there, or its close unlinks nothing and the slot comes back after it
+    wait_until(lambda: all((SHM / name).exists() for name in lonely.slot_names), 30, "the slot handed back")
     log_path = daemon.run_dir / LOG_NAME
     wanted = {("checkpoint", "saved", "committed"), ("checkpoint", "doomed", "failed"),
               ("snapshot", "s-1", "dropped"), ("checkpoint", "s-2", "committed"),

@@ -121,6 +121,10 @@ def _not_a_directory(storage: Files, path: Path) -> str | None:
     return None
 
 
+UNEXAMINED = "it cannot be examined"
+"""How ``why_not_replaceable`` begins where asking failed (an outage), not where the answer was no."""
+
+
 def why_not_replaceable(storage: Files, path: Path) -> str | None:
     """Why the existing ``path`` is not a committed ckptd checkpoint ckptd may delete; None if it is."""
     try:
@@ -136,7 +140,7 @@ def why_not_replaceable(storage: Files, path: Path) -> str | None:
         listed = {INDEX_NAME, *(f.file for f in index.files)}
         foreign = _foreign(storage, path, listed.__contains__)
     except OSError as exc:
-        return f"it cannot be examined ({exc.strerror or exc})"
+        return f"{UNEXAMINED} ({exc.strerror or exc})"
     if foreign:
         return f"it holds entries ckptd did not write: {_describe(foreign)}"
     return None
@@ -164,7 +168,7 @@ def why_not_leftover(storage: Files, incomplete: Path) -> str | None:
         live = [pid for h, pid in marker_owners(storage, incomplete)
                 if h == host and pid is not None and pid != os.getpid() and pid_alive(pid)]
     except OSError as exc:
-        return f"it cannot be examined ({exc.strerror or exc})"
+        return f"{UNEXAMINED} ({exc.strerror or exc})"
     if live:
         return f"ckptd (pid {live[0]}) is writing it now"
     return None

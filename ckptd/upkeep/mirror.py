@@ -131,6 +131,9 @@ class Mirrors:
         self._again: set[Path] = set()
         """Checkpoints committed again while their upload ran: queued again when it ends."""
         self._closed = False
+        self._retain_again: dict[Path, tuple[float, int]] = {}
+        """Store directories whose ``--mirror-keep`` failed (an outage), by the one checkpoint there it runs
+        beside: (when it runs again, how many times it failed). No upload need come there again to trim it."""
         self._thread = threading.Thread(target=self._loop, name="ckptd-mirror", daemon=True)
 
     def start(self) -> None:
@@ -188,7 +191,8 @@ class Mirrors:
         return out
 
     def idle(self) -> bool:
-        """Whether no upload is queued, running or waiting for a retry."""
+        """Whether no upload is queued, running or waiting for a retry (a ``--mirror-keep`` waiting for one does
+        not hold a drain up: the next start's scan runs it)."""
         with self._cond:
             return not self.uploads
 
@@ -217,6 +221,9 @@ class Mirrors:
                     if self._closed:
                         return
                     now = time.monotonic()
+                    retain = [d for d, (due, _) in self._retain_again.items() if due <= now]
+                    if retain:
+                        break
                     waiting = [(u.due, p) for p, u in self.uploads.items() if u.state not in ACTIVE]
                     ready = [w for w in waiting if w[0] <= now]
                     if ready:
@@ -224,7 +231,12 @@ class Mirrors:
                         upload = self.uploads[checkpoint]
                         upload.state = "uploading"
                         break
-                    self._cond.wait(min(w[0] for w in waiting) - now if waiting else None)
+                    dues = [w[0] for w in waiting] + [due for due, _ in self._retain_again.values()]
+                    self._cond.wait(min(dues) - now if dues else None)
+            if retain:
+                for dest in retain:
+                    self._retain_on_store(dest)
+                continue
             self._attempt(checkpoint, upload)
 
     def _scan(self) -> None:
@@ -241,10 +253,7 @@ class Mirrors:
                 if dest is not None:
                     beside.setdefault(dest.parent, dest)
         for dest in beside.values():
-            try:
-                self._retain_on_store(dest)
-            except Exception as exc:  # noqa: BLE001 - the next upload there runs it again
-                log.error("event=mirror_retention_failed path=%s error=%r", dest, exc)
+            self._retain_on_store(dest)
 
     def _committed_under(self, directory: Path, depth: int) -> list[Path]:
         found = [path for _, path in committed_in(directory, SeamFiles(self.storage))]
@@ -306,10 +315,7 @@ class Mirrors:
         # The retentions it allows run while it is still listed in ``uploads``: until they are done (or handed to
         # the maintenance thread) the daemon is not idle, and a store half-way through --mirror-keep's deletion
         # (index gone, shards left) is never shown as settled.
-        try:
-            self._retain_on_store(dest)
-        except Exception as exc:  # noqa: BLE001 - the upload stands; retention reports its own failure
-            log.error("event=mirror_retention_failed path=%s error=%r", checkpoint, exc)
+        self._retain_on_store(dest)
         try:  # local retention may now delete it: the retention the last one committed beside it asked for, again
             beside = committed_in(checkpoint.parent, SeamFiles(self.storage))
             if self.after_upload is not None and beside:
@@ -334,13 +340,28 @@ class Mirrors:
         Run for the newest one there, never for ``dest`` itself: a skipped checkpoint (older than those kept,
         or deleted locally) is not on the store, and retention run for it counted it as one of the kept and
         deleted a newer one in its place. Uploads need not go in step order (a retry's backoff, a restart's
-        scan), so the skipped one may well be the oldest.
+        scan), so the skipped one may well be the oldest. A run that fails (the store away: the listing, or a
+        victim's deletion) runs again, backing off as uploads do, until it succeeds: else the store kept one
+        too many for good where no upload came there again.
         """
         if self.keep is None:
             return
-        beside = committed_in(dest.parent, SeamFiles(self.storage))
-        if beside:
-            apply_retention(self.storage, beside[-1][1], self.keep, set(), spare_later=False)
+        failed: list[Path] = []
+        try:
+            beside = committed_in(dest.parent, SeamFiles(self.storage))
+            if beside:
+                apply_retention(self.storage, beside[-1][1], self.keep, set(), spare_later=False, failed=failed)
+        except Exception as exc:  # noqa: BLE001 - tried again below
+            log.error("event=mirror_retention_failed path=%s error=%r", dest, exc)
+            failed.append(dest)
+        with self._cond:
+            if not failed:
+                self._retain_again.pop(dest, None)
+                return
+            tries = self._retain_again.get(dest, (0.0, 0))[1] + 1
+            delay = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (tries - 1))
+            self._retain_again[dest] = (time.monotonic() + delay, tries)
+            log.warning("event=mirror_retention_retry path=%s attempt=%d in_s=%g", dest, tries, delay)
 
     def _failed(self, checkpoint: Path, upload: Upload, exc: Exception) -> None:
         upload.error = getattr(exc, "message", None) or " ".join(

@@ -33,7 +33,7 @@ from ckptd.loop.events import Committed, Deleted, Events
 from ckptd.loop.stats import Stats
 from ckptd.loop.workers import Workers
 from ckptd.storage.contract import CheckpointStorage
-from ckptd.storage.ownership import owner_marker, why_not_replaceable
+from ckptd.storage.ownership import UNEXAMINED, owner_marker, why_not_replaceable
 from ckptd.storage.reads import SeamFiles
 
 log = logging.getLogger("ckptd")
@@ -42,7 +42,7 @@ log = logging.getLogger("ckptd")
 def apply_retention(storage: CheckpointStorage, newest: Path, keep_last: int, in_flight: set[Path],
                     keep: Callable[[Path], bool] | None = None,
                     publishing: AbstractContextManager[Any] = nullcontext(),
-                    spare_later: bool = True) -> list[Path]:
+                    spare_later: bool = True, failed: list[Path] | None = None) -> list[Path]:
     """Delete committed checkpoints beside ``newest`` beyond the newest ``keep_last``.
 
     ``newest`` (the checkpoint just committed) is never deleted, whatever its
@@ -57,6 +57,7 @@ def apply_retention(storage: CheckpointStorage, newest: Path, keep_last: int, in
     ``spare_later=False`` (the mirror's ``--mirror-keep``, run for the newest checkpoint on the store in
     retention's order, one directory at a time) keeps only the newest ``keep_last`` in that order: an older
     step uploaded after a newer one was created later than it, and sparing it kept it on the store for good.
+    A victim whose deletion failed (an ``OSError``: the store away) is logged, kept, and added to ``failed``.
     Returns what was deleted.
     """
     if keep_last < 1:
@@ -75,11 +76,15 @@ def apply_retention(storage: CheckpointStorage, newest: Path, keep_last: int, in
         reason = why_not_replaceable(storage, victim)
         if reason is not None:
             log.warning("event=retention_skip path=%s reason=%s", victim, reason)
+            if failed is not None and reason.startswith(UNEXAMINED):
+                failed.append(victim)
             continue
         try:
             gone = delete_judged(storage, victim, judged, publishing)
         except OSError as exc:
             log.warning("event=retention_skip path=%s error=%s", victim, exc.strerror or exc)
+            if failed is not None:
+                failed.append(victim)
             continue
         if gone is None:
             log.info("event=retention_skip path=%s reason=saved_again", victim)
