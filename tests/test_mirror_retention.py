@@ -40,6 +40,16 @@ def saved_in_an_outage_then_killed(s3, daemon_factory, client_factory, args: tup
     return daemon_factory(*args)
 
 
+def mirrored_with_keep(root: Path, bucket: str, keep: int = 1) -> tuple[Path, Path, tuple[str, ...]]:
+    """``run`` mirrored with ``--mirror-keep keep``, and ``other`` mirrored beside it (``mirror_has_run`` saves
+    there): the two directories and the daemon's arguments."""
+    run, other = root / "run", root / "other"
+    run.mkdir()
+    other.mkdir()
+    return run, other, ("--mirror", f"{run}=s3://{bucket}/mirror", "--mirror", f"{other}=s3://{bucket}/other",
+                        "--mirror-keep", str(keep))
+
+
 def mirror_has_run(client, s3, bucket: str, other: Path, name: str) -> None:
     """Uploads run one at a time, each with the mirror's retention after it: once ``other/name`` (saved now,
     under the rule ``other=s3://bucket/other``) is on the store, all that was queued before it has run."""
@@ -51,11 +61,8 @@ def mirror_has_run(client, s3, bucket: str, other: Path, name: str) -> None:
 def test_an_older_checkpoint_mirror_keep_skips_never_costs_the_store_a_newer_one(
         keep, s3, bucket, daemon_factory, client_factory, root, run_dir) -> None:
     """The skipped checkpoint is not on the store: it must not take one of the ``--mirror-keep`` places."""
-    run, other = root / "run", root / "other"
-    run.mkdir()
-    other.mkdir()
-    daemon = daemon_factory("--mirror", f"{run}=s3://{bucket}/mirror", "--mirror", f"{other}=s3://{bucket}/other",
-                            "--mirror-keep", str(keep))
+    run, other, args = mirrored_with_keep(root, bucket, keep)
+    daemon = daemon_factory(*args)
     client = client_factory()
     newer = [f"step-{10 * (i + 1)}" for i in range(keep)]
     for name in newer:
@@ -75,11 +82,7 @@ def test_a_restart_that_uploads_the_newest_first_leaves_it_on_the_mirror(s3, buc
                                                                         client_factory, root) -> None:
     """After an outage the queued uploads need not go in step order (here the restart's scan queues both at once,
     and step-10 goes first): the older one, skipped, must not cost the store the newer one."""
-    run, other = root / "run", root / "other"
-    run.mkdir()
-    other.mkdir()
-    args = ("--mirror", f"{run}=s3://{bucket}/mirror", "--mirror", f"{other}=s3://{bucket}/other",
-            "--mirror-keep", "1")
+    run, other, args = mirrored_with_keep(root, bucket)
     daemon = saved_in_an_outage_then_killed(s3, daemon_factory, client_factory, args, run, (9, 10))
     wait_until(lambda: daemon.status()["mirror"]["skipped"] == 1, timeout=60,
                what=lambda: f"step-9 skipped (status: {daemon.status()['mirror']})")
@@ -111,11 +114,7 @@ def test_mirror_keep_trims_an_older_step_saved_after_the_newest_once_both_are_on
     daemon killed: its restart uploads ``step-2`` first (the scan queues both at once) and ``step-3`` after.
     ``--mirror-keep 1`` keeps ``step-3``, the newest in retention's order, and deletes ``step-2`` however late it
     was created (it was kept for good when the store's retention spared checkpoints created after the newest)."""
-    run, other = root / "run", root / "other"
-    run.mkdir()
-    other.mkdir()
-    args = ("--mirror", f"{run}=s3://{bucket}/mirror", "--mirror", f"{other}=s3://{bucket}/other",
-            "--mirror-keep", "1")
+    run, other, args = mirrored_with_keep(root, bucket)
     daemon = saved_in_an_outage_then_killed(s3, daemon_factory, client_factory, args, run, (3, 2))
     wait_until(lambda: daemon.status()["mirror"]["uploaded"] == 2, timeout=90,
                what=lambda: f"both uploaded (status: {daemon.status()['mirror']})")

@@ -25,24 +25,23 @@ import ckptd
 from helpers import equal_states
 
 
-def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _stepped(seed: int, batch: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A small model and an Adam optimizer one step in, so the optimizer has state (step counts, moments)."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model(torch.randn(5, 8)).sum().backward()
+    model(torch.randn(batch, 8)).sum().backward()
     optim.step()
     return model, optim
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    return _stepped(0, 5)
 
 
 def _fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The same architecture with other weights and an optimizer that has stepped too (so state to overwrite)."""
-    torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model(torch.randn(3, 8)).sum().backward()
-    optim.step()
-    return model, optim
+    return _stepped(1, 3)
 
 
 def _state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
