@@ -92,31 +92,14 @@ class Waiter:
     nbytes: int = 0
 
 
-@dataclass(frozen=True)
-class Words:
-    """How messages name an attempt of one kind, so both kinds fail with one wording."""
-
-    noun: str
-    """checkpoint / snapshot"""
-    gerund: str
-    """saving / snapshotting"""
-    sent: str
-    """what a rank does to join: committed / snapshotted"""
-    past: str
-    """what a rank that arrived did: saved / snapshotted"""
-    in_progress: str
-    """is being written / is being held"""
-    already: str
-    """of a rank that joined: is already being written / is already held"""
-    nothing: str
-    """nothing was committed / nothing was held"""
-
-
 @dataclass(kw_only=True)
 class Attempt:
     """The ranks of one attempt at ``path``: who they are, what they agreed on, who waits for an answer."""
 
-    words: ClassVar[Words]
+    noun: ClassVar[str]
+    """How messages name the attempt: checkpoint (on disk) or snapshot (in node memory)."""
+    nothing_kept: ClassVar[str]
+    """What a failure leaves: nothing was committed / nothing was held."""
     path: Path
     world_size: int
     step: int | None
@@ -143,10 +126,10 @@ class Attempt:
     def move_to(self, state: AttemptState) -> None:
         """Change state along ``NEXT_STATES``; any other move is a defect in a pipeline, never done silently."""
         if state not in NEXT_STATES[self.state]:
-            raise InternalError(f"{self.words.noun} {self.path} cannot go from {self.state.value} to {state.value}")
+            raise InternalError(f"{self.noun} {self.path} cannot go from {self.state.value} to {state.value}")
         self.state = state
         if state in ENDED:
-            log.info("event=attempt_ended kind=%s path=%s state=%s", self.words.noun, self.path, state.value)
+            log.info("event=attempt_ended kind=%s path=%s state=%s", self.noun, self.path, state.value)
 
     @property
     def ended(self) -> bool:
@@ -158,13 +141,12 @@ class Attempt:
 
     def check_join(self, msg: StagedShard) -> None:
         """Raise ``Conflict`` unless ``msg``'s rank may join: same run, same world and step, a rank not yet in."""
-        words = self.words
         self.contributors.refuse_other_job(self.path, msg.job)
         if (self.world_size, self.step, self.coordinated) != (msg.world_size, msg.step, msg.coordinated):
-            raise Conflict(f"{words.noun} {self.path} {words.in_progress} with world size {self.world_size} and step "
+            raise Conflict(f"{self.noun} {self.path} is in progress with world size {self.world_size} and step "
                            f"{self.step}; this rank says world size {msg.world_size}, step {msg.step}")
         if msg.rank in self.arrived:
-            raise Conflict(f"rank {msg.rank} of {words.noun} {self.path} {words.already}")
+            raise Conflict(f"rank {msg.rank} of {self.noun} {self.path} is already in it")
 
     def join(self, msg: StagedShard, pid: int, waiter: Waiter) -> None:
         """Add a rank that passed ``check_join``: it is waited for, and bounds the attempt's timeout."""
@@ -183,9 +165,8 @@ class Attempt:
         """Why the attempt fails if ranks are still missing after its timeout (None: it does not)."""
         if not self.open or self.coordinated or not self.missing or now - self.started_at <= self.timeout:
             return None
-        w = self.words
-        return RanksMissing(f"{w.noun} {display(self.path)}: ranks {self.missing} of {self.world_size} never "
-                            f"{w.sent} within {self.timeout:g} s; {w.nothing}")
+        return RanksMissing(f"{self.noun} {display(self.path)}: ranks {self.missing} of {self.world_size} never "
+                            f"committed within {self.timeout:g} s; {self.nothing_kept}")
 
     def orphaned(self) -> RanksMissing | None:
         """Why the attempt fails if it still misses ranks and some of its processes died (no rank of their run can
@@ -195,18 +176,16 @@ class Attempt:
         why = self.contributors.why_abandoned(self.missing)
         if why is None:
             return None
-        w = self.words
-        return RanksMissing(f"{w.noun} {display(self.path)} was abandoned: {why}; {w.nothing}, and a new run of the "
-                            f"job {w.gerund} this path starts afresh")
+        return RanksMissing(f"{self.noun} {display(self.path)} was abandoned: {why}; {self.nothing_kept}, and a new "
+                            f"run of the job saving this path starts afresh")
 
     def rank_died(self, job: str, world_size: int, rank: int, pid: int) -> RanksMissing | None:
         """Why the attempt fails if it waits for rank ``rank`` of run ``job``, whose process died before saving."""
         if (not self.open or self.coordinated or self.contributors.job != job or self.world_size != world_size
                 or rank not in self.missing):
             return None
-        w = self.words
-        return RanksMissing(f"{w.noun} {display(self.path)} was abandoned: the process of its rank {rank} (pid "
-                            f"{pid}) died before that rank {w.past}; {w.nothing}")
+        return RanksMissing(f"{self.noun} {display(self.path)} was abandoned: the process of its rank {rank} (pid "
+                            f"{pid}) died before that rank saved; {self.nothing_kept}")
 
     def answered(self, client: bytes, request_id: int) -> None:
         """A rank's request had its one answer already (``Durable``): it no longer waits for this attempt's."""

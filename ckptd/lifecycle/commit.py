@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Mapping
+from typing import TYPE_CHECKING, Callable, ClassVar, Mapping
 
 from ckptd.protocol.chunks import tensor_table
 from ckptd.protocol.errors import (
@@ -55,9 +55,10 @@ from ckptd.protocol.messages import Finalize, StagedShard
 from ckptd.protocol.inspect import read_shard_header
 from ckptd.protocol.objects import display
 
-from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter, Words
+from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.paths import refuse_existing
+from ckptd.lifecycle.snapshots import HeldSnapshot
 from ckptd.storage.reads import SeamFiles
 from ckptd.storage.ownership import (
     is_owner_marker,
@@ -69,16 +70,15 @@ from ckptd.storage.ownership import (
 from ckptd.storage.contract import CheckpointStorage, Kind, PublishedNotDurable
 
 if TYPE_CHECKING:
-    from ckptd.lifecycle.admission import Examined
-    from ckptd.lifecycle.writer import Progress, WriteJob
+    from ckptd.lifecycle.writer import WriteJob
 
 
 @dataclass(kw_only=True)
 class PendingCheckpoint(Attempt):
     """A checkpoint some ranks have committed and that is not final yet: its ranks, shards, writes and state."""
 
-    words: ClassVar[Words] = Words("checkpoint", "saving", "committed", "saved", "is being written",
-                                   "is already being written", "nothing was committed")
+    noun: ClassVar[str] = "checkpoint"
+    nothing_kept: ClassVar[str] = "nothing was committed"
     overwrite: bool
     keep_last: int | None = None
     shards: dict[int, ShardRecord] = field(default_factory=dict)
@@ -90,8 +90,9 @@ class PendingCheckpoint(Attempt):
     state: AttemptState = AttemptState.PREPARING
     owns_directory: bool = False
     """Whether ``prepare`` made ``p.incomplete`` for this attempt: only then may a failure remove it."""
-    persists_snapshot: bool = False
-    """The daemon writes a held memory snapshot (``holding.py``), not a client's save: neither joins the other."""
+    snapshot: HeldSnapshot | None = None
+    """The held memory snapshot this attempt writes to disk (its ``persisting``; ``Saves.persist``): the
+    daemon's own attempt, which no client's save joins, nor it one; each shard must keep its held checksum."""
 
     @property
     def arrived(self) -> set[int]:
@@ -149,17 +150,6 @@ class FailedCheckpoint:
     contributors: Contributors
 
 
-@dataclass(frozen=True)
-class Retry:
-    """A rank's examined shard for a path whose failed attempt is still being cleared away: admitted after it."""
-
-    client: bytes
-    msg: StagedShard
-    pid: int
-    progress: "Progress"
-    examined: "Examined"
-
-
 class Commits:
     """Checkpoints in progress on this daemon, by final path (bookkeeping on the loop; I/O where marked)."""
 
@@ -167,16 +157,15 @@ class Commits:
         self.storage = storage
         self.pending: dict[Path, PendingCheckpoint] = {}
         self.failed: dict[Path, FailedCheckpoint] = {}
-        self.closing: dict[Path, list[Retry]] = {}
-        """Failed attempts whose ``p.incomplete`` is not yet out of the way, with the ranks of a retry of the same
-        path that wait for it (a retry must never lose its new directory to the old attempt's cleanup)."""
+        self.closing: dict[Path, list[Callable[[], None]]] = {}
+        """Failed attempts whose ``p.incomplete`` is not yet out of the way, with what waits for it (a retry's
+        admission, a persist): a retry must never lose its new directory to the old attempt's cleanup."""
         self.publishing = threading.Lock()
         """Held while a checkpoint takes its name (rename or exchange, commit pool) and while retention checks
         that a victim is still the version it judged and sets it aside (maintenance pool): so retention never
         deletes a version that replaced the one it checked (an overwrite committed while it asked the mirror)."""
 
-    def admit(self, commit: StagedShard, client: bytes, final: Path, pid: int, *, persist: bool = False
-              ) -> tuple[PendingCheckpoint, Path]:
+    def admit(self, commit: StagedShard, client: bytes, final: Path, pid: int) -> tuple[PendingCheckpoint, Path]:
         """Register one rank's commit (from process ``pid``) to ``final``; returns its checkpoint and shard file path.
 
         A new checkpoint starts ``preparing``: its directory is made by
@@ -196,20 +185,31 @@ class Commits:
             pending = PendingCheckpoint(path=final, world_size=commit.world_size, step=commit.step,
                                         overwrite=commit.overwrite, coordinated=commit.coordinated,
                                         keep_last=commit.keep_last, timeout=commit.timeout,
-                                        contributors=Contributors(commit.job), persists_snapshot=persist)
+                                        contributors=Contributors(commit.job))
             self.pending[final] = pending
-        if pending.persists_snapshot and not persist:
+        if pending.snapshot is not None:
             raise Conflict(f"the daemon is writing its memory snapshot of {display(final)} to disk there now; save "
                            f"again once that is done (client.persist({display(final)!r}) returns then), or save "
                            f"under another path")
-        if persist and not pending.persists_snapshot:
-            raise Conflict(f"a save of {display(final)} is being written; the memory snapshot of that path is not "
-                           f"persisted over it (once that save commits, the snapshot is dropped as older)")
         pending.check_join(commit)
         pending.join(commit, pid, Waiter(client, commit.id, commit.rank))
         pending.ranks_seen.add(commit.rank)
         pending.writing += 1
         return pending, pending.incomplete / shard_name(commit.rank, commit.world_size)
+
+    def begin_persist(self, snap: HeldSnapshot) -> PendingCheckpoint:
+        """The disk attempt that persists held snapshot ``snap``, every rank in: with the snapshot's own
+        ``overwrite`` and ``keep_last`` (persisting is the disk save it stood in for), ``preparing``."""
+        final = snap.path
+        if final in self.pending:
+            raise Conflict(f"a save of {display(final)} is being written; the memory snapshot of that path is not "
+                           f"persisted over it (once that save commits, the snapshot is dropped as older)")
+        first = snap.shards[min(snap.shards)].msg
+        pending = PendingCheckpoint(path=final, world_size=snap.world_size, step=snap.step, overwrite=first.overwrite,
+                                    keep_last=first.keep_last, contributors=Contributors(snap.contributors.job),
+                                    snapshot=snap, ranks_seen=set(snap.shards), writing=len(snap.shards))
+        self.pending[final] = pending
+        return pending
 
     def _refuse_late_rank_of_failed(self, final: Path, commit: StagedShard) -> None:
         """A rank arriving after its checkpoint failed gets the same error; its retry starts afresh.
@@ -407,16 +407,16 @@ class Commits:
             return None
         return self.storage.discard(pending.incomplete, pending.path)
 
-    def wait_for_cleanup(self, retry: Retry) -> bool:
-        """Keep ``retry`` until its path's failed attempt is cleared away; False if none is in the way."""
-        waiting = self.closing.get(retry.examined.final)
+    def wait_for_cleanup(self, final: Path, then: Callable[[], None]) -> bool:
+        """Keep ``then`` until ``final``'s failed attempt is cleared away; False if none is in the way."""
+        waiting = self.closing.get(final)
         if waiting is None:
             return False
-        waiting.append(retry)
+        waiting.append(then)
         return True
 
-    def cleared(self, path: Path) -> list[Retry]:
-        """A failed attempt at ``path`` is out of the way: the retries that waited for it, to admit now."""
+    def cleared(self, path: Path) -> list[Callable[[], None]]:
+        """A failed attempt at ``path`` is out of the way: what waited for it, to run now."""
         return self.closing.pop(path, [])
 
     @property

@@ -6,8 +6,8 @@
              ──loop: budget, bookkeeping, Accepted ──checksum pool: CRC as the client stages
              ──loop: every rank held? Held to each rank, older snapshots dropped
 
-    Persist  ──admit pool: free space ──loop: each held shard into the save pipeline
-             (``Saves.admit_examined``: .incomplete, write, fsync, index, rename)
+    Persist  ──admit pool: free space ──loop: the held shards into the save pipeline as one attempt
+             (``Saves.persist``: .incomplete, write, fsync, index, rename)
 
     Pin      ──loop: the snapshot's listing, and a reader's lease on it (a drop waits for its Unpin)
 
@@ -19,10 +19,8 @@ the newest snapshots when the daemon drains (SIGTERM).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
-import math
 import os
 import time
 from concurrent.futures import Future
@@ -345,16 +343,8 @@ class Holding:
     def _persist_room(self, snap: HeldSnapshot, fut: Future) -> None:
         if fut.exception() is not None:
             self.persisted(snap.path, WriteFailed(f"cannot persist {snap.path}: {fut.exception()}"))
-            return
-        for shard in snap.shards.values():
-            if not snap.persisting:  # an earlier rank was refused: the persist failed (``persisted``)
-                return
-            self.state.slots.share(shard.slot)  # the write releases it; the snapshot keeps its own hold
-            # The snapshot's own overwrite and keep_last: persisting is the disk save it stood in for.
-            msg = dataclasses.replace(shard.msg, id=0, coordinated=False)
-            progress = Progress(msg.nbytes, msg.nbytes, deadline=math.inf)
-            self.saves.admit_examined(b"", msg, progress, Examined(snap.path, shard.slot, fut.result(), None),
-                                      pid=os.getpid(), internal=True, expected_checksum=shard.checksum)
+        elif snap.persisting:
+            self.saves.persist(snap, fut.result())
 
     def committed(self, event: Committed) -> None:
         self.persisted(event.path, None)

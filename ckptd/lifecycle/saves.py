@@ -20,29 +20,32 @@ the only I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
 from ckptd.protocol.errors import CkptdError, RanksMissing, ShuttingDown, WriteFailed
-from ckptd.protocol.index import ShardRecord
+from ckptd.protocol.index import ShardRecord, shard_name
 from ckptd.protocol.messages import Abort, Accepted, Done, Durable, Finalize, Message, Ok, StagedShard, WriteShard
 from ckptd.protocol.objects import display, is_permanent
 
 from ckptd.lifecycle.admission import Examined, check_room, examine
 from ckptd.lifecycle.attempt import AttemptState
-from ckptd.lifecycle.commit import PendingCheckpoint, Retry
+from ckptd.lifecycle.commit import PendingCheckpoint
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.paths import resolve_path
+from ckptd.lifecycle.snapshots import HeldSnapshot
 from ckptd.lifecycle.writer import Progress, WriteJob, WriteState, write_shard
 from ckptd.loop.config import DaemonConfig
 from ckptd.loop.events import Committed, Events, Failed
 from ckptd.loop.replies import as_error, error_reply
 from ckptd.loop.state import NodeState
 from ckptd.loop.workers import Workers
-from ckptd.storage.contract import CheckpointStorage
+from ckptd.storage.contract import CheckpointStorage, Space
 from ckptd.upkeep.sweep import KnownDirs
 
 log = logging.getLogger("ckptd")
@@ -120,13 +123,9 @@ class Saves:
         self.send(ident, reply)
 
     def admit_examined(self, ident: bytes, msg: StagedShard, progress: Progress, examined: Examined, *, pid: int,
-                       internal: bool = False, expected_checksum: int | None = None, looked: bool = False,
-                       arrived_draining: bool | None = None) -> None:
+                       looked: bool = False, arrived_draining: bool | None = None) -> None:
         """Queue an examined shard's write, sent by process ``pid``.
 
-        ``internal``: the daemon persists a held snapshot, even while draining;
-        a refusal fails the checkpoint (``Failed``) so the snapshot is not left
-        persisting. ``expected_checksum``: the write must produce it.
         ``looked``: a settled attempt of another run at the path was found
         not to have ended elsewhere (``_look_then``), so the rank is refused.
         ``arrived_draining``: whether the daemon was draining when the shard
@@ -134,7 +133,7 @@ class Saves:
         """
         state, final = self.state, examined.final
         current = state.commits.pending.get(final)
-        if current is not None and not internal and not current.persists_snapshot:
+        if current is not None and current.snapshot is None:
             self.abandon(current)
             if current.settled and msg.job != current.contributors.job and not looked:
                 self._look_then(current, lambda: self.admit_examined(ident, msg, progress, examined, pid=pid,
@@ -146,35 +145,65 @@ class Saves:
                 state.slots.release(examined.slot)
                 self.refuse(ident, msg, conflict)
                 return
-        if state.commits.wait_for_cleanup(Retry(ident, msg, pid, progress, examined)):
+        again = lambda: self.admit_examined(ident, msg, progress, examined, pid=pid,  # noqa: E731
+                                            arrived_draining=arrived_draining)
+        if state.commits.wait_for_cleanup(final, again):
             return  # a failed attempt's directory is still in the way: admitted once it is not
         try:
             draining = state.draining if arrived_draining is None else arrived_draining
-            if draining and final not in state.commits.pending and not internal:
+            if draining and final not in state.commits.pending:
                 raise ShuttingDown("the daemon is draining and accepts no new saves (only missing ranks of "
                                    "checkpoints already in progress)")
-            cfg = self.config
-            check_room(final, examined.space, msg.nbytes, state.reserved_on(examined.space.device),
-                       margin_fraction=cfg.space_margin_fraction, margin_min=cfg.space_margin_bytes,
-                       shm_min_free=cfg.shm_min_free, shm_free=examined.shm_free)
-            pending, dest = state.commits.admit(msg, ident, final, pid, persist=internal)
+            self._check_room(final, examined.space, msg.nbytes, examined.shm_free)
+            pending, dest = state.commits.admit(msg, ident, final, pid)
         except BaseException as exc:
             state.slots.release(examined.slot)
             self.refuse(ident, msg, exc)
-            if internal:  # the persist fails, and only the persist: never a client's save of the same path
-                pending = state.commits.pending.get(final)
-                if pending is not None and pending.persists_snapshot and pending.state is not AttemptState.FAILED:
-                    self.fail(pending, exc)
-                else:
-                    self.events.publish(Failed(final, as_error(state.stats, exc)))
             return
-        job = WriteJob(ident, msg, examined.slot, dest, pending.path, progress, device=examined.space.device,
-                       expected_checksum=expected_checksum)
-        state.writes.append(job)
+        job = WriteJob(ident, msg, examined.slot, dest, pending.path, progress, device=examined.space.device)
         log.info("event=admitted path=%s rank=%d bytes=%d", pending.path, msg.rank, msg.nbytes)
         # The daemon holds the save now (its slot mapped, its job listed): the client may go on, before the
         # checkpoint's directory exists (a failure to make it fails the save through its future).
         self.send(ident, Accepted(msg.id))
+        self._queue(job, pending)
+
+    def persist(self, snap: HeldSnapshot, space: Space) -> None:
+        """Write held snapshot ``snap`` to disk (``space``: its parent's room): the disk side of its ``persisting``.
+
+        Its shards are already in the daemon's slots, so nothing is admitted
+        rank by rank: one attempt with every rank in (``Commits.begin_persist``),
+        refused or failed as a whole (``Failed``, and the snapshot is held
+        again), even while draining; each shard must write with the checksum
+        it was held with. Its outcome reaches the memory tier as
+        ``Committed`` or ``Failed``, like any save's.
+        """
+        state, final = self.state, snap.path
+        if state.commits.wait_for_cleanup(final, lambda: self.persist(snap, space)):
+            return
+        try:
+            self._check_room(final, space, snap.nbytes)
+            pending = state.commits.begin_persist(snap)
+        except BaseException as exc:
+            self.events.publish(Failed(final, as_error(state.stats, exc)))
+            return
+        log.info("event=admitted path=%s ranks=%d bytes=%d persist=true", final, len(snap.shards), snap.nbytes)
+        for rank, shard in sorted(snap.shards.items()):
+            state.slots.share(shard.slot)  # the write releases it; the snapshot keeps its own hold
+            msg = dataclasses.replace(shard.msg, id=0, coordinated=False)
+            progress = Progress(msg.nbytes, msg.nbytes, deadline=math.inf)
+            dest = pending.incomplete / shard_name(rank, snap.world_size)
+            self._queue(WriteJob(b"", msg, shard.slot, dest, final, progress, device=space.device), pending)
+
+    def _check_room(self, final: Path, space: Space, nbytes: int, shm_free: int | None = None) -> None:
+        """Refuse ``nbytes`` more for ``final`` unless its device keeps its margin after the writes in flight
+        (and /dev/shm its own, where the staging slot is new: ``shm_free``)."""
+        cfg = self.config
+        check_room(final, space, nbytes, self.state.reserved_on(space.device), margin_fraction=cfg.space_margin_fraction,
+                   margin_min=cfg.space_margin_bytes, shm_min_free=cfg.shm_min_free, shm_free=shm_free)
+
+    def _queue(self, job: WriteJob, pending: PendingCheckpoint) -> None:
+        """List an admitted write and start it, or queue it until ``pending``'s directory is made (first rank)."""
+        self.state.writes.append(job)
         if pending.state is not AttemptState.PREPARING:
             self._start(job, pending)
             return
@@ -221,10 +250,11 @@ class Saves:
         self.state.finish_job(job)
         exc = fut.exception() if fut is not None else None
         record: ShardRecord | None = fut.result() if fut is not None and exc is None else None
-        if record is not None and job.expected_checksum is not None and record.checksum != job.expected_checksum:
+        held = pending.snapshot.shards.get(job.msg.rank) if pending.snapshot is not None else None
+        if record is not None and held is not None and record.checksum != held.checksum:
             exc, record = WriteFailed(
                 f"rank {job.msg.rank} of snapshot {pending.path} changed in node memory since the daemon held it "
-                f"(checksum {record.checksum:#010x} now, {job.expected_checksum:#010x} when held): not persisted"), None
+                f"(checksum {record.checksum:#010x} now, {held.checksum:#010x} when held): not persisted"), None
         if record is None:
             job.state = WriteState.FAILED
             if exc is not None and pending.state is not AttemptState.FAILED:
@@ -365,8 +395,8 @@ class Saves:
         elif fut.result() is not None:
             aside: Path = fut.result()
             self.workers.submit("maintenance", lambda: self.storage.remove_tree(aside))
-        for retry in state.commits.cleared(pending.path):
-            self.admit_examined(retry.client, retry.msg, retry.progress, retry.examined, pid=retry.pid)
+        for again in state.commits.cleared(pending.path):
+            again()
 
     def abandon(self, pending: PendingCheckpoint) -> None:
         """Fail an attempt still missing ranks whose contributors died: no rank of their job can complete it; let

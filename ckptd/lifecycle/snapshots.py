@@ -47,7 +47,7 @@ from ckptd.protocol.index import CHECKSUM_ALGORITHM
 from ckptd.protocol.messages import Snapshot
 from ckptd.protocol.objects import display
 
-from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter, Words
+from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.slot_maps import MappedSlot
 from ckptd.tools.render import human_bytes
@@ -71,8 +71,8 @@ class HeldShard:
 class HeldSnapshot(Attempt):
     """A checkpoint held in node memory instead of (or besides) on disk."""
 
-    words: ClassVar[Words] = Words("snapshot", "snapshotting", "snapshotted", "snapshotted", "is being held",
-                                   "is already held", "nothing was held")
+    noun: ClassVar[str] = "snapshot"
+    nothing_kept: ClassVar[str] = "nothing was held"
     shards: dict[int, HeldShard] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     state: AttemptState = AttemptState.HOLDING

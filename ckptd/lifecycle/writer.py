@@ -113,8 +113,6 @@ class WriteJob:
     queued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     finished_at: float | None = None
-    expected_checksum: int | None = None
-    """A held snapshot's checksum, taken when the daemon took its slot over: the write must match it."""
 
 
 def write_shard(job: WriteJob, storage: Checkpoints, checksums: Executor, *, direct: bool, chunk: int) -> ShardRecord:
