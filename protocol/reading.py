@@ -8,7 +8,7 @@ as a ``ShardReader`` (``reader``): a local file mapped and read by
 (``protocol/ranged.py``), the same calls either way. The client and the CLI read local files
 (``LocalFiles``) and objects (``ObjectFiles``) directly, ``files_for``
 picking by name; the daemon reads through its storage seam
-(``ckptd/storage/reads.py``), so its reads run the same code, through whatever
+(``ckptd/storage/contract.py``' ``CheckpointReads``), so its reads run the same code, through whatever
 storage it was started with (a fault-injecting one included).
 """
 

@@ -159,7 +159,7 @@ def test_an_s3_checkpoint_is_never_replaced_in_place(s3, bucket, daemon_factory,
     url = f"s3://{bucket}/run/step-1"
     client.save_async(state(seed=1), url, step=1).result(30)
     before = s3.client().list_objects_v2(Bucket=bucket)["Contents"]
-    with pytest.raises(ckptd.CheckpointExists, match="never replaced in place"):
+    with pytest.raises(ckptd.CheckpointExists, match="a save does not replace a checkpoint"):
         client.save_async(state(seed=2), url, step=1, overwrite=True).result(30)
     assert ckptd.load(url)["step"] == 1
     assert s3.client().list_objects_v2(Bucket=bucket)["Contents"] == before  # refused before anything was written

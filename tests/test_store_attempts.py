@@ -41,7 +41,7 @@ def test_a_dcp_save_refused_on_a_committed_s3_checkpoint_leaves_that_checkpoint_
     client.save_async(saved, url, step=1).result(60)
     before = _keys(s3, bucket)
     assert f"run/step-1/{INDEX_NAME}" in before
-    with pytest.raises(CheckpointException, match="never replaced in place"):
+    with pytest.raises(CheckpointException, match="a save does not replace a checkpoint"):
         dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=StorageWriter(url, client=client))
     assert _keys(s3, bucket) == before, "the refused save's cleanup removed objects of the committed checkpoint"
     loaded = ckptd.load(url)

@@ -59,7 +59,6 @@ from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.paths import refuse_existing
 from ckptd.lifecycle.snapshots import HeldSnapshot
-from ckptd.storage.reads import SeamFiles
 from ckptd.storage.ownership import (
     is_owner_marker,
     owner_marker,
@@ -375,7 +374,7 @@ class Commits:
         for f in pending.shards.values():
             try:
                 shard = pending.incomplete / f.file
-                entries, metadata, data_start = read_shard_header(shard, f.size, SeamFiles(self.storage))
+                entries, metadata, data_start = read_shard_header(shard, f.size, self.storage)
             except InvalidCheckpoint as exc:
                 raise WriteFailed(exc.message) from None
             headers.append((f.file, f.size, entries, metadata, data_start))

@@ -57,7 +57,9 @@ from pathlib import Path
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
+from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.names import OWNER_PREFIX
+from ckptd.protocol.reading import CheckpointFiles, no_index_message
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _AT_FDCWD = -100
@@ -106,8 +108,9 @@ class Space:
 
 
 @runtime_checkable
-class Files(Protocol):
-    """The file operations by name, on any backend (see the module docstring)."""
+class Files(CheckpointFiles, Protocol):
+    """The file operations by name, on any backend (see the module docstring), and the reads of committed
+    checkpoints every reader makes (``CheckpointFiles``: ``CheckpointReads`` builds them from these)."""
 
     def write_file(self, path: Path, data: bytes) -> None: ...
     def read(self, path: Path, offset: int, size: int) -> bytes: ...
@@ -234,7 +237,56 @@ def _kind(mode: int) -> Kind:
     return Kind.OTHER
 
 
-class LocalStorage:
+class CheckpointReads:
+    """``ckptd.protocol.reading.CheckpointFiles`` from a ``Files``' own ``scandir``, ``stat`` and ``read``: so
+    commit, retention, the mirror, the sweep and ``ckptd list`` read checkpoints with the protocol's one reader
+    stack (``read_index``, ``committed_in``, shard headers), exactly as a loader does, through whatever storage
+    the daemon was started with (a fault-injecting one included).
+
+    A failure to answer is no error here: what the daemon cannot read it skips (retention deletes nothing it
+    could not judge).
+    """
+
+    unanswered_is_error = False
+
+    def subdirs(self: Files, directory: Path) -> list[Path]:
+        return [e.path for e in self.scandir(directory) if e.kind is Kind.DIR]
+
+    def read_index_file(self: Files, path: Path, *, max_bytes: int) -> bytes:
+        st = self.stat(path, follow=True)
+        if st is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+        if st.kind is not Kind.FILE or st.size > max_bytes:
+            raise InvalidCheckpoint(f"{path} is not an index ckptd wrote")
+        return self.read(path, 0, st.size)
+
+    def no_index(self, checkpoint: Path) -> str:
+        return no_index_message(checkpoint, True)  # the daemon reads only what it listed or found there
+
+    def file_stat(self: Files, path: Path) -> tuple[bool, int]:
+        st = self.stat(path, follow=True)
+        if st is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+        return st.kind is Kind.FILE, st.size
+
+
+def tree_bytes(storage: Files, path: Path) -> int:
+    """Bytes held by the files under ``path`` (what a leftover costs on disk)."""
+    total = 0
+    try:
+        entries = storage.scandir(path)
+    except OSError:
+        return 0
+    for entry in entries:
+        if entry.kind is Kind.DIR:
+            total += tree_bytes(storage, entry.path)
+        else:
+            st = storage.stat(entry.path)
+            total += st.size if st is not None else 0
+    return total
+
+
+class LocalStorage(CheckpointReads):
     """Plain POSIX I/O on the local filesystem, with O_DIRECT where it is allowed."""
 
     def open_new(self, path: Path, *, direct: bool) -> tuple[int, bool]:

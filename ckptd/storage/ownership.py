@@ -28,7 +28,6 @@ from ckptd.protocol.errors import CheckpointExists, InvalidCheckpoint
 from ckptd.protocol.index import read_index
 from ckptd.protocol.names import INDEX_NAME, owner_marker_name, parse_owner_marker, parse_shard_name, shard_name
 
-from ckptd.storage.reads import SeamFiles
 from ckptd.protocol.processes import pid_alive
 from ckptd.storage.contract import Files, Kind
 
@@ -134,7 +133,7 @@ def why_not_replaceable(storage: Files, path: Path) -> str | None:
         if storage.stat(path / INDEX_NAME) is None:
             return f"it is not a committed ckptd checkpoint: it has no {INDEX_NAME}"
         try:
-            index = read_index(path, SeamFiles(storage))
+            index = read_index(path, storage)
         except InvalidCheckpoint:
             return f"it is not a committed ckptd checkpoint: its {INDEX_NAME} is not a valid ckptd index"
         listed = {INDEX_NAME, *(f.file for f in index.files)}

@@ -16,12 +16,12 @@ from typing import Any
 
 from ckptd.protocol.objects import is_object_path
 
-from ckptd.storage.contract import Checkpoints, Entry, Files, LocalStorage, ShardWriter, Space, Stat, Storage
+from ckptd.storage.contract import CheckpointReads, Checkpoints, Entry, Files, LocalStorage, ShardWriter, Space, Stat, Storage
 from ckptd.storage.local import LocalCheckpoints
 from ckptd.storage.store import ObjectCheckpoints, ObjectFiles
 
 
-class Routed:
+class Routed(CheckpointReads):
     """``s3://`` names to the object store, every other name to ``local`` (the daemon's storage)."""
 
     def __init__(self, local: Storage) -> None:

@@ -7,8 +7,12 @@ operations mean this here (``ckptd/storage/contract.py`` holds the contract):
   prefix (names ending in ``.incomplete`` map to the name without it).
   Publishing writes the index ``ckptd.json`` last and create-only, and that
   write is the publication. A prefix without an index is no checkpoint for
-  any reader, and nothing is ever replaced in place: the new shards would
-  land on the old checkpoint's before its index could change.
+  any reader. Nothing is replaced atomically: the new shards would land on
+  the old checkpoint's before its index could change. So a version is
+  replaced in one way only (``ObjectCheckpoints.publish``): retired first
+  (its index deleted), then overwritten, then published with the objects
+  the new index does not name removed; a trainer's save never replaces
+  one, the mirror (whose local original stays meanwhile) does.
 - ``open_shard`` starts a multipart upload on its own thread; each ``write``
   hands it the next bytes of the shard (parts go up in parallel),
   ``complete`` completes it, and ``close`` before that aborts it (so no part
@@ -31,10 +35,10 @@ from typing import Any, Iterator
 
 from ckptd.protocol import objects
 from ckptd.protocol.errors import CheckpointExists
-from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME
+from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME, CheckpointIndex
 from ckptd.protocol.objects import display
 
-from ckptd.storage.contract import UNLIMITED, Entry, Files, Kind, Space, Stat
+from ckptd.storage.contract import UNLIMITED, CheckpointReads, Entry, Files, Kind, Space, Stat
 
 QUEUED_CHUNKS = 4
 """Chunks handed to an upload and not yet taken by it (bounds the copy the daemon holds)."""
@@ -94,7 +98,7 @@ class _Upload:
         raise OSError(errno.EIO, "the upload ended early", objects.object_url(self.path))
 
 
-class ObjectFiles:
+class ObjectFiles(CheckpointReads):
     """The file operations of the seam for ``s3://`` names (see the module docstring); a shard is uploaded
     through ``ObjectCheckpoints.open_shard``, never opened."""
 
@@ -211,11 +215,24 @@ class ObjectCheckpoints:
 
     def publish(self, attempt: Path, final: Path, index: bytes, *, overwrite: bool,
                 publishing: AbstractContextManager[Any]) -> None:
-        """The index, written create-only, is the commit (no name changes hands: ``publishing`` is not needed)."""
+        """The index, written create-only, is the commit (no name changes hands: ``publishing`` is not needed).
+
+        A store replaces nothing atomically, so it replaces in one way only: the old version is retired first
+        (``set_aside``: its index goes, and it is gone for readers before any of its objects changes), the new
+        shards are written over it, and this publish, with ``overwrite``, then removes the objects the new
+        index does not name. A crash in between leaves no index, never a mix. A trainer's save does not
+        replace on a store (``replace_refusal``: that crash would leave neither version); the mirror does,
+        since its local original stays until the new version is up.
+        """
         try:
             self.files.write_file(attempt / INDEX_NAME, index)
         except FileExistsError:
             raise CheckpointExists(f"checkpoint {display(final)} appeared while this one was written") from None
+        if overwrite:
+            named = {record.file for record in CheckpointIndex.from_json(index, display(final)).files}
+            for entry in self.files.scandir(attempt):  # an older version's (or an interrupted upload's) objects
+                if entry.kind is Kind.FILE and entry.name not in named | {INDEX_NAME}:
+                    self.files.unlink(entry.path)
 
     def discard(self, attempt: Path, final: Path) -> Path | None:
         """Nothing can be renamed away: the attempt's prefix is removed in place, before any retry."""
@@ -244,8 +261,9 @@ class ObjectCheckpoints:
         return nullcontext()  # nothing is replaced in place here (and a store's requests may stall)
 
     def replace_refusal(self, final: Path) -> str | None:
-        return (f"{display(final)} already exists on the object store, where a checkpoint is never replaced in "
-                f"place (no atomic rename); save under another path, or delete it first")
+        return (f"{display(final)} already exists on the object store, where a save does not replace a checkpoint "
+                f"(no atomic rename: a crash would leave neither version); save under another path, or delete it "
+                f"first")
 
     def exists_early(self, final: Path) -> bool:
         return False  # two requests fewer in save_async: ``prepare`` asks, after Accepted

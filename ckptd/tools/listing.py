@@ -22,8 +22,7 @@ from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, missing_or_truncated, read_index
 from ckptd.protocol.objects import canonical, display
 
-from ckptd.storage.contract import Files, Kind
-from ckptd.storage.reads import SeamFiles, tree_bytes
+from ckptd.storage.contract import Files, Kind, tree_bytes
 from ckptd.storage.routed import load_storage
 from ckptd.tools.render import human_bytes, printable
 
@@ -53,11 +52,11 @@ def list_checkpoints(root: Path, storage: Files | None = None) -> list[dict[str,
                        time=st.mtime if st else None)
         else:
             try:
-                index = read_index(path, SeamFiles(storage))
+                index = read_index(path, storage)
             except InvalidCheckpoint:
                 row.update(state=EntryState.FOREIGN.value)
             else:
-                problem = missing_or_truncated(path, index, SeamFiles(storage))
+                problem = missing_or_truncated(path, index, storage)
                 state = EntryState.DAMAGED if problem else EntryState.COMMITTED
                 row.update(state=state.value, step=index.step, bytes=index.total_bytes, ranks=len(index.files),
                            world_size=index.world_size, time=index.created)

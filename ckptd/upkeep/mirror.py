@@ -58,6 +58,7 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -67,7 +68,6 @@ from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME, CheckpointIndex,
 from ckptd.protocol.objects import display, is_permanent
 
 from ckptd.storage.contract import CheckpointStorage, Kind
-from ckptd.storage.reads import SeamFiles
 from ckptd.upkeep.retention import apply_retention
 
 log = logging.getLogger("ckptd")
@@ -256,7 +256,7 @@ class Mirrors:
             self._retain_on_store(dest)
 
     def _committed_under(self, directory: Path, depth: int) -> list[Path]:
-        found = [path for _, path in committed_in(directory, SeamFiles(self.storage))]
+        found = [path for _, path in committed_in(directory, self.storage)]
         if depth > 1:
             try:
                 entries = self.storage.scandir(directory)
@@ -269,7 +269,7 @@ class Mirrors:
 
     def _settled(self, checkpoint: Path) -> bool:
         """Whether the mirror needs nothing more of ``checkpoint``: on it, or retired by ``--mirror-keep``."""
-        index = read_index(checkpoint, SeamFiles(self.storage))
+        index = read_index(checkpoint, self.storage)
         return self._on_mirror(checkpoint, index) or self._retired(checkpoint, index)
 
     def _on_mirror(self, checkpoint: Path, index: CheckpointIndex) -> bool:
@@ -290,7 +290,7 @@ class Mirrors:
         dest = self.target(checkpoint)
         assert dest is not None
         mine = (index.step if index.step is not None else -1, index.created)
-        beside = committed_in(dest.parent, SeamFiles(self.storage))
+        beside = committed_in(dest.parent, self.storage)
         newer = [path for key, path in beside if key > mine and path != dest]
         return len(newer) >= self.keep
 
@@ -303,7 +303,7 @@ class Mirrors:
         try:
             if self.storage.stat(checkpoint / INDEX_NAME) is None:  # deleted (the user's retention) before its turn
                 skipped = "deleted_locally"
-            elif self._retired(checkpoint, index := read_index(checkpoint, SeamFiles(self.storage))):
+            elif self._retired(checkpoint, index := read_index(checkpoint, self.storage)):
                 skipped = "older_than_mirror_keep"
             elif not self._on_mirror(checkpoint, index):
                 self._upload(checkpoint, dest, index, upload)
@@ -317,12 +317,12 @@ class Mirrors:
         # (index gone, shards left) is never shown as settled.
         self._retain_on_store(dest)
         try:  # local retention may now delete it: the retention the last one committed beside it asked for, again
-            beside = committed_in(checkpoint.parent, SeamFiles(self.storage))
+            beside = committed_in(checkpoint.parent, self.storage)
             if self.after_upload is not None and beside:
                 # the last committed, not the highest step: a commit's retention keeps the checkpoint it committed
                 # (a rollback's lower step too), so the retention deferred for the mirror is that one's
                 newest = max(beside, key=lambda found: found[0][1])[1]
-                self.after_upload(newest, read_index(newest, SeamFiles(self.storage)).keep_last)
+                self.after_upload(newest, read_index(newest, self.storage).keep_last)
         except (OSError, InvalidCheckpoint) as exc:  # the checkpoint stays until the next retention
             log.error("event=mirror_local_retention_failed path=%s error=%r", checkpoint, exc)
         with self._cond:  # logged with its removal from ``uploads``: ``close`` lists only what is left
@@ -348,7 +348,7 @@ class Mirrors:
             return
         failed: list[Path] = []
         try:
-            beside = committed_in(dest.parent, SeamFiles(self.storage))
+            beside = committed_in(dest.parent, self.storage)
             if beside:
                 apply_retention(self.storage, beside[-1][1], self.keep, set(), spare_later=False, failed=failed)
         except Exception as exc:  # noqa: BLE001 - tried again below
@@ -393,17 +393,18 @@ class Mirrors:
             self._cond.notify()
 
     def _upload(self, checkpoint: Path, dest: Path, index: CheckpointIndex, upload: Upload) -> None:
-        """Shards through the seam (multipart, parts in parallel), then the index, create-only; an older
-        version of the checkpoint on the store is replaced (see the module docstring)."""
+        """Shards, then the index, through the store's own checkpoint operations (``open_shard``, ``publish``):
+        an older version of the checkpoint on the store is replaced by the store's one rule (retired first,
+        its leftover objects removed by the publish; see ``ObjectCheckpoints.publish``)."""
         storage = self.storage
         upload.total, upload.sent = index.total_bytes, 0
         if storage.stat(dest / INDEX_NAME) is not None:
-            theirs = read_index(dest, SeamFiles(storage))
+            theirs = read_index(dest, storage)
             if theirs.created >= index.created:
                 raise FileExistsError(errno.EEXIST, f"another checkpoint of this name, saved at {theirs.created:.3f} "
                                       f"(this one at {index.created:.3f}), is on the mirror", display(dest))
             log.info("event=mirror_replacing path=%s dest=%s", checkpoint, upload.dest)
-            storage.unlink(dest / INDEX_NAME)  # the old version is gone for readers before a shard changes
+            storage.set_aside(dest, marker=None)  # the old version is gone for readers before a shard changes
         for record in index.files:
             shard = storage.open_shard(dest / record.file, direct=False)
             try:
@@ -417,10 +418,6 @@ class Mirrors:
                 shard.complete(record.size)
             finally:
                 shard.close()
-        if read_index(checkpoint, SeamFiles(storage)) != index:  # saved again while it was read: that version goes next
+        if read_index(checkpoint, storage) != index:  # saved again while it was read: that version goes next
             raise OSError(errno.EAGAIN, "the checkpoint was saved again while it was uploaded", str(checkpoint))
-        storage.write_file(dest / INDEX_NAME, index.to_json())
-        named = {record.file for record in index.files} | {INDEX_NAME}
-        for entry in storage.scandir(dest):  # an older version's (or an interrupted upload's) other objects
-            if entry.kind is Kind.FILE and entry.name not in named:
-                storage.unlink(entry.path)
+        storage.publish(dest, dest, index.to_json(), overwrite=True, publishing=nullcontext())

@@ -34,7 +34,6 @@ from ckptd.loop.stats import Stats
 from ckptd.loop.workers import Workers
 from ckptd.storage.contract import CheckpointStorage
 from ckptd.storage.ownership import UNEXAMINED, owner_marker, why_not_replaceable
-from ckptd.storage.reads import SeamFiles
 
 log = logging.getLogger("ckptd")
 
@@ -62,7 +61,7 @@ def apply_retention(storage: CheckpointStorage, newest: Path, keep_last: int, in
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-    found = committed_in(newest.parent, SeamFiles(storage))
+    found = committed_in(newest.parent, storage)
     created = next((key[1] for key, path in found if path == newest), float("inf"))
     others = [(key, path) for key, path in found if path != newest]
     victims = [p for key, p in others[: max(0, len(others) - (keep_last - 1))]
