@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from .errors import BadMessage, PathNotAllowed, UnsupportedVersion
+from .errors import BadMessage, CkptdError, PathNotAllowed, UnsupportedVersion
 from .shm import SLOT_PREFIX
 from .index import INCOMPLETE_SUFFIX, ShardRecord
 from .layout import DATA_ALIGNMENT, LAYOUT_DIGEST_LEN, TensorEntry, validate_entries
@@ -436,6 +436,12 @@ class Error(Message):
     code: int
     message: str
     type: ClassVar[str] = "error"
+
+    @classmethod
+    def of(cls, request_id: int, error: CkptdError) -> "Error":
+        """The reply telling ``error`` (the daemon turns exceptions into ``CkptdError`` in one place:
+        ``ckptd/loop/replies.py``)."""
+        return cls(request_id, error.code, error.message)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Callable, ClassVar
 
-from ckptd.protocol.errors import Conflict, ErrorCode, InternalError, RanksMissing
+from ckptd.protocol.errors import CkptdError, Conflict, InternalError, RanksMissing
 from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Error, Message, StagedShard
 from ckptd.protocol.objects import display
 
@@ -191,8 +191,8 @@ class Attempt:
         """A rank's request had its one answer already (``Durable``): it no longer waits for this attempt's."""
         self.waiting = [w for w in self.waiting if (w.client, w.request_id) != (client, request_id)]
 
-    def tell_failed(self, send: Callable[[bytes, Message], None], code: ErrorCode, message: str) -> None:
-        """Answer every waiting rank with one error: each is answered once."""
+    def tell_failed(self, send: Callable[[bytes, Message], None], error: CkptdError) -> None:
+        """Answer every waiting rank with one error (``replies.as_error``'s): each is answered once."""
         for waiter in self.waiting:
-            send(waiter.client, Error(waiter.request_id, code, message))
+            send(waiter.client, Error.of(waiter.request_id, error))
         self.waiting = []

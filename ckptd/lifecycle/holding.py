@@ -188,9 +188,8 @@ class Holding:
         self.snapshots.remove(snap, AttemptState.FAILED)
         error = as_error(self.state.stats, exc)
         log.warning("event=snapshot_failed path=%s error=%s", snap.path, error.message)
-        snap.tell_failed(self.send, error.code, error.message)
-        for client, rid in snap.persist_waiting:
-            self.send(client, Error(rid, error.code, error.message))
+        snap.tell_failed(self.send, error)
+        self._answer_persists(snap, error)
         self._return_unheld([sh for sh in snap.shards.values() if sh.checksum is not None])  # the others: when
         # checksummed (``_checksummed``)
 
@@ -420,7 +419,7 @@ class Holding:
             if error is None:
                 self.send(ident, Done(rid, str(snap.path), snap.nbytes, time.monotonic() - snap.persist_started))
             else:
-                self.send(ident, Error(rid, error.code, error.message))
+                self.send(ident, Error.of(rid, error))
         snap.persist_waiting = []
 
     def client_gone(self, pid: int) -> None:

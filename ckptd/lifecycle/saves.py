@@ -360,7 +360,7 @@ class Saves:
         exc = as_error(state.stats, exc)
         state.commits.fail(pending, exc)
         log.warning("event=failed path=%s error=%s", pending.path, exc.message)
-        pending.tell_failed(self.send, exc.code, exc.message)
+        pending.tell_failed(self.send, exc)
         self.events.publish(Failed(pending.path, exc))
         if pending.writing == 0:  # else the last shard to finish discards (_write_finished)
             self._discard(pending)

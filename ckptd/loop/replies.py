@@ -33,5 +33,4 @@ def as_error(stats: Stats, exc: BaseException) -> CkptdError:
 
 def error_reply(stats: Stats, rid: int, exc: BaseException) -> Error:
     """The ``Error`` that answers request ``rid`` for ``exc`` (``as_error``)."""
-    error = as_error(stats, exc)
-    return Error(rid, error.code, error.message)
+    return Error.of(rid, as_error(stats, exc))

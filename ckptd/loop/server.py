@@ -20,7 +20,7 @@ from typing import Any, Callable
 import zmq
 
 from ckptd.protocol import __version__
-from ckptd.protocol.errors import BadMessage, Conflict, ErrorCode
+from ckptd.protocol.errors import BadMessage, Conflict
 from ckptd.protocol.messages import (
     MAX_MESSAGE_BYTES, Abort, Bye, Delete, Error, Finalize, Granted, Hello, Lease, Message, Ok, Persist, Pin, Ping, Pong,
     Release, Snapshot, Snapshots, Staged, StagedShard, Status, StatusReply, Stop, Unpin, Welcome, WriteShard, decode,
@@ -174,7 +174,8 @@ class Server:
                 return
             ident, payloads = frames[0], frames[1:]
             if len(payloads) != 1:
-                self._send(ident, Error(0, ErrorCode.BAD_MESSAGE, f"expected one frame, got {len(payloads)}"))
+                self._send(ident, error_reply(self.state.stats, 0, BadMessage(f"expected one frame, got "
+                                                                              f"{len(payloads)}")))
                 continue
             reply = self._handle(ident, payloads[0])
             if reply is not None:
