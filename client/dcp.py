@@ -20,6 +20,15 @@ name that several ranks saved (DCP treats a plain tensor or value as one
 item) is read as this process's rank saved it when that rank is in the
 saved world, else as the lowest rank that saved it.
 
+A memory snapshot the node's daemon holds (``StorageWriter(persist=False)``,
+``Client.save_async(persist=False)``) is read from its slots, as
+``ckptd.load`` reads it (``memory.open_checkpoint``: pinned while read,
+every byte checked against the checksum the daemon took); a path the
+daemon does not hold is read from disk. Each rank opens it from its own
+daemon (DCP sends the coordinator's metadata to every rank), so a snapshot
+on several nodes, where each daemon holds only its own ranks' shards, is
+read from disk once persisted.
+
 Reads view chunks in place in the mapped shard files (``ChunkFiles``): each
 file is mapped and its checksum verified once, on first use, and a read
 copies only the pages of the requested region.
@@ -54,24 +63,28 @@ from torch.futures import Future
 
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ChunkRecord, ShardRecord, TensorRecord, read_index
-from ckptd.protocol.inspect import check_shard_structure, read_shard_header
+from ckptd.protocol.inspect import check_shard_structure
 
 from .checks import check_bool, check_path
 from .flatten import unflatten
 from .ranks import detect_rank
+from .memory import find_held, open_checkpoint
 from .reshard import ChunkFiles, GlobalRef, read_full, region
 
 __all__ = ["StorageReader"]
 
 
 class StorageReader(_DCPStorageReader):
-    """Reads a committed ckptd checkpoint for ``torch.distributed.checkpoint.load``."""
+    """Reads a committed ckptd checkpoint, or a memory snapshot, for ``torch.distributed.checkpoint.load``."""
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, verify: bool = True,
+                 run_dir: str | os.PathLike | None = None) -> None:
+        """``run_dir``: the daemon whose memory snapshots are read (default: this node's, as ``ckptd.Client``)."""
         super().__init__()
         self.path = Path(check_path("path", path))
         check_bool("verify", verify)
         self.verify = verify
+        self.run_dir = None if run_dir is None else os.path.abspath(check_path("run_dir", run_dir))
         self._files: ChunkFiles | None = None
         self._items: dict[str, Any] = {}
         """DCP name -> GlobalRef (a tensor) or the plain value."""
@@ -88,43 +101,50 @@ class StorageReader(_DCPStorageReader):
         try:
             read_index(checkpoint_id)
         except (InvalidCheckpoint, TypeError, ValueError):
-            return False
+            try:
+                return find_held(Path(checkpoint_id)) is not None
+            except (TypeError, ValueError):
+                return False
         return True
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        index = read_index(self.path)
-        files = ChunkFiles(self.path, index, verify=self.verify)
-        refs: dict[int, GlobalRef] = {}
-        keep: list[torch.Tensor] = []  # placeholders stay alive so their ids stay unique
+        files = open_checkpoint(self.path, verify=self.verify, run_dir=self.run_dir)
+        index = files.index
+        try:
+            refs: dict[int, GlobalRef] = {}
+            keep: list[torch.Tensor] = []  # placeholders stay alive so their ids stay unique
 
-        def placeholder(ref: GlobalRef) -> torch.Tensor:
-            t = torch.empty(ref.record.shape, dtype=ref.dtype, device="meta")
-            refs[id(t)] = ref
-            keep.append(t)
-            return t
+            def placeholder(ref: GlobalRef) -> torch.Tensor:
+                t = torch.empty(ref.record.shape, dtype=ref.dtype, device="meta")
+                refs[id(t)] = ref
+                keep.append(t)
+                return t
 
-        described: dict[str, Any] = {}
-        paths: dict[str, tuple[str | int, ...]] = {}
-        items: dict[str, Any] = {}
-        value_files: dict[str, str] = {}
-        for rank in _reading_order(index.world_size):
-            record = index.shard(rank)
-            flat, rank_paths = self._rank_state(index, record, files, placeholder)
-            for name, value in flat.items():
-                if name in described:
-                    continue  # a name several ranks saved: the first in the reading order describes it
-                paths[name] = rank_paths[name]
-                ref = refs.get(id(value)) if isinstance(value, torch.Tensor) else None
-                if ref is not None:
-                    chunks = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
-                              for c in ref.record.chunks]
-                    described[name] = TensorStorageMetadata(TensorProperties(dtype=ref.dtype),
-                                                            torch.Size(ref.record.shape), chunks)
-                    items[name] = ref
-                else:
-                    described[name] = BytesStorageMetadata()
-                    items[name] = _materialize(value, refs, files)
-                    value_files[name] = record.file
+            described: dict[str, Any] = {}
+            paths: dict[str, tuple[str | int, ...]] = {}
+            items: dict[str, Any] = {}
+            value_files: dict[str, str] = {}
+            for rank in _reading_order(index.world_size):
+                record = index.shard(rank)
+                flat, rank_paths = self._rank_state(index, record, files, placeholder)
+                for name, value in flat.items():
+                    if name in described:
+                        continue  # a name several ranks saved: the first in the reading order describes it
+                    paths[name] = rank_paths[name]
+                    ref = refs.get(id(value)) if isinstance(value, torch.Tensor) else None
+                    if ref is not None:
+                        chunks = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
+                                  for c in ref.record.chunks]
+                        described[name] = TensorStorageMetadata(TensorProperties(dtype=ref.dtype),
+                                                                torch.Size(ref.record.shape), chunks)
+                        items[name] = ref
+                    else:
+                        described[name] = BytesStorageMetadata()
+                        items[name] = _materialize(value, refs, files)
+                        value_files[name] = record.file
+        except BaseException:
+            files.close()  # a snapshot's lease ends with the failed read
+            raise
         self._files, self._items, self._value_files = files, items, value_files
         # DCP's own writer keeps its planner's flattening (DCP name -> key path) as planner_data; a planner that
         # builds the state from the metadata (``_EmptyStateDictLoadPlanner``: ``dcp_to_torch_save``) nests by it.
@@ -134,7 +154,7 @@ class StorageReader(_DCPStorageReader):
                     placeholder: Callable[[GlobalRef], torch.Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
         """One rank's saved state flattened by DCP's names, tensors as placeholders (no tensor data read), and
         each name's key path in the saved state."""
-        entries, metadata, data_start = read_shard_header(self.path / record.file, record.size)
+        entries, metadata, data_start = files.header(record)
         structure = check_shard_structure([e.name for e in entries], metadata, record, index, self.path / record.file)
         per_rank = {e.name: e for e in entries}
 
@@ -167,26 +187,29 @@ class StorageReader(_DCPStorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._files is None:
             raise RuntimeError("read_data before read_metadata: DCP calls read_metadata first")
-        for item in plan.items:
-            fqn = item.storage_index.fqn
-            value = self._items[fqn]
-            if item.type == LoadItemType.BYTE_IO:
-                self._files.mapped(self._value_files[fqn])  # the value came from this file's header: verify it
-                buffer = io.BytesIO()
-                torch.save(value, buffer)
-                buffer.seek(0)
-                planner.load_bytes(item, buffer)
-                continue
-            offsets = tuple(item.storage_index.offset)
-            chunk = next((c for c in value.record.chunks if c.offsets == offsets), None)
-            if chunk is None:
-                raise InvalidCheckpoint(f"checkpoint {self.path}: DCP asked for a chunk of {fqn!r} at "
-                                        f"{list(offsets)}, which the index does not list")
-            source = self._files.chunk(value, chunk)
-            box = (tuple(o + s for o, s in zip(chunk.offsets, item.storage_offsets)), tuple(item.lengths))
-            target = planner.resolve_tensor(item).detach()
-            target.copy_(region(source, box, chunk.offsets))
-            planner.commit_tensor(item, target)
+        try:
+            for item in plan.items:
+                fqn = item.storage_index.fqn
+                value = self._items[fqn]
+                if item.type == LoadItemType.BYTE_IO:
+                    self._files.mapped(self._value_files[fqn])  # the value came from this file's header: verify it
+                    buffer = io.BytesIO()
+                    torch.save(value, buffer)
+                    buffer.seek(0)
+                    planner.load_bytes(item, buffer)
+                    continue
+                offsets = tuple(item.storage_index.offset)
+                chunk = next((c for c in value.record.chunks if c.offsets == offsets), None)
+                if chunk is None:
+                    raise InvalidCheckpoint(f"checkpoint {self.path}: DCP asked for a chunk of {fqn!r} at "
+                                            f"{list(offsets)}, which the index does not list")
+                source = self._files.chunk(value, chunk)
+                box = (tuple(o + s for o, s in zip(chunk.offsets, item.storage_offsets)), tuple(item.lengths))
+                target = planner.resolve_tensor(item).detach()
+                target.copy_(region(source, box, chunk.offsets))
+                planner.commit_tensor(item, target)
+        finally:
+            self._files.close()  # a snapshot's lease: this rank has read what it needed
         done: Future[None] = Future()
         done.set_result(None)
         return done

@@ -22,6 +22,15 @@ gloo group of the writers' own, whether every shard is durable; if not, rank
 0 sends ``Abort`` (every commit has been answered by then, so no shard can
 join the attempt after it) and every rank raises.
 
+With ``persist=False`` the save is a memory snapshot (the memory tier,
+``docs/memory.md``): the shard is held in node memory by the daemon, not
+written, and ``write_data`` returns once every rank's shard is held (on
+several nodes, the client's own agreement); ``finish`` has nothing to
+publish. ``ckptd.latest`` finds it, ``ckptd.dcp.StorageReader`` reads it
+from memory, ``client.persist(path)`` (or the daemon, when the trainer
+dies) writes it to disk as an ordinary ckptd checkpoint. Snapshot every few
+steps, save with ``persist=True`` every few hundred.
+
 Non-tensor items (what DCP would ``torch.save`` into bytes) are kept in the
 shard's structure, msgpack-encoded as ``Client.save_async`` keeps them, from
 the rank's own state dict: nothing is pickled, and a value msgpack cannot hold
@@ -81,7 +90,7 @@ class StorageWriter(_DCPStorageWriter):
     def __init__(self, path: str | os.PathLike, *, step: int | None = None, overwrite: bool = True,
                  keep_last: int | None = None, client: Client | None = None,
                  run_dir: str | os.PathLike | None = None, commit_timeout: float = 600.0,
-                 stage_in_slot: bool = False) -> None:
+                 stage_in_slot: bool = False, persist: bool = True) -> None:
         """
         Args:
             path: the checkpoint (a directory; ``checkpoint_id`` replaces it).
@@ -101,6 +110,8 @@ class StorageWriter(_DCPStorageWriter):
                 the PROCESS executor runs the save, and so the copy, in
                 another process, and needs a staged copy of its own (without
                 this, DCP's default stager makes one).
+            persist: ``False``: a memory snapshot, held by the node's daemon
+                instead of written (``Client.save_async(persist=False)``).
         """
         super().__init__()
         self.path = checkpoint_target(path)
@@ -108,6 +119,8 @@ class StorageWriter(_DCPStorageWriter):
         check_bool("overwrite", overwrite)
         self.overwrite = overwrite
         self.keep_last = check_keep_last(keep_last)
+        check_bool("persist", persist)
+        self.persist = persist
         if client is not None and not isinstance(client, Client):
             raise TypeError(f"client must be a ckptd.Client, got {type(client).__name__}")
         if client is not None:  # a copy in another process reaches the same daemon the same way
@@ -186,13 +199,15 @@ class StorageWriter(_DCPStorageWriter):
         try:
             started = time.monotonic()
             flat = _planned_shard(plan, planner)
+            # A disk save is committed by ``finish`` (coordinated: each rank's shard answers Durable); a snapshot
+            # is complete once every rank is held, which the daemon (or the client's agreement) judges itself.
             saved, reply = client._save_flat(flat, self.path, step=self.step, overwrite=self.overwrite,
-                                            keep_last=self.keep_last, block=True, persist=True, started=started,
-                                            coordinated=True)
+                                            keep_last=self.keep_last, block=True, persist=self.persist,
+                                            started=started, coordinated=self.persist)
             saved.staged.add_done_callback(lambda f: self._staging_over(f.exception()))
             saved.result()
-            durable = reply.result()
-            assert isinstance(durable, Durable)
+            durable = reply.result() if self.persist else None
+            assert durable is None or isinstance(durable, Durable)
         except Exception as exc:
             failure = exc
             self._staging_over(exc)
@@ -202,20 +217,24 @@ class StorageWriter(_DCPStorageWriter):
         everyone = all_gather_msgpack(outcome, self._group) if self._group is not None else [outcome]
         failures = [entry[1] for entry in everyone if entry[0] != "ok"]
         if failures:
-            if client.rank == 0:
+            if client.rank == 0 and self.persist:  # a snapshot's failure fails it on the daemon itself
                 self._abort("; ".join(failures))
             if failure is not None:
                 raise failure
             raise RanksMissing(f"checkpoint {self.path} was not committed: {'; '.join(failures)}")
         results = [WriteResult(item.index, _item_bytes(item), None) for item in plan.items]
-        record = (durable.file, durable.rank, durable.size, durable.checksum, durable.tensors)
-        results.append(WriteResult(MetadataIndex(SHARD_RESULT), durable.size, record))
+        if durable is not None:  # finish publishes with every rank's record
+            record = (durable.file, durable.rank, durable.size, durable.checksum, durable.tensors)
+            results.append(WriteResult(MetadataIndex(SHARD_RESULT), durable.size, record))
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Every rank is durable: commit (index, rename, fsync) through this node's daemon."""
+        """Every rank is durable: commit (index, rename, fsync) through this node's daemon (a snapshot is held
+        already: nothing to publish)."""
+        if not self.persist:
+            return
         records = [r.storage_data for rank_results in results for r in rank_results if r.index.fqn == SHARD_RESULT]
         files = tuple(sorted((ShardRecord(*record) for record in records), key=lambda f: f.rank))
         client = self.client

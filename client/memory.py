@@ -102,6 +102,14 @@ class HeldFiles(ChunkFiles):
     def source(self, file: str) -> Path:
         return shm_dir() / file
 
+    def header(self, record: ShardRecord) -> tuple[list[TensorEntry], dict[str, str], int]:
+        return self._headers[record.file]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Sent to another rank (DCP broadcasts its reader's metadata): that rank opens the snapshot itself, from
+        its own daemon and under a lease of its own (a lease is one process's)."""
+        return (_reopened, (self.path, self.verify, self.defer, self.run_dir))
+
     def close(self) -> None:
         if self.lease is not None:
             self.lease.close()
@@ -258,6 +266,10 @@ def _pinned(path: Path, run_dir: str | os.PathLike | None) -> ReaderLease | None
         return ReaderLease(path, run_dir)
     except (BadMessage, DaemonUnavailable, TimeoutError):  # gone or too old: read unpinned, which notices a drop
         return None
+
+
+def _reopened(path: Path, verify: bool, defer: bool, run_dir: str | os.PathLike | None) -> ChunkFiles:
+    return open_checkpoint(path, verify=verify, run_dir=run_dir, defer=defer)
 
 
 def open_checkpoint(path: Path, *, verify: bool, run_dir: str | os.PathLike | None = None,

@@ -23,6 +23,8 @@ import torch
 from ckptd.protocol.chunks import Box, overlap
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ChunkRecord, ShardRecord, TensorRecord
+from ckptd.protocol.inspect import read_shard_header
+from ckptd.protocol.layout import TensorEntry
 from ckptd.protocol.objects import display
 from ckptd.protocol.reading import files_for, shard_reader
 from ckptd.protocol.shard_reads import ShardReader
@@ -72,6 +74,10 @@ class ChunkFiles:
 
     def close(self) -> None:
         """Done reading (a snapshot's reader lease ends); the tensors handed out stay valid."""
+
+    def header(self, record: ShardRecord) -> tuple[list[TensorEntry], dict[str, str], int]:
+        """Shard ``record``'s tensor entries, metadata and where its data starts (read from the file)."""
+        return read_shard_header(self.path / record.file, record.size)
 
     def ref(self, name: str) -> GlobalRef:
         record = self.index.tensors.get(name)

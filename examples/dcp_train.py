@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 2 examples/dcp_train.py --ckpt-dir /ckpts/dcp --steps 100 --save-every 20
     torchrun --nproc-per-node 3 examples/dcp_train.py --ckpt-dir /ckpts/dcp --steps 200 --save-every 20
+    torchrun --nproc-per-node 2 examples/dcp_train.py --ckpt-dir /ckpts/dcp --steps 300 --save-every 100 \
+        --snapshot-every 5
 
 A training loop that already saves with ``torch.distributed.checkpoint``
 switches to ckptd by one argument: ``storage_writer=ckptd.dcp.StorageWriter(path)``.
@@ -11,6 +13,11 @@ shared-memory slot (``stage_in_slot=True``: that copy is the only staging, and
 and renames ``step-NNNNNN/`` once every rank is durable, while training goes
 on. DCP plans on its own gloo group (its collectives run on a thread while
 training runs FSDP's), and the previous save is waited for before the next.
+
+With ``--snapshot-every N`` the steps between two saves are memory snapshots
+every N steps (``StorageWriter(persist=False)``): held in the daemon's node
+memory, not written. A trainer killed between two saves resumes from the
+newest snapshot, read from memory.
 
 A second run with the same ``--ckpt-dir`` resumes from ``ckptd.latest()``
 with DCP's ``dcp.load`` and ``ckptd.dcp.StorageReader``, on any number of
@@ -41,7 +48,9 @@ FEATURES = 16
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100, help="train until this global step")
-    parser.add_argument("--save-every", type=int, default=20, help="save a checkpoint every N steps")
+    parser.add_argument("--save-every", type=int, default=20, help="save a checkpoint to disk every M steps")
+    parser.add_argument("--snapshot-every", type=int, default=0,
+                        help="between saves, a memory snapshot every N steps (0: none)")
     parser.add_argument("--ckpt-dir", type=Path, required=True, help="checkpoint root (under the daemon's roots)")
     return parser.parse_args()
 
@@ -85,7 +94,7 @@ def main() -> None:
     # async_save plans on a thread while training runs FSDP's collectives: give DCP a group of its own, or the
     # two interleave differently on each rank and hang.
     checkpoint_group = dist.new_group(backend="gloo")
-    pending = None
+    pending, pending_step, pending_persists = None, 0, False
     committed = []
     loss = torch.zeros(())
     for step in range(start + 1, args.steps + 1):
@@ -95,18 +104,27 @@ def main() -> None:
         loss.backward()
         optim.step()
         optim.zero_grad()
-        if step % args.save_every == 0:
+        persist = step % args.save_every == 0
+        if persist or (args.snapshot_every and step % args.snapshot_every == 0):
             if pending is not None:
                 pending.result()  # one async save in flight at a time
-                committed.append(step - args.save_every)
+                if pending_persists:
+                    committed.append(pending_step)
             msd, osd = get_state_dict(model, optim)
-            writer = StorageWriter(root / f"step-{step:06d}", client=client, step=step, stage_in_slot=True)
-            # Returns once this rank's planned items are in its slot; the daemon writes while training goes on.
+            writer = StorageWriter(root / f"step-{step:06d}", client=client, step=step, stage_in_slot=True,
+                                   persist=persist)
+            # Returns once this rank's planned items are in its slot; the daemon writes (or holds) them while
+            # training goes on.
             pending = dcp.async_save({"model": msd, "optim": osd, "step": step}, storage_writer=writer,
                                      process_group=checkpoint_group)
+            pending_step, pending_persists = step, persist
+            if not persist:
+                pending.add_done_callback(lambda f, s=step: f.exception() or print(
+                    f"rank {rank}: step {s} held in memory", flush=True))
     if pending is not None:
         pending.result()
-        committed.append(args.steps - args.steps % args.save_every)
+        if pending_persists:
+            committed.append(pending_step)
     client.close()
     print(f"rank {rank}: trained to step {args.steps}, loss {loss.item():.6f}")
     if rank == 0:
