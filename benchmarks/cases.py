@@ -16,10 +16,11 @@ LOAD_METHODS = {"raw_read": "raw read, page cache (floor)", "raw_read_direct": "
                 "ckptd_load_into": "ckptd.load_into model, then optimizer",
                 "ckptd_load_into_sd": "ckptd.load_into one state dict", "torch_load": "torch.load",
                 "torch_load_mmap": "torch.load mmap=True", "dcp_load": "DCP load (in place)"}
-DCP_MODES = {"save": "DCP save", "thread": "DCP async_save THREAD", "process": "DCP async_save PROCESS",
+DCP_MODES = {"save": "DCP save", "thread": "DCP async_save THREAD",
+             "thread_stager": "DCP async_save THREAD + reused DefaultStager", "process": "DCP async_save PROCESS",
              "process_stager": "DCP async_save PROCESS + reused DefaultStager"}
 SHARDED_MODES = {"memcpy": "memcpy of each rank's local bytes (limit)", "ckptd": "ckptd save_async, sync staging",
-                 "process": DCP_MODES["process"], "process_stager": DCP_MODES["process_stager"],
+                 **{m: DCP_MODES[m] for m in ("process", "process_stager", "thread_stager")},
                  "ckptd_dcp": "DCP async_save THREAD, ckptd.dcp.StorageWriter(stage_in_slot=True)",
                  "load_ckptd": "ckptd.load_into DTensors", "load_dcp": "dcp.load"}
 

@@ -168,11 +168,14 @@ def _dcp_process_pid() -> int | None:
     return proc._save_process.pid if proc is not None else None
 
 def dcp_saves(state: Any, scratch: Path, repeat: int, rss_built: int, *, mode: str) -> dict:
-    """DCP ``save`` or ``async_save`` with the THREAD or PROCESS checkpointer (``process_stager``: a reused stager)."""
+    """DCP ``save`` or ``async_save`` with the THREAD or PROCESS checkpointer (``*_stager``: one ``DefaultStager``
+    reused by every save, its staging copies kept). PROCESS stages into shared memory for its checkpoint process;
+    THREAD's writer is a thread of this process, so its stager keeps the copies in private memory."""
     init_gloo()
     cuda = torch.cuda.is_available()
-    stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
-                                          use_non_blocking_copy=cuda)) if mode == "process_stager" else None
+    stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=mode.startswith("process"),
+                                          use_async_staging=True, use_non_blocking_copy=cuda)
+                           ) if mode.endswith("_stager") else None
     kind = AsyncCheckpointerType.PROCESS if mode.startswith("process") else AsyncCheckpointerType.THREAD
     def save(target: Path, i: int) -> dict:
         if mode == "save":

@@ -50,9 +50,13 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
     assert listed.returncode == 0, listed.stderr
     names = [line.split()[0] for line in listed.stdout.splitlines()]
     assert len(names) >= 36 and "ckptd_sync" in names and "load_ranks_lease" in names
-    sharded = ["sharded_memcpy", "sharded_ckptd", "sharded_process", "sharded_process_stager", "sharded_ckptd_dcp",
-               "sharded_load_ckptd", "sharded_load_dcp"]
-    assert set(sharded) <= set(names), names
+    # The peers a user would pick today, dense and FSDP2: DCP's executors with and without a reused stager.
+    peers = ["dcp_thread_stager", "dcp_process", "dcp_process_stager"]
+    assert set(peers) <= set(names), names
+    sharded_saves = ["sharded_memcpy", "sharded_ckptd", "sharded_process", "sharded_process_stager",
+                     "sharded_thread_stager", "sharded_ckptd_dcp"]
+    sharded_loads = ["sharded_load_ckptd", "sharded_load_dcp"]
+    assert set(sharded_saves + sharded_loads) <= set(names), names
 
     runs = [_start("--smoke", "--only", part, "--scratch", str(tmp_path / str(i)), "--out",
                    str(tmp_path / str(i) / "RESULTS.md")) for i, part in enumerate(PARTS)]
@@ -78,12 +82,14 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
         assert {"ranks", "daemon", "busy", "disk"} <= set(r["node"]) and r["node"]["wall"] > 0, r["node"]
         assert r["node"]["busy"] > 0 and r["node"]["disk"] >= 0 and r["ranks_cpu"] == r["node"]["ranks"], r["node"]
     by_name = {r["case"]: r for r in records}
-    for name in sharded[:5]:  # every rank of the save held a shard: its own bytes are a part of the whole
+    for name in sharded_saves:  # every rank of the save held a shard: its own bytes are a part of the whole
         state = by_name[name]["state"]
         assert 0 < state["nbytes"] < state["global_nbytes"], (name, state)
-    for name in sharded[1:5]:
+    for name in sharded_saves[1:] + peers:
         assert set(by_name[name]["reps"]) >= {"blocking", "staged", "durable"}, name
-    for name in sharded[5:]:  # loaded on half the ranks: each holds a larger shard than a saving rank did
+        first = by_name[name]["first"]  # the first save (the warm-up) is kept apart from the timed ones
+        assert first["blocking"] > 0 and first["durable"] >= first["staged"] >= first["blocking"], (name, first)
+    for name in sharded_loads:  # loaded on half the ranks: each holds a larger shard than a saving rank did
         assert set(by_name[name]["reps"]) == {"cold", "warm"}, name
         assert by_name[name]["state"]["nbytes"] > by_name["sharded_memcpy"]["state"]["nbytes"], name
 
