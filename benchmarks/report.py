@@ -102,6 +102,25 @@ SEPARATE = [  # measured by scripts of their own, not by ``make bench``: each wi
     "(0.55 vs 0.18) and 2.04 × (0.50 vs 0.24). The old default also never closed its clients: each save left its "
     "slot (the rank's shard) in /dev/shm until the process exited.",
 ]
+PEER_NOTES = [  # how each peer is configured, and why: rendered under the first table of peers
+    "DCP + reused DefaultStager: one stager for every save (its staging copies kept); PROCESS stages into shared "
+    "memory for its checkpoint process, THREAD (whose writer is a thread of the trainer) into private memory.",
+    "torch-checkpointing 0.1.1 (`CheckpointManager`, its default async saver): `save` returns once staging started "
+    "on a thread; staged is when `manager.lock()` (its guard for an optimizer step) can be taken; a writer "
+    "subprocess per rank, spawned when the manager is built (just before the first save here, which waits for it: "
+    "the first save blocking column) `torch.save`s each item to `tmp_<name>/<item>_<rank>.pt`, meets the other "
+    "ranks on the process group's store and rank 0 renames the directory. Its default O_DIRECT writes fail on this "
+    "ext4 (EINVAL: torch.save's records are unaligned; the failed save leaves `tmp_<name>` behind), so both rows "
+    "write buffered (`use_direct_io=False`).",
+    "torch-checkpointing never fsyncs: its \"no fsync\" row is durable as it reports it (written to the page cache, "
+    "not on disk); the \"+ fsyncs\" row adds what durability needs as its own write hooks, timed inside the save "
+    "(`benchmarks/fsync_hooks.py`): each rank fsyncs the files it wrote before the barrier and rename, then rank 0 "
+    "the checkpoint directory and its parent.",
+    "torch-checkpointing on FSDP2: the rank's DTensor shards with the default `ItemSpec` (loadable on the same "
+    "world size). Its resharding save (`ItemSpec(resharder=DefaultResharder())`) gathers metadata in CUDA tensors "
+    "(`metadata_manager._all_gather_pickled_data`, `device=\"cuda\"`) and fails without CUDA, so it is not measured "
+    "on gloo.",
+]
 CAUSES = [  # of misses, as measured in runs of their own (per-thread /proc CPU, perf_counter, thread_time)
     "FSDP2 blocking: one intra-op thread per rank (as now): 0.94 × and 1.60 × in runs at load average 8 and 16 (2: 1.29 ×).",
     "Daemon CPU/GB (0.12): CRC32C thread 0.07 (14-15 GB/s per core, 256 KiB-64 MiB buffers alike, GIL released), writer "
@@ -253,11 +272,12 @@ def sharded_table(recs: Records) -> str:
         blocking, cold, warm = med(r, "seconds") or med(r, "blocking"), med(r, "cold"), med(r, "warm")
         rows.append([r["label"], fmt(div(r["state"].get("global_nbytes"), GIB)),
                      fmt(r["state"]["nbytes"] / GIB), fmt(blocking), fmt(med(r, "staged")), fmt(med(r, "durable")),
-                     fmt(div(blocking, memcpy), 2), fmt(div(med(r, "durable"), dcp), 2), fmt(cold), fmt(warm),
+                     fmt(div(blocking, memcpy), 2), fmt(div(med(r, "durable"), dcp), 2),
+                     fmt((r.get("first") or {}).get("blocking")), fmt(cold), fmt(warm),
                      fmt(div(cold, med(load, "cold")), 2), fmt(div(warm, med(load, "warm")), 2)])
     return table(["what", "GiB, all ranks", "GiB per rank", "blocking s", "staged s", "durable s",
-                  "blocking ÷ memcpy", "durable ÷ DCP PROCESS", "load cold s", "load warm s", "cold ÷ dcp.load",
-                  "warm ÷ dcp.load"], rows)
+                  "blocking ÷ memcpy", "durable ÷ DCP PROCESS", "first save blocking s", "load cold s", "load warm s",
+                  "cold ÷ dcp.load", "warm ÷ dcp.load"], rows)
 
 def details(recs: Records) -> list[str]:
     def values(vs: list) -> str:
@@ -289,9 +309,10 @@ def render(records: list[dict], meta: dict[str, Any]) -> str:
               "Causes of misses, measured (`CAUSES`):", "", *(f"- {c}" for c in CAUSES)]
     blocks = [("save", "Saving: ckptd, its limits and its peers", save_table,
                "Blocking: the call returned. Staged: the tensors may change. Durable: on disk (fsync'd; for ckptd "
-               "renamed and the directory fsync'd). Writer: ckptd's daemon or DCP's checkpoint process (peaks during "
-               "the timed saves); trainer extra: its peak RSS during the timed saves over its RSS with the state "
-               "built."),
+               "renamed and the directory fsync'd), except torch-checkpointing's no-fsync row (its own figure, "
+               "below). Writer: ckptd's daemon, DCP's checkpoint process or torch-checkpointing's writer subprocess "
+               "(peaks during the timed saves); trainer extra: its peak RSS during the timed saves over its RSS with "
+               "the state built."),
               ("multi", "Clients on one node at once", multi_table,
                "Each client its own process (one intra-op thread, as under torchrun) and state, all calling at once "
                "through one daemon; aggregate from the first call to the last future resolved. Others' CPU: the "
@@ -309,9 +330,13 @@ def render(records: list[dict], meta: dict[str, Any]) -> str:
                "FSDP2 (`fully_shard`, gloo on CPU): the transformer and its AdamW state as DTensors; each save starts "
                "on a barrier, each figure is the slowest rank's. Reshard load: the state saved on N ranks (by ckptd, "
                "by `dcp.save`) into a fresh model's and optimizer's DTensors on N/2, checked per tensor.")]
+    noted = False
     for section, title, make, text in blocks:
         if section in sections:
             parts += ["", f"## {title}", "", text, "", make(recs)]
+            if section in ("save", "sharded") and not noted:  # once, under the first table of peers
+                parts += ["", "Peers as configured (`PEER_NOTES`):", "", *(f"- {n}" for n in PEER_NOTES)]
+                noted = True
     parts += ["", "## Measured by scripts of their own", "", *(f"- {m}" for m in SEPARATE)]
     parts += ["", "## Every repetition", "", *details(recs), ""]
     return "\n".join(parts)

@@ -50,11 +50,12 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
     assert listed.returncode == 0, listed.stderr
     names = [line.split()[0] for line in listed.stdout.splitlines()]
     assert len(names) >= 36 and "ckptd_sync" in names and "load_ranks_lease" in names
-    # The peers a user would pick today, dense and FSDP2: DCP's executors with and without a reused stager.
-    peers = ["dcp_thread_stager", "dcp_process", "dcp_process_stager"]
+    # The peers a user would pick today, dense and FSDP2: DCP's executors with and without a reused stager, and
+    # torch-checkpointing (make test installs it: requirements-dev.txt), as shipped and with the fsyncs it leaves out.
+    peers = ["dcp_thread_stager", "dcp_process", "dcp_process_stager", "torchckpt", "torchckpt_fsync"]
     assert set(peers) <= set(names), names
     sharded_saves = ["sharded_memcpy", "sharded_ckptd", "sharded_process", "sharded_process_stager",
-                     "sharded_thread_stager", "sharded_ckptd_dcp"]
+                     "sharded_thread_stager", "sharded_torchckpt", "sharded_torchckpt_fsync", "sharded_ckptd_dcp"]
     sharded_loads = ["sharded_load_ckptd", "sharded_load_dcp"]
     assert set(sharded_saves + sharded_loads) <= set(names), names
 
@@ -89,6 +90,8 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
         assert set(by_name[name]["reps"]) >= {"blocking", "staged", "durable"}, name
         first = by_name[name]["first"]  # the first save (the warm-up) is kept apart from the timed ones
         assert first["blocking"] > 0 and first["durable"] >= first["staged"] >= first["blocking"], (name, first)
+    for name in ("torchckpt", "torchckpt_fsync", "sharded_torchckpt", "sharded_torchckpt_fsync"):
+        assert by_name[name]["writer"]["RssAnon"] > 0, name  # its writer subprocess was sampled
     for name in sharded_loads:  # loaded on half the ranks: each holds a larger shard than a saving rank did
         assert set(by_name[name]["reps"]) == {"cold", "warm"}, name
         assert by_name[name]["state"]["nbytes"] > by_name["sharded_memcpy"]["state"]["nbytes"], name
