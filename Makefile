@@ -41,7 +41,8 @@ test-torchtitan: $(TT_STAMP)
 # The client's saves and loads where numpy is not installed: ckptd requires none and torch runs without it, but
 # torch's numpy bridge (Tensor.numpy(), torch.from_numpy) then raises, and `make test` cannot see a use of it
 # (Lightning brings numpy into .venv). .venv-nonumpy holds torch, ckptd's own requirements and the test runner, their
-# versions read from requirements-dev.txt (torch from pip's cache or the local wheel store: about a minute, once).
+# versions read from requirements-dev.txt (torch from pip's cache or the local wheel store: about a minute, once;
+# torch itself, not torch-checkpointing, which requires numpy).
 # tests/nonumpy/ checks that numpy is absent and runs every load path; NONUMPY_TESTS adds the client's save and load
 # modules. tests/nonumpy/ is collected only here (`make test` skips that directory by name).
 NN_VENV := .venv-nonumpy
@@ -52,7 +53,7 @@ NONUMPY_TESTS := tests/nonumpy tests/test_save_roundtrip.py tests/test_loading.p
 
 $(NN_STAMP): setup.cfg pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(NN_VENV)
-	$(NN_PY) -m pip install --quiet --disable-pip-version-check $$(grep -E '^(torch|pytest)' requirements-dev.txt) -e .
+	$(NN_PY) -m pip install --quiet --disable-pip-version-check $$(grep -E '^(torch[=<>]|pytest)' requirements-dev.txt) -e .
 	touch $(NN_STAMP)
 
 test-nonumpy: $(NN_STAMP)

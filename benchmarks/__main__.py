@@ -17,7 +17,7 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
-from .cases import Settings, registry, run_all
+from .cases import Settings, missing_peers, registry, run_all
 from .report import render
 
 HERE = Path(__file__).resolve().parent
@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}", file=sys.stderr)
         return 0
     cases = registry(_settings(args))
+    skipped = missing_peers()
+    for reason in skipped.values():
+        print(f"[bench] skipping a peer: {reason}", file=sys.stderr, flush=True)
     patterns = [p.strip() for p in args.only.split(",") if p.strip()]
     if patterns:
         cases = [c for c in cases if any(fnmatch.fnmatch(c.name, p) or c.section == p for p in patterns)]
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch.mkdir(parents=True)
     started = time.monotonic()
     meta = {"command": f"python -m benchmarks {shlex.join(argv if argv is not None else sys.argv[1:])}".strip(),
-            **machine(scratch)}
+            **machine(scratch), **({"peers skipped": "; ".join(skipped.values())} if skipped else {})}
     records = []
     with open(scratch / "results.jsonl", "w", buffering=1) as f:  # the meta line(s), then one line per case
         f.write(json.dumps({"meta": meta}) + "\n")

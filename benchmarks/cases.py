@@ -4,6 +4,7 @@ Each case runs in a fresh process forked from a server that has only imported to
 another's memory or threads, none pays a torch import. It sends back one JSON line: its measurements, or an error.
 """
 from __future__ import annotations
+import importlib.util
 import json
 import multiprocessing as mp
 from dataclasses import dataclass, field
@@ -16,12 +17,28 @@ LOAD_METHODS = {"raw_read": "raw read, page cache (floor)", "raw_read_direct": "
                 "ckptd_load_into": "ckptd.load_into model, then optimizer",
                 "ckptd_load_into_sd": "ckptd.load_into one state dict", "torch_load": "torch.load",
                 "torch_load_mmap": "torch.load mmap=True", "dcp_load": "DCP load (in place)"}
-DCP_MODES = {"save": "DCP save", "thread": "DCP async_save THREAD", "process": "DCP async_save PROCESS",
+DCP_MODES = {"save": "DCP save", "thread": "DCP async_save THREAD",
+             "thread_stager": "DCP async_save THREAD + reused DefaultStager", "process": "DCP async_save PROCESS",
              "process_stager": "DCP async_save PROCESS + reused DefaultStager"}
+TORCHCKPT_MODES = {"torchckpt": ("torch-checkpointing async (use_direct_io=False), as shipped: no fsync, not durable",
+                                 False),
+                   "torchckpt_fsync": ("torch-checkpointing async (use_direct_io=False) + the fsyncs durability needs",
+                                       True)}
+"""Case name: (label, fsync): torch-checkpointing 0.1.1 (``saves.torchckpt_saves``). Buffered writes: its O_DIRECT
+default fails with EINVAL on this machine's ext4. ``fsync``: its files, the directory and its parent, in its hooks."""
 SHARDED_MODES = {"memcpy": "memcpy of each rank's local bytes (limit)", "ckptd": "ckptd save_async, sync staging",
-                 "process": DCP_MODES["process"], "process_stager": DCP_MODES["process_stager"],
+                 **{m: DCP_MODES[m] for m in ("process", "process_stager", "thread_stager")},
+                 **{m: label for m, (label, _) in TORCHCKPT_MODES.items()},
                  "ckptd_dcp": "DCP async_save THREAD, ckptd.dcp.StorageWriter(stage_in_slot=True)",
                  "load_ckptd": "ckptd.load_into DTensors", "load_dcp": "dcp.load"}
+PEER_CASES = {"torch_checkpointing": ("torch-checkpointing", TORCHCKPT_MODES)}
+"""Module: (PyPI name, the modes that need it). Peers a test-only requirement brings (requirements-dev.txt)."""
+
+def missing_peers() -> dict[str, str]:
+    """Each peer module that is not installed: why its cases are left out of the run."""
+    return {module: f"{pypi} is not installed (pip install -r requirements-dev.txt): its cases "
+                    f"({', '.join(modes)}, sharded too) are skipped"
+            for module, (pypi, modes) in PEER_CASES.items() if importlib.util.find_spec(module) is None}
 
 @dataclass
 class Case:
@@ -64,6 +81,8 @@ def registry(s: Settings) -> list[Case]:
         out.insert(1, Case("memcpy_fresh", method="memcpy_fresh", label="memcpy → fresh /dev/shm", **lim))
     out += [Case(f"dcp_{m}", method="dcp", label=label, repeat=s.repeat, params={"mode": m}, **save)
             for m, label in DCP_MODES.items()]
+    out += [Case(m, method="torchckpt", label=label, repeat=s.repeat, params={"fsync": fsync}, **save)
+            for m, (label, fsync) in TORCHCKPT_MODES.items()]
     out += [Case("ckptd_sync", method="ckptd", label="ckptd save_async, sync staging", repeat=s.repeat, **save),
             Case("ckptd_sync_stream", method="ckptd", label="ckptd save_async, sync staging, stream_commit=True",
                  repeat=s.repeat, params={"stream_commit": True}, **save),
@@ -99,7 +118,8 @@ def registry(s: Settings) -> list[Case]:
                      params={"mode": m, "ranks": s.ranks}) for m, label in SHARDED_MODES.items()]
         out.append(Case("objects", section="objects", method="objects", label="s3:// on moto's server",
                         repeat=s.repeat, size_gib=min(s.size_gib, 1 / 4)))
-    return out
+    absent = {m for module in missing_peers() for m in PEER_CASES[module][1]}
+    return [c for c in out if c.name not in absent and c.params.get("mode") not in absent]  # dense, sharded
 
 def size_label(gib: float) -> str:
     return f"{gib:g} GiB" if gib >= 1 else f"{gib * 1024:g} MiB"

@@ -49,6 +49,7 @@ METHODS: dict[str, Callable[[Case, Path], dict]] = {
                                                                                         **c.params)}}),
     "torch_save": _with_state(lambda c, d, b, rss: saves.torch_saves(b.state, d, c.repeat, rss)),
     "dcp": _with_state(lambda c, d, b, rss: saves.dcp_saves(b.state, d, c.repeat, rss, **c.params)),
+    "torchckpt": _with_state(lambda c, d, b, rss: saves.torchckpt_saves(b.state, d, c.repeat, rss, **c.params)),
     "ckptd": _with_state(lambda c, d, b, rss: saves.ckptd_saves(b.state, d, c.repeat, rss, **c.params,
                                                                 reserve_bytes=b.nbytes + (1 << 20))),
     "scaling": _with_state(_scaling),

@@ -143,6 +143,8 @@ def _saves(rank: int, scratch: Path, mode: str, size_gib: float, repeat: int, da
         out = saves.ckptd_saves(bench.state, scratch, repeat, memory()["VmRSS"], daemon)
     elif mode == "ckptd_dcp":
         out = saves.ckptd_dcp_saves(bench.state, scratch, repeat, memory()["VmRSS"], daemon)
+    elif mode.startswith("torchckpt"):
+        out = saves.torchckpt_saves(bench.state, scratch, repeat, memory()["VmRSS"], fsync=mode.endswith("_fsync"))
     else:
         out = saves.dcp_saves(bench.state, scratch, repeat, memory()["VmRSS"], mode=mode)
     everyone = saves.across_ranks([bench.nbytes], dist.ReduceOp.SUM)[0]

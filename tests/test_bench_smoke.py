@@ -50,9 +50,14 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
     assert listed.returncode == 0, listed.stderr
     names = [line.split()[0] for line in listed.stdout.splitlines()]
     assert len(names) >= 36 and "ckptd_sync" in names and "load_ranks_lease" in names
-    sharded = ["sharded_memcpy", "sharded_ckptd", "sharded_process", "sharded_process_stager", "sharded_ckptd_dcp",
-               "sharded_load_ckptd", "sharded_load_dcp"]
-    assert set(sharded) <= set(names), names
+    # The peers a user would pick today, dense and FSDP2: DCP's executors with and without a reused stager, and
+    # torch-checkpointing (make test installs it: requirements-dev.txt), as shipped and with the fsyncs it leaves out.
+    peers = ["dcp_thread_stager", "dcp_process", "dcp_process_stager", "torchckpt", "torchckpt_fsync"]
+    assert set(peers) <= set(names), names
+    sharded_saves = ["sharded_memcpy", "sharded_ckptd", "sharded_process", "sharded_process_stager",
+                     "sharded_thread_stager", "sharded_torchckpt", "sharded_torchckpt_fsync", "sharded_ckptd_dcp"]
+    sharded_loads = ["sharded_load_ckptd", "sharded_load_dcp"]
+    assert set(sharded_saves + sharded_loads) <= set(names), names
 
     runs = [_start("--smoke", "--only", part, "--scratch", str(tmp_path / str(i)), "--out",
                    str(tmp_path / str(i) / "RESULTS.md")) for i, part in enumerate(PARTS)]
@@ -78,12 +83,16 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
         assert {"ranks", "daemon", "busy", "disk"} <= set(r["node"]) and r["node"]["wall"] > 0, r["node"]
         assert r["node"]["busy"] > 0 and r["node"]["disk"] >= 0 and r["ranks_cpu"] == r["node"]["ranks"], r["node"]
     by_name = {r["case"]: r for r in records}
-    for name in sharded[:5]:  # every rank of the save held a shard: its own bytes are a part of the whole
+    for name in sharded_saves:  # every rank of the save held a shard: its own bytes are a part of the whole
         state = by_name[name]["state"]
         assert 0 < state["nbytes"] < state["global_nbytes"], (name, state)
-    for name in sharded[1:5]:
+    for name in sharded_saves[1:] + peers:
         assert set(by_name[name]["reps"]) >= {"blocking", "staged", "durable"}, name
-    for name in sharded[5:]:  # loaded on half the ranks: each holds a larger shard than a saving rank did
+        first = by_name[name]["first"]  # the first save (the warm-up) is kept apart from the timed ones
+        assert first["blocking"] > 0 and first["durable"] >= first["staged"] >= first["blocking"], (name, first)
+    for name in ("torchckpt", "torchckpt_fsync", "sharded_torchckpt", "sharded_torchckpt_fsync"):
+        assert by_name[name]["writer"]["RssAnon"] > 0, name  # its writer subprocess was sampled
+    for name in sharded_loads:  # loaded on half the ranks: each holds a larger shard than a saving rank did
         assert set(by_name[name]["reps"]) == {"cold", "warm"}, name
         assert by_name[name]["state"]["nbytes"] > by_name["sharded_memcpy"]["state"]["nbytes"], name
 
@@ -113,4 +122,11 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
     targets = report.split("## Targets")[1].split("## ")[0]
     assert targets.count("| met |") + targets.count("| missed |") >= 19
     fsdp2 = [line for line in targets.splitlines() if line.startswith("| FSDP2")]  # the rows, not the causes
-    assert len(fsdp2) == 6 and all(line.endswith(("| met |", "| missed |")) for line in fsdp2), fsdp2
+    assert len(fsdp2) == 7 and all(line.endswith(("| met |", "| missed |")) for line in fsdp2), fsdp2
+    strongest = [line for line in targets.splitlines() if "the strongest peer: " in line]
+    assert len(strongest) == 2, strongest  # dense and FSDP2, each naming the peer that was fastest to durable
+    labels = {by_name[n]["label"] for n in peers[:3] + ["torchckpt_fsync"]}
+    sharded_labels = {by_name[n]["label"] for n in sharded_saves[2:5] + ["sharded_torchckpt_fsync"]}
+    assert any(f"strongest peer: {label} (" in strongest[0] for label in labels), strongest[0]
+    assert any(f"strongest peer: {label} (" in strongest[1] for label in sharded_labels), strongest[1]
+    assert all(line.endswith(("| met |", "| missed |")) for line in strongest), strongest
