@@ -200,7 +200,8 @@ def targets_table(recs: Records) -> str:
         if t.reference and t.reference.startswith("best:"):
             peer = best(recs, t.reference)[1]
             text = text.format(peer=recs[peer]["label"] if peer else "none measured")
-        rows.append([text, f"#{t.issue}", shown + against, fmt(compared if t.reference else None, 2), f"{t.op} {bound}", met])
+        rows.append([text, f"#{t.issue}", shown + against, fmt(compared if t.reference else None, 2),
+                     f"{t.op} {bound}", met])
     return table(["target", "issue", "measured (s, or as named)", "ratio", "bound", "met"], rows)
 
 def table(header: list[str], rows: list[list[str]]) -> str:

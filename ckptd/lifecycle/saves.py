@@ -198,8 +198,9 @@ class Saves:
         """Refuse ``nbytes`` more for ``final`` unless its device keeps its margin after the writes in flight
         (and /dev/shm its own, where the staging slot is new: ``shm_free``)."""
         cfg = self.config
-        check_room(final, space, nbytes, self.state.reserved_on(space.device), margin_fraction=cfg.space_margin_fraction,
-                   margin_min=cfg.space_margin_bytes, shm_min_free=cfg.shm_min_free, shm_free=shm_free)
+        check_room(final, space, nbytes, self.state.reserved_on(space.device),
+                   margin_fraction=cfg.space_margin_fraction, margin_min=cfg.space_margin_bytes,
+                   shm_min_free=cfg.shm_min_free, shm_free=shm_free)
 
     def _queue(self, job: WriteJob, pending: PendingCheckpoint) -> None:
         """List an admitted write and start it, or queue it until ``pending``'s directory is made (first rank)."""

@@ -16,7 +16,9 @@ from typing import Any
 
 from ckptd.protocol.objects import is_object_path
 
-from ckptd.storage.contract import CheckpointReads, Checkpoints, Entry, Files, LocalStorage, ShardWriter, Space, Stat, Storage
+from ckptd.storage.contract import (
+    CheckpointReads, Checkpoints, Entry, Files, LocalStorage, ShardWriter, Space, Stat, Storage,
+)
 from ckptd.storage.local import LocalCheckpoints
 from ckptd.storage.store import ObjectCheckpoints, ObjectFiles
 
