@@ -116,7 +116,7 @@ def test_ranks_join_one_pending_checkpoint_until_it_is_complete(state, tmp_path)
     assert first.state is AttemptState.PREPARING and dest == tmp_path / "two.incomplete/rank-00000-of-00002.safetensors"
     second, _ = state.commits.admit(commit(2, rank=1, world_size=2), b"b", final, os.getpid())
     assert second is first and first.writing == 2 and first.missing == []
-    with pytest.raises(Conflict, match="rank 1 .* already being written"):
+    with pytest.raises(Conflict, match="rank 1 .* is already in it"):
         state.commits.admit(commit(3, rank=1, world_size=2), b"b", final, os.getpid())
     with pytest.raises(Conflict, match="world size 2"):
         state.commits.admit(commit(4, rank=0, world_size=3), b"c", final, os.getpid())
@@ -164,7 +164,7 @@ def test_disk_and_memory_attempts_share_one_set_of_rules_for_their_ranks(state, 
         late = attempt.overdue(attempt.started_at + attempt.timeout + 1)
         assert isinstance(late, RanksMissing) and f"{kind} {final}: ranks [1] of 2 never" in late.message
         sent: list[tuple[bytes, Error]] = []
-        attempt.tell_failed(lambda client, msg: sent.append((client, msg)), late.code, late.message)
+        attempt.tell_failed(lambda client, msg: sent.append((client, msg)), late)
         assert sent == [(b"a", Error(1, late.code, late.message))] and attempt.waiting == []
 
 
