@@ -99,6 +99,14 @@ def test_the_checkpoint_lifecycle_never_asks_which_backend_a_name_is_on() -> Non
     assert not asking, f"checkpoint operations, not backend checks: {asking}"
 
 
+def test_only_the_registry_moves_an_attempt() -> None:
+    """Every change of an attempt's state (disk or memory) goes through ``lifecycle/registry.Registry.move``, which
+    keeps the books: no other module of the daemon calls ``Attempt.move_to``."""
+    movers = {p.relative_to(REPO).as_posix() for p in _daemon() for node in ast.walk(ast.parse(p.read_text()))
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "move_to"}
+    assert movers == {"ckptd/lifecycle/registry.py"}, f"attempts moved outside the registry: {sorted(movers)}"
+
+
 READERS = ("export", "listing")
 """Daemon-side modules that read committed checkpoints through ``protocol/reading.py``."""
 CHOOSERS = ("objects", "reading")

@@ -120,7 +120,7 @@ def test_ranks_join_one_pending_checkpoint_until_it_is_complete(state, tmp_path)
         state.commits.admit(commit(3, rank=1, world_size=2), b"b", final, os.getpid())
     with pytest.raises(Conflict, match="world size 2"):
         state.commits.admit(commit(4, rank=0, world_size=3), b"c", final, os.getpid())
-    first.move_to(AttemptState.WRITING)
+    state.attempts.move(first, AttemptState.WRITING)
     assert not state.commits.shard_done(first, ShardRecord("rank-00000-of-00002.safetensors", 0, SHARD, 1, 0))
     assert state.commits.shard_done(first, ShardRecord("rank-00001-of-00002.safetensors", 1, SHARD, 1, 0))
     assert first.state is AttemptState.COMMITTING
@@ -141,20 +141,20 @@ def test_a_failed_checkpoint_fails_its_late_ranks_the_same_way_and_a_retry_start
 def test_a_checkpoint_moves_only_forward_and_ends_once(state, tmp_path) -> None:
     pending, _ = state.commits.admit(commit(1), b"a", tmp_path / "once", os.getpid())
     with pytest.raises(InternalError, match="cannot go from preparing to committing"):
-        pending.move_to(AttemptState.COMMITTING)  # no shard is written before its directory exists
-    pending.move_to(AttemptState.WRITING)
+        state.attempts.move(pending, AttemptState.COMMITTING)  # no shard is written before its directory exists
+    state.attempts.move(pending, AttemptState.WRITING)
     state.commits.fail(pending, RanksMissing("gone"))
     with pytest.raises(InternalError, match="cannot go from failed to failed"):
         state.commits.fail(pending, RanksMissing("twice"))  # each rank is told once
     with pytest.raises(InternalError, match="cannot go from failed to committed"):
-        pending.move_to(AttemptState.COMMITTED)
+        state.attempts.move(pending, AttemptState.COMMITTED)
 
 
 def test_disk_and_memory_attempts_share_one_set_of_rules_for_their_ranks(state, tmp_path) -> None:
     """Joining, overdue ranks and failing every waiting rank behave alike on disk and in memory."""
     final = tmp_path / "both"
     pending, _ = state.commits.admit(commit(1, world_size=2, path=str(final)), b"a", final, os.getpid())
-    snaps = Snapshots(budget=1 << 30, keep=1)
+    snaps = Snapshots(budget=1 << 30, keep=1, registry=state.attempts)
     shot = Snapshot(**{**commit(1, world_size=2, path=str(final)).__dict__})
     snap, _ = snaps.admit(shot, final, FakeSlot("s"), os.getpid(), b"a")  # type: ignore[arg-type]
     for attempt, kind in ((pending, "checkpoint"), (snap, "snapshot")):

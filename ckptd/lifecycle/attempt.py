@@ -124,7 +124,8 @@ class Attempt:
         raise NotImplementedError
 
     def move_to(self, state: AttemptState) -> None:
-        """Change state along ``NEXT_STATES``; any other move is a defect in a pipeline, never done silently."""
+        """Change state along ``NEXT_STATES``; any other move is a defect in a pipeline, never done silently.
+        Called by ``registry.Registry.move`` only, which keeps the books."""
         if state not in NEXT_STATES[self.state]:
             raise InternalError(f"{self.noun} {self.path} cannot go from {self.state.value} to {state.value}")
         self.state = state

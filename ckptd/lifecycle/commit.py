@@ -58,6 +58,7 @@ from ckptd.protocol.objects import display
 from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.paths import refuse_existing
+from ckptd.lifecycle.registry import Registry
 from ckptd.lifecycle.snapshots import HeldSnapshot
 from ckptd.storage.ownership import (
     is_owner_marker,
@@ -152,9 +153,9 @@ class FailedCheckpoint:
 class Commits:
     """Checkpoints in progress on this daemon, by final path (bookkeeping on the loop; I/O where marked)."""
 
-    def __init__(self, storage: CheckpointStorage) -> None:
-        self.storage = storage
-        self.pending: dict[Path, PendingCheckpoint] = {}
+    def __init__(self, storage: CheckpointStorage, registry: Registry) -> None:
+        self.storage, self.registry = storage, registry
+        self.pending: dict[Path, PendingCheckpoint] = registry.book()
         self.failed: dict[Path, FailedCheckpoint] = {}
         self.closing: dict[Path, list[Callable[[], None]]] = {}
         """Failed attempts whose ``p.incomplete`` is not yet out of the way, with what waits for it (a retry's
@@ -177,8 +178,8 @@ class Commits:
         self._refuse_late_rank_of_failed(final, commit)
         pending = self.pending.get(final)
         if pending is not None and pending.moved_on(commit):
-            self.forget(pending)  # its directory is another node's daemon's to publish or remove: left alone
-            pending.move_to(AttemptState.LET_GO)
+            # its directory is another node's daemon's to publish or remove: left alone
+            self.registry.move(pending, AttemptState.LET_GO)
             pending = None
         if pending is None:
             pending = PendingCheckpoint(path=final, world_size=commit.world_size, step=commit.step,
@@ -266,7 +267,7 @@ class Commits:
         if pending.coordinated:  # kept until its run's Finalize or Abort, or it ends elsewhere
             return False
         if pending.complete:
-            pending.move_to(AttemptState.COMMITTING)
+            self.registry.move(pending, AttemptState.COMMITTING)
         return pending.complete
 
     def forget_old_failures(self, now: float) -> None:
@@ -276,8 +277,7 @@ class Commits:
 
     def fail(self, pending: PendingCheckpoint, error: CkptdError) -> None:
         """Forget a failed checkpoint, remembering why for its late ranks."""
-        pending.move_to(AttemptState.FAILED)
-        self.forget(pending)
+        self.registry.move(pending, AttemptState.FAILED)
         self.closing.setdefault(pending.path, [])
         if not pending.coordinated:  # across nodes the ranks' own agreement tells late ranks
             remembered = max(pending.timeout, FAILED_MEMORY_S)  # a bare copy: no traceback pins frames
@@ -300,7 +300,7 @@ class Commits:
                                f"{kept.state.value} with {kept.writing} shard(s) in flight, world size "
                                f"{kept.world_size} and step {kept.step}; Finalize says world size {msg.world_size}, "
                                f"step {msg.step}")
-            kept.move_to(AttemptState.COMMITTING)
+            self.registry.move(kept, AttemptState.COMMITTING)
             kept.overwrite, kept.keep_last = msg.overwrite, msg.keep_last
             kept.shards = {f.rank: f for f in msg.files}
             kept.ranks_seen = set(range(msg.world_size))
@@ -423,7 +423,3 @@ class Commits:
         """Whether an attempt here has work of its own left (a settled one only waits for word from its run, which
         may come to another node's daemon: a drain or an idle exit does not wait for it)."""
         return any(not p.settled for p in self.pending.values())
-
-    def forget(self, pending: PendingCheckpoint) -> None:
-        if self.pending.get(pending.path) is pending:
-            del self.pending[pending.path]

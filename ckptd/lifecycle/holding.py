@@ -135,7 +135,7 @@ class Holding:
         """Every rank held here: from now on it is a snapshot a restore may use. A replacement (``overwrite=True``
         over a held snapshot) takes its path now, or, while the one it replaces is being written to disk, once
         that write ended (``persisted``): that write's end must find the snapshot it was writing."""
-        snap.move_to(AttemptState.HELD)
+        self.state.attempts.move(snap, AttemptState.HELD)
         replaced = self.snapshots.replaced_by(snap)
         if replaced is not None and replaced.persisting:
             log.info("event=snapshot_replace_deferred path=%s step=%s reason=persisting", snap.path, snap.step)
@@ -332,7 +332,7 @@ class Holding:
 
     def start_persist(self, snap: HeldSnapshot) -> None:
         """Hand every held shard of ``snap`` to the save pipeline; ``persisted`` answers its waiters."""
-        snap.move_to(AttemptState.PERSISTING)
+        self.state.attempts.move(snap, AttemptState.PERSISTING)
         snap.persist_started = time.monotonic()
         log.info("event=persist path=%s step=%s", snap.path, snap.step)
         storage, final = self.storage, snap.path
@@ -356,7 +356,7 @@ class Holding:
         writes it again, and an exit or a drain persists it if it is its directory's newest."""
         snap = self.snapshots.held.get(event.path)
         if snap is not None and snap.persisted:
-            snap.move_to(AttemptState.HELD)
+            self.state.attempts.move(snap, AttemptState.HELD)
             log.info("event=snapshot_unpersisted path=%s reason=retention_deleted_disk_copy", snap.path)
 
     def persisted(self, path: Path, error: CkptdError | None) -> None:
@@ -384,7 +384,7 @@ class Holding:
                 self._drop([(snap, "saved_to_disk")])
                 self._answer_persists(snap, why)
             return
-        snap.move_to(AttemptState.PERSISTED if error is None else AttemptState.HELD)
+        self.state.attempts.move(snap, AttemptState.PERSISTED if error is None else AttemptState.HELD)
         if error is not None:
             log.warning("event=persist_failed path=%s draining=%s error=%s", path, self.state.draining, error.message)
             self.state.stats.error(f"persisting snapshot {path} failed: {error.message}")

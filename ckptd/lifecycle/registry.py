@@ -1,4 +1,10 @@
-"""Every attempt in progress on this daemon, disk or memory, and the one housekeeping over them.
+"""Every attempt in progress on this daemon, disk or memory: their books, the one code that moves them, and the one
+housekeeping over them.
+
+Each pipeline keeps its attempts by path in books the registry gives it (``book``: ``Commits.pending``,
+``Snapshots.held`` and ``Snapshots.replacing``), and changes an attempt's state only through ``Registry.move``,
+along ``attempt.NEXT_STATES``; an attempt that ends leaves every book in the same call, so no book ever holds an
+ended attempt, nor forgets one that goes on (a test scans the daemon for any other caller of ``move_to``).
 
 Both pipelines (``saves.Saves``: attempts at a disk checkpoint; ``holding.Holding``: memory snapshots) gather
 their ranks the same way (``attempt.Attempt``). So what ends an attempt whose ranks will never all come is judged
@@ -14,11 +20,12 @@ Bookkeeping only, on the loop thread.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from pathlib import Path
+from typing import Any, Protocol, Sequence
 
 from ckptd.protocol.errors import CkptdError
 
-from ckptd.lifecycle.attempt import Attempt
+from ckptd.lifecycle.attempt import Attempt, AttemptState
 
 
 @dataclass(frozen=True)
@@ -53,10 +60,31 @@ class Pipeline(Protocol):
 
 
 class Registry:
-    """The attempts of every pipeline, and the one place that ends those whose ranks will never all come."""
+    """The attempts of every pipeline: their books, their moves, and the one place that ends those whose ranks will
+    never all come."""
 
-    def __init__(self, pipelines: Sequence[Pipeline]) -> None:
+    def __init__(self) -> None:
+        self._books: list[dict[Path, Any]] = []
+        self.pipelines: tuple[Pipeline, ...] = ()
+
+    def book(self) -> dict[Path, Any]:
+        """A new book of attempts by path, for a pipeline to keep its attempts in (an ended one leaves it)."""
+        book: dict[Path, Any] = {}
+        self._books.append(book)
+        return book
+
+    def keep(self, pipelines: Sequence[Pipeline]) -> None:
+        """The pipelines whose attempts ``housekeep`` looks at (built after their books)."""
         self.pipelines = tuple(pipelines)
+
+    def move(self, attempt: Attempt, state: AttemptState) -> None:
+        """Move ``attempt`` to ``state`` (``Attempt.move_to`` refuses a move the table lacks); one that ends
+        leaves every book it is in."""
+        attempt.move_to(state)
+        if attempt.ended:
+            for book in self._books:
+                if book.get(attempt.path) is attempt:
+                    del book[attempt.path]
 
     def housekeep(self, now: float, died: Sequence[DeadRank] = ()) -> None:
         """One round: fail what is overdue or waits for a rank that died, abandon what its contributors left."""

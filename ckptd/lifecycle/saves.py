@@ -231,7 +231,7 @@ class Saves:
         pending.owns_directory = fut.exception() is None
         if pending.state is AttemptState.PREPARING:
             if fut.exception() is None:
-                pending.move_to(AttemptState.WRITING)
+                self.state.attempts.move(pending, AttemptState.WRITING)
                 for job in jobs:
                     self._start(job, pending)
                 return
@@ -319,8 +319,7 @@ class Saves:
         if fut.exception() is not None:
             self.fail(pending, fut.exception())
             return
-        self.state.commits.forget(pending)
-        pending.move_to(AttemptState.COMMITTED)
+        self.state.attempts.move(pending, AttemptState.COMMITTED)
         seconds = time.monotonic() - pending.started_at
         nbytes = pending.index().total_bytes
         log.info("event=committed path=%s bytes=%d seconds=%.3f", pending.path, nbytes, seconds)
@@ -412,8 +411,7 @@ class Saves:
         if self.state.commits.pending.get(pending.path) is not pending or not pending.settled:
             return False
         log.info("event=let_go path=%s job=%r why=%s", pending.path, pending.contributors.job, why)
-        self.state.commits.forget(pending)
-        pending.move_to(AttemptState.LET_GO)
+        self.state.attempts.move(pending, AttemptState.LET_GO)
         return True
 
     def _release(self, pending: PendingCheckpoint) -> None:

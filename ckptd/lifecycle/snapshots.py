@@ -49,6 +49,7 @@ from ckptd.protocol.objects import display
 
 from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter
 from ckptd.lifecycle.contributors import Contributors
+from ckptd.lifecycle.registry import Registry
 from ckptd.lifecycle.slot_maps import MappedSlot
 from ckptd.tools.render import human_bytes
 
@@ -144,15 +145,14 @@ class HeldSnapshot(Attempt):
 class Snapshots:
     """The snapshots this daemon holds, by final path, within the memory budget."""
 
-    def __init__(self, budget: int, keep: int) -> None:
-        self.budget = budget
-        self.keep = keep
-        self.held: dict[Path, HeldSnapshot] = {}
+    def __init__(self, budget: int, keep: int, registry: Registry) -> None:
+        self.budget, self.keep, self.registry = budget, keep, registry
+        self.held: dict[Path, HeldSnapshot] = registry.book()
         self.released: dict[int, list[str]] = {}
         """Slots dropped from snapshots whose client is alive, by its pid: named in its next ``Held``."""
         self.parked: list[HeldSnapshot] = []
         """Dropped while pinned by a reader: no longer listed, their slots released when the last reader unpins."""
-        self.replacing: dict[Path, HeldSnapshot] = {}
+        self.replacing: dict[Path, HeldSnapshot] = registry.book()
         """Snapshots saved with ``overwrite=True`` over the acknowledged one held at their path, by path: not
         listed, read or persisted until complete (``promote``), so the held one serves until then."""
 
@@ -181,7 +181,7 @@ class Snapshots:
         old = self.held.get(snap.path)
         self.held[snap.path] = snap
         if old is not None:
-            old.move_to(AttemptState.DROPPED)
+            self.registry.move(old, AttemptState.DROPPED)
         return old
 
     @property
@@ -256,11 +256,7 @@ class Snapshots:
 
     def remove(self, snap: HeldSnapshot, ended: AttemptState) -> None:
         """``snap`` ends (failed or dropped) and leaves the books."""
-        if self.held.get(snap.path) is snap:
-            del self.held[snap.path]
-        if self.replacing.get(snap.path) is snap:
-            del self.replacing[snap.path]
-        snap.move_to(ended)
+        self.registry.move(snap, ended)
 
     def newest(self, *, pid: int | None = None) -> list[HeldSnapshot]:
         """Per directory, the newest acknowledged snapshot not yet on disk (of client ``pid``'s ranks, if given)."""

@@ -29,7 +29,7 @@ from ckptd.protocol.messages import (
 from ckptd.protocol.objects import display
 
 from ckptd.lifecycle.holding import Holding
-from ckptd.lifecycle.registry import DeadRank, Registry
+from ckptd.lifecycle.registry import DeadRank
 from ckptd.lifecycle.saves import Saves
 from ckptd.lifecycle.slot_maps import reclaim_orphaned_slots
 from ckptd.loop.config import DaemonConfig
@@ -68,7 +68,8 @@ class Server:
         self.mirrors = Mirrors(storage, config.mirrors, config.mirror_keep) if config.mirrors else None
         self.saves = Saves(self.state, self.workers, storage, config, self._send, self.known_dirs, self.events)
         self.holding = Holding(self.state, self.workers, storage, config, self._send, self.saves, self.events)
-        self.attempts = Registry((self.saves, self.holding))
+        self.attempts = self.state.attempts
+        self.attempts.keep((self.saves, self.holding))
         mirrors = self.mirrors
         self.retainer = Retainer(storage, self.workers, config, self.state.stats, self.events,
                                  self.state.commits.publishing,

@@ -23,6 +23,7 @@ from ckptd.protocol.layout import CheckedTable
 from ckptd.protocol.messages import StagedShard
 from ckptd.protocol.processes import pid_alive
 
+from ckptd.lifecycle.registry import Registry
 from ckptd.lifecycle.commit import Commits, PendingCheckpoint
 from ckptd.lifecycle.slot_maps import SlotMaps
 from ckptd.lifecycle.snapshots import Snapshots
@@ -57,19 +58,22 @@ class ClientRecord:
 class NodeState:
     """What one node's daemon is doing (loop thread only)."""
 
-    def __init__(self, config: DaemonConfig, storage: CheckpointStorage, slots: SlotMaps | None = None) -> None:
+    def __init__(self, config: DaemonConfig, storage: CheckpointStorage, slots: SlotMaps | None = None,
+                 attempts: Registry | None = None) -> None:
         self.config = config
+        self.attempts = attempts if attempts is not None else Registry()
+        """The attempts' books and their one mover (the lifecycle's ``Registry``): the pipelines keep theirs there."""
         self.clients: dict[bytes, ClientRecord] = {}
         self.staging: dict[tuple[bytes, int], Progress] = {}
         """Staging progress of every shard from its WriteShard or Snapshot until its write ends (``Staged`` finds
         it here)."""
         self.writes: list[WriteJob] = []
         """Admitted shard writes, queued or running, until they end (their bytes reserved on their device)."""
-        self.commits = Commits(storage)
+        self.commits = Commits(storage, self.attempts)
         self.leases = LoadLeases(config.max_concurrent_loads)
         self.slots = slots if slots is not None else SlotMaps()
         self.stats = Stats(config)
-        self.snapshots = Snapshots(config.memory_budget, config.keep_snapshots)
+        self.snapshots = Snapshots(config.memory_budget, config.keep_snapshots, self.attempts)
         self.draining = False
 
     # -- the view status reads (stats.NodeView) ---------------------------------
