@@ -53,6 +53,24 @@ except that dict subclasses (``OrderedDict`` state dicts) load as ``dict``
 and the conversions above. Tensors are views of a copy-on-write mapping of
 the shard (see ``ckptd.load``).
 
+Memory snapshots. ``CkptdSnapshots(every_n_train_steps=N)`` beside a
+``ModelCheckpoint(..., save_last=True)`` takes a memory snapshot every N
+steps between the checkpoints ``ModelCheckpoint`` persists: the whole
+checkpoint, held in node memory by the daemon instead of written, under
+``ModelCheckpoint``'s ``last.ckpt`` name. Why that shape: a second callback
+keeps the two numbers apart (snapshot every N, persist every M) and keeps
+snapshots out of ``ModelCheckpoint``'s top-k bookkeeping, which counts
+persisted checkpoints only; and a snapshot named ``last.ckpt`` is what
+``fit(ckpt_path="last")`` loads, since a load reads a held snapshot before
+the disk (``ckptd.load``): after a crash between two persists the run resumes
+from the newest snapshot, and ``last.ckpt`` persisted by ``ModelCheckpoint``
+replaces (drops) the snapshot whenever it is newer. Lightning resolves
+``"last"`` only to a file it finds on disk, so a run resumes from memory once
+``ModelCheckpoint`` has persisted a ``last.ckpt``. With Fabric, or by hand:
+``with checkpoint_io.in_memory(): fabric.save(path, state)`` (or
+``trainer.save_checkpoint(path)``) takes that save as a snapshot, and
+``fabric.load(path, state)`` reads a held snapshot from memory.
+
 Not covered. ``LightningModule.load_from_checkpoint(path)`` never asks the
 trainer's ``CheckpointIO``: it calls ``torch.load`` on ``path`` and fails on a
 directory. Load through the plugin instead (``trainer.fit/validate/test(
@@ -77,16 +95,18 @@ import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 try:
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from lightning.pytorch.core.datamodule import LightningDataModule
     from lightning.pytorch.core.module import LightningModule
     from lightning.pytorch.plugins.io import CheckpointIO
 except ImportError:  # only the older standalone package is installed
     try:
+        from pytorch_lightning.callbacks import Callback, ModelCheckpoint
         from pytorch_lightning.core.datamodule import LightningDataModule
         from pytorch_lightning.core.module import LightningModule
         from pytorch_lightning.plugins.io import CheckpointIO
@@ -96,10 +116,11 @@ except ImportError:  # only the older standalone package is installed
         ) from exc
 
 from ckptd.client import Client, SaveFuture, load
+from ckptd.client.memory import find_held
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint
 from ckptd.protocol.objects import absolute, canonical, display, is_object_path
 
-__all__ = ["CkptdCheckpointIO", "to_plain"]
+__all__ = ["CkptdCheckpointIO", "CkptdSnapshots", "to_plain"]
 
 log = logging.getLogger("ckptd.lightning")
 
@@ -286,6 +307,20 @@ class CkptdCheckpointIO(CheckpointIO):
         self._unreported: list[tuple[str, SaveFuture]] = []
         """Every save whose failure would not yet have been raised to the caller."""
         self._warned: set[str] = set()
+        self._in_memory = threading.local()
+
+    @contextlib.contextmanager
+    def in_memory(self) -> Iterator[None]:
+        """Make this thread's saves through the plugin memory snapshots (``persist=False``) while it lasts:
+        ``with io.in_memory(): fabric.save(path, state)``. Held by the node's daemon instead of written; loaded
+        from memory by ``load_checkpoint``; persisted by ``client.persist(path)``, or by the daemon when the
+        trainer closes or dies (``--persist-on-exit``)."""
+        before = getattr(self._in_memory, "on", False)
+        self._in_memory.on = True
+        try:
+            yield
+        finally:
+            self._in_memory.on = before
 
     @property
     def client(self) -> Client:
@@ -367,7 +402,8 @@ class CkptdCheckpointIO(CheckpointIO):
         self._warn_lossy(lossy)
         step = checkpoint.get("global_step")
         try:
-            fut = self.client.save_async(plain, path, step=step if type(step) is int else None, overwrite=True)
+            fut = self.client.save_async(plain, path, step=step if type(step) is int else None, overwrite=True,
+                                         persist=not getattr(self._in_memory, "on", False))
         except TypeError as exc:
             raise TypeError(f"{exc}. CkptdCheckpointIO converts only paths, argparse.Namespace, enums, numpy "
                             "scalars and OmegaConf containers; convert this value in "
@@ -397,8 +433,9 @@ class CkptdCheckpointIO(CheckpointIO):
         ``path`` may be an ``s3://`` URL.
         """
         self.wait(path)
-        if not is_object_path(path) and not os.path.lexists(path):
-            raise FileNotFoundError(f"Checkpoint not found: {path}")
+        if (not is_object_path(path) and not os.path.lexists(path)
+                and find_held(Path(absolute(path)), self.run_dir) is None):
+            raise FileNotFoundError(f"Checkpoint not found (neither on disk nor held in node memory): {path}")
         device = map_location if isinstance(map_location, (str, torch.device)) else None
         if isinstance(map_location, int):
             device = torch.device(map_location)  # as torch.load reads an int: that accelerator index
@@ -482,3 +519,40 @@ class CkptdCheckpointIO(CheckpointIO):
             self._warned.update(new)
             warnings.warn("CkptdCheckpointIO saved these values as plain ones; they load as such: " + "; ".join(new),
                           stacklevel=3)
+
+
+class CkptdSnapshots(Callback):
+    """A memory snapshot of the whole checkpoint every ``every_n_train_steps`` steps, as ``last.ckpt`` (see the
+    module docstring): ``Trainer(plugins=[CkptdCheckpointIO()], callbacks=[ModelCheckpoint(...,
+    save_last=True), CkptdSnapshots(every_n_train_steps=N)])``."""
+
+    def __init__(self, every_n_train_steps: int) -> None:
+        if isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) \
+                or every_n_train_steps < 1:
+            raise ValueError(f"every_n_train_steps must be a whole number of steps >= 1, got {every_n_train_steps!r}")
+        self.every_n_train_steps = every_n_train_steps
+
+    def _parts(self, trainer: Any) -> tuple[CkptdCheckpointIO, ModelCheckpoint]:
+        io = getattr(trainer.strategy, "checkpoint_io", None)
+        if not isinstance(io, CkptdCheckpointIO):
+            raise ValueError(f"CkptdSnapshots needs Trainer(plugins=[CkptdCheckpointIO()]); the trainer's checkpoint "
+                             f"IO is {type(io).__name__}")
+        keeper = trainer.checkpoint_callback
+        if not isinstance(keeper, ModelCheckpoint) or keeper.save_last is not True:
+            raise ValueError("CkptdSnapshots needs a ModelCheckpoint(save_last=True) (not save_last='link': a "
+                             "snapshot would replace the link, and a crash would leave no last.ckpt on disk for "
+                             "fit(ckpt_path='last') to find): its snapshots are that callback's last.ckpt, got "
+                             f"{'no ModelCheckpoint' if not isinstance(keeper, ModelCheckpoint) else keeper.save_last}")
+        return io, keeper
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._parts(trainer)  # refused at once, not at the first snapshot
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == 0 or step % self.every_n_train_steps or trainer.sanity_checking:
+            return
+        io, keeper = self._parts(trainer)
+        path = os.path.join(keeper.dirpath, keeper.CHECKPOINT_NAME_LAST + keeper.FILE_EXTENSION)
+        with io.in_memory():
+            trainer.save_checkpoint(path)

@@ -45,6 +45,15 @@ applied after each commit, and torchtitan's purge thread is never started
 A remote ``folder`` (``s3://``) is refused: save locally and let the daemon
 upload what commits (``ckptd start --mirror DIR=s3://BUCKET/PREFIX``).
 
+``memory_interval`` adds ckptd's memory tier beside torchtitan's ``interval``:
+between two persisted checkpoints, a memory snapshot every ``memory_interval``
+steps, held in node memory by the daemon instead of written (the same
+``step-N`` name; ``docs/memory.md``). A run resumes from the newest of either,
+so a trainer killed between two persists resumes from its last snapshot, read
+from memory; ``keep_latest_k`` counts persisted checkpoints only (snapshots
+follow the daemon's ``--keep-snapshots``), and the daemon persists a dead
+trainer's newest snapshot (``--persist-on-exit``).
+
 ``last_save_in_hf`` keeps working as torchtitan does it: the last step's
 model-only export is written by DCP's ``HuggingFaceStorageWriter`` into
 ``step-N`` (synchronously; it is an export for inference, not a ckptd
@@ -57,6 +66,7 @@ import os
 import re
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 try:
@@ -68,10 +78,12 @@ except ImportError as exc:
 
 import torch
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+from torchtitan.tools.logging import logger
 from torch.distributed.checkpoint.stateful import Stateful
 
 import ckptd
 from ckptd.client import Client, load_into
+from ckptd.client.memory import find_held
 from ckptd.protocol.names import INDEX_NAME
 
 __all__ = ["CheckpointManager"]
@@ -135,6 +147,17 @@ class CheckpointManager(DCPCheckpointManager):
         commit_timeout: float = 600.0
         """Seconds every rank has to hand its shard over before the save fails on every rank (``RanksMissing``)."""
 
+        memory_interval: int = 0
+        """Memory snapshot interval in steps, between the checkpoints ``interval`` persists: held in node memory by
+        the ckptd daemon instead of written, and resumed from when it is the newest (0: none)."""
+
+        def __post_init__(self) -> None:
+            super(CheckpointManager.Config, self).__post_init__()
+            if isinstance(self.memory_interval, bool) or not isinstance(self.memory_interval, int):
+                raise ValueError(f"memory_interval must be a whole number of steps, got {self.memory_interval!r}")
+            if self.memory_interval < 0:
+                raise ValueError("Memory snapshot interval cannot be negative (0: no snapshots).")
+
     def __init__(self, config: Config, **kwargs: Any) -> None:
         """torchtitan's arguments (``dataloader``, ``model_parts``, ``optimizers``, ...), as ``config.build`` passes.
 
@@ -154,6 +177,7 @@ class CheckpointManager(DCPCheckpointManager):
         self.keep_latest_k = config.keep_latest_k
         self.run_dir = config.run_dir
         self.commit_timeout = config.commit_timeout
+        self.memory_interval = config.memory_interval
         self._client: Client | None = None
 
     def _ckptd_client(self) -> Client:
@@ -166,8 +190,10 @@ class CheckpointManager(DCPCheckpointManager):
 
     @torch.no_grad()
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
-                 enable_garbage_collection: bool = False, to_hf: bool = False) -> Future | None:
+                 enable_garbage_collection: bool = False, to_hf: bool = False, *, persist: bool = True
+                 ) -> Future | None:
         """Save ``state_dict`` as the ckptd checkpoint ``checkpoint_id``; the save's future unless ``DISABLED``.
+        ``persist=False``: a memory snapshot (``memory_interval``), held by the daemon instead of written.
 
         A checkpoint already at ``checkpoint_id`` is replaced, as torchtitan's
         DCP writer overwrites it: a run rolled back by ``load_step`` saves
@@ -181,7 +207,8 @@ class CheckpointManager(DCPCheckpointManager):
             return super().dcp_save(state_dict, checkpoint_id, AsyncMode.DISABLED, enable_garbage_collection, to_hf)
         match = _STEP_NAME.fullmatch(os.path.basename(checkpoint_id))
         future = self._ckptd_client().save_async(state_dicts(state_dict), checkpoint_id,
-                                                 step=int(match.group(1)) if match else None, overwrite=True)
+                                                 step=int(match.group(1)) if match else None, overwrite=True,
+                                                 persist=persist)
         if async_mode == AsyncMode.DISABLED:
             future.result()
             return None
@@ -189,20 +216,26 @@ class CheckpointManager(DCPCheckpointManager):
 
     @torch.no_grad()
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        """torchtitan's save policy (interval, first step, last step); the save itself is one ckptd save."""
-        if not self._should_save(curr_step, last_step):
+        """torchtitan's save policy (interval, first step, last step), and between those a memory snapshot every
+        ``memory_interval`` steps; each is one ckptd save."""
+        persist = self._should_save(curr_step, last_step)
+        if not persist and not self._should_snapshot(curr_step):
             return False
         self.maybe_wait_for_saving()
-        if last_step:
+        if last_step and persist:
             self._save_last_step(curr_step)
             return True
         future = self.dcp_save(self._flattened_model_states_sd(), self._create_checkpoint_id(curr_step),
-                               self.async_mode)
+                               self.async_mode, persist=persist)
         if future is not None:
             self.save_future = future
             if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
                 self.staging_future = future.staged
         return True
+
+    def _should_snapshot(self, curr_step: int) -> bool:
+        return (self.enable and not self.load_only and self.memory_interval > 0 and curr_step > 0
+                and curr_step % self.memory_interval == 0)
 
     def _purge_stale_checkpoints(self) -> None:
         """Nothing: the daemon applies ``keep_latest_k`` (``keep_last``) after each commit."""
@@ -214,15 +247,30 @@ class CheckpointManager(DCPCheckpointManager):
         Collective under torch.distributed: the ranks agree on one ckptd checkpoint.
         """
         folder = folder or self.folder
-        if not os.path.isdir(folder):
-            return -1
-        return max(self._newest_ckptd_step(folder), _newest_dcp_step(folder))
+        ours = self._newest_ckptd_step(folder)  # collective; a folder of snapshots alone need not exist on disk
+        return max(ours, _newest_dcp_step(folder)) if os.path.isdir(folder) else ours
+
+    def load(self, step: int = -1) -> bool:
+        """torchtitan's load, and a load of a memory snapshot (the newest, or ``load_step``'s), which has no
+        ``step-N`` folder on disk for torchtitan's own load to find."""
+        if not self.enable:
+            return super().load(step)
+        target = self._find_load_step() if step == -1 else step
+        checkpoint_id = self._create_checkpoint_id(target) if target >= 0 else ""
+        if (target < 0 or os.path.isdir(checkpoint_id)
+                or find_held(Path(checkpoint_id), self.run_dir) is None):
+            return super().load(target)
+        logger.info(f"Loading the memory snapshot {checkpoint_id} from the ckptd daemon.")
+        self.dcp_load(self._states_to_load(target == 0), checkpoint_id=checkpoint_id, from_hf=False,
+                      from_quantized=False)
+        return True
 
     def _newest_ckptd_step(self, folder: str) -> int:
         newest = ckptd.latest(folder, run_dir=self.run_dir)
         if newest is None:
             return -1
-        step = ckptd.read_index(newest).step
+        held = None if os.path.isdir(newest) else find_held(Path(newest), self.run_dir)
+        step = held["step"] if held is not None else ckptd.read_index(newest).step
         if step is None or os.path.realpath(newest) != os.path.realpath(self._create_checkpoint_id(step, folder)):
             raise ValueError(f"the newest checkpoint in checkpoint.folder {folder} is {newest}, which is not "
                              f"torchtitan's step-N checkpoint of its step ({step}); move it out of the folder")
@@ -238,7 +286,8 @@ class CheckpointManager(DCPCheckpointManager):
         a model-only load), as DCP does; keys it lacks are an error. A ckptd
         checkpoint folder that also holds a DCP checkpoint is refused.
         """
-        if from_hf or not os.path.isfile(os.path.join(checkpoint_id, INDEX_NAME)):
+        if from_hf or not (os.path.isfile(os.path.join(checkpoint_id, INDEX_NAME))
+                           or find_held(Path(checkpoint_id), self.run_dir) is not None):
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
         _check_one_run(checkpoint_id)

@@ -29,21 +29,24 @@ from ckptd.integrations.torchtitan import CheckpointManager
 
 from helpers import wait_until
 from sharded_ranks import run_ranks
-from titan_ranks import (ROLLED_BACK_TO, SAVED, export_last_step_in_hf, parallel_aware, resume,
+from titan_ranks import (PERSISTED, ROLLED_BACK_TO, SAVED, SNAPSHOTTED, export_last_step_in_hf, parallel_aware,
+                         resume, resume_from_snapshot, train_with_snapshots_until_killed,
                          resume_after_model_only_last_step, resume_at, carry_over, roll_back, same, switch_back,
                          train_to_saved,
                          train_until_killed)
 from zygote import start_ranks
 
 
-def kill_mid_training(daemon, folder: Path, mode: str, out: Path) -> list[dict]:
-    """Two ranks train and save; rank 1 dies by SIGKILL mid-step. Their logs.
+def kill_mid_training(daemon, folder: Path, mode: str | None, out: Path) -> list[dict]:
+    """Two ranks train and save (``mode``: torchtitan's async mode; None: snapshotting between persists); rank 1
+    dies by SIGKILL mid-step. Their logs.
 
     Rank 0 waits for it in a collective: gloo may fail that wait (the peer's
     connection closed), else the test kills it.
     """
-    ctx = start_ranks(train_until_killed, (2, str(out / "init-train"), str(daemon.run_dir), str(folder), mode,
-                                           str(out)), 2)
+    common = (2, str(out / "init-train"), str(daemon.run_dir), str(folder))
+    ctx = (start_ranks(train_until_killed, (*common, mode, str(out)), 2) if mode is not None
+           else start_ranks(train_with_snapshots_until_killed, (*common, str(out)), 2))
     try:
         wait_until(lambda: ctx.processes[1].exitcode is not None, timeout=300,
                    what=lambda: f"rank 1 is still alive: {[p.exitcode for p in ctx.processes]}")
@@ -91,6 +94,33 @@ def check_resumed(daemon, folder: Path, mode: str, tmp_path: Path, out: Path) ->
         assert log["purge_thread"] is False  # the daemon keeps keep_latest_k, not torchtitan's purge thread
     resumed = ckptd.read_index(folder / f"step-{SAVED + 2}")
     assert (resumed.step, resumed.world_size) == (SAVED + 2, 3)
+
+
+@pytest.mark.timeout(600)
+def test_a_run_killed_between_two_persists_resumes_from_its_newest_memory_snapshot(daemon_factory, root: Path,
+                                                                                  tmp_path: Path) -> None:
+    """``memory_interval=1`` beside ``interval=4``: step 4 persisted, steps 5 and 6 snapshots in node memory; the
+    daemon persists nothing on the trainer's death (``--persist-on-exit never``), so the resume at step 6 can only
+    come from memory; ``keep_latest_k`` then counts the persisted checkpoints alone."""
+    daemon = daemon_factory("--persist-on-exit", "never")
+    folder, out = root / "titan-memory", tmp_path / "out"
+    out.mkdir()
+    first = kill_mid_training(daemon, folder, None, out)
+    for log in first:
+        assert [s["step"] for s in log["saves"]] == list(range(1, SNAPSHOTTED + 1))
+        assert [s["step"] for s in log["saves"] if s["committed_on_return"]] in ([], [PERSISTED])
+    on_disk = lambda: sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []  # noqa: E731
+    assert on_disk() == [f"step-{PERSISTED}"], f"only the persisted step is on disk: {on_disk()}"
+    assert ckptd.latest(folder, run_dir=daemon.run_dir) == folder / f"step-{SNAPSHOTTED}"
+
+    logs = run_ranks(resume_from_snapshot, 2, tmp_path, "resume", str(daemon.run_dir), str(folder), str(out))
+    for log in logs:
+        assert log["loaded"] is True and log["step"] == SNAPSHOTTED, log
+        assert log["differ"] == [], f"restored differently from what was held: {log['differ']}"
+        assert [s["step"] for s in log["saves"]] == [SNAPSHOTTED + 1, 2 * PERSISTED]
+    assert (folder / f"step-{2 * PERSISTED}" / "ckptd.json").exists()
+    wait_until(lambda: on_disk() == [f"step-{PERSISTED}", f"step-{2 * PERSISTED}"], timeout=60,
+               what=lambda: f"the persisted checkpoints alone on disk (keep_latest_k=2): {on_disk()}")
 
 
 @pytest.mark.timeout(400)
@@ -239,3 +269,10 @@ def test_a_remote_folder_is_refused_naming_the_mirror() -> None:
     with pytest.raises(ValueError, match=r"checkpoint.folder s3://bucket/run is remote: .* --mirror DIR=s3://"):
         config.build(dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={},
                      sd_adapter=None)
+
+
+@pytest.mark.parametrize("value", [-1, True, 2.5, "10"])
+def test_a_memory_interval_that_is_no_whole_number_of_steps_is_refused_as_torchtitan_refuses_its_own(value) -> None:
+    with pytest.raises(ValueError, match="[Mm]emory.*interval"):
+        CheckpointManager.Config(enable=True, folder="run", memory_interval=value)
+    assert CheckpointManager.Config(enable=True, folder="run", memory_interval=0).memory_interval == 0

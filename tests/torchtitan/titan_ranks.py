@@ -374,3 +374,50 @@ def resume_at(rank: int, world: int, init: str, run_dir: str, folder: str, manag
         return {"differ": differ}
 
     run_rank(rank, world, init, out, "load", body)
+
+
+SNAPSHOTTED = 6
+"""The newest memory snapshot of the snapshotting run (every step), past its last persisted checkpoint (every 4)."""
+PERSISTED = 4
+
+
+def train_with_snapshots_until_killed(rank: int, world: int, init: str, run_dir: str, folder: str, out: str) -> None:
+    """Persist every ``PERSISTED`` steps and snapshot every step, to step ``SNAPSHOTTED``; rank 0 saves the gathered
+    state as the reference, then rank 1 kills itself halfway through the next step (as ``train_until_killed``)."""
+    from ckptd.integrations.torchtitan import CheckpointManager
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    run = example.Run.build(config(CheckpointManager, folder, run_dir, interval=PERSISTED, memory_interval=1),
+                            steps=100)
+    loaded = run.manager.load()
+    saves = train(run, SNAPSHOTTED)
+    run.manager.maybe_wait_for_saving()  # step SNAPSHOTTED held: what the resume must find
+    reference = snapshot(run)
+    if rank == 0:
+        torch.save(reference, Path(out) / "reference.pt")
+    Path(out, f"train-{rank}.json").write_text(json.dumps({"loaded": loaded, "saves": saves}))
+    dist.barrier()
+    run.forward_backward(next(iter(run.dataloader)))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # waits for a peer that is gone
+
+
+def resume_from_snapshot(rank: int, world: int, init: str, run_dir: str, folder: str, out: str) -> None:
+    """Resume with the snapshotting configuration, compare with the reference, train on to the next persist."""
+    from ckptd.integrations.torchtitan import CheckpointManager
+
+    def body() -> dict:
+        run = example.Run.build(config(CheckpointManager, folder, run_dir, interval=PERSISTED, memory_interval=1),
+                                steps=2 * PERSISTED)
+        loaded = run.manager.load()
+        restored = snapshot(run)
+        reference = torch.load(Path(out) / "reference.pt")
+        differ = sorted(k for k in reference if not same(restored[k], reference[k]))
+        log = {"loaded": loaded, "step": run.state.step, "differ": differ}
+        if loaded and not differ:
+            log["saves"] = train(run, 2 * PERSISTED)
+        run.manager.close()
+        return log
+
+    run_rank(rank, world, init, out, "resume", body)
