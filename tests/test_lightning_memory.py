@@ -1,8 +1,9 @@
 """Lightning and Fabric reach the memory tier: ``CkptdSnapshots`` snapshots ``last.ckpt`` into node memory between the
 checkpoints ``ModelCheckpoint`` persists, a Trainer killed between two persists resumes from the newest snapshot with
-``fit(ckpt_path="last")``, and ``CkptdCheckpointIO.in_memory()`` makes a Fabric save a snapshot.
+``fit(ckpt_path="last")``, and ``CkptdCheckpointIO.in_memory()`` makes a Fabric save a snapshot, so a Fabric loop
+killed between two persists resumes from its newest snapshot too.
 
-The killed Trainer runs in a process of its own that SIGKILLs itself once the snapshot of step 6 is held (the
+The killed Trainer (and Fabric loop) runs in a process of its own that SIGKILLs itself once the snapshot of step 6 is held (the
 test sees its exit by SIGKILL), against a daemon started with ``--persist-on-exit never``, so the snapshot can
 reach no disk: the resume at step 6 can only come from memory.
 """
@@ -47,6 +48,39 @@ class KillOnceHeld(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 trainer_for(root, run_dir, 100, KillOnceHeld()).fit(TinyModel(), loader())
+"""
+
+
+FABRIC_RUN = """
+import os, signal, sys
+from pathlib import Path
+import torch
+import lightning as L
+from ckptd.integrations.lightning import CkptdCheckpointIO
+
+root, run_dir, out, killed_at, persist_every = (Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]),
+                                                int(sys.argv[4]), int(sys.argv[5]))
+io = CkptdCheckpointIO(run_dir=run_dir, spawn=False)
+fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
+torch.manual_seed(0)
+module = torch.nn.Linear(16, 4)
+model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=0.01))
+for step in range(1, 100):
+    loss = model(torch.randn(8, 16)).square().mean()
+    fabric.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    state = {"model": model, "optimizer": optimizer, "global_step": step}
+    path = root / f"step-{step}"
+    if step % persist_every == 0:
+        fabric.save(path, state)
+    else:
+        with io.in_memory():
+            fabric.save(path, state)
+    if step == killed_at:
+        io.wait(path)  # held by the daemon
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / "reference.pt")
+        os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
@@ -127,3 +161,26 @@ def test_a_fabric_save_in_memory_is_held_loaded_back_from_memory_and_persisted_o
     io.teardown()
     with pytest.raises(FileNotFoundError, match="neither on disk nor held in node memory"):
         io.load_checkpoint(root / "fabric" / "never")
+
+
+@pytest.mark.timeout(300)
+def test_a_fabric_loop_killed_between_two_persists_resumes_from_its_newest_snapshot(daemon_factory, root: Path,
+                                                                                   run_dir: Path,
+                                                                                   tmp_path: Path) -> None:
+    daemon_factory("--persist-on-exit", "never")
+    run = subprocess.run([sys.executable, "-c", FABRIC_RUN, str(root), str(run_dir), str(tmp_path), str(KILLED_AT),
+                          str(PERSIST_EVERY)], cwd=str(REPO), capture_output=True, text=True, timeout=240)
+    assert run.returncode == -signal.SIGKILL, f"the loop exited {run.returncode}: {run.stderr[-4000:]}"
+    assert sorted(p.name for p in root.iterdir()) == [f"step-{PERSIST_EVERY}"], "only the persisted step on disk"
+    newest = ckptd.latest(root, run_dir=run_dir)
+    assert newest == root / f"step-{KILLED_AT}" and not newest.exists()
+
+    io = CkptdCheckpointIO(run_dir=run_dir, spawn=False)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
+    model = fabric.setup_module(torch.nn.Linear(16, 4))
+    state = {"model": model, "global_step": 0}
+    fabric.load(newest, state, strict=False)  # the optimizer's state is left out here
+    assert state["global_step"] == KILLED_AT
+    reference = torch.load(tmp_path / "reference.pt")
+    assert all(torch.equal(model.state_dict()[k], reference[k]) for k in reference), "resumed other weights"
+    io.teardown()
