@@ -47,6 +47,7 @@ process of its own), and there uses that process's shared client.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -205,9 +206,13 @@ class StorageWriter(_DCPStorageWriter):
                                             keep_last=self.keep_last, block=True, persist=self.persist,
                                             started=started, coordinated=self.persist)
             saved.staged.add_done_callback(lambda f: self._staging_over(f.exception()))
-            saved.result()
-            durable = reply.result() if self.persist else None
-            assert durable is None or isinstance(durable, Durable)
+            if self.persist:
+                saved.result()
+                durable = reply.result()
+                assert isinstance(durable, Durable)
+            else:  # held once every rank is: waited for after the agreement, so a rank that failed is not waited on
+                saved.staged.result()
+                durable = None
         except Exception as exc:
             failure = exc
             self._staging_over(exc)
@@ -217,11 +222,17 @@ class StorageWriter(_DCPStorageWriter):
         everyone = all_gather_msgpack(outcome, self._group) if self._group is not None else [outcome]
         failures = [entry[1] for entry in everyone if entry[0] != "ok"]
         if failures:
-            if client.rank == 0 and self.persist:  # a snapshot's failure fails it on the daemon itself
+            if client.rank == 0:  # a snapshot too: the daemon fails the ranks it holds of it, at once
                 self._abort("; ".join(failures))
             if failure is not None:
                 raise failure
-            raise RanksMissing(f"checkpoint {self.path} was not committed: {'; '.join(failures)}")
+            if not self.persist:
+                with contextlib.suppress(Exception):  # failed by the Abort: the rank's slot is its own again
+                    saved.result(timeout=self.commit_timeout)
+            what = "checkpoint {} was not committed" if self.persist else "snapshot {} was not held"
+            raise RanksMissing(f"{what.format(self.path)}: {'; '.join(failures)}")
+        if not self.persist:
+            saved.result()  # every rank's shard is in: the snapshot is held, or fails on every rank
         results = [WriteResult(item.index, _item_bytes(item), None) for item in plan.items]
         if durable is not None:  # finish publishes with every rank's record
             record = (durable.file, durable.rank, durable.size, durable.checksum, durable.tensors)

@@ -389,7 +389,8 @@ class Finalize(Message):
 
 @dataclass(frozen=True)
 class Abort(Message):
-    """Give up checkpoint ``path`` (a rank failed): remove what was written, if it is run ``job``'s attempt.
+    """Give up checkpoint ``path`` (a rank failed): remove what was written, if it is run ``job``'s attempt; a
+    memory snapshot of run ``job`` still gathering its ranks there fails on every rank (its held shards go back).
 
     A rank refused because another run is saving the path aborts too; that
     Abort must not end the other run's attempt, so it names its own run.

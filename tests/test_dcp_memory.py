@@ -112,6 +112,33 @@ def test_a_snapshot_through_the_process_executor_is_held_and_loaded_back_on_ever
     assert str(path) in _held(run_dir) and not path.exists()
 
 
+def _snapshot_with_a_bad_rank(rank: int, world: int, init: str, run_dir: str, path: str, out: str) -> None:
+    """Rank 1's state holds a value ckptd cannot keep (a set); rank 0's is fine. Both snapshot through DCP with the
+    default commit timeout (600 s), then both retry with good states."""
+    def body() -> dict:
+        state = {"w": torch.full((64,), float(rank)), **({"bad": {1, 2}} if rank == 1 else {})}
+        writer = StorageWriter(path, run_dir=run_dir, step=1, persist=False)
+        try:
+            dcp.save(state, storage_writer=writer)
+            first = "saved"
+        except CheckpointException as exc:
+            first = str(exc)
+        dcp.save({"w": torch.full((64,), float(rank))}, storage_writer=StorageWriter(path, run_dir=run_dir, step=1,
+                                                                                     persist=False))
+        return {"first": first}
+
+    run_rank(rank, world, init, out, "bad", body)
+
+
+@pytest.mark.timeout(200)  # the commit timeout is 600 s: waiting for it fails the test
+def test_a_rank_whose_snapshot_fails_fails_the_others_at_once_naming_its_error(daemon, root, run_dir, tmp_path):
+    path = root / "bad-rank" / "step-1"
+    logs = run_ranks(_snapshot_with_a_bad_rank, 2, tmp_path, "bad", str(run_dir), str(path), str(tmp_path))
+    assert all("state_dict['bad'] holds a builtins.set" in log["first"] for log in logs), logs
+    assert "snapshot" in logs[0]["first"] and "was not held: rank 1: TypeError" in logs[0]["first"], logs[0]
+    assert str(path) in _held(run_dir) and not path.exists(), "the retry with good states is held"
+
+
 def test_the_reader_says_what_is_missing_when_neither_memory_nor_disk_holds_the_path(daemon, root, run_dir,
                                                                                      monkeypatch):
     monkeypatch.setenv("CKPTD_RUN_DIR", str(run_dir))

@@ -27,9 +27,11 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
-from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed, ShuttingDown, WriteFailed
+from ckptd.protocol.errors import (
+    CkptdError, InvalidCheckpoint, PathNotAllowed, RanksMissing, ShuttingDown, WriteFailed,
+)
 from ckptd.protocol.messages import (
-    Accepted, Done, Error, Held, Message, Ok, Persist, Pin, Snapshot, SnapshotList, Snapshots, Unpin,
+    Abort, Accepted, Done, Error, Held, Message, Ok, Persist, Pin, Snapshot, SnapshotList, Snapshots, Unpin,
 )
 from ckptd.protocol.objects import display, is_permanent
 from ckptd.protocol.shm import slot_name
@@ -294,6 +296,23 @@ class Holding:
             self._hand_back(shards, done)
         else:
             then()
+
+    def abort(self, ident: bytes, msg: Abort) -> None:
+        """A rank of run ``msg.job`` gave up on a save of ``msg.path``; Ok follows. A snapshot of that run still
+        gathering its ranks there fails on every rank at once (``ckptd.dcp.StorageWriter`` aborts when a rank's
+        shard never came, so the others do not wait for their timeout); anything else is a coordinated disk
+        attempt's Abort (``Saves.abort_at``)."""
+
+        def abort(final: Path) -> None:
+            candidates = (self.snapshots.replacing.get(final), self.snapshots.held.get(final))
+            snap = next((s for s in candidates if s is not None and s.open and s.contributors.job == msg.job), None)
+            if snap is None:
+                self.saves.abort_at(ident, msg, final)
+                return
+            self.fail(snap, RanksMissing(f"snapshot {display(final)} was aborted: {msg.reason}"))
+            self.send(ident, Ok(msg.id))
+
+        self.saves.resolve_then(ident, msg.id, msg.path, abort)
 
     # -- what is held -----------------------------------------------------------
 

@@ -331,28 +331,25 @@ class Saves:
 
     # -- failures -------------------------------------------------------------
 
-    def abort(self, ident: bytes, msg: Abort) -> None:
-        """A rank of run ``msg.job`` gave up on a coordinated checkpoint; Ok follows once it is failed here.
+    def abort_at(self, ident: bytes, msg: Abort, final: Path) -> None:
+        """A rank of run ``msg.job`` gave up on coordinated checkpoint ``final`` (resolved; a memory snapshot's
+        Abort is ``Holding.abort``'s); Ok follows once it is failed here.
 
         Only that run's attempt is failed: the Abort of a run whose ranks were
         refused because another run is saving the path is logged and answered,
         and the other run's attempt goes on.
         """
-
-        def abort(final: Path) -> None:
-            pending = self.state.commits.pending.get(final)
-            if pending is not None and pending.contributors.job != msg.job:
-                log.warning("event=abort_of_other_run path=%s job=%r attempt_job=%r reason=%s", final, msg.job,
-                            pending.contributors.job, msg.reason)
-            else:
-                pending = pending or PendingCheckpoint(
-                    path=final, world_size=1, step=None, overwrite=False, coordinated=True,
-                    state=AttemptState.WRITING, owns_directory=True, contributors=Contributors(msg.job))
-                if pending.state is not AttemptState.FAILED:
-                    self.fail(pending, RanksMissing(f"checkpoint {display(final)} was aborted: {msg.reason}"))
-            self.send(ident, Ok(msg.id))
-
-        self.resolve_then(ident, msg.id, msg.path, abort)
+        pending = self.state.commits.pending.get(final)
+        if pending is not None and pending.contributors.job != msg.job:
+            log.warning("event=abort_of_other_run path=%s job=%r attempt_job=%r reason=%s", final, msg.job,
+                        pending.contributors.job, msg.reason)
+        else:
+            pending = pending or PendingCheckpoint(
+                path=final, world_size=1, step=None, overwrite=False, coordinated=True,
+                state=AttemptState.WRITING, owns_directory=True, contributors=Contributors(msg.job))
+            if pending.state is not AttemptState.FAILED:
+                self.fail(pending, RanksMissing(f"checkpoint {display(final)} was aborted: {msg.reason}"))
+        self.send(ident, Ok(msg.id))
 
     def fail(self, pending: PendingCheckpoint, exc: BaseException) -> None:
         """Fail a checkpoint: tell every rank, remember why, clean up once no shard is being written."""

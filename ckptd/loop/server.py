@@ -97,7 +97,7 @@ class Server:
             Unpin: self.holding.unpin,
             Staged: lambda ident, m: self.saves.staged(ident, m.upto, m.error, m.id),
             Finalize: self.saves.finalize,
-            Abort: self.saves.abort,
+            Abort: self.holding.abort,
             Status: self._on_status,
             Ping: lambda ident, m: Pong(m.id),
             Lease: self._on_lease,
