@@ -302,8 +302,9 @@ def open_checkpoint(path: Path, *, verify: bool, run_dir: str | os.PathLike | No
     except InvalidCheckpoint as exc:
         if files_for(path).unanswered_is_error or path.exists():  # on a store, a failed read never means "nothing there"
             raise
-        raise InvalidCheckpoint(f"{exc}; nor does this node's daemon hold a memory snapshot of it (a snapshot is "
-                                f"dropped once --keep-snapshots newer ones of its job are held)") from None
+        raise InvalidCheckpoint(f"{exc}; nor does this node's daemon hold a memory snapshot of it (one taken there "
+                                f"is gone if --keep-snapshots newer ones of its job are held, or the daemon "
+                                f"restarted)") from None
     return ChunkFiles(path, index, verify=verify, defer=defer)
 
 

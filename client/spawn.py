@@ -59,9 +59,12 @@ def ensure_daemon(run_dir: Path, endpoint: str, *, spawn: bool, timeout: float =
                 f"started a ckptd daemon on {run_dir}, but it did not finish starting within {timeout:.0f} s; "
                 f"see {run_dir / LOG_NAME}, or start one yourself with `ckptd start --run-dir {run_dir}`"
             ) from None
-        if proc.returncode != 0:
+        # Another start may have won the run directory meanwhile (a supervisor restarting the daemon this client
+        # lost): that daemon is the one to reach, and it is waited for below like one spawned here.
+        if proc.returncode != 0 and running_daemon_pid(endpoint) is None:
             raise DaemonUnavailable(f"could not start a ckptd daemon on {run_dir}: {proc.stderr.strip()}")
     deadline = time.monotonic() + timeout
     while not answers(endpoint, timeout=1.0):
         if time.monotonic() > deadline:
-            raise DaemonUnavailable(f"spawned a ckptd daemon but nothing answers at {endpoint} ({run_dir / SOCKET_NAME})")
+            raise DaemonUnavailable(f"a ckptd daemon was started but nothing answers at {endpoint} "
+                                    f"({run_dir / SOCKET_NAME}); see {run_dir / LOG_NAME}")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -217,3 +218,53 @@ def test_a_slot_whose_header_disagrees_with_the_commit_is_refused(daemon, client
     assert isinstance(reply, Error) and reply.code == ErrorCode.BAD_SLOT, reply
     sock.close()
     assert not (root / "lie").exists()
+
+
+def test_a_client_whose_own_start_meets_a_daemon_started_meanwhile_reaches_that_daemon(run_dir, root,
+                                                                                      monkeypatch) -> None:
+    """A supervisor restarted the daemon, which does not answer yet (stopped here) when a client looks: the client's
+    own start is refused (a daemon runs there), and the client waits for that daemon instead of failing (found by
+    the new-user pass: a save right after a supervisor's restart failed with DaemonUnavailable)."""
+    import psutil
+
+    monkeypatch.setenv("CKPTD_ROOTS", str(root))
+    daemon = start_daemon(run_dir, root)
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    outcome: dict = {}
+
+    def make() -> None:
+        try:
+            outcome["client"] = ckptd.Client(run_dir=run_dir, spawn=True, timeout=0.5)
+        except Exception as exc:  # reported below
+            outcome["error"] = exc
+
+    def own_starts() -> list:
+        found = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if "--exit-when-idle" in p.cmdline():
+                    found.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
+    thread = threading.Thread(target=make)
+    try:
+        thread.start()
+        seen: list = []
+        wait_until(lambda: seen.extend(own_starts()) or seen or "error" in outcome, 60, "the client's own start")
+        assert seen, f"the client never started a daemon of its own: {outcome}"
+        wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in seen), 60,
+                   "the client's own start to be refused")
+        assert "error" not in outcome, f"the client gave up on the daemon that runs there: {outcome['error']}"
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    thread.join(60)
+    client = outcome.get("client")
+    assert client is not None, outcome
+    try:
+        client.save_async({"w": torch.ones(4)}, root / "after-restart").result(30)
+        assert status(run_dir)["daemon"]["pid"] == daemon.proc.pid
+    finally:
+        client.close()
+        daemon.kill()
