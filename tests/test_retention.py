@@ -10,6 +10,7 @@ never holding up the next commit.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -282,3 +283,26 @@ def test_a_daemon_killed_inside_a_deletion_leaves_what_its_restart_sweeps(daemon
     wait_until(lambda: not aside.exists(), 30, lambda: f"the restart sweeps {aside}: {sorted(root.iterdir())}")
     assert sorted(p.name for p in root.iterdir()) == ["step-2"]
     assert ckptd.load(root / "step-2")["w"].tolist() == [1.0] * 1000
+
+
+def test_a_persisted_snapshot_that_retention_deletes_leaves_memory_too_and_no_drain_brings_it_back(
+        daemon_factory, client_factory, root, run_dir) -> None:
+    """step-14 snapshotted and persisted, then step-15 and step-20 saved with keep_last=2: retention deletes
+    step-14's disk copy, and the held snapshot goes with it. Before, it was held on as "in memory only", the drain
+    at SIGTERM persisted it again as its directory's newest snapshot, and that persist's keep_last=2 deleted
+    step-15 (found by a new-user pass)."""
+    daemon = daemon_factory()
+    client = client_factory()
+    client.save_async({"w": torch.full((8,), 14.0)}, root / "step-14", step=14, keep_last=2, persist=False).result(30)
+    client.persist(root / "step-14")
+    for step in (15, 20):
+        client.save_async({"w": torch.full((8,), float(step))}, root / f"step-{step}", step=step,
+                          keep_last=2).result(30)
+    wait_until(lambda: not (root / "step-14").exists(), 30, "retention to delete step-14")
+    wait_until(lambda: daemon.status()["memory"]["snapshots"] == [], 30, "the held step-14 to be dropped too")
+    assert ckptd.latest(root, run_dir=run_dir) == root / "step-20"
+    client.close()
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(60) == 0
+    assert sorted(p.name for p in root.iterdir()) == ["step-15", "step-20"]
+    assert "reason=retention_deleted_disk_copy" in (daemon.run_dir / LOG_NAME).read_text()

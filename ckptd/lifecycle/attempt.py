@@ -51,7 +51,7 @@ class AttemptState(str, Enum):
     PERSISTING = "persisting"
     """Memory: held, and being written to disk by the save pipeline."""
     PERSISTED = "persisted"
-    """Memory: held, and committed on disk too (back to ``held`` if retention deletes that copy)."""
+    """Memory: held, and committed on disk too (dropped if retention deletes that copy)."""
     COMMITTED = "committed"
     """Ended, disk: published under its name."""
     FAILED = "failed"
@@ -71,7 +71,7 @@ NEXT_STATES: dict[AttemptState, frozenset[AttemptState]] = {
     _S.HOLDING: frozenset({_S.HELD, _S.FAILED}),
     _S.HELD: frozenset({_S.PERSISTING, _S.DROPPED}),
     _S.PERSISTING: frozenset({_S.PERSISTED, _S.HELD}),
-    _S.PERSISTED: frozenset({_S.HELD, _S.DROPPED}),
+    _S.PERSISTED: frozenset({_S.DROPPED}),
     _S.COMMITTED: frozenset(),
     _S.FAILED: frozenset(),
     _S.DROPPED: frozenset(),

@@ -371,12 +371,16 @@ class Holding:
         self.persisted(event.path, event.error)
 
     def deleted(self, event: Deleted) -> None:
-        """Retention deleted the disk copy of a snapshot still held: it is in memory only again, so ``persist``
-        writes it again, and an exit or a drain persists it if it is its directory's newest."""
+        """Retention deleted the disk copy of a persisted snapshot still held: the snapshot goes from memory too,
+        as with a trainer's delete. Retention judged it older than the checkpoints its directory keeps; held on,
+        an exit or a drain persisted it again as its directory's newest snapshot, and that persist's own
+        retention then deleted a newer checkpoint (found by a new-user pass: step-14 came back, step-15 went)."""
         snap = self.snapshots.held.get(event.path)
-        if snap is not None and snap.persisted:
-            self.state.attempts.move(snap, AttemptState.HELD)
-            log.info("event=snapshot_unpersisted path=%s reason=retention_deleted_disk_copy", snap.path)
+        if snap is None or not snap.persisted:
+            return
+        log.info("event=snapshot_dropped path=%s step=%s reason=retention_deleted_disk_copy", snap.path, snap.step)
+        self.snapshots.remove(snap, AttemptState.DROPPED)
+        self._drop([(snap, "retention_deleted_disk_copy")])
 
     def persisted(self, path: Path, error: CkptdError | None) -> None:
         """The save pipeline committed (``error`` None) or failed checkpoint ``path`` (``Committed``, ``Failed``).
