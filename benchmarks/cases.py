@@ -11,6 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+STEP_CASES = {"dcp": "DCP async_save (THREAD)", "lightning": "Lightning Trainer", "fabric": "Lightning Fabric",
+              "torchtitan": "torchtitan CheckpointManager (async)"}
+"""The step-time cases (``integration_steps``): integration, label."""
+TT_PY = Path(__file__).resolve().parent.parent / ".venv-torchtitan" / "bin" / "python"
+"""The interpreter of ``make .venv-torchtitan/.installed``: torchtitan is installed there, not in ``.venv``."""
+
 LOAD_METHODS = {"raw_read": "raw read, page cache (floor)", "raw_read_direct": "raw read, O_DIRECT",
                 "ckptd_load": "ckptd.load, zero-copy", "ckptd_load_noverify": "ckptd.load verify=False, zero-copy",
                 "ckptd_load_cpu": 'ckptd.load map_location="cpu"',
@@ -36,15 +42,19 @@ PEER_CASES = {"torch_checkpointing": ("torch-checkpointing", TORCHCKPT_MODES)}
 
 def missing_peers() -> dict[str, str]:
     """Each peer module that is not installed: why its cases are left out of the run."""
-    return {module: f"{pypi} is not installed (pip install -r requirements-dev.txt): its cases "
-                    f"({', '.join(modes)}, sharded too) are skipped"
-            for module, (pypi, modes) in PEER_CASES.items() if importlib.util.find_spec(module) is None}
+    out = {module: f"{pypi} is not installed (pip install -r requirements-dev.txt): its cases "
+                   f"({', '.join(modes)}, sharded too) are skipped"
+           for module, (pypi, modes) in PEER_CASES.items() if importlib.util.find_spec(module) is None}
+    if not TT_PY.exists():
+        out["torchtitan"] = ("torchtitan's venv is not built (make .venv-torchtitan/.installed): its step-time case "
+                             "(steps_torchtitan) is skipped")
+    return out
 
 @dataclass
 class Case:
     name: str
     section: str
-    """``save``, ``multi``, ``scaling``, ``load`` or ``sharded``: where the report puts it."""
+    """``save``, ``multi``, ``scaling``, ``load``, ``sharded``, ``objects`` or ``steps``: where the report puts it."""
     method: str
     label: str
     repeat: int
@@ -64,9 +74,13 @@ class Settings:
     rank_size_gib: float = 0.5
     scaling_gib: tuple[float, ...] = (1 / 16, 1 / 4, 1.0, 2.0, 4.0)
     device: str = "cpu"
+    steps_gib: float = 1 / 4
+    """The trainee's state (``benchmarks/steps.py``) in the step-time cases."""
+    steps_every: int = 4
+    """Training steps per save in the step-time cases."""
     @classmethod
     def smoke(cls, device: str = "cpu") -> "Settings":
-        return cls(1 / 64, 1, 1, 2, 3, 1 / 80, (1 / 80, 1 / 32), device)
+        return cls(1 / 64, 1, 1, 2, 3, 1 / 80, (1 / 80, 1 / 32), device, steps_gib=1 / 64, steps_every=2)
 
 def registry(s: Settings) -> list[Case]:
     """Every case of a run, in the order they run (the limits first, then what is set against them)."""
@@ -118,6 +132,9 @@ def registry(s: Settings) -> list[Case]:
                      params={"mode": m, "ranks": s.ranks}) for m, label in SHARDED_MODES.items()]
         out.append(Case("objects", section="objects", method="objects", label="s3:// on moto's server",
                         repeat=s.repeat, size_gib=min(s.size_gib, 1 / 4)))
+        out += [Case(f"steps_{name}", section="steps", method="steps", label=label, repeat=s.repeat,
+                     state="trainee", size_gib=s.steps_gib, params={"integration": name, "every": s.steps_every})
+                for name, label in STEP_CASES.items() if name != "torchtitan" or TT_PY.exists()]
     absent = {m for module in missing_peers() for m in PEER_CASES[module][1]}
     return [c for c in out if c.name not in absent and c.params.get("mode") not in absent]  # dense, sharded
 

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from . import limits, loads, objects, ranks, saves, snapshots
+from . import integration_steps, limits, loads, objects, ranks, saves, snapshots
 from .cases import Case
 from .limits import memory
 from .state import BYTES_PER_PARAM, build, param_count, pick_width
@@ -61,6 +61,7 @@ METHODS: dict[str, Callable[[Case, Path], dict]] = {
     "rank_loads": lambda c, d: ranks.rank_loads(d, size_gib=c.size_gib, repeat=c.repeat, **c.params),
     "sharded": lambda c, d: ranks.sharded(d, size_gib=c.size_gib, repeat=c.repeat, **c.params),
     "objects": objects.objects_case,
+    "steps": integration_steps.steps_case,
 }
 
 def child(case: Case, scratch: str, conn: Any, log: str) -> None:

@@ -310,6 +310,33 @@ def sharded_table(recs: Records) -> str:
                   "blocking ÷ memcpy", "durable ÷ DCP PROCESS", "first save blocking s", "load cold s", "load warm s",
                   "cold ÷ dcp.load", "warm ÷ dcp.load"], rows)
 
+STEPS_OWN = {"dcp": "dcp.async_save, FileSystemWriter (THREAD)",
+             "lightning": "AsyncCheckpointIO(TorchCheckpointIO()): torch.save on a thread, no fsync",
+             "fabric": "fabric.save: torch.save in the call, no fsync",
+             "torchtitan": "torchtitan's CheckpointManager, async_mode=\"async\""}
+"""Each integration's own save, the third way of the step-time table."""
+
+def step_costs(r: dict) -> dict[str, tuple[float | None, float | None]]:
+    """Per saving mode: (step cost, interval cost), seconds over the steps of the run that never saved."""
+    plain, every = med(r, "none_step"), r["every"]
+    return {m: (None if plain is None or med(r, f"{m}_step") is None else med(r, f"{m}_step") - plain,
+                None if plain is None or med(r, f"{m}_interval") is None else med(r, f"{m}_interval") - every * plain)
+            for m in ("snapshot", "persisted", "own")}
+
+def steps_table(recs: Records) -> str:
+    rows = []
+    for r in (r for r in recs.values() if r["section"] == "steps"):
+        costs = step_costs(r)
+        (snap, snap_i), (disk, disk_i), (own, own_i) = (costs[m] for m in ("snapshot", "persisted", "own"))
+        rows.append([r["label"], STEPS_OWN.get(r["params"]["integration"], "–"), fmt(nbytes(r) / MIB, 0),
+                     str(r["every"]), fmt(med(r, "none_step")), fmt(snap), fmt(disk), fmt(own),
+                     fmt(div(snap, own), 2), fmt(div(snap, disk), 2), fmt(snap_i), fmt(disk_i), fmt(own_i),
+                     fmt(div(snap_i, own_i), 2), fmt(div(snap_i, disk_i), 2)])
+    return table(["integration", "its own save", "state MiB", "steps per save", "plain step s",
+                  "snapshot: step cost s", "persisted: step cost s", "own: step cost s", "snapshot ÷ own",
+                  "snapshot ÷ persisted", "snapshot: interval cost s", "persisted: interval cost s",
+                  "own: interval cost s", "interval: snapshot ÷ own", "interval: snapshot ÷ persisted"], rows)
+
 def details(recs: Records) -> list[str]:
     def values(vs: list) -> str:
         return ", ".join(f"{v:.3f}" if v < 1e4 else f"{v / GIB:.2f} GiB" for v in vs)
@@ -360,7 +387,16 @@ def render(records: list[dict], meta: dict[str, Any]) -> str:
               ("sharded", "Sharded state: FSDP2 on several ranks", sharded_table,
                "FSDP2 (`fully_shard`, gloo on CPU): the transformer and its AdamW state as DTensors; each save starts "
                "on a barrier, each figure is the slowest rank's. Reshard load: the state saved on N ranks (by ckptd, "
-               "by `dcp.save`) into a fresh model's and optimizer's DTensors on N/2, checked per tensor.")]
+               "by `dcp.save`) into a fresh model's and optimizer's DTensors on N/2, checked per tensor."),
+              ("steps", "Step-time cost of a save, per integration", steps_table,
+               "One process per integration trains an MLP with AdamW on the CPU (`benchmarks/steps.py`), saving "
+               "every N steps through the integration: a memory snapshot (ckptd's memory tier: DCP "
+               "`StorageWriter(persist=False)`, Lightning `CkptdSnapshots`, Fabric `io.in_memory()`, torchtitan "
+               "`memory_interval`), a persisted save through the same integration (ckptd writing to disk), and the "
+               "framework's own save. Step cost: the median step that saved (its save call and its wait for the "
+               "previous save in it) less the median step of a run that never saved; interval cost: the median N "
+               "steps ending with a save less N plain steps (what the save's background work took from the steps "
+               "beside it). A cost near 0 is within the steps' own spread, so its ratios mean little there.")]
     noted = False
     for section, title, make, text in blocks:
         if section in sections:

@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-PARTS = ("save,load,snapshot", "multi,scaling,sharded,objects")
+PARTS = ("save,load,snapshot", "multi,scaling,sharded,objects,steps")
 """The sections of each run (``--only``), about as long as each other."""
 
 
@@ -58,6 +58,10 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
                      "sharded_thread_stager", "sharded_torchckpt", "sharded_torchckpt_fsync", "sharded_ckptd_dcp"]
     sharded_loads = ["sharded_load_ckptd", "sharded_load_dcp"]
     assert set(sharded_saves + sharded_loads) <= set(names), names
+    # Per integration, the step-time cost of a snapshot, a persisted save and the framework's own (torchtitan's only
+    # where .venv-torchtitan is built: torchtitan is not in .venv).
+    steps = [n for n in names if n.startswith("steps_")]
+    assert {"steps_dcp", "steps_lightning", "steps_fabric"} <= set(steps) <= {*steps, "steps_torchtitan"}, names
 
     runs = [_start("--smoke", "--only", part, "--scratch", str(tmp_path / str(i)), "--out",
                    str(tmp_path / str(i) / "RESULTS.md")) for i, part in enumerate(PARTS)]
@@ -92,6 +96,10 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
         assert first["blocking"] > 0 and first["durable"] >= first["staged"] >= first["blocking"], (name, first)
     for name in ("torchckpt", "torchckpt_fsync", "sharded_torchckpt", "sharded_torchckpt_fsync"):
         assert by_name[name]["writer"]["RssAnon"] > 0, name  # its writer subprocess was sampled
+    for name in steps:  # every way of saving timed in the same run as the steps that never saved
+        reps = by_name[name]["reps"]
+        assert set(reps) == {f"{m}_{k}" for m in ("none", "snapshot", "persisted", "own") for k in ("step", "interval")}
+        assert all(len(reps[f"{m}_step"]) == by_name[name]["repeat"] for m in ("snapshot", "persisted", "own")), name
     for name in sharded_loads:  # loaded on half the ranks: each holds a larger shard than a saving rank did
         assert set(by_name[name]["reps"]) == {"cold", "warm"}, name
         assert by_name[name]["state"]["nbytes"] > by_name["sharded_memcpy"]["state"]["nbytes"], name
@@ -113,7 +121,7 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
 
     report = (tmp_path / "RESULTS.md").read_text()
     for heading in ("## Targets", "## Saving", "## Clients on one node", "## Scaling", "## Loading",
-                    "## Ranks loading at once", "## Sharded state: FSDP2", "## Every repetition"):
+                    "## Ranks loading at once", "## Sharded state: FSDP2", "## Step-time cost of a save", "## Every repetition"):
         assert heading in report
     assert "## Failed cases" not in report
     for r in records:
