@@ -531,18 +531,26 @@ class CkptdSnapshots(Callback):
                 or every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be a whole number of steps >= 1, got {every_n_train_steps!r}")
         self.every_n_train_steps = every_n_train_steps
+        self._warned = False
 
     def _parts(self, trainer: Any) -> tuple[CkptdCheckpointIO, ModelCheckpoint]:
         io = getattr(trainer.strategy, "checkpoint_io", None)
         if not isinstance(io, CkptdCheckpointIO):
             raise ValueError(f"CkptdSnapshots needs Trainer(plugins=[CkptdCheckpointIO()]); the trainer's checkpoint "
                              f"IO is {type(io).__name__}")
+        keepers = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.save_last]
+        if len(keepers) > 1:
+            raise ValueError(f"CkptdSnapshots snapshots one ModelCheckpoint's last.ckpt, and this trainer has "
+                             f"{len(keepers)} with save_last ({', '.join(str(k.dirpath) for k in keepers)}): "
+                             "fit(ckpt_path='last') would resume from the newest of their last.ckpt files on disk "
+                             "and pass the snapshot by; keep save_last on one of them")
         keeper = trainer.checkpoint_callback
         if not isinstance(keeper, ModelCheckpoint) or keeper.save_last is not True:
             raise ValueError("CkptdSnapshots needs a ModelCheckpoint(save_last=True) (not save_last='link': a "
                              "snapshot would replace the link, and a crash would leave no last.ckpt on disk for "
-                             "fit(ckpt_path='last') to find): its snapshots are that callback's last.ckpt, got "
-                             f"{'no ModelCheckpoint' if not isinstance(keeper, ModelCheckpoint) else keeper.save_last}")
+                             "fit(ckpt_path='last') to find): its snapshots are that callback's last.ckpt; this "
+                             "trainer has " + ("no ModelCheckpoint" if not isinstance(keeper, ModelCheckpoint)
+                                               else f"ModelCheckpoint(save_last={keeper.save_last!r})"))
         return io, keeper
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -554,5 +562,11 @@ class CkptdSnapshots(Callback):
             return
         io, keeper = self._parts(trainer)
         path = os.path.join(keeper.dirpath, keeper.CHECKPOINT_NAME_LAST + keeper.FILE_EXTENSION)
+        if not self._warned and trainer.is_global_zero and not os.path.lexists(path):
+            self._warned = True
+            warnings.warn(f"CkptdSnapshots holds {path} in node memory, and ModelCheckpoint has persisted no "
+                          f"last.ckpt there yet: fit(ckpt_path='last') resolves only to a file on disk, so a crash "
+                          f"before its first persist resumes from nothing (the daemon persists a dead trainer's "
+                          f"newest snapshot unless --persist-on-exit never)", stacklevel=2)
         with io.in_memory():
             trainer.save_checkpoint(path)

@@ -156,7 +156,7 @@ class CheckpointManager(DCPCheckpointManager):
             if isinstance(self.memory_interval, bool) or not isinstance(self.memory_interval, int):
                 raise ValueError(f"memory_interval must be a whole number of steps, got {self.memory_interval!r}")
             if self.memory_interval < 0:
-                raise ValueError("Memory snapshot interval cannot be negative (0: no snapshots).")
+                raise ValueError(f"memory_interval cannot be negative, got {self.memory_interval} (0: no snapshots)")
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         """torchtitan's arguments (``dataloader``, ``model_parts``, ``optimizers``, ...), as ``config.build`` passes.

@@ -3,8 +3,8 @@ checkpoints ``ModelCheckpoint`` persists, a Trainer killed between two persists 
 ``fit(ckpt_path="last")``, and ``CkptdCheckpointIO.in_memory()`` makes a Fabric save a snapshot, so a Fabric loop
 killed between two persists resumes from its newest snapshot too.
 
-The killed Trainer (and Fabric loop) runs in a process of its own that SIGKILLs itself once the snapshot of step 6 is held (the
-test sees its exit by SIGKILL), against a daemon started with ``--persist-on-exit never``, so the snapshot can
+The killed Trainer (and Fabric loop) runs in a process of its own that SIGKILLs itself once the snapshot of step 6
+is held (the test sees its exit by SIGKILL), against a daemon started with ``--persist-on-exit never``, so the snapshot can
 reach no disk: the resume at step 6 can only come from memory.
 """
 
@@ -139,6 +139,25 @@ def test_snapshots_need_the_plugin_and_a_last_checkpoint_to_be(daemon, root: Pat
                                                              ModelCheckpoint(dirpath=root, save_last=True)])
     with pytest.raises(ValueError, match=r"plugins=\[CkptdCheckpointIO\(\)\]"):
         plain.fit(TinyModel(), loader())
+    two = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, plugins=[CkptdCheckpointIO(run_dir=run_dir, spawn=False)],
+                    callbacks=[CkptdSnapshots(every_n_train_steps=1),
+                               ModelCheckpoint(dirpath=root / "a", save_last=True, every_n_train_steps=5),
+                               ModelCheckpoint(dirpath=root / "b", save_last=True, every_n_train_steps=6)])
+    with pytest.raises(ValueError, match="2 with save_last"):
+        two.fit(TinyModel(), loader())
+
+
+def test_a_snapshot_taken_before_any_last_checkpoint_is_on_disk_warns_that_a_crash_would_resume_from_nothing(
+        daemon, root: Path, run_dir: Path) -> None:
+    keeper = ModelCheckpoint(dirpath=root, every_n_train_steps=100, save_last=True)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                        callbacks=[CkptdSnapshots(every_n_train_steps=1), keeper],
+                        plugins=[CkptdCheckpointIO(run_dir=run_dir, spawn=False)])
+    with pytest.warns(UserWarning, match="has persisted no last.ckpt there yet") as caught:
+        trainer.fit(TinyModel(), loader())
+    assert sum("persisted no last.ckpt" in str(w.message) for w in caught) == 1, "warned once"
 
 
 def test_a_fabric_save_in_memory_is_held_loaded_back_from_memory_and_persisted_on_request(

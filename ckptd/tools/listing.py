@@ -80,6 +80,8 @@ def add_memory(rows: list[dict[str, Any]], snapshots: Iterable[dict[str, Any]], 
         row = by_path.get(display(root / name)) or by_path.get(display(held))
         if row is not None and row["state"] == EntryState.COMMITTED.value:
             row["in_memory"] = True
+            if not s.get("persisted"):  # another version than the disk's: what a load reads (memory first)
+                row.update(disk_step=row["step"], step=s["step"], bytes=s["bytes"], time=s["created"])
         elif row is None:
             rows.append({"name": name, "path": display(root / name), "step": s["step"], "bytes": s["bytes"],
                          "ranks": len(s["ranks_held"]), "world_size": s["world_size"], "time": s["created"],
