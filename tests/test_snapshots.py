@@ -170,6 +170,19 @@ def test_ckptd_list_shows_a_directory_only_memory_holds(daemon, client_factory, 
     daemon.stop()
 
 
+def test_ckptd_list_shows_the_held_version_where_memory_holds_a_newer_one_than_the_disk(daemon, client_factory,
+                                                                                       root) -> None:
+    """last.ckpt persisted at step 4, then snapshotted at step 6 (``CkptdSnapshots``): a load reads step 6, and
+    the listing says so, with the disk's step beside it (it showed 4)."""
+    client = client_factory()
+    client.save_async(full(4), root / "last", step=4).result(30)
+    client.save_async(full(6), root / "last", step=6, persist=False, overwrite=True).result(30)
+    listed = daemon.cli("list", "--json", str(root))
+    assert listed.returncode == 0, listed.stderr
+    (row,) = json.loads(listed.stdout)
+    assert (row["state"], row["in_memory"], row["step"], row["disk_step"]) == ("committed", True, 6, 4), row
+
+
 
 def test_a_snapshot_over_a_held_one_is_refused_as_existing_and_replaces_it_with_overwrite(
     daemon, client_factory, root, run_dir
