@@ -110,10 +110,11 @@ def test_a_persist_and_a_save_of_the_same_path_never_fail_each_other(first, daem
     assert daemon.stop(timeout=60) == 0  # a clean stop: the slot the dropped snapshot held goes back first
 
 
-def test_a_held_snapshot_whose_disk_copy_retention_deleted_is_persisted_again(daemon_factory, client_factory, root,
-                                                                             run_dir) -> None:
-    """persist() acknowledges only what is on disk: a snapshot still held after retention deleted its persisted
-    copy is in memory only again (it used to stay marked persisted, and persist() returned at once)."""
+def test_a_held_snapshot_whose_disk_copy_retention_deleted_leaves_memory_too(daemon_factory, client_factory, root,
+                                                                            run_dir) -> None:
+    """Retention (``--keep DIR=1``) deleting a persisted snapshot's disk copy drops the held snapshot too: it is no
+    longer listed or loaded, and persist() says nothing is held (it used to be held on as memory only, and an exit
+    or a drain persisted it again, whose own retention then deleted a newer checkpoint)."""
     kept = root / "kept"
     kept.mkdir()
     daemon = daemon_factory("--keep", f"{kept}=1", "--keep-snapshots", "3")
@@ -122,11 +123,14 @@ def test_a_held_snapshot_whose_disk_copy_retention_deleted_is_persisted_again(da
         client.save_async(full(step), kept / f"step-{step}", step=step, persist=False).result(30)
         assert client.persist(kept / f"step-{step}") == kept / f"step-{step}"
     wait_until(lambda: not (kept / "step-10").exists(), 30, "retention deletes step-10 on disk")
-    wait_until(lambda: not next(s for s in held_snapshots(run_dir) if s["path"] == str(kept / "step-10"))["persisted"],
-               30, "the held step-10 is no longer marked persisted")
-    assert client.persist(kept / "step-10") == kept / "step-10"
-    assert ckptd.load(kept / "step-10")["w"].equal(full(10)["w"])  # read from disk: no run_dir, no memory tier
+    wait_until(lambda: all(s["path"] != str(kept / "step-10") for s in held_snapshots(run_dir)), 30,
+               "the held step-10 dropped")
+    with pytest.raises(ckptd.InvalidCheckpoint, match="holds no snapshot"):
+        client.persist(kept / "step-10")
+    assert ckptd.latest(kept, run_dir=run_dir) == kept / "step-11"
+    client.close()
     assert daemon.stop(timeout=60) == 0
+    assert sorted(p.name for p in kept.iterdir()) == ["step-11"]
 
 
 def test_a_disk_save_of_a_held_path_replaces_the_snapshot_for_every_reader(daemon, client_factory, root,
