@@ -25,9 +25,10 @@ A memory snapshot the node's daemon holds (``StorageWriter(persist=False)``,
 ``ckptd.load`` reads it (``memory.open_checkpoint``: pinned while read,
 every byte checked against the checksum the daemon took); a path the
 daemon does not hold is read from disk. Each rank opens it from its own
-daemon (DCP sends the coordinator's metadata to every rank), so a snapshot
-on several nodes, where each daemon holds only its own ranks' shards, is
-read from disk once persisted.
+daemon (DCP sends the coordinator's metadata to every rank), and the
+coordinator describes what its own daemon holds: on several nodes, where
+each daemon holds only its own ranks' shards, a snapshot is not read
+through DCP (restore there from a save with ``persist=True``).
 
 Reads view chunks in place in the mapped shard files (``ChunkFiles``): each
 file is mapped and its checksum verified once, on first use, and a read

@@ -73,12 +73,12 @@ try:
     from torchtitan.components.checkpointer import AsyncMode, CheckpointManager as DCPCheckpointManager
     from torchtitan.components.checkpointer.base import DATALOADER, MODEL
     from torchtitan.tools.filesystem import is_remote
+    from torchtitan.tools.logging import logger
 except ImportError as exc:
     raise ImportError("ckptd.integrations.torchtitan needs torchtitan 0.3: pip install torchtitan==0.3.0") from exc
 
 import torch
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
-from torchtitan.tools.logging import logger
 from torch.distributed.checkpoint.stateful import Stateful
 
 import ckptd
