@@ -40,6 +40,10 @@ SHARDED_MODES = {"memcpy": "memcpy of each rank's local bytes (limit)", "ckptd":
 PEER_CASES = {"torch_checkpointing": ("torch-checkpointing", TORCHCKPT_MODES)}
 """Module: (PyPI name, the modes that need it). Peers a test-only requirement brings (requirements-dev.txt)."""
 
+TORCHTITAN_CASES = ("steps_torchtitan",)
+"""The cases that run in torchtitan's venv (``missing_peers``' ``torchtitan``)."""
+
+
 def missing_peers() -> dict[str, str]:
     """Each peer module that is not installed: why its cases are left out of the run."""
     out = {module: f"{pypi} is not installed (pip install -r requirements-dev.txt): its cases "
@@ -49,6 +53,7 @@ def missing_peers() -> dict[str, str]:
         out["torchtitan"] = ("torchtitan's venv is not built (make .venv-torchtitan/.installed): its step-time case "
                              "(steps_torchtitan) is skipped")
     return out
+
 
 @dataclass
 class Case:
@@ -135,7 +140,8 @@ def registry(s: Settings) -> list[Case]:
         out += [Case(f"steps_{name}", section="steps", method="steps", label=label, repeat=s.repeat,
                      state="trainee", size_gib=s.steps_gib, params={"integration": name, "every": s.steps_every})
                 for name, label in STEP_CASES.items() if name != "torchtitan" or TT_PY.exists()]
-    absent = {m for module in missing_peers() for m in PEER_CASES[module][1]}
+    absent = {m for module in missing_peers() for m in (PEER_CASES[module][1] if module in PEER_CASES
+                                                         else TORCHTITAN_CASES)}
     return [c for c in out if c.name not in absent and c.params.get("mode") not in absent]  # dense, sharded
 
 def size_label(gib: float) -> str:

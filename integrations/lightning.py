@@ -562,7 +562,7 @@ class CkptdSnapshots(Callback):
             return
         io, keeper = self._parts(trainer)
         path = os.path.join(keeper.dirpath, keeper.CHECKPOINT_NAME_LAST + keeper.FILE_EXTENSION)
-        if not self._warned and trainer.is_global_zero and not os.path.lexists(path):
+        if not self._warned and trainer.is_global_zero and not is_object_path(path) and not os.path.lexists(path):
             self._warned = True
             warnings.warn(f"CkptdSnapshots holds {path} in node memory, and ModelCheckpoint has persisted no "
                           f"last.ckpt there yet: fit(ckpt_path='last') resolves only to a file on disk, so a crash "

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import ckptd
 from ckptd.integrations.lightning import CkptdCheckpointIO, CkptdSnapshots
-from helpers import REPO, wait_until
+from helpers import REPO, own_segments, wait_until
 from test_lightning import TinyModel, loader
 
 KILLED_AT = 6
@@ -94,6 +94,13 @@ def trainer_for(root: Path, run_dir: Path, max_steps: int, *extra: Callback) -> 
                      plugins=[CkptdCheckpointIO(run_dir=run_dir, spawn=False, timeout=10.0)])
 
 
+def slots_given_back(before: set[str]) -> None:
+    """Wait until the daemon has unlinked the slots it owed this process's closed clients (snapshots dropped after
+    their last Held: ``ModelCheckpoint``'s closing save of ``last.ckpt`` drops the held one), on its maintenance
+    pool after the client's goodbye."""
+    wait_until(lambda: not own_segments() - before, 30, lambda: f"slots left: {sorted(own_segments() - before)}")
+
+
 class AtStart(Callback):
     def __init__(self) -> None:
         self.step, self.weights = -1, {}
@@ -115,8 +122,9 @@ def test_a_trainer_killed_between_two_persists_resumes_from_its_snapshot_and_top
     assert ckptd.read_index(last).step == PERSIST_EVERY, "on disk, last.ckpt is the persisted step"
     assert ckptd.load(last, run_dir=run_dir)["global_step"] == KILLED_AT, "in memory, last.ckpt is the snapshot"
 
-    start = AtStart()
+    start, before = AtStart(), own_segments()
     trainer_for(root, run_dir, 3 * PERSIST_EVERY, start).fit(TinyModel(), loader(), ckpt_path="last")
+    slots_given_back(before)
     assert start.step == KILLED_AT
     reference = torch.load(tmp_path / "reference.pt")
     assert start.weights.keys() == reference.keys()
@@ -155,9 +163,11 @@ def test_a_snapshot_taken_before_any_last_checkpoint_is_on_disk_warns_that_a_cra
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                         callbacks=[CkptdSnapshots(every_n_train_steps=1), keeper],
                         plugins=[CkptdCheckpointIO(run_dir=run_dir, spawn=False)])
+    before = own_segments()
     with pytest.warns(UserWarning, match="has persisted no last.ckpt there yet") as caught:
         trainer.fit(TinyModel(), loader())
     assert sum("persisted no last.ckpt" in str(w.message) for w in caught) == 1, "warned once"
+    slots_given_back(before)
 
 
 def test_a_fabric_save_in_memory_is_held_loaded_back_from_memory_and_persisted_on_request(
