@@ -445,15 +445,19 @@ class Holding:
                 self.send(ident, Error.of(rid, error))
         snap.persist_waiting = []
 
-    def client_gone(self, pid: int) -> None:
-        """A client closed or died: persist its newest snapshot, unlink the slots it was owed back."""
+    def client_gone(self, pid: int, then: Callable[[], None] = lambda: None) -> None:
+        """A client closed or died: persist its newest snapshot, unlink the slots it was owed back; ``then`` on the
+        loop once they are unlinked."""
         if self.config.persist_on_exit == "newest":
             for snap in self.snapshots.newest(pid=pid):
                 if not any(self.state.pid_connected(sh.pid) for sh in snap.shards.values()):
                     self.start_persist(snap)
         owed = list(self.snapshots.released.pop(pid, []))
-        if owed:
-            self.workers.submit("maintenance", lambda: _unlink(self.state.slots.shm_dir, owed))
+        if not owed:
+            then()
+            return
+        self.workers.submit("maintenance", lambda: _unlink(self.state.slots.shm_dir, owed), lambda _: then(),
+                            failed=lambda _: then())
 
     def close(self) -> None:
         """The daemon exits (its loop is over, its workers closed): no slot it took over outlives it.

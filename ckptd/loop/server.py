@@ -258,9 +258,10 @@ class Server:
         self._send_grants(self.state.leases.release(ident))
         return Ok(msg.id)
 
-    def _on_bye(self, ident: bytes, msg: Bye) -> Message:
-        self._teardown(ident, "the client closed before it finished staging")
-        return Ok(msg.id)
+    def _on_bye(self, ident: bytes, msg: Bye) -> None:
+        """A client closes: Ok once what the daemon owed it is settled (the slots of its snapshots dropped since
+        its last ``Held`` unlinked), so nothing of a closed client is left in /dev/shm when its close returns."""
+        self._teardown(ident, "the client closed before it finished staging", lambda: self._send(ident, Ok(msg.id)))
 
     def _on_stop(self, ident: bytes, msg: Stop) -> Message:
         log.info("event=stop_requested")
@@ -269,14 +270,16 @@ class Server:
 
     # -- housekeeping -------------------------------------------------------
 
-    def _teardown(self, ident: bytes, reason: str) -> None:
+    def _teardown(self, ident: bytes, reason: str, then: Callable[[], None] = lambda: None) -> None:
         client, grants = self.state.teardown(ident, reason)
         self._send_grants(grants)
         self.holding.reader_gone(ident)
         if client is not None:
             log.info("event=client_gone pid=%d", client.pid)
             if not self.state.pid_connected(client.pid):
-                self.holding.client_gone(client.pid)
+                self.holding.client_gone(client.pid, then)
+                return
+        then()
 
     def _housekeeping(self) -> None:
         if self.metrics is not None:
