@@ -81,11 +81,18 @@ def train_until_killed(rank: int, world: int, init: str, run_dir: str, folder: s
     """
     from ckptd.integrations.torchtitan import CheckpointManager
 
+    _train_then_die(rank, world, init, config(CheckpointManager, folder, run_dir, async_mode=mode), SAVED, out)
+
+
+def _train_then_die(rank: int, world: int, init: str, manager_config: Any, until: int, out: str) -> None:
+    """Train to step ``until`` with ``manager_config`` (its last save awaited: what the resume must find), save the
+    gathered state as the reference (rank 0) and each rank's log, then rank 1 kills itself halfway through the next
+    step while rank 0 waits for it in a collective."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    run = example.Run.build(config(CheckpointManager, folder, run_dir, async_mode=mode), steps=100)
+    run = example.Run.build(manager_config, steps=100)
     loaded = run.manager.load()
-    saves = train(run, SAVED)
-    run.manager.maybe_wait_for_saving()  # step SAVED committed: what the resume must find
+    saves = train(run, until)
+    run.manager.maybe_wait_for_saving()
     reference = snapshot(run)
     if rank == 0:
         torch.save(reference, Path(out) / "reference.pt")
@@ -382,25 +389,12 @@ PERSISTED = 4
 
 
 def train_with_snapshots_until_killed(rank: int, world: int, init: str, run_dir: str, folder: str, out: str) -> None:
-    """Persist every ``PERSISTED`` steps and snapshot every step, to step ``SNAPSHOTTED``; rank 0 saves the gathered
-    state as the reference, then rank 1 kills itself halfway through the next step (as ``train_until_killed``)."""
+    """Persist every ``PERSISTED`` steps and snapshot every step, to step ``SNAPSHOTTED`` (held: what the resume must
+    find); then as ``train_until_killed``."""
     from ckptd.integrations.torchtitan import CheckpointManager
 
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    run = example.Run.build(config(CheckpointManager, folder, run_dir, interval=PERSISTED, memory_interval=1),
-                            steps=100)
-    loaded = run.manager.load()
-    saves = train(run, SNAPSHOTTED)
-    run.manager.maybe_wait_for_saving()  # step SNAPSHOTTED held: what the resume must find
-    reference = snapshot(run)
-    if rank == 0:
-        torch.save(reference, Path(out) / "reference.pt")
-    Path(out, f"train-{rank}.json").write_text(json.dumps({"loaded": loaded, "saves": saves}))
-    dist.barrier()
-    run.forward_backward(next(iter(run.dataloader)))
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    dist.barrier()  # waits for a peer that is gone
+    manager_config = config(CheckpointManager, folder, run_dir, interval=PERSISTED, memory_interval=1)
+    _train_then_die(rank, world, init, manager_config, SNAPSHOTTED, out)
 
 
 def resume_from_snapshot(rank: int, world: int, init: str, run_dir: str, folder: str, out: str) -> None:
