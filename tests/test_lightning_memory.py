@@ -10,7 +10,6 @@ reach no disk: the resume at step 6 can only come from memory.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
