@@ -66,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
 
     _export_parser(sub)
 
+    peer_key = with_run_dir(sub.add_parser("peer-key", help="print this node's peer public key, as a line of the "
+                                                             "--peer-keys file (made on first use)"))
+    peer_key.add_argument("--endpoint", default=None, metavar="tcp://HOST:PORT",
+                          help="this node's --peer-listen endpoint, for peers that connect to it (--peer)")
+
     stop = with_run_dir(sub.add_parser("stop", help="finish in-flight saves, then exit"))
     stop.add_argument("--timeout", type=seconds, default=300.0,
                       help="seconds to wait for the daemon to answer and drain (default 300)")
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir: Path = (args.run_dir or default_run_dir()).absolute()
     try:
         return {"start": _start, "status": _status, "stop": _stop, "list": _list, "verify": _verify,
-                "inspect": _inspect, "export": _export}[args.command](args, run_dir)
+                "inspect": _inspect, "export": _export, "peer-key": _peer_key}[args.command](args, run_dir)
     except BrokenPipeError:  # the reader left (`ckptd status --json | head`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail
         return EXIT_OK
@@ -102,6 +107,15 @@ def lost_snapshots(pid: int | None, failed: list[str]) -> str:
     """The one line that says a drain lost held snapshots (``path: why`` each)."""
     return (f"ckptd: daemon (pid {pid}) stopped, but could not persist {len(failed)} held snapshot(s), now lost: "
             + "; ".join(failed))
+
+
+def _peer_key(args: argparse.Namespace, run_dir: Path) -> int:
+    from ckptd.peers.keys import key_line
+
+    if args.endpoint is not None and not args.endpoint.startswith("tcp://"):
+        raise ValueError(f"--endpoint {args.endpoint}: expected tcp://HOST:PORT, as given to --peer-listen")
+    print(key_line(run_dir, args.endpoint))
+    return EXIT_OK
 
 
 def _start(args: argparse.Namespace, run_dir: Path) -> int:

@@ -26,6 +26,7 @@ from .coordinate import Coordinator, SaveSpec, agree_on_places
 from .incarnation import drawn, from_launcher, from_master
 from .flatten import Flat, flatten
 from .future import SaveFuture, SaveResult
+from .memory import wait_replicated
 from .ranks import detect_ranks
 from .slots import Slot, SlotPool
 from .spawn import ensure_daemon
@@ -236,6 +237,9 @@ class Client:
             self._refused.pop(target, None)
             if not persist:
                 self._snapshotting[fut] = target
+        if not persist:
+            endpoint = self.endpoint
+            fut.replication = lambda timeout: wait_replicated(endpoint, target, timeout)
         fut.add_done_callback(self._forget)
         req = _Request(flat, target, step, overwrite, keep_last or self.keep_last, started,
                        waited=time.monotonic() - started, persist=persist, coordinated=coordinated)

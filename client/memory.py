@@ -16,8 +16,10 @@ that any rank's daemon lacks is never chosen.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ from ckptd.protocol.index import latest as latest_on_disk
 from ckptd.protocol.objects import canonical, resolved, user_path
 from ckptd.protocol.layout import MAX_HEADER_BYTES, TensorEntry, parse_header
 from ckptd.protocol.mapped import GAP_READ, MappedShard, identity
-from ckptd.protocol.messages import Bye, Pin, SnapshotList, Snapshots, Unpin
+from ckptd.protocol.messages import Bye, Error, Ok, PeerSnapshots, Pin, Restore, SnapshotList, Snapshots, Unpin
 from ckptd.protocol.reading import files_for
 from ckptd.protocol.request import request
 from ckptd.protocol.shard_reads import check_checksum
@@ -43,20 +45,65 @@ from .connection import Connection
 from .dtypes import typed_view
 from .reshard import ChunkFiles, bytes_of, map_shard
 
+log = logging.getLogger("ckptd")
 ASK_TIMEOUT = 5.0
 """Seconds to wait for the daemon's list of snapshots (it answers from memory)."""
+PEERS_TIMEOUT = 15.0
+"""Seconds to wait for the list with its peers' replicas (each peer has a few seconds to answer)."""
+RESTORE_TIMEOUT = 600.0
+"""Seconds a restore from a peer's replica may take (its bytes cross the network)."""
+REPLICATION_POLL_S = 0.02
 
 
-def held_snapshots(run_dir: str | os.PathLike | None = None) -> list[dict[str, Any]]:
-    """The complete snapshots this node's daemon holds (none if no daemon runs)."""
-    endpoint = endpoint_for(Path(run_dir).absolute()) if run_dir is not None else endpoint_for()
+def _endpoint(run_dir: str | os.PathLike | None) -> str:
+    return endpoint_for(Path(run_dir).absolute()) if run_dir is not None else endpoint_for()
+
+
+def held_snapshots(run_dir: str | os.PathLike | None = None, *, peers: bool = False) -> list[dict[str, Any]]:
+    """The complete snapshots this node's daemon holds (none if no daemon runs); with ``peers``, also the
+    replicas its peers hold of snapshots it does not (``on_peer`` names the peer)."""
     try:
-        reply = request(endpoint, Snapshots(1), timeout=ASK_TIMEOUT)
+        reply = request(_endpoint(run_dir), PeerSnapshots(1) if peers else Snapshots(1),
+                        timeout=PEERS_TIMEOUT if peers else ASK_TIMEOUT)
     except DaemonUnavailable:
         return []
-    if not isinstance(reply, SnapshotList):
-        return []  # a daemon that predates snapshots answers with an error: it holds none
+    if not isinstance(reply, SnapshotList):  # a daemon that predates snapshots (or peers) answers with an error
+        return held_snapshots(run_dir) if peers else []
     return [s for s in reply.snapshots if s.get("complete")]
+
+
+def wait_replicated(endpoint: str, path: Path | str, timeout: float | None) -> None:
+    """Until the daemon at ``endpoint`` says snapshot ``path`` is replicated (``SaveFuture.wait_replicated``)."""
+    want, deadline = resolved(path), None if timeout is None else time.monotonic() + timeout
+    while True:
+        reply = request(endpoint, Snapshots(1), timeout=ASK_TIMEOUT)
+        if not isinstance(reply, SnapshotList):
+            raise InvalidCheckpoint(f"snapshot {path}: the daemon did not list its snapshots ({reply.type})")
+        snap = next((s for s in reply.snapshots if resolved(s["path"]) == want), None)
+        state = None if snap is None else snap.get("replication", "off")
+        if state in ("replicated", "restored"):
+            return
+        if snap is None or state != "replicating":
+            why = {None: "it is no longer held (a newer snapshot, a delete or a disk save dropped it)",
+                   "off": "the daemon has no buddy (start it with --peer and --peer-keys)",
+                   "superseded": "a newer snapshot of its directory was held before its turn, and is replicated "
+                                 "instead"}.get(state, snap.get("replication_error", "") if snap else "")
+            raise InvalidCheckpoint(f"snapshot {path} was not replicated: {why}")
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"snapshot {path} was not replicated within {timeout:g} s (still streaming)")
+        time.sleep(REPLICATION_POLL_S)
+
+
+def restore_from_peer(path: str, run_dir: str | os.PathLike | None = None) -> bool:
+    """Ask this node's daemon to read snapshot ``path`` back from a peer's replica (checked end to end); whether
+    it is held here now. Why not is logged: a replica that fails its check is never loaded."""
+    try:
+        reply = request(_endpoint(run_dir), Restore(1, path), timeout=RESTORE_TIMEOUT)
+    except CkptdError as exc:
+        reply = Error.of(1, exc)
+    if not isinstance(reply, Ok):
+        log.warning("ckptd: snapshot %s is not restored from a peer: %s", path, getattr(reply, "message", reply.type))
+    return isinstance(reply, Ok)
 
 
 def find_held(path: Path, run_dir: str | os.PathLike | None = None) -> dict[str, Any] | None:
@@ -325,12 +372,24 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
             candidates[str(on_disk)] = (index.step if index.step is not None else -1, index.created)
         except InvalidCheckpoint:  # removed since
             pass
-    real_root = canonical(root)
-    for s in held_snapshots(run_dir):
+    real_root, on_peers = canonical(root), []
+    for s in held_snapshots(run_dir, peers=True):
         parent, name = os.path.split(resolved(s["path"]))
-        if parent == real_root:
-            key = (s["step"] if s["step"] is not None else -1, s["created"])
-            candidates[str(root / name)] = max(key, candidates.get(str(root / name), key))
+        if parent != real_root:
+            continue
+        key = (s["step"] if s["step"] is not None else -1, s["created"])
+        if s.get("on_peer"):
+            if _my_rank() in s["ranks_held"]:
+                on_peers.append((key, str(root / name), s["path"]))
+            continue
+        candidates[str(root / name)] = max(key, candidates.get(str(root / name), key))
+    best_here = max(candidates.values(), default=None)
+    for key, shown, held_as in sorted(on_peers, reverse=True):  # this node lost them: the newest that restores
+        if best_here is not None and key <= best_here:
+            break
+        if restore_from_peer(held_as, run_dir):
+            candidates[shown] = key
+            break
     candidates = _agreed(candidates)
     if not candidates:
         return None
@@ -351,4 +410,18 @@ def _agreed(candidates: dict[str, tuple[int, float]]) -> dict[str, tuple[int, fl
     finally:
         dist.destroy_process_group(group)
     common = set.intersection(*({p for p, *_ in rank} for rank in everyone))
-    return {p: (step, created) for p, step, created in everyone[0] if p in common}
+    agreed = {p: (step, created) for p, step, created in everyone[0] if p in common}
+    best = max(agreed.values(), default=(-1, 0.0))
+    lacking = sorted({(step, p) for rank in everyone for p, step, created in rank
+                      if p not in common and (step, created) > best}, reverse=True)
+    if lacking and dist.get_rank() == 0:
+        log.warning("ckptd.latest: %s (step %s) is held by some ranks' nodes but not by every rank's (a node lost "
+                    "with the peer holding its replica, or a replica that failed its check); resuming from what "
+                    "every rank holds", lacking[0][1], lacking[0][0])
+    return agreed
+
+
+def _my_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

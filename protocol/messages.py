@@ -18,6 +18,8 @@ Conversation::
     Persist          ──▶        Done | Error      (write a held snapshot to disk)
     Delete           ──▶        Ok | Error        (a committed checkpoint, as retention deletes it)
     Snapshots        ──▶        SnapshotList      (what the daemon holds in memory)
+    PeerSnapshots    ──▶        SnapshotList      (that, and its peers' replicas of snapshots it does not hold)
+    Restore          ──▶        Ok | Error        (bring a snapshot back from a peer's replica into this node's memory)
     Pin              ──▶        SnapshotList      (that snapshot, kept as it is until Unpin: a reader's lease)
     Unpin            ──▶        Ok
     Staged           ──▶        (nothing: a notice; one for a save that ended is ignored)
@@ -256,6 +258,26 @@ class Snapshots(Message):
 
 
 @dataclass(frozen=True)
+class PeerSnapshots(Message):
+    """Ask which snapshots the daemon holds, and which replicas its peers hold of snapshots it does not (listed
+    with ``on_peer``, the peer's endpoint): what a node that lost its memory may restore (``Restore``). A
+    daemon with no peers answers as ``Snapshots``."""
+
+    type: ClassVar[str] = "peer_snapshots"
+
+
+@dataclass(frozen=True)
+class Restore(Message):
+    """Bring snapshot ``path`` (resolved, as ``SnapshotList`` names it) back into this node's memory from the
+    replica a peer holds (``ckptd/peers``): every byte is checked against the checksum its origin took. ``Ok``
+    once it is held here, complete, as its origin held it; ``Error`` (``InvalidCheckpoint``) if no peer holds it
+    or a replica fails its check, which is never held."""
+
+    path: str
+    type: ClassVar[str] = "restore"
+
+
+@dataclass(frozen=True)
 class SnapshotList(Message):
     """Every held snapshot: a map per snapshot (path, step, world_size, created, persisted, complete,
     shards as ``[rank, slot, size, checksum, tensors]``), documented in docs/status.md."""
@@ -491,7 +513,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.type: cls
     for cls in (Hello, Welcome, WriteShard, Staged, Accepted, Durable, Finalize, Abort, Done, Lease, Granted, Release, Error,
                 Status, StatusReply, Ping, Pong, Bye, Stop, Ok, Snapshot, Held, Persist, Snapshots, SnapshotList,
-                Pin, Unpin, Delete)
+                Pin, Unpin, Delete, PeerSnapshots, Restore)
 }
 
 
@@ -515,8 +537,9 @@ def _flat(item: Any) -> Any:
     return item
 
 
-def decode(data: bytes) -> Message:
-    """Bytes to a validated message, or ``BadMessage`` saying what is wrong."""
+def decode(data: bytes, types: dict[str, type[Message]] = MESSAGE_TYPES) -> Message:
+    """Bytes to a validated message of one of ``types`` (the local protocol's, or the peers'
+    ``peer_messages.PEER_TYPES``), or ``BadMessage`` saying what is wrong."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise BadMessage(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
@@ -529,7 +552,7 @@ def decode(data: bytes) -> Message:
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise UnsupportedVersion(f"protocol version {version!r} is not supported; this side speaks {PROTOCOL_VERSION}")
     kind = wire.pop("type", None)
-    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    cls = types.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise BadMessage(f"unknown message type {kind!r}")
     hints = _wire_fields(cls)
@@ -589,6 +612,10 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         if type(value) not in (int, float):
             raise BadMessage(f"{where} must be a number, got {type(value).__name__}")
         return float(value)
+    if hint is bytes:
+        if not isinstance(value, bytes) or len(value) > MAX_MESSAGE_BYTES:
+            raise BadMessage(f"{where} must be binary of at most {MAX_MESSAGE_BYTES} bytes")
+        return value
     if hint is str:
         if not isinstance(value, str) or len(value) > MAX_STRING or "\x00" in value:
             raise BadMessage(f"{where} must be a string of at most {MAX_STRING} characters without NUL")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -112,6 +113,13 @@ def raw_socket(daemon: Daemon) -> zmq.Socket:
     sock.setsockopt(zmq.RCVTIMEO, 30_000)
     sock.connect(daemon.endpoint)
     return sock
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 nothing listens on now (for a daemon's --peer-listen)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def short_tempdir(prefix: str) -> Path:

@@ -79,6 +79,8 @@ VALID_FIELDS: dict[str, dict[str, Any]] = {
     "pin": {"path": "/ckpt/step-101"},
     "unpin": {"path": "/ckpt/step-101"},
     "snapshots": {},
+    "peer_snapshots": {},
+    "restore": {"path": "/ckpt/step-101"},
     "snapshot_list": {"snapshots": [{"path": "/ckpt/step-101", "shards": [[0, "ckptd-1000-4242-1", 4128, 1, 2]]}]},
 }
 VALID_FIELDS["snapshot"] = VALID_FIELDS["commit"]  # a snapshot stages and checks exactly like a commit

@@ -14,7 +14,7 @@ import torch
 
 from ckptd.protocol.errors import PathNotAllowed
 from docs_reference import CLI_PAGE, DOCS, METRICS_PAGE, REPO, cli_tables, metrics_table, regions, status_paths
-from helpers import wait_until
+from helpers import free_port, wait_until
 
 STATUS_PAGE = DOCS / "status.md"
 REGENERATE = "run `python tests/docs_reference.py` to rewrite it"
@@ -54,10 +54,14 @@ def test_the_status_reference_names_every_key_of_a_real_status_and_no_other(
         daemon_factory, client_factory, root, bucket) -> None:
     """A daemon with every part of its status filled (a shard in flight, a snapshot held, an error, an s3://
     root, a mirror upload) reports exactly the keys docs/status.md names; a list or value it left empty
-    (no load lease) cannot show its keys, so those are only checked when present."""
+    (no load lease, no replica held for a peer: ``test_node_loss.py`` checks those) cannot show its keys, so
+    those are only checked when present."""
     mirrored = root / "mirrored"
     mirrored.mkdir()
+    keys = root / "peer-keys"  # peers on: the status shows them (and no peer is trusted)
+    keys.write_text("")
     daemon = daemon_factory("--root", f"s3://{bucket}/direct", "--mirror", f"{mirrored}=s3://{bucket}/mirror",
+                            "--peer-keys", str(keys), "--peer-listen", f"tcp://127.0.0.1:{free_port()}",
                             faults=[{"op": "fsync", "match": "slow", "errno": 0, "delay": 5.0}])
     client = client_factory(max_inflight=4)
     state = {"w": torch.ones(1000)}

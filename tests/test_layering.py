@@ -169,7 +169,7 @@ def test_the_protocol_modules_import_one_another_without_a_cycle() -> None:
     _assert_no_cycle(edges)
 
 
-ROLES = ("loop", "lifecycle", "storage", "upkeep", "tools")
+ROLES = ("loop", "lifecycle", "peers", "storage", "upkeep", "tools")
 """The daemon's role folders (``docs/design.md``'s code map); its top level holds the package face and the CLI."""
 MAX_TOP_LEVEL = 10
 

@@ -34,11 +34,13 @@ from ckptd.protocol.messages import (
     Lease,
     Message,
     Ok,
+    PeerSnapshots,
     Persist,
     Pin,
     Ping,
     Pong,
     Release,
+    Restore,
     Snapshot,
     SnapshotList,
     Snapshots,
@@ -236,6 +238,14 @@ GOLDEN: dict[str, tuple[Message, str]] = {
         Unpin(id=10, path="/ckpt/step-101"),
         "84a17601a474797065a5756e70696ea269640aa470617468ae2f636b70742f737465702d313031",
     ),
+    "peer_snapshots": (
+        PeerSnapshots(id=8),
+        "83a17601a474797065ae706565725f736e617073686f7473a2696408",
+    ),
+    "restore": (
+        Restore(id=9, path="/ckpt/step-101"),
+        "84a17601a474797065a7726573746f7265a2696409a470617468ae2f636b70742f737465702d313031",
+    ),
 }
 
 
@@ -315,6 +325,8 @@ def test_message_type_names_are_frozen():
         "snapshot_list": "SnapshotList",
         "pin": "Pin",
         "unpin": "Unpin",
+        "peer_snapshots": "PeerSnapshots",
+        "restore": "Restore",
     }
 
 

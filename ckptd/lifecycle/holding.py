@@ -19,8 +19,8 @@ the newest snapshots when the daemon drains (SIGTERM).
 
 from __future__ import annotations
 
-import itertools
 import logging
+import mmap
 import os
 import time
 from concurrent.futures import Future
@@ -28,19 +28,19 @@ from pathlib import Path
 from typing import Callable
 
 from ckptd.protocol.errors import (
-    CkptdError, InvalidCheckpoint, PathNotAllowed, RanksMissing, ShuttingDown, WriteFailed,
+    CheckpointExists, CkptdError, InvalidCheckpoint, PathNotAllowed, RanksMissing, ShuttingDown, WriteFailed,
 )
 from ckptd.protocol.messages import (
     Abort, Accepted, Done, Error, Held, Message, Ok, Persist, Pin, Snapshot, SnapshotList, Snapshots, Unpin,
 )
 from ckptd.protocol.objects import display, is_permanent
-from ckptd.protocol.shm import slot_name
 
 from ckptd.lifecycle.admission import Examined, examine
+from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.attempt import AttemptState
 from ckptd.lifecycle.paths import refuse_existing
 from ckptd.lifecycle.saves import Saves
-from ckptd.lifecycle.slot_maps import SlotMaps
+from ckptd.lifecycle.slot_maps import MappedSlot, SlotMaps
 from ckptd.lifecycle.snapshots import HeldShard, HeldSnapshot, shards_of
 from ckptd.lifecycle.writer import Progress, checksum_when_staged
 from ckptd.loop.config import DaemonConfig
@@ -64,8 +64,6 @@ class Holding:
         self.state, self.workers, self.storage, self.config = state, workers, storage, config
         self.send, self.saves, self.events = send, saves, events
         self.snapshots = state.snapshots
-        self._names = itertools.count()
-        """Held slots' names: this daemon's pid and a number of its own."""
         self.drain_failures: list[str] = []
         """Snapshots the drain could not persist (path: why), for the log and ``ckptd stop``."""
         self._drain_deadline: float | None = None
@@ -95,12 +93,10 @@ class Holding:
             self.state.slots.release(examined.slot)
             self.saves.refuse(ident, msg, exc)
             return
-        for old in evicted:
-            log.info("event=snapshot_evicted path=%s step=%s reason=budget", old.path, old.step)
-            self.events.publish(SnapshotDropped(old.path, old.step, "budget"))
-        self._release(shards_of(evicted))  # never pinned: the budget evicts none a reader holds
+        self._evicted(evicted)
         self.send(ident, Accepted(msg.id))
-        slot, slots, name = examined.slot, self.state.slots, slot_name(os.getuid(), os.getpid(), next(self._names))
+        slot, slots = examined.slot, self.state.slots
+        name = slots.own_name()
 
         def checksum_and_adopt() -> int:
             crc = checksum_when_staged(memoryview(slot.map), msg.nbytes, progress)
@@ -109,6 +105,12 @@ class Holding:
         self.workers.submit("checksum", checksum_and_adopt, lambda f: self._checksummed(ident, msg, snap, f),
                             failed=lambda exc: self.fail(snap, exc) if self.snapshots.held.get(snap.path) is snap
                             else None)
+
+    def _evicted(self, evicted: list[HeldSnapshot]) -> None:
+        for old in evicted:
+            log.info("event=snapshot_evicted path=%s step=%s reason=budget", old.path, old.step)
+            self.events.publish(SnapshotDropped(old.path, old.step, "budget"))
+        self._release(shards_of(evicted))  # never pinned: the budget evicts none a reader holds
 
     def _checksummed(self, ident: bytes, msg: Snapshot, snap: HeldSnapshot, fut: Future) -> None:
         self.state.end_save(ident, msg.id)
@@ -251,8 +253,32 @@ class Holding:
         return SnapshotList(msg.id, () if snap is None else (snap.describe(),))
 
     def unpin(self, ident: bytes, msg: Unpin) -> Ok:
-        self._release(shards_of(self.snapshots.unpin(ident, Path(msg.path))))
+        self.unpin_for(ident, Path(msg.path))
         return Ok(msg.id)
+
+    def unpin_for(self, reader: bytes, path: Path) -> None:
+        """End one pin of ``path`` by ``reader`` (a reader's ``Unpin``, or a stream to the buddy that ended)."""
+        self._release(shards_of(self.snapshots.unpin(reader, path)))
+
+    def hold_restored(self, path: Path, created: float,
+                      shards: list[tuple[Snapshot, str, int, mmap.mmap, int]]) -> HeldSnapshot:
+        """Hold a snapshot read back from a peer's replica (``peers/replication.py``), every shard checked: its
+        ranks' ``Snapshot`` messages as the origin admitted them, and the files of this daemon's own that hold
+        them (name, fd, mapping, checksum). It is held as its origin held it, complete; ``CheckpointExists``
+        if a snapshot of the path is held here meanwhile, ``NoSpace`` if it does not fit the budget."""
+        if self.snapshots.opening(path) is not None:
+            raise CheckpointExists(f"snapshot {display(path)} is held here already; the replica is not restored")
+        first = shards[0][0]
+        self._evicted(self.snapshots.make_room(path, sum(msg.nbytes for msg, *_ in shards)))
+        snap = HeldSnapshot(path=path, world_size=first.world_size, step=first.step, coordinated=first.coordinated,
+                            created=created, contributors=Contributors(first.job), replication="restored")
+        for msg, name, fd, mapping, checksum in shards:
+            slot = MappedSlot(name, os.fstat(fd).st_ino, max(1, msg.nbytes), mapping, fd, users=1)
+            snap.shards[msg.rank] = HeldShard(msg, slot, os.getpid(), checksum=checksum)
+        self.snapshots.held[path] = snap
+        self.state.attempts.move(snap, AttemptState.HELD)
+        self._published_held(snap)
+        return snap
 
     def in_the_way_of_delete(self, final: Path) -> str | None:
         """Why a trainer's ``Delete`` of ``final`` must wait: a snapshot of it still being taken, replaced or

@@ -18,6 +18,7 @@ of it, that is logged and the memory goes when the view does.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
@@ -77,6 +78,12 @@ class SlotMaps:
         self.shm_dir = shm_dir if shm_dir is not None else default_shm_dir()
         self._maps: dict[str, MappedSlot] = {}
         self._lock = threading.RLock()
+        self._own = itertools.count()
+
+    def own_name(self) -> str:
+        """A new slot name of this daemon's own pid (a held snapshot's, a replica's): the next daemon with that
+        pid, or any daemon's start once this one is dead, unlinks what is left under it."""
+        return slot_name(os.getuid(), os.getpid(), next(self._own))
 
     def acquire(self, name: str, *, pid: int, nbytes: int) -> MappedSlot:
         """Map slot ``name`` of client ``pid`` holding at least ``nbytes``."""

@@ -40,7 +40,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 from ckptd.protocol.errors import CheckpointExists, Conflict, NoSpace
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
@@ -82,6 +82,11 @@ class HeldSnapshot(Attempt):
     persist_started: float = 0.0
     readers: dict[bytes, int] = field(default_factory=dict)
     """Pins by reader connection (``Pin``): while any is held its slots stay as they are, dropped or not."""
+    replication: str = "off"
+    """Its copy on the buddy node (``ckptd/peers/replication.py``): off, replicating, replicated, failed,
+    superseded, or restored (read back from a peer's replica)."""
+    replication_error: str = ""
+    """Why replication failed."""
 
     @property
     def arrived(self) -> set[int]:
@@ -136,6 +141,7 @@ class HeldSnapshot(Attempt):
             "ranks_held": sorted(r for r, s in self.shards.items() if s.checksum is not None),
             "complete": self.acknowledged, "persisted": self.persisted, "persisting": self.persisting,
             "persists_waiting": len(self.persist_waiting),
+            "replication": self.replication, "replication_error": self.replication_error,
             "checksum_algorithm": CHECKSUM_ALGORITHM,
             "shards": [[r, s.slot.name, s.msg.nbytes, s.checksum, len(s.msg.tensors)]
                        for r, s in sorted(self.shards.items()) if s.checksum is not None],
@@ -147,6 +153,8 @@ class Snapshots:
 
     def __init__(self, budget: int, keep: int, registry: Registry) -> None:
         self.budget, self.keep, self.registry = budget, keep, registry
+        self.replica_bytes: Callable[[], int] = lambda: 0
+        """What the replicas this node holds for its peers occupy of the same budget (``peers/replicas.py``)."""
         self.held: dict[Path, HeldSnapshot] = registry.book()
         self.released: dict[int, list[str]] = {}
         """Slots dropped from snapshots whose client is alive, by its pid: named in its next ``Held``."""
@@ -187,7 +195,7 @@ class Snapshots:
     @property
     def held_bytes(self) -> int:
         """What the budget counts: the snapshots held and those parked for their readers."""
-        return sum(s.nbytes for s in self.all()) + sum(s.nbytes for s in self.parked)
+        return sum(s.nbytes for s in self.all()) + sum(s.nbytes for s in self.parked) + self.replica_bytes()
 
     def admit(self, msg: Snapshot, final: Path, slot: MappedSlot, pid: int, client: bytes
               ) -> tuple[HeldSnapshot, list[HeldSnapshot]]:
@@ -206,7 +214,7 @@ class Snapshots:
         snap = into.get(final)
         if snap is not None:
             snap.check_join(msg)
-        evicted = self._make_room(final, msg.nbytes)
+        evicted = self.make_room(final, msg.nbytes)
         if snap is None:
             snap = into[final] = HeldSnapshot(path=final, world_size=msg.world_size, step=msg.step,
                                               coordinated=msg.coordinated, timeout=msg.timeout,
@@ -215,7 +223,7 @@ class Snapshots:
         snap.shards[msg.rank] = HeldShard(msg, slot, pid, client)
         return snap, evicted
 
-    def _make_room(self, final: Path, needed: int) -> list[HeldSnapshot]:
+    def make_room(self, final: Path, needed: int) -> list[HeldSnapshot]:
         """Evict the oldest persisted snapshots until ``needed`` more bytes fit; ``NoSpace`` if they cannot."""
         evicted: list[HeldSnapshot] = []
         candidates = sorted((s for s in self.held.values() if s.persisted and not s.persisting and not s.readers),
@@ -229,7 +237,8 @@ class Snapshots:
             raise NoSpace(
                 f"snapshot {final} needs {human_bytes(needed)} of node memory, but the daemon's memory budget is "
                 f"{human_bytes(self.budget)} and {human_bytes(self.held_bytes)} are held in {len(self.held)} "
-                f"snapshot(s) ({unpersisted} not on disk yet, which are never evicted for another). The budget must "
+                f"snapshot(s) ({unpersisted} not on disk yet, which are never evicted for another) and "
+                f"{human_bytes(self.replica_bytes())} in replicas held for peers. The budget must "
                 f"hold keep_snapshots + 1 snapshots per job (the newest is only dropped once a newer one is held): "
                 f"start the daemon with a larger --memory-budget or a smaller --keep-snapshots, persist "
                 f"(client.persist) or save to disk (persist=True) instead")

@@ -112,6 +112,18 @@ class DaemonConfig:
     persist_on_exit: str = "newest"
     """When the last client of a snapshot's ranks closes or dies, ``newest``
     persists its newest snapshot not yet on disk; ``never`` leaves it in memory only."""
+    peer_listen: str | None = None
+    """``tcp://HOST:PORT`` where other nodes' daemons reach this one (``ckptd/peers``); None opens no TCP port."""
+    peers: tuple[str, ...] = ()
+    """Other nodes' peer endpoints (``--peer``, repeatable): the first is this node's buddy, which holds a replica
+    of every snapshot held here; all of them are asked when this node restores one it lost."""
+    peer_keys: Path | None = None
+    """The peer keys file (``ckptd/peers/keys.py``): the public keys of the peers trusted, and the endpoints of
+    those this daemon connects to. Needed by ``--peer-listen`` and ``--peer``."""
+    replicas: int | None = None
+    """Copies of each snapshot on other nodes: 1 (on the buddy) when a ``--peer`` is given, else 0."""
+    peer_timeout: float = 10.0
+    """Seconds a peer has to answer each step of a stream before the replication fails."""
     storage: str | None = field(default_factory=lambda: os.environ.get("CKPTD_STORAGE") or None)
     """``module:Class`` of the checkpoint storage (``ckptd.storage.contract.Storage``); default ``$CKPTD_STORAGE``,
     else None: the local filesystem. Tests load their fault-injecting one here."""
@@ -178,9 +190,34 @@ class DaemonConfig:
             raise ValueError(f"keep_snapshots must be at least 1, got {self.keep_snapshots}")
         if self.persist_on_exit not in ("newest", "never"):
             raise ValueError(f"persist_on_exit must be newest or never, got {self.persist_on_exit!r}")
+        self._check_peers()
         if self.storage is not None:
             load_storage(self.storage)  # refuse a bad --storage here, before a detached start
         self.endpoint = endpoint_for(self.run_dir)
+
+    def _check_peers(self) -> None:
+        for flag, endpoint in [("--peer-listen", self.peer_listen), *(("--peer", p) for p in self.peers)]:
+            if endpoint is not None and not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", endpoint):
+                raise ValueError(f"{flag} {endpoint}: expected tcp://HOST:PORT")
+        if len(set(self.peers)) != len(self.peers) or (self.peer_listen is not None and self.peer_listen in self.peers):
+            raise ValueError(f"--peer names one endpoint twice, or this daemon's own --peer-listen: {list(self.peers)}")
+        if (self.peer_listen or self.peers) and self.peer_keys is None:
+            raise ValueError("--peer-listen and --peer need --peer-keys FILE: the public keys of the peers this "
+                             "daemon trusts (one line per node, as `ckptd peer-key` prints it)")
+        if self.peer_keys is not None:
+            from ckptd.peers.keys import PeerKeys
+
+            self.peer_keys = Path(self.peer_keys).absolute()
+            keys = PeerKeys(self.peer_keys)  # a bad file or a --peer without a key: refused now, before a start
+            for endpoint in self.peers:
+                keys.key_for(endpoint)
+        if self.replicas is None:
+            self.replicas = 1 if self.peers else 0
+        if self.replicas not in (0, 1) or (self.replicas and not self.peers):
+            raise ValueError(f"replicas must be 0 or 1, and 1 needs a --peer (the buddy that holds the copy), got "
+                             f"{self.replicas}")
+        if not 0 < self.peer_timeout < float("inf"):
+            raise ValueError(f"peer_timeout must be positive finite seconds, got {self.peer_timeout}")
 
     def retention_for(self, checkpoint: Path) -> int | None:
         """The configured keep_last for a checkpoint's directory, if any."""

@@ -20,11 +20,12 @@ from typing import Any, Callable
 import zmq
 
 from ckptd.protocol import __version__
-from ckptd.protocol.errors import BadMessage, Conflict
+from ckptd.protocol.errors import BadMessage, Conflict, InvalidCheckpoint
 from ckptd.protocol.messages import (
-    MAX_MESSAGE_BYTES, Abort, Bye, Delete, Error, Finalize, Granted, Hello, Lease, Message, Ok, Persist, Pin, Ping, Pong,
-    Release, Snapshot, Snapshots, Staged, StagedShard, Status, StatusReply, Stop, Unpin, Welcome, WriteShard, decode,
-    request_id,
+    MAX_MESSAGE_BYTES, Abort, Bye, Delete, Error, Finalize, Granted, Hello, Lease, Message, Ok, PeerSnapshots, Persist,
+    Pin, Ping, Pong,
+    Release, Restore, Snapshot, Snapshots, Staged, StagedShard, Status, StatusReply, Stop, Unpin, Welcome, WriteShard,
+    decode, request_id,
 )
 from ckptd.protocol.objects import display
 
@@ -39,6 +40,10 @@ from ckptd.loop.replies import error_reply
 from ckptd.loop.state import MAX_PID, NodeState
 from ckptd.loop.stats import add_filesystems
 from ckptd.loop.workers import Workers
+from ckptd.peers.endpoint import PeerEndpoint
+from ckptd.peers.keys import KeyPair, PeerKeys
+from ckptd.peers.replicas import Replicas
+from ckptd.peers.replication import Replication
 from ckptd.storage.contract import CheckpointStorage
 from ckptd.upkeep.mirror import Mirrors
 from ckptd.upkeep.retention import Retainer
@@ -70,6 +75,11 @@ class Server:
         self.holding = Holding(self.state, self.workers, storage, config, self._send, self.saves, self.events)
         self.attempts = self.state.attempts
         self.attempts.keep((self.saves, self.holding))
+        self.replicas: Replicas | None = None
+        self.peer_endpoint: PeerEndpoint | None = None
+        self.replication: Replication | None = None
+        if config.peer_keys is not None:
+            self._start_peers(PeerKeys(config.peer_keys))
         mirrors = self.mirrors
         self.retainer = Retainer(storage, self.workers, config, self.state.stats, self.events,
                                  self.state.commits.publishing,
@@ -93,6 +103,8 @@ class Server:
             Snapshot: self.holding.snapshot,
             Persist: self.holding.persist,
             Snapshots: self.holding.listing,
+            PeerSnapshots: self.holding.listing if self.replication is None else self.replication.listing,
+            Restore: self._no_peers if self.replication is None else self.replication.restore,
             Pin: self.holding.pin,
             Unpin: self.holding.unpin,
             Staged: lambda ident, m: self.saves.staged(ident, m.upto, m.error, m.id),
@@ -114,6 +126,22 @@ class Server:
         self.workers.submit("maintenance", reclaim_orphaned_slots)
         self.workers.submit("maintenance", lambda: sweep_incomplete(storage, directories, config.sweep))
 
+    def _start_peers(self, keys: PeerKeys) -> None:
+        """The replicas held for other nodes, the peer endpoint (``--peer-listen``) and replication to the buddy."""
+        config, slots, stats = self.config, self.state.slots, self.state.stats
+        snapshots = self.state.snapshots
+        book = self.replicas = Replicas(self.workers, stats, slots.shm_dir, slots.own_name,
+                                        lambda: snapshots.budget - snapshots.held_bytes)
+        snapshots.replica_bytes = lambda: book.nbytes
+        if config.peer_listen is not None:
+            self.peer_endpoint = PeerEndpoint(self.ctx, config.peer_listen, KeyPair.of(config.run_dir), keys, book,
+                                              stats)
+        self.replication = Replication(self.ctx, config, keys, self.holding, self.workers, stats, self._send)
+
+    def _no_peers(self, ident: bytes, msg: Restore) -> Message:
+        raise InvalidCheckpoint(f"snapshot {msg.path} cannot be restored: this daemon has no peers (start it with "
+                                f"--peer and --peer-keys)")
+
     def _subscribe(self) -> None:
         """Who reacts to what the lifecycle publishes, in this order: the books first, then the memory tier
         (a snapshot persisted or shadowed by a disk save), the upload, and retention last (it asks the mirror)."""
@@ -128,6 +156,8 @@ class Server:
             mirrors = self.mirrors
             events.subscribe(Committed, lambda e: mirrors.submit(e.path))
         events.subscribe(Committed, self.retainer.committed)
+        if self.replication is not None:
+            events.subscribe(SnapshotHeld, self.replication.held)
 
     # -- loop ---------------------------------------------------------------
 
@@ -135,6 +165,9 @@ class Server:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.workers.wake_fd, zmq.POLLIN)
+        peers = None if self.peer_endpoint is None else self.peer_endpoint.socket
+        if peers is not None:
+            poller.register(peers, zmq.POLLIN)
         next_housekeeping = time.monotonic()
         log.info("event=start pid=%d endpoint=%s roots=%s", os.getpid(), self.config.endpoint,
                  ",".join(map(display, self.config.roots)))
@@ -142,6 +175,8 @@ class Server:
             events = dict(poller.poll(POLL_MS))
             if self.router in events:
                 self._drain_socket()
+            if peers is not None and peers in events:
+                self.peer_endpoint.drain()
             if self.workers.wake_fd in events:
                 self.workers.woken()
             self.workers.apply_finished()
@@ -161,8 +196,14 @@ class Server:
     def close(self) -> None:
         if self.mirrors is not None:
             self.mirrors.close()  # what is left is logged, and queued again at the next start
+        if self.replication is not None:
+            self.replication.close()
+        if self.peer_endpoint is not None:
+            self.peer_endpoint.close()
         self.workers.close()
         self.holding.close()  # after the workers: what they finished may have taken over or released slots
+        if self.replicas is not None:
+            self.replicas.close()
         self.router.close()
         self.ctx.term()
         self.state.slots.close()
@@ -222,6 +263,8 @@ class Server:
         info = self.state.stats.status(self.state)
         if self.mirrors is not None:
             info["mirror"] = self.mirrors.status()
+        if self.replication is not None and self.replicas is not None:
+            info["peers"] = {**self.replication.status(), "replicas_held": self.replicas.summary()}
         return info
 
     def _on_status(self, ident: bytes, msg: Status) -> None:
@@ -297,6 +340,8 @@ class Server:
             if not self.state.pid_connected(pid):
                 self.workers.submit("maintenance", lambda pid=pid: self.state.slots.reclaim(pid))
         self.attempts.housekeep(time.monotonic(), died)
+        if self.replicas is not None:
+            self.replicas.tidy(time.monotonic())
 
     def _busy(self) -> bool:
         return self.state.busy or self.workers.in_flight > 0

@@ -19,6 +19,9 @@ The loop thread never does file I/O. Everything that does runs here:
   so that it cannot hold up the exit either. Everything it does is
   crash-safe, so abandoning it is as safe as a crash.
 - ``status``: one thread for the free-space numbers of ``ckptd status`` and metrics.
+- ``replica``: one thread, FIFO: the bytes of replicas held for peers (created, written, checked, read back).
+- ``peer``: one thread: streams of snapshots to the buddy (``ckptd/peers/replication.py``), one at a time.
+- ``peer_ask``: one thread: questions to peers and restores from them, never behind a stream.
 
 ``submit(pool, work, then, failed)`` runs ``work`` on a pool; ``then(future)``
 runs back on the loop thread (a queue plus an eventfd that wakes its poll). A
@@ -37,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 log = logging.getLogger("ckptd")
-POOLS = ("admit", "write", "checksum", "commit", "maintenance", "status")
+POOLS = ("admit", "write", "checksum", "commit", "maintenance", "status", "replica", "peer", "peer_ask")
 ABANDONABLE = "maintenance"
 """The pool a drain past its deadline neither waits for nor joins."""
 

@@ -114,7 +114,7 @@ class StartOption:
     def default_text(self) -> str:
         """The field's default as the help quotes it (empty: none worth quoting, or computed at start)."""
         spec = next(f for f in dataclasses.fields(DaemonConfig) if f.name == self.field)
-        if spec.default is dataclasses.MISSING or spec.default is None or isinstance(spec.default, bool):
+        if spec.default in (dataclasses.MISSING, None, ()) or isinstance(spec.default, bool):
             return ""
         return f"{spec.default:g}" if isinstance(spec.default, float) else str(spec.default)
 
@@ -175,6 +175,16 @@ START_OPTIONS: tuple[StartOption, ...] = (
                 "/dev/shm's free space, at most a quarter of the RAM)", memory_size, "BYTES"),
     StartOption("--keep-snapshots", "keep_snapshots", "newest memory snapshots kept per checkpoint directory",
                 positive_int, "K"),
+    StartOption("--peer-listen", "peer_listen", "open the peer endpoint for other nodes' daemons (CurveZMQ; "
+                "without it no TCP port is opened)", str, "tcp://HOST:PORT"),
+    StartOption("--peer", "peers", "another node's peer endpoint (repeatable): the first is the buddy that holds a "
+                "replica of every snapshot", str, "tcp://HOST:PORT", repeated=True),
+    StartOption("--peer-keys", "peer_keys", "the trusted peers' public keys, and the endpoints of those given as "
+                "--peer (lines of `ckptd peer-key`)", Path, "FILE"),
+    StartOption("--replicas", "replicas", "copies of each snapshot on other nodes (default 1 with a --peer, else 0)",
+                int, "N"),
+    StartOption("--peer-timeout", "peer_timeout", "seconds a peer has to answer each step of a replication",
+                seconds, "SECONDS"),
     StartOption("--persist-on-exit", "persist_on_exit", "when a trainer closes or dies, write its newest snapshot "
                 "to disk", choices=("newest", "never")),
 )

@@ -82,8 +82,18 @@ def render_status(info: dict[str, Any]) -> str:
                      f" budget (keep {mem['keep_snapshots']} per directory)")
         for s in mem["snapshots"]:
             where = "memory + disk" if s["persisted"] else ("persisting" if s["persisting"] else "memory only")
+            replica = "" if s.get("replication", "off") == "off" else f"  replica: {s['replication']}"
             lines.append(f"  {printable(s['path'])}  step {s['step']}  {human_bytes(s['bytes'])}  ranks held "
-                         f"{len(s['ranks_held'])}/{s['world_size']}  {where}")
+                         f"{len(s['ranks_held'])}/{s['world_size']}  {where}{replica}")
+    peers = info.get("peers")
+    if peers:
+        held = peers["replicas_held"]
+        lines.append(f"peers: listening on {peers['listen'] or 'nothing'}, buddy {peers['buddy'] or 'none'}; "
+                     f"replicas held for others: {len(held['held'])} ({human_bytes(held['bytes'])}), "
+                     f"{held['receiving']} arriving")
+        for r in held["held"]:
+            lines.append(f"  {printable(r['path'])}  step {r['step']}  {human_bytes(r['bytes'])}  ranks "
+                         f"{r['ranks_held']}  from {printable(r['origin'][:8])}…")
     done = info["completed"]
     last = done["last"]
     lines.append(f"completed: {done['count']} checkpoints, {human_bytes(done['bytes'])}")

@@ -1,0 +1,277 @@
+"""Replicas this daemon holds for its peers: shards of their snapshots, in this node's shared memory.
+
+A buddy's side of replication (``replication.py`` is the origin's). A peer
+offers one rank's shard of a snapshot it holds (``Offer``: that rank's
+``Snapshot`` message and the checksum the origin took), streams it in order
+(``Chunk``), and seals it (``Seal``): the bytes are checksummed as they are
+written, and a shard whose checksum differs from the origin's is never held.
+A replica is complete once every rank the origin holds of that snapshot is
+sealed; only then is it listed (``Replicas``), read back by a node restoring
+it (``Fetch``), and only then does it replace the older replica of the same
+ranks in its directory, from any origin (a replacement node has a key of its
+own, and takes its predecessor's place).
+
+The memory budget (``--memory-budget``) counts replicas and this node's own
+snapshots together, and neither evicts the other: an offer that does not fit
+beside what is held (the replica it would replace included, which stays until
+the new one is complete) is refused with ``NoSpace``, and its origin reports
+the snapshot as not replicated; a snapshot of this node's own that does not
+fit fails with ``NoSpace`` as before. An offer whose origin stops streaming
+is dropped after ``STALLED_S``.
+
+Bookkeeping on the loop thread; the bytes are created, written, checked and
+read on the ``replica`` pool, in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ckptd.protocol.checksums import updater
+from ckptd.protocol.errors import Conflict, InvalidCheckpoint, NoSpace, WriteFailed
+from ckptd.protocol.messages import Message, Ok
+from ckptd.protocol.objects import display
+from ckptd.protocol.peer_messages import Chunk, Fetch, Offer, Piece, ReplicaList, Seal
+
+from ckptd.loop.replies import error_reply
+from ckptd.loop.stats import Stats
+from ckptd.loop.workers import Workers
+from ckptd.tools.render import human_bytes
+
+log = logging.getLogger("ckptd")
+STALLED_S = 60.0
+"""Seconds an offer may go without a chunk before it is dropped (its origin died or gave up)."""
+Reply = Callable[[Message, bytes | memoryview | None], None]
+
+
+@dataclass
+class ReplicaShard:
+    """One rank's shard of a replica: the origin's ``Offer``, and the file in shared memory holding its bytes."""
+
+    offer: Offer
+    name: str
+    fd: int = -1
+    map: mmap.mmap | None = None
+    queued: int = 0
+    """Bytes handed to the pool to write so far (the next chunk must start here)."""
+    crc: int = 0
+    sealed: bool = False
+    last_chunk: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        return self.offer.snapshot.nbytes
+
+    def close(self, shm_dir: Path) -> None:
+        """Unmap, close and unlink (on the pool)."""
+        if self.map is not None:
+            self.map.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            os.unlink(shm_dir / self.name)
+        except FileNotFoundError:
+            pass
+
+
+@dataclass
+class Replica:
+    """The shards one origin holds of one snapshot, replicated here."""
+
+    origin: str
+    path: Path
+    ranks: tuple[int, ...]
+    created: float
+    shards: dict[int, ReplicaShard] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return set(self.ranks) == {r for r, s in self.shards.items() if s.sealed}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards.values())
+
+    @property
+    def order(self) -> tuple[int, float]:
+        step = next(iter(self.shards.values())).offer.snapshot.step if self.shards else None
+        return (step if step is not None else -1, self.created)
+
+    def describe(self) -> dict[str, Any]:
+        """As ``SnapshotList`` lists a held snapshot (docs/status.md), with ``origin`` for the peer it is of."""
+        first = next(iter(self.shards.values())).offer
+        return {"path": str(self.path), "step": first.snapshot.step, "world_size": first.snapshot.world_size,
+                "created": self.created, "bytes": self.nbytes, "ranks_held": sorted(self.shards),
+                "complete": self.complete, "coordinated": first.snapshot.coordinated, "origin": self.origin,
+                "checksum_algorithm": first.algorithm,
+                "shards": [[r, s.name, s.nbytes, s.offer.checksum, len(s.offer.snapshot.tensors)]
+                           for r, s in sorted(self.shards.items())],
+                "messages": [s.offer.shard for _, s in sorted(self.shards.items())]}
+
+
+class Replicas:
+    """Every replica this daemon holds or is receiving, within the node's memory budget (shared with its own
+    snapshots: ``room`` says how many bytes are free of it)."""
+
+    def __init__(self, workers: Workers, stats: Stats, shm_dir: Path, new_name: Callable[[], str],
+                 room: Callable[[], int]) -> None:
+        self.workers, self.stats, self.shm_dir, self.new_name, self.room = workers, stats, shm_dir, new_name, room
+        self.held: dict[tuple[str, Path], Replica] = {}
+        """Complete replicas by (origin, path)."""
+        self.incoming: dict[tuple[str, Path], Replica] = {}
+        """Replicas still being received, by (origin, path)."""
+        self._offers: dict[tuple[bytes, int], ReplicaShard] = {}
+        """Shards being received, by (connection, offer id)."""
+
+    @property
+    def nbytes(self) -> int:
+        """What the memory budget counts of replicas: held and incoming."""
+        return sum(r.nbytes for r in (*self.held.values(), *self.incoming.values()))
+
+    # -- receiving ----------------------------------------------------------
+
+    def offer(self, ident: bytes, origin: str, msg: Offer, reply: Reply) -> None:
+        """Reserve room for one shard and create its file; Ok once it may be streamed."""
+        snap = msg.snapshot
+        path = Path(snap.path)
+        if self.room() < snap.nbytes:
+            raise NoSpace(f"a replica of {display(path)} rank {snap.rank} needs {human_bytes(snap.nbytes)} of this "
+                          f"node's memory budget and only {human_bytes(max(0, self.room()))} are free; start this "
+                          f"daemon with a larger --memory-budget")
+        replica = self.incoming.get((origin, path))
+        if replica is None or replica.ranks != msg.ranks or snap.rank in replica.shards:  # a new attempt starts over
+            if replica is not None:
+                self._drop(replica)
+            replica = self.incoming[(origin, path)] = Replica(origin, path, msg.ranks, msg.created)
+        shard = replica.shards[snap.rank] = ReplicaShard(msg, self.new_name())
+        self._offers[(ident, msg.id)] = shard
+        path_in_shm = self.shm_dir / shard.name
+
+        def create() -> None:
+            shard.fd = os.open(path_in_shm, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            os.ftruncate(shard.fd, max(1, shard.nbytes))
+            shard.map = mmap.mmap(shard.fd, max(1, shard.nbytes), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.workers.submit("replica", create, lambda fut: reply(self._answer(fut, msg.id), None))
+
+    def chunk(self, ident: bytes, msg: Chunk, data: memoryview, reply: Reply) -> None:
+        """Write the next piece of a shard being received (in order); Ok once written."""
+        shard = self._offers.get((ident, msg.offer))
+        if shard is None:
+            raise Conflict(f"chunk of offer {msg.offer}: no such offer is being received from this peer")
+        if msg.offset != shard.queued or msg.offset + len(data) > shard.nbytes:
+            raise Conflict(f"chunk of offer {msg.offer} at {msg.offset} (+{len(data)} bytes): expected the next "
+                           f"piece at {shard.queued} of {shard.nbytes}")
+        shard.queued += len(data)
+        shard.last_chunk = time.monotonic()
+        update = updater(shard.offer.algorithm)
+
+        def write() -> None:
+            assert shard.map is not None
+            shard.map[msg.offset:msg.offset + len(data)] = data
+            shard.crc = update(data, shard.crc)
+        self.workers.submit("replica", write, lambda fut: reply(self._answer(fut, msg.id), None))
+
+    def seal(self, ident: bytes, msg: Seal, reply: Reply) -> None:
+        """Every byte of a shard came: held if its checksum is the origin's, else dropped; Ok or Error."""
+        shard = self._offers.pop((ident, msg.offer), None)
+        if shard is None:
+            raise Conflict(f"seal of offer {msg.offer}: no such offer is being received from this peer")
+        replica = next(r for r in self.incoming.values() if any(s is shard for s in r.shards.values()))
+
+        def sealed(_: object) -> None:
+            if shard.queued != shard.nbytes or shard.crc != shard.offer.checksum:
+                self._drop(replica)
+                why = (f"{shard.queued} of {shard.nbytes} bytes came" if shard.queued != shard.nbytes else
+                       f"its bytes' checksum {shard.crc:#x} is not the origin's {shard.offer.checksum:#x}")
+                log.warning("event=replica_refused path=%s rank=%d reason=%s", replica.path,
+                            shard.offer.snapshot.rank, why)
+                reply(error_reply(self.stats, msg.id, WriteFailed(
+                    f"replica of {display(replica.path)} rank {shard.offer.snapshot.rank} not held: {why}")), None)
+                return
+            shard.sealed = True
+            if replica.complete:
+                self._completed(replica)
+            reply(Ok(msg.id), None)
+        self.workers.submit("replica", lambda: None, sealed)  # behind the chunks' writes
+
+    def _completed(self, replica: Replica) -> None:
+        """A replica is whole: it is listed, and replaces the older ones of the same ranks in its directory, from
+        whichever origin (a replacement node has a key of its own, and takes its predecessor's place)."""
+        del self.incoming[(replica.origin, replica.path)]
+        older = [r for r in self.held.values() if r.path.parent == replica.path.parent and r.ranks == replica.ranks
+                 and r.order <= replica.order]
+        for old in older:
+            del self.held[(old.origin, old.path)]
+            log.info("event=replica_dropped path=%s reason=newer", old.path)
+            self._unlink(old)
+        self.held[(replica.origin, replica.path)] = replica
+        log.info("event=replica_held path=%s ranks=%s bytes=%d origin=%s", replica.path, list(replica.ranks),
+                 replica.nbytes, replica.origin[:8])
+
+    def _answer(self, fut: Any, rid: int) -> Message:
+        exc = fut.exception()
+        return Ok(rid) if exc is None else error_reply(self.stats, rid, exc)
+
+    def _drop(self, replica: Replica) -> None:
+        self.incoming.pop((replica.origin, replica.path), None)
+        for key in [k for k, s in self._offers.items() if s in replica.shards.values()]:
+            del self._offers[key]
+        self._unlink(replica)
+
+    def _unlink(self, replica: Replica) -> None:
+        shards, shm_dir = list(replica.shards.values()), self.shm_dir
+        self.workers.submit("replica", lambda: [s.close(shm_dir) for s in shards])
+
+    def tidy(self, now: float) -> None:
+        """Drop replicas whose origin stopped streaming them."""
+        for replica in list(self.incoming.values()):
+            if all(now - s.last_chunk > STALLED_S for s in replica.shards.values() if not s.sealed):
+                log.warning("event=replica_dropped path=%s reason=stalled", replica.path)
+                self._drop(replica)
+
+    # -- reading back -------------------------------------------------------
+
+    def listing(self) -> ReplicaList:
+        return ReplicaList(0, tuple(r.describe() for r in self.held.values()))
+
+    def fetch(self, msg: Fetch, reply: Reply) -> None:
+        """A piece of a complete replica's shard, for a node restoring it."""
+        replica = next((r for r in self.held.values() if str(r.path) == msg.path), None)
+        shard = None if replica is None else replica.shards.get(msg.rank)
+        if shard is None:
+            raise InvalidCheckpoint(f"this daemon holds no replica of {msg.path} rank {msg.rank}")
+        if msg.offset + msg.length > shard.nbytes:
+            raise InvalidCheckpoint(f"fetch of {msg.path} rank {msg.rank} at {msg.offset}+{msg.length} lies beyond "
+                                    f"its {shard.nbytes} bytes")
+
+        def read() -> bytes:
+            assert shard.map is not None
+            return shard.map[msg.offset:msg.offset + msg.length]
+
+        def send(fut: Any) -> None:
+            if fut.exception() is not None:
+                reply(self._answer(fut, msg.id), None)
+            else:
+                reply(Piece(msg.id, msg.offset), fut.result())
+        self.workers.submit("replica", read, send)
+
+    def summary(self) -> dict[str, Any]:
+        """The ``replicas`` part of ``ckptd status``: what this node holds for others."""
+        return {"bytes": self.nbytes, "held": [{k: v for k, v in r.describe().items() if k != "messages"}
+                                              for r in self.held.values()],
+                "receiving": len(self.incoming)}
+
+    def close(self) -> None:
+        """The daemon exits: nothing held for others outlives it (on the calling thread)."""
+        for replica in [*self.held.values(), *self.incoming.values()]:
+            for shard in replica.shards.values():
+                shard.close(self.shm_dir)
+        self.held.clear()
+        self.incoming.clear()

@@ -1,0 +1,208 @@
+"""Surviving the loss of a node: three simulated nodes on one machine, each with its own run directory, daemon,
+peer endpoint on 127.0.0.1 and rank process, in a ring (node i's snapshots are replicated on node i+1).
+
+A node is lost whole (its daemon and its rank SIGKILLed; the job's other ranks die with the job), a replacement
+starts in a new run directory with a key pair of its own (another host, as far as its peers can tell), and the
+job's ranks resume through ``ckptd.latest`` and ``ckptd.load_into`` as they always do. The checkpoints they
+resume from were never on disk: the daemons run ``--persist-on-exit never``, and the test asserts only the one
+early disk checkpoint exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckptd
+
+from helpers import Daemon, ckptd_cli, free_port, short_tempdir, start_daemon, wait_for_ranks
+from docs_reference import status_paths
+from test_docs import documented_status_paths
+from zygote import start_ranks
+
+NODES = 3
+LOG = "ckptd.log"
+
+
+def _state(rank: int, step: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(rank * 1000 + step)
+    return {"w": torch.randn(256, 256, generator=gen), "b": torch.randn(300, generator=gen), "step": step}
+
+
+def _rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: str, persist: list[int],
+          snapshots: list[int]) -> None:
+    """One trainer: resume from the newest checkpoint, save, then stay alive (as a trainer does) until killed."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=NODES)
+    log: dict[str, Any] = {}
+    try:
+        client = ckptd.Client(run_dir=run_dirs[rank], spawn=False, commit_timeout=60, timeout=10, heartbeat=0.2)
+        resumed = ckptd.latest(root, run_dir=run_dirs[rank])
+        log["resumed"] = None if resumed is None else str(resumed)
+        if resumed is not None:
+            state = {"w": torch.zeros(256, 256), "b": torch.zeros(300), "step": -1}
+            ckptd.load_into(state, resumed, run_dir=run_dirs[rank])
+            want = _state(rank, state["step"])
+            log["step"] = state["step"]
+            log["bitwise"] = all(torch.equal(state[k], want[k]) for k in ("w", "b"))
+        for step in persist:
+            client.save_async(_state(rank, step), Path(root) / f"step-{step}", step=step).result(60)
+        for step in snapshots:
+            fut = client.save_async(_state(rank, step), Path(root) / f"step-{step}", step=step, persist=False)
+            fut.result(60)
+            fut.wait_replicated(60)
+        log["saved"] = persist + snapshots
+    except BaseException:
+        log["crash"] = traceback.format_exc()
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(log))
+    Path(out, f"done-{rank}").touch()
+    while True:  # a trainer goes on training: it ends when its job is killed
+        time.sleep(1)
+
+
+@dataclass
+class Cluster:
+    """Three nodes in a ring; a node is replaced in a new run directory, at the same peer endpoint."""
+
+    root: Path
+    work: Path
+    keys: Path
+    ports: list[int] = field(default_factory=lambda: [free_port() for _ in range(NODES)])
+    daemons: list[Daemon | None] = field(default_factory=lambda: [None] * NODES)
+    run_dirs: list[Path | None] = field(default_factory=lambda: [None] * NODES)
+    lines: list[str] = field(default_factory=lambda: [""] * NODES)
+    jobs: int = 0
+
+    def endpoint(self, node: int) -> str:
+        return f"tcp://127.0.0.1:{self.ports[node % NODES]}"
+
+    def prepare(self, node: int) -> Path:
+        """A new run directory for ``node``: its key line replaces the node's line in the keys file (which every
+        daemon reads again when it changes), as a deployment gathers one line per node."""
+        run_dir = short_tempdir(f"ckn{node}-")
+        line = ckptd_cli("peer-key", "--run-dir", str(run_dir), "--endpoint", self.endpoint(node)).stdout.strip()
+        self.lines[node] = line
+        self.keys.write_text("".join(f"{ln}\n" for ln in self.lines if ln))
+        self.run_dirs[node] = run_dir
+        return run_dir
+
+    def start(self, node: int, *extra: str) -> Daemon:
+        """A daemon for ``node`` in the run directory ``prepare`` made (a new one if it ran before)."""
+        run_dir = self.run_dirs[node]
+        if run_dir is None or self.daemons[node] is not None:
+            run_dir = self.prepare(node)
+        daemon = start_daemon(run_dir, self.root, "--peer-listen", self.endpoint(node), "--peer",
+                              self.endpoint(node + 1), "--peer-keys", str(self.keys), "--persist-on-exit", "never",
+                              *extra)
+        self.daemons[node] = daemon
+        return daemon
+
+    def lose(self, node: int) -> None:
+        """The node is gone, and everything it held in memory with it."""
+        daemon = self.daemons[node]
+        assert daemon is not None
+        daemon.kill()
+        assert daemon.proc.returncode == -signal.SIGKILL
+
+    def job(self, persist: list[int], snapshots: list[int]) -> tuple[Any, list[dict[str, Any]]]:
+        """Run the job's three ranks until each has saved; returns them alive (their context) and their logs."""
+        self.jobs += 1
+        out = self.work / f"job-{self.jobs}"
+        out.mkdir()
+        run_dirs = [str(d.run_dir) for d in self.daemons if d is not None]
+        ctx = start_ranks(_rank, (str(out / "init"), run_dirs, str(self.root), str(out), persist, snapshots), NODES)
+        wait_for_ranks(out, "done", NODES, ctx, time.monotonic() + 180, "the job's ranks did not finish saving")
+        logs = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(NODES)]
+        for log in logs:
+            assert "crash" not in log, log["crash"]
+        return ctx, logs
+
+    def status(self, node: int) -> dict[str, Any]:
+        daemon = self.daemons[node]
+        assert daemon is not None
+        return daemon.status()
+
+    def close(self) -> None:
+        for daemon in self.daemons:
+            if daemon is not None and daemon.proc.poll() is None:
+                daemon.kill()
+
+
+def _kill_job(ctx: Any) -> None:
+    """The job dies with its node (a launcher kills the ranks left)."""
+    for p in ctx.processes:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
+        assert p.exitcode == -signal.SIGKILL
+
+
+@pytest.fixture
+def cluster(root: Path, tmp_path: Path) -> Any:
+    c = Cluster(root, tmp_path, tmp_path / "peer-keys")
+    for node in range(NODES):
+        c.prepare(node)
+    for node in range(NODES):
+        c.start(node)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _held(status: dict[str, Any], name: str) -> dict[str, Any]:
+    (snap,) = [s for s in status["memory"]["snapshots"] if s["path"].endswith(f"/{name}")]
+    return snap
+
+
+def test_a_lost_node_resumes_bitwise_from_its_buddy_and_a_corrupted_replica_is_never_loaded(
+        cluster: Cluster, root: Path) -> None:
+    ctx, _ = cluster.job(persist=[5], snapshots=[10, 20])
+    documented = documented_status_paths()
+    for node in range(NODES):
+        assert _held(cluster.status(node), "step-20")["replication"] == "replicated"
+        assert not status_paths(cluster.status(node)) - documented, "docs/status.md lacks a key of the peers'"
+        held = cluster.status((node + 1) % NODES)["peers"]["replicas_held"]["held"]
+        assert [(r["path"], r["ranks_held"]) for r in held] == [(str(root / "step-20"), [node])]
+    cluster.lose(1)
+    _kill_job(ctx)
+
+    # a replacement: new run directory, new key pair, same endpoint; its ranks resume from node 2's replica
+    cluster.start(1)
+    ctx, logs = cluster.job(persist=[], snapshots=[30])
+    assert [(log["resumed"], log["step"], log["bitwise"]) for log in logs] == [(str(root / "step-20"), 20, True)] * 3
+    assert sorted(p.name for p in root.iterdir()) == ["step-5"]  # no disk copy of step 20 (nor 10, 30) exists
+    assert "event=snapshot_restored" in (cluster.daemons[1].run_dir / LOG).read_text()
+    # the rebuilt node holds again, and its new snapshot has a replica on its buddy again
+    assert _held(cluster.status(1), "step-30")["replication"] == "replicated"
+    cluster.lose(1)
+    _kill_job(ctx)
+
+    # node 1's shard of step 30 changes in node 2's memory: detected as it is read back, never loaded, and every
+    # rank falls back to the same checkpoint (step 10 and 20 were dropped for step 30: the one on disk)
+    (replica,) = cluster.status(2)["peers"]["replicas_held"]["held"]
+    ((rank, name, *_),) = replica["shards"]
+    shard_file = Path(cluster.status(2)["shm"]["dir"]) / name
+    with open(shard_file, "r+b") as f:
+        f.seek(os.path.getsize(shard_file) - 7)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert (replica["path"], rank) == (str(root / "step-30"), 1)
+    cluster.start(1)
+    ctx, logs = cluster.job(persist=[], snapshots=[])
+    assert [(log["resumed"], log["step"], log["bitwise"]) for log in logs] == [(str(root / "step-5"), 5, True)] * 3
+    assert not any(s["path"].endswith("/step-30") for s in cluster.status(1)["memory"]["snapshots"])
+    log_1 = (cluster.daemons[1].run_dir / LOG).read_text()
+    assert "event=restore_failed" in log_1 and "fails its check" in log_1
+    _kill_job(ctx)
+

@@ -1,0 +1,106 @@
+"""The peer protocol's wire format, frozen, and what its decode refuses.
+
+Daemons of different releases replicate to one another across nodes, so how a
+peer message is encoded is a protocol change as much as a local one
+(``test_wire_format.py``). Decoding against ``PEER_TYPES`` also keeps the two
+protocols apart: a peer cannot send a local request, nor a local client a
+peer's, and an offer's shard is checked as a rank's own ``Snapshot`` is.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptd.protocol.errors import BadMessage
+from ckptd.protocol.messages import MESSAGE_TYPES, Message, Snapshots, decode
+from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Fetch, Offer, Piece, ReplicaList, Replicas, Seal
+from test_wire_format import GOLDEN
+
+SNAPSHOT = GOLDEN["snapshot"][0]
+PEER_GOLDEN: dict[str, tuple[Message, str]] = {
+    "offer": (
+        Offer(id=3, shard=SNAPSHOT.to_wire(), checksum=0x1234, algorithm="crc32c", created=1700000000.5, ranks=(0, 1)),
+        "88a17601a474797065a56f66666572a2696403a57368617264c4fbde0014a17601a474797065a8736e617073686f74a26964"
+        "02a4736c6f74b1636b7074642d313030302d343234322d31a66e6279746573cd1020aa6865616465725f6c656ecd1000a774"
+        "656e736f72739295a177a3463332920203001895a162a44246313691041820a470617468ae2f636b70742f737465702d3130"
+        "31a472616e6b01aa776f726c645f73697a6502a47374657065a96f7665727772697465c2ab636f6f7264696e61746564c2a9"
+        "6b6565705f6c617374c0a774696d656f7574cb4082c00000000000a6776169746564cb0000000000000000a6737461676564"
+        "cd1020a66c61796f7574a0a36a6f62a0aa7265706c69636174656480a8636865636b73756dcd1234a9616c676f726974686d"
+        "a6637263333263a763726561746564cb41d954fc40200000a572616e6b73920001",
+    ),
+    "chunk": (
+        Chunk(id=4, offer=3, offset=0),
+        "85a17601a474797065a56368756e6ba2696404a56f6666657203a66f666673657400",
+    ),
+    "seal": (
+        Seal(id=5, offer=3),
+        "84a17601a474797065a47365616ca2696405a56f6666657203",
+    ),
+    "replicas": (
+        Replicas(id=6),
+        "83a17601a474797065a87265706c69636173a2696406",
+    ),
+    "replica_list": (
+        ReplicaList(id=6, replicas=({"path": "/ckpt/step-101", "step": 101},)),
+        "84a17601a474797065ac7265706c6963615f6c697374a2696406a87265706c696361739182a470617468ae2f636b70742f73"
+        "7465702d313031a47374657065",
+    ),
+    "fetch": (
+        Fetch(id=7, path="/ckpt/step-101", rank=1, offset=0, length=4128),
+        "87a17601a474797065a56665746368a2696407a470617468ae2f636b70742f737465702d313031a472616e6b01a66f666673"
+        "657400a66c656e677468cd1020",
+    ),
+    "piece": (
+        Piece(id=7, offset=0),
+        "84a17601a474797065a57069656365a2696407a66f666673657400",
+    ),
+}
+
+
+def test_the_golden_table_covers_every_peer_request_and_reply_of_its_own() -> None:
+    assert set(PEER_GOLDEN) == set(PEER_TYPES) - {"ok", "error"}  # those two are the local protocol's, frozen there
+
+
+@pytest.mark.parametrize("kind", sorted(PEER_GOLDEN))
+def test_peer_message_encodes_to_the_frozen_bytes_and_back(kind: str) -> None:
+    msg, golden = PEER_GOLDEN[kind]
+    assert msg.to_wire().hex() == golden
+    assert decode(bytes.fromhex(golden), PEER_TYPES) == msg
+
+
+def test_an_offer_carries_its_shard_checked_as_a_snapshot() -> None:
+    offer = PEER_GOLDEN["offer"][0]
+    assert isinstance(offer, Offer) and offer.snapshot == SNAPSHOT
+
+
+@pytest.mark.parametrize("bad, says", [
+    (dict(shard=b"\x81\xa1v\x01"), "offer.shard: unknown message type"),
+    (dict(shard=Snapshots(1).to_wire()), "offer.shard: expected a snapshot"),
+    (dict(ranks=(0,)), "its own rank 1"),
+    (dict(ranks=(1, 1)), "distinct"),
+    (dict(ranks=(1, 2)), "world size 2"),
+    (dict(algorithm="md5"), "algorithm"),
+])
+def test_a_bad_offer_is_refused_naming_what_is_wrong(bad: dict, says: str) -> None:
+    good = dict(id=3, shard=SNAPSHOT.to_wire(), checksum=1, algorithm="crc32c", created=1.0, ranks=(0, 1))
+    wire = Offer.__new__(Offer)
+    for name, value in {**good, **bad}.items():
+        object.__setattr__(wire, name, value)
+    with pytest.raises(BadMessage, match=says):
+        decode(wire.to_wire(), PEER_TYPES)
+
+
+def test_a_fetch_of_nothing_or_too_much_is_refused() -> None:
+    for length in (0, 1 << 30):
+        wire = Fetch.__new__(Fetch)
+        for name, value in dict(id=1, path="/ckpt/a", rank=0, offset=0, length=length).items():
+            object.__setattr__(wire, name, value)
+        with pytest.raises(BadMessage, match="fetch.length"):
+            decode(wire.to_wire(), PEER_TYPES)
+
+
+def test_the_two_protocols_do_not_accept_each_others_requests() -> None:
+    with pytest.raises(BadMessage, match="unknown message type 'snapshots'"):
+        decode(Snapshots(1).to_wire(), PEER_TYPES)
+    with pytest.raises(BadMessage, match="unknown message type 'seal'"):
+        decode(Seal(1, 1).to_wire(), MESSAGE_TYPES)
