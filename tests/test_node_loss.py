@@ -11,6 +11,7 @@ early disk checkpoint exists.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -43,7 +44,10 @@ def _rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: str, p
           snapshots: list[int]) -> None:
     """One trainer: resume from the newest checkpoint, save, then stay alive (as a trainer does) until killed."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=NODES)
-    log: dict[str, Any] = {}
+    log: dict[str, Any] = {"warnings": []}
+    warned = logging.Handler(logging.WARNING)
+    warned.emit = lambda record: log["warnings"].append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ckptd").addHandler(warned)
     try:
         client = ckptd.Client(run_dir=run_dirs[rank], spawn=False, commit_timeout=60, timeout=10, heartbeat=0.2)
         resumed = ckptd.latest(root, run_dir=run_dirs[rank])
@@ -206,3 +210,21 @@ def test_a_lost_node_resumes_bitwise_from_its_buddy_and_a_corrupted_replica_is_n
     assert "event=restore_failed" in log_1 and "fails its check" in log_1
     _kill_job(ctx)
 
+
+
+def test_when_both_holders_of_a_shard_are_lost_every_rank_resumes_from_the_newest_persisted_checkpoint(
+        cluster: Cluster, root: Path) -> None:
+    ctx, _ = cluster.job(persist=[5], snapshots=[10])
+    # node 1 holds its own shard of step 10, node 2 its replica: both lost (and node 2's own shard with it)
+    cluster.lose(1)
+    cluster.lose(2)
+    _kill_job(ctx)
+    cluster.start(1)
+    cluster.start(2)
+    ctx, logs = cluster.job(persist=[], snapshots=[])
+    assert [(log["resumed"], log["step"], log["bitwise"]) for log in logs] == [(str(root / "step-5"), 5, True)] * 3
+    # node 2's shard of step 10 came back from node 0's replica, node 1's has no holder left: said, not silent
+    assert _held(cluster.status(2), "step-10")["replication"] == "restored"
+    assert not any(s["path"].endswith("/step-10") for s in cluster.status(1)["memory"]["snapshots"])
+    assert any("step-10" in w and "not by every rank" in w for w in logs[0]["warnings"]), logs[0]["warnings"]
+    _kill_job(ctx)

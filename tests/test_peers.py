@@ -1,0 +1,136 @@
+"""The peer endpoint's trust and limits, with real daemons as nodes on 127.0.0.1: an unknown key is refused before
+anything of it is read, a replica that does not fit the buddy's budget is refused and said so, garbage on the peer
+port harms nothing, and a start with a peer option it cannot honour is refused naming it."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+import ckptd
+from ckptd.protocol.errors import InvalidCheckpoint
+
+from helpers import ckptd_cli, free_port, short_tempdir, start_daemon
+
+LOG = "ckptd.log"
+
+
+def _node(keys: Path, lines: list[str]) -> tuple[Path, str]:
+    """A run directory and its endpoint, its key line added to ``lines`` (written to ``keys`` by the caller)."""
+    run_dir, endpoint = short_tempdir("ckp-"), f"tcp://127.0.0.1:{free_port()}"
+    lines.append(ckptd_cli("peer-key", "--run-dir", str(run_dir), "--endpoint", endpoint).stdout)
+    return run_dir, endpoint
+
+
+def _snapshot(run_dir: Path, path: Path, mib: int = 1) -> Any:
+    client = ckptd.Client(run_dir=run_dir, spawn=False)
+    fut = client.save_async({"w": torch.ones(mib * 262144)}, path, step=1, persist=False)
+    fut.result(60)
+    return client, fut
+
+
+def test_a_peer_whose_key_is_not_trusted_is_refused_and_its_snapshot_is_reported_not_replicated(
+        root: Path, tmp_path: Path) -> None:
+    lines: list[str] = []
+    buddy_keys, rogue_keys = tmp_path / "buddy-keys", tmp_path / "rogue-keys"
+    buddy_dir, buddy_ep = _node(buddy_keys, lines)
+    rogue_dir, rogue_ep = _node(rogue_keys, lines)
+    buddy_keys.write_text(lines[0])  # the buddy trusts nobody but itself
+    rogue_keys.write_text("".join(lines))  # the rogue knows the buddy's key, so it can try
+    buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(buddy_keys))
+    rogue = start_daemon(rogue_dir, root, "--peer-listen", rogue_ep, "--peer", buddy_ep, "--peer-keys",
+                         str(rogue_keys), "--peer-timeout", "2")
+    try:
+        client, fut = _snapshot(rogue_dir, root / "step-1")
+        with pytest.raises(InvalidCheckpoint, match="not replicated: peer .* did not answer"):
+            fut.wait_replicated(60)
+        client.close()
+        assert "event=peer_refused" in (buddy_dir / LOG).read_text()  # refused in the handshake: the fault fired
+        replicas = buddy.status()["peers"]["replicas_held"]
+        assert (replicas["held"], replicas["bytes"], replicas["receiving"]) == ([], 0, 0)
+        (snap,) = rogue.status()["memory"]["snapshots"]
+        assert snap["replication"] == "failed" and "did not answer" in snap["replication_error"]
+    finally:
+        rogue.kill()
+        buddy.kill()
+
+
+def test_a_replica_beyond_the_buddys_budget_is_refused_and_the_origin_says_why(root: Path, tmp_path: Path) -> None:
+    lines: list[str] = []
+    keys = tmp_path / "keys"
+    origin_dir, origin_ep = _node(keys, lines)
+    buddy_dir, buddy_ep = _node(keys, lines)
+    keys.write_text("".join(lines))
+    buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys), "--memory-budget",
+                         "2MiB")
+    origin = start_daemon(origin_dir, root, "--peer-listen", origin_ep, "--peer", buddy_ep, "--peer-keys", str(keys))
+    try:
+        client, fut = _snapshot(origin_dir, root / "big", mib=3)
+        with pytest.raises(InvalidCheckpoint, match="not replicated: .*memory budget"):
+            fut.wait_replicated(60)
+        small = client.save_async({"w": torch.ones(1000)}, root / "small", step=2, persist=False)
+        small.wait_replicated(60)  # what fits is still replicated
+        client.close()
+        held = buddy.status()["peers"]["replicas_held"]["held"]
+        assert [r["path"] for r in held] == [str(root / "small")]
+    finally:
+        origin.kill()
+        buddy.kill()
+
+
+def test_garbage_on_the_peer_port_harms_nothing(root: Path, tmp_path: Path) -> None:
+    lines: list[str] = []
+    keys = tmp_path / "keys"
+    origin_dir, origin_ep = _node(keys, lines)
+    buddy_dir, buddy_ep = _node(keys, lines)
+    keys.write_text("".join(lines))
+    buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys))
+    origin = start_daemon(origin_dir, root, "--peer", buddy_ep, "--peer-keys", str(keys))
+    host, port = buddy_ep.removeprefix("tcp://").split(":")
+    try:
+        for junk in (b"\x00" * 64, b"GET / HTTP/1.1\r\n\r\n", bytes(range(256)) * 64):
+            with socket.create_connection((host, int(port)), timeout=10) as raw:
+                raw.sendall(junk)
+        plain = zmq.Context.instance().socket(zmq.DEALER)  # ZeroMQ without CURVE: no handshake, nothing read
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.connect(buddy_ep)
+        plain.send(b"\x81\xa1v\x01")
+        assert not plain.poll(500)
+        plain.close()
+        client, fut = _snapshot(origin_dir, root / "after-junk")
+        fut.wait_replicated(60)
+        client.close()
+        assert buddy.proc.poll() is None
+        assert [r["path"] for r in buddy.status()["peers"]["replicas_held"]["held"]] == [str(root / "after-junk")]
+    finally:
+        origin.kill()
+        buddy.kill()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--peer", "tcp://127.0.0.1:47999"], "need --peer-keys"),
+    (["--peer-listen", "127.0.0.1:47999", "--peer-keys", "KEYS"], "expected tcp://HOST:PORT"),
+    (["--peer", "tcp://127.0.0.1:47999", "--peer-keys", "KEYS"], "names no key for it"),
+    (["--replicas", "2", "--peer-keys", "KEYS"], "replicas must be 0 or 1"),
+    (["--replicas", "1", "--peer-keys", "KEYS"], "1 needs a --peer"),
+])
+def test_a_start_with_a_peer_option_it_cannot_honour_is_refused_naming_it(
+        root: Path, tmp_path: Path, args: list[str], says: str) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# no peer yet\n")
+    done = ckptd_cli("start", "--foreground", "--run-dir", str(short_tempdir("ckp-")), "--root", str(root),
+                     *[str(keys) if a == "KEYS" else a for a in args])
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+
+
+def test_a_garbled_keys_file_is_refused_naming_its_line(root: Path, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# nodes\nnot-a-key tcp://127.0.0.1:1\n")
+    done = ckptd_cli("start", "--foreground", "--run-dir", str(short_tempdir("ckp-")), "--root", str(root),
+                     "--peer-keys", str(keys))
+    assert done.returncode == 2 and f"{keys}:2" in done.stderr and "KEY" in done.stderr, done.stderr
