@@ -1,0 +1,239 @@
+"""Replication to a buddy node and restore from it, beside a raw ZeroMQ stream and a cold disk load (issue #28).
+
+    python -m benchmarks.replication --mib 1024 --repeat 3
+
+Two daemons on 127.0.0.1 stand for two nodes (origin and buddy), each with its own run directory and peer port,
+CurveZMQ on, as ``docs/memory.md`` deploys them. In one run, for the same state:
+
+- the link's limit: a raw ZeroMQ stream of the same bytes between two processes (16 MiB frames, DEALER to
+  ROUTER, the receiver copying each frame into one buffer), without CURVE and with it;
+- a snapshot's blocking (``save_async`` to ``wait_staged``) with replication on, and on a daemon with
+  ``--replicas 0``, and the time from held to replicated (``result()`` to ``wait_replicated()``);
+- restoring a lost node: the origin's daemon SIGKILLed, a replacement started, ``latest()`` (which reads the
+  replica back) plus ``load_into``, against ``load_into`` of the same state persisted on disk with its page
+  cache dropped first;
+- the memory a buddy spends: the replica bytes it holds over the origin's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+import ckptd
+
+from benchmarks.limits import evict, files_under
+
+FRAME = 16 << 20
+RECEIVER = r"""
+import sys, zmq
+size, frame, curve = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+ctx = zmq.Context(); sock = ctx.socket(zmq.ROUTER)
+if curve:
+    sock.curve_server = True; sock.curve_publickey, sock.curve_secretkey = sys.argv[4].encode(), sys.argv[5].encode()
+port = sock.bind_to_random_port("tcp://127.0.0.1"); print(port, flush=True)
+buf = bytearray(size)
+while True:
+    ident, data = sock.recv_multipart(copy=False)
+    if len(data) == 0:
+        break
+    view = memoryview(buf); got = 0
+    while True:
+        chunk = data.buffer; view[got:got + len(chunk)] = chunk; got += len(chunk)
+        sock.send_multipart([ident.bytes, b"ok"])
+        if got >= size:
+            break
+        ident, data = sock.recv_multipart(copy=False)
+"""
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def raw_stream(size: int, curve: bool, repeat: int) -> list[float]:
+    """Seconds to stream ``size`` bytes to another process, four frames in flight, as replication does."""
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    proc = subprocess.Popen([sys.executable, "-c", RECEIVER, str(size), str(FRAME), "1" if curve else "0",
+                             server_public.decode(), server_secret.decode()], stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline())
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    if curve:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, client_public, client_secret
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    data = memoryview(torch.randint(0, 255, (size,), dtype=torch.uint8).numpy())
+    times = []
+    for _ in range(repeat):
+        started, unanswered = time.perf_counter(), 0
+        for offset in range(0, size, FRAME):
+            while unanswered >= 4:
+                sock.recv()
+                unanswered -= 1
+            sock.send(data[offset:offset + FRAME], copy=False)
+            unanswered += 1
+        while unanswered:
+            sock.recv()
+            unanswered -= 1
+        times.append(time.perf_counter() - started)
+    sock.send(b"")
+    sock.close(0)
+    proc.wait(30)
+    return times
+
+
+class Nodes:
+    """Origin and buddy daemons with peers on, in one scratch directory."""
+
+    def __init__(self, scratch: Path) -> None:
+        self.scratch, self.keys = scratch, scratch / "peer-keys"
+        self.root = scratch / "ckpts"
+        self.root.mkdir()
+        self.endpoints = [f"tcp://127.0.0.1:{_port()}" for _ in range(2)]
+        self.procs: list[subprocess.Popen | None] = [None, None]
+        self.run_dirs: list[Path] = [Path(), Path()]
+
+    def start(self, node: int, *extra: str) -> Path:
+        run_dir = Path(tempfile.mkdtemp(prefix=f"ckb{node}-", dir="/tmp"))
+        line = subprocess.check_output([sys.executable, "-m", "ckptd", "peer-key", "--run-dir", str(run_dir),
+                                        "--endpoint", self.endpoints[node]], text=True)
+        lines = [ln for ln in (self.keys.read_text().splitlines() if self.keys.exists() else [])
+                 if not ln.endswith(self.endpoints[node])]
+        self.keys.write_text("\n".join([*lines, line.strip()]) + "\n")
+        self.run_dirs[node] = run_dir
+        return run_dir
+
+    def serve(self, node: int, *extra: str) -> None:
+        run_dir = self.run_dirs[node]
+        self.procs[node] = subprocess.Popen(
+            [sys.executable, "-m", "ckptd", "start", "--foreground", "--quiet", "--run-dir", str(run_dir),
+             "--root", str(self.root), "--peer-listen", self.endpoints[node], "--peer", self.endpoints[1 - node],
+             "--peer-keys", str(self.keys), "--persist-on-exit", "never", "--memory-budget", "8GiB", *extra])
+        while not (run_dir / "ckptd.sock").exists():
+            time.sleep(0.02)
+        while subprocess.run([sys.executable, "-m", "ckptd", "status", "--run-dir", str(run_dir)],
+                             capture_output=True).returncode:
+            time.sleep(0.05)
+
+    def kill(self, node: int) -> None:
+        proc = self.procs[node]
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
+
+
+def _status(run_dir: Path) -> dict[str, Any]:
+    import json
+
+    out = subprocess.check_output([sys.executable, "-m", "ckptd", "status", "--json", "--run-dir", str(run_dir)])
+    return json.loads(out)
+
+
+def snapshots(nodes: Nodes, state: dict, repeat: int, tag: str) -> dict[str, list[float]]:
+    client = ckptd.Client(run_dir=nodes.run_dirs[0], spawn=False)
+    out: dict[str, list[float]] = {"blocking": [], "held": [], "replicated": []}
+    try:
+        for i in range(repeat + 1):  # the first save makes the client's slots: not timed
+            started = time.perf_counter()
+            fut = client.save_async(state, nodes.root / f"{tag}-{i}", step=i, persist=False)
+            fut.wait_staged()
+            blocked = time.perf_counter() - started
+            fut.result(600)
+            held = time.perf_counter() - started
+            if tag == "replicated":
+                fut.wait_replicated(600)
+            done = time.perf_counter() - started
+            if i:
+                out["blocking"].append(blocked)
+                out["held"].append(held)
+                out["replicated"].append(done - held)
+    finally:
+        client.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=1024)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    size = args.mib << 20
+    state = {"w": torch.randn(size // 4)}
+    print(f"{args.mib} MiB, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+    med = statistics.median
+    raw = raw_stream(size, False, args.repeat)
+    raw_curve = raw_stream(size, True, args.repeat)
+    print(f"raw ZeroMQ stream: {med(raw):.3f} s ({size / med(raw) / 1e9:.2f} GB/s); with CURVE "
+          f"{med(raw_curve):.3f} s ({size / med(raw_curve) / 1e9:.2f} GB/s)")
+    with tempfile.TemporaryDirectory(dir=os.environ.get("CKPTD_BENCH_DIR", "/tmp")) as scratch:
+        nodes = Nodes(Path(scratch))
+        try:
+            nodes.start(0)
+            nodes.start(1)
+            nodes.serve(1)
+            nodes.serve(0, "--replicas", "0")
+            plain = snapshots(nodes, state, args.repeat, "plain")
+            nodes.stop()
+            nodes.serve(1)
+            nodes.serve(0)
+            rep = snapshots(nodes, state, args.repeat, "replicated")
+            replicated = med(rep["replicated"])
+            print(f"snapshot blocking: replicated {med(rep['blocking']):.3f} s, unreplicated "
+                  f"{med(plain['blocking']):.3f} s (ratio {med(rep['blocking']) / med(plain['blocking']):.2f}); held "
+                  f"in {med(rep['held']):.3f} s; held to replicated {replicated:.3f} s "
+                  f"({size / replicated / 1e9:.2f} GB/s, {med(raw_curve) / replicated:.2f} x the CURVE stream's "
+                  f"speed, {med(raw) / replicated:.2f} x the plain stream's)")
+            buddy = _status(nodes.run_dirs[1])["peers"]["replicas_held"]["bytes"]
+            own = _status(nodes.run_dirs[0])["memory"]["held_bytes"]
+            print(f"buddy memory: replicas {buddy / 2**20:.0f} MiB for the origin's {own / 2**20:.0f} MiB held "
+                  f"({buddy / own:.2f} x; the buddy keeps the newest replica of each directory's ranks)")
+            # the same state on disk, for the cold load
+            on_disk = nodes.root / "disk"
+            saver = ckptd.Client(run_dir=nodes.run_dirs[0], spawn=False)
+            saver.save_async(state, on_disk, step=0).result(600)
+            saver.close()
+            restores, cold = [], []
+            target = {"w": torch.empty_like(state["w"])}
+            for i in range(args.repeat):
+                nodes.kill(0)
+                nodes.start(0)
+                nodes.serve(0)
+                started = time.perf_counter()
+                newest = ckptd.latest(nodes.root, run_dir=nodes.run_dirs[0])
+                ckptd.load_into(target, newest, run_dir=nodes.run_dirs[0])
+                restores.append(time.perf_counter() - started)
+                assert torch.equal(target["w"], state["w"]), "the restored state differs"
+                evict(files_under(on_disk))
+                started = time.perf_counter()
+                ckptd.load_into(target, on_disk)
+                cold.append(time.perf_counter() - started)
+            print(f"restore of the lost node from its buddy (latest + load_into): {med(restores):.3f} s; cold disk "
+                  f"load_into of the same state: {med(cold):.3f} s (restore / cold {med(restores) / med(cold):.2f})")
+            print("every repetition:", {"raw": raw, "raw_curve": raw_curve, "plain": plain, "replicated": rep,
+                                        "restore": restores, "cold": cold})
+        finally:
+            nodes.stop()
+
+
+if __name__ == "__main__":
+    main()
