@@ -192,7 +192,8 @@ def test_a_lost_node_resumes_bitwise_from_its_buddy_and_a_corrupted_replica_is_n
     _kill_job(ctx)
 
     # node 1's shard of step 30 changes in node 2's memory: detected as it is read back, never loaded, and every
-    # rank falls back to the same checkpoint (step 10 and 20 were dropped for step 30: the one on disk)
+    # rank falls back to the same checkpoint: the newest that every rank holds (node 1's own step 20 went with
+    # it, and node 2's replica of it was replaced by step 30's), the one on disk
     (replica,) = cluster.status(2)["peers"]["replicas_held"]["held"]
     ((rank, name, *_),) = replica["shards"]
     shard_file = Path(cluster.status(2)["shm"]["dir"]) / name

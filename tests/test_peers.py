@@ -134,3 +134,37 @@ def test_a_garbled_keys_file_is_refused_naming_its_line(root: Path, tmp_path: Pa
     done = ckptd_cli("start", "--foreground", "--run-dir", str(short_tempdir("ckp-")), "--root", str(root),
                      "--peer-keys", str(keys))
     assert done.returncode == 2 and f"{keys}:2" in done.stderr and "KEY" in done.stderr, done.stderr
+
+
+def test_one_node_restored_from_its_buddy_resumes_and_its_next_snapshot_replaces_the_restored_one(
+        root: Path, tmp_path: Path) -> None:
+    lines: list[str] = []
+    keys = tmp_path / "keys"
+    origin_dir, origin_ep = _node(keys, lines)
+    buddy_dir, buddy_ep = _node(keys, lines)
+    keys.write_text("".join(lines))
+    buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys))
+    origin = start_daemon(origin_dir, root, "--peer", buddy_ep, "--peer-keys", str(keys), "--persist-on-exit",
+                          "never")
+    state = {"w": torch.randn(1000), "step": 1}
+    try:
+        client = ckptd.Client(run_dir=origin_dir, spawn=False)
+        client.save_async(state, root / "step-1", step=1, persist=False).wait_replicated(60)
+        client.close()
+        origin.kill()  # the node is lost; its replacement is another run directory with a key of its own
+        new_dir, _ = _node(keys, lines)
+        keys.write_text("".join(lines))
+        origin = start_daemon(new_dir, root, "--peer", buddy_ep, "--peer-keys", str(keys), "--persist-on-exit",
+                              "never")
+        assert ckptd.latest(root, run_dir=new_dir) == root / "step-1"
+        back = {"w": torch.zeros(1000), "step": 0}
+        ckptd.load_into(back, root / "step-1", run_dir=new_dir)
+        assert torch.equal(back["w"], state["w"]) and back["step"] == 1 and not (root / "step-1").exists()
+        client = ckptd.Client(run_dir=new_dir, spawn=False)
+        client.save_async({**back, "step": 2}, root / "step-2", step=2, persist=False).wait_replicated(60)
+        client.close()
+        assert [s["path"] for s in origin.status()["memory"]["snapshots"]] == [str(root / "step-2")]
+        assert [r["path"] for r in buddy.status()["peers"]["replicas_held"]["held"]] == [str(root / "step-2")]
+    finally:
+        origin.kill()
+        buddy.kill()

@@ -248,7 +248,8 @@ class Snapshots:
         """Once ``snap`` is complete: the snapshots of its job to drop, dropped from the books.
 
         Its job's snapshots are the acknowledged ones in its directory held
-        from the same client connections; the newest ``keep`` of them (by
+        from the same client connections (or read back from a peer's replica for the same ranks: the job that
+        restored it saves on); the newest ``keep`` of them (by
         ``order``, as ``latest`` ranks them) stay, and so does ``snap``
         itself: a snapshot is never dropped for an older one, nor for another
         job's (a job that is gone leaves its newest persisted on exit, and
@@ -256,7 +257,8 @@ class Snapshots:
         """
         clients = {sh.client for sh in snap.shards.values()}
         job = sorted((s for s in self.held.values() if s.acknowledged and s.path.parent == snap.path.parent
-                      and not s.persisting and clients & {sh.client for sh in s.shards.values()}),
+                      and not s.persisting and (clients & {sh.client for sh in s.shards.values()}
+                                                or s.replication == "restored" and set(s.shards) & set(snap.shards))),
                      key=lambda s: s.order, reverse=True)
         dropped = [s for s in job[self.keep:] if s is not snap]
         for s in dropped:
