@@ -20,7 +20,8 @@ from ckptd.protocol.endpoint import default_run_dir
 from ckptd.protocol.names import DRAIN_FAILED_NAME
 from ckptd.protocol.errors import CkptdError, DaemonUnavailable
 from ckptd.protocol.messages import Error, SnapshotList, Snapshots, Status, StatusReply, Stop
-from ckptd.protocol.objects import display, is_object_path
+from ckptd.protocol.objects import display
+from ckptd.protocol.reading import files_for
 
 from ckptd.loop.config import DaemonConfig
 from ckptd.tools.control import request
@@ -136,7 +137,7 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
 def _list(args: argparse.Namespace, run_dir: Path) -> int:
     from ckptd.tools.listing import add_memory, list_checkpoints, render_listing
 
-    on_disk = is_object_path(args.root) or args.root.is_dir()
+    on_disk = files_for(args.root).holds_checkpoints(args.root)
     rows = list_checkpoints(args.root) if on_disk else []
     try:  # the node's daemon, if one answers, knows which checkpoints are (also) in memory
         held = request(run_dir, Snapshots(1), timeout=1.0)

@@ -77,6 +77,10 @@ class LocalFiles:
     def subdirs(self, directory: Path) -> list[Path]:
         return [Path(e.path) for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
 
+    def holds_checkpoints(self, directory: Path) -> bool:
+        """Whether checkpoints can be listed in ``directory``: it exists (``ckptd list``)."""
+        return directory.is_dir()
+
     def read_index_file(self, path: Path, *, max_bytes: int) -> bytes:
         return read_regular(path, "index", max_bytes=max_bytes)
 
@@ -112,6 +116,10 @@ class ObjectFiles:
 
     def subdirs(self, directory: Path) -> list[Path]:
         return [Path(directory) / name for name in objects.listing(directory)[0]]  # a store has no links
+
+    def holds_checkpoints(self, directory: Path) -> bool:
+        """A prefix always can: listing it says what is there."""
+        return True
 
     def read_index_file(self, path: Path, *, max_bytes: int) -> bytes:
         return objects.read_all(path)

@@ -86,7 +86,7 @@ def test_the_integrations_and_the_package_face_reach_only_the_client_and_the_pro
 
 
 BACKEND_BLIND = ("writer", "retention", "admission", "holding", "snapshots", "saves", "sweep", "mirror", "commit",
-                 "stats", "attempt", "registry")
+                 "stats", "attempt", "registry", "cli", "replicas", "replication")
 """Daemon modules that speak to storage in checkpoint operations only (``ckptd.storage.contract.Checkpoints``)."""
 
 
