@@ -203,7 +203,7 @@ class Replication:
                     for (rank, _, size, checksum, _), wire in zip(entry["shards"], entry["messages"]):
                         name = new_name()
                         fd = os.open(shm_dir / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                        os.ftruncate(fd, max(1, size))
+                        os.posix_fallocate(fd, 0, max(1, size))
                         mapping = mmap.mmap(fd, max(1, size), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                         pulled.append(_Pulled(Snapshot.from_wire(wire), name, fd, mapping, checksum))
                         link.fetch(msg.path, rank, size, checksum, entry["checksum_algorithm"], mapping)
