@@ -70,15 +70,8 @@ class ReplicaShard:
 
     def close(self, shm_dir: Path) -> None:
         """Unmap, close and unlink (on the pool)."""
-        if self.map is not None:
-            self.map.close()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        try:
-            os.unlink(shm_dir / self.name)
-        except FileNotFoundError:
-            pass
+        remove_shm_file(shm_dir, self.name, self.fd, self.map)
+        self.fd, self.map = -1, None
 
 
 @dataclass
@@ -114,6 +107,31 @@ class Replica:
                 "shards": [[r, s.name, s.nbytes, s.offer.checksum, len(s.offer.snapshot.tensors)]
                            for r, s in sorted(self.shards.items())],
                 "messages": [s.offer.shard for _, s in sorted(self.shards.items())]}
+
+
+def new_shm_file(path: Path, size: int) -> tuple[int, mmap.mmap]:
+    """A new file of this daemon's own in the shared-memory directory, its pages allocated in one call (not a fault
+    each as the bytes arrive), mapped for writing: a replica's shard, or one read back from a peer."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(1, size))
+        return fd, mmap.mmap(fd, max(1, size), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+
+
+def remove_shm_file(shm_dir: Path, name: str, fd: int, mapping: mmap.mmap | None) -> None:
+    """Unmap, close and unlink what ``new_shm_file`` made (a file already gone is fine)."""
+    if mapping is not None:
+        mapping.close()
+    if fd >= 0:
+        os.close(fd)
+    try:
+        os.unlink(shm_dir / name)
+    except FileNotFoundError:
+        pass
 
 
 class Replicas:
@@ -155,9 +173,7 @@ class Replicas:
         path_in_shm = self.shm_dir / shard.name
 
         def create() -> None:
-            shard.fd = os.open(path_in_shm, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            os.posix_fallocate(shard.fd, 0, max(1, shard.nbytes))  # its pages now, in one call, not a fault each
-            shard.map = mmap.mmap(shard.fd, max(1, shard.nbytes), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            shard.fd, shard.map = new_shm_file(path_in_shm, shard.nbytes)
         self.workers.submit("replica", create, lambda fut: reply(self._answer(fut, msg.id), None))
 
     def chunk(self, ident: bytes, msg: Chunk, data: memoryview, reply: Reply) -> None:

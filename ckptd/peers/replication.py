@@ -29,7 +29,6 @@ from __future__ import annotations
 import itertools
 import logging
 import mmap
-import os
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +51,7 @@ from ckptd.loop.stats import Stats
 from ckptd.loop.workers import Workers
 from ckptd.peers.keys import KeyPair, PeerKeys
 from ckptd.peers.link import PeerLink
+from ckptd.peers.replicas import new_shm_file, remove_shm_file
 
 log = logging.getLogger("ckptd")
 ASK_TIMEOUT_S = 2.0
@@ -202,9 +202,7 @@ class Replication:
                 try:
                     for (rank, _, size, checksum, _), wire in zip(entry["shards"], entry["messages"]):
                         name = new_name()
-                        fd = os.open(shm_dir / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                        os.posix_fallocate(fd, 0, max(1, size))
-                        mapping = mmap.mmap(fd, max(1, size), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                        fd, mapping = new_shm_file(shm_dir / name, size)
                         pulled.append(_Pulled(Snapshot.from_wire(wire), name, fd, mapping, checksum))
                         link.fetch(msg.path, rank, size, checksum, entry["checksum_algorithm"], mapping)
                     return {**entry, "on_peer": link.endpoint}, pulled
@@ -245,9 +243,4 @@ class Replication:
 
 def _discard(pulled: list[_Pulled], shm_dir: Path) -> None:
     for p in pulled:
-        p.map.close()
-        os.close(p.fd)
-        try:
-            os.unlink(shm_dir / p.name)
-        except FileNotFoundError:
-            pass
+        remove_shm_file(shm_dir, p.name, p.fd, p.map)
