@@ -5,6 +5,7 @@ port harms nothing, and a start with a peer option it cannot honour is refused n
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import zmq
 import ckptd
 from ckptd.protocol.errors import InvalidCheckpoint
 
-from helpers import ckptd_cli, free_port, short_tempdir, start_daemon
+from helpers import Daemon, ckptd_cli, free_port, short_tempdir, start_daemon
 
 LOG = "ckptd.log"
 
@@ -25,6 +26,34 @@ def _node(keys: Path, lines: list[str]) -> tuple[Path, str]:
     run_dir, endpoint = short_tempdir("ckp-"), f"tcp://127.0.0.1:{free_port()}"
     lines.append(ckptd_cli("peer-key", "--run-dir", str(run_dir), "--endpoint", endpoint).stdout)
     return run_dir, endpoint
+
+
+@dataclass
+class Pair:
+    """An origin node and its buddy, both trusting each other's key (``keys``, with one line per node)."""
+
+    keys: Path
+    lines: list[str]
+    origin_dir: Path
+    buddy_dir: Path
+    buddy_ep: str
+    origin: Daemon
+    buddy: Daemon
+
+    def kill(self) -> None:
+        self.origin.kill()
+        self.buddy.kill()
+
+
+def _pair(root: Path, tmp_path: Path, buddy_extra: tuple[str, ...] = (), origin_extra: tuple[str, ...] = ()) -> Pair:
+    lines: list[str] = []
+    keys = tmp_path / "keys"
+    origin_dir, _ = _node(keys, lines)
+    buddy_dir, buddy_ep = _node(keys, lines)
+    keys.write_text("".join(lines))
+    buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys), *buddy_extra)
+    origin = start_daemon(origin_dir, root, "--peer", buddy_ep, "--peer-keys", str(keys), *origin_extra)
+    return Pair(keys, lines, origin_dir, buddy_dir, buddy_ep, origin, buddy)
 
 
 def _snapshot(run_dir: Path, path: Path, mib: int = 1) -> Any:
@@ -61,36 +90,23 @@ def test_a_peer_whose_key_is_not_trusted_is_refused_and_its_snapshot_is_reported
 
 
 def test_a_replica_beyond_the_buddys_budget_is_refused_and_the_origin_says_why(root: Path, tmp_path: Path) -> None:
-    lines: list[str] = []
-    keys = tmp_path / "keys"
-    origin_dir, origin_ep = _node(keys, lines)
-    buddy_dir, buddy_ep = _node(keys, lines)
-    keys.write_text("".join(lines))
-    buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys), "--memory-budget",
-                         "2MiB")
-    origin = start_daemon(origin_dir, root, "--peer-listen", origin_ep, "--peer", buddy_ep, "--peer-keys", str(keys))
+    pair = _pair(root, tmp_path, buddy_extra=("--memory-budget", "2MiB"))
     try:
-        client, fut = _snapshot(origin_dir, root / "big", mib=3)
+        client, fut = _snapshot(pair.origin_dir, root / "big", mib=3)
         with pytest.raises(InvalidCheckpoint, match="not replicated: .*memory budget"):
             fut.wait_replicated(60)
         small = client.save_async({"w": torch.ones(1000)}, root / "small", step=2, persist=False)
         small.wait_replicated(60)  # what fits is still replicated
         client.close()
-        held = buddy.status()["peers"]["replicas_held"]["held"]
+        held = pair.buddy.status()["peers"]["replicas_held"]["held"]
         assert [r["path"] for r in held] == [str(root / "small")]
     finally:
-        origin.kill()
-        buddy.kill()
+        pair.kill()
 
 
 def test_garbage_on_the_peer_port_harms_nothing(root: Path, tmp_path: Path) -> None:
-    lines: list[str] = []
-    keys = tmp_path / "keys"
-    origin_dir, origin_ep = _node(keys, lines)
-    buddy_dir, buddy_ep = _node(keys, lines)
-    keys.write_text("".join(lines))
-    buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys))
-    origin = start_daemon(origin_dir, root, "--peer", buddy_ep, "--peer-keys", str(keys))
+    pair = _pair(root, tmp_path)
+    buddy, buddy_ep = pair.buddy, pair.buddy_ep
     host, port = buddy_ep.removeprefix("tcp://").split(":")
     try:
         for junk in (b"\x00" * 64, b"GET / HTTP/1.1\r\n\r\n", bytes(range(256)) * 64):
@@ -102,14 +118,13 @@ def test_garbage_on_the_peer_port_harms_nothing(root: Path, tmp_path: Path) -> N
         plain.send(b"\x81\xa1v\x01")
         assert not plain.poll(500)
         plain.close()
-        client, fut = _snapshot(origin_dir, root / "after-junk")
+        client, fut = _snapshot(pair.origin_dir, root / "after-junk")
         fut.wait_replicated(60)
         client.close()
         assert buddy.proc.poll() is None
         assert [r["path"] for r in buddy.status()["peers"]["replicas_held"]["held"]] == [str(root / "after-junk")]
     finally:
-        origin.kill()
-        buddy.kill()
+        pair.kill()
 
 
 @pytest.mark.parametrize("args, says", [
@@ -138,24 +153,17 @@ def test_a_garbled_keys_file_is_refused_naming_its_line(root: Path, tmp_path: Pa
 
 def test_one_node_restored_from_its_buddy_resumes_and_its_next_snapshot_replaces_the_restored_one(
         root: Path, tmp_path: Path) -> None:
-    lines: list[str] = []
-    keys = tmp_path / "keys"
-    origin_dir, origin_ep = _node(keys, lines)
-    buddy_dir, buddy_ep = _node(keys, lines)
-    keys.write_text("".join(lines))
-    buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys))
-    origin = start_daemon(origin_dir, root, "--peer", buddy_ep, "--peer-keys", str(keys), "--persist-on-exit",
-                          "never")
+    never = ("--persist-on-exit", "never")
+    pair = _pair(root, tmp_path, origin_extra=never)
     state = {"w": torch.randn(1000), "step": 1}
     try:
-        client = ckptd.Client(run_dir=origin_dir, spawn=False)
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
         client.save_async(state, root / "step-1", step=1, persist=False).wait_replicated(60)
         client.close()
-        origin.kill()  # the node is lost; its replacement is another run directory with a key of its own
-        new_dir, _ = _node(keys, lines)
-        keys.write_text("".join(lines))
-        origin = start_daemon(new_dir, root, "--peer", buddy_ep, "--peer-keys", str(keys), "--persist-on-exit",
-                              "never")
+        pair.origin.kill()  # the node is lost; its replacement is another run directory with a key of its own
+        new_dir, _ = _node(pair.keys, pair.lines)
+        pair.keys.write_text("".join(pair.lines))
+        pair.origin = start_daemon(new_dir, root, "--peer", pair.buddy_ep, "--peer-keys", str(pair.keys), *never)
         assert ckptd.latest(root, run_dir=new_dir) == root / "step-1"
         back = {"w": torch.zeros(1000), "step": 0}
         ckptd.load_into(back, root / "step-1", run_dir=new_dir)
@@ -163,8 +171,7 @@ def test_one_node_restored_from_its_buddy_resumes_and_its_next_snapshot_replaces
         client = ckptd.Client(run_dir=new_dir, spawn=False)
         client.save_async({**back, "step": 2}, root / "step-2", step=2, persist=False).wait_replicated(60)
         client.close()
-        assert [s["path"] for s in origin.status()["memory"]["snapshots"]] == [str(root / "step-2")]
-        assert [r["path"] for r in buddy.status()["peers"]["replicas_held"]["held"]] == [str(root / "step-2")]
+        assert [s["path"] for s in pair.origin.status()["memory"]["snapshots"]] == [str(root / "step-2")]
+        assert [r["path"] for r in pair.buddy.status()["peers"]["replicas_held"]["held"]] == [str(root / "step-2")]
     finally:
-        origin.kill()
-        buddy.kill()
+        pair.kill()
