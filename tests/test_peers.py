@@ -4,6 +4,7 @@ port harms nothing, and a start with a peer option it cannot honour is refused n
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,5 +174,28 @@ def test_one_node_restored_from_its_buddy_resumes_and_its_next_snapshot_replaces
         client.close()
         assert [s["path"] for s in pair.origin.status()["memory"]["snapshots"]] == [str(root / "step-2")]
         assert [r["path"] for r in pair.buddy.status()["peers"]["replicas_held"]["held"]] == [str(root / "step-2")]
+    finally:
+        pair.kill()
+
+
+def test_a_replica_file_shortened_in_the_buddys_memory_is_refused_at_restore_and_the_buddy_serves_on(
+        root: Path, tmp_path: Path) -> None:
+    """A mapping read past its file's end would kill the buddy (SIGBUS) with its own snapshots and every replica it
+    holds: a new-user pass found it with ``truncate``."""
+    never = ("--persist-on-exit", "never")
+    pair = _pair(root, tmp_path, origin_extra=never)
+    try:
+        client, fut = _snapshot(pair.origin_dir, root / "step-1")
+        fut.wait_replicated(60)
+        client.close()
+        ((_, name, *_),) = pair.buddy.status()["peers"]["replicas_held"]["held"][0]["shards"]
+        os.truncate(Path(pair.buddy.status()["shm"]["dir"]) / name, 1000)
+        pair.origin.kill()
+        new_dir, _ = _node(pair.keys, pair.lines)
+        pair.keys.write_text("".join(pair.lines))
+        pair.origin = start_daemon(new_dir, root, "--peer", pair.buddy_ep, "--peer-keys", str(pair.keys), *never)
+        assert ckptd.latest(root, run_dir=new_dir) is None  # never loaded; nothing else to resume from
+        assert "was shortened" in (new_dir / LOG).read_text()  # the restore was tried, and refused for that
+        assert pair.buddy.proc.poll() is None and pair.buddy.status()["peers"]["replicas_held"]["held"]
     finally:
         pair.kill()

@@ -8,8 +8,11 @@ file, so a deployment gathers one line per node before any daemon starts.
 The peer keys file (``--peer-keys FILE``) lists the peers a daemon trusts,
 one per line: ``KEY`` (40 characters of Z85) and, for a peer it connects to
 (``--peer``), that peer's endpoint after it. A line that starts with ``# ``
-is a comment (a ``#`` elsewhere is a letter of Z85). The file is read again whenever it changes, so a replacement node's key is
-accepted once its line is added, with no restart. A connection whose key is
+is a comment (a ``#`` elsewhere is a letter of Z85). The file is read
+again whenever it changes, so a replacement node's key is accepted once its
+line is added, with no restart; where two lines name one endpoint, the later
+wins (append a replacement's line, or replace its predecessor's). A key taken
+out of the file refuses that peer's next connection, not one already made. A connection whose key is
 not in it is refused by the CURVE handshake (pyzmq's ZAP authenticator),
 before any message of it is read.
 """
@@ -84,7 +87,12 @@ class PeerKeys:
             stamp = (st.st_mtime_ns, st.st_size)
             if stamp == self._stamp:
                 return
-            keys, endpoints = parse_keys(self.path.read_text(), self.path)
+            try:
+                text = self.path.read_text()
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{self.path}: not text ({exc.reason} at byte {exc.start}); expected lines of "
+                                 f"`ckptd peer-key`") from None
+            keys, endpoints = parse_keys(text, self.path)
             self.keys, self.endpoints, self._stamp = keys, endpoints, stamp
         log.info("event=peer_keys_read file=%s keys=%d", self.path, len(keys))
 
@@ -122,5 +130,8 @@ def parse_keys(text: str, where: Path) -> tuple[frozenset[bytes], dict[str, byte
                              f"`ckptd peer-key` prints it), got {raw.strip()[:80]!r}")
         keys.add(words[0].encode())
         if len(words) == 2:
+            if words[1] in endpoints:  # a replacement's line appended below its predecessor's: the last one wins
+                log.warning("event=peer_keys_duplicate file=%s line=%d endpoint=%s: a later line names this "
+                            "endpoint again and wins", where, number, words[1])
             endpoints[words[1]] = words[0].encode()
     return frozenset(keys), endpoints

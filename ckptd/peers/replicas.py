@@ -269,6 +269,10 @@ class Replicas:
 
         def read() -> bytes:
             assert shard.map is not None
+            if os.fstat(shard.fd).st_size < shard.nbytes:  # a mapping read past its file's end is SIGBUS: the daemon
+                # would die of a file another process of its user shortened
+                raise InvalidCheckpoint(f"the replica of {msg.path} rank {msg.rank} is damaged: its file in "
+                                        f"{self.shm_dir} was shortened; it is not read")
             return shard.map[msg.offset:msg.offset + msg.length]
 
         def send(fut: Any) -> None:
