@@ -91,8 +91,7 @@ class PeerEndpoint:
             elif isinstance(msg, Seal):
                 self.book.seal(ident, msg, reply)
             elif isinstance(msg, Replicas):
-                listing = self.book.listing()
-                reply(type(listing)(msg.id, listing.replicas))
+                reply(self.book.listing(msg.id))
             elif isinstance(msg, Fetch):
                 self.book.fetch(msg, reply)
             else:

@@ -254,8 +254,9 @@ class Replicas:
 
     # -- reading back -------------------------------------------------------
 
-    def listing(self) -> ReplicaList:
-        return ReplicaList(0, tuple(r.describe() for r in self.held.values()))
+    def listing(self, rid: int) -> ReplicaList:
+        """The complete replicas, answering request ``rid``."""
+        return ReplicaList(rid, tuple(r.describe() for r in self.held.values()))
 
     def fetch(self, msg: Fetch, reply: Reply) -> None:
         """A piece of a complete replica's shard, for a node restoring it."""
