@@ -118,7 +118,8 @@ except ImportError:  # only the older standalone package is installed
 from ckptd.client import Client, SaveFuture, load
 from ckptd.client.memory import find_held
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint
-from ckptd.protocol.objects import absolute, canonical, display, is_object_path
+from ckptd.protocol.objects import absolute, canonical, display
+from ckptd.protocol.reading import files_for
 
 __all__ = ["CkptdCheckpointIO", "CkptdSnapshots", "to_plain"]
 
@@ -391,11 +392,9 @@ class CkptdCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options; got {storage_options!r}")
         self._raise_failed(wait=False)
-        if not is_object_path(path):
-            if os.path.islink(path):  # a save_last="link" link: the checkpoint replaces the link, never its target
-                with contextlib.suppress(FileNotFoundError):  # every rank of a sharded save gets here
-                    os.unlink(path)
-            os.makedirs(os.path.dirname(os.path.abspath(os.fspath(path))), exist_ok=True)
+        files = files_for(os.fspath(path))
+        files.unlink_link(Path(path))  # a save_last="link" link: the checkpoint replaces the link, never its target
+        files.make_parent(Path(path))
         key = self._key(path)
         self._wait_for(key)  # an earlier save to this path commits first; its failure is raised later
         plain, lossy = to_plain(checkpoint)
@@ -433,7 +432,7 @@ class CkptdCheckpointIO(CheckpointIO):
         ``path`` may be an ``s3://`` URL.
         """
         self.wait(path)
-        if (not is_object_path(path) and not os.path.lexists(path)
+        if (files_for(os.fspath(path)).surely_absent(Path(path))
                 and find_held(Path(absolute(path)), self.run_dir) is None):
             raise FileNotFoundError(f"Checkpoint not found (neither on disk nor held in node memory): {path}")
         device = map_location if isinstance(map_location, (str, torch.device)) else None
@@ -461,9 +460,7 @@ class CkptdCheckpointIO(CheckpointIO):
         """
         self._wait_for(self._key(path))
         target = absolute(path)
-        if not is_object_path(target) and os.path.islink(target):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(target)
+        if files_for(target).unlink_link(Path(target)):
             return
         try:
             self.client.delete(target)
@@ -562,7 +559,7 @@ class CkptdSnapshots(Callback):
             return
         io, keeper = self._parts(trainer)
         path = os.path.join(keeper.dirpath, keeper.CHECKPOINT_NAME_LAST + keeper.FILE_EXTENSION)
-        if not self._warned and trainer.is_global_zero and not is_object_path(path) and not os.path.lexists(path):
+        if not self._warned and trainer.is_global_zero and files_for(path).surely_absent(Path(path)):
             self._warned = True
             warnings.warn(f"CkptdSnapshots holds {path} in node memory, and ModelCheckpoint has persisted no "
                           f"last.ckpt there yet: fit(ckpt_path='last') resolves only to a file on disk, so a crash "

@@ -14,6 +14,7 @@ storage it was started with (a fault-injecting one included).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -81,6 +82,23 @@ class LocalFiles:
         """Whether checkpoints can be listed in ``directory``: it exists (``ckptd list``)."""
         return directory.is_dir()
 
+    def surely_absent(self, path: Path) -> bool:
+        """Whether nothing is at ``path``, not even a dangling link (asking costs nothing here)."""
+        return not os.path.lexists(path)
+
+    def unlink_link(self, path: Path) -> bool:
+        """Remove ``path`` if it is a symbolic link (never its target); whether it was one. A ``save_last="link"``
+        link of Lightning's is replaced or deleted this way, never followed into the checkpoint it names."""
+        if not os.path.islink(path):
+            return False
+        with contextlib.suppress(FileNotFoundError):  # another rank removed it first
+            os.unlink(path)
+        return True
+
+    def make_parent(self, path: Path) -> None:
+        """Create ``path``'s parent directories (what a framework saving to a file expects of its storage)."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
     def read_index_file(self, path: Path, *, max_bytes: int) -> bytes:
         return read_regular(path, "index", max_bytes=max_bytes)
 
@@ -120,6 +138,17 @@ class ObjectFiles:
     def holds_checkpoints(self, directory: Path) -> bool:
         """A prefix always can: listing it says what is there."""
         return True
+
+    def surely_absent(self, path: Path) -> bool:
+        """Never said without a request: the load that follows asks the store, and says what is missing."""
+        return False
+
+    def unlink_link(self, path: Path) -> bool:
+        """A store has no links."""
+        return False
+
+    def make_parent(self, path: Path) -> None:
+        """A prefix needs no creating."""
 
     def read_index_file(self, path: Path, *, max_bytes: int) -> bytes:
         return objects.read_all(path)

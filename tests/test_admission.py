@@ -28,7 +28,7 @@ from ckptd.client.slots import Slot
 from ckptd.client.staging import layout_for, write_header
 from ckptd.protocol.errors import BadSlot, NoSpace, PathNotAllowed
 from ckptd.protocol.messages import WriteShard
-from ckptd.storage.routed import Routed
+from ckptd.storage.backends import Backends
 from ckptd.lifecycle.slot_maps import SlotMaps
 from ckptd.storage.contract import LocalStorage, filesystem_type
 
@@ -113,7 +113,7 @@ def commit_for(slot: Slot, layout, root, **change) -> WriteShard:
 
 
 def test_a_reused_slot_header_is_checked_against_every_commit(tmp_path) -> None:
-    slot, maps, storage = Slot(1 << 20), SlotMaps(), Routed(LocalStorage())
+    slot, maps, storage = Slot(1 << 20), SlotMaps(), Backends(LocalStorage())
     try:
         first = layout_for(flatten({f"t{i}": torch.ones(8) for i in range(50)}))
         write_header(first, slot)

@@ -28,8 +28,9 @@ from ckptd.protocol.names import (
     incomplete_path,
     shard_name,
 )
-from ckptd.storage.routed import Routed
-from ckptd.storage.contract import CheckpointStorage, Checkpoints, LocalStorage
+from ckptd.storage.backends import Backends
+from ckptd.storage.checkpoints import Checkpoints
+from ckptd.storage.contract import LocalStorage
 
 
 def attempt_of(final: Path, step: int, fill: bytes) -> tuple[Path, bytes]:
@@ -66,13 +67,12 @@ class DirectRefusedOnWrite(LocalStorage):
         super().close(fd)
 
 
-def test_the_daemons_storage_has_both_seams_and_sends_each_name_to_its_backend(tmp_path: Path) -> None:
-    routed = Routed(LocalStorage())
-    assert isinstance(routed, CheckpointStorage)
-    assert isinstance(LocalCheckpoints(LocalStorage()), Checkpoints)
-    assert isinstance(ObjectCheckpoints(ObjectFiles()), Checkpoints)
-    assert isinstance(routed.checkpoints(tmp_path / "a"), LocalCheckpoints)
-    assert isinstance(routed.checkpoints(Path("s3://bucket/a")), ObjectCheckpoints)
+def test_the_daemons_storage_chooses_each_names_backend_once(tmp_path: Path) -> None:
+    backends = Backends(LocalStorage())
+    local, store = backends.at(tmp_path / "a"), backends.at(Path("s3://bucket/a"))
+    assert isinstance(local, LocalCheckpoints) and isinstance(local, Checkpoints) and local.files is backends.local
+    assert isinstance(store, ObjectCheckpoints) and isinstance(store.files, ObjectFiles)
+    assert backends.at("s3://bucket/b") is store and backends.at(tmp_path / "b") is local
 
 
 def test_a_shard_whose_o_direct_writes_are_refused_carries_on_buffered_and_is_cut_to_its_size(tmp_path) -> None:
@@ -111,7 +111,12 @@ def test_publishing_by_index_creates_the_index_once_and_never_replaces(tmp_path)
     attempt, index = attempt_of(final, 1, b"a")
     store.publish(attempt, final, index, overwrite=True, publishing=nullcontext())
     assert (attempt / INDEX_NAME).read_bytes() == index  # on a store the attempt's prefix is the checkpoint's
-    assert store.replace_refusal(final) is not None and store.exists_early(final) is False
+    store.admit(final, overwrite=True)  # nothing is asked of a store before Accepted: ``begin`` asks
+    final.mkdir()
+    with pytest.raises(CheckpointExists, match="does not replace a checkpoint"):
+        store.begin(final, attempt, overwrite=True, coordinated=False)
+    with pytest.raises(CheckpointExists, match="already exists"):
+        LocalCheckpoints(LocalStorage()).admit(final, overwrite=False)
 
 
 def test_a_discarded_attempt_frees_its_name_at_once(tmp_path) -> None:

@@ -91,9 +91,9 @@ BACKEND_BLIND = ("writer", "retention", "admission", "holding", "snapshots", "sa
 
 
 def test_the_checkpoint_lifecycle_never_asks_which_backend_a_name_is_on() -> None:
-    """Only the storage implementations (``ckptd/storage/routed.py`` and what it routes to), path parsing and messages
+    """Only the storage implementations (``ckptd/storage/backends.py`` and the backends it chooses between), path parsing and messages
     ask whether a name is on an object store; what writes, publishes and deletes checkpoints does not."""
-    blind = [p for p in _daemon() if p.stem in BACKEND_BLIND]
+    blind = [*(p for p in _daemon() if p.stem in BACKEND_BLIND), *_sources("integrations")]
     asking = {f"{p.name}: {m}" for p in blind for m in _imports(p) if m.endswith(".is_object_path")}
     asking |= {p.name for p in [*_daemon(), *_sources("integrations")] if "can_rename" in p.read_text()}
     assert not asking, f"checkpoint operations, not backend checks: {asking}"
@@ -238,3 +238,14 @@ def test_the_modules_that_commit_import_none_of_the_modules_that_react_to_a_comm
     committing = [_by_stem(name) for name in ("saves", "commit", "writer", "admission")]
     bad = {f"{p.name}: {m}" for p in committing for m in _imports(p) if m.startswith(REACTIONS)}
     assert not bad, f"a reaction to a commit subscribes to its event instead of being called by the pipeline: {bad}"
+
+
+def test_every_package_folder_is_installed() -> None:
+    """``setup.cfg`` lists every package a non-editable install must carry (``ckptd/peers`` once was missing: the
+    editable install of ``make`` found it anyway, ``pip install ckptd`` would not have)."""
+    import configparser
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    listed = set(config["options"]["packages"].split())
+    folders = {_package(p) for root in ("ckptd", *PACKAGES) for p in (REPO / root).rglob("__init__.py")}
+    assert folders - listed == set(), f"setup.cfg [options] packages lacks {sorted(folders - listed)}"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.loop.config import DaemonConfig
-from ckptd.storage.routed import load_storage
+from ckptd.storage.backends import load_storage
 from ckptd.storage.contract import Kind, LocalStorage, Storage
 
 

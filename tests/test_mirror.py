@@ -17,9 +17,9 @@ import torch
 from helpers import keys, mirrored, seeded_state as state, wait_until
 
 from ckptd.upkeep.mirror import Mirrors
-from ckptd.storage.routed import Routed
+from ckptd.storage.backends import Backends
+from ckptd.storage.store import ObjectFiles
 from ckptd.protocol.endpoint import LOG_NAME
-from ckptd.protocol.objects import is_object_path
 from ckptd.storage.contract import LocalStorage
 
 import ckptd
@@ -104,17 +104,15 @@ def test_a_stop_with_a_stalled_endpoint_leaves_the_uploads_and_store_requests_at
     assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-2"]  # neither is on the mirror
 
 
-class HeldRemovals(Routed):
-    """The daemon's storage, whose removals on the store wait until the test lets them go on."""
+class HeldRemovals(ObjectFiles):
+    """The store's objects, whose removals wait until the test lets them go on."""
 
     def __init__(self) -> None:
-        super().__init__(LocalStorage())
         self.reached, self.go_on = threading.Event(), threading.Event()
 
     def remove_tree(self, path: Path) -> None:
-        if is_object_path(path):
-            self.reached.set()
-            self.go_on.wait(60)
+        self.reached.set()
+        self.go_on.wait(60)
         super().remove_tree(path)
 
 
@@ -125,7 +123,7 @@ def test_a_stop_lists_as_left_only_the_uploads_not_done(s3, bucket, daemon, clie
     for step in (1, 2):
         client.save_async(state(seed=step), run / f"step-{step}", step=step).result(30)
     storage = HeldRemovals()
-    mirrors = Mirrors(storage, {run: Path(f"s3://{bucket}/mirror")}, keep=1)
+    mirrors = Mirrors(Backends(LocalStorage(), storage), {run: Path(f"s3://{bucket}/mirror")}, keep=1)
     mirrors.start()  # queues both; the mirror's retention after step-2's upload holds (deleting step-1)
     try:
         assert storage.reached.wait(60)

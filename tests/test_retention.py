@@ -24,7 +24,7 @@ from ckptd.protocol.endpoint import LOG_NAME
 from ckptd.protocol.index import INDEX_NAME, CheckpointIndex, shard_name
 from ckptd.upkeep.retention import apply_retention
 from ckptd.storage.store import ObjectCheckpoints
-from ckptd.storage.routed import Routed
+from ckptd.storage.local import LocalCheckpoints
 from ckptd.storage.contract import LocalStorage
 
 from helpers import checkpoint, wait_until
@@ -42,16 +42,13 @@ class FailingRename(LocalStorage):
         super().rename(src, dst)
 
 
-class IndexLast(Routed):
-    """The daemon's storage, with local checkpoints deleted as on an object store: the index first, no rename."""
-
-    def __init__(self, files: LocalStorage) -> None:
-        super().__init__(files)
-        self.local_checkpoints = ObjectCheckpoints(files)
+def index_last(files: LocalStorage) -> ObjectCheckpoints:
+    """Local checkpoints deleted as on an object store: the index first, no rename."""
+    return ObjectCheckpoints(files)
 
 
 class CrashAfterIndexGone(LocalStorage):
-    """Local files whose process "dies" right after a checkpoint's index is deleted: under ``IndexLast``, what a
+    """Local files whose process "dies" right after a checkpoint's index is deleted: under ``index_last``, what a
     daemon killed inside retention on a bucket leaves."""
 
     def unlink(self, path: Path) -> None:
@@ -67,7 +64,7 @@ def test_retention_keeps_the_newest_by_step_and_never_the_one_just_committed(tmp
     for step in (1, 2, 3, 4):
         checkpoint(tmp_path, f"step-{step}", step)
     newest = checkpoint(tmp_path, "rerun", 0)  # just committed with a lower step: kept all the same
-    deleted = apply_retention(Routed(LocalStorage()), newest, 2, set())
+    deleted = apply_retention(LocalCheckpoints(LocalStorage()), newest, 2, set())
     assert sorted(p.name for p in deleted) == ["step-1", "step-2", "step-3"]
     assert sorted(os.listdir(tmp_path)) == ["rerun", "step-4"]
 
@@ -78,7 +75,7 @@ def test_retention_passes_over_saves_in_flight_and_directories_that_are_not_chec
     (tmp_path / "notes").mkdir()
     (tmp_path / "step-0.incomplete").mkdir()
     newest = checkpoint(tmp_path, "step-3", 3)
-    assert apply_retention(Routed(LocalStorage()), newest, 1, {busy}) == [old]
+    assert apply_retention(LocalCheckpoints(LocalStorage()), newest, 1, {busy}) == [old]
     assert sorted(os.listdir(tmp_path)) == ["notes", "step-0.incomplete", "step-2", "step-3"]
 
 
@@ -87,7 +84,7 @@ def test_retention_keeps_a_checkpoint_holding_a_file_ckptd_did_not_write(tmp_pat
     (kept / "README").write_text("the good run")
     newest = checkpoint(tmp_path, "step-2", 2)
     with caplog.at_level("WARNING", logger="ckptd"):
-        assert apply_retention(Routed(LocalStorage()), newest, 1, set()) == []
+        assert apply_retention(LocalCheckpoints(LocalStorage()), newest, 1, set()) == []
     assert (kept / "README").read_text() == "the good run"
     assert "event=retention_skip" in caplog.text and "'README'" in caplog.text
 
@@ -96,14 +93,14 @@ def test_a_failed_rename_keeps_the_victim_whole_and_takes_its_owner_marker_back(
     victim = checkpoint(tmp_path, "step-1", 1)
     newest = checkpoint(tmp_path, "step-2", 2)
     with caplog.at_level("WARNING", logger="ckptd"):
-        assert apply_retention(Routed(FailingRename("step-1")), newest, 1, set()) == []
+        assert apply_retention(LocalCheckpoints(FailingRename("step-1")), newest, 1, set()) == []
     assert sorted(os.listdir(victim)) == [INDEX_NAME, shard_name(0, 1)]
     assert "event=retention_skip" in caplog.text and "Input/output error" in caplog.text
 
 
 def test_retention_refuses_to_keep_fewer_than_one() -> None:
     with pytest.raises(ValueError, match="keep_last must be at least 1, got 0"):
-        apply_retention(Routed(LocalStorage()), Path("/nonexistent/step-1"), 0, set())
+        apply_retention(LocalCheckpoints(LocalStorage()), Path("/nonexistent/step-1"), 0, set())
 
 
 def test_retention_on_a_store_without_rename_marks_its_victim_before_the_index_goes(tmp_path: Path) -> None:
@@ -112,7 +109,7 @@ def test_retention_on_a_store_without_rename_marks_its_victim_before_the_index_g
     leaves its shards in the bucket for good."""
     old, newest = checkpoint(tmp_path, "step-1", 1), checkpoint(tmp_path, "step-2", 2)
     with pytest.raises(SystemExit):
-        apply_retention(IndexLast(CrashAfterIndexGone()), newest, 1, set())
+        apply_retention(index_last(CrashAfterIndexGone()), newest, 1, set())
     left = sorted(os.listdir(old))
     assert INDEX_NAME not in left and owner_marker() in left, left
 
@@ -130,7 +127,7 @@ def test_retention_never_deletes_a_version_saved_while_it_asked_the_mirror_about
         os.rename(replacement, victim)
         return False
 
-    assert apply_retention(Routed(LocalStorage()), newest, 1, set(), keep) == []
+    assert apply_retention(LocalCheckpoints(LocalStorage()), newest, 1, set(), keep) == []
     assert CheckpointIndex.from_json((tmp_path / "last" / INDEX_NAME).read_bytes(), "last").step == 20
 
 

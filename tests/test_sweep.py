@@ -17,7 +17,7 @@ import ckptd
 from ckptd.storage.ownership import owner_marker
 from ckptd.protocol.index import shard_name
 from ckptd.protocol.names import OWNER_PREFIX, SWEPT_DIR
-from ckptd.storage.routed import Routed
+from ckptd.storage.backends import Backends
 from ckptd.lifecycle.slot_maps import reclaim_orphaned_slots
 from ckptd.storage.contract import LocalStorage
 from ckptd.upkeep.sweep import KnownDirs, MAX_KNOWN_DIRS, is_orphaned, sweep_incomplete
@@ -137,7 +137,7 @@ def test_the_sweep_removes_dead_leftovers_and_dead_markers_and_leaves_everything
     stale = marker(committed, dead_pid())
     mine = committed / owner_marker()
     mine.touch()
-    assert sweep_incomplete(Routed(LocalStorage()), [tmp_path, tmp_path / "missing"], "remove") == [leftover]
+    assert sweep_incomplete(Backends(LocalStorage()), [tmp_path, tmp_path / "missing"], "remove") == [leftover]
     assert sorted(os.listdir(tmp_path)) == ["step-0", "step-2.incomplete"]
     assert live_marker.exists() and mine.exists() and not stale.exists()
 
@@ -146,9 +146,9 @@ def test_the_sweep_moves_leftovers_aside_when_asked_and_does_nothing_when_off(tm
     leftover = tmp_path / "step-1.incomplete"
     leftover.mkdir()
     marker(leftover, dead_pid())
-    assert sweep_incomplete(Routed(LocalStorage()), [tmp_path], "off") == []
+    assert sweep_incomplete(Backends(LocalStorage()), [tmp_path], "off") == []
     assert leftover.exists()
-    assert sweep_incomplete(Routed(LocalStorage()), [tmp_path], "move") == [leftover]
+    assert sweep_incomplete(Backends(LocalStorage()), [tmp_path], "move") == [leftover]
     (moved,) = os.listdir(tmp_path / SWEPT_DIR)
     assert moved.startswith("step-1.incomplete-") and not leftover.exists()
 

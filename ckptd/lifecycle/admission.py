@@ -28,10 +28,10 @@ from ckptd.protocol.layout import TensorEntry, parse_header
 from ckptd.protocol.messages import StagedShard
 from ckptd.protocol.shm import SHM_REMEDIES, shm_usage
 
-from ckptd.lifecycle.paths import refuse_existing, resolve_path
 from ckptd.lifecycle.slot_maps import MappedSlot, SlotMaps
 from ckptd.lifecycle.writer import round_up
-from ckptd.storage.contract import CheckpointStorage, Space
+from ckptd.storage.backends import Backends
+from ckptd.storage.contract import Space
 from ckptd.tools.render import human_bytes
 
 
@@ -46,7 +46,7 @@ class Examined:
     """Free bytes in the slot directory counting this save's own slot as free (it exists already)."""
 
 
-def examine(storage: CheckpointStorage, slots: SlotMaps, msg: StagedShard, *, pid: int, roots: tuple[Path, ...]) -> Examined:
+def examine(storage: Backends, slots: SlotMaps, msg: StagedShard, *, pid: int, roots: tuple[Path, ...]) -> Examined:
     """Resolve the path, map and check the slot, measure free space (I/O; the admission worker).
 
     The slot is released again if anything is wrong, so a refused commit holds no mapping.
@@ -55,13 +55,12 @@ def examine(storage: CheckpointStorage, slots: SlotMaps, msg: StagedShard, *, pi
     try:
         if not _header_matches(slot, msg):
             raise BadSlot(f"slot {msg.slot!r} holds a header that does not match the commit's tensor table")
-        final = resolve_path(storage, msg.path, roots)
-        # Before the room check: "exists" is the answer that helps. On an object store the same check runs
-        # after Accepted (``Commits.prepare``, before anything is written): two requests fewer in save_async.
-        if storage.exists_early(final):
-            refuse_existing(storage, final, msg.overwrite)
+        final = storage.resolve(msg.path, roots)
+        backend = storage.at(final)
+        backend.admit(final, msg.overwrite)  # before the room check: "exists" is the answer that helps
         shm_free = shm_free_bytes()
-        return Examined(final, slot, storage.space(final.parent), None if shm_free is None else shm_free + slot.size)
+        return Examined(final, slot, backend.files.space(final.parent),
+                        None if shm_free is None else shm_free + slot.size)
     except BadMessage as exc:
         slots.release(slot)
         raise BadSlot(f"slot {msg.slot!r}: {exc.message}") from None

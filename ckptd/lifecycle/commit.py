@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Mapping
 
 from ckptd.protocol.chunks import tensor_table
 from ckptd.protocol.errors import (
-    CheckpointExists,
     CkptdError,
     Conflict,
     InvalidCheckpoint,
@@ -57,17 +56,11 @@ from ckptd.protocol.objects import display
 
 from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter
 from ckptd.lifecycle.contributors import Contributors
-from ckptd.lifecycle.paths import refuse_existing
 from ckptd.lifecycle.registry import Registry
 from ckptd.lifecycle.snapshots import HeldSnapshot
-from ckptd.storage.ownership import (
-    is_owner_marker,
-    owner_marker,
-    release,
-    remove_markers,
-    why_not_leftover,
-)
-from ckptd.storage.contract import CheckpointStorage, Kind, PublishedNotDurable
+from ckptd.storage.backends import Backends
+from ckptd.storage.contract import PublishedNotDurable
+from ckptd.storage.ownership import release, remove_markers
 
 if TYPE_CHECKING:
     from ckptd.lifecycle.writer import WriteJob
@@ -153,7 +146,7 @@ class FailedCheckpoint:
 class Commits:
     """Checkpoints in progress on this daemon, by final path (bookkeeping on the loop; I/O where marked)."""
 
-    def __init__(self, storage: CheckpointStorage, registry: Registry) -> None:
+    def __init__(self, storage: Backends, registry: Registry) -> None:
         self.storage, self.registry = storage, registry
         self.pending: dict[Path, PendingCheckpoint] = registry.book()
         self.failed: dict[Path, FailedCheckpoint] = {}
@@ -228,34 +221,11 @@ class Commits:
         raise type(failed.error)(failed.error.message)
 
     def prepare(self, pending: PendingCheckpoint) -> None:
-        """Refuse what is in the way, then create ``p.incomplete`` with this daemon's marker (I/O).
-
-        A leftover ``.incomplete`` holding nothing but ckptd's files and
-        written by no live ckptd here is removed first; anything else there is
-        refused, untouched. Coordinated checkpoints share the directory with
-        other nodes' daemons, so there it is created if missing and never removed.
-        """
-        storage, parent = self.storage, pending.path.parent
-        try:
-            if storage.stat(pending.path) is not None:  # for an object, the first check (admission skips it)
-                refuse_existing(storage, pending.path, pending.overwrite)
-            blocked = storage.not_a_directory(parent)
-            if blocked is not None:
-                raise WriteFailed(f"cannot create {pending.incomplete}: {blocked} is not a directory")
-            leftover = storage.stat(pending.incomplete) is not None and not pending.coordinated
-            reason = why_not_leftover(storage, pending.incomplete) if leftover else None
-            if reason is not None:
-                raise CheckpointExists(f"{display(pending.incomplete)} is in the way of this save and is not a dead "
-                                       f"save's leftover ({reason}); move it away or save under another path")
-            storage.mkdir(parent, parents=True, exist_ok=True)
-            if leftover:
-                storage.remove_tree(pending.incomplete)
-            storage.mkdir(pending.incomplete, exist_ok=pending.coordinated)
-            storage.touch(pending.incomplete / owner_marker())
-        except CkptdError:
-            raise
-        except OSError as exc:  # on a store too: unreachable, credentials refused, no such bucket
-            raise WriteFailed(f"cannot create {display(pending.incomplete)}: {exc.strerror or exc}") from None
+        """Begin the attempt: refuse what is in the way, then create ``p.incomplete`` with this daemon's marker
+        (I/O; ``Checkpoints.begin``). Coordinated checkpoints share the directory with other nodes' daemons, so
+        there it is created if missing and never removed."""
+        self.storage.at(pending.path).begin(pending.path, pending.incomplete, overwrite=pending.overwrite,
+                                            coordinated=pending.coordinated)
 
     def shard_done(self, pending: PendingCheckpoint, record: ShardRecord | None) -> bool:
         """Record a shard's end (None: it failed); True when the checkpoint can be finalized."""
@@ -316,7 +286,7 @@ class Commits:
 
     def ended_elsewhere(self, pending: PendingCheckpoint) -> bool:
         """Whether a settled attempt's directory is gone: another node's daemon published or discarded it (I/O)."""
-        return self.storage.stat(pending.incomplete) is None
+        return not self.storage.at(pending.path).holds(pending.incomplete)
 
     def finalize(self, pending: PendingCheckpoint) -> None:
         """Index, then publish: the checkpoint becomes visible (I/O; ``Checkpoints.publish`` says how).
@@ -336,16 +306,18 @@ class Commits:
         visible (the future fails: durability was promised and is unknown), and the
         checkpoint is left in place, never discarded.
         """
-        storage, final = self.storage, pending.path
+        final = pending.path
+        backend = self.storage.at(final)
         try:
-            self._check_shards(pending)
+            backend.check_shards(pending.incomplete, {f.file: f.size for f in pending.shards.values()},
+                                 {f.file: f.rank for f in pending.shards.values()})
             index = pending.index(self._tensor_table(pending))
-            storage.publish(pending.incomplete, final, index.to_json(), overwrite=pending.overwrite,
+            backend.publish(pending.incomplete, final, index.to_json(), overwrite=pending.overwrite,
                             publishing=self.publishing)
         except CkptdError:
             raise
         except PublishedNotDurable as exc:
-            remove_markers(storage, final)
+            remove_markers(backend.files, final)
             raise WriteFailed(
                 f"checkpoint {final} is committed and visible (its index and shards are durable), but "
                 f"fsync of {final.parent} failed ({exc.strerror or exc}), so the new name may not survive "
@@ -353,20 +325,7 @@ class Commits:
                 f"path") from None
         except OSError as exc:
             raise WriteFailed(f"committing {final} failed: {exc.strerror or exc}") from None
-        remove_markers(storage, final)
-
-    def _check_shards(self, pending: PendingCheckpoint) -> None:
-        """Every listed shard is there at its size; nothing else is left behind."""
-        keep = {f.file for f in pending.shards.values()}
-        for entry in self.storage.scandir(pending.incomplete):
-            if entry.name not in keep and not is_owner_marker(entry.name):
-                (self.storage.remove_tree if entry.kind is Kind.DIR else self.storage.unlink)(entry.path)
-        for f in pending.shards.values():
-            st = self.storage.stat(pending.incomplete / f.file, follow=True)
-            if st is None:
-                raise WriteFailed(f"shard {f.file} of rank {f.rank} is missing from {pending.incomplete}")
-            if st.size != f.size:
-                raise WriteFailed(f"shard {f.file} of rank {f.rank} holds {st.size} bytes, not the {f.size} written")
+        remove_markers(backend.files, final)
 
     def _tensor_table(self, pending: PendingCheckpoint) -> dict[str, TensorRecord]:
         """The global tensors' chunks, from every shard's header (the ranks' chunk tables)."""
@@ -374,7 +333,7 @@ class Commits:
         for f in pending.shards.values():
             try:
                 shard = pending.incomplete / f.file
-                entries, metadata, data_start = read_shard_header(shard, f.size, self.storage)
+                entries, metadata, data_start = read_shard_header(shard, f.size, self.storage.at(shard).files)
             except InvalidCheckpoint as exc:
                 raise WriteFailed(exc.message) from None
             headers.append((f.file, f.size, entries, metadata, data_start))
@@ -394,17 +353,18 @@ class Commits:
         """
         if not pending.owns_directory:
             return None
-        return self.storage.discard(pending.incomplete, pending.path)
+        return self.storage.at(pending.path).discard(pending.incomplete, pending.path)
 
     def release(self, pending: PendingCheckpoint) -> Path | None:
         """Let go of this daemon's part of a settled attempt whose contributors all died (I/O): its marker goes,
         and so does ``p.incomplete`` once no other daemon claims it; returns what is left to remove later."""
+        backend = self.storage.at(pending.path)
         try:
-            if self.storage.stat(pending.incomplete) is None or not release(self.storage, pending.incomplete):
+            if not backend.holds(pending.incomplete) or not release(backend.files, pending.incomplete):
                 return None
         except FileNotFoundError:  # removed meanwhile by the other node's daemon letting go
             return None
-        return self.storage.discard(pending.incomplete, pending.path)
+        return backend.discard(pending.incomplete, pending.path)
 
     def wait_for_cleanup(self, final: Path, then: Callable[[], None]) -> bool:
         """Keep ``then`` until ``final``'s failed attempt is cleared away; False if none is in the way."""

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from ckptd.protocol.errors import (
-    CheckpointExists, CkptdError, InvalidCheckpoint, PathNotAllowed, RanksMissing, ShuttingDown, WriteFailed,
+    CheckpointExists, CkptdError, InvalidCheckpoint, RanksMissing, ShuttingDown, WriteFailed,
 )
 from ckptd.protocol.messages import (
     Abort, Accepted, Done, Error, Held, Message, Ok, Persist, Pin, Snapshot, SnapshotList, Snapshots, Unpin,
@@ -38,7 +38,6 @@ from ckptd.protocol.objects import display, is_permanent
 from ckptd.lifecycle.admission import Examined, examine
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.attempt import AttemptState
-from ckptd.lifecycle.paths import refuse_existing
 from ckptd.lifecycle.saves import Saves
 from ckptd.lifecycle.slot_maps import MappedSlot, SlotMaps
 from ckptd.lifecycle.snapshots import HeldShard, HeldSnapshot, shards_of
@@ -48,7 +47,7 @@ from ckptd.loop.events import Committed, Deleted, Events, Failed, SnapshotDroppe
 from ckptd.loop.replies import as_error, error_reply
 from ckptd.loop.state import NodeState
 from ckptd.loop.workers import Workers
-from ckptd.storage.contract import CheckpointStorage
+from ckptd.storage.backends import Backends
 
 log = logging.getLogger("ckptd")
 DRAIN_RETRY_S = 0.5
@@ -59,7 +58,7 @@ Send = Callable[[bytes, Message], None]
 class Holding:
     """Moves snapshots in and out of node memory; replies through ``send``."""
 
-    def __init__(self, state: NodeState, workers: Workers, storage: CheckpointStorage, config: DaemonConfig,
+    def __init__(self, state: NodeState, workers: Workers, storage: Backends, config: DaemonConfig,
                  send: Send, saves: Saves, events: Events) -> None:
         self.state, self.workers, self.storage, self.config = state, workers, storage, config
         self.send, self.saves, self.events = send, saves, events
@@ -381,7 +380,7 @@ class Holding:
         snap.persist_started = time.monotonic()
         log.info("event=persist path=%s step=%s", snap.path, snap.step)
         storage, final = self.storage, snap.path
-        self.workers.submit("admit", lambda: storage.space(final.parent), lambda fut: self._persist_room(snap, fut),
+        self.workers.submit("admit", lambda: storage.at(final).files.space(final.parent), lambda fut: self._persist_room(snap, fut),
                             failed=lambda exc: self.persisted(snap.path, as_error(self.state.stats, exc)))
 
     def _persist_room(self, snap: HeldSnapshot, fut: Future) -> None:
@@ -518,38 +517,17 @@ class Holding:
             self.start_persist(snap)
 
 
-def _examine(storage: CheckpointStorage, slots: SlotMaps, msg: Snapshot, *, pid: int,
+def _examine(storage: Backends, slots: SlotMaps, msg: Snapshot, *, pid: int,
              roots: tuple[Path, ...]) -> Examined:
-    """A disk save's checks, and those a disk save makes only when it writes: the path's nearest existing ancestor
-    is a directory, and on an object store nothing is at the name (a disk save asks in ``Commits.prepare``). A
+    """A disk save's checks, and those a disk save makes only when it writes (``Checkpoints.persistable``): a
     snapshot that could never be persisted is refused now, not when its trainer dies or the daemon drains (I/O)."""
     examined = examine(storage, slots, msg, pid=pid, roots=roots)
     try:
-        blocked = storage.not_a_directory(examined.final.parent)
-        if blocked is not None:
-            raise PathNotAllowed(f"snapshot {examined.final} could never be persisted: {blocked} is not a directory")
-        if storage.replace_refusal(examined.final) is not None:  # what is there could never be replaced
-            _refuse_existing_object(storage, examined.final, msg.overwrite)
+        storage.at(examined.final).persistable(examined.final, msg.overwrite)
     except BaseException:
         slots.release(examined.slot)
         raise
     return examined
-
-
-def _refuse_existing_object(storage: CheckpointStorage, final: Path, overwrite: bool) -> None:
-    """``CheckpointExists`` if something is at ``final`` where nothing is ever replaced (an object store: such a
-    snapshot could never be persisted). A store that does not answer for now (an outage) holds the
-    snapshot up: memory snapshots do not wait for the store, and persisting it asks again."""
-    try:
-        there = storage.stat(final) is not None
-    except OSError as exc:
-        if is_permanent(exc):
-            raise WriteFailed(f"snapshot {display(final)}: the store cannot be asked whether the name is taken: "
-                              f"{exc}") from exc
-        log.info("event=snapshot_unchecked path=%s error=%r", display(final), exc)
-        return
-    if there:
-        refuse_existing(storage, final, overwrite)
 
 
 def _transient(error: CkptdError) -> bool:

@@ -37,7 +37,6 @@ from ckptd.lifecycle.admission import Examined, check_room, examine
 from ckptd.lifecycle.attempt import AttemptState
 from ckptd.lifecycle.commit import PendingCheckpoint
 from ckptd.lifecycle.contributors import Contributors
-from ckptd.lifecycle.paths import resolve_path
 from ckptd.lifecycle.snapshots import HeldSnapshot
 from ckptd.lifecycle.writer import Progress, WriteJob, WriteState, write_shard
 from ckptd.loop.config import DaemonConfig
@@ -45,7 +44,8 @@ from ckptd.loop.events import Committed, Events, Failed
 from ckptd.loop.replies import as_error, error_reply
 from ckptd.loop.state import NodeState
 from ckptd.loop.workers import Workers
-from ckptd.storage.contract import CheckpointStorage, Space
+from ckptd.storage.backends import Backends
+from ckptd.storage.contract import Space
 from ckptd.upkeep.sweep import KnownDirs
 
 log = logging.getLogger("ckptd")
@@ -65,7 +65,7 @@ Admit = Callable[..., None]
 class Saves:
     """Moves saves through the pipeline above; replies through ``send``."""
 
-    def __init__(self, state: NodeState, workers: Workers, storage: CheckpointStorage, config: DaemonConfig,
+    def __init__(self, state: NodeState, workers: Workers, storage: Backends, config: DaemonConfig,
                  send: Send, known_dirs: KnownDirs, events: Events) -> None:
         self.state, self.workers, self.storage, self.config = state, workers, storage, config
         self.send = send
@@ -240,8 +240,8 @@ class Saves:
             self._write_finished(job, pending, None)
 
     def _start(self, job: WriteJob, pending: PendingCheckpoint) -> None:
-        cfg, storage, checksums = self.config, self.storage, self.workers.checksums
-        run = lambda: write_shard(job, storage, checksums, direct=cfg.direct_io, chunk=cfg.chunk_bytes)  # noqa: E731
+        cfg, backend, checksums = self.config, self.storage.at(job.dest), self.workers.checksums
+        run = lambda: write_shard(job, backend, checksums, direct=cfg.direct_io, chunk=cfg.chunk_bytes)  # noqa: E731
         self.workers.submit("write", run, lambda fut: self._write_finished(job, pending, fut),
                             failed=lambda exc: self._write_defect(job, pending, exc))
 
@@ -308,7 +308,7 @@ class Saves:
             else:
                 then(fut.result())
 
-        self.workers.submit("admit", lambda: resolve_path(self.storage, raw, roots), resolved,
+        self.workers.submit("admit", lambda: self.storage.resolve(raw, roots), resolved,
                             failed=lambda exc: self.send(ident, error_reply(self.state.stats, rid, exc)))
 
     def _finalize(self, pending: PendingCheckpoint) -> None:
@@ -391,7 +391,7 @@ class Saves:
             log.warning("event=discard_failed path=%s error=%r", pending.incomplete, error)
         elif fut.result() is not None:
             aside: Path = fut.result()
-            self.workers.submit("maintenance", lambda: self.storage.remove_tree(aside))
+            self.workers.submit("maintenance", lambda: self.storage.at(aside).files.remove_tree(aside))
         for again in state.commits.cleared(pending.path):
             again()
 
@@ -420,7 +420,7 @@ class Saves:
                 log.warning("event=release_failed path=%s error=%r", pending.incomplete, fut.exception())
             elif (aside := fut.result()) is not None:
                 log.info("event=released path=%s", pending.incomplete)
-                self.workers.submit("maintenance", lambda: self.storage.remove_tree(aside))
+                self.workers.submit("maintenance", lambda: self.storage.at(aside).files.remove_tree(aside))
 
         self.workers.submit("admit", lambda: self.state.commits.release(pending), released)
 

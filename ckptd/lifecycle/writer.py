@@ -35,7 +35,7 @@ from ckptd.protocol.messages import StagedShard
 from ckptd.protocol.objects import display
 
 from ckptd.lifecycle.slot_maps import MappedSlot
-from ckptd.storage.contract import Checkpoints
+from ckptd.storage.checkpoints import Checkpoints
 
 CRC_CHUNK = 16 * 1024 * 1024
 

@@ -13,7 +13,7 @@ from ckptd.protocol.shm import shm_usage
 
 from ckptd.protocol.objects import is_object_path, object_url, require_library
 
-from ckptd.storage.routed import load_storage
+from ckptd.storage.backends import load_storage
 
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 """Bytes per ``pwrite`` of a shard. Fewer, larger O_DIRECT writes cost the kernel less per byte: 1 GiB from a slot on

@@ -27,7 +27,7 @@ from ckptd.protocol.objects import check_bucket, display, is_object_path
 
 from ckptd.loop.config import DaemonConfig
 from ckptd.loop.server import Server
-from ckptd.storage.routed import load_storage
+from ckptd.storage.backends import load_storage
 from ckptd.tools.control import probe
 
 log = logging.getLogger("ckptd")

@@ -44,7 +44,7 @@ from ckptd.peers.endpoint import PeerEndpoint
 from ckptd.peers.keys import KeyPair, PeerKeys
 from ckptd.peers.replicas import Replicas
 from ckptd.peers.replication import Replication
-from ckptd.storage.contract import CheckpointStorage
+from ckptd.storage.backends import Backends
 from ckptd.upkeep.mirror import Mirrors
 from ckptd.upkeep.retention import Retainer
 from ckptd.upkeep.sweep import KnownDirs, sweep_incomplete
@@ -59,7 +59,7 @@ ends well within it, a request to a stalled store is not waited for longer."""
 class Server:
     """Serve one node until stopped; ``serve_forever`` returns when drained."""
 
-    def __init__(self, config: DaemonConfig, storage: CheckpointStorage) -> None:
+    def __init__(self, config: DaemonConfig, storage: Backends) -> None:
         self.config, self.storage = config, storage
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -68,7 +68,7 @@ class Server:
         self.router.bind(config.endpoint)
         self.workers = Workers(config.max_concurrent_writes)
         self.state = NodeState(config, storage)
-        self.known_dirs = KnownDirs(storage, config.run_dir)
+        self.known_dirs = KnownDirs(storage.local, config.run_dir)
         self.events = Events()
         self.mirrors = Mirrors(storage, config.mirrors, config.mirror_keep) if config.mirrors else None
         self.saves = Saves(self.state, self.workers, storage, config, self._send, self.known_dirs, self.events)

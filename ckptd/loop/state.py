@@ -31,7 +31,7 @@ from ckptd.lifecycle.writer import Progress, WriteJob
 from ckptd.loop.config import DaemonConfig
 from ckptd.loop.leases import Grant, LoadLeases
 from ckptd.loop.stats import Stats
-from ckptd.storage.contract import CheckpointStorage
+from ckptd.storage.backends import Backends
 
 MAX_PID = 1 << 22
 """The kernel's largest possible pid_max."""
@@ -58,7 +58,7 @@ class ClientRecord:
 class NodeState:
     """What one node's daemon is doing (loop thread only)."""
 
-    def __init__(self, config: DaemonConfig, storage: CheckpointStorage, slots: SlotMaps | None = None,
+    def __init__(self, config: DaemonConfig, storage: Backends, slots: SlotMaps | None = None,
                  attempts: Registry | None = None) -> None:
         self.config = config
         self.attempts = attempts if attempts is not None else Registry()

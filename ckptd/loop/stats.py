@@ -23,7 +23,8 @@ from ckptd.protocol.shm import shm_usage
 
 from ckptd.loop.config import DaemonConfig
 from ckptd.loop.events import Committed, SnapshotDropped, SnapshotHeld
-from ckptd.storage.contract import UNLIMITED, Files
+from ckptd.storage.backends import Backends
+from ckptd.storage.contract import UNLIMITED
 
 if TYPE_CHECKING:
     from ckptd.lifecycle.commit import PendingCheckpoint
@@ -157,7 +158,7 @@ class Stats:
         return info
 
 
-def add_filesystems(info: dict[str, Any], storage: Files) -> dict[str, Any]:
+def add_filesystems(info: dict[str, Any], storage: Backends) -> dict[str, Any]:
     """Fill in the roots' and the slot directory's free space (a system call each: off the loop)."""
     info["shm"] = shm_usage(Path(info["shm"]["dir"]))
     info["roots"] = [_root_usage(storage, Path(r["path"])) for r in info["roots"]]
@@ -170,9 +171,9 @@ def _throughput(jobs: list, now: float) -> float:
     return round(sum(j.written / max(now - j.started_at, 1e-6) for j in active), 1)
 
 
-def _root_usage(storage: Files, root: Path) -> dict[str, Any]:
+def _root_usage(storage: Backends, root: Path) -> dict[str, Any]:
     try:
-        space = storage.space(root)
+        space = storage.at(root).files.space(root)
     except OSError:
         return {"path": display(root), "free_bytes": None, "total_bytes": None}
     if space.total == UNLIMITED:  # a store enforces its own quotas: it has no free space to show

@@ -1,12 +1,13 @@
 """The storage seam: checkpoint operations, and the file operations beneath them.
 
 Commit, writer, retention, admission and the memory tier speak to storage
-in checkpoint operations (``Checkpoints``): open a shard writer, publish an
-attempt under its final name (replacing or not), discard an attempt, set a
-committed checkpoint aside to delete it. They never ask which backend they
-are on. Two implementations exist: a local filesystem publishes by rename
-(``ckptd/storage/local.py``), an object store by writing the index last
-(``ckptd/storage/store.py``); ``ckptd/storage/routed.py`` puts them side by side by name.
+in checkpoint operations (``ckptd/storage/checkpoints.py``'s ``Checkpoints``:
+resolve a path, admit a save, begin an attempt, open a shard writer, check
+the shards, publish under the final name (replacing or not), discard, delete,
+list). They never ask which backend they are on. Two implementations exist:
+a local filesystem publishes by rename (``ckptd/storage/local.py``), an
+object store by writing the index last (``ckptd/storage/store.py``);
+``ckptd/storage/backends.py`` chooses one per checkpoint from its name.
 
 Both rest on file operations by name (``Files``): the POSIX calls of the
 local filesystem (``LocalStorage``, a ``Storage``: with the descriptors a
@@ -54,8 +55,7 @@ import stat as stat_mod
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.names import OWNER_PREFIX
@@ -165,65 +165,6 @@ class ShardWriter(Protocol):
 
     def close(self) -> None:
         """Let go of the shard; one not completed is abandoned (an upload is aborted, no part stays behind)."""
-        ...
-
-
-@runtime_checkable
-class Checkpoints(Protocol):
-    """What a checkpoint needs of storage: its shards written, its name taken, its attempt or itself removed.
-
-    ``attempt`` is always ``incomplete_path(final)``; ``final`` the name readers see.
-    """
-
-    def open_shard(self, path: Path, *, direct: bool) -> ShardWriter:
-        """Start writing the shard file ``path`` (O_DIRECT where asked and allowed)."""
-        ...
-
-    def publish(self, attempt: Path, final: Path, index: bytes, *, overwrite: bool,
-                publishing: AbstractContextManager[Any]) -> None:
-        """Write ``index`` into ``attempt`` and make the attempt the checkpoint ``final``, atomically.
-
-        ``CheckpointExists`` if something took the name meanwhile and ``overwrite`` does not allow replacing it
-        (or it cannot be replaced); ``PublishedNotDurable`` if the name is taken but not durable; any other
-        ``OSError``: nothing was published. ``publishing`` is held while the name changes hands.
-        """
-        ...
-
-    def discard(self, attempt: Path, final: Path) -> Path | None:
-        """Make a failed attempt's name free at once; returns what is left to remove later (None: nothing)."""
-        ...
-
-    def set_aside(self, checkpoint: Path, *, marker: str | None) -> Path | None:
-        """Make a committed checkpoint vanish for readers at once; returns what is left to remove (None: it was
-        already gone). With ``marker`` (the daemon's owner marker), a crash before the removal leaves what the
-        start-up sweep removes."""
-        ...
-
-    def delete_guard(self, checkpoint: Path, publishing: AbstractContextManager[Any]) -> AbstractContextManager[Any]:
-        """What retention holds while it checks a victim is the version it judged and sets it aside: the lock
-        a publish holds where a name changes hands in place (an overwrite), else nothing to wait for."""
-        ...
-
-    def replace_refusal(self, final: Path) -> str | None:
-        """Why nothing at ``final`` can ever be replaced here (None: a ckptd checkpoint there can be)."""
-        ...
-
-    def exists_early(self, final: Path) -> bool:
-        """Whether something is at ``final``, where asking costs nothing a save would notice (False where it
-        does: ``prepare`` asks after Accepted, before anything is written)."""
-        ...
-
-    def not_a_directory(self, path: Path) -> Path | None:
-        """The nearest existing ancestor of ``path`` if it is no directory (a checkpoint could never go there)."""
-        ...
-
-    def attempt_at(self, listed: Path) -> Path | None:
-        """The attempt a listed name without an index may hold (None: none; an attempt is listed by its own
-        ``.incomplete`` name, except where it shares its checkpoint's name)."""
-        ...
-
-    def sweep(self, attempt: Path, *, move_to: Path | None) -> None:
-        """Remove a dead attempt, or move it into ``move_to`` where it can be moved (else it is removed)."""
         ...
 
 
@@ -433,10 +374,3 @@ def filesystem_type(path: Path) -> str:
         if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
             best, kind = mount, tail.split()[0]
     return kind
-
-
-@runtime_checkable
-class CheckpointStorage(Checkpoints, Files, Protocol):
-    """Both seams, as the daemon holds them (``ckptd/storage/routed.py``): checkpoint operations, and the file
-    operations that ownership checks, listing and the sweep still read through."""
-

@@ -18,9 +18,10 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from ckptd.protocol.errors import CheckpointExists
+from ckptd.protocol.errors import CheckpointExists, PathNotAllowed
 from ckptd.protocol.names import INDEX_NAME, deleting_path, discarded_path
 
+from ckptd.storage.checkpoints import Checkpoints
 from ckptd.storage.contract import Kind, PublishedNotDurable, Storage
 from ckptd.storage.ownership import check_replaceable, owner_marker, remove_markers
 
@@ -60,11 +61,21 @@ class LocalShard:
             self._files.close(fd)
 
 
-class LocalCheckpoints:
+class LocalCheckpoints(Checkpoints):
     """``Checkpoints`` on a filesystem with rename (see the module docstring)."""
 
-    def __init__(self, files: Storage) -> None:
-        self.files = files
+    files: Storage
+
+    def _blocked(self, path: Path) -> Path | None:
+        ancestor = path
+        while (st := self.files.stat(ancestor, follow=True)) is None and ancestor != ancestor.parent:
+            ancestor = ancestor.parent
+        return ancestor if st is not None and st.kind is not Kind.DIR else None
+
+    def _refuse_link(self, final: Path) -> None:
+        st = self.files.stat(final)
+        if st is not None and st.kind is Kind.LINK:
+            raise PathNotAllowed(f"checkpoint path {final} is a symbolic link")
 
     def open_shard(self, path: Path, *, direct: bool) -> LocalShard:
         return LocalShard(self.files, path, direct=direct)
@@ -130,24 +141,6 @@ class LocalCheckpoints:
                 remove_markers(files, checkpoint)
             raise
         return doomed
-
-    def delete_guard(self, checkpoint: Path, publishing: AbstractContextManager[Any]) -> AbstractContextManager[Any]:
-        return publishing  # an overwrite swaps the name: the victim judged must still be the one there
-
-    def replace_refusal(self, final: Path) -> str | None:
-        return None
-
-    def exists_early(self, final: Path) -> bool:
-        return self.files.stat(final) is not None
-
-    def not_a_directory(self, path: Path) -> Path | None:
-        ancestor = path
-        while (st := self.files.stat(ancestor, follow=True)) is None and ancestor != ancestor.parent:
-            ancestor = ancestor.parent
-        return ancestor if st is not None and st.kind is not Kind.DIR else None
-
-    def attempt_at(self, listed: Path) -> Path | None:
-        return None
 
     def sweep(self, attempt: Path, *, move_to: Path | None) -> None:
         if move_to is None:

@@ -38,7 +38,8 @@ from ckptd.protocol.errors import CheckpointExists
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME, CheckpointIndex
 from ckptd.protocol.objects import display
 
-from ckptd.storage.contract import UNLIMITED, CheckpointReads, Entry, Files, Kind, Space, Stat
+from ckptd.storage.checkpoints import Checkpoints
+from ckptd.storage.contract import UNLIMITED, CheckpointReads, Entry, Kind, Space, Stat
 
 QUEUED_CHUNKS = 4
 """Chunks handed to an upload and not yet taken by it (bounds the copy the daemon holds)."""
@@ -200,15 +201,34 @@ class ShardUpload:
             upload.done.wait()
 
 
-class ObjectCheckpoints:
+class ObjectCheckpoints(Checkpoints):
     """``Checkpoints`` where the index written last publishes (see the module docstring).
 
     Only ``open_shard`` needs a store; the rest goes through ``files`` (an
-    ``ObjectFiles``, or any storage a test runs this protocol on).
+    ``ObjectFiles``, or any storage a test runs this protocol on). What is at
+    a name is asked in ``begin``, after Accepted (two requests fewer in
+    ``save_async``), and never replaced by a trainer's save.
     """
 
-    def __init__(self, files: Files) -> None:
-        self.files = files
+    _early = False
+
+    def _replace_refusal(self, final: Path) -> str | None:
+        return (f"{display(final)} already exists on the object store, where a save does not replace a checkpoint "
+                f"(no atomic rename: a crash would leave neither version); save under another path, or delete it "
+                f"first")
+
+    def _guard(self, publishing: AbstractContextManager[Any]) -> AbstractContextManager[Any]:
+        return nullcontext()  # nothing is replaced in place here (and a store's requests may stall)
+
+    def _listed_attempt(self, listed: Path) -> Path | None:
+        """A prefix without an index is an attempt's: ``p.incomplete`` names ``p``'s prefix."""
+        return listed.with_name(listed.name + INCOMPLETE_SUFFIX)
+
+    def _outside_roots_hint(self, final: Path) -> str:
+        if len(final.parts) < 3:  # s3://bucket: a bucket, no checkpoint name in it
+            return "; a checkpoint on an object store is named s3://BUCKET/NAME (a bucket is no checkpoint)"
+        return (f"; to save there, start the daemon with --root {display(final.parent)} (a daemon the client "
+                f"spawns reads its roots from $CKPTD_ROOTS)")
 
     def open_shard(self, path: Path, *, direct: bool) -> ShardUpload:
         return ShardUpload(path)
@@ -221,7 +241,7 @@ class ObjectCheckpoints:
         (``set_aside``: its index goes, and it is gone for readers before any of its objects changes), the new
         shards are written over it, and this publish, with ``overwrite``, then removes the objects the new
         index does not name. A crash in between leaves no index, never a mix. A trainer's save does not
-        replace on a store (``replace_refusal``: that crash would leave neither version); the mirror does,
+        replace on a store (``_replace_refusal``: that crash would leave neither version); the mirror does,
         since its local original stays until the new version is up.
         """
         try:
@@ -256,24 +276,6 @@ class ObjectCheckpoints:
             files.touch(checkpoint / marker)
         files.unlink(checkpoint / INDEX_NAME)
         return checkpoint
-
-    def delete_guard(self, checkpoint: Path, publishing: AbstractContextManager[Any]) -> AbstractContextManager[Any]:
-        return nullcontext()  # nothing is replaced in place here (and a store's requests may stall)
-
-    def replace_refusal(self, final: Path) -> str | None:
-        return (f"{display(final)} already exists on the object store, where a save does not replace a checkpoint "
-                f"(no atomic rename: a crash would leave neither version); save under another path, or delete it "
-                f"first")
-
-    def exists_early(self, final: Path) -> bool:
-        return False  # two requests fewer in save_async: ``prepare`` asks, after Accepted
-
-    def not_a_directory(self, path: Path) -> Path | None:
-        return None  # a prefix is never a file
-
-    def attempt_at(self, listed: Path) -> Path | None:
-        """A prefix without an index is an attempt's: ``p.incomplete`` names ``p``'s prefix."""
-        return listed.with_name(listed.name + INCOMPLETE_SUFFIX)
 
     def sweep(self, attempt: Path, *, move_to: Path | None) -> None:
         self._remove_attempt(attempt)  # nothing can be moved on a store

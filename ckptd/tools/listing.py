@@ -23,7 +23,7 @@ from ckptd.protocol.index import INCOMPLETE_SUFFIX, missing_or_truncated, read_i
 from ckptd.protocol.objects import canonical, display
 
 from ckptd.storage.contract import Files, Kind, tree_bytes
-from ckptd.storage.routed import load_storage
+from ckptd.storage.backends import load_storage
 from ckptd.tools.render import human_bytes, printable
 
 
@@ -39,7 +39,7 @@ class EntryState(str, Enum):
 
 def list_checkpoints(root: Path, storage: Files | None = None) -> list[dict[str, Any]]:
     """One dict per entry under ``root``, committed ones ordered by step."""
-    storage = storage if storage is not None else load_storage(None)
+    storage = storage if storage is not None else load_storage(None).at(root).files
     out = []
     for entry in sorted(storage.scandir(root), key=lambda e: e.name):
         path = entry.path

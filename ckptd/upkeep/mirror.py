@@ -67,7 +67,8 @@ from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME, CheckpointIndex, committed_in, read_index
 from ckptd.protocol.objects import display, is_permanent
 
-from ckptd.storage.contract import CheckpointStorage, Kind
+from ckptd.storage.backends import Backends
+from ckptd.storage.contract import Files, Kind
 from ckptd.upkeep.retention import apply_retention
 
 log = logging.getLogger("ckptd")
@@ -113,7 +114,7 @@ class Upload:
 class Mirrors:
     """The ``--mirror`` rules and their uploads (``submit``/``snapshot``/``idle`` run on the loop thread)."""
 
-    storage: CheckpointStorage
+    storage: Backends
     rules: dict[Path, Path]
     keep: int | None = None
     uploads: dict[Path, Upload] = field(default_factory=dict)
@@ -255,11 +256,15 @@ class Mirrors:
         for dest in beside.values():
             self._retain_on_store(dest)
 
+    def _files(self, path: Path) -> Files:
+        """The file operations of the backend ``path`` is on (the local original's or the store's)."""
+        return self.storage.at(path).files
+
     def _committed_under(self, directory: Path, depth: int) -> list[Path]:
-        found = [path for _, path in committed_in(directory, self.storage)]
+        found = [path for _, path in committed_in(directory, self._files(directory))]
         if depth > 1:
             try:
-                entries = self.storage.scandir(directory)
+                entries = self._files(directory).scandir(directory)
             except OSError:
                 return found
             for entry in entries:
@@ -269,18 +274,19 @@ class Mirrors:
 
     def _settled(self, checkpoint: Path) -> bool:
         """Whether the mirror needs nothing more of ``checkpoint``: on it, or retired by ``--mirror-keep``."""
-        index = read_index(checkpoint, self.storage)
+        index = read_index(checkpoint, self._files(checkpoint))
         return self._on_mirror(checkpoint, index) or self._retired(checkpoint, index)
 
     def _on_mirror(self, checkpoint: Path, index: CheckpointIndex) -> bool:
         """Whether the store holds this version of the checkpoint: its index there is the local ``index``."""
         dest = self.target(checkpoint)
         assert dest is not None
-        st = self.storage.stat(dest / INDEX_NAME)
+        store = self._files(dest)
+        st = store.stat(dest / INDEX_NAME)
         if st is None:
             return False
         mine = index.to_json()
-        return st.size == len(mine) and self.storage.read(dest / INDEX_NAME, 0, st.size) == mine
+        return st.size == len(mine) and store.read(dest / INDEX_NAME, 0, st.size) == mine
 
     def _retired(self, checkpoint: Path, index: CheckpointIndex) -> bool:
         """Whether ``--mirror-keep`` newer checkpoints are on the store beside where ``checkpoint`` goes: its
@@ -290,7 +296,7 @@ class Mirrors:
         dest = self.target(checkpoint)
         assert dest is not None
         mine = (index.step if index.step is not None else -1, index.created)
-        beside = committed_in(dest.parent, self.storage)
+        beside = committed_in(dest.parent, self._files(dest))
         newer = [path for key, path in beside if key > mine and path != dest]
         return len(newer) >= self.keep
 
@@ -301,9 +307,10 @@ class Mirrors:
         upload.started = upload.started or time.monotonic()
         skipped: str | None = None
         try:
-            if self.storage.stat(checkpoint / INDEX_NAME) is None:  # deleted (the user's retention) before its turn
+            local = self._files(checkpoint)
+            if local.stat(checkpoint / INDEX_NAME) is None:  # deleted (the user's retention) before its turn
                 skipped = "deleted_locally"
-            elif self._retired(checkpoint, index := read_index(checkpoint, self.storage)):
+            elif self._retired(checkpoint, index := read_index(checkpoint, local)):
                 skipped = "older_than_mirror_keep"
             elif not self._on_mirror(checkpoint, index):
                 self._upload(checkpoint, dest, index, upload)
@@ -317,12 +324,12 @@ class Mirrors:
         # (index gone, shards left) is never shown as settled.
         self._retain_on_store(dest)
         try:  # local retention may now delete it: the retention the last one committed beside it asked for, again
-            beside = committed_in(checkpoint.parent, self.storage)
+            beside = committed_in(checkpoint.parent, self._files(checkpoint))
             if self.after_upload is not None and beside:
                 # the last committed, not the highest step: a commit's retention keeps the checkpoint it committed
                 # (a rollback's lower step too), so the retention deferred for the mirror is that one's
                 newest = max(beside, key=lambda found: found[0][1])[1]
-                self.after_upload(newest, read_index(newest, self.storage).keep_last)
+                self.after_upload(newest, read_index(newest, self._files(newest)).keep_last)
         except (OSError, InvalidCheckpoint) as exc:  # the checkpoint stays until the next retention
             log.error("event=mirror_local_retention_failed path=%s error=%r", checkpoint, exc)
         with self._cond:  # logged with its removal from ``uploads``: ``close`` lists only what is left
@@ -348,9 +355,10 @@ class Mirrors:
             return
         failed: list[Path] = []
         try:
-            beside = committed_in(dest.parent, self.storage)
+            store = self.storage.at(dest)
+            beside = committed_in(dest.parent, store.files)
             if beside:
-                apply_retention(self.storage, beside[-1][1], self.keep, set(), spare_later=False, failed=failed)
+                apply_retention(store, beside[-1][1], self.keep, set(), spare_later=False, failed=failed)
         except Exception as exc:  # noqa: BLE001 - tried again below
             log.error("event=mirror_retention_failed path=%s error=%r", dest, exc)
             failed.append(dest)
@@ -396,21 +404,21 @@ class Mirrors:
         """Shards, then the index, through the store's own checkpoint operations (``open_shard``, ``publish``):
         an older version of the checkpoint on the store is replaced by the store's one rule (retired first,
         its leftover objects removed by the publish; see ``ObjectCheckpoints.publish``)."""
-        storage = self.storage
+        local, store = self._files(checkpoint), self.storage.at(dest)
         upload.total, upload.sent = index.total_bytes, 0
-        if storage.stat(dest / INDEX_NAME) is not None:
-            theirs = read_index(dest, storage)
+        if store.files.stat(dest / INDEX_NAME) is not None:
+            theirs = read_index(dest, store.files)
             if theirs.created >= index.created:
                 raise FileExistsError(errno.EEXIST, f"another checkpoint of this name, saved at {theirs.created:.3f} "
                                       f"(this one at {index.created:.3f}), is on the mirror", display(dest))
             log.info("event=mirror_replacing path=%s dest=%s", checkpoint, upload.dest)
-            storage.set_aside(dest, marker=None)  # the old version is gone for readers before a shard changes
+            store.set_aside(dest, marker=None)  # the old version is gone for readers before a shard changes
         for record in index.files:
-            shard = storage.open_shard(dest / record.file, direct=False)
+            shard = store.open_shard(dest / record.file, direct=False)
             try:
                 for offset in range(0, record.size, CHUNK):
                     want = min(CHUNK, record.size - offset)
-                    data = storage.read(checkpoint / record.file, offset, want)
+                    data = local.read(checkpoint / record.file, offset, want)
                     if len(data) != want:
                         raise OSError(f"{checkpoint / record.file} ended early: changed while it was uploaded")
                     shard.write(memoryview(data), offset)
@@ -418,6 +426,6 @@ class Mirrors:
                 shard.complete(record.size)
             finally:
                 shard.close()
-        if read_index(checkpoint, storage) != index:  # saved again while it was read: that version goes next
+        if read_index(checkpoint, local) != index:  # saved again while it was read: that version goes next
             raise OSError(errno.EAGAIN, "the checkpoint was saved again while it was uploaded", str(checkpoint))
-        storage.publish(dest, dest, index.to_json(), overwrite=True, publishing=nullcontext())
+        store.publish(dest, dest, index.to_json(), overwrite=True, publishing=nullcontext())

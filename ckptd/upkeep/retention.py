@@ -32,13 +32,15 @@ from ckptd.loop.config import DaemonConfig
 from ckptd.loop.events import Committed, Deleted, Events
 from ckptd.loop.stats import Stats
 from ckptd.loop.workers import Workers
-from ckptd.storage.contract import CheckpointStorage
-from ckptd.storage.ownership import UNEXAMINED, owner_marker, why_not_replaceable
+from ckptd.storage.backends import Backends
+from ckptd.storage.checkpoints import Checkpoints
+from ckptd.storage.contract import Files
+from ckptd.storage.ownership import UNEXAMINED, why_not_replaceable
 
 log = logging.getLogger("ckptd")
 
 
-def apply_retention(storage: CheckpointStorage, newest: Path, keep_last: int, in_flight: set[Path],
+def apply_retention(storage: Checkpoints, newest: Path, keep_last: int, in_flight: set[Path],
                     keep: Callable[[Path], bool] | None = None,
                     publishing: AbstractContextManager[Any] = nullcontext(),
                     spare_later: bool = True, failed: list[Path] | None = None) -> list[Path]:
@@ -61,25 +63,25 @@ def apply_retention(storage: CheckpointStorage, newest: Path, keep_last: int, in
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-    found = committed_in(newest.parent, storage)
+    found = committed_in(newest.parent, storage.files)
     created = next((key[1] for key, path in found if path == newest), float("inf"))
     others = [(key, path) for key, path in found if path != newest]
     victims = [p for key, p in others[: max(0, len(others) - (keep_last - 1))]
                if p not in in_flight and (key[1] <= created or not spare_later)]  # committed after newest: stays
     deleted = []
     for victim in victims:
-        judged = _index_bytes(storage, victim)
+        judged = storage.index_bytes(victim)
         if keep is not None and keep(victim):
             log.info("event=retention_keep path=%s reason=not_on_mirror", victim)
             continue
-        reason = why_not_replaceable(storage, victim)
+        reason = why_not_replaceable(storage.files, victim)
         if reason is not None:
             log.warning("event=retention_skip path=%s reason=%s", victim, reason)
             if failed is not None and reason.startswith(UNEXAMINED):
                 failed.append(victim)
             continue
         try:
-            gone = delete_judged(storage, victim, judged, publishing)
+            gone = storage.delete(victim, judged=judged, publishing=publishing)
         except OSError as exc:
             log.warning("event=retention_skip path=%s error=%s", victim, exc.strerror or exc)
             if failed is not None:
@@ -93,41 +95,26 @@ def apply_retention(storage: CheckpointStorage, newest: Path, keep_last: int, in
     return deleted
 
 
-def delete_judged(storage: CheckpointStorage, checkpoint: Path, judged: bytes | None,
-                  publishing: AbstractContextManager[Any]) -> bool | None:
-    """The daemon's delete of a committed checkpoint judged deletable while its index was ``judged``: set aside
-    under ``publishing`` (with this daemon's owner marker, so a crash leaves what the start-up sweep removes),
-    then removed. True once deleted, False if it was gone already, None if it was saved again meanwhile (kept)."""
-    with storage.delete_guard(checkpoint, publishing):
-        if _index_bytes(storage, checkpoint) != judged:
-            return None
-        doomed = storage.set_aside(checkpoint, marker=owner_marker())
-    if doomed is None:
-        return False
-    storage.remove_tree(doomed)
-    return True
-
-
-def delete_on_request(storage: CheckpointStorage, checkpoint: Path,
+def delete_on_request(storage: Checkpoints, checkpoint: Path,
                       publishing: AbstractContextManager[Any]) -> bool:
     """A trainer's ``Delete`` (``Client.delete``): True once ``checkpoint`` is deleted, False if nothing is there;
     ``InvalidCheckpoint`` naming why if what is there is not a committed ckptd checkpoint (maintenance thread)."""
-    if storage.stat(checkpoint) is None:
-        if not _holds_anything(storage, checkpoint):
+    if storage.files.stat(checkpoint) is None:
+        if not _holds_anything(storage.files, checkpoint):
             return False
         raise InvalidCheckpoint(f"{display(checkpoint)} is not deleted: it is not a committed ckptd checkpoint: "
                                 f"it has no {INDEX_NAME}")
-    judged = _index_bytes(storage, checkpoint)
-    reason = why_not_replaceable(storage, checkpoint)
+    judged = storage.index_bytes(checkpoint)
+    reason = why_not_replaceable(storage.files, checkpoint)
     if reason is not None:
         raise InvalidCheckpoint(f"{display(checkpoint)} is not deleted: {reason}")
-    gone = delete_judged(storage, checkpoint, judged, publishing)
+    gone = storage.delete(checkpoint, judged=judged, publishing=publishing)
     if gone is None:
         raise Conflict(f"{display(checkpoint)} is not deleted: it was saved again while the daemon examined it")
     return gone
 
 
-def _holds_anything(storage: CheckpointStorage, path: Path) -> bool:
+def _holds_anything(storage: Files, path: Path) -> bool:
     """Whether anything is listed under ``path``: on a store a prefix exists only as the objects under it, so
     stray objects without an index are something there, not nothing."""
     try:
@@ -174,12 +161,6 @@ class RetentionQueue:
             return self._waiting.pop(key)
 
 
-def _index_bytes(storage: CheckpointStorage, checkpoint: Path) -> bytes | None:
-    """The checkpoint's index as stored now (None: none): which version of it is there."""
-    st = storage.stat(checkpoint / INDEX_NAME)
-    return None if st is None else storage.read(checkpoint / INDEX_NAME, 0, st.size)
-
-
 class Retainer:
     """Runs retention after each commit and each upload, one waiting run per directory (``RetentionQueue``).
 
@@ -187,7 +168,7 @@ class Retainer:
     asked for wins over its directory's ``--keep``; with neither, nothing is deleted.
     """
 
-    def __init__(self, storage: CheckpointStorage, workers: Workers, config: DaemonConfig, stats: Stats, events: Events,
+    def __init__(self, storage: Backends, workers: Workers, config: DaemonConfig, stats: Stats, events: Events,
                  publishing: AbstractContextManager[Any], in_flight: Callable[[], Iterable[Path]],
                  not_uploaded: Callable[[Path], bool] | None = None) -> None:
         self.storage, self.workers, self.config, self.stats = storage, workers, config, stats
@@ -217,7 +198,7 @@ class Retainer:
 
         def run() -> list[Path]:
             request = self.queue.take(key)
-            return apply_retention(self.storage, request.newest, request.keep_last, set(request.in_flight),
+            return apply_retention(self.storage.at(request.newest), request.newest, request.keep_last, set(request.in_flight),
                                    self.not_uploaded, self.publishing)
 
         self.workers.submit("maintenance", run, lambda fut: self._done(newest, fut))
@@ -239,7 +220,7 @@ class Retainer:
                 log.info("event=deleted path=%s reason=request", final)
                 self.events.publish(Deleted(final))
 
-        self.workers.submit("maintenance", lambda: delete_on_request(self.storage, final, self.publishing), done,
+        self.workers.submit("maintenance", lambda: delete_on_request(self.storage.at(final), final, self.publishing), done,
                             failed=answer)
 
     def _done(self, newest: Path, fut: Future) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ckptd.protocol.names import INCOMPLETE_SUFFIX, INDEX_NAME, KNOWN_DIRS_NAME, SWEPT_DIR
+from ckptd.protocol.names import KNOWN_DIRS_NAME, SWEPT_DIR
 from ckptd.protocol.objects import SCHEME
 
-from ckptd.storage.contract import CheckpointStorage, Files, Kind
+from ckptd.storage.backends import Backends
+from ckptd.storage.contract import Files
 from ckptd.storage.ownership import dead_here, marker_owners, remove_markers
 
 log = logging.getLogger("ckptd")
@@ -61,7 +62,7 @@ def is_orphaned(storage: Files, incomplete: Path) -> bool:
     return bool(owners) and all(dead_here(owner) for owner in owners)
 
 
-def sweep_incomplete(storage: CheckpointStorage, directories: list[Path], mode: str) -> list[Path]:
+def sweep_incomplete(storage: Backends, directories: list[Path], mode: str) -> list[Path]:
     """Remove (``remove``) or move into ``.ckptd-swept/`` (``move``) orphaned ``.incomplete`` dirs.
 
     That includes a checkpoint that retention or an overwrite had renamed
@@ -76,24 +77,17 @@ def sweep_incomplete(storage: CheckpointStorage, directories: list[Path], mode: 
         return []
     swept = []
     for directory in directories:
+        backend = storage.at(directory)
         try:
-            entries = [e for e in storage.scandir(directory) if e.kind is Kind.DIR]
+            committed, attempts = backend.listed(directory)
         except OSError:
             continue
-        for entry in entries:
-            path = entry.path
-            if not entry.name.endswith(INCOMPLETE_SUFFIX):
-                st = storage.stat(path / INDEX_NAME, follow=True)
-                if st is not None and st.kind is Kind.FILE:
-                    remove_markers(storage, path, dead_only=True)
-                    continue
-                attempt = storage.attempt_at(path)  # a store names ``p.incomplete`` by ``p``'s prefix
-                if attempt is None:
-                    continue
-                path = attempt
-            if not is_orphaned(storage, path):
+        for path in committed:
+            remove_markers(backend.files, path, dead_only=True)
+        for path in attempts:
+            if not is_orphaned(backend.files, path):
                 continue
-            storage.sweep(path, move_to=directory / SWEPT_DIR if mode == "move" else None)
+            backend.sweep(path, move_to=directory / SWEPT_DIR if mode == "move" else None)
             swept.append(path)
             log.info("event=swept path=%s mode=%s", path, mode)
     return swept
