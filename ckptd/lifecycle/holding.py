@@ -379,8 +379,8 @@ class Holding:
         self.state.attempts.move(snap, AttemptState.PERSISTING)
         snap.persist_started = time.monotonic()
         log.info("event=persist path=%s step=%s", snap.path, snap.step)
-        storage, final = self.storage, snap.path
-        self.workers.submit("admit", lambda: storage.at(final).files.space(final.parent), lambda fut: self._persist_room(snap, fut),
+        files, final = self.storage.at(snap.path).files, snap.path
+        self.workers.submit("admit", lambda: files.space(final.parent), lambda fut: self._persist_room(snap, fut),
                             failed=lambda exc: self.persisted(snap.path, as_error(self.state.stats, exc)))
 
     def _persist_room(self, snap: HeldSnapshot, fut: Future) -> None:

@@ -198,8 +198,8 @@ class Retainer:
 
         def run() -> list[Path]:
             request = self.queue.take(key)
-            return apply_retention(self.storage.at(request.newest), request.newest, request.keep_last, set(request.in_flight),
-                                   self.not_uploaded, self.publishing)
+            return apply_retention(self.storage.at(request.newest), request.newest, request.keep_last,
+                                   set(request.in_flight), self.not_uploaded, self.publishing)
 
         self.workers.submit("maintenance", run, lambda fut: self._done(newest, fut))
 
@@ -220,7 +220,8 @@ class Retainer:
                 log.info("event=deleted path=%s reason=request", final)
                 self.events.publish(Deleted(final))
 
-        self.workers.submit("maintenance", lambda: delete_on_request(self.storage.at(final), final, self.publishing), done,
+        backend = self.storage.at(final)
+        self.workers.submit("maintenance", lambda: delete_on_request(backend, final, self.publishing), done,
                             failed=answer)
 
     def _done(self, newest: Path, fut: Future) -> None:
