@@ -78,6 +78,8 @@ TARGETS = [Target(*row) for row in (  # text, measured, reference (None: the val
     ("blocking with sync staging ≤ 1.15 × memcpy", f"{S}.blocking", "memcpy.seconds", 1.15, 15),
     ("1,000 tensors of 256 B: blocking ≤ 5 ms", f"{S}_small.blocking", None, 0.005, 15),
     ("first save blocking ≤ 2 × a steady one", f"{S}.first_blocking", f"{S}.blocking", 2.0, 15),
+    ("first save blocking without reserve_bytes ≤ 2 × a steady one", f"{S}_noreserve.first_blocking",
+     f"{S}_noreserve.blocking", 2.0, 30),
     ("load_into one state dict, cold ≤ 1.15 × raw read", "load_ckptd_load_into_sd.cold", L, 1.15, 15),
     ("ckptd.load (owning copy), cold ≤ 1.2 × raw read", "load_ckptd_load_cpu.cold", L, 1.2, 15),
     ("FSDP2: blocking ≤ 1.2 × memcpy of the rank's local bytes", "sharded_ckptd.blocking", "sharded_memcpy.seconds",
@@ -101,7 +103,15 @@ TARGETS = [Target(*row) for row in (  # text, measured, reference (None: the val
      2.0, 20),
     ("load_into from memory, verify=False ≤ 1.2 × memcpy into the same targets", "snapshots.restore_into_unverified",
      "snapshots.memcpy_into", 1.2, 20),
-    ("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", "sharded_load_ckptd.cold", "sharded_load_dcp.cold", 0.8, 10))]
+    ("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", "sharded_load_ckptd.cold", "sharded_load_dcp.cold", 0.8, 10),
+    ("GPU: D2H staging into the pinned slot ≥ 90% of a pinned to(\"cpu\", non_blocking=True) (speed)",
+     "gpu_check.to_cpu", "gpu_check.ckptd_staged", 0.9, 30, "≥"),
+    ("GPU: blocking with sync staging ≤ DCP's pinned DefaultStager's staged time", "gpu_check.ckptd_blocking",
+     "gpu_check.dcp_staged", 1.0, 30),
+    ("GPU: background staging's staged time ≤ DCP's pinned DefaultStager's", "gpu_check.ckptd_bg_staged",
+     "gpu_check.dcp_staged", 1.0, 30),
+    ("GPU: steps between saves with background staging ≤ with awaited staging (interval of N steps)",
+     "gpu_check.background_interval", "gpu_check.awaited_interval", 1.0, 30))]
 SEPARATE = [  # measured by scripts of their own, not by ``make bench``: each with its command, date and load
     "DCP writer per save (issue #26, `CKPTD_ROOTS=... OMP_NUM_THREADS=1 torchrun --nproc-per-node N "
     "benchmarks/dcp_clients.py DIR --mib 128 --saves 8`, N = 1 and 2, 2026-12-01, library commit 398619d, load "
@@ -337,6 +347,36 @@ def steps_table(recs: Records) -> str:
                   "snapshot ÷ persisted", "snapshot: interval cost s", "persisted: interval cost s",
                   "own: interval cost s", "interval: snapshot ÷ own", "interval: snapshot ÷ persisted"], rows)
 
+def gpu_table(recs: Records) -> str:
+    r = recs.get("gpu_check")
+    if r is None:
+        return ""
+    ref = med(r, "to_cpu")
+    rows = [[what, fmt(med(r, f"{k}_blocking") if k else None), fmt(med(r, f"{k}_staged") if k else med(r, limit)),
+             fmt(med(r, f"{k}_durable") if k else None),
+             fmt(div(nbytes(r) / GB, med(r, f"{k}_staged") if k else med(r, limit)), 2),
+             fmt(div(ref, med(r, f"{k}_staged") if k else med(r, limit)), 2)]
+            for what, k, limit in (("pinned tensor.to(\"cpu\", non_blocking=True) per tensor (limit)", None, "to_cpu"),
+                                   ("copy into one reused pinned buffer", None, "pinned_buffer"),
+                                   ("ckptd save_async, sync staging, into the pinned slot", "ckptd", None),
+                                   ("ckptd save_async, background staging", "ckptd_bg", None),
+                                   ("DCP async_save THREAD + reused pinned DefaultStager", "dcp", None))]
+    steps = [[mode, fmt(med(r, f"{mode}_step")), fmt(med(r, f"{mode}_interval")),
+              fmt(None if mode == "none" else med(r, f"{mode}_step") - med(r, "none_step")),
+              fmt(None if mode == "none" else gpu_interval_cost(r, mode))] for mode in ("none", "awaited", "background")
+             if med(r, f"{mode}_step") is not None]
+    return "\n\n".join([table(["what", "blocking s", "staged s", "durable s", "staged GB/s",
+                                "speed ÷ pinned to()"], rows),
+                         f"Steps of a {fmt(r.get('steps_nbytes', 0) / MIB, 0)} MiB MLP (state with AdamW's) trained on "
+                         f"the device, saved every {r['params']['every']} steps:",
+                         table(["saves", "step s (saving step)", "interval s", "step cost s", "interval cost s"],
+                               steps)])
+
+def gpu_interval_cost(r: dict, mode: str) -> float | None:
+    """Median interval of ``mode`` less ``every`` × the median step of the run that never saved."""
+    interval, plain = med(r, f"{mode}_interval"), med(r, "none_step")
+    return None if interval is None or plain is None else interval - r["params"]["every"] * plain
+
 def details(recs: Records) -> list[str]:
     def values(vs: list) -> str:
         return ", ".join(f"{v:.3f}" if v < 1e4 else f"{v / GIB:.2f} GiB" for v in vs)
@@ -388,6 +428,12 @@ def render(records: list[dict], meta: dict[str, Any]) -> str:
                "FSDP2 (`fully_shard`, gloo on CPU): the transformer and its AdamW state as DTensors; each save starts "
                "on a barrier, each figure is the slowest rank's. Reshard load: the state saved on N ranks (by ckptd, "
                "by `dcp.save`) into a fresh model's and optimizer's DTensors on N/2, checked per tensor."),
+              ("gpu", "GPU check", gpu_table,
+               "`python -m benchmarks --device cuda` (`benchmarks/gpu_check.py`): one process, one state of the "
+               "run's size on the device. Staged time against a pinned `tensor.to(\"cpu\", non_blocking=True)` of "
+               "the same tensors and against DCP's pinned `DefaultStager`; step-time cost of background staging "
+               "against an awaited one while a small model trains. On the CPU (`--only gpu_check`) the same code runs "
+               "host to host: it tries the harness, its figures say nothing about a GPU."),
               ("steps", "Step-time cost of a save, per integration", steps_table,
                "One process per integration trains an MLP with AdamW on the CPU (`benchmarks/steps.py`), saving "
                "every N steps through the integration: a memory snapshot (ckptd's memory tier: DCP "
