@@ -10,8 +10,8 @@ pages, so a client's first save blocked 5-9 times as long as the next ones.
 ``pwritev`` from the tensors' own memory into the file does one pass: tmpfs
 allocates each page and copies the bytes into it, with no zeroing (a whole
 page is written) and no page-table entries. Measured in the same run: 0.09 s
-on two threads, 0.12 s on one. A full ``/dev/shm`` is still an error before
-the daemon sees the save (``ENOSPC`` from the write, then ``NoSpace``), and
+on two threads, 0.12 s on one. A full ``/dev/shm`` is still an error in the
+client (``ENOSPC`` from the write, then ``NoSpace``, the slot unlinked), and
 the slot's tail is reserved with ``posix_fallocate`` so no later copy through
 the mapping can fault on a missing page (SIGBUS).
 
