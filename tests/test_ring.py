@@ -322,3 +322,44 @@ def test_the_ranks_set_the_ring_and_a_node_lost_whole_resumes_bitwise_from_its_b
         _kill_job(ctx)
     finally:
         nodes.close()
+
+
+def _mixed_rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: str) -> None:
+    """A rank of a two-node job whose second node's daemon has no peer endpoint: it trains on, unreplicated."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    log: dict[str, Any] = {}
+    try:
+        client = ckptd.Client(run_dir=run_dirs[rank], spawn=False, commit_timeout=60, timeout=10, heartbeat=0.2)
+        log["ring"] = client.ring
+        fut = client.save_async(_state(rank, 1), Path(root) / "step-1", step=1, persist=False)
+        fut.result(60)  # held on both nodes
+        try:
+            fut.wait_replicated(60)
+        except InvalidCheckpoint as exc:
+            log["not_replicated"] = exc.message
+        client.close()
+    except BaseException:
+        log["crash"] = traceback.format_exc()
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(log))
+    Path(out, f"done-{rank}").touch()
+
+
+def test_a_node_without_a_peer_endpoint_leaves_the_job_with_no_ring_and_its_ranks_train_on(
+        root: Path, tmp_path: Path) -> None:
+    listening = start_daemon(short_tempdir("ckr-"), root, "--peer-listen", f"tcp://127.0.0.1:{free_port()}")
+    plain = start_daemon(short_tempdir("ckr-"), root)
+    try:
+        run_dirs = [str(listening.run_dir), str(plain.run_dir)]
+        ctx = start_ranks(_mixed_rank, (str(tmp_path / "init"), run_dirs, str(root), str(tmp_path)), 2)
+        wait_for_ranks(tmp_path, "done", 2, ctx, time.monotonic() + 180, "the job's ranks did not finish")
+        logs = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+        assert all("crash" not in log for log in logs), logs
+        assert [log["ring"] for log in logs] == [{"nodes": 2, "ring": [], "refused": []}] * 2
+        assert all("not replicated" in log["not_replicated"] for log in logs), logs
+        (snap,) = listening.status()["memory"]["snapshots"]
+        assert snap["replication"] == "off" and listening.status()["peers"]["buddy"] is None
+        assert "peers" not in plain.status()
+        ctx.join(60)
+    finally:
+        listening.kill()
+        plain.kill()

@@ -162,7 +162,10 @@ class Trust:
         """The key of the peer at ``endpoint``: the file's where it names one, else the ring's; ValueError saying
         what to add where neither does."""
         if self.file is not None:
-            self.file.reload()
+            try:
+                self.file.reload()
+            except (OSError, ValueError) as exc:  # the keys read before stand, and the ring's
+                log.warning("event=peer_keys_unreadable file=%s error=%s", self.file.path, exc)
             key = self.file.endpoints.get(endpoint)
             if key is not None:
                 return key
