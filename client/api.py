@@ -22,7 +22,7 @@ from ckptd.protocol.objects import absolute, user_path
 
 from .checks import check_bool, check_client_args, check_int, check_keep_last, check_path, check_seconds, check_step
 from .connection import Connection
-from .coordinate import Coordinator, SaveSpec, agree_on_places
+from .coordinate import Coordinator, SaveSpec, agree_on_places, agree_on_ring
 from .fill import host_only
 from .incarnation import drawn, from_launcher, from_master
 from .flatten import Flat, flatten
@@ -155,6 +155,14 @@ class Client:
         elif not self.job:
             self.job = from_master()
         self._conn = self._connect()
+        self.ring: dict[str, Any] | None = None
+        """What the ranks agreed on placement (``coordinate.agree_on_ring``); None on one node."""
+        if group is not None:
+            try:
+                self.ring = agree_on_ring(group, self._conn, self.endpoint, self.job)
+            except BaseException:
+                self._conn.close()
+                raise
         self._coordinator = Coordinator(group, lambda: self._conn, self.rank, self.job) if group is not None else None
         if reserve:
             try:

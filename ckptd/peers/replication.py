@@ -3,7 +3,7 @@ its snapshots back from there.
 
 The origin's side (``replicas.py`` is the buddy's). Once a snapshot is held
 (``SnapshotHeld``: its ranks were told), its shards held on this node stream
-to the buddy, the first ``--peer`` (``replicas=1``), from the slots the
+to the buddy (``replicas=1``: the first ``--peer``, else the ring's next node, ``placement.py``), from the slots the
 daemon already holds: no re-staging, no torch, and the ranks' blocking time
 does not change. The snapshot is pinned meanwhile, as a reader pins it, so
 its slots are not handed back to their trainer mid-stream. Its
@@ -17,7 +17,7 @@ lists their replicas of snapshots it does not hold) and reads one back
 (``Restore``): every shard is checked against the checksum its origin took
 as it arrives, and held here as the origin held it only if every shard
 passed, so a replica that fails its check is never loaded. One peer at a
-time is asked, in ``--peer`` order.
+time is asked, in ``--peer`` order, then the ring's buddy.
 
 Streams run on the ``peer`` pool, questions and restores on ``peer_ask``:
 each has links of its own (a ZeroMQ socket is one thread's), so a listing
@@ -49,8 +49,9 @@ from ckptd.loop.events import SnapshotHeld
 from ckptd.loop.replies import error_reply
 from ckptd.loop.stats import Stats
 from ckptd.loop.workers import Workers
-from ckptd.peers.keys import KeyPair, PeerKeys
+from ckptd.peers.keys import Trust
 from ckptd.peers.link import PeerLink
+from ckptd.peers.placement import Placement
 from ckptd.peers.replicas import new_shm_file, remove_shm_file
 
 log = logging.getLogger("ckptd")
@@ -85,7 +86,7 @@ class Replication:
 
     ctx: zmq.Context
     config: DaemonConfig
-    keys: PeerKeys
+    keys: Trust
     holding: Holding
     workers: Workers
     stats: Stats
@@ -95,10 +96,19 @@ class Replication:
     _pins: Any = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
-        pair, keys = KeyPair.of(self.config.run_dir), self.keys
-        self.streams = [PeerLink(self.ctx, ep, keys, pair, self.config.peer_timeout) for ep in self.config.peers]
-        self.asks = [PeerLink(self.ctx, ep, keys, pair, ASK_TIMEOUT_S) for ep in self.config.peers]
-        self.buddy = self.streams[0] if self.config.replicas and self.streams else None
+        self.placement = Placement(self.ctx, self.config, self.keys, self.workers, self.config.peer_timeout,
+                                   ASK_TIMEOUT_S)
+
+    @property
+    def buddy(self) -> PeerLink | None:
+        """The link to the buddy: the first ``--peer``, else the next node of the ring the ranks sent
+        (``placement.py``); None with ``--replicas 0`` or neither."""
+        return self.placement.buddy()
+
+    @property
+    def asks(self) -> list[PeerLink]:
+        """The peers a node restoring asks (``--peer``'s, then the ring's buddy)."""
+        return self.placement.asks()
 
     # -- to the buddy ---------------------------------------------------------
 
@@ -237,8 +247,7 @@ class Replication:
                 "streams_queued": len(self._turns)}
 
     def close(self) -> None:
-        for link in (*self.streams, *self.asks):
-            link.close()
+        self.placement.close()
 
 
 def _discard(pulled: list[_Pulled], shm_dir: Path) -> None:
