@@ -372,6 +372,8 @@ class Server:
             self._drain_deadline = now + self.config.drain_timeout
             log.info("event=drain checkpoints=%d writes=%d", len(self.state.commits.pending), len(self.state.writes))
             self.holding.drain()
+            if self.replication is not None and self.replicas is not None:  # replicas whose origin is gone
+                self.replication.drain(self.replicas)
         if now >= self._drain_deadline:
             self.saves.fail_waiting_for_ranks()
             self.state.abandon_staging(None, "the daemon was stopped before the client finished staging")

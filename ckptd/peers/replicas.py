@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from ckptd.protocol.checksums import updater
 from ckptd.protocol.errors import Conflict, InvalidCheckpoint, NoSpace, WriteFailed
-from ckptd.protocol.messages import Message, Ok
+from ckptd.protocol.messages import Message, Ok, Snapshot
 from ckptd.protocol.objects import display
 from ckptd.protocol.peer_messages import Chunk, Fetch, Offer, Piece, ReplicaList, Seal
 
@@ -282,6 +282,15 @@ class Replicas:
             else:
                 reply(Piece(msg.id, msg.offset), fut.result())
         self.workers.submit("replica", read, send)
+
+    def hand_over(self, replica: Replica) -> list[tuple[Snapshot, str, int, mmap.mmap, int]]:
+        """Take a complete replica off the books without unlinking its files, which become a snapshot held here
+        (a drain persists a replica whose origin is gone: ``Replication.drain``): each shard's ``Snapshot`` as its
+        origin admitted it, file name, fd, mapping and the origin's checksum. Its bytes leave the replicas' share of
+        the memory budget as they join the snapshots'."""
+        del self.held[(replica.origin, replica.path)]
+        return [(s.offer.snapshot, s.name, s.fd, s.map, s.offer.checksum) for _, s in sorted(replica.shards.items())
+                if s.map is not None]
 
     def summary(self) -> dict[str, Any]:
         """The ``replicas`` part of ``ckptd status``: what this node holds for others."""
