@@ -35,7 +35,12 @@ class TcpProxy:
         self._open: set[socket.socket] = set()
         self._cut = False
         self._budget: int | None = None
-        """Bytes still forwarded towards the target before a cut (``cut_after``); None: no limit."""
+        """Bytes still forwarded towards the target before a cut or a stall; None: no limit."""
+        self._stall = False
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self.stalled = threading.Event()
+        """Set once ``stall_after``'s bytes went through and the stream is held."""
         self._closed = threading.Event()
         self._deadline = time.monotonic() + lifetime
         self.connections = 0
@@ -62,11 +67,20 @@ class TcpProxy:
         """Forward ``nbytes`` more towards the target, then ``cut()``: an outage in the middle of a stream, at a
         point the test chose rather than a moment it raced for."""
         with self._lock:
-            self._budget = nbytes
+            self._budget, self._stall = nbytes, False
+
+    def stall_after(self, nbytes: int) -> None:
+        """Forward ``nbytes`` more towards the target, then hold what comes (the sender's buffers fill; nothing is
+        reset) until ``restore()``: a stream held at a point the test chose (``stalled`` is set once it is)."""
+        with self._lock:
+            self._budget, self._stall = nbytes, True
+            self.stalled.clear()
 
     def restore(self) -> None:
         with self._lock:
             self._cut = False
+            self._budget = None
+        self._flowing.set()
 
     @property
     def is_cut(self) -> bool:
@@ -123,8 +137,13 @@ class TcpProxy:
                 if not data:
                     break
                 if towards_target and self._spend(len(data)):
-                    self.cut()
-                    break
+                    if not self._stall:
+                        self.cut()
+                        break
+                    self.stalled.set()
+                    while not self._flowing.wait(0.2):
+                        if self._closed.is_set():
+                            return
                 dst.sendall(data)
         except OSError:
             pass
@@ -142,6 +161,8 @@ class TcpProxy:
                 return False
             if nbytes > self._budget:
                 self._budget = None
+                if self._stall:
+                    self._flowing.clear()
                 return True
             self._budget -= nbytes
             return False

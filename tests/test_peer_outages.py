@@ -15,7 +15,7 @@ import torch
 import ckptd
 from ckptd.protocol.errors import InvalidCheckpoint
 
-from helpers import ckptd_cli, start_daemon, wait_until
+from helpers import ckptd_cli, segments_of, start_daemon, wait_until
 from proxy import TcpProxy
 from test_peers import _node
 
@@ -149,3 +149,44 @@ def test_an_outage_between_peers_fails_replication_visibly_it_resumes_and_a_cut_
                 if daemon is not None:
                     daemon.kill()
 
+
+
+def test_a_buddy_killed_mid_stream_fails_that_snapshot_visibly_and_its_restart_takes_the_next(
+        root: Path, tmp_path: Path) -> None:
+    lines: list[str] = []
+    keys = tmp_path / "keys"
+    origin_dir, _ = _node(keys, lines)
+    buddy_dir, buddy_ep = _node(keys, lines)
+    host, port = buddy_ep.removeprefix("tcp://").split(":")
+    with TcpProxy(host, int(port)) as proxy:
+        via_proxy = f"tcp://127.0.0.1:{proxy.port}"
+        lines.append(f"{lines[1].split()[0]} {via_proxy}\n")
+        keys.write_text("".join(lines))
+        buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys))
+        origin = start_daemon(origin_dir, root, "--peer", via_proxy, "--peer-keys", str(keys), "--peer-timeout", "3")
+        try:
+            client = ckptd.Client(run_dir=origin_dir, spawn=False)
+            proxy.stall_after(8 * MIB)  # the stream is held part-way, so the kill lands in its middle
+            big = client.save_async(_state(48, 1), root / "step-1", step=1, persist=False)
+            big.result(60)
+            assert proxy.stalled.wait(60)
+            wait_until(lambda: buddy.status()["peers"]["replicas_held"]["receiving"] == 1, 30,
+                       "the buddy never started receiving the replica")
+            killed = buddy.proc.pid
+            assert segments_of(killed)  # the half-received replica, in the buddy's shared memory
+            buddy.kill()
+            assert buddy.proc.returncode == -signal.SIGKILL
+            proxy.restore()
+            with pytest.raises(InvalidCheckpoint, match="not replicated"):
+                big.wait_replicated(60)
+            (snap,) = origin.status()["memory"]["snapshots"]
+            assert snap["replication"] == "failed" and snap["replication_error"]
+
+            buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys))  # restarted
+            wait_until(lambda: not segments_of(killed), 30, "the killed buddy's half replica was never unlinked")
+            client.save_async(_state(1, 2), root / "step-2", step=2, persist=False).wait_replicated(60)
+            client.close()
+            assert [r["step"] for r in buddy.status()["peers"]["replicas_held"]["held"]] == [2]
+        finally:
+            origin.kill()
+            buddy.kill()
