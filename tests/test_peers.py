@@ -48,12 +48,16 @@ class Pair:
         self.buddy.kill()
 
 
-def _pair(root: Path, tmp_path: Path, buddy_extra: tuple[str, ...] = (), origin_extra: tuple[str, ...] = ()) -> Pair:
+def _pair(root: Path, tmp_path: Path, buddy_extra: tuple[str, ...] = (), origin_extra: tuple[str, ...] = (),
+          ring: bool = False) -> Pair:
+    """``ring``: the buddy replicates to the origin as well."""
     lines: list[str] = []
     keys = tmp_path / "keys"
     origin_dir, origin_ep = _node(keys, lines)
     buddy_dir, buddy_ep = _node(keys, lines)
     keys.write_text("".join(lines))
+    if ring:
+        buddy_extra = ("--peer", origin_ep, *buddy_extra)
     buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys), *buddy_extra)
     origin = start_daemon(origin_dir, root, "--peer-listen", origin_ep, "--peer", buddy_ep, "--peer-keys", str(keys),
                           *origin_extra)
@@ -205,7 +209,8 @@ def test_a_replica_file_shortened_in_the_buddys_memory_is_refused_at_restore_and
 
 
 def test_a_drained_buddy_persists_the_replica_of_an_origin_that_is_gone(root: Path, tmp_path: Path) -> None:
-    pair = _pair(root, tmp_path, origin_extra=("--persist-on-exit", "never"))
+    # in a ring: the buddy's own buddy is the origin, which will be gone
+    pair = _pair(root, tmp_path, origin_extra=("--persist-on-exit", "never"), ring=True)
     state = {"w": torch.randn(50_000), "step": 7}
     path = root / "run" / "step-7"
     try:
@@ -220,6 +225,7 @@ def test_a_drained_buddy_persists_the_replica_of_an_origin_that_is_gone(root: Pa
         assert pair.buddy.proc.wait(30) == 0
         log = (pair.buddy_dir / LOG).read_text()
         assert "event=drain_persist_replica" in log and "did not answer" in log
+        assert "event=replication_failed" not in log  # the replica it persisted was not streamed anywhere
         assert ckptd.latest(root / "run", run_dir=pair.buddy_dir) == path
         back = ckptd.load(path)
         assert torch.equal(back["w"], state["w"]) and back["step"] == 7

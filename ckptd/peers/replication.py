@@ -150,7 +150,8 @@ class Replication:
     def held(self, event: SnapshotHeld) -> None:
         """A snapshot was held here (its ranks told): queue its stream to the buddy."""
         snap = self.holding.snapshots.held.get(event.path)
-        if self.buddy is None or snap is None or snap.replication == "restored":
+        if self.buddy is None or snap is None or snap.replication in ("restored", "adopted"):  # read back from a
+            # replica, or a replica a drain is persisting
             return
         reader = b"ckptd-replication-%d" % next(self._pins)
         self.holding.snapshots.pin(reader, snap.path)
