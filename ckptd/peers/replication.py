@@ -364,7 +364,7 @@ class Replication:
                 elif replica.describe()["coordinated"]:
                     _not_persisted(replica, "spans_nodes")
                     why = None
-                elif storage.stat(replica.path / INDEX_NAME) is not None:
+                elif storage.at(replica.path).files.stat(replica.path / INDEX_NAME) is not None:
                     _not_persisted(replica, "committed_already")
                     why = None
                 verdicts.append((replica, why))
