@@ -258,3 +258,36 @@ def test_draining_both_nodes_persists_each_snapshot_once_in_either_order(root: P
         assert torch.equal(ckptd.load(path)["w"], state["w"])
     finally:
         pair.kill()
+
+
+def test_after_a_node_was_replaced_draining_its_buddy_then_it_persists_the_snapshot_once_and_both_exit_clean(
+        root: Path, tmp_path: Path) -> None:
+    """The replacement took the lost node's line of the keys file (same endpoint, a key of its own): the buddy
+    judges the replica's origin gone and persists it; the replacement, which restored the same snapshot, finds it
+    committed at its own drain, which is no loss."""
+    never = ("--persist-on-exit", "never")
+    pair = _pair(root, tmp_path, origin_extra=never)
+    state = {"w": torch.randn(50_000), "step": 4}
+    path = root / "run" / "step-4"
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async(state, path, step=4, persist=False).wait_replicated(60)
+        client.close()
+        pair.origin.kill()
+        new_dir = short_tempdir("ckp-")
+        pair.lines[0] = ckptd_cli("peer-key", "--run-dir", str(new_dir), "--endpoint", pair.origin_ep).stdout
+        pair.keys.write_text("".join(pair.lines))  # the lost node's line is replaced, as a deployment does
+        pair.origin = start_daemon(new_dir, root, "--peer-listen", pair.origin_ep, "--peer", pair.buddy_ep,
+                                   "--peer-keys", str(pair.keys), *never)
+        assert ckptd.latest(root / "run", run_dir=new_dir) == path  # restored from the buddy's replica
+        for daemon in (pair.buddy, pair.origin):
+            stopped = daemon.cli("stop", timeout=120)
+            assert stopped.returncode == 0, stopped.stderr
+            assert daemon.proc.wait(30) == 0
+        buddy_log, new_log = (pair.buddy_dir / LOG).read_text(), (new_dir / LOG).read_text()
+        assert "event=drain_persist_replica" in buddy_log and "no line of the peer keys file" in buddy_log
+        assert f"event=snapshot_not_persisted path={path} reason=committed_by_another" in new_log
+        back = ckptd.load(path)
+        assert torch.equal(back["w"], state["w"]) and back["step"] == 4
+    finally:
+        pair.kill()

@@ -443,10 +443,12 @@ class Holding:
             self.state.stats.error(f"persisting snapshot {path} failed: {error.message}")
             if self.state.draining and _transient(error) and self._retry_in_drain(snap):
                 return  # its waiters are answered by the last attempt
-            if self.state.draining and snap.replication == "adopted" and isinstance(error, CheckpointExists):
-                # a peer's replica: another holder of the snapshot (its origin, or a node restored from it)
-                # committed it meanwhile; nothing is lost
-                log.info("event=replica_not_persisted path=%s reason=committed_by_another", path)
+            if (self.state.draining and snap.replication in ("adopted", "restored")
+                    and isinstance(error, CheckpointExists)):
+                # a copy of a peer's replica (read back here, or adopted from a node that is gone): another holder
+                # of the same bytes (the buddy that held the replica, or the node restored from it) committed it
+                # first; nothing is lost
+                log.info("event=snapshot_not_persisted path=%s reason=committed_by_another", path)
             elif self.state.draining:
                 self.drain_failures.append(f"{display(path)}: {error.message}")
         self._answer_persists(snap, error)
