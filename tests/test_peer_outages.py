@@ -70,6 +70,9 @@ def test_status_and_metrics_show_each_peer_and_what_was_replicated(root: Path, t
         assert _metric(prom, "ckptd_replication_failures_total") == 0
         assert _metric(prom, "ckptd_peers_connected") == 1
         assert _metric(prom, "ckptd_replication_lag_seconds") == pytest.approx(snap["replication_lag_s"])
+        (replica,) = buddy.status()["peers"]["replicas_held"]["held"]
+        assert replica["origin_endpoint"] == origin_ep  # named as the keys file names it, not by a key prefix
+        assert f"from {origin_ep}" in ckptd_cli("status", "--run-dir", str(buddy_dir)).stdout
         wait_until(lambda: _metric(buddy_prom, "ckptd_replicas_held") == 1, 30,
                    "the buddy's metrics never counted the replica it holds")
         assert _metric(buddy_prom, "ckptd_replicas_held_bytes") == snap["bytes"]

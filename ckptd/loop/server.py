@@ -133,6 +133,8 @@ class Server:
         book = self.replicas = Replicas(self.workers, stats, slots.shm_dir, slots.own_name,
                                         lambda: snapshots.budget - snapshots.held_bytes)
         snapshots.replica_bytes = lambda: book.nbytes
+        book.endpoint_of = lambda origin: next((ep for ep, key in keys.endpoints.items() if key.decode() == origin),
+                                               None)
         if config.peer_listen is not None:
             self.peer_endpoint = PeerEndpoint(self.ctx, config.peer_listen, KeyPair.of(config.run_dir), keys, book,
                                               stats)

@@ -147,6 +147,8 @@ class Replicas:
         """Replicas still being received, by (origin, path)."""
         self._offers: dict[tuple[bytes, int], ReplicaShard] = {}
         """Shards being received, by (connection, offer id)."""
+        self.endpoint_of: Callable[[str], str | None] = lambda origin: None
+        """The endpoint the peer keys file names for an origin's key (None: none), for status."""
 
     @property
     def nbytes(self) -> int:
@@ -294,7 +296,8 @@ class Replicas:
 
     def summary(self) -> dict[str, Any]:
         """The ``replicas`` part of ``ckptd status``: what this node holds for others."""
-        return {"bytes": self.nbytes, "held": [{k: v for k, v in r.describe().items() if k != "messages"}
+        return {"bytes": self.nbytes, "held": [{**{k: v for k, v in r.describe().items() if k != "messages"},
+                                               "origin_endpoint": self.endpoint_of(r.origin)}
                                               for r in self.held.values()],
                 "receiving": len(self.incoming)}
 

@@ -106,7 +106,7 @@ def render_status(info: dict[str, Any]) -> str:
                             and not link["connected"] else ""))
         for r in held["held"]:
             lines.append(f"  {printable(r['path'])}  step {r['step']}  {human_bytes(r['bytes'])}  ranks "
-                         f"{r['ranks_held']}  from {printable(r['origin'][:8])}…")
+                         f"{r['ranks_held']}  from {printable(r.get('origin_endpoint') or r['origin'][:8] + '…')}")
     done = info["completed"]
     last = done["last"]
     lines.append(f"completed: {done['count']} checkpoints, {human_bytes(done['bytes'])}")
