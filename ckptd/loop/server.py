@@ -135,6 +135,8 @@ class Server:
         book = self.replicas = Replicas(self.workers, stats, slots.shm_dir, slots.own_name,
                                         lambda: snapshots.budget - snapshots.held_bytes)
         snapshots.replica_bytes = lambda: book.nbytes
+        book.endpoint_of = lambda origin: next((ep for ep, key in keys.endpoints.items() if key.decode() == origin),
+                                               None)
         if config.peer_listen is not None:
             self.peer_endpoint = PeerEndpoint(self.ctx, config.peer_listen, KeyPair.of(config.run_dir), keys, book,
                                               stats)
@@ -387,6 +389,8 @@ class Server:
             self._drain_deadline = now + self.config.drain_timeout
             log.info("event=drain checkpoints=%d writes=%d", len(self.state.commits.pending), len(self.state.writes))
             self.holding.drain()
+            if self.replication is not None and self.replicas is not None:  # replicas whose origin is gone
+                self.replication.drain(self.replicas)
         if now >= self._drain_deadline:
             self.saves.fail_waiting_for_ranks()
             self.state.abandon_staging(None, "the daemon was stopped before the client finished staging")

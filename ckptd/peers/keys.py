@@ -158,6 +158,16 @@ class Trust:
         self.ring_endpoints = {ep: key.encode() for ep, key in zip(endpoints, keys)}
         self.ring_keys = frozenset(self.ring_endpoints.values())
 
+    def reload(self) -> None:
+        """Read the keys file again if it changed (``PeerKeys.reload``; the ring's keys need no reading)."""
+        if self.file is not None:
+            self.file.reload()
+
+    @property
+    def endpoints(self) -> dict[str, bytes]:
+        """Every known peer's key by endpoint: the ring's, and the keys file's (which wins where both name one)."""
+        return {**self.ring_endpoints, **(self.file.endpoints if self.file is not None else {})}
+
     def key_for(self, endpoint: str) -> bytes:
         """The key of the peer at ``endpoint``: the file's where it names one, else the ring's; ValueError saying
         what to add where neither does."""
