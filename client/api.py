@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import os
@@ -133,6 +134,9 @@ class Client:
         self._heartbeat, self._timeout = heartbeat, timeout
         self._slots = SlotPool(max_inflight + 1)
         self._layouts = LayoutCache()
+        self._saves: collections.Counter[str] = collections.Counter()
+        """Saves this client made of each path: a save's count is the same on every rank of an SPMD job
+        (``StagedShard.save``), which tells two saves of one path apart across nodes."""
         self._known_layout: tuple[Connection, int | None, str] | None = None
         """The last tensor table the daemon accepted on which connection (and daemon): a commit names it by digest."""
         self._inflight = threading.BoundedSemaphore(max_inflight)
@@ -250,8 +254,10 @@ class Client:
             endpoint = self.endpoint
             fut.replication = lambda timeout: wait_replicated(endpoint, target, timeout)
         fut.add_done_callback(self._forget)
+        self._saves[target] += 1
         req = _Request(flat, target, step, overwrite, keep_last or self.keep_last, started,
-                       waited=time.monotonic() - started, persist=persist, coordinated=coordinated)
+                       waited=time.monotonic() - started, persist=persist, coordinated=coordinated,
+                       save=self._saves[target])
         # This rank's daemon reply (Done, or Durable on several nodes) lands in
         # ``shard``. The coordinator gets its place now, in call order, which is
         # the same on every rank whatever staging does later.
@@ -366,7 +372,7 @@ class Client:
                     self.world_size, req.step, req.overwrite, coordinated=self._coordinator is not None or req.coordinated,
                     keep_last=req.keep_last, timeout=self.commit_timeout, waited=req.waited, staged=staged,
                     layout=table.digest if table else "",  # no tensors: nothing to name
-                    job=self.job, replicated=req.flat.replicated)
+                    job=self.job, replicated=req.flat.replicated, save=req.save)
         known = (conn, conn.daemon_pid, full.layout)
         # The daemon keeps the last tables this connection sent: a save of the same structure names its table.
         commit = dataclasses.replace(full, tensors=()) if full.layout and self._known_layout == known else full
@@ -546,6 +552,8 @@ class _Request:
     slot: Slot | None = None
     coordinated: bool = False
     """Answered by ``Durable``; the caller finalizes (see ``Client._save_flat``)."""
+    save: int = 0
+    """This client's count of its saves to ``path`` (``StagedShard.save``)."""
 
 
 def checkpoint_target(path: str | os.PathLike) -> str:

@@ -365,7 +365,7 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
     rank cannot see.
     """
     on_disk = latest_on_disk(root)  # checks root, too
-    root, candidates = Path(root), {}
+    root, candidates, saves = Path(root), {}, {}
     if on_disk is not None:
         try:
             index = read_index(on_disk)
@@ -384,22 +384,35 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
             continue
         if not _serves_this_rank(s):
             continue
-        candidates[str(root / name)] = max(key, candidates.get(str(root / name), key))
+        if key >= candidates.get(str(root / name), key):
+            candidates[str(root / name)] = key
+            saves[str(root / name)] = "" if s.get("persisted") else _save_of(s)  # persisted: the disk's own
     best_here = max(candidates.values(), default=None)
     for key, shown, held_as in sorted(on_peers, reverse=True):  # this node lost them: the newest that restores
         if best_here is not None and key <= best_here:
             break
         if restore_from_peer(held_as, run_dir):
             candidates[shown] = key
+            saves[shown] = next((_save_of(s) for s in held_snapshots(run_dir) if s["path"] == held_as), "")
             break
-    candidates = _agreed(candidates)
+    candidates = _agreed(candidates, saves)
     if not candidates:
         return None
     return user_path(max(candidates, key=lambda p: (candidates[p], p)))  # an object: its s3:// URL
 
 
-def _agreed(candidates: dict[str, tuple[int, float]]) -> dict[str, tuple[int, float]]:
-    """What every rank can restore, ordered by rank 0's keys so every rank picks the same (one process: all)."""
+def _save_of(held: dict[str, Any]) -> str:
+    """Which save a held snapshot is: its run, step and count (``StagedShard.save``), as every rank compares it."""
+    return f"{held.get('job', '')}|{held['step']}|{held.get('save', 0)}"
+
+
+def _agreed(candidates: dict[str, tuple[int, float]], saves: dict[str, str]) -> dict[str, tuple[int, float]]:
+    """What every rank can restore, ordered by rank 0's keys so every rank picks the same (one process: all).
+
+    A path counts only where every rank holds the same save of it (``saves``: a snapshot's run, step and count;
+    nothing for a checkpoint on disk, whose one index every rank reads): a snapshot spread over several nodes whose
+    nodes hold shards of different saves (a save that some nodes held and others refused, or one cut short by a
+    crash after some nodes replaced their older save with it) is never resumed as one checkpoint."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -408,14 +421,14 @@ def _agreed(candidates: dict[str, tuple[int, float]]) -> dict[str, tuple[int, fl
 
     group = dist.new_group(backend="gloo")
     try:
-        everyone = all_gather_msgpack([[p, *k] for p, k in sorted(candidates.items())], group)
+        everyone = all_gather_msgpack([[p, *k, saves.get(p, "")] for p, k in sorted(candidates.items())], group)
     finally:
         dist.destroy_process_group(group)
-    common = set.intersection(*({p for p, *_ in rank} for rank in everyone))
-    agreed = {p: (step, created) for p, step, created in everyone[0] if p in common}
+    common = set.intersection(*({(p, save) for p, _, _, save in rank} for rank in everyone))
+    agreed = {p: (step, created) for p, step, created, save in everyone[0] if (p, save) in common}
     best = max(agreed.values(), default=(-1, 0.0))
-    lacking = sorted({(step, p) for rank in everyone for p, step, created in rank
-                      if p not in common and (step, created) > best}, reverse=True)
+    lacking = sorted({(step, p) for rank in everyone for p, step, created, _ in rank
+                      if p not in agreed and (step, created) > best}, reverse=True)
     if lacking and dist.get_rank() == 0:
         log.warning("ckptd.latest: %s (step %s) is held by some ranks' nodes but not by every rank's (a node lost "
                     "with the peer holding its replica, or a replica that failed its check); resuming from what "

@@ -166,6 +166,10 @@ class StagedShard(Message):
     replicated: dict[str, str] = dataclasses.field(default_factory=dict)
     """Digest of the tensors (names, shapes, dtypes) under each ``replicated=`` top-level key: rank 0 writes
     them for every rank, so every rank of the checkpoint must send the same map."""
+    save: int = 0
+    """This rank's count of its run's saves to ``path`` (1, 2, ...; 0: unknown). Every rank of an SPMD job counts
+    alike, so one save has one count on every rank: ranks resuming from a snapshot spread over several nodes
+    compare it (with ``job`` and ``step``) and never take shards of two saves of one path as one checkpoint."""
 
     def __post_init__(self) -> None:
         if not self.slot.startswith(SLOT_PREFIX) or "/" in self.slot:

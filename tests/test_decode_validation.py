@@ -584,9 +584,12 @@ def test_maps_with_every_field_of_a_type_decode_to_a_message_or_raise_a_ckptd_er
         ({"waited": "long"}, "commit.waited must be a number"),
         ({"staged": HEADER - 1}, "staged 4095 must lie between the header"),
         ({"staged": HEADER + 33}, "must lie between the header"),
+        ({"save": -1}, r"commit.save must be an integer in \[0, 2\^63\), got -1"),
+        ({"save": 1 << 63}, r"commit.save must be an integer in \[0, 2\^63\)"),
+        ({"save": "2"}, "commit.save must be"),
     ],
     ids=["keep-last-zero", "timeout-zero", "timeout-huge", "waited-not-a-number", "staged-inside-header",
-         "staged-past-the-shard"],
+         "staged-past-the-shard", "save-negative", "save-huge", "save-not-an-int"],
 )
 def test_a_commit_with_bad_retention_or_timeout_is_refused(changes, needle) -> None:
     with pytest.raises(BadMessage, match=needle):

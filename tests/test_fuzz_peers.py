@@ -25,7 +25,7 @@ import ckptd
 from ckptd.peers.keys import KeyPair
 from ckptd.protocol.errors import ErrorCode
 from ckptd.protocol.messages import Error, decode
-from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Fetch, Offer, Seal
+from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Seal
 
 from helpers import ckptd_cli, free_port, short_tempdir, start_daemon
 from test_wire_format import GOLDEN

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable
 
-from ckptd.protocol.errors import CheckpointExists, Conflict, NoSpace
+from ckptd.protocol.errors import CheckpointExists, NoSpace
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
 from ckptd.protocol.messages import Snapshot
 from ckptd.protocol.objects import display
@@ -133,6 +133,13 @@ class HeldSnapshot(Attempt):
         return sum(s.slot.size for s in self.shards.values())
 
     @property
+    def save(self) -> int:
+        """Which save of its path by its run the shards are (``StagedShard.save``): -1 if its shards' counts differ
+        (no resume takes such a snapshot as one checkpoint)."""
+        counts = {s.msg.save for s in self.shards.values()}
+        return counts.pop() if len(counts) == 1 else -1
+
+    @property
     def order(self) -> tuple[int, float]:
         return (self.step if self.step is not None else -1, self.created)
 
@@ -140,6 +147,7 @@ class HeldSnapshot(Attempt):
         """The snapshot as ``Snapshots`` and ``ckptd status`` report it (keys documented in docs/status.md)."""
         return {
             "path": display(self.path), "step": self.step, "world_size": self.world_size, "created": self.created,
+            "job": self.contributors.job, "save": self.save,
             "bytes": self.nbytes, "held_bytes": self.slot_bytes,
             "ranks_held": sorted(r for r, s in self.shards.items() if s.checksum is not None),
             "complete": self.acknowledged, "persisted": self.persisted, "persisting": self.persisting,

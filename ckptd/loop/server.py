@@ -22,7 +22,7 @@ import zmq
 from ckptd.protocol import __version__
 from ckptd.protocol.errors import BadMessage, Conflict, InvalidCheckpoint
 from ckptd.protocol.messages import (
-    MAX_MESSAGE_BYTES, Abort, Bye, Delete, Error, Finalize, Granted, Hello, Lease, Message, Ok, PeerIdentity,
+    MAX_MESSAGE_BYTES, Abort, Bye, Delete, Finalize, Granted, Hello, Lease, Message, Ok, PeerIdentity,
     PeerIdentityReply, PeerSnapshots, Persist, Pin, Ping, Pong, Release, Restore, Ring, Snapshot, Snapshots, Staged,
     StagedShard, Status, StatusReply, Stop, Unpin, Welcome, WriteShard,
     decode, request_id,

@@ -50,7 +50,7 @@ from ckptd.loop.events import SnapshotHeld
 from ckptd.loop.replies import error_reply
 from ckptd.loop.stats import Stats
 from ckptd.loop.workers import Workers
-from ckptd.peers.keys import Trust
+from ckptd.peers.keys import KeyPair, Trust
 from ckptd.peers.link import PeerLink, PeerUnavailable
 from ckptd.peers.placement import Placement
 from ckptd.peers.replicas import Replica, Replicas, new_shm_file, remove_shm_file
@@ -404,7 +404,11 @@ class Replication:
         self.workers.submit("peer_ask", judge, adopt, failed=unjudged)
 
     def status(self) -> dict[str, Any]:
-        """The ``peers`` part of ``ckptd status``."""
+        """The ``peers`` part of ``ckptd status``: a link for every peer placed now (the buddy, those a restore asks)
+        and every one exchanged with since the start."""
+        for endpoint in (self.placement.buddy_endpoint(), *self.placement.ask_endpoints()):
+            if endpoint is not None:
+                self._record(endpoint)
         return {"buddy": None if self.buddy is None else self.buddy.endpoint, "peers": list(self.config.peers),
                 "listen": self.config.peer_listen, "replicas": self.config.replicas,
                 "streams_queued": len(self._turns),
