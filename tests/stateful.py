@@ -53,6 +53,11 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
 
     s3: S3Server  # set by run_stateful before the machine runs
     cfg: Config
+    partial_snapshot_mix_allowed = True
+    """A known defect, not generated while it is open: on several nodes a snapshot killed after some ranks were held
+    replaces (or joins) what the other nodes hold at its path, and a resume loads ranks of two saves, even of two
+    runs (``tests/stateful_pinned.py`` pins it). While True, ``job_crashes_mid_save`` draws no memory tier on
+    several nodes; set it False once the fix lands."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -168,7 +173,8 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
         self._begin()
         if self.world < 2:
             return
-        tier = data.draw(st.sampled_from([t for t in self.cfg.tiers if t != "mirror"]), label="tier")
+        tier = data.draw(st.sampled_from([t for t in self.cfg.tiers if t != "mirror" and not (
+            t in SNAPSHOTS and self.cfg.nodes > 1 and self.partial_snapshot_mix_allowed)]), label="tier")
         before = data.draw(st.integers(1, self.world - 1), label="before")
         path = self.w.path(tier, name)
         since = time.time()

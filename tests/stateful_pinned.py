@@ -7,10 +7,92 @@ the file is named so it is not collected; run it by name once the fix lands, the
 
 from __future__ import annotations
 
+from helpers import wait_until
 from s3server import S3Server
 
-from stateful import CheckpointMachine
+from stateful import HANG_S, CheckpointMachine
 from stateful_world import CONFIGS
+
+
+def _machine(aws: S3Server, **allowed: bool) -> CheckpointMachine:
+    """The ``node_lost`` configuration's machine (three nodes, one rank each), with the known defects named in
+    ``allowed`` no longer allowed."""
+    machine = type("Machine_node_lost", (CheckpointMachine,), {"s3": aws, "cfg": CONFIGS["node_lost"], **allowed})()
+    machine.world, machine.form = 3, "torchrun-c10d"
+    machine.job = machine._new_job()
+    return machine
+
+
+def _snapshot_then_crash(machine: CheckpointMachine, ranks: list[int], name: str, overwrite: bool) -> None:
+    """``ranks`` of the job snapshot ``name``; once each one's daemon holds its shard the job is SIGKILLed (the
+    other ranks never save: the save is never acknowledged) and a new run starts."""
+    path = machine.w.path("memory", name)
+    before = {n: {s["created"] for s in info["memory"]["snapshots"] if s["path"] == path}
+              for n, info in enumerate(machine._statuses())}
+    machine._save(machine.job, ranks, "memory", name, overwrite=overwrite)
+
+    def held() -> bool:
+        infos = machine._statuses()
+        return all(any(s["path"] == path and s["complete"] and s["created"] not in before[machine.job.node_of[r]]
+                       for s in infos[machine.job.node_of[r]]["memory"]["snapshots"]) for r in ranks)
+    wait_until(held, HANG_S, f"ranks {ranks}' shards of {path} held")
+    machine._crash_job()
+
+
+def _resume(machine: CheckpointMachine) -> dict[int, dict]:
+    """Every rank of the job resumes (``latest`` + ``load_into``); what each was told."""
+    cids = {}
+    for rank in machine.job.ranks:
+        cid = cids[rank.rank] = machine.job.next_id()
+        rank.send(op="resume", id=cid, root=str(machine.w.root / "run"))
+        rank.wait_for("returned", cid)
+    return {r: machine.job.ranks[r].wait_for("done", cid, HANG_S) for r, cid in cids.items()}
+
+
+def _one_save(told: dict[int, dict]) -> None:
+    saves = {r: tuple(o["tag"][:2]) if o.get("tag") else None for r, o in told.items()}
+    assert len(set(saves.values())) == 1, f"the ranks resumed from {told[0]['path']} as different saves " \
+                                          f"(incarnation, save id): {saves}"
+
+
+def test_a_snapshot_over_a_held_one_killed_before_every_node_held_it_is_never_resumed_as_a_mix(
+        aws: S3Server) -> None:
+    """Found by the ``node_lost`` configuration's soak (with a node loss first; this is the shortest form, with no
+    loss at all). Three nodes hold save 2 of ``snap-3`` (acknowledged). Ranks 0 and 1 snapshot it again with
+    ``overwrite=True`` and the job is killed before rank 2 saves: save 3 is never acknowledged. A daemon of several
+    nodes acknowledges a snapshot once its own ranks are held (``ckptd/lifecycle/holding.py``, ``_checksummed``:
+    ``snap.complete`` counts this node's ranks), so nodes 0 and 1 replace save 2 with save 3 while node 2 keeps
+    save 2; ``ckptd.latest`` agrees on the path alone (``client/memory.py``, ``_agreed``), and ``load_into`` gives
+    ranks 0 and 1 save 3 and rank 2 save 2."""
+    machine = _machine(aws)
+    try:
+        machine._save_all("disk", "step-1", False, None, False)
+        machine._save_all("memory", "step-3", False, None, False)
+        _snapshot_then_crash(machine, [0, 1], "step-3", overwrite=True)
+        _one_save(_resume(machine))
+    finally:
+        machine.job.kill()
+        machine.w.close()
+
+
+def test_a_snapshot_partly_lost_with_two_nodes_and_partly_saved_again_is_never_resumed_as_a_mix(
+        aws: S3Server) -> None:
+    """Found by the ``node_lost`` soak (``launch`` losing nodes 0 and 1, a crash mid-save of ``snap-3`` later).
+    Save 2 of ``snap-3`` is held on the three nodes and replicated; nodes 0 and 1 are lost together, and the
+    resume reads node 1's shard back from node 2 (step 1 on disk is resumed: rank 0's has no holder left). A new
+    run's rank 0 snapshots ``snap-3`` (node 0's replacement holds none) and the job is killed before the others
+    save: node 0 holds rank 0 of the new run's save, nodes 1 and 2 ranks 1 and 2 of save 2, and the next resume
+    loads those three as one checkpoint."""
+    machine = _machine(aws)
+    try:
+        machine._save_all("disk", "step-1", False, None, False)
+        machine._save_all("memory", "step-3", False, None, False)
+        machine.node_is_lost(0, True, False)
+        _snapshot_then_crash(machine, [0], "step-3", overwrite=False)
+        _one_save(_resume(machine))
+    finally:
+        machine.job.kill()
+        machine.w.close()
 
 
 def test_a_lost_node_resumes_from_the_newest_snapshot_every_rank_can_read_back_past_a_newer_partial_one(
@@ -24,11 +106,8 @@ def test_a_lost_node_resumes_from_the_newest_snapshot_every_rank_can_read_back_p
     hold and resume from step 1 on disk, though step 2 is whole across the surviving memory (nodes 0 and 1 hold
     their own shards, node 0 the replica of rank 2's). The issue asks for "the newest step complete across the
     surviving memory"."""
-    machine = type("Machine_node_lost", (CheckpointMachine,),
-                   {"s3": aws, "cfg": CONFIGS["node_lost"], "shadowing_allowed": False})()
+    machine = _machine(aws, shadowing_allowed=False)
     try:
-        machine.world, machine.form = 3, "torchrun-c10d"
-        machine.job = machine._new_job()
         machine._save_all("disk", "step-1", False, None, False)
         machine._save_all("memory", "step-2", False, None, False)
         machine._save_all("memory", "step-3", False, None, False)
