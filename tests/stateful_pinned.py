@@ -55,6 +55,29 @@ def _one_save(told: dict[int, dict]) -> None:
                                           f"(incarnation, save id): {saves}"
 
 
+def test_a_snapshot_refused_on_some_nodes_is_never_resumed_as_a_mix_with_what_they_hold(aws: S3Server) -> None:
+    """Found by the ``node_lost`` soak (after a double loss and a daemon restart); the shortest form needs neither
+    peers nor a loss, only snapshots on several nodes and one daemon restarted. Save 2 of ``snap-2`` is held on
+    the three nodes; node 0's daemon is SIGKILLed and restarted (its shard is gone; the job restarts). The new
+    run snapshots ``snap-2`` again without ``overwrite``: nodes 1 and 2 refuse it, and every rank is told
+    ``CheckpointExists`` ("not held by every rank"), rightly; but node 0 holds its rank's shard of the refused save
+    as a complete snapshot (``ckptd status``: ``complete: true``), and the next resume (``latest`` +
+    ``load_into``, every rank) loads rank 0 from incarnation 2's refused save and ranks 1 and 2 from incarnation
+    1's save 2: a mix of two runs, and one of its saves never acknowledged."""
+    machine = _machine(aws)
+    try:
+        machine._save_all("disk", "step-1", False, None, False)
+        machine._save_all("memory", "step-2", False, None, False)
+        machine.daemon_is_killed_and_restarted(0)
+        _, cids = machine._save(machine.job, [2, 1, 0], "memory", "step-2")
+        told = machine._outcomes(machine.job, cids)
+        assert {o.get("error") for o in told.values()} == {"CheckpointExists"}, told
+        _one_save(_resume(machine))
+    finally:
+        machine.job.kill()
+        machine.w.close()
+
+
 def test_a_snapshot_over_a_held_one_killed_before_every_node_held_it_is_never_resumed_as_a_mix(
         aws: S3Server) -> None:
     """Found by the ``node_lost`` configuration's soak (with a node loss first; this is the shortest form, with no
