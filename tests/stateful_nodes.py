@@ -161,6 +161,7 @@ class NodeLoss:
             f.write(bytes([byte[0] ^ 0xFF]))
         self.changed_shards.add(name)
         buddy.replicas.pop(replica["path"], None)
+        buddy.replica_keys.pop(replica["path"], None)
         return replica["path"]
 
     def _resumable(self, lost: list[int], holdings: list[Holdings]) -> Resumable:
