@@ -373,6 +373,7 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
                 self.model.allow_gone(path)
         self._restart_job_and_daemons(list(range(self.cfg.nodes)))
 
+    @precondition(lambda self: any(t in ("s3", "mirror") for t in self.cfg.tiers))
     @rule(data=st.data(), name=st.sampled_from(NAMES))
     def store_outage_during_a_save(self, data: st.DataObject, name: str) -> None:
         """The endpoint goes away while a save (direct) or its upload (mirror) is under way, and comes back."""
