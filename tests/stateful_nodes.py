@@ -40,6 +40,8 @@ class Holdings:
 
     own: dict[str, set[int]] = field(default_factory=dict)
     """Snapshot path -> the ranks whose shards it holds of it."""
+    own_keys: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Its complete snapshots' (step, time), as ``latest`` orders them."""
     replicas: dict[str, set[int]] = field(default_factory=dict)
     """Snapshot path -> the ranks whose shards it holds as complete replicas (none whose bytes the test changed)."""
     replica_keys: dict[str, tuple[int, float]] = field(default_factory=dict)
@@ -101,6 +103,19 @@ class NodeLoss:
         self.job = self._new_job()
         self._resume(resumable, lost, changed)
 
+    @precondition(lambda self: self.cfg.peers)
+    @rule()
+    def job_resumes(self) -> None:
+        """The job exits and a new run resumes on every rank, no node lost (a daemon restarted since, with its key,
+        reads its ranks' shards back from its buddy as a replacement does)."""
+        self._begin()
+        self._wait_replication_settled()
+        self.job.exit()
+        self._job_gone(self.job)
+        resumable = self._resumable([], [self._holdings(n) for n in range(self.cfg.nodes)])
+        self.job = self._new_job()
+        self._resume(resumable, [], None)
+
     # -- before the loss ------------------------------------------------------------------------------------
 
     def _ranks_of(self, node: int) -> set[int]:
@@ -135,6 +150,8 @@ class NodeLoss:
         held = Holdings(shm_dir=Path(info["shm"]["dir"]))
         for snap in info["memory"]["snapshots"]:
             held.own[snap["path"]] = set(snap["ranks_held"])
+            if snap["complete"]:
+                held.own_keys[snap["path"]] = (snap["step"] if snap["step"] is not None else -1, snap["created"])
         for replica in info["peers"]["replicas_held"]["held"]:
             held.entries.append(replica)
             if replica["complete"] and not {s[1] for s in replica["shards"]} & self.changed_shards:
@@ -195,15 +212,19 @@ class NodeLoss:
         return True
 
     def _shadowed(self, path: str, lost: list[int], holdings: list[Holdings], survive: set[str]) -> bool:
-        """Whether a lost node's shards of ``path`` come back from a replica that a newer replica of its ranks, of a
-        snapshot that does not survive whole, would be read back instead of (``shadowing_allowed``)."""
-        for node in lost:
-            buddy = holdings[self.w.buddy(node)]
+        """Whether a node that lacks its shards of ``path`` (lost, or its daemon restarted) would read back, instead
+        of them, a newer replica of its ranks of a snapshot that does not survive whole, or read nothing back as it
+        holds such a newer snapshot itself (``shadowing_allowed``)."""
+        for node in range(self.cfg.nodes):
+            ranks, here, buddy = self._ranks_of(node), holdings[node], holdings[self.w.buddy(node)]
+            if node not in lost and ranks <= here.own.get(path, set()):
+                continue
             key = buddy.replica_keys.get(path)
             if self.w.buddy(node) in lost or key is None:
                 continue
-            if any(k > key and p not in survive and self._ranks_of(node) <= buddy.replicas[p]
-                   for p, k in buddy.replica_keys.items()):
+            if any(k > key and p not in survive and ranks <= buddy.replicas[p] for p, k in buddy.replica_keys.items()):
+                return True
+            if node not in lost and any(k > key and p not in survive for p, k in here.own_keys.items()):
                 return True
         return False
 
@@ -239,8 +260,8 @@ class NodeLoss:
             rank.send(op="resume", id=cid, root=root)
             rank.wait_for("returned", cid)
         told = {r: self.job.ranks[r].wait_for("done", cid, 240) for r, cid in cids.items()}
-        what = (f"resume after losing node(s) {lost}" + (f" with a byte of the replica of {changed} changed"
-                                                         if changed else ""))
+        what = ("resume" + (f" after losing node(s) {lost}" if lost else "")
+                + (f" with a byte of the replica of {changed} changed" if changed else ""))
         assert all(o["ok"] for o in told.values()), f"{what}: a rank failed: {told}"
         paths = {o["path"] for o in told.values()}
         assert len(paths) == 1, f"{what}: the ranks resumed from different checkpoints: {told}"
