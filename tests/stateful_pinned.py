@@ -14,11 +14,11 @@ from stateful import HANG_S, CheckpointMachine
 from stateful_world import CONFIGS
 
 
-def _machine(aws: S3Server, **allowed: bool) -> CheckpointMachine:
-    """The ``node_lost`` configuration's machine (three nodes, one rank each), with the known defects named in
-    ``allowed`` no longer allowed."""
+def _machine(aws: S3Server, world: int = 3, **allowed: bool) -> CheckpointMachine:
+    """The ``node_lost`` configuration's machine (three nodes, ``world`` ranks spread evenly over them), with the
+    known defects named in ``allowed`` no longer allowed."""
     machine = type("Machine_node_lost", (CheckpointMachine,), {"s3": aws, "cfg": CONFIGS["node_lost"], **allowed})()
-    machine.world, machine.form = 3, "torchrun-c10d"
+    machine.world, machine.form = world, "torchrun-c10d"
     machine.job = machine._new_job()
     return machine
 
@@ -53,6 +53,24 @@ def _one_save(told: dict[int, dict]) -> None:
     saves = {r: tuple(o["tag"][:2]) if o.get("tag") else None for r, o in told.items()}
     assert len(set(saves.values())) == 1, f"the ranks resumed from {told[0]['path']} as different saves " \
                                           f"(incarnation, save id): {saves}"
+
+
+def test_a_snapshot_of_two_ranks_per_node_on_three_nodes_is_held_whole(aws: S3Server) -> None:
+    """Found by the ``node_lost_wide`` soak at its first snapshot: six ranks, two per node, snapshot ``snap-1`` (a
+    free path), every rank in turn. Every rank is told ``CheckpointExists`` ("not held by every rank: rank 1 ...
+    is already held in memory", ranks 1, 3 and 5). A daemon of several nodes takes a snapshot as complete once
+    the shards that reached it are held (``ckptd/lifecycle/holding.py``, ``_checksummed``; ``HeldSnapshot.complete``
+    counts no ranks for a coordinated one), so the node's first rank's shard takes the path, and its second rank,
+    arriving after that, meets a held snapshot there. Ranks of a node that save a few milliseconds apart (here
+    each rank's save is sent once the previous one's returned) lose every snapshot."""
+    machine = _machine(aws, world=6)
+    try:
+        sid, cids = machine._save(machine.job, list(range(6)), "memory", "step-1")
+        told = machine._outcomes(machine.job, cids)
+        assert all(o["ok"] for o in told.values()), f"snapshot {sid} of a free path: {told}"
+    finally:
+        machine.job.kill()
+        machine.w.close()
 
 
 def test_a_snapshot_refused_on_some_nodes_is_never_resumed_as_a_mix_with_what_they_hold(aws: S3Server) -> None:
