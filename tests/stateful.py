@@ -36,7 +36,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from jobs import Job, killed
 from s3server import S3Server
 from stateful_checks import Checks
-from stateful_nodes import NodeLoss
+from stateful_nodes import NodeLoss, NodeLossRules
 from stateful_world import CONFIGS, KILL_POINTS, NAMES, SNAPSHOTS, Config, Model, Saved, World, launch_for
 
 HANG_S = 240.0
@@ -49,7 +49,8 @@ lives (``Conflict``), or after it committed (``CheckpointExists``, without overw
 
 class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
     """Saves of every tier by jobs of 1-6 ranks on one to three nodes; crashes of ranks, jobs and daemons (also
-    inside a write, a publish, a retention); overlapping live runs; outages; nodes lost whole (``NodeLoss``)."""
+    inside a write, a publish, a retention); overlapping live runs; outages. With peers, ``NodeLossMachine`` adds
+    nodes lost whole and resumes."""
 
     s3: S3Server  # set by run_stateful before the machine runs
     cfg: Config
@@ -468,6 +469,10 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
         wait_until(cond, timeout, what)
 
 
+class NodeLossMachine(NodeLossRules, CheckpointMachine):
+    """The machine of a configuration with peers: nodes lost whole, and resumes (``tests/stateful_nodes.py``)."""
+
+
 STATS: list[tuple[list[str], int, str]] = []
 """(rules run, world, launcher) of every example run in this process: the tests report how much they ran."""
 
@@ -477,7 +482,8 @@ def run_stateful(s3: S3Server, config: str, *, examples: int, steps: int, derand
     steps, the world sizes and launchers drawn, how often each rule ran). Shrinking replays sequences against real
     processes (minutes per failure), so the short run leaves it off: the failing sequence is printed either way
     (STATEFUL_VERBOSE=1 prints every sequence run)."""
-    machine = type(f"Machine_{config}", (CheckpointMachine,), {"s3": s3, "cfg": CONFIGS[config]})
+    base = NodeLossMachine if CONFIGS[config].peers else CheckpointMachine
+    machine = type(f"Machine_{config}", (base,), {"s3": s3, "cfg": CONFIGS[config]})
     phases = [Phase.generate, Phase.shrink] if shrink else [Phase.generate]
     STATS.clear()
     started = time.monotonic()

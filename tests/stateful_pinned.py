@@ -10,14 +10,14 @@ from __future__ import annotations
 from helpers import wait_until
 from s3server import S3Server
 
-from stateful import HANG_S, CheckpointMachine
+from stateful import HANG_S, CheckpointMachine, NodeLossMachine
 from stateful_world import CONFIGS
 
 
 def _machine(aws: S3Server, world: int = 3, **allowed: bool) -> CheckpointMachine:
     """The ``node_lost`` configuration's machine (three nodes, ``world`` ranks spread evenly over them), with the
     known defects named in ``allowed`` no longer allowed."""
-    machine = type("Machine_node_lost", (CheckpointMachine,), {"s3": aws, "cfg": CONFIGS["node_lost"], **allowed})()
+    machine = type("Machine_node_lost", (NodeLossMachine,), {"s3": aws, "cfg": CONFIGS["node_lost"], **allowed})()
     machine.world, machine.form = world, "torchrun-c10d"
     machine.job = machine._new_job()
     return machine
