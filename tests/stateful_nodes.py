@@ -1,9 +1,11 @@
 """The stateful test's node-loss rule: a node of a ring of peers is lost whole, a replacement starts, the job resumes.
 
-A mixin of ``tests/stateful.py``'s machine, on a configuration with
-``Config.peers`` (``stateful_world.CONFIGS["node_lost"]``): each node's daemon
-replicates the snapshots it holds to the next node's (docs/memory.md, "Surviving
-the loss of a node"). The rule kills a node's daemon and its ranks with SIGKILL
+Two mixins of ``tests/stateful.py``'s machine: ``NodeLoss``, the bookkeeping, in
+every machine, and ``NodeLossRules``, the rules (``node_is_lost``,
+``job_resumes``), only in ``NodeLossMachine``, the machine of a configuration
+with ``Config.peers`` (``stateful_world.CONFIGS["node_lost"]``): each node's
+daemon replicates the snapshots it holds to the next node's (docs/memory.md,
+"Surviving the loss of a node"). ``node_is_lost`` kills a node's daemon and its ranks with SIGKILL
 (the buddy too, for a double loss), may first change a byte of the replica the
 lost node's replacement would read back, starts a replacement in a new run
 directory with a new key pair (its line replacing its predecessor's in the keys
