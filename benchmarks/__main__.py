@@ -25,7 +25,8 @@ HERE = Path(__file__).resolve().parent
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: checks the harness in seconds")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the saved tensors live")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the saved tensors live; cuda runs the GPU check alone (gpu_check, 4 GiB by default)")
     p.add_argument("--only", default="", help="comma-separated case names or sections, shell patterns allowed "
                                               "(e.g. 'save,load_ckptd*'); default every case")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
@@ -45,6 +46,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         s.size_gib = args.size_gib
     if args.repeat is not None:
         s.repeat = s.limit_repeat = args.repeat
+    if args.device == "cuda" and args.size_gib is None and not args.smoke:
+        s.size_gib = 4.0  # the GPU check's state
     if s.repeat < 1 or s.size_gib <= 0:
         raise SystemExit("python -m benchmarks: --repeat must be at least 1 and --size-gib positive")
     return s
@@ -85,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     for reason in skipped.values():
         print(f"[bench] skipping a peer: {reason}", file=sys.stderr, flush=True)
     patterns = [p.strip() for p in args.only.split(",") if p.strip()]
+    if not patterns:  # a cuda run is the GPU check; a CPU run tries it only when named (or in a smoke run)
+        cases = [c for c in cases if (c.section == "gpu") == (args.device == "cuda") or (args.smoke and c.section == "gpu")]
     if patterns:
         cases = [c for c in cases if any(fnmatch.fnmatch(c.name, p) or c.section == p for p in patterns)]
         if not cases:

@@ -59,7 +59,8 @@ def missing_peers() -> dict[str, str]:
 class Case:
     name: str
     section: str
-    """``save``, ``multi``, ``scaling``, ``load``, ``sharded``, ``objects`` or ``steps``: where the report puts it."""
+    """``save``, ``multi``, ``scaling``, ``load``, ``sharded``, ``objects``, ``steps`` or ``gpu``: where the report
+    puts it. ``gpu`` (``gpu_check``) is the whole of a ``--device cuda`` run, and in a CPU run only when named."""
     method: str
     label: str
     repeat: int
@@ -103,6 +104,8 @@ def registry(s: Settings) -> list[Case]:
     out += [Case(m, method="torchckpt", label=label, repeat=s.repeat, params={"fsync": fsync}, **save)
             for m, (label, fsync) in TORCHCKPT_MODES.items()]
     out += [Case("ckptd_sync", method="ckptd", label="ckptd save_async, sync staging", repeat=s.repeat, **save),
+            Case("ckptd_sync_noreserve", method="ckptd", label="ckptd save_async, sync staging, no reserve_bytes",
+                 repeat=s.repeat, params={"reserve": False}, **save),
             Case("ckptd_sync_stream", method="ckptd", label="ckptd save_async, sync staging, stream_commit=True",
                  repeat=s.repeat, params={"stream_commit": True}, **save),
             Case("ckptd_bg", method="ckptd", label="ckptd save_async, background staging", repeat=s.repeat,
@@ -140,6 +143,9 @@ def registry(s: Settings) -> list[Case]:
         out += [Case(f"steps_{name}", section="steps", method="steps", label=label, repeat=s.repeat,
                      state="trainee", size_gib=s.steps_gib, params={"integration": name, "every": s.steps_every})
                 for name, label in STEP_CASES.items() if name != "torchtitan" or TT_PY.exists()]
+    out.append(Case("gpu_check", section="gpu", method="gpu_check", repeat=s.repeat, size_gib=s.size_gib, device=dev,
+                    label="GPU check: D2H staging, staging against DCP's pinned stager, step-time cost",
+                    params={"steps_gib": s.steps_gib, "every": s.steps_every, "saves": s.repeat}))
     absent = {m for module in missing_peers() for m in (PEER_CASES[module][1] if module in PEER_CASES
                                                          else TORCHTITAN_CASES)}
     return [c for c in out if c.name not in absent and c.params.get("mode") not in absent]  # dense, sharded

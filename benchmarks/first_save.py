@@ -2,6 +2,11 @@
 
     python -m benchmarks.first_save --mib 256 --repeat 3
 
+Then, through a real daemon and ``ckptd.Client()`` without ``reserve_bytes``: the transformer state of the same
+size, a fresh client's first save against its next ones (sync staging, each client fresh, ``--repeat`` clients),
+and the two ways of setting up a fresh slot timed side by side: ``pwritev`` of the tensors into the empty file
+(what ``Slot.fill`` does now, on 1 and 2 threads) and allocate + populate + copy (what the first save did before).
+
 A client's first save makes its slot: ``posix_fallocate`` (tmpfs allocates and zeroes every page) and a
 populate for writing (``MADV_POPULATE_WRITE``: every page table entry), then the copy. A steady save only copies
 into the reused slot. This times each part on one thread, and the allocate+populate split over 2 and 4
@@ -16,6 +21,7 @@ import argparse
 import ctypes
 import mmap
 import os
+import shutil
 import statistics
 import threading
 import time
@@ -70,6 +76,48 @@ def one(size: int, threads: int, src: torch.Tensor) -> dict[str, float]:
         os.unlink(path)
 
 
+def pwrite_fresh(size: int, threads: int, src: torch.Tensor) -> float:
+    """``pwritev`` of ``src`` into an empty tmpfs file on ``threads`` threads, as ``client/fill.py`` writes a fresh
+    slot; seconds."""
+    from ckptd.client.fill import _write_batch
+    from concurrent.futures import ThreadPoolExecutor
+    path = shm_dir() / f"ckptd-bench-first-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    view = memoryview((ctypes.c_char * size).from_address(src.data_ptr())).cast("B")
+    pool = ThreadPoolExecutor(threads - 1) if threads > 1 else None
+    try:
+        os.ftruncate(fd, size)
+        started = time.perf_counter()
+        _write_batch(fd, [(0, view)], threads, pool)
+        return time.perf_counter() - started
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        os.close(fd)
+        os.unlink(path)
+
+
+def client_saves(mib: int, repeat: int) -> dict[str, list[float]]:
+    """Blocking seconds of a fresh client's first save (no ``reserve_bytes``) and of its next three, ``repeat``
+    clients one after the other on one daemon."""
+    import tempfile
+    import ckptd
+    from .saves import BenchDaemon
+    from .state import build
+    bench = build("transformer", mib / 1024)
+    out: dict[str, list[float]] = {"first": [], "steady": []}
+    with tempfile.TemporaryDirectory(prefix="ckbench-first-") as root, BenchDaemon(Path(root)) as daemon:
+        for c in range(repeat):
+            with ckptd.Client(run_dir=daemon.run_dir, spawn=False, max_inflight=1) as client:
+                for i in range(4):
+                    t0 = time.perf_counter()
+                    fut = client.save_async(bench.state, Path(root) / f"c{c}-{i}", step=i)
+                    (out["first"] if i == 0 else out["steady"]).append(time.perf_counter() - t0)
+                    fut.result()
+                    shutil.rmtree(Path(root) / f"c{c}-{i}")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=256)
@@ -86,6 +134,16 @@ def main() -> None:
         print(f"threads {threads}: fallocate {med['fallocate']:.3f} s, allocate+populate {med['prepare']:.3f} s, "
               f"copy {med['copy_fresh_slot']:.3f} s, steady copy {med['copy_reused']:.3f} s; "
               f"first ÷ steady {first / med['copy_reused']:.2f}")
+    for threads in (1, 2):
+        runs = [pwrite_fresh(size, threads, src) for _ in range(args.repeat)]
+        print(f"pwritev into an empty slot file, {threads} thread(s): {statistics.median(runs):.3f} s "
+              f"({', '.join(f'{r:.3f}' for r in runs)})")
+    saves = client_saves(args.mib, args.repeat)
+    first, steady = statistics.median(saves["first"]), statistics.median(saves["steady"])
+    print(f"ckptd.Client without reserve_bytes, transformer state of {args.mib} MiB: first save blocking {first:.3f} s, "
+          f"steady {steady:.3f} s: first ÷ steady {first / steady:.2f} (firsts: "
+          f"{', '.join(f'{r:.3f}' for r in saves['first'])}; steadies: "
+          f"{', '.join(f'{r:.3f}' for r in saves['steady'])})")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from . import integration_steps, limits, loads, objects, ranks, saves, snapshots
+from . import gpu_check, integration_steps, limits, loads, objects, ranks, saves, snapshots
 from .cases import Case
 from .limits import memory
 from .state import BYTES_PER_PARAM, build, param_count, pick_width
@@ -50,8 +50,9 @@ METHODS: dict[str, Callable[[Case, Path], dict]] = {
     "torch_save": _with_state(lambda c, d, b, rss: saves.torch_saves(b.state, d, c.repeat, rss)),
     "dcp": _with_state(lambda c, d, b, rss: saves.dcp_saves(b.state, d, c.repeat, rss, **c.params)),
     "torchckpt": _with_state(lambda c, d, b, rss: saves.torchckpt_saves(b.state, d, c.repeat, rss, **c.params)),
-    "ckptd": _with_state(lambda c, d, b, rss: saves.ckptd_saves(b.state, d, c.repeat, rss, **c.params,
-                                                                reserve_bytes=b.nbytes + (1 << 20))),
+    "ckptd": _with_state(lambda c, d, b, rss: saves.ckptd_saves(
+        b.state, d, c.repeat, rss, **{k: v for k, v in c.params.items() if k != "reserve"},
+        reserve_bytes=b.nbytes + (1 << 20) if c.params.get("reserve", True) else None)),
     "scaling": _with_state(_scaling),
     "snapshots": _with_state(lambda c, d, b, _: snapshots.snapshots(b.state, b.tensors, b.nbytes, d, c.repeat)),
     "raw_write": _raw_writes,
@@ -62,6 +63,7 @@ METHODS: dict[str, Callable[[Case, Path], dict]] = {
     "sharded": lambda c, d: ranks.sharded(d, size_gib=c.size_gib, repeat=c.repeat, **c.params),
     "objects": objects.objects_case,
     "steps": integration_steps.steps_case,
+    "gpu_check": gpu_check.gpu_check,
 }
 
 def child(case: Case, scratch: str, conn: Any, log: str) -> None:

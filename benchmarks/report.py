@@ -78,6 +78,8 @@ TARGETS = [Target(*row) for row in (  # text, measured, reference (None: the val
     ("blocking with sync staging ≤ 1.15 × memcpy", f"{S}.blocking", "memcpy.seconds", 1.15, 15),
     ("1,000 tensors of 256 B: blocking ≤ 5 ms", f"{S}_small.blocking", None, 0.005, 15),
     ("first save blocking ≤ 2 × a steady one", f"{S}.first_blocking", f"{S}.blocking", 2.0, 15),
+    ("first save blocking without reserve_bytes ≤ 2 × a steady one", f"{S}_noreserve.first_blocking",
+     f"{S}_noreserve.blocking", 2.0, 30),
     ("load_into one state dict, cold ≤ 1.15 × raw read", "load_ckptd_load_into_sd.cold", L, 1.15, 15),
     ("ckptd.load (owning copy), cold ≤ 1.2 × raw read", "load_ckptd_load_cpu.cold", L, 1.2, 15),
     ("FSDP2: blocking ≤ 1.2 × memcpy of the rank's local bytes", "sharded_ckptd.blocking", "sharded_memcpy.seconds",
@@ -101,7 +103,15 @@ TARGETS = [Target(*row) for row in (  # text, measured, reference (None: the val
      2.0, 20),
     ("load_into from memory, verify=False ≤ 1.2 × memcpy into the same targets", "snapshots.restore_into_unverified",
      "snapshots.memcpy_into", 1.2, 20),
-    ("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", "sharded_load_ckptd.cold", "sharded_load_dcp.cold", 0.8, 10))]
+    ("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", "sharded_load_ckptd.cold", "sharded_load_dcp.cold", 0.8, 10),
+    ("GPU: D2H staging into the pinned slot ≥ 90% of a pinned to(\"cpu\", non_blocking=True) (speed)",
+     "gpu_check.to_cpu", "gpu_check.ckptd_staged", 0.9, 30, "≥"),
+    ("GPU: blocking with sync staging ≤ DCP's pinned DefaultStager's staged time", "gpu_check.ckptd_blocking",
+     "gpu_check.dcp_staged", 1.0, 30),
+    ("GPU: background staging's staged time ≤ DCP's pinned DefaultStager's", "gpu_check.ckptd_bg_staged",
+     "gpu_check.dcp_staged", 1.0, 30),
+    ("GPU: steps between saves with background staging ≤ with awaited staging (interval of N steps)",
+     "gpu_check.background_interval", "gpu_check.awaited_interval", 1.0, 30))]
 SEPARATE = [  # measured by scripts of their own, not by ``make bench``: each with its command, date and load
     "DCP writer per save (issue #26, `CKPTD_ROOTS=... OMP_NUM_THREADS=1 torchrun --nproc-per-node N "
     "benchmarks/dcp_clients.py DIR --mib 128 --saves 8`, N = 1 and 2, 2026-12-01, library commit 398619d, load "
@@ -111,14 +121,41 @@ SEPARATE = [  # measured by scripts of their own, not by ``make bench``: each wi
     "now): first save 1.27 × (1 rank: 0.52 s vs 0.41) and 1.57 × (2 ranks: 0.57 vs 0.36); steady saves 3.08 × "
     "(0.55 vs 0.18) and 2.04 × (0.50 vs 0.24). The old default also never closed its clients: each save left its "
     "slot (the rank's shard) in /dev/shm until the process exited.",
-    ("First save without reserve_bytes, where its blocking goes (issue #30, `python -m benchmarks.first_save "
-     "--mib 256 --repeat 3`, 2026-12-02, 2 cores, load 2.0: other sessions' work shared the machine): the fresh "
-     "slot's posix_fallocate (tmpfs allocating and zeroing every page) 0.067 s and its populate for writing 0.084 s, "
-     "against 0.020 s for the copy itself, into fresh or reused memory alike: the first save's blocking is 8.6 x a "
-     "steady one's, all of the difference the kernel's page work. Split over 2 and 4 threads it takes 0.132 and "
-     "0.098 s (7.1 x and 5.5 x) on these 2 cores. /dev/shm here has no huge pages (shmem_enabled: never), which "
-     "would cut the faults 512-fold. The target (<= 2 x) is missed; the cause is measured, and no change to the "
-     "slot's set-up was made for it yet."),
+    ("First save without reserve_bytes, where its blocking went and what changed (issue #30, `python -m "
+     "benchmarks.first_save --mib 256 --repeat 3`): on 2026-12-02 at load 2.0 the fresh slot's posix_fallocate "
+     "(allocating every page) took 0.067 s and its populate for writing (zeroing and mapping every page) 0.084 s, "
+     "against 0.020 s for the copy: the first save blocked 8.6 x a steady one's. /dev/shm has no huge pages here "
+     "(shmem_enabled: never; anon THP: madvise). Options measured side by side on 256 MiB (2026-12-02, load 1.3-2.2, "
+     "steady copy 0.029-0.06 s): the copy faulting the pages itself 0.127 s; a helper thread faulting the next "
+     "16 MiB ahead of the copy 0.25-0.32 s (worse: both cores were busy); pages already allocated and zeroed by "
+     "another process (what a warm spare segment the daemon kept would give), mapped with MADV_POPULATE_READ "
+     "(fault-around: 16 pages a fault, writable in a shared tmpfs mapping) 0.016 s + the copy at steady speed "
+     "(1.5 x, but only where a spare of the right size exists); pwritev of the tensors into the empty file "
+     "(tmpfs allocates each page and copies into it, no zeroing, no page-table entries) 0.09-0.12 s on 1-2 "
+     "threads. The last is what a fresh slot's first save does now (client/fill.py, commit d328f41): the slot's "
+     "tail is reserved with posix_fallocate after, and its mapping populated on a helper thread for the next save. "
+     "Through a real daemon (same command, 2026-12-02, library commit b2d1c4b, load 8.7-10: other sessions' test "
+     "suites shared the machine): with OMP_NUM_THREADS=1 a fresh client's first save blocked 0.314 s against "
+     "0.252 s for its steady saves (1.25 x; firsts 0.259-0.431 s, steadies 0.169-0.494 s); with torch on both "
+     "cores the steady saves took 0.35-5.6 s at that load (torch's spinning OpenMP team on stolen cores; the "
+     "first save's pwritev has none), so that ratio (0.17 x) says nothing. The bench case ckptd_sync_noreserve "
+     "and its target (first save without reserve_bytes <= 2 x a steady one) are in the registry; no full run was "
+     "made this round to fill its row."),
+    ("FSDP2 blocking, profiled (issue #30, `python -m benchmarks.profile_sharded --ranks 4 --size-gib 1 --saves "
+     "5`, 2026-12-02, load 11-15: other sessions' work shared the machine, so only the split is meaningful): "
+     "cProfile of rank 0's five saves (one intra-op thread per rank, streamed commit by default there): "
+     "torch._foreach_copy_ 3.5 s of 8.2 s, flatten 3.9 s, of it dtensor_chunk 2.2 s (DeviceMesh.__hash__ for the "
+     "layout caches' keys, the rank asked of torch.distributed twice per DTensor, the placements checked again) and "
+     "msgpack ExtType 0.5 s. After caching the chunk layout by mesh identity, placements, shape and rank (commit "
+     "b2d1c4b): flatten 1.09 s of the profile, the copy 2.5 s. Blocking over a memcpy of the rank's local bytes in "
+     "those runs: 0.94 x and 1.52 x, within the spread the load makes (the target row needs a quiet run)."),
+    ("GPU check (issue #30): `python -m benchmarks --device cuda` runs one case (benchmarks/gpu_check.py: a 4 GiB "
+     "state on the GPU; D2H staging into the pinned slot against a pinned to(\"cpu\", non_blocking=True) of the "
+     "same tensors, blocking and staged time against DCP's pinned DefaultStager, step-time cost of background "
+     "against awaited staging with a small MLP training between saves) and writes benchmarks/out/run/results.jsonl "
+     "and RESULTS-cuda.md (`--out FILE` elsewhere). No GPU was lent this round: it ran on the CPU only "
+     "(`python -m benchmarks --only gpu_check --size-gib 0.125 --repeat 2`, 73 s at load 12), which tries the "
+     "harness; its CPU figures say nothing about a GPU and are not recorded."),
 ]
 PEER_NOTES = [  # how each peer is configured, and why: rendered under the first table of peers
     "DCP + reused DefaultStager: one stager for every save (its staging copies kept); PROCESS stages into shared "
@@ -337,6 +374,36 @@ def steps_table(recs: Records) -> str:
                   "snapshot ÷ persisted", "snapshot: interval cost s", "persisted: interval cost s",
                   "own: interval cost s", "interval: snapshot ÷ own", "interval: snapshot ÷ persisted"], rows)
 
+def gpu_table(recs: Records) -> str:
+    r = recs.get("gpu_check")
+    if r is None:
+        return ""
+    ref = med(r, "to_cpu")
+    rows = [[what, fmt(med(r, f"{k}_blocking") if k else None), fmt(med(r, f"{k}_staged") if k else med(r, limit)),
+             fmt(med(r, f"{k}_durable") if k else None),
+             fmt(div(nbytes(r) / GB, med(r, f"{k}_staged") if k else med(r, limit)), 2),
+             fmt(div(ref, med(r, f"{k}_staged") if k else med(r, limit)), 2)]
+            for what, k, limit in (("pinned tensor.to(\"cpu\", non_blocking=True) per tensor (limit)", None, "to_cpu"),
+                                   ("copy into one reused pinned buffer", None, "pinned_buffer"),
+                                   ("ckptd save_async, sync staging, into the pinned slot", "ckptd", None),
+                                   ("ckptd save_async, background staging", "ckptd_bg", None),
+                                   ("DCP async_save THREAD + reused pinned DefaultStager", "dcp", None))]
+    steps = [[mode, fmt(med(r, f"{mode}_step")), fmt(med(r, f"{mode}_interval")),
+              fmt(None if mode == "none" else med(r, f"{mode}_step") - med(r, "none_step")),
+              fmt(None if mode == "none" else gpu_interval_cost(r, mode))] for mode in ("none", "awaited", "background")
+             if med(r, f"{mode}_step") is not None]
+    return "\n\n".join([table(["what", "blocking s", "staged s", "durable s", "staged GB/s",
+                                "speed ÷ pinned to()"], rows),
+                         f"Steps of a {fmt(r.get('steps_nbytes', 0) / MIB, 0)} MiB MLP (state with AdamW's) trained on "
+                         f"the device, saved every {r['params']['every']} steps:",
+                         table(["saves", "step s (saving step)", "interval s", "step cost s", "interval cost s"],
+                               steps)])
+
+def gpu_interval_cost(r: dict, mode: str) -> float | None:
+    """Median interval of ``mode`` less ``every`` × the median step of the run that never saved."""
+    interval, plain = med(r, f"{mode}_interval"), med(r, "none_step")
+    return None if interval is None or plain is None else interval - r["params"]["every"] * plain
+
 def details(recs: Records) -> list[str]:
     def values(vs: list) -> str:
         return ", ".join(f"{v:.3f}" if v < 1e4 else f"{v / GIB:.2f} GiB" for v in vs)
@@ -388,6 +455,12 @@ def render(records: list[dict], meta: dict[str, Any]) -> str:
                "FSDP2 (`fully_shard`, gloo on CPU): the transformer and its AdamW state as DTensors; each save starts "
                "on a barrier, each figure is the slowest rank's. Reshard load: the state saved on N ranks (by ckptd, "
                "by `dcp.save`) into a fresh model's and optimizer's DTensors on N/2, checked per tensor."),
+              ("gpu", "GPU check", gpu_table,
+               "`python -m benchmarks --device cuda` (`benchmarks/gpu_check.py`): one process, one state of the "
+               "run's size on the device. Staged time against a pinned `tensor.to(\"cpu\", non_blocking=True)` of "
+               "the same tensors and against DCP's pinned `DefaultStager`; step-time cost of background staging "
+               "against an awaited one while a small model trains. On the CPU (`--only gpu_check`) the same code runs "
+               "host to host: it tries the harness, its figures say nothing about a GPU."),
               ("steps", "Step-time cost of a save, per integration", steps_table,
                "One process per integration trains an MLP with AdamW on the CPU (`benchmarks/steps.py`), saving "
                "every N steps through the integration: a memory snapshot (ckptd's memory tier: DCP "

@@ -35,14 +35,15 @@ class Trainee:
     """An MLP of ``LAYERS`` square layers, their width sized to ``size_gib`` of state (with AdamW's), and one batch
     to train on. Denormals are flushed to zero (``torch.set_flush_denormal``) so that no step slows as values
     shrink: the steps of every mode cost the same."""
-    def __init__(self, size_gib: float, seed: int = 0) -> None:
+    def __init__(self, size_gib: float, seed: int = 0, device: str = "cpu") -> None:
         torch.manual_seed(seed)
         torch.set_flush_denormal(True)
         width = max(WIDTH_STEP, round((size_gib * (1 << 30) / BYTES_PER_PARAM / LAYERS) ** 0.5 / WIDTH_STEP)
                     * WIDTH_STEP)
-        self.model = nn.Sequential(*(m for _ in range(LAYERS) for m in (nn.Linear(width, width), nn.ReLU())))
+        self.model = nn.Sequential(*(m for _ in range(LAYERS) for m in (nn.Linear(width, width), nn.ReLU()))
+                                   ).to(device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.x, self.y = torch.randn(BATCH, width), torch.randn(BATCH, width)
+        self.x, self.y = torch.randn(BATCH, width, device=device), torch.randn(BATCH, width, device=device)
     def loss(self, model: nn.Module | None = None) -> torch.Tensor:
         return nn.functional.mse_loss((model or self.model)(self.x), self.y)
     def step(self) -> None:

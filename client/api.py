@@ -22,7 +22,8 @@ from ckptd.protocol.objects import absolute, user_path
 
 from .checks import check_bool, check_client_args, check_int, check_keep_last, check_path, check_seconds, check_step
 from .connection import Connection
-from .coordinate import Coordinator, SaveSpec, agree_on_places
+from .coordinate import Coordinator, SaveSpec, agree_on_places, agree_on_ring
+from .fill import host_only
 from .incarnation import drawn, from_launcher, from_master
 from .flatten import Flat, flatten
 from .future import SaveFuture, SaveResult
@@ -30,7 +31,7 @@ from .memory import wait_replicated
 from .ranks import detect_ranks
 from .slots import Slot, SlotPool
 from .spawn import ensure_daemon
-from .staging import DeviceCopies, LayoutCache, overlap_pays, stage, streamable
+from .staging import DeviceCopies, LayoutCache, overlap_pays, stage, streamable, write_header
 
 
 MAX_RESERVE = 1 << 50
@@ -154,6 +155,14 @@ class Client:
         elif not self.job:
             self.job = from_master()
         self._conn = self._connect()
+        self.ring: dict[str, Any] | None = None
+        """What the ranks agreed on placement (``coordinate.agree_on_ring``); None on one node."""
+        if group is not None:
+            try:
+                self.ring = agree_on_ring(group, self._conn, self.endpoint, self.job)
+            except BaseException:
+                self._conn.close()
+                raise
         self._coordinator = Coordinator(group, lambda: self._conn, self.rank, self.job) if group is not None else None
         if reserve:
             try:
@@ -279,7 +288,13 @@ class Client:
         try:
             layout = self._layouts.layout(req.flat)
             req.slot = self._slots.take(layout.nbytes)
-            views = self._layouts.views(layout, req.slot)  # the header is in the slot from here on
+            if req.slot.fresh and not host_only(req.flat):
+                req.slot.prepare()  # CUDA copies land through the pinned mapping
+            views = None
+            if req.slot.fresh:
+                write_header(layout, req.slot)  # into its file: its mapping stays untouched (``Slot.fill``)
+            else:
+                views = self._layouts.views(layout, req.slot)  # the header is in the slot from here on
             stream = overlap_pays() if self.stream_commit is None else self.stream_commit
             if stream and streamable(req.flat, layout):
                 commit_id, accepted = self._send_commit(req, shard, layout, staged=layout.data_start)

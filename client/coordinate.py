@@ -11,6 +11,11 @@ resolves the same way.
 Collectives must run in the same order on every rank: saves are queued here
 in the order ``save_async`` was called and handled one at a time.
 
+Placement (``agree_on_ring``): once every rank is connected, the ranks agree
+on the node map (which ranks share a daemon) and exchange each daemon's peer
+key and endpoint over the same group; each node's first rank tells its own
+daemon the ring (``Ring``), so node i's snapshots are replicated on node i+1.
+
 What ranks tell each other is msgpack, sent as uint8 tensors (a length
 all-gather, then one padded all-gather or broadcast): never pickle, which
 would run whatever another process sent, and needs numpy to be installed.
@@ -18,6 +23,7 @@ would run whatever another process sent, and needs numpy to be installed.
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import threading
@@ -32,9 +38,11 @@ import torch.distributed as dist
 
 from ckptd.protocol.errors import CkptdError, Conflict, RanksMissing, error_for_code
 from ckptd.protocol.index import ShardRecord
-from ckptd.protocol.messages import Abort, Done, Durable, Finalize, Held
+from ckptd.protocol.messages import Abort, Done, Durable, Finalize, Held, PeerIdentity, PeerIdentityReply, Ring
 
 from .connection import Connection
+
+log = logging.getLogger("ckptd.client")
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,54 @@ def agree_on_places(endpoint: str, timeout: float, job: str) -> tuple[dist.Proce
         dist.destroy_process_group(group)
         return None, places[0][2]
     return group, places[0][2]
+
+
+def agree_on_ring(group: dist.ProcessGroup, conn: Connection, endpoint: str, job: str) -> dict[str, object]:
+    """Tell each node's daemon its place in the ring of the job's nodes; what was agreed, the same on every rank.
+
+    Collective over ``group`` (``agree_on_places``'s, never the training
+    group): every rank asks its daemon for its peer identity, the ranks gather
+    them, and the ranks sharing a daemon (same host and socket) are one node,
+    ordered by their lowest global rank. The nodes whose daemon has a peer
+    endpoint (``--peer-listen``) form the ring; each one's first rank sends its
+    daemon ``Ring``, and a last gather waits until every daemon answered, so
+    every daemon knows its buddy and trusts the others' keys before any rank
+    goes on (a replacement node's first ``latest()`` reads from its buddy).
+    A daemon that refuses, or predates, the ring is logged, never fatal: the
+    job trains on, that node without replicas.
+    """
+    try:
+        reply = conn.call(PeerIdentity(conn.next_id()))
+        key, listen = (reply.key, reply.endpoint) if isinstance(reply, PeerIdentityReply) else ("", "")
+    except Exception as exc:  # one that predates rings answers an unknown message type: no peer endpoint
+        log.info("ckptd: the daemon at %s names no peer identity (%s): this node is in no ring", endpoint, exc)
+        key, listen = "", ""
+    everyone = all_gather_msgpack([socket.gethostname(), endpoint, key, listen], group)
+    nodes: dict[tuple[str, str], int] = {}  # node -> its first rank, in rank order
+    for rank, (host, ep, _, _) in enumerate(everyone):
+        nodes.setdefault((host, ep), rank)
+    members = [first for first in nodes.values() if everyone[first][3]]
+    me = dist.get_rank(group)
+    outcome = None
+    if nodes[(socket.gethostname(), endpoint)] == me and me in members and len(members) >= 2:
+        try:
+            ring = Ring(conn.next_id(), job, members.index(me), tuple(everyone[r][3] for r in members),
+                        tuple(everyone[r][2] for r in members))
+            conn.call(ring)
+            outcome = "ok"
+        except Exception as exc:  # every rank must reach the gather below, whatever this daemon answered
+            outcome = f"node of rank {me} ({listen}): {exc.message if isinstance(exc, CkptdError) else repr(exc)}"
+    outcomes = all_gather_msgpack(outcome, group)
+    refused = [o for o in outcomes if o not in (None, "ok")]
+    agreed = {"nodes": len(nodes), "ring": [everyone[r][3] for r in members] if len(members) >= 2 else [],
+              "refused": refused}
+    if me == 0 and refused:
+        log.warning("ckptd: the ring of %d nodes was refused by some daemons (their snapshots are not "
+                    "replicated): %s", len(members), "; ".join(refused))
+    elif me == 0 and len(nodes) > 1 and len(members) < 2:
+        log.info("ckptd: %d of %d nodes have a peer endpoint (--peer-listen): no ring, snapshots are not "
+                 "replicated", len(members), len(nodes))
+    return agreed
 
 
 class Coordinator:

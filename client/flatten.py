@@ -43,7 +43,7 @@ from ckptd.protocol.structure import (
 )
 
 from .dtypes import SAFETENSORS_DTYPES
-from .sharding import LocalChunk, dtensor_chunk, is_dtensor, whole_chunk
+from .sharding import LocalChunk, dtensor_chunk, global_rank, is_dtensor, whole_chunk
 
 _KEY_TYPES = (str, int, float, bool, type(None))
 _MSGPACK_INT = (-(2**63), 2**64 - 1)
@@ -84,6 +84,7 @@ def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0,
     ``ckptd.dcp.StorageWriter``); the structure only names them.
     """
     _check_replicated(state, replicated)
+    this_rank = global_rank()  # once per save, not per DTensor
     tensors: list[tuple[str, torch.Tensor]] = []
     names: set[str] = set()
     by_identity: dict[int, msgpack.ExtType] = {}
@@ -115,7 +116,7 @@ def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0,
             if id(obj) in by_identity:  # the same tensor object twice: stored once
                 return by_identity[id(obj)]
             if type(obj) is not torch.Tensor and is_dtensor(obj):  # a plain tensor needs no isinstance
-                ref = global_ref(dtensor_chunk(obj, lambda: _describe(path)), path)
+                ref = global_ref(dtensor_chunk(obj, lambda: _describe(path), this_rank), path)
             elif path and path[0] in replicated:
                 ref = global_ref(whole_chunk(obj, rank), path)
                 under_replicated[path[0]].append((ref.data.decode(), str(obj.dtype), list(obj.shape)))

@@ -382,6 +382,8 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
             if _my_rank() in s["ranks_held"]:
                 on_peers.append((key, str(root / name), s["path"]))
             continue
+        if not _serves_this_rank(s):
+            continue
         candidates[str(root / name)] = max(key, candidates.get(str(root / name), key))
     best_here = max(candidates.values(), default=None)
     for key, shown, held_as in sorted(on_peers, reverse=True):  # this node lost them: the newest that restores
@@ -419,6 +421,23 @@ def _agreed(candidates: dict[str, tuple[int, float]]) -> dict[str, tuple[int, fl
                     "with the peer holding its replica, or a replica that failed its check); resuming from what "
                     "every rank holds", lacking[0][1], lacking[0][0])
     return agreed
+
+
+def _serves_this_rank(held: dict[str, Any]) -> bool:
+    """Whether this rank can resume from a snapshot this node holds: all of it is here, or (a snapshot that spans
+    nodes, of which this node holds its own ranks' shards) the world is the one that saved it and this rank's
+    shard is among them. A world of another size would need shards held on other nodes, or none (a resharded
+    resume reads every rank's regions): such a snapshot is passed over, and the ranks agree on what every one of
+    them can read (a persisted checkpoint), never some from memory and others from disk."""
+    if len(held["ranks_held"]) >= held["world_size"]:
+        return True
+    return _my_world() == held["world_size"] and _my_rank() in held["ranks_held"]
+
+
+def _my_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _my_rank() -> int:

@@ -24,8 +24,9 @@ from collections.abc import Sequence
 
 import torch
 
+MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
-"""From linux/mman.h (Python's ``mmap`` module lacks it before 3.13)."""
+"""From linux/mman.h (Python's ``mmap`` module lacks them before 3.13)."""
 STEP = 8 << 20
 """Bytes populated per call: small enough that the helper notices the reader passing it."""
 
@@ -37,15 +38,16 @@ except (OSError, AttributeError):  # no libc madvise here: the reader faults pag
     _madvise = None
 
 
-def populate(start: int, end: int) -> bool:
-    """Populate for writing every page holding a byte of [start, end); False if the kernel refused or lacks the call.
+def populate(start: int, end: int, advice: int = MADV_POPULATE_WRITE) -> bool:
+    """Populate for writing (or with ``MADV_POPULATE_READ``, for reading) every page holding a byte of [start, end);
+    False if the kernel refused or lacks the call.
 
     Rounding outward is safe: a page holding any byte of a tensor is mapped, and populating a page already
     present changes nothing (a missing one reads as zeros either way).
     """
     lo = start // mmap.PAGESIZE * mmap.PAGESIZE
     hi = -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
-    return _madvise is not None and _madvise(lo, hi - lo, MADV_POPULATE_WRITE) == 0
+    return _madvise is not None and _madvise(lo, hi - lo, advice) == 0
 
 
 class Prefault:

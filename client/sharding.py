@@ -60,18 +60,43 @@ def _named(where: Where) -> str:
     return where() if callable(where) else where
 
 
-def dtensor_chunk(t: "DTensor", where: Where) -> LocalChunk:
-    """This rank's chunk of ``t``; ``where`` names its key path in errors."""
-    offsets, sizes = target_region(t, where)
+def dtensor_chunk(t: "DTensor", where: Where, rank: int | None = None) -> LocalChunk:
+    """This rank's chunk of ``t``; ``where`` names its key path in errors; ``rank``: this process's global rank
+    (``global_rank()``), which a save of many DTensors asks once."""
+    rank = global_rank() if rank is None else rank
+    shape = tuple(t.shape)
+    sizes, offsets, owned = _chunk_layout(t.device_mesh, tuple(t.placements), shape, rank, where)
     local = _local(t)
     if tuple(local.shape) != sizes:
         raise ValueError(f"{_named(where)}: the DTensor's local shape {tuple(local.shape)} disagrees with the {sizes} "
                          "its mesh and placements give")
-    return LocalChunk(local, offsets, tuple(t.shape),
-                      _owned(t.device_mesh, tuple(t.placements), tuple(t.shape), _global_rank()))
+    return LocalChunk(local, offsets, shape, owned)
 
 
-def _global_rank() -> int:
+_layouts: dict[tuple, tuple[object, tuple[int, ...], tuple[int, ...], bool]] = {}
+"""``_chunk_layout``'s answers by (mesh id, placements, shape, rank), each with its mesh (an id is reused only after
+its mesh is gone: the entry is then a miss). A save of FSDP2 state asks for hundreds of DTensors each time; hashing a
+``DeviceMesh`` (its ``__hash__``) and checking the placements again cost more than the copy of a small tensor."""
+MAX_LAYOUTS = 65536
+
+
+def _chunk_layout(mesh: object, placements: tuple, shape: tuple[int, ...], rank: int,
+                  where: Where) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+    """(sizes, offsets, owned) of this rank's chunk of a DTensor of this layout; the placements checked once."""
+    key = (id(mesh), placements, shape, rank)
+    hit = _layouts.get(key)
+    if hit is not None and hit[0] is mesh:
+        return hit[1], hit[2], hit[3]
+    _check_placements(placements, where)
+    sizes, offsets = _region(mesh, placements, shape, rank)
+    owned = _owned(mesh, placements, shape, rank)
+    if len(_layouts) >= MAX_LAYOUTS:
+        _layouts.clear()
+    _layouts[key] = (mesh, sizes, offsets, owned)
+    return sizes, offsets, owned
+
+
+def global_rank() -> int:
     """Part of every cache key: a process that joins a new group under another rank must not reuse layouts."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
 
@@ -107,14 +132,18 @@ def target_region(t: "DTensor", where: Where) -> tuple[tuple[int, ...], tuple[in
     yet, and strided shards are not supported; both are refused naming the key.
     """
     placements = tuple(t.placements)
+    _check_placements(placements, where)
+    sizes, offsets = _region(t.device_mesh, placements, tuple(t.shape), global_rank())
+    return offsets, sizes
+
+
+def _check_placements(placements: tuple, where: Where) -> None:
     for p in placements:
         if p.is_partial():
             raise ValueError(f"{_named(where)} is a DTensor with a Partial placement ({p}): its value is a pending "
                              "reduction; redistribute it to Shard or Replicate before saving or loading")
         if type(p) not in (Shard, Replicate):
             raise TypeError(f"{_named(where)} is a DTensor with placement {p!r}; ckptd handles Shard(d) and Replicate()")
-    sizes, offsets = _region(t.device_mesh, placements, tuple(t.shape), _global_rank())
-    return offsets, sizes
 
 
 @functools.lru_cache(maxsize=65536)

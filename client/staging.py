@@ -74,7 +74,7 @@ class LayoutCache:
     def copy(self, flat: Flat, layout: ShardLayout, slot: Slot) -> bool:
         """Stage ``flat`` into ``slot`` in one batched host copy (no Python per tensor) if ``layout`` is the cached
         one and every tensor is on the host; False where ``stage`` must do it."""
-        if layout is not self._layout or not self._on_host:
+        if layout is not self._layout or not self._on_host or slot.fresh:
             return False
         tensors, views = flat.tensors, self.views(layout, slot)
         if views:
@@ -126,8 +126,12 @@ class DeviceCopies:
 
 
 def write_header(layout: ShardLayout, slot: Slot) -> None:
+    """The shard's header into ``slot``: written to the file while the slot is fresh (its mapping untouched)."""
     assert slot.size >= layout.nbytes, "slot too small for the shard"
-    slot.tensor[: layout.data_start].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
+    if slot.fresh:
+        slot.write(0, layout.header)
+    else:
+        slot.tensor[: layout.data_start].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
 
 
 def streamable(flat: Flat, layout: ShardLayout) -> bool:
@@ -157,8 +161,13 @@ def stage(flat: Flat, layout: ShardLayout, slot: Slot, progress: Callable[[int],
     tensor); with ``progress``, one batch per ``PROGRESS_EVERY`` bytes, each
     followed by ``progress(upto)``, the file offset below which the slot is
     final. ``views``: the slot's typed views per entry (``LayoutCache.views``).
-    Returns the CUDA copies still running, if any.
+    Returns the CUDA copies still running, if any. A fresh slot (a host-only
+    state's first save into it) is written with ``pwritev`` instead
+    (``Slot.fill``): none of its pages is allocated, zeroed or mapped yet.
     """
+    if slot.fresh:
+        slot.fill(flat, layout, progress)
+        return None
     buf = slot.tensor
     start = layout.data_start
     by_name = dict(flat.tensors)

@@ -20,6 +20,8 @@ Conversation::
     Snapshots        ──▶        SnapshotList      (what the daemon holds in memory)
     PeerSnapshots    ──▶        SnapshotList      (that, and its peers' replicas of snapshots it does not hold)
     Restore          ──▶        Ok | Error        (bring a snapshot back from a peer's replica into this node's memory)
+    PeerIdentity     ──▶        PeerIdentityReply (the daemon's peer key and endpoint; empty without --peer-listen)
+    Ring             ──▶        Ok | Error        (a node's first rank: the job's nodes, in ring order, and their keys)
     Pin              ──▶        SnapshotList      (that snapshot, kept as it is until Unpin: a reader's lease)
     Unpin            ──▶        Ok
     Staged           ──▶        (nothing: a notice; one for a save that ended is ignored)
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -304,6 +307,79 @@ class Unpin(Message):
     type: ClassVar[str] = "unpin"
 
 
+PEER_KEY = re.compile(r"[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")
+"""A daemon's CurveZMQ public key in Z85: 40 characters of its alphabet (``ckptd peer-key`` prints it)."""
+PEER_ENDPOINT = re.compile(r"tcp://[^:/\s]+:(\d{1,5})")
+"""Where other nodes' daemons reach a daemon (``--peer-listen``): ``tcp://HOST:PORT``."""
+
+
+@dataclass(frozen=True)
+class PeerIdentity(Message):
+    """Ask the daemon who it is to other nodes' daemons (``PeerIdentityReply``): what a rank tells the job's other
+    ranks when they agree on the ring (``client/coordinate.py``)."""
+
+    type: ClassVar[str] = "peer_identity"
+
+
+@dataclass(frozen=True)
+class PeerIdentityReply(Message):
+    """The daemon's CurveZMQ public key (Z85) and the endpoint its peers reach it at (``--peer-listen``, a
+    wildcard host replaced by this host's name); both empty when it opened no peer endpoint."""
+
+    key: str
+    endpoint: str
+    type: ClassVar[str] = "peer_identity_reply"
+
+    def __post_init__(self) -> None:
+        if (self.key == "") != (self.endpoint == ""):
+            raise BadMessage("peer_identity_reply: a key and an endpoint, or neither")
+        if self.key:
+            _check_peer(self.key, self.endpoint, "peer_identity_reply")
+
+
+@dataclass(frozen=True)
+class Ring(Message):
+    """The placement of run ``job``'s snapshots, from the first rank of each of its nodes to that node's daemon.
+
+    ``endpoints`` and ``keys`` name the job's nodes that have a peer endpoint, in ring order (each node's
+    lowest global rank), and this daemon is node ``node``: its snapshots are replicated on node ``node + 1``
+    (the last node's on node 0), and it trusts every key listed (the job's ranks vouch for them, as the job's
+    own gloo group does). Only a rank of ``job`` connected to this daemon may send it; a daemon without
+    ``--peer-listen`` answers ``Ok`` and ignores it. The newest ring replaces the one before.
+    """
+
+    job: str
+    node: int
+    endpoints: tuple[str, ...]
+    keys: tuple[str, ...]
+    type: ClassVar[str] = "ring"
+
+    def __post_init__(self) -> None:
+        _check_job(self.job)
+        if not self.job:
+            raise BadMessage("ring.job is empty: a ring names the run whose ranks agreed on it")
+        if not 2 <= len(self.endpoints) <= MAX_WORLD_SIZE or len(self.keys) != len(self.endpoints):
+            raise BadMessage(f"ring: {len(self.endpoints)} endpoints and {len(self.keys)} keys; a ring has one key "
+                             f"per endpoint, for 2 to {MAX_WORLD_SIZE} nodes")
+        if self.node >= len(self.endpoints):
+            raise BadMessage(f"ring.node {self.node} is not one of its {len(self.endpoints)} nodes")
+        for i, (key, endpoint) in enumerate(zip(self.keys, self.endpoints)):
+            _check_peer(key, endpoint, f"ring node {i}")
+        for what, values in (("endpoints", self.endpoints), ("keys", self.keys)):
+            if len(set(values)) != len(values):
+                twice = next(v for v in values if values.count(v) > 1)
+                raise BadMessage(f"ring.{what} names {twice!r} twice: every node of a ring is another daemon")
+
+
+def _check_peer(key: str, endpoint: str, where: str) -> None:
+    """A peer's key and endpoint as ``ckptd peer-key`` and ``--peer-listen`` give them, or BadMessage naming it."""
+    if not PEER_KEY.fullmatch(key):
+        raise BadMessage(f"{where}: key {key[:48]!r} is not a CurveZMQ public key (40 characters of Z85)")
+    match = PEER_ENDPOINT.fullmatch(endpoint)
+    if match is None or not 1 <= int(match.group(1)) <= 65535:
+        raise BadMessage(f"{where}: endpoint {endpoint[:80]!r} is not tcp://HOST:PORT with PORT in 1..65535")
+
+
 def _check_path(path: str) -> None:
     """Refuse a checkpoint path whose name cannot exist on disk while it is written.
 
@@ -513,7 +589,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.type: cls
     for cls in (Hello, Welcome, WriteShard, Staged, Accepted, Durable, Finalize, Abort, Done, Lease, Granted, Release, Error,
                 Status, StatusReply, Ping, Pong, Bye, Stop, Ok, Snapshot, Held, Persist, Snapshots, SnapshotList,
-                Pin, Unpin, Delete, PeerSnapshots, Restore)
+                Pin, Unpin, Delete, PeerSnapshots, Restore, PeerIdentity, PeerIdentityReply, Ring)
 }
 
 

@@ -21,7 +21,8 @@ LONGEST_FIRST = ("test_readme", "test_bench_smoke", "test_object_storage", "test
                  "test_mirror", "test_mirror_retention", "test_snapshots_reads", "test_crash_consistency",
                  "test_lightning_sharded", "test_drain", "test_snapshots_persist", "test_fsdp2_example",
                  "test_dcp_replace", "test_dcp_reader", "test_dcp_clients", "test_multinode_debris",
-                 "test_incarnations", "test_fuzz_daemon", "test_peers", "test_fuzz_peers")
+                 "test_incarnations", "test_fuzz_daemon", "test_ring", "test_peers", "test_peer_outages",
+                 "test_fuzz_peers")
 """The modules that take longest (seconds of waiting on processes each), run first: longest first, as measured
 by ``make test PYTEST_ARGS=--durations=0`` (setup, call and teardown summed per module)."""
 

@@ -34,6 +34,13 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._cut = False
+        self._budget: int | None = None
+        """Bytes still forwarded towards the target before a cut or a stall; None: no limit."""
+        self._stall = False
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self.stalled = threading.Event()
+        """Set once ``stall_after``'s bytes went through and the stream is held."""
         self._closed = threading.Event()
         self._deadline = time.monotonic() + lifetime
         self.connections = 0
@@ -56,9 +63,24 @@ class TcpProxy:
         for s in doomed:
             _reset(s)
 
+    def cut_after(self, nbytes: int) -> None:
+        """Forward ``nbytes`` more towards the target, then ``cut()``: an outage in the middle of a stream, at a
+        point the test chose rather than a moment it raced for."""
+        with self._lock:
+            self._budget, self._stall = nbytes, False
+
+    def stall_after(self, nbytes: int) -> None:
+        """Forward ``nbytes`` more towards the target, then hold what comes (the sender's buffers fill; nothing is
+        reset) until ``restore()``: a stream held at a point the test chose (``stalled`` is set once it is)."""
+        with self._lock:
+            self._budget, self._stall = nbytes, True
+            self.stalled.clear()
+
     def restore(self) -> None:
         with self._lock:
             self._cut = False
+            self._budget = None
+        self._flowing.set()
 
     @property
     def is_cut(self) -> bool:
@@ -102,18 +124,26 @@ class TcpProxy:
                     continue
                 self._open |= {conn, upstream}
                 self.connections += 1
-            for a, b in ((conn, upstream), (upstream, conn)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            for a, b, towards_target in ((conn, upstream, True), (upstream, conn, False)):
+                threading.Thread(target=self._pump, args=(a, b, towards_target), daemon=True).start()
         self._closed.set()
         self.cut()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, towards_target: bool) -> None:
         """Copy one direction until either side ends; then end both."""
         try:
             while True:
                 data = src.recv(BUFFER)
                 if not data:
                     break
+                if towards_target and self._spend(len(data)):
+                    if not self._stall:
+                        self.cut()
+                        break
+                    self.stalled.set()
+                    while not self._flowing.wait(0.2):
+                        if self._closed.is_set():
+                            return
                 dst.sendall(data)
         except OSError:
             pass
@@ -122,6 +152,20 @@ class TcpProxy:
             self._open.discard(dst)
         for s in (src, dst):
             _reset(s)
+
+
+    def _spend(self, nbytes: int) -> bool:
+        """Count ``nbytes`` against ``cut_after``'s budget; True once it is spent (the bytes are not sent)."""
+        with self._lock:
+            if self._budget is None:
+                return False
+            if nbytes > self._budget:
+                self._budget = None
+                if self._stall:
+                    self._flowing.clear()
+                return True
+            self._budget -= nbytes
+            return False
 
 
 def _reset(s: socket.socket) -> None:

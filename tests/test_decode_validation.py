@@ -81,6 +81,10 @@ VALID_FIELDS: dict[str, dict[str, Any]] = {
     "snapshots": {},
     "peer_snapshots": {},
     "restore": {"path": "/ckpt/step-101"},
+    "peer_identity": {},
+    "peer_identity_reply": {"key": "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7", "endpoint": "tcp://node-a:47101"},
+    "ring": {"job": "run:1", "node": 0, "endpoints": ["tcp://node-a:47101", "tcp://node-b:47101"],
+             "keys": ["rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7", "JTKVSB%%)wK0E.X)V>+}o?pNmC{O&4W4b!Ni{Lh6"]},
     "snapshot_list": {"snapshots": [{"path": "/ckpt/step-101", "shards": [[0, "ckptd-1000-4242-1", 4128, 1, 2]]}]},
 }
 VALID_FIELDS["snapshot"] = VALID_FIELDS["commit"]  # a snapshot stages and checks exactly like a commit

@@ -173,6 +173,9 @@ def test_a_lost_node_resumes_bitwise_from_its_buddy_and_a_corrupted_replica_is_n
     ctx, _ = cluster.job(persist=[5], snapshots=[10, 20])
     documented = documented_status_paths()
     for node in range(NODES):
+        # --keep-snapshots 1: a multi-node (coordinated) snapshot drops its job's older one once held (they used
+        # to pile up until the budget refused the next)
+        assert [s["path"] for s in cluster.status(node)["memory"]["snapshots"]] == [str(root / "step-20")]
         assert _held(cluster.status(node), "step-20")["replication"] == "replicated"
         assert not status_paths(cluster.status(node)) - documented, "docs/status.md lacks a key of the peers'"
         held = cluster.status((node + 1) % NODES)["peers"]["replicas_held"]["held"]
@@ -229,3 +232,42 @@ def test_when_both_holders_of_a_shard_are_lost_every_rank_resumes_from_the_newes
     assert not any(s["path"].endswith("/step-10") for s in cluster.status(1)["memory"]["snapshots"])
     assert any("step-10" in w and "not by every rank" in w for w in logs[0]["warnings"]), logs[0]["warnings"]
     _kill_job(ctx)
+
+
+def _resume_rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: str) -> None:
+    """A rank of a job restarted with another world size (``len(run_dirs)`` ranks): resume, report, exit."""
+    world = len(run_dirs)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    log: dict[str, Any] = {}
+    try:
+        resumed = ckptd.latest(root, run_dir=run_dirs[rank])
+        log["resumed"] = None if resumed is None else str(resumed)
+        if resumed is not None:
+            state = {"w": torch.zeros(256, 256), "b": torch.zeros(300), "step": -1}
+            ckptd.load_into(state, resumed, run_dir=run_dirs[rank])
+            want = _state(rank, state["step"])
+            log["step"] = state["step"]
+            log["bitwise"] = all(torch.equal(state[k], want[k]) for k in ("w", "b"))
+    except BaseException:
+        log["crash"] = traceback.format_exc()
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(log))
+    Path(out, f"done-{rank}").touch()
+    dist.destroy_process_group()
+
+
+def test_a_job_restarted_with_another_world_size_resumes_from_disk_never_from_a_snapshot_split_across_nodes(
+        cluster: Cluster, root: Path, tmp_path: Path) -> None:
+    """A snapshot that spans nodes holds each rank's shard on that rank's node only: a world of another size could
+    not read it whole (a rank's shard on a node it no longer runs on), so every rank resumes from the newest
+    persisted checkpoint instead, together; never some ranks from memory and others from disk."""
+    ctx, _ = cluster.job(persist=[5], snapshots=[10])
+    _kill_job(ctx)
+    node_0 = str(cluster.daemons[0].run_dir)
+    out = tmp_path / "smaller"
+    out.mkdir()
+    ctx = start_ranks(_resume_rank, (str(out / "init"), [node_0, node_0], str(root), str(out)), 2)
+    wait_for_ranks(out, "done", 2, ctx, time.monotonic() + 180, "the restarted ranks did not finish resuming")
+    logs = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert all("crash" not in log for log in logs), logs
+    assert [(log["resumed"], log["step"], log["bitwise"]) for log in logs] == [(str(root / "step-5"), 5, True)] * 2
+    assert _held(cluster.status(0), "step-10")["complete"]  # still held: passed over, not dropped

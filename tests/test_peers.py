@@ -5,6 +5,7 @@ port harms nothing, and a start with a peer option it cannot honour is refused n
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ class Pair:
     origin_dir: Path
     buddy_dir: Path
     buddy_ep: str
+    origin_ep: str
     origin: Daemon
     buddy: Daemon
 
@@ -46,15 +48,20 @@ class Pair:
         self.buddy.kill()
 
 
-def _pair(root: Path, tmp_path: Path, buddy_extra: tuple[str, ...] = (), origin_extra: tuple[str, ...] = ()) -> Pair:
+def _pair(root: Path, tmp_path: Path, buddy_extra: tuple[str, ...] = (), origin_extra: tuple[str, ...] = (),
+          ring: bool = False) -> Pair:
+    """``ring``: the buddy replicates to the origin as well."""
     lines: list[str] = []
     keys = tmp_path / "keys"
-    origin_dir, _ = _node(keys, lines)
+    origin_dir, origin_ep = _node(keys, lines)
     buddy_dir, buddy_ep = _node(keys, lines)
     keys.write_text("".join(lines))
+    if ring:
+        buddy_extra = ("--peer", origin_ep, *buddy_extra)
     buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys), *buddy_extra)
-    origin = start_daemon(origin_dir, root, "--peer", buddy_ep, "--peer-keys", str(keys), *origin_extra)
-    return Pair(keys, lines, origin_dir, buddy_dir, buddy_ep, origin, buddy)
+    origin = start_daemon(origin_dir, root, "--peer-listen", origin_ep, "--peer", buddy_ep, "--peer-keys", str(keys),
+                          *origin_extra)
+    return Pair(keys, lines, origin_dir, buddy_dir, buddy_ep, origin_ep, origin, buddy)
 
 
 def _snapshot(run_dir: Path, path: Path, mib: int = 1) -> Any:
@@ -197,5 +204,90 @@ def test_a_replica_file_shortened_in_the_buddys_memory_is_refused_at_restore_and
         assert ckptd.latest(root, run_dir=new_dir) is None  # never loaded; nothing else to resume from
         assert "was shortened" in (new_dir / LOG).read_text()  # the restore was tried, and refused for that
         assert pair.buddy.proc.poll() is None and pair.buddy.status()["peers"]["replicas_held"]["held"]
+    finally:
+        pair.kill()
+
+
+def test_a_drained_buddy_persists_the_replica_of_an_origin_that_is_gone(root: Path, tmp_path: Path) -> None:
+    # in a ring: the buddy's own buddy is the origin, which will be gone
+    pair = _pair(root, tmp_path, origin_extra=("--persist-on-exit", "never"), ring=True)
+    state = {"w": torch.randn(50_000), "step": 7}
+    path = root / "run" / "step-7"
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async(state, path, step=7, persist=False).wait_replicated(60)
+        client.close()
+        assert not path.exists()  # in memory only, on both nodes
+        pair.origin.kill()
+        assert pair.origin.proc.returncode == -signal.SIGKILL  # the origin is gone, and its snapshot with it
+        stopped = pair.buddy.cli("stop", timeout=120)
+        assert stopped.returncode == 0, stopped.stderr
+        assert pair.buddy.proc.wait(30) == 0
+        log = (pair.buddy_dir / LOG).read_text()
+        assert "event=drain_persist_replica" in log and "did not answer" in log
+        assert "event=replication_failed" not in log  # the replica it persisted was not streamed anywhere
+        assert ckptd.latest(root / "run", run_dir=pair.buddy_dir) == path
+        back = ckptd.load(path)
+        assert torch.equal(back["w"], state["w"]) and back["step"] == 7
+    finally:
+        pair.kill()
+
+
+@pytest.mark.parametrize("first", ["buddy", "origin"])
+def test_draining_both_nodes_persists_each_snapshot_once_in_either_order(root: Path, tmp_path: Path,
+                                                                        first: str) -> None:
+    """The origin persists its own snapshot at its drain: a buddy drained while the origin answers leaves its
+    replica alone, and one drained after the origin finds the checkpoint committed; neither writes it again."""
+    pair = _pair(root, tmp_path, origin_extra=("--persist-on-exit", "never"))
+    state = {"w": torch.randn(50_000), "step": 3}
+    path = root / "run" / "step-3"
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async(state, path, step=3, persist=False).wait_replicated(60)
+        client.close()
+        order = [pair.buddy, pair.origin] if first == "buddy" else [pair.origin, pair.buddy]
+        for daemon in order:
+            stopped = daemon.cli("stop", timeout=120)
+            assert stopped.returncode == 0, stopped.stderr
+            assert daemon.proc.wait(30) == 0
+        buddy_log = (pair.buddy_dir / LOG).read_text()
+        reason = "origin_alive" if first == "buddy" else "committed_already"
+        assert f"event=replica_not_persisted path={path} origin=" in buddy_log and f"reason={reason}" in buddy_log
+        assert "event=drain_persist_replica" not in buddy_log
+        assert "event=persist path=" in (pair.origin_dir / LOG).read_text()  # the origin wrote it, once
+        assert torch.equal(ckptd.load(path)["w"], state["w"])
+    finally:
+        pair.kill()
+
+
+def test_after_a_node_was_replaced_draining_its_buddy_then_it_persists_the_snapshot_once_and_both_exit_clean(
+        root: Path, tmp_path: Path) -> None:
+    """The replacement took the lost node's line of the keys file (same endpoint, a key of its own): the buddy
+    judges the replica's origin gone and persists it; the replacement, which restored the same snapshot, finds it
+    committed at its own drain, which is no loss."""
+    never = ("--persist-on-exit", "never")
+    pair = _pair(root, tmp_path, origin_extra=never)
+    state = {"w": torch.randn(50_000), "step": 4}
+    path = root / "run" / "step-4"
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async(state, path, step=4, persist=False).wait_replicated(60)
+        client.close()
+        pair.origin.kill()
+        new_dir = short_tempdir("ckp-")
+        pair.lines[0] = ckptd_cli("peer-key", "--run-dir", str(new_dir), "--endpoint", pair.origin_ep).stdout
+        pair.keys.write_text("".join(pair.lines))  # the lost node's line is replaced, as a deployment does
+        pair.origin = start_daemon(new_dir, root, "--peer-listen", pair.origin_ep, "--peer", pair.buddy_ep,
+                                   "--peer-keys", str(pair.keys), *never)
+        assert ckptd.latest(root / "run", run_dir=new_dir) == path  # restored from the buddy's replica
+        for daemon in (pair.buddy, pair.origin):
+            stopped = daemon.cli("stop", timeout=120)
+            assert stopped.returncode == 0, stopped.stderr
+            assert daemon.proc.wait(30) == 0
+        buddy_log, new_log = (pair.buddy_dir / LOG).read_text(), (new_dir / LOG).read_text()
+        assert "event=drain_persist_replica" in buddy_log and "no line of the peer keys file" in buddy_log
+        assert f"event=snapshot_not_persisted path={path} reason=committed_by_another" in new_log
+        back = ckptd.load(path)
+        assert torch.equal(back["w"], state["w"]) and back["step"] == 4
     finally:
         pair.kill()

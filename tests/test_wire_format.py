@@ -34,6 +34,8 @@ from ckptd.protocol.messages import (
     Lease,
     Message,
     Ok,
+    PeerIdentity,
+    PeerIdentityReply,
     PeerSnapshots,
     Persist,
     Pin,
@@ -41,6 +43,7 @@ from ckptd.protocol.messages import (
     Pong,
     Release,
     Restore,
+    Ring,
     Snapshot,
     SnapshotList,
     Snapshots,
@@ -52,6 +55,9 @@ from ckptd.protocol.messages import (
     Welcome,
     decode,
 )
+
+PEER_KEYS = ("rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7", "JTKVSB%%)wK0E.X)V>+}o?pNmC{O&4W4b!Ni{Lh6")
+"""Two CurveZMQ public keys in Z85, as ``ckptd peer-key`` prints them."""
 
 GOLDEN: dict[str, tuple[Message, str]] = {
     "hello": (
@@ -246,6 +252,28 @@ GOLDEN: dict[str, tuple[Message, str]] = {
         Restore(id=9, path="/ckpt/step-101"),
         "84a17601a474797065a7726573746f7265a2696409a470617468ae2f636b70742f737465702d313031",
     ),
+    # added with placement by the ranks: a daemon that predates them answers "unknown message type" (BadMessage)
+    "peer_identity": (
+        PeerIdentity(id=13),
+        "83a17601a474797065ad706565725f6964656e74697479a269640d",
+    ),
+    "peer_identity_reply": (
+        PeerIdentityReply(id=13, key=PEER_KEYS[0], endpoint="tcp://node-a:47101"),
+        "85a17601a474797065b3706565725f6964656e746974795f7265706c79a269640da3"
+        "6b6579d92872713a724d3e7d553f404c6e7334374531256b522e6f406e2546636d6d"
+        "734c2f407b48385d796637a8656e64706f696e74b27463703a2f2f6e6f64652d613a"
+        "3437313031",
+    ),
+    "ring": (
+        Ring(id=14, job="torchelastic:abc:1", node=1, endpoints=("tcp://node-a:47101", "tcp://node-b:47101"),
+             keys=PEER_KEYS),
+        "87a17601a474797065a472696e67a269640ea36a6f62b2746f726368656c61737469"
+        "633a6162633a31a46e6f646501a9656e64706f696e747392b27463703a2f2f6e6f64"
+        "652d613a3437313031b27463703a2f2f6e6f64652d623a3437313031a46b65797392"
+        "d92872713a724d3e7d553f404c6e7334374531256b522e6f406e2546636d6d734c2f"
+        "407b48385d796637d9284a544b565342252529774b30452e5829563e2b7d6f3f704e"
+        "6d437b4f2634573462214e697b4c6836",
+    ),
 }
 
 
@@ -327,6 +355,9 @@ def test_message_type_names_are_frozen():
         "unpin": "Unpin",
         "peer_snapshots": "PeerSnapshots",
         "restore": "Restore",
+        "peer_identity": "PeerIdentity",
+        "peer_identity_reply": "PeerIdentityReply",
+        "ring": "Ring",
     }
 
 

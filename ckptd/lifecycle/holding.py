@@ -147,20 +147,23 @@ class Holding:
 
     def _take_path(self, snap: HeldSnapshot) -> None:
         """``snap`` (complete, acknowledged) is the snapshot of its path: the one it replaces and older ones of its
-        job beyond ``--keep-snapshots`` are dropped, then its ranks are told ``Held``."""
+        job beyond ``--keep-snapshots`` are dropped, then its ranks are told ``Held``. A coordinated snapshot (several
+        nodes) is complete once this node's ranks are held: its older ones are dropped then as well, or a multi-node
+        job's snapshots would pile up until the memory budget refused the next."""
         replaced = self.snapshots.promote(snap)
         dropped = [] if replaced is None else [(replaced, "replaced")]
         if replaced is not None:
             log.info("event=snapshot_dropped path=%s step=%s reason=replaced", replaced.path, replaced.step)
             self._answer_persists(replaced, InvalidCheckpoint(
                 f"snapshot {display(snap.path)} was replaced in memory by a newer one (overwrite=True)"))
-        if snap.coordinated:  # its ranks were told as each was held; they agree among themselves
+        dropped += [(s, "newer") for s in self.snapshots.newer_than_kept(snap)]
+        if snap.coordinated:  # its ranks were told as each was held (the slots dropped now are named in their next
+            # Held); they agree among themselves
             self._drop(dropped)
             self._published_held(snap)
             return
         # One release for both, then Held: it names every slot they give back, so the trainer reuses them
-        self._drop([*dropped, *((s, "newer") for s in self.snapshots.newer_than_kept(snap))],
-                   then=lambda: self._tell_held(snap))
+        self._drop(dropped, then=lambda: self._tell_held(snap))
         if snap.persist_waiting or self._left_behind(snap):
             self.start_persist(snap)
 
@@ -259,18 +262,20 @@ class Holding:
         """End one pin of ``path`` by ``reader`` (a reader's ``Unpin``, or a stream to the buddy that ended)."""
         self._release(shards_of(self.snapshots.unpin(reader, path)))
 
-    def hold_restored(self, path: Path, created: float,
-                      shards: list[tuple[Snapshot, str, int, mmap.mmap, int]]) -> HeldSnapshot:
+    def hold_restored(self, path: Path, created: float, shards: list[tuple[Snapshot, str, int, mmap.mmap, int]],
+                      replication: str = "restored") -> HeldSnapshot:
         """Hold a snapshot read back from a peer's replica (``peers/replication.py``), every shard checked: its
         ranks' ``Snapshot`` messages as the origin admitted them, and the files of this daemon's own that hold
         them (name, fd, mapping, checksum). It is held as its origin held it, complete; ``CheckpointExists``
-        if a snapshot of the path is held here meanwhile, ``NoSpace`` if it does not fit the budget."""
-        if self.snapshots.opening(path) is not None:
+        if a snapshot of the path is held here meanwhile, ``NoSpace`` if it does not fit the budget.
+        ``replication`` "adopted": a replica held here for a peer that is gone, about to be persisted by a drain
+        (``Replication.drain``)."""
+        if self.snapshots.opening(path) is not None or not shards:
             raise CheckpointExists(f"snapshot {display(path)} is held here already; the replica is not restored")
         first = shards[0][0]
         self._evicted(self.snapshots.make_room(path, sum(msg.nbytes for msg, *_ in shards)))
         snap = HeldSnapshot(path=path, world_size=first.world_size, step=first.step, coordinated=first.coordinated,
-                            created=created, contributors=Contributors(first.job), replication="restored")
+                            created=created, contributors=Contributors(first.job), replication=replication)
         for msg, name, fd, mapping, checksum in shards:
             slot = MappedSlot(name, os.fstat(fd).st_ino, max(1, msg.nbytes), mapping, fd, users=1)
             snap.shards[msg.rank] = HeldShard(msg, slot, os.getpid(), checksum=checksum)
@@ -438,7 +443,13 @@ class Holding:
             self.state.stats.error(f"persisting snapshot {path} failed: {error.message}")
             if self.state.draining and _transient(error) and self._retry_in_drain(snap):
                 return  # its waiters are answered by the last attempt
-            if self.state.draining:
+            if (self.state.draining and snap.replication in ("adopted", "restored")
+                    and isinstance(error, CheckpointExists)):
+                # a copy of a peer's replica (read back here, or adopted from a node that is gone): another holder
+                # of the same bytes (the buddy that held the replica, or the node restored from it) committed it
+                # first; nothing is lost
+                log.info("event=snapshot_not_persisted path=%s reason=committed_by_another", path)
+            elif self.state.draining:
                 self.drain_failures.append(f"{display(path)}: {error.message}")
         self._answer_persists(snap, error)
         replacing = self.snapshots.replacing.get(path)

@@ -84,9 +84,12 @@ class HeldSnapshot(Attempt):
     """Pins by reader connection (``Pin``): while any is held its slots stay as they are, dropped or not."""
     replication: str = "off"
     """Its copy on the buddy node (``ckptd/peers/replication.py``): off, replicating, replicated, failed,
-    superseded, or restored (read back from a peer's replica)."""
+    superseded, restored (read back from a peer's replica), or adopted (a replica held here for a node that is
+    gone, persisted by a drain)."""
     replication_error: str = ""
     """Why replication failed."""
+    replication_lag_s: float | None = None
+    """Seconds from held here (its ranks told) to held on the buddy, once replicated."""
 
     @property
     def arrived(self) -> set[int]:
@@ -142,6 +145,7 @@ class HeldSnapshot(Attempt):
             "complete": self.acknowledged, "persisted": self.persisted, "persisting": self.persisting,
             "persists_waiting": len(self.persist_waiting),
             "replication": self.replication, "replication_error": self.replication_error,
+            "replication_lag_s": self.replication_lag_s,
             "checksum_algorithm": CHECKSUM_ALGORITHM,
             "shards": [[r, s.slot.name, s.msg.nbytes, s.checksum, len(s.msg.tensors)]
                        for r, s in sorted(self.shards.items()) if s.checksum is not None],

@@ -119,9 +119,11 @@ class DaemonConfig:
     of every snapshot held here; all of them are asked when this node restores one it lost."""
     peer_keys: Path | None = None
     """The peer keys file (``ckptd/peers/keys.py``): the public keys of the peers trusted, and the endpoints of
-    those this daemon connects to. Needed by ``--peer-listen`` and ``--peer``."""
+    those this daemon connects to. Needed by ``--peer``; without it, ``--peer-listen`` takes its peers from the
+    ring its ranks send (``ckptd/peers/placement.py``)."""
     replicas: int | None = None
-    """Copies of each snapshot on other nodes: 1 (on the buddy) when a ``--peer`` is given, else 0."""
+    """Copies of each snapshot on other nodes: 1 (on the buddy) when a ``--peer`` or ``--peer-listen`` is given,
+    else 0."""
     peer_timeout: float = 10.0
     """Seconds a peer has to answer each step of a stream before the replication fails."""
     storage: str | None = field(default_factory=lambda: os.environ.get("CKPTD_STORAGE") or None)
@@ -202,9 +204,10 @@ class DaemonConfig:
                 raise ValueError(f"{flag} {endpoint}: expected tcp://HOST:PORT, PORT between 1 and 65535")
         if len(set(self.peers)) != len(self.peers) or (self.peer_listen is not None and self.peer_listen in self.peers):
             raise ValueError(f"--peer names one endpoint twice, or this daemon's own --peer-listen: {list(self.peers)}")
-        if (self.peer_listen or self.peers) and self.peer_keys is None:
-            raise ValueError("--peer-listen and --peer need --peer-keys FILE: the public keys of the peers this "
-                             "daemon trusts (one line per node, as `ckptd peer-key` prints it)")
+        if self.peers and self.peer_keys is None:
+            raise ValueError("--peer and its peers' keys need --peer-keys FILE: the public keys of the peers this "
+                             "daemon trusts (one line per node, as `ckptd peer-key` prints it); or leave placement to "
+                             "the ranks: --peer-listen alone")
         if self.peer_keys is not None:
             from ckptd.peers.keys import PeerKeys
 
@@ -213,10 +216,10 @@ class DaemonConfig:
             for endpoint in self.peers:
                 keys.key_for(endpoint)
         if self.replicas is None:
-            self.replicas = 1 if self.peers else 0
-        if self.replicas not in (0, 1) or (self.replicas and not self.peers):
-            raise ValueError(f"replicas must be 0 or 1, and 1 needs a --peer (the buddy that holds the copy), got "
-                             f"{self.replicas}")
+            self.replicas = 1 if self.peers or self.peer_listen else 0
+        if self.replicas not in (0, 1) or (self.replicas and not (self.peers or self.peer_listen)):
+            raise ValueError(f"replicas must be 0 or 1, and 1 needs a --peer or --peer-listen (a buddy that holds "
+                             f"the copy, given or set by the ranks' ring), got {self.replicas}")
         if not 0 < self.peer_timeout < float("inf"):
             raise ValueError(f"peer_timeout must be positive finite seconds, got {self.peer_timeout}")
 

@@ -17,6 +17,15 @@ from typing import Any, Iterator
 
 from ckptd.protocol.errors import CkptdError
 
+def _peers(s: dict[str, Any]) -> dict[str, Any]:
+    """The status's ``peers`` part (empty without ``--peer-keys``: its metrics are 0)."""
+    return s.get("peers") or {}
+
+
+def _buddy(s: dict[str, Any]) -> dict[str, Any]:
+    return next((link for link in _peers(s).get("links", []) if link["buddy"]), {})
+
+
 GAUGES = [
     ("ckptd_up", "1 while the daemon runs.", lambda s: 1),
     ("ckptd_uptime_seconds", "Seconds since the daemon started.", lambda s: s["daemon"]["uptime_s"]),
@@ -37,6 +46,18 @@ GAUGES = [
     ("ckptd_memory_snapshots", "Snapshots held in node memory.", lambda s: len(s["memory"]["snapshots"])),
     ("ckptd_memory_snapshots_unpersisted", "Snapshots held in node memory and not on disk.",
      lambda s: sum(1 for x in s["memory"]["snapshots"] if not x["persisted"])),
+    ("ckptd_peers_connected", "Peers (--peer) whose last exchange was answered in time.",
+     lambda s: sum(1 for link in _peers(s).get("links", []) if link["connected"])),
+    ("ckptd_replication_lag_seconds", "For the newest snapshot replicated to the buddy, seconds from held here to "
+     "held there (0 before the first).", lambda s: _buddy(s).get("lag_s") or 0),
+    ("ckptd_replication_throughput_bytes_per_second", "The last stream to the buddy's rate (0 before the first).",
+     lambda s: _buddy(s).get("bytes_per_second") or 0),
+    ("ckptd_replication_streams_queued", "Snapshots waiting for or in their stream to the buddy.",
+     lambda s: _peers(s).get("streams_queued", 0)),
+    ("ckptd_replicas_held_bytes", "Node memory the replicas held for peers occupy (counted in the memory budget).",
+     lambda s: _peers(s).get("replicas_held", {}).get("bytes", 0)),
+    ("ckptd_replicas_held", "Complete replicas held for peers.",
+     lambda s: len(_peers(s).get("replicas_held", {}).get("held", []))),
     ("ckptd_last_commit_seconds", "Duration of the last commit (first rank admitted to rename).",
      lambda s: (s["completed"]["last"] or {}).get("seconds", 0)),
     ("ckptd_last_commit_bytes", "Bytes of the last committed checkpoint.",
@@ -58,6 +79,12 @@ COUNTERS = [
      lambda s: s["memory"]["held_total"]),
     ("ckptd_memory_snapshots_dropped", "Held snapshots dropped from node memory since start.",
      lambda s: s["memory"]["dropped_total"]),
+    ("ckptd_replicated_bytes", "Bytes of snapshots replicated to the buddy since start.",
+     lambda s: _peers(s).get("replicated_bytes_total", 0)),
+    ("ckptd_replicated_snapshots", "Snapshots replicated to the buddy since start.",
+     lambda s: _peers(s).get("replicated_total", 0)),
+    ("ckptd_replication_failures", "Snapshots whose replication failed since start (refused, or no answer).",
+     lambda s: _peers(s).get("replication_failures_total", 0)),
     ("ckptd_client_wait_seconds", "Seconds connected clients blocked on backpressure.",
      lambda s: sum(c["waited_s"] for c in s["clients"])),
 ]

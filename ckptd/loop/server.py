@@ -22,9 +22,9 @@ import zmq
 from ckptd.protocol import __version__
 from ckptd.protocol.errors import BadMessage, Conflict, InvalidCheckpoint
 from ckptd.protocol.messages import (
-    MAX_MESSAGE_BYTES, Abort, Bye, Delete, Error, Finalize, Granted, Hello, Lease, Message, Ok, PeerSnapshots, Persist,
-    Pin, Ping, Pong,
-    Release, Restore, Snapshot, Snapshots, Staged, StagedShard, Status, StatusReply, Stop, Unpin, Welcome, WriteShard,
+    MAX_MESSAGE_BYTES, Abort, Bye, Delete, Error, Finalize, Granted, Hello, Lease, Message, Ok, PeerIdentity,
+    PeerIdentityReply, PeerSnapshots, Persist, Pin, Ping, Pong, Release, Restore, Ring, Snapshot, Snapshots, Staged,
+    StagedShard, Status, StatusReply, Stop, Unpin, Welcome, WriteShard,
     decode, request_id,
 )
 from ckptd.protocol.objects import display
@@ -41,7 +41,7 @@ from ckptd.loop.state import MAX_PID, NodeState
 from ckptd.loop.stats import add_filesystems
 from ckptd.loop.workers import Workers
 from ckptd.peers.endpoint import PeerEndpoint
-from ckptd.peers.keys import KeyPair, PeerKeys
+from ckptd.peers.keys import KeyPair, PeerKeys, Trust
 from ckptd.peers.replicas import Replicas
 from ckptd.peers.replication import Replication
 from ckptd.storage.backends import Backends
@@ -78,8 +78,8 @@ class Server:
         self.replicas: Replicas | None = None
         self.peer_endpoint: PeerEndpoint | None = None
         self.replication: Replication | None = None
-        if config.peer_keys is not None:
-            self._start_peers(PeerKeys(config.peer_keys))
+        if config.peer_keys is not None or config.peer_listen is not None:
+            self._start_peers(Trust(None if config.peer_keys is None else PeerKeys(config.peer_keys)))
         mirrors = self.mirrors
         self.retainer = Retainer(storage, self.workers, config, self.state.stats, self.events,
                                  self.state.commits.publishing,
@@ -105,6 +105,8 @@ class Server:
             Snapshots: self.holding.listing,
             PeerSnapshots: self.holding.listing if self.replication is None else self.replication.listing,
             Restore: self._no_peers if self.replication is None else self.replication.restore,
+            PeerIdentity: self._on_peer_identity,
+            Ring: self._on_ring,
             Pin: self.holding.pin,
             Unpin: self.holding.unpin,
             Staged: lambda ident, m: self.saves.staged(ident, m.upto, m.error, m.id),
@@ -126,13 +128,15 @@ class Server:
         self.workers.submit("maintenance", reclaim_orphaned_slots)
         self.workers.submit("maintenance", lambda: sweep_incomplete(storage, directories, config.sweep))
 
-    def _start_peers(self, keys: PeerKeys) -> None:
+    def _start_peers(self, keys: Trust) -> None:
         """The replicas held for other nodes, the peer endpoint (``--peer-listen``) and replication to the buddy."""
         config, slots, stats = self.config, self.state.slots, self.state.stats
         snapshots = self.state.snapshots
         book = self.replicas = Replicas(self.workers, stats, slots.shm_dir, slots.own_name,
                                         lambda: snapshots.budget - snapshots.held_bytes)
         snapshots.replica_bytes = lambda: book.nbytes
+        book.endpoint_of = lambda origin: next((ep for ep, key in keys.endpoints.items() if key.decode() == origin),
+                                               None)
         if config.peer_listen is not None:
             self.peer_endpoint = PeerEndpoint(self.ctx, config.peer_listen, KeyPair.of(config.run_dir), keys, book,
                                               stats)
@@ -140,7 +144,20 @@ class Server:
 
     def _no_peers(self, ident: bytes, msg: Restore) -> Message:
         raise InvalidCheckpoint(f"snapshot {msg.path} cannot be restored: this daemon has no peers (start it with "
-                                f"--peer and --peer-keys)")
+                                f"--peer-listen, or --peer and --peer-keys)")
+
+    def _on_peer_identity(self, ident: bytes, msg: PeerIdentity) -> Message:
+        key, endpoint = ("", "") if self.replication is None else self.replication.placement.identity()
+        return PeerIdentityReply(msg.id, key, endpoint)
+
+    def _on_ring(self, ident: bytes, msg: Ring) -> Message:
+        """The ring a node's first rank sends (``ckptd/peers/placement.py``); ignored without ``--peer-listen``."""
+        client = self.state.client(ident)
+        if self.replication is None or self.config.peer_listen is None:
+            log.info("event=ring_ignored job=%s reason=no_peer_listen", msg.job)
+            return Ok(msg.id)
+        self.replication.placement.take(msg, client.job, client.world_size)
+        return Ok(msg.id)
 
     def _subscribe(self) -> None:
         """Who reacts to what the lifecycle publishes, in this order: the books first, then the memory tier
@@ -372,6 +389,8 @@ class Server:
             self._drain_deadline = now + self.config.drain_timeout
             log.info("event=drain checkpoints=%d writes=%d", len(self.state.commits.pending), len(self.state.writes))
             self.holding.drain()
+            if self.replication is not None and self.replicas is not None:  # replicas whose origin is gone
+                self.replication.drain(self.replicas)
         if now >= self._drain_deadline:
             self.saves.fail_waiting_for_ranks()
             self.state.abandon_staging(None, "the daemon was stopped before the client finished staging")

@@ -2,7 +2,7 @@
 
 Off unless ``--peer-listen tcp://HOST:PORT`` is given: without it the daemon
 opens no TCP port. The socket is a CURVE server with this daemon's key pair
-(``keys.KeyPair``); pyzmq's ZAP authenticator asks ``keys.PeerKeys`` about
+(``keys.KeyPair``); pyzmq's ZAP authenticator asks ``keys.Trust`` (the keys file's and the ring's) about
 every connecting key, so a peer whose key is not trusted is refused in the
 handshake, before any message of it reaches the loop. What comes through is
 decoded against the peer protocol only (``protocol/peer_messages.py``) and
@@ -27,7 +27,7 @@ from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Fetch, Offer, Replic
 
 from ckptd.loop.replies import error_reply
 from ckptd.loop.stats import Stats
-from ckptd.peers.keys import KeyPair, PeerKeys
+from ckptd.peers.keys import KeyPair, Trust
 from ckptd.peers.replicas import Replicas as Book
 
 log = logging.getLogger("ckptd")
@@ -37,7 +37,7 @@ ZAP_DOMAIN = "ckptd-peers"
 class PeerEndpoint:
     """Serve other daemons: offers, chunks and seals of replicas, listings, and fetches of them."""
 
-    def __init__(self, ctx: zmq.Context, listen: str, pair: KeyPair, keys: PeerKeys, book: Book,
+    def __init__(self, ctx: zmq.Context, listen: str, pair: KeyPair, keys: Trust, book: Book,
                  stats: Stats) -> None:
         self.book, self.stats = book, stats
         self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("ckptd.zap"))

@@ -15,24 +15,29 @@ wins (append a replacement's line, or replace its predecessor's). A key taken
 out of the file refuses that peer's next connection, not one already made. A connection whose key is
 not in it is refused by the CURVE handshake (pyzmq's ZAP authenticator),
 before any message of it is read.
+
+A daemon started with ``--peer-listen`` and no keys file is told its peers
+by the ranks of the job it serves instead (``Ring``, ``placement.py``):
+``Trust`` accepts the keys of the file and of the newest ring together, and
+where both name an endpoint, the file's key wins (a deployment's static
+word over a job's).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 
+from ckptd.protocol.messages import PEER_KEY as KEY
+
 log = logging.getLogger("ckptd")
 PUBLIC_NAME = "peer.key"
 SECRET_NAME = "peer.key_secret"
-KEY = re.compile(r"[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")
-"""A CurveZMQ key in Z85: 40 characters of its alphabet."""
 
 
 @dataclass(frozen=True)
@@ -135,3 +140,57 @@ def parse_keys(text: str, where: Path) -> tuple[frozenset[bytes], dict[str, byte
                             "endpoint again and wins", where, number, words[1])
             endpoints[words[1]] = words[0].encode()
     return frozenset(keys), endpoints
+
+
+class Trust:
+    """The peers a daemon accepts and the keys it reaches them with: those of ``--peer-keys FILE`` (if given) and
+    those of the ring its job's ranks sent (``set_ring``; the newest ring replaces the one before). The ZAP
+    authenticator's thread asks ``callback`` while the loop thread sets a ring: each is replaced whole, never
+    changed in place."""
+
+    def __init__(self, file: PeerKeys | None) -> None:
+        self.file = file
+        self.ring_keys: frozenset[bytes] = frozenset()
+        self.ring_endpoints: dict[str, bytes] = {}
+
+    def set_ring(self, endpoints: tuple[str, ...], keys: tuple[str, ...]) -> None:
+        """Trust the keys of a ring (its nodes' daemons), instead of the ring's before."""
+        self.ring_endpoints = {ep: key.encode() for ep, key in zip(endpoints, keys)}
+        self.ring_keys = frozenset(self.ring_endpoints.values())
+
+    def reload(self) -> None:
+        """Read the keys file again if it changed (``PeerKeys.reload``; the ring's keys need no reading)."""
+        if self.file is not None:
+            self.file.reload()
+
+    @property
+    def endpoints(self) -> dict[str, bytes]:
+        """Every known peer's key by endpoint: the ring's, and the keys file's (which wins where both name one)."""
+        return {**self.ring_endpoints, **(self.file.endpoints if self.file is not None else {})}
+
+    def key_for(self, endpoint: str) -> bytes:
+        """The key of the peer at ``endpoint``: the file's where it names one, else the ring's; ValueError saying
+        what to add where neither does."""
+        if self.file is not None:
+            try:
+                self.file.reload()
+            except (OSError, ValueError) as exc:  # the keys read before stand, and the ring's
+                log.warning("event=peer_keys_unreadable file=%s error=%s", self.file.path, exc)
+            key = self.file.endpoints.get(endpoint)
+            if key is not None:
+                return key
+        key = self.ring_endpoints.get(endpoint)
+        if key is None:
+            source = f"{self.file.path} names no key for it" if self.file is not None else "no keys file is given"
+            raise ValueError(f"peer {endpoint}: {source}, nor does the ring of this daemon's ranks; add the line "
+                             f"that `ckptd peer-key --endpoint {endpoint}` prints on that node")
+        return key
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """The ZAP authenticator's question (a connecting peer's Z85 public key): is it trusted?"""
+        if key in self.ring_keys:
+            return True
+        if self.file is not None:
+            return self.file.callback(domain, key)
+        log.warning("event=peer_refused key=%s reason=unknown_key", key.decode(errors="replace"))
+        return False

@@ -29,7 +29,7 @@ from ckptd.protocol.errors import CkptdError, DaemonUnavailable, InvalidCheckpoi
 from ckptd.protocol.messages import MAX_MESSAGE_BYTES, Error, Message, Ok, decode
 from ckptd.protocol.peer_messages import MAX_PIECE, PEER_TYPES, Chunk, Fetch, Offer, Piece, ReplicaList, Replicas, Seal
 
-from ckptd.peers.keys import KeyPair, PeerKeys
+from ckptd.peers.keys import KeyPair, Trust
 
 log = logging.getLogger("ckptd")
 WINDOW = 4
@@ -41,10 +41,10 @@ class PeerUnavailable(DaemonUnavailable):
 
 
 class PeerLink:
-    """Requests to the peer at ``endpoint``, whose public key the peer keys file names (read again for each new
-    socket: a replacement node at the same endpoint has a key of its own)."""
+    """Requests to the peer at ``endpoint``, whose public key the peer keys file or the ring names (asked again
+    for each call: a replacement node at the same endpoint has a key of its own)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, keys: PeerKeys, pair: KeyPair, timeout: float) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, keys: Trust, pair: KeyPair, timeout: float) -> None:
         self.ctx, self.endpoint, self.keys, self.pair = ctx, endpoint, keys, pair
         self.timeout_ms = int(timeout * 1000)
         self._socket: zmq.Socket | None = None
@@ -52,7 +52,7 @@ class PeerLink:
         self._ids = itertools.count(1)
 
     def _sock(self) -> zmq.Socket:
-        """The socket, made anew when the keys file names another key for the peer (a replacement node at the
+        """The socket, made anew when the keys file or the ring names another key for the peer (a replacement node at the
         same endpoint: a socket made for the old key would never complete its handshake)."""
         try:
             server_key = self.keys.key_for(self.endpoint)

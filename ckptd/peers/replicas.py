@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from ckptd.protocol.checksums import updater
 from ckptd.protocol.errors import Conflict, InvalidCheckpoint, NoSpace, WriteFailed
-from ckptd.protocol.messages import Message, Ok
+from ckptd.protocol.messages import Message, Ok, Snapshot
 from ckptd.protocol.objects import display
 from ckptd.protocol.peer_messages import Chunk, Fetch, Offer, Piece, ReplicaList, Seal
 
@@ -147,6 +147,8 @@ class Replicas:
         """Replicas still being received, by (origin, path)."""
         self._offers: dict[tuple[bytes, int], ReplicaShard] = {}
         """Shards being received, by (connection, offer id)."""
+        self.endpoint_of: Callable[[str], str | None] = lambda origin: None
+        """The endpoint the peer keys file names for an origin's key (None: none), for status."""
 
     @property
     def nbytes(self) -> int:
@@ -283,9 +285,19 @@ class Replicas:
                 reply(Piece(msg.id, msg.offset), fut.result())
         self.workers.submit("replica", read, send)
 
+    def hand_over(self, replica: Replica) -> list[tuple[Snapshot, str, int, mmap.mmap, int]]:
+        """Take a complete replica off the books without unlinking its files, which become a snapshot held here
+        (a drain persists a replica whose origin is gone: ``Replication.drain``): each shard's ``Snapshot`` as its
+        origin admitted it, file name, fd, mapping and the origin's checksum. Its bytes leave the replicas' share of
+        the memory budget as they join the snapshots'."""
+        del self.held[(replica.origin, replica.path)]
+        return [(s.offer.snapshot, s.name, s.fd, s.map, s.offer.checksum) for _, s in sorted(replica.shards.items())
+                if s.map is not None]
+
     def summary(self) -> dict[str, Any]:
         """The ``replicas`` part of ``ckptd status``: what this node holds for others."""
-        return {"bytes": self.nbytes, "held": [{k: v for k, v in r.describe().items() if k != "messages"}
+        return {"bytes": self.nbytes, "held": [{**{k: v for k, v in r.describe().items() if k != "messages"},
+                                               "origin_endpoint": self.endpoint_of(r.origin)}
                                               for r in self.held.values()],
                 "receiving": len(self.incoming)}
 

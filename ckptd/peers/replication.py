@@ -3,7 +3,7 @@ its snapshots back from there.
 
 The origin's side (``replicas.py`` is the buddy's). Once a snapshot is held
 (``SnapshotHeld``: its ranks were told), its shards held on this node stream
-to the buddy, the first ``--peer`` (``replicas=1``), from the slots the
+to the buddy (``replicas=1``: the first ``--peer``, else the ring's next node, ``placement.py``), from the slots the
 daemon already holds: no re-staging, no torch, and the ranks' blocking time
 does not change. The snapshot is pinned meanwhile, as a reader pins it, so
 its slots are not handed back to their trainer mid-stream. Its
@@ -17,7 +17,7 @@ lists their replicas of snapshots it does not hold) and reads one back
 (``Restore``): every shard is checked against the checksum its origin took
 as it arrives, and held here as the origin held it only if every shard
 passed, so a replica that fails its check is never loaded. One peer at a
-time is asked, in ``--peer`` order.
+time is asked, in ``--peer`` order, then the ring's buddy.
 
 Streams run on the ``peer`` pool, questions and restores on ``peer_ask``:
 each has links of its own (a ZeroMQ socket is one thread's), so a listing
@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import mmap
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from typing import Any, Callable
 import zmq
 
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint
-from ckptd.protocol.index import CHECKSUM_ALGORITHM
+from ckptd.protocol.index import CHECKSUM_ALGORITHM, INDEX_NAME
 from ckptd.protocol.messages import Message, Ok, PeerSnapshots, Restore, Snapshot, SnapshotList
 from ckptd.protocol.objects import display
 from ckptd.protocol.peer_messages import Offer
@@ -49,9 +50,10 @@ from ckptd.loop.events import SnapshotHeld
 from ckptd.loop.replies import error_reply
 from ckptd.loop.stats import Stats
 from ckptd.loop.workers import Workers
-from ckptd.peers.keys import KeyPair, PeerKeys
-from ckptd.peers.link import PeerLink
-from ckptd.peers.replicas import new_shm_file, remove_shm_file
+from ckptd.peers.keys import Trust
+from ckptd.peers.link import PeerLink, PeerUnavailable
+from ckptd.peers.placement import Placement
+from ckptd.peers.replicas import Replica, Replicas, new_shm_file, remove_shm_file
 
 log = logging.getLogger("ckptd")
 ASK_TIMEOUT_S = 2.0
@@ -65,7 +67,50 @@ class _Turn:
 
     snap: HeldSnapshot
     reader: bytes
+    endpoint: str
+    """The buddy it streams to (the ring may name another by the time it ends)."""
     superseded: bool = False
+    held_at: float = field(default_factory=time.monotonic)
+    """When it was held here (its ranks told): its lag runs from then to the buddy's last seal."""
+
+
+@dataclass
+class PeerRecord:
+    """What ``ckptd status`` says of one peer (``--peer``), from this daemon's last exchanges with it.
+
+    CURVE gives no answer to a peer that refuses this daemon's key (the handshake never completes), so a peer
+    that does not answer may be down, partitioned or distrustful; one that answers is connected and has
+    authenticated (both ends proved their keys)."""
+
+    endpoint: str
+    connected: bool | None = None
+    """Whether the last exchange got its answers in time (None: none yet)."""
+    authenticated: bool = False
+    """Whether it ever answered (a CURVE handshake with the key the keys file names for it completed)."""
+    last_answer: float | None = None
+    """Unix time of its last answer."""
+    bytes_replicated: int = 0
+    snapshots_replicated: int = 0
+    failures: int = 0
+    """Streams to it that failed (a snapshot reported not replicated)."""
+    bytes_per_second: float | None = None
+    """The last stream's rate: its bytes over the time from its first offer to its last seal."""
+    lag_s: float | None = None
+    """For the newest snapshot replicated to it: seconds from held here to held there."""
+    last_error: str = ""
+
+    def answered(self) -> None:
+        self.connected, self.authenticated, self.last_answer = True, True, time.time()
+
+    def unanswered(self, error: BaseException) -> None:
+        self.connected, self.last_error = False, str(error)
+
+    def describe(self, *, buddy: bool) -> dict[str, Any]:
+        return {"endpoint": self.endpoint, "buddy": buddy, "connected": self.connected,
+                "authenticated": self.authenticated, "last_answer": self.last_answer,
+                "bytes_replicated": self.bytes_replicated, "snapshots_replicated": self.snapshots_replicated,
+                "failures": self.failures, "bytes_per_second": self.bytes_per_second, "lag_s": self.lag_s,
+                "last_error": self.last_error}
 
 
 @dataclass
@@ -85,7 +130,7 @@ class Replication:
 
     ctx: zmq.Context
     config: DaemonConfig
-    keys: PeerKeys
+    keys: Trust
     holding: Holding
     workers: Workers
     stats: Stats
@@ -95,39 +140,59 @@ class Replication:
     _pins: Any = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
-        pair, keys = KeyPair.of(self.config.run_dir), self.keys
-        self.streams = [PeerLink(self.ctx, ep, keys, pair, self.config.peer_timeout) for ep in self.config.peers]
-        self.asks = [PeerLink(self.ctx, ep, keys, pair, ASK_TIMEOUT_S) for ep in self.config.peers]
-        self.buddy = self.streams[0] if self.config.replicas and self.streams else None
+        self.placement = Placement(self.ctx, self.config, self.keys, self.workers, self.config.peer_timeout,
+                                   ASK_TIMEOUT_S)
+        self.records: dict[str, PeerRecord] = {}
+        """What status says of each peer this daemon streamed to or asked (by endpoint), kept across ring changes."""
+
+    @property
+    def buddy(self) -> PeerLink | None:
+        """The link to the buddy: the first ``--peer``, else the next node of the ring the ranks sent
+        (``placement.py``); None with ``--replicas 0`` or neither."""
+        return self.placement.buddy()
+
+    @property
+    def asks(self) -> list[PeerLink]:
+        """The peers a node restoring asks (``--peer``'s, then the ring's buddy)."""
+        return self.placement.asks()
+
+    def _record(self, endpoint: str) -> PeerRecord:
+        if endpoint not in self.records:
+            self.records[endpoint] = PeerRecord(endpoint)
+        return self.records[endpoint]
 
     # -- to the buddy ---------------------------------------------------------
 
     def held(self, event: SnapshotHeld) -> None:
         """A snapshot was held here (its ranks told): queue its stream to the buddy."""
         snap = self.holding.snapshots.held.get(event.path)
-        if self.buddy is None or snap is None or snap.replication == "restored":
+        buddy = self.buddy
+        if buddy is None or snap is None or snap.replication in ("restored", "adopted"):  # read back from a
+            # replica, or a replica a drain is persisting
             return
         reader = b"ckptd-replication-%d" % next(self._pins)
         self.holding.snapshots.pin(reader, snap.path)
-        turn = _Turn(snap, reader)
+        turn = _Turn(snap, reader, buddy.endpoint)
         before = self._turns.get(snap.path.parent)
         if before is not None:
             before.superseded = True
         self._turns[snap.path.parent] = turn
         snap.replication = "replicating"
-        buddy, ranks = self.buddy, tuple(sorted(snap.shards))
+        ranks = tuple(sorted(snap.shards))
         shards = [(sh.msg.to_wire(), sh.checksum, sh.slot, sh.msg.nbytes) for _, sh in sorted(snap.shards.items())]
 
-        def stream() -> bool:
+        def stream() -> tuple[float, float] | None:
+            """(start, end) of the stream, monotonic; None if superseded before its turn."""
             if turn.superseded:
-                return False
+                return None
+            start = time.monotonic()
             for wire, checksum, slot, nbytes in shards:
                 view = memoryview(slot.map)[:nbytes]
                 try:
                     buddy.stream(Offer(0, wire, checksum, CHECKSUM_ALGORITHM, snap.created, ranks), view)
                 finally:
                     view.release()
-            return True
+            return start, time.monotonic()
         self.workers.submit("peer", stream, lambda fut: self._streamed(turn, fut))
 
     def _streamed(self, turn: _Turn, fut: Future) -> None:
@@ -135,14 +200,29 @@ class Replication:
         if self._turns.get(snap.path.parent) is turn:
             del self._turns[snap.path.parent]
         self.holding.unpin_for(turn.reader, snap.path)
+        record = self._record(turn.endpoint)
         exc = fut.exception()
-        if exc is None and fut.result():
+        if exc is None and fut.result() is not None:
+            start, end = fut.result()
             snap.replication, snap.replication_error = "replicated", ""
-            log.info("event=snapshot_replicated path=%s step=%s peer=%s", snap.path, snap.step, self.buddy.endpoint)
+            snap.replication_lag_s = round(end - turn.held_at, 6)
+            record.answered()
+            record.bytes_replicated += snap.nbytes
+            record.snapshots_replicated += 1
+            record.bytes_per_second = round(snap.nbytes / max(end - start, 1e-6), 1)
+            record.lag_s = snap.replication_lag_s
+            log.info("event=snapshot_replicated path=%s step=%s peer=%s lag_s=%.3f", snap.path, snap.step,
+                     turn.endpoint, snap.replication_lag_s)
         elif exc is None:
             snap.replication = "superseded"
         else:
             snap.replication, snap.replication_error = "failed", str(exc)
+            record.failures += 1
+            if isinstance(exc, PeerUnavailable):
+                record.unanswered(exc)
+            else:  # it answered, with an error (a refusal, a checksum that differs)
+                record.answered()
+                record.last_error = str(exc)
             log.warning("event=replication_failed path=%s step=%s error=%s", snap.path, snap.step, exc)
             self.stats.error(f"replicating snapshot {display(snap.path)} failed: {exc}")
 
@@ -155,19 +235,23 @@ class Replication:
             return self.holding.listing(ident, msg)
         asks = self.asks
 
-        def ask() -> list[dict[str, Any]]:
-            found = []
+        def ask() -> tuple[list[dict[str, Any]], dict[str, BaseException | None]]:
+            found, outcomes = [], {}
             for link in asks:
                 try:
                     found += [{**r, "on_peer": link.endpoint} for r in link.replicas() if r.get("complete")]
+                    outcomes[link.endpoint] = None
                 except CkptdError as exc:
+                    outcomes[link.endpoint] = exc
                     log.info("event=peer_unanswered peer=%s error=%s", link.endpoint, exc)
-            return found
+            return found, outcomes
 
         def answer(fut: Future) -> None:
+            found, outcomes = fut.result()
+            self._heard(outcomes)
             here = {s["path"] for s in self.holding.listing(ident, msg).snapshots if s.get("complete")}
             extra, seen = [], set()
-            for replica in fut.result():
+            for replica in found:
                 if replica["path"] not in here and replica["path"] not in seen:
                     seen.add(replica["path"])
                     extra.append({k: v for k, v in replica.items() if k != "messages"})
@@ -230,15 +314,112 @@ class Replication:
         self.workers.submit("peer_ask", pull, done)
         return None
 
+    def _heard(self, outcomes: dict[str, BaseException | None]) -> None:
+        """Record which peers answered a question (``None``) and which did not (why), on the loop."""
+        for endpoint, error in outcomes.items():
+            record = self._record(endpoint)
+            if error is None or not isinstance(error, PeerUnavailable):
+                record.answered()
+            else:
+                record.unanswered(error)
+
+    # -- the drain ------------------------------------------------------------------
+
+    def drain(self, replicas: Replicas) -> None:
+        """The daemon drains: every replica held here whose origin is gone is persisted as a snapshot of this
+        node's own would be, so draining a cluster loses nothing.
+
+        Judged once, when the drain begins, on the ``peer_ask`` pool (the
+        drain waits for it): an origin is gone when no line of the peer keys
+        file names its key with an endpoint (a replacement node took its
+        line), or when its endpoint does not answer a listing within
+        ``ASK_TIMEOUT_S``. An origin that answers holds its own snapshot and
+        persists it at its own drain or exit, so the replica is not persisted
+        twice; nor is one whose checkpoint is committed already (an origin that
+        drained first persisted it, then exited). A replica of a snapshot that
+        spans several nodes is not persisted: one node's share is no
+        checkpoint, and persisting such a snapshot is refused for a node's own
+        as well (logged, ``reason=spans_nodes``). A persisted replica is held
+        here as ``adopted`` and written through the save pipeline as a drain
+        writes a snapshot of this node's own, within the same deadline.
+        """
+        todo = list(replicas.held.values())
+        if not todo:
+            return
+        try:
+            self.keys.reload()
+        except (OSError, ValueError) as exc:
+            log.warning("event=peer_keys_unreadable error=%s", exc)  # the keys read before stand
+        by_key = {key.decode(): endpoint for endpoint, key in self.keys.endpoints.items()}
+        ctx, keys, pair, storage = self.ctx, self.keys, KeyPair.of(self.config.run_dir), self.holding.storage
+        log.info("event=drain_replicas replicas=%d", len(todo))
+
+        def judge() -> list[tuple[Replica, str | None]]:
+            """Each replica, and why it is persisted (its origin is gone), or None with the reason logged."""
+            gone: dict[str, str | None] = {}
+            for origin in sorted({r.origin for r in todo}):
+                endpoint = by_key.get(origin)
+                if endpoint is None:
+                    gone[origin] = "no line of the peer keys file names its key with an endpoint"
+                    continue
+                link = PeerLink(ctx, endpoint, keys, pair, ASK_TIMEOUT_S)
+                try:
+                    link.replicas()
+                    gone[origin] = None
+                except CkptdError as exc:
+                    gone[origin] = f"it did not answer at {endpoint}: {exc}"
+                finally:
+                    link.close()
+            verdicts: list[tuple[Replica, str | None]] = []
+            for replica in todo:
+                why = gone[replica.origin]
+                if why is None:
+                    _not_persisted(replica, "origin_alive")
+                elif replica.describe()["coordinated"]:
+                    _not_persisted(replica, "spans_nodes")
+                    why = None
+                elif storage.at(replica.path).files.stat(replica.path / INDEX_NAME) is not None:
+                    _not_persisted(replica, "committed_already")
+                    why = None
+                verdicts.append((replica, why))
+            return verdicts
+
+        def adopt(fut: Future) -> None:
+            for replica, why in fut.result():
+                if why is None or replicas.held.get((replica.origin, replica.path)) is not replica:
+                    continue
+                log.info("event=drain_persist_replica path=%s step=%s origin=%s reason=%s", replica.path,
+                         replica.order[0], replica.origin[:8], why)
+                try:
+                    snap = self.holding.hold_restored(replica.path, replica.created, replicas.hand_over(replica),
+                                                      replication="adopted")
+                except CkptdError as exc:
+                    self.holding.drain_failures.append(f"{display(replica.path)} (a replica of a node that is gone): "
+                                                       f"{exc}")
+                    continue
+                self.holding.start_persist(snap)
+
+        def unjudged(exc: BaseException) -> None:
+            self.holding.drain_failures.append(f"the replicas held for peers could not be judged: {exc}")
+        self.workers.submit("peer_ask", judge, adopt, failed=unjudged)
+
     def status(self) -> dict[str, Any]:
         """The ``peers`` part of ``ckptd status``."""
         return {"buddy": None if self.buddy is None else self.buddy.endpoint, "peers": list(self.config.peers),
                 "listen": self.config.peer_listen, "replicas": self.config.replicas,
-                "streams_queued": len(self._turns)}
+                "streams_queued": len(self._turns),
+                "links": [r.describe(buddy=self.buddy is not None and r.endpoint == self.buddy.endpoint)
+                          for r in self.records.values()],
+                "replicated_bytes_total": sum(r.bytes_replicated for r in self.records.values()),
+                "replicated_total": sum(r.snapshots_replicated for r in self.records.values()),
+                "replication_failures_total": sum(r.failures for r in self.records.values())}
 
     def close(self) -> None:
-        for link in (*self.streams, *self.asks):
-            link.close()
+        self.placement.close()
+
+
+def _not_persisted(replica: Replica, reason: str) -> None:
+    log.info("event=replica_not_persisted path=%s origin=%s reason=%s", replica.path, replica.origin[:8], reason)
 
 
 def _discard(pulled: list[_Pulled], shm_dir: Path) -> None:

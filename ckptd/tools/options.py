@@ -176,13 +176,14 @@ START_OPTIONS: tuple[StartOption, ...] = (
     StartOption("--keep-snapshots", "keep_snapshots", "newest memory snapshots kept per checkpoint directory",
                 positive_int, "K"),
     StartOption("--peer-listen", "peer_listen", "open the peer endpoint for other nodes' daemons (CurveZMQ; "
-                "without it no TCP port is opened)", str, "tcp://HOST:PORT"),
+                "without it no TCP port is opened); alone, the job's ranks name the peers and the buddy", str,
+                "tcp://HOST:PORT"),
     StartOption("--peer", "peers", "another node's peer endpoint (repeatable): the first is the buddy that holds a "
-                "replica of every snapshot", str, "tcp://HOST:PORT", repeated=True),
+                "replica of every snapshot (it wins over the ranks' ring)", str, "tcp://HOST:PORT", repeated=True),
     StartOption("--peer-keys", "peer_keys", "the trusted peers' public keys, and the endpoints of those given as "
-                "--peer (lines of `ckptd peer-key`)", Path, "FILE"),
-    StartOption("--replicas", "replicas", "copies of each snapshot on other nodes (default 1 with a --peer, else 0)",
-                int, "N"),
+                "--peer (lines of `ckptd peer-key`); without it the ranks' ring names them", Path, "FILE"),
+    StartOption("--replicas", "replicas", "copies of each snapshot on other nodes (default 1 with a --peer or "
+                "--peer-listen, else 0)", int, "N"),
     StartOption("--peer-timeout", "peer_timeout", "seconds a peer has to answer each step of a replication",
                 seconds, "SECONDS"),
     StartOption("--persist-on-exit", "persist_on_exit", "when a trainer closes or dies, write its newest snapshot "

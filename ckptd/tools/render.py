@@ -83,6 +83,8 @@ def render_status(info: dict[str, Any]) -> str:
         for s in mem["snapshots"]:
             where = "memory + disk" if s["persisted"] else ("persisting" if s["persisting"] else "memory only")
             replica = "" if s.get("replication", "off") == "off" else f"  replica: {s['replication']}"
+            if s.get("replication_lag_s") is not None:
+                replica += f" (lag {s['replication_lag_s']:.2f} s)"
             lines.append(f"  {printable(s['path'])}  step {s['step']}  {human_bytes(s['bytes'])}  ranks held "
                          f"{len(s['ranks_held'])}/{s['world_size']}  {where}{replica}")
     peers = info.get("peers")
@@ -91,9 +93,20 @@ def render_status(info: dict[str, Any]) -> str:
         lines.append(f"peers: listening on {peers['listen'] or 'nothing'}, buddy {peers['buddy'] or 'none'}; "
                      f"replicas held for others: {len(held['held'])} ({human_bytes(held['bytes'])}), "
                      f"{held['receiving']} arriving")
+        if "replicated_total" in peers:
+            lines.append(f"  replicated: {peers['replicated_total']} snapshots "
+                         f"({human_bytes(peers['replicated_bytes_total'])}), "
+                         f"{peers['replication_failures_total']} failed")
+        for link in peers.get("links", []):
+            lines.append(f"  {'buddy' if link['buddy'] else 'peer '} {printable(link['endpoint'])}  "
+                         f"{_link_state(link)}"
+                         + (f"  {human_bytes(link['bytes_per_second'])}/s" if link["bytes_per_second"] else "")
+                         + (f"  lag {link['lag_s']:.2f} s" if link["lag_s"] is not None else "")
+                         + (f"  last error: {printable(link['last_error'])}" if link["last_error"]
+                            and not link["connected"] else ""))
         for r in held["held"]:
             lines.append(f"  {printable(r['path'])}  step {r['step']}  {human_bytes(r['bytes'])}  ranks "
-                         f"{r['ranks_held']}  from {printable(r['origin'][:8])}…")
+                         f"{r['ranks_held']}  from {printable(r.get('origin_endpoint') or r['origin'][:8] + '…')}")
     done = info["completed"]
     last = done["last"]
     lines.append(f"completed: {done['count']} checkpoints, {human_bytes(done['bytes'])}")
@@ -112,3 +125,12 @@ def render_status(info: dict[str, Any]) -> str:
         for e in info["errors"][-5:]:
             lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {printable(e['message'])}")
     return "\n".join(lines)
+
+
+def _link_state(link: dict[str, Any]) -> str:
+    """A peer link's state in words: never asked, answering (and so authenticated), or not answering."""
+    if link["connected"] is None:
+        return "not contacted yet"
+    if link["connected"]:
+        return "connected, authenticated"
+    return "NOT ANSWERING" + (" (answered before)" if link["authenticated"] else "")

@@ -1,0 +1,195 @@
+"""Peers seen from outside, with real daemons as nodes on 127.0.0.1: ``ckptd status`` and the metrics say how
+replication goes, and an outage between two peers (the tests' TCP proxy, cut whole or in the middle of a stream)
+fails replication visibly, replication resumes once the link is back, and a replica cut off half-way is never
+loaded by a node restoring from it."""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd
+from ckptd.protocol.errors import InvalidCheckpoint
+
+from helpers import ckptd_cli, segments_of, start_daemon, wait_until
+from proxy import TcpProxy
+from test_peers import _node
+
+MIB = 1 << 20
+
+
+def _metric(textfile: Path, name: str) -> float | None:
+    """A metric's value in a node-exporter textfile (None while it is not written yet)."""
+    if not textfile.exists():
+        return None
+    found = re.search(rf"^{name} (\S+)$", textfile.read_text(), re.M)
+    return None if found is None else float(found[1])
+
+
+def _state(mib: float, seed: int) -> dict:
+    return {"w": torch.randn(int(mib * MIB) // 4, generator=torch.Generator().manual_seed(seed)), "step": seed}
+
+
+def test_status_and_metrics_show_each_peer_and_what_was_replicated(root: Path, tmp_path: Path) -> None:
+    lines: list[str] = []
+    keys = tmp_path / "keys"
+    origin_dir, origin_ep = _node(keys, lines)
+    buddy_dir, buddy_ep = _node(keys, lines)
+    keys.write_text("".join(lines))
+    prom, buddy_prom = tmp_path / "origin.prom", tmp_path / "buddy.prom"
+    buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys),
+                         "--metrics-textfile", str(buddy_prom))
+    origin = start_daemon(origin_dir, root, "--peer-listen", origin_ep, "--peer", buddy_ep, "--peer-keys", str(keys),
+                          "--metrics-textfile", str(prom))
+    try:
+        (link,) = origin.status()["peers"]["links"]
+        assert (link["endpoint"], link["buddy"], link["connected"], link["authenticated"]) == (buddy_ep, True, None,
+                                                                                               False)
+        client = ckptd.Client(run_dir=origin_dir, spawn=False)
+        fut = client.save_async(_state(2, 1), root / "step-1", step=1, persist=False)
+        fut.wait_replicated(60)
+        client.close()
+        info = origin.status()
+        (snap,) = info["memory"]["snapshots"]
+        (link,) = info["peers"]["links"]
+        assert snap["replication"] == "replicated" and snap["replication_lag_s"] > 0
+        assert (link["connected"], link["authenticated"], link["bytes_replicated"], link["snapshots_replicated"],
+                link["failures"]) == (True, True, snap["bytes"], 1, 0)
+        assert link["bytes_per_second"] > 0 and link["lag_s"] == snap["replication_lag_s"]
+        assert (info["peers"]["replicated_bytes_total"], info["peers"]["replicated_total"],
+                info["peers"]["replication_failures_total"]) == (snap["bytes"], 1, 0)
+        text = ckptd_cli("status", "--run-dir", str(origin_dir)).stdout
+        assert f"buddy {buddy_ep}  connected, authenticated" in text and "replicated: 1 snapshots" in text, text
+        wait_until(lambda: _metric(prom, "ckptd_replicated_bytes_total") == snap["bytes"], 30,
+                   "the origin's metrics never counted the replicated bytes")
+        assert _metric(prom, "ckptd_replicated_snapshots_total") == 1
+        assert _metric(prom, "ckptd_replication_failures_total") == 0
+        assert _metric(prom, "ckptd_peers_connected") == 1
+        assert _metric(prom, "ckptd_replication_lag_seconds") == pytest.approx(snap["replication_lag_s"])
+        (replica,) = buddy.status()["peers"]["replicas_held"]["held"]
+        assert replica["origin_endpoint"] == origin_ep  # named as the keys file names it, not by a key prefix
+        assert f"from {origin_ep}" in ckptd_cli("status", "--run-dir", str(buddy_dir)).stdout
+        wait_until(lambda: _metric(buddy_prom, "ckptd_replicas_held") == 1, 30,
+                   "the buddy's metrics never counted the replica it holds")
+        assert _metric(buddy_prom, "ckptd_replicas_held_bytes") == snap["bytes"]
+    finally:
+        origin.kill()
+        buddy.kill()
+
+
+def test_an_outage_between_peers_fails_replication_visibly_it_resumes_and_a_cut_replica_is_never_loaded(
+        root: Path, tmp_path: Path) -> None:
+    lines: list[str] = []
+    keys = tmp_path / "keys"
+    origin_dir, _ = _node(keys, lines)
+    buddy_dir, buddy_ep = _node(keys, lines)
+    host, port = buddy_ep.removeprefix("tcp://").split(":")
+    never = ("--persist-on-exit", "never")
+    with TcpProxy(host, int(port)) as proxy:
+        via_proxy = f"tcp://127.0.0.1:{proxy.port}"
+        buddy_key = lines[1].split()[0]
+        lines.append(f"{buddy_key} {via_proxy}\n")  # the origin reaches the buddy through the proxy
+        keys.write_text("".join(lines))
+        buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys))
+        origin = start_daemon(origin_dir, root, "--peer", via_proxy, "--peer-keys", str(keys), "--peer-timeout", "3",
+                              *never)
+        replacement = None
+        states = {step: _state(mib, step) for step, mib in ((1, 1), (2, 1), (3, 1), (4, 48))}
+        try:
+            client = ckptd.Client(run_dir=origin_dir, spawn=False)
+
+            def snapshot(step: int) -> ckptd.SaveFuture:
+                fut = client.save_async(states[step], root / f"step-{step}", step=step, persist=False)
+                fut.result(60)  # held on the origin, whatever the link does
+                return fut
+
+            snapshot(1).wait_replicated(60)
+            assert proxy.connections >= 1  # it went through the proxy
+
+            proxy.cut()  # the link is down: replication fails, and says so
+            with pytest.raises(InvalidCheckpoint, match="not replicated: peer .* did not answer"):
+                snapshot(2).wait_replicated(60)
+            assert proxy.resets >= 1  # the outage was met
+            info = origin.status()
+            (link,) = info["peers"]["links"]
+            assert (link["connected"], link["authenticated"], link["failures"]) == (False, True, 1)
+            assert "did not answer" in link["last_error"] and info["peers"]["replication_failures_total"] == 1
+            assert next(s for s in info["memory"]["snapshots"] if s["step"] == 2)["replication"] == "failed"
+
+            proxy.restore()  # back: the next snapshot is replicated again
+            snapshot(3).wait_replicated(60)
+            (link,) = origin.status()["peers"]["links"]
+            assert (link["connected"], link["snapshots_replicated"]) == (True, 2)
+            held = buddy.status()["peers"]["replicas_held"]["held"]
+            assert [r["step"] for r in held] == [3]
+
+            proxy.cut_after(16 * MIB)  # the link goes down in the middle of the next stream
+            with pytest.raises(InvalidCheckpoint, match="not replicated"):
+                snapshot(4).wait_replicated(120)
+            assert proxy.is_cut
+            replicas = buddy.status()["peers"]["replicas_held"]
+            assert replicas["receiving"] == 1  # part of it came: cut mid-stream, kept until STALLED_S passes
+            assert [r["step"] for r in replicas["held"]] == [3]  # and never listed
+            client.close()
+
+            # the origin is lost; a node restoring from the buddy finds step 3, never the half of step 4
+            origin.kill()
+            assert origin.proc.returncode == -signal.SIGKILL
+            new_dir, _ = _node(keys, lines)
+            keys.write_text("".join(lines))
+            replacement = start_daemon(new_dir, root, "--peer", buddy_ep, "--peer-keys", str(keys), *never)
+            assert ckptd.latest(root, run_dir=new_dir) == root / "step-3"
+            back = {"w": torch.zeros_like(states[3]["w"]), "step": 0}
+            ckptd.load_into(back, root / "step-3", run_dir=new_dir)
+            assert torch.equal(back["w"], states[3]["w"]) and back["step"] == 3
+            assert not any(root.iterdir())  # nothing of it came from disk
+        finally:
+            for daemon in (origin, buddy, replacement):
+                if daemon is not None:
+                    daemon.kill()
+
+
+
+def test_a_buddy_killed_mid_stream_fails_that_snapshot_visibly_and_its_restart_takes_the_next(
+        root: Path, tmp_path: Path) -> None:
+    lines: list[str] = []
+    keys = tmp_path / "keys"
+    origin_dir, _ = _node(keys, lines)
+    buddy_dir, buddy_ep = _node(keys, lines)
+    host, port = buddy_ep.removeprefix("tcp://").split(":")
+    with TcpProxy(host, int(port)) as proxy:
+        via_proxy = f"tcp://127.0.0.1:{proxy.port}"
+        lines.append(f"{lines[1].split()[0]} {via_proxy}\n")
+        keys.write_text("".join(lines))
+        buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys))
+        origin = start_daemon(origin_dir, root, "--peer", via_proxy, "--peer-keys", str(keys), "--peer-timeout", "3")
+        try:
+            client = ckptd.Client(run_dir=origin_dir, spawn=False)
+            proxy.stall_after(8 * MIB)  # the stream is held part-way, so the kill lands in its middle
+            big = client.save_async(_state(48, 1), root / "step-1", step=1, persist=False)
+            big.result(60)
+            assert proxy.stalled.wait(60)
+            wait_until(lambda: buddy.status()["peers"]["replicas_held"]["receiving"] == 1, 30,
+                       "the buddy never started receiving the replica")
+            killed = buddy.proc.pid
+            assert segments_of(killed)  # the half-received replica, in the buddy's shared memory
+            buddy.kill()
+            assert buddy.proc.returncode == -signal.SIGKILL
+            proxy.restore()
+            with pytest.raises(InvalidCheckpoint, match="not replicated"):
+                big.wait_replicated(60)
+            (snap,) = origin.status()["memory"]["snapshots"]
+            assert snap["replication"] == "failed" and snap["replication_error"]
+
+            buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys))  # restarted
+            wait_until(lambda: not segments_of(killed), 30, "the killed buddy's half replica was never unlinked")
+            client.save_async(_state(1, 2), root / "step-2", step=2, persist=False).wait_replicated(60)
+            client.close()
+            assert [r["step"] for r in buddy.status()["peers"]["replicas_held"]["held"]] == [2]
+        finally:
+            origin.kill()
+            buddy.kill()
