@@ -1,8 +1,8 @@
 """A job: ``world`` real rank processes (forked from the zygote), one incarnation of a training launch.
 
 Each rank holds a real ``ckptd.Client(rank=, world_size=)`` and obeys JSON
-commands the test writes to its FIFO (save, dcp, persist, exit), printing one
-JSON line per event (ready, returned, done), so a test can drive several ranks
+commands the test writes to its FIFO (save, dcp, persist, resume, exit), printing
+one JSON line per event (ready, returned, done), so a test can drive several ranks
 of one job in the order it chooses and SIGKILL any of them at a chosen moment.
 A ``Launch`` says how the job was started, as a launcher would have: its
 environment (torchrun's or Slurm's variables, or none), an explicit ``job=``,
@@ -103,6 +103,20 @@ for line in open(fifo):
         elif op == "persist":
             client.persist(cmd["path"], timeout=60)
             say(event="done", id=cid, ok=True)
+        elif op == "resume":  # as a restarted trainer resumes: collective under torch.distributed, so answer first
+            say(event="returned", id=cid)
+            found = ckptd.latest(cmd["root"], run_dir=run_dir)
+            if found is None:
+                say(event="done", id=cid, ok=True, path=None)
+                continue
+            state = tagged_state(0, 0, rank, -1)  # every save's shapes; every byte is overwritten by the load
+            ckptd.load_into(state, found, run_dir=run_dir)
+            import torch
+            tag = state["tag"].tolist()
+            want = tagged_state(*tag)
+            bitwise = all(torch.equal(state["model"][k], want["model"][k]) for k in ("w", "b")) and (
+                state["step"] == want["step"] and torch.equal(state["tag"], want["tag"]))
+            say(event="done", id=cid, ok=True, path=str(found), tag=tag, bitwise=bitwise)
     except Exception as exc:
         say(event="returned", id=cid)
         say(event="done", id=cid, **error(exc))

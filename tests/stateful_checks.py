@@ -140,8 +140,10 @@ class Checks:
 
     def _job_gone(self, job: Job) -> None:
         """``job``'s processes are gone: the daemon persists its newest complete snapshot of each directory
-        (--persist-on-exit)."""
+        (--persist-on-exit, unless the configuration turns it off)."""
         self.dead_pids += job.pids
+        if not self.cfg.persists_on_exit:
+            return
         parents = {os.path.dirname(p) for p, s in self.model.must.items() if s.inc == job.inc}
         for parent in sorted(parents):
             newest = self._newest_held(lambda s, parent=parent: s.inc == job.inc
@@ -153,7 +155,7 @@ class Checks:
                 newest.durable = True
 
     def _restart_job_and_daemons(self, nodes: list[int]) -> None:
-        self.dead_pids += self.w.daemon_pids
+        self.dead_pids += [self.w.daemons[node].proc.pid for node in nodes]  # not the others: they live on
         self.job.kill()
         self.dead_pids += self.job.pids
         for node in nodes:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ckptd.protocol.names import LOG_NAME
-from helpers import Daemon, short_tempdir, start_daemon
+from helpers import Daemon, ckptd_cli, free_port, short_tempdir, start_daemon
 from jobs import Launch
 from proxy import TcpProxy
 from s3server import S3Server
@@ -86,10 +86,20 @@ class Config:
     """Saves through ``ckptd.dcp.StorageWriter`` (``dcp.save``) beside the client's own."""
     outage_restarts: bool = False
     """Saves to the mirrored directory during an outage, then a daemon SIGKILL and a start with the store back."""
+    peers: bool = False
+    """Each node's daemon replicates its snapshots to the next node's (a ring over ``--peer-listen`` ports on
+    127.0.0.1, one keys file), runs ``--persist-on-exit never`` (a snapshot spanning nodes is never persisted), and
+    keeps its snapshots in the disk checkpoints' directory, so a resume chooses among both; nodes are lost whole
+    and replaced (``node_is_lost``)."""
 
     @property
     def dist(self) -> bool:
         return self.nodes > 1 or self.dcp
+
+    @property
+    def persists_on_exit(self) -> bool:
+        """Whether a dead job's newest snapshot of each directory is persisted (the daemons' default)."""
+        return not self.peers
 
 
 CONFIGS: dict[str, Config] = {
@@ -104,6 +114,9 @@ CONFIGS: dict[str, Config] = {
                         forms=("job", "torchrun-static", "drawn")),
     "dcp": Config(worlds=(2, 3, 4), tiers=("disk", "s3", "mirror"), dcp=True, overlap=True,
                   forms=("torchrun-c10d", "drawn")),
+    "node_lost": Config(worlds=(3,), nodes=3, tiers=("disk", "memory"), peers=True, forms=("torchrun-c10d",)),
+    "node_lost_wide": Config(worlds=(3, 6), nodes=3, tiers=("disk", "memory"), peers=True,
+                             forms=("torchrun-c10d", "drawn", "job")),
 }
 """The configurations the short run and the soak run, by name (``tests/test_stateful.py``)."""
 
@@ -163,16 +176,21 @@ class World:
     def __init__(self, s3: S3Server, cfg: Config) -> None:
         self.s3, self.cfg = s3, cfg
         self.run_dirs = [short_tempdir("ckst-") for _ in range(cfg.nodes)]
+        self.every_run_dir = list(self.run_dirs)
+        """Every node's run directories, replaced ones too (removed at the end)."""
         self.root = short_tempdir("ckst-root-")
         self.fifos = short_tempdir("ckst-fifo-")
         for d in ("run", "mem", "mir", "kill"):
             (self.root / d).mkdir()
         self.bucket = s3.new_bucket()
         self.proxy = TcpProxy("127.0.0.1", s3.port)
-        self.daemon_pids: list[int] = []
         self.daemons: list[Daemon | None] = [None] * cfg.nodes
         self.kill_cycle = 0
         """The kill points of the running node-0 daemon are armed in ``kill_dir(kill_cycle)``."""
+        self.ports = [free_port() for _ in range(cfg.nodes)] if cfg.peers else []
+        self.keys_file = self.fifos / "peer-keys"
+        self.key_lines = [self._key_line(node) for node in range(len(self.ports))]
+        self._write_keys()
 
     @property
     def run_dir(self) -> Path:
@@ -185,6 +203,8 @@ class World:
         return daemon
 
     def path(self, tier: str, name: str) -> str:
+        if self.cfg.peers and tier == "memory":  # beside the disk checkpoints: a resume chooses among both
+            return str(self.root / "run" / f"snap-{name.split('-')[1]}")
         return {"disk": str(self.root / "run" / name), "memory": str(self.root / "mem" / name),
                 "mirror": str(self.root / "mir" / name), "s3": f"s3://{self.bucket}/run/{name}",
                 "s3-memory": f"s3://{self.bucket}/snap/{name}"}[tier]
@@ -217,11 +237,44 @@ class World:
                 extra += ["--keep", f"{self.root / 'mir'}={self.cfg.local_keep}"]
             if self.cfg.mirror_keep is not None:
                 extra += ["--mirror-keep", str(self.cfg.mirror_keep)]
+        if self.cfg.peers:
+            extra += ["--peer-listen", self.endpoint(node), "--peer", self.endpoint(node + 1), "--peer-keys",
+                      str(self.keys_file), "--persist-on-exit", "never"]
         faults = self.kill_faults() if self.cfg.kills_inside and node == 0 else None
         with _env(AWS_ENDPOINT_URL=f"http://127.0.0.1:{self.proxy.port}"):
             daemon = start_daemon(self.run_dirs[node], self.root, *extra, faults=faults)
         self.daemons[node] = daemon
-        self.daemon_pids.append(daemon.proc.pid)
+
+    # -- peers ----------------------------------------------------------------------------------------------
+
+    def endpoint(self, node: int) -> str:
+        """Node ``node``'s peer endpoint (modulo the nodes: the last node's buddy is node 0); a replacement keeps
+        its predecessor's, as a rescheduled pod keeps its service name."""
+        return f"tcp://127.0.0.1:{self.ports[node % len(self.ports)]}"
+
+    def buddy(self, node: int) -> int:
+        """The node holding ``node``'s replicas."""
+        return (node + 1) % self.cfg.nodes
+
+    def _key_line(self, node: int) -> str:
+        """A key pair in ``node``'s run directory; its line of the peer keys file."""
+        return ckptd_cli("peer-key", "--run-dir", str(self.run_dirs[node]), "--endpoint",
+                         self.endpoint(node)).stdout.strip()
+
+    def _write_keys(self) -> None:
+        """One line per node, as a deployment gathers them; every daemon reads the file again when it changes."""
+        if self.key_lines:
+            self.keys_file.write_text("".join(f"{line}\n" for line in self.key_lines))
+
+    def replace_node(self, node: int) -> None:
+        """A replacement for lost node ``node``: a new run directory with a new key pair (another host, as far as
+        its peers can tell), its line replacing its predecessor's in the keys file, and its daemon started."""
+        assert self.daemons[node] is not None and self.daemons[node].proc.poll() is not None, "replacing a live node"
+        self.run_dirs[node] = short_tempdir("ckst-")
+        self.every_run_dir.append(self.run_dirs[node])
+        self.key_lines[node] = self._key_line(node)
+        self._write_keys()
+        self.start_daemon(node)
 
     def last_fault(self, node: int = 0) -> str:
         """The last ``event=fault`` line node ``node``'s daemon logged (what it hit just before it died)."""
@@ -233,7 +286,7 @@ class World:
             if daemon is not None and daemon.proc.poll() is None:
                 daemon.kill()
         self.proxy.close()
-        for d in (*self.run_dirs, self.root, self.fifos):
+        for d in (*self.every_run_dir, self.root, self.fifos):
             shutil.rmtree(d, ignore_errors=True)
 
 

@@ -1,7 +1,8 @@
 """Soak: the stateful test of ``tests/test_stateful.py``, every configuration, many more random sequences.
 
 ``make soak`` runs ``STATEFUL_EXAMPLES`` sequences of up to ``STATEFUL_STEPS``
-steps per configuration (``STATEFUL_CONFIGS``: a comma-separated subset); a
+steps per configuration (default 30 x 20, fewer where ``DEFAULTS`` says;
+``STATEFUL_CONFIGS``: a comma-separated subset); a
 failure is shrunk to its shortest sequence and printed.
 """
 
@@ -19,12 +20,16 @@ pytestmark = pytest.mark.skipif(os.environ.get("CKPTD_SOAK") != "1",
                                 reason="soak test: run with `make soak` (CKPTD_SOAK=1)")
 
 CHOSEN = [c for c in os.environ.get("STATEFUL_CONFIGS", ",".join(CONFIGS)).split(",") if c]
+DEFAULTS = {"node_lost": (20, 15), "node_lost_wide": (10, 15)}
+"""(sequences, steps) where the defaults of 30 x 20 would outlast the hour: every step of these starts a job of
+three nodes (a node loss also a daemon and a key pair), 5-10 s each on two busy cores."""
 
 
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("config", CHOSEN)
 def test_many_random_sequences_keep_every_acknowledged_checkpoint_whole(aws: S3Server, config: str) -> None:
     """Random sequences of one configuration (``stateful_world.CONFIGS``)."""
-    print(run_stateful(aws, config, examples=int(os.environ.get("STATEFUL_EXAMPLES", "30")),
-                       steps=int(os.environ.get("STATEFUL_STEPS", "20")), derandomize=False,
+    examples, steps = DEFAULTS.get(config, (30, 20))
+    print(run_stateful(aws, config, examples=int(os.environ.get("STATEFUL_EXAMPLES", examples)),
+                       steps=int(os.environ.get("STATEFUL_STEPS", steps)), derandomize=False,
                        shrink=os.environ.get("STATEFUL_SHRINK", "1") == "1"))
