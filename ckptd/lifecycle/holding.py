@@ -116,7 +116,11 @@ class Holding:
         shard, failed = snap.shards[msg.rank], not self.snapshots.holds(snap)
         if fut.exception() is not None:  # not adopted
             self.state.slots.release(shard.slot)
-            if not failed:
+            if not failed and snap.acknowledged:  # a late rank of a held snapshot (``takes_late_rank``): it alone
+                del snap.shards[msg.rank]
+                snap.answered(ident, msg.id)
+                self.send(ident, error_reply(self.state.stats, msg.id, fut.exception()))
+            elif not failed:
                 self.fail(snap, fut.exception())
             return
         if failed:  # the snapshot failed meanwhile (its ranks were told): the slot goes back under its name
@@ -127,7 +131,9 @@ class Holding:
         if snap.coordinated:  # on several nodes each rank is told at once; the ranks agree among themselves
             snap.waiting = [w for w in snap.waiting if (w.client, w.request_id) != (ident, msg.id)]
             self.send(ident, self._held(snap, msg.id, msg.nbytes, shard.pid))
-            if snap.complete and not snap.acknowledged:
+            if snap.acknowledged:  # a late rank of this node joined: its shard goes to the buddy too
+                self._published_held(snap)
+            elif snap.complete:
                 self._acknowledge(snap)
             return
         if not snap.complete:

@@ -132,6 +132,14 @@ class HeldSnapshot(Attempt):
         """The slots holding it (a slot grown for a larger state earlier is larger than its shard)."""
         return sum(s.slot.size for s in self.shards.values())
 
+    def takes_late_rank(self, msg: Snapshot) -> bool:
+        """Whether ``msg`` is another rank of this node for the same save of a snapshot spread over several nodes,
+        arriving after the ranks before it were held: it joins (a node's ranks save a little apart, and each
+        node's daemon holds what reached it; the ranks agree among themselves, ``client/memory.py``)."""
+        return (self.coordinated and msg.coordinated and msg.save != 0 and msg.save == self.save
+                and msg.job == self.contributors.job and (msg.world_size, msg.step) == (self.world_size, self.step)
+                and msg.rank not in self.shards)
+
     @property
     def save(self) -> int:
         """Which save of its path by its run the shards are (``StagedShard.save``): -1 if its shards' counts differ
@@ -218,7 +226,7 @@ class Snapshots:
         """
         held = self.held.get(final)
         into = self.held
-        if held is not None and held.acknowledged:
+        if held is not None and held.acknowledged and not held.takes_late_rank(msg):
             if not msg.overwrite:
                 raise CheckpointExists(f"snapshot {display(final)} is already held in memory; pass overwrite=True "
                                        f"to replace it, or snapshot under a new path (one per step)")
