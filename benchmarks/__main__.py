@@ -74,6 +74,15 @@ def machine(scratch: Path) -> dict[str, str]:
         "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
 
+def _log_tail(log: Path, lines: int = 40) -> str:
+    """The last ``lines`` of a failed case's log, indented under its error line."""
+    try:
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+    except OSError as exc:
+        return f"    (its log {log} cannot be read: {exc})"
+    return "\n".join(f"    | {line}" for line in tail)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.report is not None:
@@ -110,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(record), file=f)
             print(json.dumps(record), flush=True)
             print(f"[bench] {case.name}: {record.get('error') or 'done'}", file=sys.stderr, flush=True)
+            if "error" in record:  # the cause where it is read (a CI log), not only in a scratch file gone after
+                print(_log_tail(scratch / "logs" / f"{case.name}.log"), file=sys.stderr, flush=True)
             records.append(record)
         meta["wall time of the run"] = f"{(time.monotonic() - started) / 60:.1f} min"
         f.write(json.dumps({"meta": {"wall time of the run": meta["wall time of the run"]}}) + "\n")

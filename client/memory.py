@@ -85,7 +85,8 @@ def wait_replicated(endpoint: str, path: Path | str, timeout: float | None) -> N
             return
         if snap is None or state != "replicating":
             why = {None: "it is no longer held (a newer snapshot, a delete or a disk save dropped it)",
-                   "off": "the daemon has no buddy (start it with --peer and --peer-keys)",
+                   "off": "the daemon has no buddy (start it with --peer-listen, so the ranks place it in their "
+                          "ring, or with --peer and --peer-keys)",
                    "superseded": "a newer snapshot of its directory was held before its turn, and is replicated "
                                  "instead"}.get(state, snap.get("replication_error", "") if snap else "")
             raise InvalidCheckpoint(f"snapshot {path} was not replicated: {why}")
@@ -362,43 +363,36 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
     torch.distributed initialized (several ranks) every rank must call it:
     the ranks agree, and a snapshot that some rank's daemon does not hold is
     never chosen (that rank could not restore it), nor a disk checkpoint some
-    rank cannot see.
+    rank cannot see. A snapshot this node lost that a peer holds a replica of
+    counts as held here: the ranks agree first, then the ranks that need it
+    read the chosen one back, so no replica is read that the others cannot
+    match.
     """
     on_disk = latest_on_disk(root)  # checks root, too
-    root, candidates, saves = Path(root), {}, {}
+    root, here, saves = Path(root), {}, {}
     if on_disk is not None:
         try:
             index = read_index(on_disk)
-            candidates[str(on_disk)] = (index.step if index.step is not None else -1, index.created)
+            here[str(on_disk)] = (index.step if index.step is not None else -1, index.created)
         except InvalidCheckpoint:  # removed since
             pass
-    real_root, on_peers = canonical(root), []
+    real_root, there = canonical(root), {}
     for s in held_snapshots(run_dir, peers=True):
         parent, name = os.path.split(resolved(s["path"]))
         if parent != real_root:
             continue
-        key = (s["step"] if s["step"] is not None else -1, s["created"])
+        key, shown = (s["step"] if s["step"] is not None else -1, s["created"]), str(root / name)
         if s.get("on_peer"):
-            if _my_rank() in s["ranks_held"]:
-                on_peers.append((key, str(root / name), s["path"]))
+            if _my_rank() in s["ranks_held"] and key > there.get(shown, ((-2, 0.0),))[0]:
+                there[shown] = (key, _save_of(s), s["path"])
             continue
         if not _serves_this_rank(s):
             continue
-        if key >= candidates.get(str(root / name), key):
-            candidates[str(root / name)] = key
-            saves[str(root / name)] = "" if s.get("persisted") else _save_of(s)  # persisted: the disk's own
-    best_here = max(candidates.values(), default=None)
-    for key, shown, held_as in sorted(on_peers, reverse=True):  # this node lost them: the newest that restores
-        if best_here is not None and key <= best_here:
-            break
-        if restore_from_peer(held_as, run_dir):
-            candidates[shown] = key
-            saves[shown] = next((_save_of(s) for s in held_snapshots(run_dir) if s["path"] == held_as), "")
-            break
-    candidates = _agreed(candidates, saves)
-    if not candidates:
-        return None
-    return user_path(max(candidates, key=lambda p: (candidates[p], p)))  # an object: its s3:// URL
+        if key >= here.get(shown, key):
+            here[shown] = key
+            saves[shown] = "" if s.get("persisted") else _save_of(s)  # persisted: the disk's own
+    chosen = _chosen(here, saves, there, run_dir)
+    return None if chosen is None else user_path(chosen)  # an object: its s3:// URL
 
 
 def _save_of(held: dict[str, Any]) -> str:
@@ -406,34 +400,66 @@ def _save_of(held: dict[str, Any]) -> str:
     return f"{held.get('job', '')}|{held['step']}|{held.get('save', 0)}"
 
 
-def _agreed(candidates: dict[str, tuple[int, float]], saves: dict[str, str]) -> dict[str, tuple[int, float]]:
-    """What every rank can restore, ordered by rank 0's keys so every rank picks the same (one process: all).
+Key = tuple[int, float]
 
-    A path counts only where every rank holds the same save of it (``saves``: a snapshot's run, step and count;
-    nothing for a checkpoint on disk, whose one index every rank reads): a snapshot spread over several nodes whose
-    nodes hold shards of different saves (a save that some nodes held and others refused, or one cut short by a
-    crash after some nodes replaced their older save with it) is never resumed as one checkpoint."""
+
+def _chosen(here: dict[str, Key], saves: dict[str, str], there: dict[str, tuple[Key, str, str]],
+            run_dir: str | os.PathLike | None) -> str | None:
+    """The newest checkpoint every rank can restore (one process: the newest it can), reading a snapshot back
+    from a peer's replica where this rank's node lost it.
+
+    ``here``: what this rank can read now (path to its key), with ``saves`` naming which save of its path a
+    snapshot is (none for a checkpoint on disk, whose one index every rank reads); ``there``: what a peer holds
+    a replica of (path to key, save and the name it is held under). A path counts only where every rank holds, or
+    can read back, the same save of it: a snapshot spread over several nodes whose nodes hold shards of different
+    saves (a save some nodes held and others refused, or one cut short after some nodes replaced their older save
+    with it) is never resumed as one checkpoint. The ranks pick by rank 0's keys, so every rank picks the same;
+    where a read back fails on some rank, that choice is dropped on that rank and the ranks choose again, together.
+    """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return candidates
+        best_here = max(here.values(), default=None)
+        for shown, (key, _, held_as) in sorted(there.items(), key=lambda item: item[1][0], reverse=True):
+            if best_here is not None and key <= best_here:
+                break
+            if restore_from_peer(held_as, run_dir):  # this node lost them: the newest that restores
+                return shown
+        return max(here, key=lambda p: (here[p], p)) if here else None
     from .coordinate import all_gather_msgpack
 
     group = dist.new_group(backend="gloo")
     try:
-        everyone = all_gather_msgpack([[p, *k, saves.get(p, "")] for p, k in sorted(candidates.items())], group)
+        while True:
+            mine = [[p, *k, saves.get(p, "")] for p, k in sorted(here.items())]
+            mine += [[p, *k, save] for p, (k, save, _) in sorted(there.items())]
+            everyone = all_gather_msgpack(mine, group)
+            common = set.intersection(*({(p, save) for p, _, _, save in rank} for rank in everyone))
+            keys = {(p, save): (step, created) for p, step, created, save in everyone[0]}
+            best = max(common, key=lambda ps: (keys[ps], ps), default=None)
+            _warn_lacking(everyone, common, keys[best] if best is not None else (-1, 0.0))
+            if best is None:
+                return None
+            path, save = best
+            restored = True
+            if (path not in here or saves.get(path, "") != save) and there.get(path, (None, None))[1] == save:
+                restored = restore_from_peer(there.pop(path)[2], run_dir)
+            if all(all_gather_msgpack(restored, group)):
+                return path
     finally:
         dist.destroy_process_group(group)
-    common = set.intersection(*({(p, save) for p, _, _, save in rank} for rank in everyone))
-    agreed = {p: (step, created) for p, step, created, save in everyone[0] if (p, save) in common}
-    best = max(agreed.values(), default=(-1, 0.0))
-    lacking = sorted({(step, p) for rank in everyone for p, step, created, _ in rank
-                      if p not in agreed and (step, created) > best}, reverse=True)
+
+
+def _warn_lacking(everyone: list[list[list[Any]]], common: set[tuple[str, str]], best: Key) -> None:
+    """Rank 0 says which newer snapshot some ranks hold and others do not, where the ranks resume from an older."""
+    import torch.distributed as dist
+
+    lacking = sorted({(step, p) for rank in everyone for p, step, created, save in rank
+                      if (p, save) not in common and (step, created) > best}, reverse=True)
     if lacking and dist.get_rank() == 0:
         log.warning("ckptd.latest: %s (step %s) is held by some ranks' nodes but not by every rank's (a node lost "
                     "with the peer holding its replica, or a replica that failed its check); resuming from what "
                     "every rank holds", lacking[0][1], lacking[0][0])
-    return agreed
 
 
 def _serves_this_rank(held: dict[str, Any]) -> bool:

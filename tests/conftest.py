@@ -16,13 +16,13 @@ from helpers import SHM, Daemon, own_segments, short_tempdir, start_daemon
 if TYPE_CHECKING:  # imported where used: moto is a dev-only package that `make test-nonumpy`'s venv does without
     from s3server import S3Server
 
-LONGEST_FIRST = ("test_readme", "test_bench_smoke", "test_object_storage", "test_stateful", "test_fabric",
-                 "test_dcp_writer", "test_snapshots", "test_node_loss", "test_torchrun_example", "test_launch_names",
-                 "test_mirror", "test_mirror_retention", "test_snapshots_reads", "test_crash_consistency",
-                 "test_lightning_sharded", "test_drain", "test_snapshots_persist", "test_fsdp2_example",
-                 "test_dcp_replace", "test_dcp_reader", "test_dcp_clients", "test_multinode_debris",
-                 "test_incarnations", "test_fuzz_daemon", "test_ring", "test_peers", "test_peer_outages",
-                 "test_fuzz_peers")
+LONGEST_FIRST = ("test_readme", "test_bench_smoke", "test_object_storage", "test_stateful", "test_stateful_found",
+                 "test_fabric", "test_dcp_writer", "test_snapshots", "test_node_loss", "test_torchrun_example",
+                 "test_launch_names", "test_mirror", "test_mirror_retention", "test_snapshots_reads",
+                 "test_crash_consistency", "test_lightning_sharded", "test_drain", "test_snapshots_persist",
+                 "test_fsdp2_example", "test_dcp_replace", "test_dcp_reader", "test_dcp_clients",
+                 "test_multinode_debris", "test_incarnations", "test_fuzz_daemon", "test_ring", "test_peers",
+                 "test_peer_outages", "test_fuzz_peers")
 """The modules that take longest (seconds of waiting on processes each), run first: longest first, as measured
 by ``make test PYTEST_ARGS=--durations=0`` (setup, call and teardown summed per module)."""
 

@@ -54,16 +54,6 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
 
     s3: S3Server  # set by run_stateful before the machine runs
     cfg: Config
-    partial_snapshot_mix_allowed = True
-    """A known defect, not generated while it is open: on several nodes a snapshot killed after some ranks were held
-    replaces (or joins) what the other nodes hold at its path, and a resume loads ranks of two saves, even of two
-    runs (``tests/stateful_pinned.py`` pins it). While True, on several nodes ``job_crashes_mid_save`` draws no
-    memory tier and a snapshot of a path some nodes may still hold (``Model.may``) is saved with ``overwrite``;
-    set it False once the fix lands."""
-    node_ranks_refused_allowed = True
-    """A known defect, not generated while it is open: on several nodes with several ranks per node, a snapshot's
-    first shard held on a node takes the path there, and the node's next rank is refused (``CheckpointExists`` on
-    every rank; ``tests/stateful_pinned.py``). While True such a job saves no snapshot (a disk save instead)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -104,8 +94,7 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
                                                                             label="keep_last"))
         if self.cfg.peers:  # a checkpoint, a snapshot held on every node and replicated, then a node lost
             self._save_all("disk", data.draw(st.sampled_from(NAMES), label="name"), False, None, False)
-            self._save_all("memory" if self._snapshots_held_whole() else "disk",
-                           data.draw(st.sampled_from(NAMES), label="name"), False, None, False)
+            self._save_all("memory", data.draw(st.sampled_from(NAMES), label="name"), False, None, False)
             self.node_is_lost(data.draw(st.integers(0, self.cfg.nodes - 1), label="node"),
                               data.draw(st.booleans(), label="buddy_too"), data.draw(st.booleans(), label="corrupt"))
         elif self.cfg.nodes > 1:
@@ -149,19 +138,10 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
         """Every rank saves; the save is acknowledged when every future resolves."""
         self._begin()
         tier = data.draw(st.sampled_from(self.cfg.tiers), label="tier")
-        if tier in SNAPSHOTS and not self._snapshots_held_whole():
-            tier = "disk"
-        if (tier in SNAPSHOTS and self.cfg.nodes > 1 and self.partial_snapshot_mix_allowed
-                and self.w.path(tier, name) in self.model.may):  # some nodes may hold it, some not: all replace
-            overwrite = True
         dcp = self.cfg.dcp and tier not in SNAPSHOTS and data.draw(st.booleans(), label="dcp")
         # With peers, snapshots share the disk checkpoints' directory, where keep_last would count them too.
         self._save_all(tier, name, overwrite, None if tier in SNAPSHOTS or self.cfg.peers else keep_last, reverse,
                        dcp=dcp)
-
-    def _snapshots_held_whole(self) -> bool:
-        """Whether this job's snapshots can be held at all while ``node_ranks_refused_allowed`` is open."""
-        return not (self.node_ranks_refused_allowed and self.cfg.nodes > 1 and self.world > self.cfg.nodes)
 
     def _save_all(self, tier: str, name: str, overwrite: bool, keep_last: int | None, reverse: bool,
                   dcp: bool = False) -> None:
@@ -189,8 +169,7 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
         self._begin()
         if self.world < 2:
             return
-        tier = data.draw(st.sampled_from([t for t in self.cfg.tiers if t != "mirror" and not (
-            t in SNAPSHOTS and self.cfg.nodes > 1 and self.partial_snapshot_mix_allowed)]), label="tier")
+        tier = data.draw(st.sampled_from([t for t in self.cfg.tiers if t != "mirror"]), label="tier")
         before = data.draw(st.integers(1, self.world - 1), label="before")
         path = self.w.path(tier, name)
         since = time.time()

@@ -74,12 +74,6 @@ class NodeLoss:
     buddy, so replicated (docs/memory.md). ``None`` after a daemon was replaced or restarted."""
     changed_shards: set[str]
     """Shared-memory names of replica shards whose bytes the test changed (never loaded, for as long as held)."""
-    shadowing_allowed = True
-    """A known defect, allowed while it is open: ``ckptd.latest`` on a replacement node reads back only the newest
-    replica of its ranks that restores (``client/memory.py``), so a newer replica of a snapshot that some other
-    rank's node lost (left from before a double loss) shadows an older snapshot every rank could resume from, and
-    the ranks fall back further than they need to (never to a mix: to what all of them hold). While True such an
-    older snapshot only may be resumed from; ``tests/stateful_pinned.py`` sets it False and fails until the fix."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -167,7 +161,7 @@ class NodeLoss:
             if not saved.durable and path not in survive:
                 continue
             possible[(saved.inc, saved.sid)] = (path, saved)
-            if must and not (self.shadowing_allowed and self._shadowed(path, lost, holdings, survive)):
+            if must:
                 certain.append((saved.step, path))
         return Resumable(possible, max((step for step, _ in certain), default=None), [p for _, p in sorted(certain)])
 
@@ -180,23 +174,6 @@ class NodeLoss:
                 continue
             return False
         return True
-
-    def _shadowed(self, path: str, lost: list[int], holdings: list[Holdings], survive: set[str]) -> bool:
-        """Whether a node that lacks its shards of ``path`` (lost, or its daemon restarted) would read back, instead
-        of them, a newer replica of its ranks of a snapshot that does not survive whole, or read nothing back as it
-        holds such a newer snapshot itself (``shadowing_allowed``)."""
-        for node in range(self.cfg.nodes):
-            ranks, here, buddy = self._ranks_of(node), holdings[node], holdings[self.w.buddy(node)]
-            if node not in lost and ranks <= here.own.get(path, set()):
-                continue
-            key = buddy.replica_keys.get(path)
-            if self.w.buddy(node) in lost or key is None:
-                continue
-            if any(k > key and p not in survive and ranks <= buddy.replicas[p] for p, k in buddy.replica_keys.items()):
-                return True
-            if node not in lost and any(k > key and p not in survive for p, k in here.own_keys.items()):
-                return True
-        return False
 
     # -- the loss -------------------------------------------------------------------------------------------
 

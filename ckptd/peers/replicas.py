@@ -100,8 +100,10 @@ class Replica:
     def describe(self) -> dict[str, Any]:
         """As ``SnapshotList`` lists a held snapshot (docs/status.md), with ``origin`` for the peer it is of."""
         first = next(iter(self.shards.values())).offer
+        saves = {s.offer.snapshot.save for s in self.shards.values()}
         return {"path": str(self.path), "step": first.snapshot.step, "world_size": first.snapshot.world_size,
-                "created": self.created, "bytes": self.nbytes, "ranks_held": sorted(self.shards),
+                "created": self.created, "job": first.snapshot.job, "save": saves.pop() if len(saves) == 1 else -1,
+                "bytes": self.nbytes, "ranks_held": sorted(self.shards),
                 "complete": self.complete, "coordinated": first.snapshot.coordinated, "origin": self.origin,
                 "checksum_algorithm": first.algorithm,
                 "shards": [[r, s.name, s.nbytes, s.offer.checksum, len(s.offer.snapshot.tensors)]

@@ -1,9 +1,6 @@
-"""Stateful sequences that fail today, each pinning a defect the stateful test found, by hand (not in ``make test``:
-the file is named so it is not collected; run it by name once the fix lands, then move it to
-``tests/test_stateful.py``):
-
-    .venv/bin/python -m pytest -q -n 0 --timeout=600 tests/stateful_pinned.py
-"""
+"""Sequences the stateful test found, each a defect fixed since, replayed by hand against real daemons, ranks and
+peers (the ``node_lost`` configuration): resumes that mixed two saves of one path (even of two runs), a snapshot
+of several ranks per node refused on every rank, and a lost node resumed from further back than it needed."""
 
 from __future__ import annotations
 
@@ -14,10 +11,9 @@ from stateful import HANG_S, CheckpointMachine, NodeLossMachine
 from stateful_world import CONFIGS
 
 
-def _machine(aws: S3Server, world: int = 3, **allowed: bool) -> CheckpointMachine:
-    """The ``node_lost`` configuration's machine (three nodes, ``world`` ranks spread evenly over them), with the
-    known defects named in ``allowed`` no longer allowed."""
-    machine = type("Machine_node_lost", (NodeLossMachine,), {"s3": aws, "cfg": CONFIGS["node_lost"], **allowed})()
+def _machine(aws: S3Server, world: int = 3) -> CheckpointMachine:
+    """The ``node_lost`` configuration's machine (three nodes, ``world`` ranks spread evenly over them)."""
+    machine = type("Machine_node_lost", (NodeLossMachine,), {"s3": aws, "cfg": CONFIGS["node_lost"]})()
     machine.world, machine.form = world, "torchrun-c10d"
     machine.job = machine._new_job()
     return machine
@@ -147,7 +143,7 @@ def test_a_lost_node_resumes_from_the_newest_snapshot_every_rank_can_read_back_p
     hold and resume from step 1 on disk, though step 2 is whole across the surviving memory (nodes 0 and 1 hold
     their own shards, node 0 the replica of rank 2's). The issue asks for "the newest step complete across the
     surviving memory"."""
-    machine = _machine(aws, shadowing_allowed=False)
+    machine = _machine(aws)
     try:
         machine._save_all("disk", "step-1", False, None, False)
         machine._save_all("memory", "step-2", False, None, False)
