@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-PARTS = ("save,load,snapshot", "multi,scaling,sharded,objects,steps")
+PARTS = ("save,load,snapshot,gpu", "multi,scaling,sharded,objects,steps")
 """The sections of each run (``--only``), about as long as each other."""
 
 

@@ -107,6 +107,19 @@ def test_only_the_registry_moves_an_attempt() -> None:
     assert movers == {"ckptd/lifecycle/registry.py"}, f"attempts moved outside the registry: {sorted(movers)}"
 
 
+def test_only_the_registry_moves_a_snapshots_replication() -> None:
+    """A held snapshot's second track (its copy on the buddy, ``attempt.Replication``) moves along
+    ``NEXT_REPLICATION`` through ``Registry.replicate`` only: no other module of the daemon assigns it."""
+    def assigned(node: ast.AST) -> list[ast.expr]:
+        if isinstance(node, ast.Assign):
+            return [t for target in node.targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+        return [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+    movers = {p.relative_to(REPO).as_posix() for p in _daemon() for node in ast.walk(ast.parse(p.read_text()))
+              for t in assigned(node) if isinstance(t, ast.Attribute) and t.attr == "replication"
+              and not (isinstance(t.value, ast.Name) and t.value.id == "self")}
+    assert movers == {"ckptd/lifecycle/registry.py"}, f"replication moved outside the registry: {sorted(movers)}"
+
+
 READERS = ("export", "listing")
 """Daemon-side modules that read committed checkpoints through ``protocol/reading.py``."""
 CHOOSERS = ("objects", "reading")

@@ -37,7 +37,7 @@ from ckptd.protocol.objects import display, is_permanent
 
 from ckptd.lifecycle.admission import Examined, examine
 from ckptd.lifecycle.contributors import Contributors
-from ckptd.lifecycle.attempt import AttemptState
+from ckptd.lifecycle.attempt import AttemptState, Replication
 from ckptd.lifecycle.saves import Saves
 from ckptd.lifecycle.slot_maps import MappedSlot, SlotMaps
 from ckptd.lifecycle.snapshots import HeldShard, HeldSnapshot, shards_of
@@ -269,12 +269,12 @@ class Holding:
         self._release(shards_of(self.snapshots.unpin(reader, path)))
 
     def hold_restored(self, path: Path, created: float, shards: list[tuple[Snapshot, str, int, mmap.mmap, int]],
-                      replication: str = "restored") -> HeldSnapshot:
+                      replication: Replication = Replication.RESTORED) -> HeldSnapshot:
         """Hold a snapshot read back from a peer's replica (``peers/replication.py``), every shard checked: its
         ranks' ``Snapshot`` messages as the origin admitted them, and the files of this daemon's own that hold
         them (name, fd, mapping, checksum). It is held as its origin held it, complete; ``CheckpointExists``
         if a snapshot of the path is held here meanwhile, ``NoSpace`` if it does not fit the budget.
-        ``replication`` "adopted": a replica held here for a peer that is gone, about to be persisted by a drain
+        ``replication`` ``ADOPTED``: a replica held here for a peer that is gone, about to be persisted by a drain
         (``Replication.drain``)."""
         if self.snapshots.opening(path) is not None or not shards:
             raise CheckpointExists(f"snapshot {display(path)} is held here already; the replica is not restored")
@@ -449,7 +449,7 @@ class Holding:
             self.state.stats.error(f"persisting snapshot {path} failed: {error.message}")
             if self.state.draining and _transient(error) and self._retry_in_drain(snap):
                 return  # its waiters are answered by the last attempt
-            if (self.state.draining and snap.replication in ("adopted", "restored")
+            if (self.state.draining and snap.replication in (Replication.ADOPTED, Replication.RESTORED)
                     and isinstance(error, CheckpointExists)):
                 # a copy of a peer's replica (read back here, or adopted from a node that is gone): another holder
                 # of the same bytes (the buddy that held the replica, or the node restored from it) committed it

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from ckptd.protocol.errors import CkptdError
+from ckptd.protocol.errors import CkptdError, InternalError
 
-from ckptd.lifecycle.attempt import Attempt, AttemptState
+from ckptd.lifecycle.attempt import NEXT_REPLICATION, Attempt, AttemptState, Replication
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,15 @@ class Registry:
             for book in self._books:
                 if book.get(attempt.path) is attempt:
                     del book[attempt.path]
+
+    @staticmethod
+    def replicate(snap: Any, state: Replication, error: str = "") -> None:
+        """Move held snapshot ``snap``'s replication to ``state`` along ``NEXT_REPLICATION`` (any other move is a
+        defect, raised as ``InternalError``); ``error`` says why it failed."""
+        if state not in NEXT_REPLICATION[snap.replication]:
+            raise InternalError(f"snapshot {snap.path}'s replication cannot go from {snap.replication.value} to "
+                                f"{state.value}")
+        snap.replication, snap.replication_error = state, error
 
     def housekeep(self, now: float, died: Sequence[DeadRank] = ()) -> None:
         """One round: fail what is overdue or waits for a rank that died, abandon what its contributors left."""

@@ -47,7 +47,7 @@ from ckptd.protocol.index import CHECKSUM_ALGORITHM
 from ckptd.protocol.messages import Snapshot
 from ckptd.protocol.objects import display
 
-from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter
+from ckptd.lifecycle.attempt import Attempt, AttemptState, Replication, Waiter
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.registry import Registry
 from ckptd.lifecycle.slot_maps import MappedSlot
@@ -82,10 +82,8 @@ class HeldSnapshot(Attempt):
     persist_started: float = 0.0
     readers: dict[bytes, int] = field(default_factory=dict)
     """Pins by reader connection (``Pin``): while any is held its slots stay as they are, dropped or not."""
-    replication: str = "off"
-    """Its copy on the buddy node (``ckptd/peers/replication.py``): off, replicating, replicated, failed,
-    superseded, restored (read back from a peer's replica), or adopted (a replica held here for a node that is
-    gone, persisted by a drain)."""
+    replication: Replication = Replication.OFF
+    """Its copy on the buddy node (``ckptd/peers/replication.py``), moved by ``Registry.replicate`` only."""
     replication_error: str = ""
     """Why replication failed."""
     replication_lag_s: float | None = None
@@ -160,7 +158,7 @@ class HeldSnapshot(Attempt):
             "ranks_held": sorted(r for r, s in self.shards.items() if s.checksum is not None),
             "complete": self.acknowledged, "persisted": self.persisted, "persisting": self.persisting,
             "persists_waiting": len(self.persist_waiting),
-            "replication": self.replication, "replication_error": self.replication_error,
+            "replication": self.replication.value, "replication_error": self.replication_error,
             "replication_lag_s": self.replication_lag_s,
             "checksum_algorithm": CHECKSUM_ALGORITHM,
             "shards": [[r, s.slot.name, s.msg.nbytes, s.checksum, len(s.msg.tensors)]
@@ -278,7 +276,7 @@ class Snapshots:
         clients = {sh.client for sh in snap.shards.values()}
         job = sorted((s for s in self.held.values() if s.acknowledged and s.path.parent == snap.path.parent
                       and not s.persisting and (clients & {sh.client for sh in s.shards.values()}
-                                                or s.replication == "restored" and set(s.shards) & set(snap.shards))),
+                                                or s.replication is Replication.RESTORED and set(s.shards) & set(snap.shards))),
                      key=lambda s: s.order, reverse=True)
         dropped = [s for s in job[self.keep:] if s is not snap]
         for s in dropped:

@@ -43,6 +43,7 @@ from ckptd.protocol.messages import Message, Ok, PeerSnapshots, Restore, Snapsho
 from ckptd.protocol.objects import display
 from ckptd.protocol.peer_messages import Offer
 
+from ckptd.lifecycle.attempt import Replication as R
 from ckptd.lifecycle.holding import Holding
 from ckptd.lifecycle.snapshots import HeldSnapshot
 from ckptd.loop.config import DaemonConfig
@@ -167,7 +168,7 @@ class Replication:
         """A snapshot was held here (its ranks told): queue its stream to the buddy."""
         snap = self.holding.snapshots.held.get(event.path)
         buddy = self.buddy
-        if buddy is None or snap is None or snap.replication in ("restored", "adopted"):  # read back from a
+        if buddy is None or snap is None or snap.replication in (R.RESTORED, R.ADOPTED):  # read back from a
             # replica, or a replica a drain is persisting
             return
         reader = b"ckptd-replication-%d" % next(self._pins)
@@ -177,7 +178,7 @@ class Replication:
         if before is not None:
             before.superseded = True
         self._turns[snap.path.parent] = turn
-        snap.replication = "replicating"
+        self.holding.state.attempts.replicate(snap, R.REPLICATING)
         ranks = tuple(sorted(snap.shards))
         shards = [(sh.msg.to_wire(), sh.checksum, sh.slot, sh.msg.nbytes) for _, sh in sorted(snap.shards.items())]
 
@@ -196,15 +197,20 @@ class Replication:
         self.workers.submit("peer", stream, lambda fut: self._streamed(turn, fut))
 
     def _streamed(self, turn: _Turn, fut: Future) -> None:
-        snap = turn.snap
-        if self._turns.get(snap.path.parent) is turn:
+        snap, newer = turn.snap, self._turns.get(turn.snap.path.parent)
+        if newer is turn:
             del self._turns[snap.path.parent]
         self.holding.unpin_for(turn.reader, snap.path)
         record = self._record(turn.endpoint)
         exc = fut.exception()
+        again = newer is not None and newer is not turn and newer.snap is snap  # sent again: a late rank joined
+
+        def move(state: R, error: str = "") -> None:
+            if not again:  # else the newer turn says how it went
+                self.holding.state.attempts.replicate(snap, state, error)
         if exc is None and fut.result() is not None:
             start, end = fut.result()
-            snap.replication, snap.replication_error = "replicated", ""
+            move(R.REPLICATED)
             snap.replication_lag_s = round(end - turn.held_at, 6)
             record.answered()
             record.bytes_replicated += snap.nbytes
@@ -214,9 +220,9 @@ class Replication:
             log.info("event=snapshot_replicated path=%s step=%s peer=%s lag_s=%.3f", snap.path, snap.step,
                      turn.endpoint, snap.replication_lag_s)
         elif exc is None:
-            snap.replication = "superseded"
+            move(R.SUPERSEDED)
         else:
-            snap.replication, snap.replication_error = "failed", str(exc)
+            move(R.FAILED, str(exc))
             record.failures += 1
             if isinstance(exc, PeerUnavailable):
                 record.unanswered(exc)
@@ -392,7 +398,7 @@ class Replication:
                          replica.order[0], replica.origin[:8], why)
                 try:
                     snap = self.holding.hold_restored(replica.path, replica.created, replicas.hand_over(replica),
-                                                      replication="adopted")
+                                                      replication=R.ADOPTED)
                 except CkptdError as exc:
                     self.holding.drain_failures.append(f"{display(replica.path)} (a replica of a node that is gone): "
                                                        f"{exc}")
