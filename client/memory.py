@@ -28,7 +28,7 @@ import torch
 
 from ckptd.protocol.checksums import Behind
 from ckptd.protocol.chunks import tensor_table
-from ckptd.protocol.endpoint import endpoint_for
+from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.errors import BadMessage, CkptdError, DaemonUnavailable, InvalidCheckpoint
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
 from ckptd.protocol.index import latest as latest_on_disk
@@ -105,6 +105,20 @@ def restore_from_peer(path: str, run_dir: str | os.PathLike | None = None) -> bo
     if not isinstance(reply, Ok):
         log.warning("ckptd: snapshot %s is not restored from a peer: %s", path, getattr(reply, "message", reply.type))
     return isinstance(reply, Ok)
+
+
+def _asked(run_dir: str | os.PathLike | None) -> str:
+    """The daemon a read asked for memory snapshots, as an error names it: its run directory (``run_dir``, else
+    the default a ``Client`` without one uses, never a live ``Client``'s own), and whether any daemon answers
+    there, so a snapshot held by a daemon of another run directory is not taken for a lost one."""
+    where = Path(run_dir).absolute() if run_dir is not None else default_run_dir()
+    try:
+        request(_endpoint(run_dir), Snapshots(1), timeout=ASK_TIMEOUT)
+    except DaemonUnavailable:
+        return f"any daemon (none answers at run directory {where}; pass run_dir= to name another)"
+    except (CkptdError, TimeoutError):  # one answers, late or with an error: it is the one asked
+        pass
+    return f"the daemon of run directory {where} (pass run_dir= to ask another)"
 
 
 def find_held(path: Path, run_dir: str | os.PathLike | None = None) -> dict[str, Any] | None:
@@ -350,7 +364,7 @@ def open_checkpoint(path: Path, *, verify: bool, run_dir: str | os.PathLike | No
     except InvalidCheckpoint as exc:
         if files_for(path).unanswered_is_error or path.exists():  # on a store, a failed read never means "nothing there"
             raise
-        raise InvalidCheckpoint(f"{exc}; nor does this node's daemon hold a memory snapshot of it (one taken there "
+        raise InvalidCheckpoint(f"{exc}; nor does {_asked(run_dir)} hold a memory snapshot of it (one taken there "
                                 f"is gone if --keep-snapshots newer ones of its job are held, or the daemon "
                                 f"restarted)") from None
     return ChunkFiles(path, index, verify=verify, defer=defer)

@@ -143,7 +143,7 @@ def test_the_reader_says_what_is_missing_when_neither_memory_nor_disk_holds_the_
                                                                                      monkeypatch):
     monkeypatch.setenv("CKPTD_RUN_DIR", str(run_dir))
     missing = root / "never" / "step-1"
-    with pytest.raises(CheckpointException, match="nor does this node's daemon hold a memory snapshot"):
+    with pytest.raises(CheckpointException, match="nor does the daemon of run directory .* hold a memory snapshot"):
         dcp.load(_blank(), storage_reader=StorageReader(missing, run_dir=run_dir))
     assert StorageReader.validate_checkpoint_id(missing) is False
 

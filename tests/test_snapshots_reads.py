@@ -54,8 +54,28 @@ def test_a_snapshot_dropped_while_an_unpinned_reader_reads_it_says_so_or_is_read
         lost.read(lost.index.shard(0), copy=True)
     _, tensors = kept.read(kept.index.shard(0), copy=True)
     assert tensors["w"].equal(full(2)["w"])  # the persisted copy, same checksum
-    with pytest.raises(ckptd.InvalidCheckpoint, match="nor does this node's daemon hold a memory snapshot"):
+    with pytest.raises(ckptd.InvalidCheckpoint, match="nor does the daemon of run directory .* hold a memory snapshot"):
         ckptd.load(root / "mem-only", run_dir=run_dir)
+    daemon.stop()
+
+
+def test_a_read_asks_the_daemon_its_run_dir_names_and_says_which_it_asked_when_the_snapshot_is_not_there(
+    daemon, client_factory, root, run_dir, tmp_path, monkeypatch
+) -> None:
+    """``load``/``load_into`` ask the daemon of ``run_dir`` (else the default one), never a live ``Client``'s own:
+    a snapshot held by a daemon of another run directory is named as not asked, not as lost."""
+    client = client_factory()
+    client.save_async(full(1), root / "mem-only", step=1, persist=False).result(30)
+    elsewhere = tmp_path / "no-daemon-here"
+    monkeypatch.setenv("CKPTD_RUN_DIR", str(elsewhere))
+    with pytest.raises(ckptd.InvalidCheckpoint, match=f"none answers at run directory {elsewhere}; pass run_dir="):
+        ckptd.load(root / "mem-only")
+    target = {"w": torch.zeros(50_000)}
+    with pytest.raises(ckptd.InvalidCheckpoint, match=f"none answers at run directory {elsewhere}"):
+        ckptd.load_into(target, root / "mem-only")
+    assert not target["w"].any()
+    ckptd.load_into(target, root / "mem-only", run_dir=run_dir)
+    assert target["w"].equal(full(1)["w"]) and ckptd.load(root / "mem-only", run_dir=run_dir)["w"].equal(full(1)["w"])
     daemon.stop()
 
 
