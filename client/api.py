@@ -28,7 +28,7 @@ from .fill import host_only
 from .incarnation import drawn, from_launcher, from_master
 from .flatten import Flat, flatten
 from .future import SaveFuture, SaveResult
-from .memory import wait_replicated
+from .memory import passed_over, wait_replicated
 from .ranks import detect_ranks
 from .slots import Slot, SlotPool
 from .spawn import ensure_daemon
@@ -244,6 +244,7 @@ class Client:
         except BaseException:
             self._inflight.release()
             raise
+        overwrite = passed_over(target) or overwrite  # a snapshot only some nodes hold, which latest passed over
         fut = SaveFuture()
         with self._lock:
             self._futures.add(fut)

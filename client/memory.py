@@ -451,7 +451,7 @@ def _chosen(here: dict[str, Key], saves: dict[str, str], there: dict[str, tuple[
             common = set.intersection(*({(p, save) for p, _, _, save in rank} for rank in everyone))
             keys = {(p, save): (step, created) for p, step, created, save in everyone[0]}
             best = max(common, key=lambda ps: (keys[ps], ps), default=None)
-            _warn_lacking(everyone, common, keys[best] if best is not None else (-1, 0.0))
+            _pass_over(everyone, common, keys[best] if best is not None else (-1, 0.0))
             if best is None:
                 return None
             path, save = best
@@ -464,16 +464,35 @@ def _chosen(here: dict[str, Key], saves: dict[str, str], there: dict[str, tuple[
         dist.destroy_process_group(group)
 
 
-def _warn_lacking(everyone: list[list[list[Any]]], common: set[tuple[str, str]], best: Key) -> None:
-    """Rank 0 says which newer snapshot some ranks hold and others do not, where the ranks resume from an older."""
+PASSED_OVER: set[str] = set()
+"""Snapshots newer than the one ``latest`` resumed from that some ranks' nodes hold and others do not (resolved
+paths): this process's next save of such a path replaces what is held there (``Client._save_flat``), as the run
+saves that step again; a save to it would otherwise be refused (``CheckpointExists``) on the nodes holding it."""
+
+
+def passed_over(path: str) -> bool:
+    """Whether ``latest`` passed over a snapshot held at ``path`` by some ranks' nodes only; forgets it (the save
+    that asks replaces it, and a later save of the path is refused as any is)."""
+    want = resolved(path)
+    if want in PASSED_OVER:
+        PASSED_OVER.discard(want)
+        return True
+    return False
+
+
+def _pass_over(everyone: list[list[list[Any]]], common: set[tuple[str, str]], best: Key) -> None:
+    """Every rank notes the newer snapshots some ranks hold and others do not, where the ranks resume from an
+    older one (``PASSED_OVER``: a checkpoint on disk is never among them), and rank 0 says the newest."""
     import torch.distributed as dist
 
     lacking = sorted({(step, p) for rank in everyone for p, step, created, save in rank
-                      if (p, save) not in common and (step, created) > best}, reverse=True)
+                      if save and (p, save) not in common and (step, created) > best}, reverse=True)
+    PASSED_OVER.update(resolved(p) for _, p in lacking)
     if lacking and dist.get_rank() == 0:
         log.warning("ckptd.latest: %s (step %s) is held by some ranks' nodes but not by every rank's (a node lost "
                     "with the peer holding its replica, or a replica that failed its check); resuming from what "
-                    "every rank holds", lacking[0][1], lacking[0][0])
+                    "every rank holds, and this run's next save of that path replaces it", lacking[0][1],
+                    lacking[0][0])
 
 
 def _serves_this_rank(held: dict[str, Any]) -> bool:
