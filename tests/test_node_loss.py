@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import ckptd
@@ -29,15 +28,11 @@ import ckptd
 from helpers import Daemon, ckptd_cli, free_port, short_tempdir, start_daemon, wait_for_ranks
 from docs_reference import status_paths
 from test_docs import documented_status_paths
+from node_trainer import report_and_train_on, resume, snapshot, state
 from zygote import start_ranks
 
 NODES = 3
 LOG = "ckptd.log"
-
-
-def _state(rank: int, step: int) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(rank * 1000 + step)
-    return {"w": torch.randn(256, 256, generator=gen), "b": torch.randn(300, generator=gen), "step": step}
 
 
 def _rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: str, persist: list[int],
@@ -50,27 +45,14 @@ def _rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: str, p
     logging.getLogger("ckptd").addHandler(warned)
     try:
         client = ckptd.Client(run_dir=run_dirs[rank], spawn=False, commit_timeout=60, timeout=10, heartbeat=0.2)
-        resumed = ckptd.latest(root, run_dir=run_dirs[rank])
-        log["resumed"] = None if resumed is None else str(resumed)
-        if resumed is not None:
-            state = {"w": torch.zeros(256, 256), "b": torch.zeros(300), "step": -1}
-            ckptd.load_into(state, resumed, run_dir=run_dirs[rank])
-            want = _state(rank, state["step"])
-            log["step"] = state["step"]
-            log["bitwise"] = all(torch.equal(state[k], want[k]) for k in ("w", "b"))
+        resume(rank, root, run_dirs[rank], log)
         for step in persist:
-            client.save_async(_state(rank, step), Path(root) / f"step-{step}", step=step).result(60)
-        for step in snapshots:
-            fut = client.save_async(_state(rank, step), Path(root) / f"step-{step}", step=step, persist=False)
-            fut.result(60)
-            fut.wait_replicated(60)
+            client.save_async(state(rank, step), Path(root) / f"step-{step}", step=step).result(60)
+        snapshot(client, rank, root, snapshots)
         log["saved"] = persist + snapshots
     except BaseException:
         log["crash"] = traceback.format_exc()
-    Path(out, f"rank-{rank}.json").write_text(json.dumps(log))
-    Path(out, f"done-{rank}").touch()
-    while True:  # a trainer goes on training: it ends when its job is killed
-        time.sleep(1)
+    report_and_train_on(out, rank, log)
 
 
 @dataclass
@@ -247,14 +229,7 @@ def _resume_rank(rank: int, init_file: str, run_dirs: list[str], root: str, out:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     log: dict[str, Any] = {}
     try:
-        resumed = ckptd.latest(root, run_dir=run_dirs[rank])
-        log["resumed"] = None if resumed is None else str(resumed)
-        if resumed is not None:
-            state = {"w": torch.zeros(256, 256), "b": torch.zeros(300), "step": -1}
-            ckptd.load_into(state, resumed, run_dir=run_dirs[rank])
-            want = _state(rank, state["step"])
-            log["step"] = state["step"]
-            log["bitwise"] = all(torch.equal(state[k], want[k]) for k in ("w", "b"))
+        resume(rank, root, run_dirs[rank], log)
     except BaseException:
         log["crash"] = traceback.format_exc()
     Path(out, f"rank-{rank}.json").write_text(json.dumps(log))

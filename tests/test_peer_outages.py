@@ -15,7 +15,7 @@ import torch
 import ckptd
 from ckptd.protocol.errors import InvalidCheckpoint
 
-from helpers import ckptd_cli, segments_of, start_daemon, wait_until
+from helpers import Daemon, ckptd_cli, segments_of, start_daemon, wait_until
 from proxy import TcpProxy
 from test_peers import _node
 
@@ -81,6 +81,20 @@ def test_status_and_metrics_show_each_peer_and_what_was_replicated(root: Path, t
         buddy.kill()
 
 
+def _through(proxy: TcpProxy, root: Path, keys: Path, lines: list[str], buddy_dir: Path, buddy_ep: str,
+             origin_dir: Path, *origin_args: str) -> tuple[Daemon, Daemon, str]:
+    """The buddy on its own endpoint and the origin reaching it through ``proxy`` (the keys file names the
+    buddy's key at the proxy's port too), the origin giving up on a link after 3 s: (buddy, origin, the proxy's
+    endpoint)."""
+    via_proxy = f"tcp://127.0.0.1:{proxy.port}"
+    lines.append(f"{lines[1].split()[0]} {via_proxy}\n")
+    keys.write_text("".join(lines))
+    buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys))
+    origin = start_daemon(origin_dir, root, "--peer", via_proxy, "--peer-keys", str(keys), "--peer-timeout", "3",
+                          *origin_args)
+    return buddy, origin, via_proxy
+
+
 def test_an_outage_between_peers_fails_replication_visibly_it_resumes_and_a_cut_replica_is_never_loaded(
         root: Path, tmp_path: Path) -> None:
     lines: list[str] = []
@@ -90,13 +104,7 @@ def test_an_outage_between_peers_fails_replication_visibly_it_resumes_and_a_cut_
     host, port = buddy_ep.removeprefix("tcp://").split(":")
     never = ("--persist-on-exit", "never")
     with TcpProxy(host, int(port)) as proxy:
-        via_proxy = f"tcp://127.0.0.1:{proxy.port}"
-        buddy_key = lines[1].split()[0]
-        lines.append(f"{buddy_key} {via_proxy}\n")  # the origin reaches the buddy through the proxy
-        keys.write_text("".join(lines))
-        buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys))
-        origin = start_daemon(origin_dir, root, "--peer", via_proxy, "--peer-keys", str(keys), "--peer-timeout", "3",
-                              *never)
+        buddy, origin, _ = _through(proxy, root, keys, lines, buddy_dir, buddy_ep, origin_dir, *never)
         replacement = None
         states = {step: _state(mib, step) for step, mib in ((1, 1), (2, 1), (3, 1), (4, 48))}
         try:
@@ -162,11 +170,7 @@ def test_a_buddy_killed_mid_stream_fails_that_snapshot_visibly_and_its_restart_t
     buddy_dir, buddy_ep = _node(keys, lines)
     host, port = buddy_ep.removeprefix("tcp://").split(":")
     with TcpProxy(host, int(port)) as proxy:
-        via_proxy = f"tcp://127.0.0.1:{proxy.port}"
-        lines.append(f"{lines[1].split()[0]} {via_proxy}\n")
-        keys.write_text("".join(lines))
-        buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys))
-        origin = start_daemon(origin_dir, root, "--peer", via_proxy, "--peer-keys", str(keys), "--peer-timeout", "3")
+        buddy, origin, _ = _through(proxy, root, keys, lines, buddy_dir, buddy_ep, origin_dir)
         try:
             client = ckptd.Client(run_dir=origin_dir, spawn=False)
             proxy.stall_after(8 * MIB)  # the stream is held part-way, so the kill lands in its middle

@@ -36,6 +36,7 @@ from ckptd.protocol.messages import (
 from ckptd.protocol.peer_messages import PEER_TYPES
 
 from helpers import Daemon, ckptd_cli, free_port, raw_socket, short_tempdir, start_daemon, wait_for_ranks
+from node_trainer import report_and_train_on, resume, snapshot, state
 from zygote import start_ranks
 
 NODES = 3
@@ -197,11 +198,6 @@ def test_a_daemon_without_peer_listen_ignores_a_ring_and_a_static_peer_wins_over
 # --------------------------------------------------------------------------- three nodes, one rank each
 
 
-def _state(rank: int, step: int) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(rank * 1000 + step)
-    return {"w": torch.randn(256, 256, generator=gen), "b": torch.randn(300, generator=gen), "step": step}
-
-
 def _rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: str, snapshots: list[int]) -> None:
     """One trainer: its client sets the ring with the others', it resumes from the newest checkpoint and takes
     memory snapshots, each replicated, then stays alive (as a trainer does) until its job is killed."""
@@ -210,25 +206,12 @@ def _rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: str, s
     try:
         client = ckptd.Client(run_dir=run_dirs[rank], spawn=False, commit_timeout=60, timeout=10, heartbeat=0.2)
         log["ring"] = client.ring
-        resumed = ckptd.latest(root, run_dir=run_dirs[rank])
-        log["resumed"] = None if resumed is None else str(resumed)
-        if resumed is not None:
-            state = {"w": torch.zeros(256, 256), "b": torch.zeros(300), "step": -1}
-            ckptd.load_into(state, resumed, run_dir=run_dirs[rank])
-            want = _state(rank, state["step"])
-            log["step"] = state["step"]
-            log["bitwise"] = all(torch.equal(state[k], want[k]) for k in ("w", "b"))
-        for step in snapshots:
-            fut = client.save_async(_state(rank, step), Path(root) / f"step-{step}", step=step, persist=False)
-            fut.result(60)
-            fut.wait_replicated(60)
+        resume(rank, root, run_dirs[rank], log)
+        snapshot(client, rank, root, snapshots)
         log["saved"] = snapshots
     except BaseException:
         log["crash"] = traceback.format_exc()
-    Path(out, f"rank-{rank}.json").write_text(json.dumps(log))
-    Path(out, f"done-{rank}").touch()
-    while True:  # a trainer goes on training: it ends when its job is killed
-        time.sleep(1)
+    report_and_train_on(out, rank, log)
 
 
 @dataclass
@@ -331,7 +314,7 @@ def _mixed_rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: 
     try:
         client = ckptd.Client(run_dir=run_dirs[rank], spawn=False, commit_timeout=60, timeout=10, heartbeat=0.2)
         log["ring"] = client.ring
-        fut = client.save_async(_state(rank, 1), Path(root) / "step-1", step=1, persist=False)
+        fut = client.save_async(state(rank, 1), Path(root) / "step-1", step=1, persist=False)
         fut.result(60)  # held on both nodes
         try:
             fut.wait_replicated(60)
