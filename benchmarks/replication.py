@@ -1,6 +1,6 @@
 """Replication to a buddy node and restore from it, beside a raw ZeroMQ stream and a cold disk load (issue #28).
 
-    python -m benchmarks.replication --mib 1024 --repeat 3
+    python -m benchmarks.replication --mib 1024 --repeat 3 [--pin]
 
 Two daemons on 127.0.0.1 stand for two nodes (origin and buddy), each with its own run directory and peer port,
 CurveZMQ on, as ``docs/memory.md`` deploys them. In one run, for the same state:
@@ -99,8 +99,9 @@ def raw_stream(size: int, curve: bool, repeat: int) -> list[float]:
 class Nodes:
     """Origin and buddy daemons with peers on, in one scratch directory."""
 
-    def __init__(self, scratch: Path) -> None:
-        self.scratch, self.keys = scratch, scratch / "peer-keys"
+    def __init__(self, scratch: Path, cpus: tuple[set[int], set[int]] | None = None) -> None:
+        """``cpus``: the cores of the origin's node (its daemon; the trainer pins itself) and the buddy's."""
+        self.scratch, self.keys, self.cpus = scratch, scratch / "peer-keys", cpus
         self.root = scratch / "ckpts"
         self.root.mkdir()
         self.endpoints = [f"tcp://127.0.0.1:{_port()}" for _ in range(2)]
@@ -122,7 +123,8 @@ class Nodes:
         self.procs[node] = subprocess.Popen(
             [sys.executable, "-m", "ckptd", "start", "--foreground", "--quiet", "--run-dir", str(run_dir),
              "--root", str(self.root), "--peer-listen", self.endpoints[node], "--peer", self.endpoints[1 - node],
-             "--peer-keys", str(self.keys), "--persist-on-exit", "never", "--memory-budget", "8GiB", *extra])
+             "--peer-keys", str(self.keys), "--persist-on-exit", "never", "--memory-budget", "8GiB", *extra],
+            preexec_fn=None if self.cpus is None else lambda: os.sched_setaffinity(0, self.cpus[node]))
         while not (run_dir / "ckptd.sock").exists():
             time.sleep(0.02)
         while subprocess.run([sys.executable, "-m", "ckptd", "status", "--run-dir", str(run_dir)],
@@ -176,17 +178,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--pin", action="store_true",
+                        help="the buddy's daemon on the last core, the trainer and the origin's daemon on the others, "
+                             "as two nodes' CPUs are apart (one machine's nodes otherwise share every core)")
     args = parser.parse_args()
+    cpus = None
+    if args.pin:
+        every = sorted(os.sched_getaffinity(0))
+        if len(every) < 2:
+            raise SystemExit("--pin needs two cores at least")
+        cpus = (set(every[:-1]), {every[-1]})
+        os.sched_setaffinity(0, cpus[0])
     size = args.mib << 20
     state = {"w": torch.randn(size // 4)}
-    print(f"{args.mib} MiB, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+    print(f"{args.mib} MiB, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+          + (f", origin's node on cores {sorted(cpus[0])}, buddy's on {sorted(cpus[1])}" if cpus else ""))
     med = statistics.median
     raw = raw_stream(size, False, args.repeat)
     raw_curve = raw_stream(size, True, args.repeat)
     print(f"raw ZeroMQ stream: {med(raw):.3f} s ({size / med(raw) / 1e9:.2f} GB/s); with CURVE "
           f"{med(raw_curve):.3f} s ({size / med(raw_curve) / 1e9:.2f} GB/s)")
     with tempfile.TemporaryDirectory(dir=os.environ.get("CKPTD_BENCH_DIR", "/tmp")) as scratch:
-        nodes = Nodes(Path(scratch))
+        nodes = Nodes(Path(scratch), cpus)
         try:
             nodes.start(0)
             nodes.start(1)

@@ -99,7 +99,7 @@ def restore_from_peer(path: str, run_dir: str | os.PathLike | None = None) -> bo
     """Ask this node's daemon to read snapshot ``path`` back from a peer's replica (checked end to end); whether
     it is held here now. Why not is logged: a replica that fails its check is never loaded."""
     try:
-        reply = request(_endpoint(run_dir), Restore(1, path), timeout=RESTORE_TIMEOUT)
+        reply = request(_endpoint(run_dir), Restore(1, path, rank=_my_rank()), timeout=RESTORE_TIMEOUT)
     except CkptdError as exc:
         reply = Error.of(1, exc)
     if not isinstance(reply, Ok):

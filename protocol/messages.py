@@ -281,7 +281,14 @@ class Restore(Message):
     or a replica fails its check, which is never held."""
 
     path: str
+    rank: int | None = None
+    """The rank whose shard the asking node needs: only a replica holding it is read back (peers may hold
+    replicas of one path for several nodes); None (a client that predates it): the first replica of the path."""
     type: ClassVar[str] = "restore"
+
+    def __post_init__(self) -> None:
+        if self.rank is not None and self.rank >= MAX_WORLD_SIZE:
+            raise BadMessage(f"restore.rank {self.rank} is not a rank below {MAX_WORLD_SIZE}")
 
 
 @dataclass(frozen=True)

@@ -596,6 +596,12 @@ def test_a_commit_with_bad_retention_or_timeout_is_refused(changes, needle) -> N
         decode(msgpack.packb(wire("commit", **changes)))
 
 
+@pytest.mark.parametrize("rank", [-1, 1 << 20, "1", 1.5])
+def test_a_restore_naming_no_rank_it_could_hold_is_refused(rank) -> None:
+    with pytest.raises(BadMessage, match="restore.rank"):
+        decode(msgpack.packb(wire("restore", rank=rank)))
+
+
 @pytest.mark.parametrize(
     "files, needle",
     [

@@ -81,14 +81,15 @@ class Cluster:
         self.run_dirs[node] = run_dir
         return run_dir
 
-    def start(self, node: int, *extra: str) -> Daemon:
-        """A daemon for ``node`` in the run directory ``prepare`` made (a new one if it ran before)."""
+    def start(self, node: int, *extra: str, peers: tuple[int, ...] | None = None) -> Daemon:
+        """A daemon for ``node`` in the run directory ``prepare`` made (a new one if it ran before); its ``--peer``s
+        are ``peers`` (the first its buddy), by default the next node in the ring alone."""
         run_dir = self.run_dirs[node]
         if run_dir is None or self.daemons[node] is not None:
             run_dir = self.prepare(node)
-        daemon = start_daemon(run_dir, self.root, "--peer-listen", self.endpoint(node), "--peer",
-                              self.endpoint(node + 1), "--peer-keys", str(self.keys), "--persist-on-exit", "never",
-                              *extra)
+        listed = [arg for peer in (peers or (node + 1,)) for arg in ("--peer", self.endpoint(peer))]
+        daemon = start_daemon(run_dir, self.root, "--peer-listen", self.endpoint(node), *listed, "--peer-keys",
+                              str(self.keys), "--persist-on-exit", "never", *extra)
         self.daemons[node] = daemon
         return daemon
 
@@ -196,6 +197,22 @@ def test_a_lost_node_resumes_bitwise_from_its_buddy_and_a_corrupted_replica_is_n
     assert "event=restore_failed" in log_1 and "fails its check" in log_1
     _kill_job(ctx)
 
+
+
+def test_a_node_restoring_from_several_peers_reads_back_the_replica_of_its_own_ranks(cluster: Cluster,
+                                                                                     root: Path) -> None:
+    """A replacement with several ``--peer``s asks each: the first it asks (node 0) holds a replica of the same
+    path for another node (node 2's shard), the second (node 2) the one of this node's rank. It reads back its own,
+    bitwise; the listing used to keep the first replica of a path, so the job went back to disk."""
+    ctx, _ = cluster.job(persist=[5], snapshots=[10])
+    cluster.lose(1)
+    _kill_job(ctx)
+    cluster.start(1, peers=(0, 2))
+    ctx, logs = cluster.job(persist=[], snapshots=[])
+    assert [(log["resumed"], log["step"], log["bitwise"]) for log in logs] == [(str(root / "step-10"), 10, True)] * 3
+    restored = _held(cluster.status(1), "step-10")
+    assert (restored["replication"], restored["ranks_held"]) == ("restored", [1])
+    _kill_job(ctx)
 
 
 def test_when_both_holders_of_a_shard_are_lost_every_rank_resumes_from_the_newest_persisted_checkpoint(

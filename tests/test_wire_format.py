@@ -250,8 +250,8 @@ GOLDEN: dict[str, tuple[Message, str]] = {
         "83a17601a474797065ae706565725f736e617073686f7473a2696408",
     ),
     "restore": (
-        Restore(id=9, path="/ckpt/step-101"),
-        "84a17601a474797065a7726573746f7265a2696409a470617468ae2f636b70742f737465702d313031",
+        Restore(id=9, path="/ckpt/step-101", rank=1),
+        "85a17601a474797065a7726573746f7265a2696409a470617468ae2f636b70742f737465702d313031a472616e6b01",
     ),
     # added with placement by the ranks: a daemon that predates them answers "unknown message type" (BadMessage)
     "peer_identity": (
@@ -352,6 +352,15 @@ def test_a_shard_from_before_save_decodes_as_an_unknown_save(kind):
     msg, _ = GOLDEN[kind]
     decoded = decode(bytes.fromhex(BEFORE_SAVE[kind]))
     assert decoded == dataclasses.replace(msg, save=0) and decoded.save == 0
+
+
+BEFORE_RANK = "84a17601a474797065a7726573746f7265a2696409a470617468ae2f636b70742f737465702d313031"
+"""The frozen bytes of a ``Restore`` before it named the rank whose shard the node needs."""
+
+
+def test_a_restore_from_before_rank_decodes_as_any_replica_of_the_path():
+    msg, _ = GOLDEN["restore"]
+    assert decode(bytes.fromhex(BEFORE_RANK)) == dataclasses.replace(msg, rank=None)
 
 
 def test_message_type_names_are_frozen():

@@ -257,9 +257,10 @@ class Replication:
             self._heard(outcomes)
             here = {s["path"] for s in self.holding.listing(ident, msg).snapshots if s.get("complete")}
             extra, seen = [], set()
-            for replica in found:
-                if replica["path"] not in here and replica["path"] not in seen:
-                    seen.add(replica["path"])
+            for replica in found:  # one per path and ranks: peers may hold replicas of one path for several nodes
+                key = (replica["path"], tuple(replica["ranks_held"]))
+                if replica["path"] not in here and key not in seen:
+                    seen.add(key)
                     extra.append({k: v for k, v in replica.items() if k != "messages"})
             self.send(ident, SnapshotList(msg.id, (*self.holding.listing(ident, msg).snapshots, *extra)))
         self.workers.submit("peer_ask", ask, answer, failed=lambda exc: self.send(ident, error_reply(
@@ -272,7 +273,8 @@ class Replication:
         held = self.holding.snapshots.held.get(path)
         if held is not None and held.acknowledged:
             return Ok(msg.id)
-        if path in self._restoring:  # every rank of the node asks: one read serves them all
+        if path in self._restoring:  # every rank of the node asks: one read serves them all (a node's ranks are
+            # replicated together, so the replica that holds one holds every one)
             self._restoring[path].append((ident, msg.id))
             return None
         self._restoring[path] = [(ident, msg.id)]
@@ -282,7 +284,8 @@ class Replication:
             why = []
             for link in asks:
                 try:
-                    entry = next((r for r in link.replicas() if r["path"] == msg.path and r.get("complete")), None)
+                    entry = next((r for r in link.replicas() if r["path"] == msg.path and r.get("complete")
+                                  and (msg.rank is None or msg.rank in r["ranks_held"])), None)
                 except CkptdError as exc:
                     why.append(str(exc))
                     continue
