@@ -91,6 +91,8 @@ def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0,
     chunks: dict[str, Box] = {}
     global_shapes: dict[str, tuple[int, ...]] = {}
     under_replicated: dict[str, list[tuple[str, str, list[int]]]] = {key: [] for key in replicated}
+    inside: set[int] = set()
+    """The containers on the path being walked: one met again inside itself is a cycle, refused."""
 
     def global_ref(chunk: LocalChunk, path: list[Any]) -> msgpack.ExtType:
         check_tensor(chunk.local, path)
@@ -127,6 +129,19 @@ def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0,
                 ref = _tensor_ref(name)
             by_identity[id(obj)] = ref
             return ref
+        if isinstance(obj, (dict, list)) or isinstance(obj, tuple) and not isinstance(obj, torch.Size):
+            if id(obj) in inside:
+                raise TypeError(f"{_describe(path)} is a container that holds itself (a reference cycle), which "
+                                f"ckptd cannot save")
+            inside.add(id(obj))
+            packed = container(obj, path)
+            inside.discard(id(obj))
+            return packed
+        if isinstance(obj, torch.Size):
+            return msgpack.ExtType(EXT_SIZE, msgpack.packb(list(obj)))
+        return leaf(obj, path)
+
+    def container(obj: Any, path: list[Any]) -> Any:
         if isinstance(obj, dict):
             out = {}
             for k, v in obj.items():
@@ -138,11 +153,12 @@ def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0,
             return out
         if isinstance(obj, list):
             return [walk(v, path + [i]) for i, v in enumerate(obj)]
-        if isinstance(obj, torch.Size):
-            return msgpack.ExtType(EXT_SIZE, msgpack.packb(list(obj)))
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            items = [walk(v, path + [i]) for i, v in enumerate(obj)]
-            return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items, use_bin_type=True))
+        if hasattr(obj, "_fields"):  # a named tuple: refused, naming its type
+            return leaf(obj, path)
+        items = [walk(v, path + [i]) for i, v in enumerate(obj)]
+        return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items, use_bin_type=True))
+
+    def leaf(obj: Any, path: list[Any]) -> Any:
         if isinstance(obj, torch.dtype):
             return msgpack.ExtType(EXT_DTYPE, str(obj).removeprefix("torch.").encode())
         if obj is None or type(obj) in (bool, float, str, bytes):

@@ -92,6 +92,8 @@ def load(
     check_bool("verify", verify)
     check_bool("mmap", mmap)
     limit = check_limit(max_concurrent_per_node)
+    if run_dir is not None:
+        check_path("run_dir", run_dir)
     device = _device(map_location)
     files = open_checkpoint(path, verify=verify, run_dir=run_dir)  # the daemon's memory when it holds path
     try:

@@ -41,6 +41,7 @@ from ckptd.protocol.request import request
 from ckptd.protocol.shard_reads import check_checksum
 from ckptd.protocol.shm import shm_dir
 
+from .checks import check_path
 from .connection import Connection
 from .dtypes import typed_view
 from .reshard import ChunkFiles, bytes_of, map_shard
@@ -382,6 +383,8 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
     read the chosen one back, so no replica is read that the others cannot
     match.
     """
+    if run_dir is not None:
+        check_path("run_dir", run_dir)
     on_disk = latest_on_disk(root)  # checks root, too
     root, here, saves = Path(root), {}, {}
     if on_disk is not None:

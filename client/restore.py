@@ -103,6 +103,8 @@ def load_into(
     check_bool("strict", strict)
     check_bool("verify", verify)
     limit = check_limit(max_concurrent_per_node)
+    if run_dir is not None:
+        check_path("run_dir", run_dir)
     files = open_checkpoint(path, verify=verify, run_dir=run_dir, defer=True)  # the daemon's memory when it holds path
     try:
         index = files.index

@@ -92,6 +92,13 @@ def test_bad_save_arguments_fail_their_own_call_and_no_other_save(client, root) 
             client.save_async(small_state(2), root / "bad", **kwargs)
     with pytest.raises(TypeError, match="path"):
         client.save_async(small_state(2), None)
+    looped = small_state(2)
+    looped["opt"] = {"inner": [looped]}  # a reference cycle: named where it closes, not a RecursionError
+    with pytest.raises(TypeError, match=r"state_dict\['opt'\]\['inner'\]\[0\] is a container that holds itself"):
+        client.save_async(looped, root / "bad")
+    shared = {"a": 1}
+    assert client.save_async({"x": shared, "y": [shared, shared]}, root / "shared").result(30)  # shared, no cycle
+    assert ckptd.load(root / "shared") == {"x": shared, "y": [shared, shared]}
     assert in_flight.result(30).step == 1 and (root / "good" / "ckptd.json").is_file()
     assert client.save_async(small_state(3), root / "after", step=2**63 - 1).result(30).step == 2**63 - 1
     assert not (root / "bad").exists()
@@ -117,6 +124,11 @@ def test_a_request_that_cannot_be_encoded_fails_alone_and_the_client_keeps_worki
     ("load_into", {"strict": None}, TypeError, "strict"),
     ("load_into", {"key": 3}, TypeError, "key"),
     ("load_into", {"max_concurrent_per_node": -2}, ValueError, "max_concurrent_per_node"),
+    ("load", {"run_dir": 5}, TypeError, "run_dir"),
+    ("load", {"run_dir": ""}, ValueError, "run_dir"),
+    ("load_into", {"run_dir": b"/tmp"}, TypeError, "run_dir"),
+    ("latest", {"run_dir": 5}, TypeError, "run_dir"),
+    ("latest", {"run_dir": ""}, ValueError, "run_dir"),
 ])
 def test_bad_load_arguments_are_refused_naming_the_argument(tmp_path, call, kwargs, error, names) -> None:
     args = ({}, tmp_path) if call == "load_into" else (tmp_path,)

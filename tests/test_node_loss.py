@@ -199,6 +199,22 @@ def test_a_lost_node_resumes_bitwise_from_its_buddy_and_a_corrupted_replica_is_n
 
 
 
+def test_each_restart_takes_over_the_snapshots_its_dead_run_left_so_they_never_pile_up(cluster: Cluster,
+                                                                                        root: Path) -> None:
+    """A snapshot of several nodes is never persisted whole, so a run that dies leaves its snapshots in memory.
+    The run restarted in the same directory resumes from the newest and takes the dead run's over as its own
+    for --keep-snapshots (1 here): each node holds its newest snapshot alone, restart after restart, where every
+    restart used to leave one more until the budget refused every snapshot (NoSpace)."""
+    for step in (10, 20, 30):
+        ctx, logs = cluster.job(persist=[], snapshots=[step])
+        assert [log.get("step") for log in logs] == [None if step == 10 else step - 10] * 3
+        for node in range(NODES):
+            assert [s["path"] for s in cluster.status(node)["memory"]["snapshots"]] == [str(root / f"step-{step}")]
+        _kill_job(ctx)
+    log_0 = (cluster.daemons[0].run_dir / LOG).read_text()
+    assert log_0.count("state=dropped") >= 2, "the dead runs' snapshots were not dropped as --keep-snapshots says"
+
+
 def test_a_node_restoring_from_several_peers_reads_back_the_replica_of_its_own_ranks(cluster: Cluster,
                                                                                      root: Path) -> None:
     """A replacement with several ``--peer``s asks each: the first it asks (node 0) holds a replica of the same

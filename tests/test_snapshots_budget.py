@@ -27,7 +27,7 @@ def test_the_budget_evicts_persisted_snapshots_then_refuses_saying_what_to_do(
     with pytest.raises(ckptd.NoSpace) as refused:
         client.save_async(small, root / "d", step=4, persist=False).result(30)
     message = str(refused.value)
-    assert "memory budget is 2.0 MiB" in message and "1.5 MiB are held in 2 snapshot(s)" in message
+    assert "memory budget is 2.0 MiB" in message and "1.5 MiB hold snapshots (2 held" in message
     assert "--memory-budget" in message and "persist" in message
     assert [s["path"] for s in daemon.status()["memory"]["snapshots"]] == held  # nothing newest was dropped
     daemon.stop()

@@ -138,6 +138,15 @@ class HeldSnapshot(Attempt):
                 and msg.job == self.contributors.job and (msg.world_size, msg.step) == (self.world_size, self.step)
                 and msg.rank not in self.shards)
 
+    def left_by_a_gone_run(self, newer: "HeldSnapshot") -> bool:
+        """Whether this is a snapshot of several nodes that a run now gone left, which ``newer``'s run (another,
+        restarted in the same directory) takes over as its own for ``--keep-snapshots``: such a snapshot is never
+        persisted whole (neither at its trainers' exit nor at a drain, which persist one node's snapshots only),
+        so left alone each restart would leave one more in memory until the budget refused every snapshot."""
+        pids = self.contributors.pids
+        return (self.coordinated and not self.persisted and self.contributors.job != newer.contributors.job
+                and bool(pids) and len(self.contributors.dead()) == len(pids))
+
     @property
     def save(self) -> int:
         """Which save of its path by its run the shards are (``StagedShard.save``): -1 if its shards' counts differ
@@ -251,15 +260,16 @@ class Snapshots:
             self.remove(victim, AttemptState.DROPPED)
             evicted.append(victim)
         if self.held_bytes + needed > self.budget:
-            unpersisted = sum(1 for s in self.held.values() if not s.persisted)
+            unpersisted, replicas = sum(1 for s in self.held.values() if not s.persisted), self.replica_bytes()
             raise NoSpace(
                 f"snapshot {final} needs {human_bytes(needed)} of node memory, but the daemon's memory budget is "
-                f"{human_bytes(self.budget)} and {human_bytes(self.held_bytes)} are held in {len(self.held)} "
-                f"snapshot(s) ({unpersisted} not on disk yet, which are never evicted for another) and "
-                f"{human_bytes(self.replica_bytes())} in replicas held for peers. The budget must "
-                f"hold keep_snapshots + 1 snapshots per job (the newest is only dropped once a newer one is held): "
-                f"start the daemon with a larger --memory-budget or a smaller --keep-snapshots, persist "
-                f"(client.persist) or save to disk (persist=True) instead")
+                f"{human_bytes(self.budget)}: {human_bytes(self.held_bytes - replicas)} hold snapshots "
+                f"({len(self.held)} held, {unpersisted} of them not on disk yet, which are never evicted for "
+                f"another; the rest being replaced or still read after a drop) and {human_bytes(replicas)} hold "
+                f"replicas for peers. The budget must hold keep_snapshots + 1 snapshots per job (the newest is only "
+                f"dropped once a newer one is held): start the daemon with a larger --memory-budget or a smaller "
+                f"--keep-snapshots, persist (client.persist, for a snapshot of one node) or save to disk "
+                f"(persist=True) instead")
         return evicted
 
     def newer_than_kept(self, snap: HeldSnapshot) -> list[HeldSnapshot]:
@@ -276,7 +286,8 @@ class Snapshots:
         clients = {sh.client for sh in snap.shards.values()}
         job = sorted((s for s in self.held.values() if s.acknowledged and s.path.parent == snap.path.parent
                       and not s.persisting and (clients & {sh.client for sh in s.shards.values()}
-                                                or s.replication is Replication.RESTORED and set(s.shards) & set(snap.shards))),
+                                                or (s.replication is Replication.RESTORED or s.left_by_a_gone_run(snap))
+                                                and set(s.shards) & set(snap.shards))),
                      key=lambda s: s.order, reverse=True)
         dropped = [s for s in job[self.keep:] if s is not snap]
         for s in dropped:
