@@ -43,6 +43,20 @@ def test_existing_checkpoint_is_kept_without_overwrite_and_replaced_with_it(clie
     assert sorted(p.name for p in root.iterdir()) == ["c"]
 
 
+@pytest.mark.parametrize("persist", [True, False], ids=["disk", "snapshot"])
+def test_a_save_inside_a_committed_checkpoint_is_refused_and_the_checkpoint_stays_whole(client, root,
+                                                                                     persist) -> None:
+    client.save_async({"v": torch.tensor(1)}, root / "step-1").result(30)
+    for inner in (root / "step-1" / "inner", root / "step-1" / "a" / "b"):
+        with pytest.raises(ckptd.PathNotAllowed, match=f"lies inside checkpoint {root / 'step-1'}"):
+            client.save_async({"v": torch.tensor(2)}, inner, overwrite=True, persist=persist).result(30)
+    assert sorted(p.name for p in (root / "step-1").iterdir() if not p.name.endswith(".safetensors")) == [
+        "ckptd.json"]
+    client.save_async({"v": torch.tensor(3)}, root / "step-1", overwrite=True).result(30)  # still replaceable
+    client.delete(root / "step-1")  # and deletable
+    assert not (root / "step-1").exists()
+
+
 def test_unwritable_path_fails_with_write_failed(client, root) -> None:
     (root / "file").write_text("not a directory")
     with pytest.raises(ckptd.WriteFailed, match="is not a directory"):

@@ -95,8 +95,20 @@ class Checkpoints:
 
     def admit(self, final: Path, overwrite: bool) -> None:
         """Refuse a save to ``final`` before it is accepted, where asking costs nothing a save would notice."""
+        self._refuse_inside_a_checkpoint(final)
         if self._early and self.files.stat(final) is not None:
             self.refuse_existing(final, overwrite)
+
+    def _refuse_inside_a_checkpoint(self, final: Path) -> None:
+        """A checkpoint holds no other: one saved inside it would be an entry ckptd did not write there, so the
+        outer one could never again be replaced, deleted or dropped by retention. Asked where a stat costs
+        nothing (``_early``: on local disk, a stat per parent); a store's names are not asked."""
+        if not self._early:
+            return
+        for parent in final.parents:
+            if self.files.stat(parent / INDEX_NAME) is not None:
+                raise PathNotAllowed(f"checkpoint path {display(final)} lies inside checkpoint {display(parent)}; "
+                                     f"a checkpoint holds no other: save beside it (a sibling path) instead")
 
     def persistable(self, final: Path, overwrite: bool) -> None:
         """Refuse a memory snapshot of ``final`` now if it could never be persisted there (its parent is blocked
@@ -105,6 +117,7 @@ class Checkpoints:
         blocked = self._blocked(final.parent)
         if blocked is not None:
             raise PathNotAllowed(f"snapshot {final} could never be persisted: {blocked} is not a directory")
+        self._refuse_inside_a_checkpoint(final)
         if self._replace_refusal(final) is None:
             return
         try:
