@@ -134,9 +134,9 @@ def flatten(state: Any, *, replicated: tuple[str, ...] = (), rank: int = 0,
                 raise TypeError(f"{_describe(path)} is a container that holds itself (a reference cycle), which "
                                 f"ckptd cannot save")
             inside.add(id(obj))
-            packed = container(obj, path)
+            walked = container(obj, path)
             inside.discard(id(obj))
-            return packed
+            return walked
         if isinstance(obj, torch.Size):
             return msgpack.ExtType(EXT_SIZE, msgpack.packb(list(obj)))
         return leaf(obj, path)
