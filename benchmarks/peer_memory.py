@@ -125,7 +125,7 @@ def _worker(args: argparse.Namespace) -> None:
             out["checked"].append(bool(ok) and abs(float(got.double().sum()) - peer_sum) <= 1e-6 * abs(peer_sum) + 1e-3)
         mgr.close()
     else:
-        from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
+        from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
 
         ckpt = DdpCheckpointer(checkpoint_dir=str(scratch), local_shard_num=1, global_shard_num=2, replica_count=2)
         engine = ckpt._engine
