@@ -57,6 +57,18 @@ def test_a_save_inside_a_committed_checkpoint_is_refused_and_the_checkpoint_stay
     assert not (root / "step-1").exists()
 
 
+@pytest.mark.parametrize("persist", [True, False], ids=["disk", "snapshot"])
+def test_a_save_inside_a_held_snapshot_or_holding_one_is_refused_and_the_snapshot_still_persists(
+        client, root, persist) -> None:
+    client.save_async({"v": torch.tensor(1)}, root / "run" / "step-m", step=1, persist=False).result(30)
+    for path, where in ((root / "run" / "step-m" / "inner", "lies inside"), (root / "run", "would hold")):
+        with pytest.raises(ckptd.PathNotAllowed, match=f"{where} memory snapshot {root / 'run' / 'step-m'}"):
+            client.save_async({"v": torch.tensor(2)}, path, step=2, persist=persist).result(30)
+    assert not (root / "run").exists()  # nothing of either reached the disk
+    assert client.persist(root / "run" / "step-m") == root / "run" / "step-m"
+    assert ckptd.load(root / "run" / "step-m")["v"].item() == 1
+
+
 def test_unwritable_path_fails_with_write_failed(client, root) -> None:
     (root / "file").write_text("not a directory")
     with pytest.raises(ckptd.WriteFailed, match="is not a directory"):

@@ -87,6 +87,7 @@ class Holding:
             if conflict is not None:  # the snapshot fails on every rank, this one included
                 self.fail(current, conflict)
                 raise conflict
+            self.snapshots.refuse_nested(examined.final)
             snap, evicted = self.snapshots.admit(msg, examined.final, examined.slot, pid, ident)
         except CkptdError as exc:
             self.state.slots.release(examined.slot)

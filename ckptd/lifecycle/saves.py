@@ -154,6 +154,7 @@ class Saves:
             if draining and final not in state.commits.pending:
                 raise ShuttingDown("the daemon is draining and accepts no new saves (only missing ranks of "
                                    "checkpoints already in progress)")
+            state.snapshots.refuse_nested(final)
             self._check_room(final, examined.space, msg.nbytes, examined.shm_free)
             pending, dest = state.commits.admit(msg, ident, final, pid)
         except BaseException as exc:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable
 
-from ckptd.protocol.errors import CheckpointExists, NoSpace
+from ckptd.protocol.errors import CheckpointExists, NoSpace, PathNotAllowed
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
 from ckptd.protocol.messages import Snapshot
 from ckptd.protocol.objects import display
@@ -223,6 +223,16 @@ class Snapshots:
     def held_bytes(self) -> int:
         """What the budget counts: the snapshots held and those parked for their readers."""
         return sum(s.nbytes for s in self.all()) + sum(s.nbytes for s in self.parked) + self.replica_bytes()
+
+    def refuse_nested(self, final: Path) -> None:
+        """``PathNotAllowed`` if a checkpoint at ``final`` (to disk or to memory) would lie inside a held snapshot
+        or hold one: a checkpoint holds no other, so the held one could never be persisted (its name taken by a
+        directory ckptd did not make a checkpoint, or a checkpoint with an entry ckptd did not write)."""
+        for snap in (*self.held.values(), *self.replacing.values()):
+            if snap.path in final.parents or final in snap.path.parents:
+                where = "lies inside" if snap.path in final.parents else "would hold"
+                raise PathNotAllowed(f"checkpoint path {display(final)} {where} memory snapshot "
+                                     f"{display(snap.path)}; a checkpoint holds no other: save beside it")
 
     def admit(self, msg: Snapshot, final: Path, slot: MappedSlot, pid: int, client: bytes
               ) -> tuple[HeldSnapshot, list[HeldSnapshot]]:
