@@ -208,6 +208,25 @@ def test_a_replica_file_shortened_in_the_buddys_memory_is_refused_at_restore_and
         pair.kill()
 
 
+def test_older_steps_saved_after_a_newer_one_leave_the_buddy_two_replicas_as_the_origin_holds_two(
+        root: Path, tmp_path: Path) -> None:
+    """The origin keeps a newer snapshot it never drops for an older one (a run saving older steps after a newer,
+    as one restarted from scratch does), so it holds that one and its newest save; the buddy holds their replicas,
+    where each older save used to add one more replica until the budget refused."""
+    pair = _pair(root, tmp_path)
+    client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+    try:
+        for step in (9, 3, 2, 1):
+            client.save_async({"w": torch.full((50_000,), float(step))}, root / "run" / f"step-{step}", step=step,
+                              persist=False).wait_replicated(60)
+        origin = sorted(s["step"] for s in pair.origin.status()["memory"]["snapshots"])
+        buddy = sorted(r["step"] for r in pair.buddy.status()["peers"]["replicas_held"]["held"])
+        assert origin == buddy == [1, 9], (origin, buddy)
+    finally:
+        client.close()
+        pair.kill()
+
+
 def test_a_drained_buddy_persists_the_replica_of_an_origin_that_is_gone(root: Path, tmp_path: Path) -> None:
     # in a ring: the buddy's own buddy is the origin, which will be gone
     pair = _pair(root, tmp_path, origin_extra=("--persist-on-exit", "never"), ring=True)

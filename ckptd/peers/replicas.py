@@ -223,13 +223,16 @@ class Replicas:
 
     def _completed(self, replica: Replica) -> None:
         """A replica is whole: it is listed, and replaces the older ones of the same ranks in its directory, from
-        whichever origin (a replacement node has a key of its own, and takes its predecessor's place)."""
+        whichever origin (a replacement node has a key of its own, and takes its predecessor's place). Of the
+        newer ones only the newest stays, as its origin keeps a newer snapshot it never drops for an older one
+        (a restarted run saving older steps): otherwise each older save would add one more replica."""
         del self.incoming[(replica.origin, replica.path)]
-        older = [r for r in self.held.values() if r.path.parent == replica.path.parent and r.ranks == replica.ranks
-                 and r.order <= replica.order]
+        same = [r for r in self.held.values() if r.path.parent == replica.path.parent and r.ranks == replica.ranks]
+        newest = max((r for r in same if r.order > replica.order), key=lambda r: r.order, default=None)
+        older = [r for r in same if r is not newest]
         for old in older:
             del self.held[(old.origin, old.path)]
-            log.info("event=replica_dropped path=%s reason=newer", old.path)
+            log.info("event=replica_dropped path=%s reason=replaced", old.path)
             self._unlink(old)
         self.held[(replica.origin, replica.path)] = replica
         log.info("event=replica_held path=%s ranks=%s bytes=%d origin=%s", replica.path, list(replica.ranks),
