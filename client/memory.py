@@ -488,9 +488,9 @@ def _pass_over(everyone: list[list[list[Any]]], common: set[tuple[str, str]], be
     older one (``PASSED_OVER``: a checkpoint on disk is never among them), and rank 0 says the newest."""
     import torch.distributed as dist
 
-    lacking = sorted({(step, p) for rank in everyone for p, step, created, save in rank
-                      if save and (p, save) not in common and (step, created) > best}, reverse=True)
-    PASSED_OVER.update(resolved(p) for _, p in lacking)
+    lacking = sorted({(step, p, bool(save)) for rank in everyone for p, step, created, save in rank
+                      if (p, save) not in common and (step, created) > best}, reverse=True)
+    PASSED_OVER.update(resolved(p) for _, p, snapshot in lacking if snapshot)
     if lacking and dist.get_rank() == 0:
         log.warning("ckptd.latest: %s (step %s) is held by some ranks' nodes but not by every rank's (a node lost "
                     "with the peer holding its replica, or a replica that failed its check); resuming from what "
