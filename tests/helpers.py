@@ -115,11 +115,20 @@ def raw_socket(daemon: Daemon) -> zmq.Socket:
     return sock
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port of 127.0.0.1 nothing listens on now (for a daemon's --peer-listen)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port of 127.0.0.1 nothing listens on now (for a daemon's --peer-listen), never one this process was
+    given before: the kernel hands a port it just freed out again, so three calls in a row for three nodes could
+    name one port twice, and the second daemon refuses its own endpoint as its --peer."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 def short_tempdir(prefix: str) -> Path:
