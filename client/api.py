@@ -227,23 +227,27 @@ class Client:
                                persist=persist, started=started)[0]
 
     def _save_flat(self, flat: Flat, target: str, *, step: int | None, overwrite: bool, keep_last: int | None,
-                   block: bool, persist: bool, started: float, coordinated: bool = False) -> tuple[SaveFuture, Future]:
+                   block: bool, persist: bool, started: float, coordinated: bool = False,
+                   ahead: "Ahead | None" = None) -> tuple[SaveFuture, Future]:
         """Stage an already flattened state and commit it; (the save's future, the daemon's reply to the commit).
 
         ``coordinated``: the commit is answered by ``Durable`` and the caller
         finalizes (``ckptd.dcp.StorageWriter``, whose coordinator sends
         ``Finalize`` from DCP's ``finish``); the save's future resolves at
-        ``Durable``, not through this client's coordinator.
+        ``Durable``, not through this client's coordinator. ``ahead``: the
+        slot ``_stage_ahead`` copied the state into, with its in-flight place;
+        ``flat``'s tensors are views of it (its own or another copy's).
         """
-        acquired = self._inflight.acquire(timeout=self.commit_timeout) if block else self._inflight.acquire(False)
-        if not acquired:  # never block a training loop forever, even on a hung filesystem
-            waited = f" for {self.commit_timeout:g} s" if block else ""
-            raise Busy(f"{self.max_inflight} save(s) still in flight{waited}; wait for one or raise max_inflight")
-        try:  # after the wait for a place: the save that held it may have failed because the daemon was lost
-            self._reconnect_if_lost()
-        except BaseException:
-            self._inflight.release()
-            raise
+        if ahead is not None:
+            self._take(ahead)
+            try:  # the daemon may have gone since the copy
+                self._reconnect_if_lost()
+            except BaseException:
+                self._slots.give_back(ahead.slot)
+                self._inflight.release()
+                raise
+        else:
+            self._take_place(block)
         overwrite = passed_over(target) or overwrite  # a snapshot only some nodes hold, which latest passed over
         fut = SaveFuture()
         with self._lock:
@@ -258,7 +262,8 @@ class Client:
         self._saves[target] += 1
         req = _Request(flat, target, step, overwrite, keep_last or self.keep_last, started,
                        waited=time.monotonic() - started, persist=persist, coordinated=coordinated,
-                       save=self._saves[target])
+                       save=self._saves[target], slot=ahead.slot if ahead is not None else None,
+                       ahead=ahead is not None)
         # This rank's daemon reply (Done, or Durable on several nodes) lands in
         # ``shard``. The coordinator gets its place now, in call order, which is
         # the same on every rank whatever staging does later.
@@ -272,6 +277,67 @@ class Client:
         else:
             self._stage(req, fut, shard, False)
         return fut, shard
+
+    def _take_place(self, block: bool) -> None:
+        """An in-flight place for a save, and a daemon to send it to."""
+        acquired = self._inflight.acquire(timeout=self.commit_timeout) if block else self._inflight.acquire(False)
+        if not acquired:  # never block a training loop forever, even on a hung filesystem
+            waited = f" for {self.commit_timeout:g} s" if block else ""
+            raise Busy(f"{self.max_inflight} save(s) still in flight{waited}; wait for one or raise max_inflight")
+        try:  # after the wait for a place: the save that held it may have failed because the daemon was lost
+            self._reconnect_if_lost()
+        except BaseException:
+            self._inflight.release()
+            raise
+
+    def _stage_ahead(self, flat: Flat) -> "Ahead":
+        """Copy ``flat`` into a slot now, for a save that names what it keeps of it later (``_save_flat(ahead=)``).
+
+        ``ckptd.dcp.StorageWriter(stage_in_slot=True)``'s staging: DCP plans
+        (collectives across the ranks) after staging and before it writes, so
+        the writer copies every local tensor first, hands DCP views of the
+        slot to plan on, and its ``write_data`` lays out in place what the plan
+        keeps (``LayoutCache.restage``). Holds an in-flight place and the slot
+        until the save takes them, or ``release_ahead``.
+        """
+        self._check_process()
+        self._take_place(block=True)
+        slot = None
+        try:
+            layout = self._layouts.layout(flat)
+            slot = self._slots.take(layout.nbytes)
+            if slot.fresh and not host_only(flat):
+                slot.prepare()
+            if slot.fresh:
+                write_header(layout, slot)
+                copies = stage(flat, layout, slot)
+            else:
+                copies = None if self._layouts.copy(flat, layout, slot) else stage(
+                    flat, layout, slot, views=self._layouts.views(layout, slot))
+            if copies is not None:
+                copies.wait()
+            views = self._layouts.views(layout, slot)
+        except BaseException:
+            if slot is not None:
+                self._slots.give_back(slot)
+            self._inflight.release()
+            raise
+        return Ahead(slot, layout, {entry.name: view for entry, view in zip(layout.entries, views)})
+
+    def _take(self, ahead: "Ahead") -> None:
+        with self._lock:
+            if ahead.taken:
+                raise RuntimeError("this staged shard was released (its save gave up) before its save began")
+            ahead.taken = True
+
+    def release_ahead(self, ahead: "Ahead") -> None:
+        """Give back the slot and in-flight place of a shard staged ahead whose save never took them."""
+        with self._lock:
+            if ahead.taken:
+                return
+            ahead.taken = True
+        self._slots.give_back(ahead.slot)
+        self._inflight.release()
 
     def _check_process(self) -> None:
         """A forked child has no I/O thread and must not touch its parent's slots: fail at once."""
@@ -294,6 +360,10 @@ class Client:
         """
         try:
             layout = self._layouts.layout(req.flat)
+            if req.ahead:
+                self._restage(req, layout)
+                self._commit_when_copied(req, fut, shard, layout, None)
+                return
             req.slot = self._slots.take(layout.nbytes)
             if req.slot.fresh and not host_only(req.flat):
                 req.slot.prepare()  # CUDA copies land through the pinned mapping
@@ -327,6 +397,15 @@ class Client:
             self._worker.submit(self._commit_when_copied, req, fut, shard, layout, copies)
         else:
             self._commit_when_copied(req, fut, shard, layout, copies)
+
+    def _restage(self, req: "_Request", layout: ShardLayout) -> None:
+        """Lay out the save's tensors in the slot they were staged into ahead: in place where they can be; else
+        (a planner that made copies, or moved tensors up) from copies of them, as any save is staged."""
+        assert req.slot is not None
+        if self._layouts.restage(req.flat, layout, req.slot):
+            return
+        flat = dataclasses.replace(req.flat, tensors=[(name, t.clone()) for name, t in req.flat.tensors])
+        stage(flat, layout, req.slot, views=self._layouts.views(layout, req.slot))
 
     def _commit_when_copied(self, req: "_Request", fut: SaveFuture, shard: Future, layout: ShardLayout,
                             copies: DeviceCopies | None) -> None:
@@ -555,6 +634,20 @@ class _Request:
     """Answered by ``Durable``; the caller finalizes (see ``Client._save_flat``)."""
     save: int = 0
     """This client's count of its saves to ``path`` (``StagedShard.save``)."""
+    ahead: bool = False
+    """The tensors were staged ahead into ``slot`` (``Client._stage_ahead``)."""
+
+
+@dataclass
+class Ahead:
+    """A shard copied into a slot ahead of its save (``Client._stage_ahead``), holding an in-flight place."""
+
+    slot: Slot
+    layout: ShardLayout
+    views: dict[str, Any]
+    """Each tensor's view of the slot, by name."""
+    taken: bool = False
+    """A save took the slot and place, or ``release_ahead`` gave them back."""
 
 
 def checkpoint_target(path: str | os.PathLike) -> str:

@@ -55,7 +55,8 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import StorageWriter as _DCPStorageWriter
-from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -67,11 +68,15 @@ from ckptd.protocol.errors import RanksMissing
 from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.messages import Abort, Durable, Finalize
 
-from .api import Client, checkpoint_target
+from ckptd.protocol.layout import ShardLayout
+
+from .api import Ahead, Client, checkpoint_target
 from .checks import check_bool, check_keep_last, check_path, check_seconds, check_step
 from .coordinate import all_gather_msgpack
 from .dcp_shared import agreement_group, release_shared_client, shared_client
 from .flatten import Flat, check_tensor, flatten
+from .sharding import dtensor_chunk, global_rank, is_dtensor
+from .slots import Slot
 
 __all__ = ["StorageWriter"]
 
@@ -199,12 +204,18 @@ class StorageWriter(_DCPStorageWriter):
         client, failure = self.client, None
         try:
             started = time.monotonic()
-            flat = _planned_shard(plan, planner)
+            ahead = self._taken_ahead()
+            try:
+                flat = _planned_shard(plan, planner)
+            except BaseException:
+                if ahead is not None:
+                    client.release_ahead(ahead)
+                raise
             # A disk save is committed by ``finish`` (coordinated: each rank's shard answers Durable); a snapshot
             # is complete once every rank is held, which the daemon (or the client's agreement) judges itself.
             saved, reply = client._save_flat(flat, self.path, step=self.step, overwrite=self.overwrite,
                                             keep_last=self.keep_last, block=True, persist=self.persist,
-                                            started=started, coordinated=self.persist)
+                                            started=started, coordinated=self.persist, ahead=ahead)
             saved.staged.add_done_callback(lambda f: self._staging_over(f.exception()))
             if self.persist:
                 saved.result()
@@ -260,6 +271,10 @@ class StorageWriter(_DCPStorageWriter):
     def _save_begins(self) -> None:
         """A save of this writer runs on the calling thread (``stage_in_slot`` watches it)."""
 
+    def _taken_ahead(self) -> Ahead | None:
+        """The slot this save's state was staged into ahead (``stage_in_slot``), now the save's."""
+        return None
+
     def _staging_over(self, error: BaseException | None) -> None:
         """This rank's items are in the slot (or never will be): the caller may change its tensors."""
 
@@ -298,15 +313,8 @@ def _planned_shard(plan: SavePlan, planner: SavePlanner) -> Flat:
     if not isinstance(state, dict):
         raise ValueError(f"ckptd.dcp.StorageWriter needs a planner that keeps the state it plans "
                          f"(DefaultSavePlanner or a subclass), got {type(planner).__name__}")
-    names = {id(v): fqn for fqn, v in state.items() if isinstance(v, torch.Tensor)}
-    mappings = getattr(planner, "mappings", None)
-    nested = unflatten_state_dict(state, mappings) if getattr(planner, "flatten_state_dict", False) and mappings \
-        else state
-    structure = flatten(nested, written_elsewhere=names)
-    if structure.tensors:
-        name = structure.tensors[0][0]
-        raise ValueError(f"state_dict key {name!r} holds a tensor that DCP saves as bytes (inside a value it does "
-                         "not traverse); ckptd stores tensors only where DCP plans them: keep it in a dict or list")
+    mappings = getattr(planner, "mappings", None) if getattr(planner, "flatten_state_dict", False) else None
+    structure = _structure(state, mappings)
     tensors: list[tuple[str, torch.Tensor]] = []
     chunks: dict[str, Box] = {}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -328,7 +336,70 @@ def _planned_shard(plan: SavePlan, planner: SavePlanner) -> Flat:
         tensors.append((fqn, data.detach()))
         chunks[fqn] = box
         shapes[fqn] = tuple(item.tensor_data.size)
-    return Flat(tensors, structure.structure, chunks, shapes)
+    return Flat(tensors, structure, chunks, shapes)
+
+
+def _structure(flat_state: dict[str, Any], mappings: Any) -> bytes:
+    """The shard's structure: the whole state, its tensors named by their DCP fqn (``_planned_shard``)."""
+    names = {id(v): fqn for fqn, v in flat_state.items() if isinstance(v, torch.Tensor)}
+    nested = unflatten_state_dict(flat_state, mappings) if mappings else flat_state
+    structure = flatten(nested, written_elsewhere=names)
+    if structure.tensors:
+        name = structure.tensors[0][0]
+        raise ValueError(f"state_dict key {name!r} holds a tensor that DCP saves as bytes (inside a value it does "
+                         "not traverse); ckptd stores tensors only where DCP plans them: keep it in a dict or list")
+    return structure.structure
+
+
+def _local_shard(flat_state: dict[str, Any], mappings: Any) -> Flat | None:
+    """Every tensor this rank holds of a state DCP flattened: the shard it would write if DCP's plan gave it
+    all of them; None where the state holds a tensor ckptd cannot place without the plan."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    chunks: dict[str, Box] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    rank = global_rank()
+    for fqn, value in flat_state.items():
+        if is_dtensor(value):
+            chunk = dtensor_chunk(value, fqn, rank)
+            local, offsets = chunk.local, chunk.offsets
+        elif type(value) in (torch.Tensor, torch.nn.Parameter):
+            local, offsets = value, (0,) * value.dim()
+        elif isinstance(value, torch.Tensor):
+            return None  # a ShardedTensor or another subclass: what DCP plans of it is DCP's to say
+        else:
+            continue
+        check_tensor(local, [fqn])
+        tensors.append((fqn, local.detach()))
+        chunks[fqn] = (offsets, tuple(local.shape))
+        shapes[fqn] = tuple(value.shape)
+    return Flat(tensors, _structure(flat_state, mappings), chunks, shapes)
+
+
+_wrappers: dict[str, tuple[Slot, ShardLayout, dict[str, Any]]] = {}
+"""By slot name: the DTensors over that slot's views last handed to DCP, for the layout they were made for. A
+DTensor made per tensor per save costs more than copying a small one; a loop saving the same state reuses them."""
+
+
+def _in_slot(flat_state: dict[str, Any], ahead: Ahead) -> dict[str, Any]:
+    """``flat_state`` with each tensor replaced by its view of the slot (a DTensor by one over its local view,
+    with its spec: same mesh, placements and global shape)."""
+    slot, layout, views = ahead.slot, ahead.layout, ahead.views
+    cached = _wrappers.get(slot.name)
+    made = cached[2] if cached is not None and cached[0] is slot and cached[1] is layout else {}
+    out: dict[str, Any] = {}
+    for fqn, value in flat_state.items():
+        if is_dtensor(value):
+            wrapper = made.get(fqn)
+            if wrapper is None or wrapper._spec != value._spec:
+                wrapper = made[fqn] = DTensor(views[fqn], value._spec, requires_grad=False)
+            out[fqn] = wrapper
+        elif isinstance(value, torch.Tensor):
+            out[fqn] = views[fqn]
+        else:
+            out[fqn] = value
+    _wrappers.clear()  # one slot's: a client saving through several slots rebuilds them, nothing is kept stale
+    _wrappers[slot.name] = (slot, layout, made)
+    return out
 
 
 class _SlotStagingWriter(StorageWriter, AsyncStager):
@@ -349,29 +420,79 @@ class _SlotStagingWriter(StorageWriter, AsyncStager):
         super().__init__(*args, **kwargs)
         self._staged = threading.Event()
         self._staged.set()
+        self._begun = threading.Event()
+        """The save began on DCP's thread, or was refused to the PROCESS executor (``synchronize_staging``)."""
         self._staging_error: BaseException | None = None
         self._save_thread: threading.Thread | None = None
+        self._ahead: Ahead | None = None
+        """The slot ``stage`` copied the state into, until ``write_data`` takes it."""
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for name in ("_staged", "_staging_error", "_save_thread"):
+        for name in ("_staged", "_begun", "_staging_error", "_save_thread", "_ahead"):
             state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._staged, self._staging_error, self._save_thread = threading.Event(), None, None
+        self._staged, self._staging_error, self._save_thread, self._ahead = threading.Event(), None, None, None
+        self._begun = threading.Event()
         self._staged.set()
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        if not self._staged.is_set():
+        if not self._staged.is_set() or self._ahead is not None:
             raise RuntimeError("this StorageWriter(stage_in_slot=True) is still staging an async_save; "
                                "use one writer per save in flight")
         self._staged.clear()
+        self._begun.clear()
         self._staging_error, self._save_thread = None, None
-        return _LiveState(state_dict, self)
+        staged = self._stage_ahead(state_dict)
+        if staged is None:
+            return _LiveState(state_dict, self)
+        self._staged.set()  # every byte is in the slot: the caller may change its tensors
+        return staged
+
+    def _stage_ahead(self, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+        """Copy every local tensor into the slot now, before DCP plans, and return the state with views of the
+        slot in their place, for DCP to plan on; None where only DCP's plan can say what this rank stages.
+
+        DCP plans after staging, with collectives across the ranks, and its
+        plan may give a tensor several ranks hold to one of them. So the copy
+        takes every local tensor (a DTensor's local chunk, a plain tensor
+        whole), in the layout of a shard that keeps them all; ``write_data``
+        then moves what the plan keeps into its place in the same slot
+        (``Client._save_flat(ahead=)``). DCP reads the views, never the
+        caller's tensors, so the plan, whatever it keeps, saves what was
+        staged. States holding what ckptd cannot place without the plan (a
+        ShardedTensor, a tensor subclass, a placement ckptd does not know)
+        are staged by ``write_data`` as before, and ``synchronize_staging``
+        waits for that.
+        """
+        flat_state, mappings = flatten_state_dict(state_dict)
+        try:
+            flat = _local_shard(flat_state, mappings)
+        except (TypeError, ValueError):  # refused again, naming the key, when write_data stages it
+            return None
+        if flat is None:
+            return None
+        ahead = self.client._stage_ahead(flat)
+        self._ahead = ahead
+        try:
+            staged = _StagedState(unflatten_state_dict(_in_slot(flat_state, ahead), mappings), self)
+        except BaseException:
+            self._release_ahead()
+            raise
+        return staged
+
+    def _release_ahead(self) -> None:
+        """The staged slot and in-flight place go back to the client if no save took them."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self.client.release_ahead(ahead)
 
     def synchronize_staging(self) -> None:
+        if self._staged.is_set():  # staged ahead: wait only for the save to begin on DCP's thread, where the
+            self._begun.wait(self.commit_timeout)  # PROCESS executor pickles the staged state instead, refused
         while not self._staged.wait(0.05):
             thread = self._save_thread
             if thread is not None and not thread.is_alive():
@@ -380,10 +501,21 @@ class _SlotStagingWriter(StorageWriter, AsyncStager):
             raise self._staging_error
 
     def close(self) -> None:
+        self._release_ahead()
         StorageWriter.close(self)
 
     def _save_begins(self) -> None:
         self._save_thread = threading.current_thread()
+        self._begun.set()
+        ahead = self._ahead
+        guards = getattr(_save_thread, "guards", [])
+        if ahead is not None and all(guard.ahead is not ahead for guard in guards):
+            _save_thread.guards = [guard for guard in guards if not guard.ahead.taken] + [
+                _AheadGuard(self.client, ahead)]
+
+    def _taken_ahead(self) -> Ahead | None:
+        ahead, self._ahead = self._ahead, None
+        return ahead
 
     def _staging_over(self, error: BaseException | None) -> None:
         if not self._staged.is_set():
@@ -395,6 +527,19 @@ class _ProcessExecutor(ValueError):
     """``stage_in_slot`` under the PROCESS executor."""
 
 
+class _StagedState(dict):
+    """The state as staged ahead into the slot (``_SlotStagingWriter._stage_ahead``): views of this process's slot,
+    refused to the PROCESS executor as the live state is."""
+
+    def __init__(self, state: dict[str, Any], writer: "_SlotStagingWriter") -> None:
+        super().__init__(state)
+        self._writer = writer
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        self._writer._release_ahead()
+        raise _refused_by_process(self._writer)
+
+
 class _LiveState(dict):
     """The caller's state, handed to DCP unstaged: it is copied into the slot by ``write_data``, in this process."""
 
@@ -403,9 +548,34 @@ class _LiveState(dict):
         self._writer = writer
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        error = _ProcessExecutor(
-            "StorageWriter(stage_in_slot=True) stages by copying into this process's slot, so it works with "
-            "async_save's THREAD executor only; for AsyncCheckpointerType.PROCESS drop stage_in_slot (DCP then "
-            "stages a copy for the other process)")
-        self._writer._staging_over(error)
-        raise error
+        raise _refused_by_process(self._writer)
+
+
+def _refused_by_process(writer: _SlotStagingWriter) -> _ProcessExecutor:
+    """The error for a staged state that the PROCESS executor pickles; ``synchronize_staging`` raises it too."""
+    error = _ProcessExecutor(
+        "StorageWriter(stage_in_slot=True) stages by copying into this process's slot, so it works with "
+        "async_save's THREAD executor only; for AsyncCheckpointerType.PROCESS drop stage_in_slot (DCP then "
+        "stages a copy for the other process)")
+    writer._staging_error = error
+    writer._staging_over(error)
+    writer._begun.set()
+    return error
+
+
+class _AheadGuard:
+    """Kept in the save thread's local storage: when DCP's save thread ends without ``write_data`` taking the
+    slot staged ahead (the plan failed on some rank), its slot and in-flight place go back to the client."""
+
+    def __init__(self, client: Client, ahead: Ahead) -> None:
+        self.client, self.ahead = client, ahead
+
+    def __del__(self) -> None:
+        try:
+            self.client.release_ahead(self.ahead)
+        except Exception:
+            pass  # the interpreter is exiting, or the client closed: nothing is left to give back to
+
+
+_save_thread = threading.local()
+"""``guards``: the ``_AheadGuard`` of each save this thread runs (DCP's executor makes a thread per ``async_save``)."""

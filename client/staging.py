@@ -16,9 +16,10 @@ other devices are copied synchronously.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -37,75 +38,124 @@ PROGRESS_EVERY = 64 * 1024 * 1024
 """Bytes copied between progress reports while streaming."""
 
 
+@dataclass
+class _Cached:
+    """One layout of ``LayoutCache``, with what is derived from it."""
+
+    key: tuple
+    layout: ShardLayout
+    order: list[int]
+    """For each entry of the layout, the index of its tensor in ``Flat.tensors``."""
+    on_host: bool
+    """Every tensor of the layout is on the host: one batched copy stages them all."""
+    table: CheckedTable | None = None
+    views: dict[int, tuple[Slot, list[torch.Tensor]]] = field(default_factory=dict)
+
+
 class LayoutCache:
-    """The last layout, and the slot views of its tensors, reused while the state's structure is unchanged.
+    """The last layouts, and the slot views of their tensors, reused while the state's structure is unchanged.
 
     A training loop saves the same structure every time; planning the layout,
     encoding the header and making one view per tensor cost a millisecond per
     few hundred tensors, more than copying small ones. The key is everything
     the layout depends on: the packed structure (names, nesting, plain
-    values), each tensor's dtype and shape, and the chunk metadata.
+    values), each tensor's dtype and shape, and the chunk metadata. Two are
+    kept: a DCP save stages every local tensor ahead of DCP's plan, then lays
+    out the planned ones (``Client._stage_ahead``), two structures a save.
     """
 
+    KEPT = 2
+
     def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._layout: ShardLayout | None = None
-        self._table: CheckedTable | None = None
-        self._order: list[int] = []
-        """For each entry of the layout, the index of its tensor in ``Flat.tensors``."""
-        self._on_host = False
-        """Every tensor of the layout is on the host: one batched copy stages them all."""
-        self._views: dict[int, tuple[Slot, list[torch.Tensor]]] = {}
+        self._cached: list[_Cached] = []
+        """Most recently used first."""
 
     def layout(self, flat: Flat) -> ShardLayout:
         """Where each tensor of ``flat`` goes in the shard."""
         key = (flat.structure, tuple((name, t.dtype, t.shape, t.is_cpu) for name, t in flat.tensors),
                tuple(sorted(flat.chunks.items())), tuple(sorted(flat.global_shapes.items())))
-        if key != self._key:
+        hit = next((c for c in self._cached if c.key == key), None)
+        if hit is None:
             specs = [(name, SAFETENSORS_DTYPES[t.dtype], tuple(t.shape)) for name, t in flat.tensors]
             layout = plan_layout(specs, flat.metadata())
             index = {name: i for i, (name, _) in enumerate(flat.tensors)}
-            self._key, self._layout, self._table, self._views = key, layout, None, {}
-            self._order = [index[e.name] for e in layout.entries]
-            self._on_host = all(t.is_cpu for _, t in flat.tensors)
-        assert self._layout is not None
-        return self._layout
+            hit = _Cached(key, layout, [index[e.name] for e in layout.entries], all(t.is_cpu for _, t in flat.tensors))
+        self._cached = [hit] + [c for c in self._cached if c is not hit][: self.KEPT - 1]
+        return hit.layout
+
+    def _of(self, layout: ShardLayout) -> _Cached | None:
+        return next((c for c in self._cached if c.layout is layout), None)
 
     def copy(self, flat: Flat, layout: ShardLayout, slot: Slot) -> bool:
-        """Stage ``flat`` into ``slot`` in one batched host copy (no Python per tensor) if ``layout`` is the cached
+        """Stage ``flat`` into ``slot`` in one batched host copy (no Python per tensor) if ``layout`` is a cached
         one and every tensor is on the host; False where ``stage`` must do it."""
-        if layout is not self._layout or not self._on_host or slot.fresh:
+        cached = self._of(layout)
+        if cached is None or not cached.on_host or slot.fresh:
             return False
         tensors, views = flat.tensors, self.views(layout, slot)
         if views:
             with torch.no_grad():
-                torch._foreach_copy_(views, [tensors[i][1] for i in self._order])
+                torch._foreach_copy_(views, [tensors[i][1] for i in cached.order])
         return True
 
     def table(self, layout: ShardLayout) -> CheckedTable:
         """``layout``'s tensor table, checked (as the daemon checks it) once per layout; its digest names it."""
-        if layout is not self._layout:
+        cached = self._of(layout)
+        if cached is None:
             return validate_entries(layout.entries, layout.nbytes - layout.data_start)
-        if self._table is None:
-            self._table = validate_entries(layout.entries, layout.nbytes - layout.data_start)
-        return self._table
+        if cached.table is None:
+            cached.table = validate_entries(layout.entries, layout.nbytes - layout.data_start)
+        return cached.table
 
     def views(self, layout: ShardLayout, slot: Slot) -> list[torch.Tensor]:
         """Typed views of ``slot`` for each entry of ``layout``, in entry order; the header written.
 
-        Cached per slot while the layout is unchanged: a slot whose views are
-        cached holds this layout's header already (the cache is dropped when
-        the layout changes).
+        Cached per slot while the layout is cached, and only while the slot
+        holds that layout's header: views made for one layout are dropped
+        from every other, whose header they overwrote.
         """
-        cached = self._views.get(id(slot))
-        if cached is None or cached[0] is not slot or layout is not self._layout:
+        cached = self._of(layout)
+        views = cached.views.get(id(slot)) if cached is not None else None
+        if views is None or views[0] is not slot:
             write_header(layout, slot)
             buf, start = slot.tensor, layout.data_start
-            cached = (slot, [buf[start + e.begin : start + e.end].view(TORCH_DTYPES[e.dtype]).view(e.shape)
-                             for e in layout.entries])
-            if layout is self._layout:
-                self._views[id(slot)] = cached
-        return cached[1]
+            views = (slot, [buf[start + e.begin : start + e.end].view(TORCH_DTYPES[e.dtype]).view(e.shape)
+                            for e in layout.entries])
+            for other in self._cached:
+                other.views.pop(id(slot), None)
+            if cached is not None:
+                cached.views[id(slot)] = views
+        return views[1]
+
+
+    def restage(self, flat: Flat, layout: ShardLayout, slot: Slot) -> bool:
+        """Lay ``flat`` out in ``slot`` as ``layout`` where its tensors are in that slot already (copied ahead of
+        the save, ``Client._stage_ahead``): each moves to its place, then the header is written. False, the slot
+        untouched, where that cannot be done in place (a tensor elsewhere, or one that would have to move up).
+
+        Ahead, every local tensor was staged; the save may keep fewer (DCP
+        gives a tensor several ranks hold to one of them), so each one left
+        moves down by the bytes dropped before it, and nothing when none was.
+        Moved in file order, no move overwrites a tensor still to be moved.
+        """
+        base, by_name, moves = slot.tensor.data_ptr(), dict(flat.tensors), []
+        for entry in layout.entries:
+            if entry.nbytes == 0:
+                continue
+            src = by_name[entry.name]
+            at = src.data_ptr() - base
+            if not src.is_cpu or not src.is_contiguous() or at < 0 or at + entry.nbytes > slot.size:
+                return False
+            moves.append((layout.data_start + entry.begin, at, entry.nbytes))
+        if any(to > at for to, at, _ in moves) or any(a[1] + a[2] > b[1] for a, b in zip(moves, moves[1:])):
+            return False
+        for to, at, n in moves:
+            if to != at:
+                ctypes.memmove(base + to, base + at, n)
+        cached = self._of(layout)
+        if cached is None or cached.views.get(id(slot), (None,))[0] is not slot:
+            self.views(layout, slot)  # writes the header, after the moves: it may cover where a tensor was
+        return True
 
 
 def layout_for(flat: Flat) -> ShardLayout:
