@@ -110,9 +110,10 @@ class StorageWriter(_DCPStorageWriter):
                 writer, collectively under torch.distributed, and reused).
             run_dir, commit_timeout: the shared client's (one per pair).
             stage_in_slot: be ``async_save``'s stager (DCP's ``AsyncStager``):
-                staging is the copy of this rank's planned items into the
-                slot, so every byte is copied once, and ``async_save``
-                returns once that copy is done. For the THREAD executor only:
+                staging is the copy of this rank's tensors into the slot,
+                before DCP plans, so every byte is copied once and
+                ``async_save`` returns once that copy is done, while DCP
+                plans and the daemon writes. For the THREAD executor only:
                 the PROCESS executor runs the save, and so the copy, in
                 another process, and needs a staged copy of its own (without
                 this, DCP's default stager makes one).
@@ -390,7 +391,7 @@ def _in_slot(flat_state: dict[str, Any], ahead: Ahead) -> dict[str, Any]:
     for fqn, value in flat_state.items():
         if is_dtensor(value):
             wrapper = made.get(fqn)
-            if wrapper is None or wrapper._spec != value._spec:
+            if wrapper is None or (wrapper._spec is not value._spec and wrapper._spec != value._spec):
                 wrapper = made[fqn] = DTensor(views[fqn], value._spec, requires_grad=False)
             out[fqn] = wrapper
         elif isinstance(value, torch.Tensor):
@@ -405,13 +406,17 @@ def _in_slot(flat_state: dict[str, Any], ahead: Ahead) -> dict[str, Any]:
 class _SlotStagingWriter(StorageWriter, AsyncStager):
     """``StorageWriter(stage_in_slot=True)``: its own ``async_save`` stager (see ``StorageWriter.__init__``).
 
-    ``stage`` hands DCP the caller's live state (nothing copied), and
-    ``synchronize_staging``, which ``async_save`` calls before it returns,
-    waits until the save's ``write_data`` has copied this rank's planned
-    items into the slot: DCP's planning runs first, so the copy honours its
-    de-duplication. If the save fails before it gets there, the wait ends
-    with it (the save's thread ended). The live state refuses to be pickled,
-    so the PROCESS executor fails at once, before any tensor is shared.
+    ``stage`` copies every local tensor into the slot and hands DCP the
+    state with views of the slot in their place (``_stage_ahead``); DCP's
+    planning, whose collectives cost more than the copy, runs after
+    ``async_save`` returned, and ``write_data`` keeps in the slot what the
+    plan gives this rank. A state ckptd cannot place without the plan is
+    handed to DCP live instead, and ``synchronize_staging``, which
+    ``async_save`` calls before it returns, waits until ``write_data`` has
+    copied this rank's planned items; if the save fails before it gets
+    there, the wait ends with it (the save's thread ended). Either state
+    refuses to be pickled, so the PROCESS executor fails at once, before any
+    tensor is shared.
     """
 
     _synchronize_after_execute = True
@@ -478,7 +483,7 @@ class _SlotStagingWriter(StorageWriter, AsyncStager):
         ahead = self.client._stage_ahead(flat)
         self._ahead = ahead
         try:
-            staged = _StagedState(unflatten_state_dict(_in_slot(flat_state, ahead), mappings), self)
+            staged = _LiveState(unflatten_state_dict(_in_slot(flat_state, ahead), mappings), self)
         except BaseException:
             self._release_ahead()
             raise
@@ -508,9 +513,9 @@ class _SlotStagingWriter(StorageWriter, AsyncStager):
         self._save_thread = threading.current_thread()
         self._begun.set()
         ahead = self._ahead
-        guards = getattr(_save_thread, "guards", [])
+        guards = getattr(_save_guards, "guards", [])
         if ahead is not None and all(guard.ahead is not ahead for guard in guards):
-            _save_thread.guards = [guard for guard in guards if not guard.ahead.taken] + [
+            _save_guards.guards = [guard for guard in guards if not guard.ahead.taken] + [
                 _AheadGuard(self.client, ahead)]
 
     def _taken_ahead(self) -> Ahead | None:
@@ -527,27 +532,17 @@ class _ProcessExecutor(ValueError):
     """``stage_in_slot`` under the PROCESS executor."""
 
 
-class _StagedState(dict):
-    """The state as staged ahead into the slot (``_SlotStagingWriter._stage_ahead``): views of this process's slot,
-    refused to the PROCESS executor as the live state is."""
-
-    def __init__(self, state: dict[str, Any], writer: "_SlotStagingWriter") -> None:
-        super().__init__(state)
-        self._writer = writer
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        self._writer._release_ahead()
-        raise _refused_by_process(self._writer)
-
-
 class _LiveState(dict):
-    """The caller's state, handed to DCP unstaged: it is copied into the slot by ``write_data``, in this process."""
+    """The state handed to DCP, only to plan and write in this process: the caller's own (copied into the slot by
+    ``write_data``) or, staged ahead, views of this process's slot. The PROCESS executor, which pickles it, is
+    refused (and a slot staged ahead given back)."""
 
     def __init__(self, state: dict[str, Any], writer: _SlotStagingWriter) -> None:
         super().__init__(state)
         self._writer = writer
 
     def __reduce_ex__(self, protocol: Any) -> Any:
+        self._writer._release_ahead()
         raise _refused_by_process(self._writer)
 
 
@@ -577,5 +572,5 @@ class _AheadGuard:
             pass  # the interpreter is exiting, or the client closed: nothing is left to give back to
 
 
-_save_thread = threading.local()
+_save_guards = threading.local()
 """``guards``: the ``_AheadGuard`` of each save this thread runs (DCP's executor makes a thread per ``async_save``)."""

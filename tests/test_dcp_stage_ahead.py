@@ -28,7 +28,7 @@ from ckptd.dcp import StorageWriter
 from helpers import equal_states, short_tempdir, start_daemon
 from sharded_ranks import fsdp, full, run_rank, run_ranks
 
-WAIT_S = 60.0
+WAIT_S = 20.0
 """How long the waiting planner waits for the caller: only a writer that does not stage ahead waits this long."""
 
 
