@@ -431,17 +431,19 @@ class _SlotStagingWriter(StorageWriter, AsyncStager):
         self._save_thread: threading.Thread | None = None
         self._ahead: Ahead | None = None
         """The slot ``stage`` copied the state into, until ``write_data`` takes it."""
+        self._ticket: int | None = None
+        """This save's turn (``_Turns``), from ``stage``."""
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for name in ("_staged", "_begun", "_staging_error", "_save_thread", "_ahead"):
+        for name in ("_staged", "_begun", "_staging_error", "_save_thread", "_ahead", "_ticket"):
             state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._staged, self._staging_error, self._save_thread, self._ahead = threading.Event(), None, None, None
-        self._begun = threading.Event()
+        self._begun, self._ticket = threading.Event(), None
         self._staged.set()
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -451,7 +453,13 @@ class _SlotStagingWriter(StorageWriter, AsyncStager):
         self._staged.clear()
         self._begun.clear()
         self._staging_error, self._save_thread = None, None
-        staged = self._stage_ahead(state_dict)
+        self._ticket = _TURNS.ticket()
+        try:
+            staged = self._stage_ahead(state_dict)
+        except BaseException:
+            _TURNS.done(self._ticket)
+            self._staged.set()
+            raise
         if staged is None:
             return _LiveState(state_dict, self)
         self._staged.set()  # every byte is in the slot: the caller may change its tensors
@@ -510,13 +518,22 @@ class _SlotStagingWriter(StorageWriter, AsyncStager):
         StorageWriter.close(self)
 
     def _save_begins(self) -> None:
+        """On DCP's save thread, before its first collective: wait for this save's turn (``_Turns``), and leave a
+        guard in the thread that ends the turn, and gives back a slot staged ahead and never taken, when the
+        thread ends (DCP's executor ends it after the save, whether it succeeded or failed)."""
         self._save_thread = threading.current_thread()
         self._begun.set()
-        ahead = self._ahead
+        ticket = self._ticket
+        if ticket is None:  # dcp.save, not async_save: it runs on the caller's thread, in the caller's order
+            return
         guards = getattr(_save_guards, "guards", [])
-        if ahead is not None and all(guard.ahead is not ahead for guard in guards):
-            _save_guards.guards = [guard for guard in guards if not guard.ahead.taken] + [
-                _AheadGuard(self.client, ahead)]
+        if all(guard.ticket != ticket for guard in guards):
+            _save_guards.guards = guards + [_SaveGuard(self.client, self._ahead, ticket)]
+        if not _TURNS.wait(ticket, self.commit_timeout):
+            raise RuntimeError(f"an earlier async_save of this process through ckptd.dcp.StorageWriter"
+                               f"(stage_in_slot=True) has not ended in {self.commit_timeout:g} s (commit_timeout); "
+                               "this save waited for it, so that their collectives run in the same order on "
+                               "every rank")
 
     def _taken_ahead(self) -> Ahead | None:
         ahead, self._ahead = self._ahead, None
@@ -555,22 +572,76 @@ def _refused_by_process(writer: _SlotStagingWriter) -> _ProcessExecutor:
     writer._staging_error = error
     writer._staging_over(error)
     writer._begun.set()
+    if writer._ticket is not None:  # no thread of this process runs it
+        _TURNS.done(writer._ticket)
+        writer._ticket = None
     return error
 
 
-class _AheadGuard:
-    """Kept in the save thread's local storage: when DCP's save thread ends without ``write_data`` taking the
-    slot staged ahead (the plan failed on some rank), its slot and in-flight place go back to the client."""
+class _Turns:
+    """The order in which this process's ``async_save``s through the stage-in-slot writer run DCP's collectives.
 
-    def __init__(self, client: Client, ahead: Ahead) -> None:
-        self.client, self.ahead = client, ahead
+    ``async_save`` returns once staged, before DCP plans, so a loop that
+    saves again without waiting has two saves planning at once, each on a
+    thread of its own, on one process group: their collectives would meet
+    in a different order on different ranks and hang. Each save takes a
+    ticket when it is staged (the caller's order, the same on every rank)
+    and runs its collectives only once every earlier save's thread ended.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._issued = 0
+        self._serving = 0
+        self._ended: set[int] = set()
+
+    def ticket(self) -> int:
+        with self._cond:
+            self._issued += 1
+            return self._issued - 1
+
+    def wait(self, ticket: int, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._serving >= ticket, timeout)
+
+    def done(self, ticket: int) -> None:
+        with self._cond:
+            if ticket >= self._serving:
+                self._ended.add(ticket)
+            while self._serving in self._ended:
+                self._ended.remove(self._serving)
+                self._serving += 1
+            self._cond.notify_all()
+
+
+_TURNS = _Turns()
+
+
+class _SaveGuard:
+    """Kept in DCP's save thread's local storage, and dropped when the thread ends: the save's turn ends then,
+    and a slot staged ahead that ``write_data`` never took (the plan failed on some rank) goes back to the
+    client with its in-flight place."""
+
+    def __init__(self, client: Client, ahead: Ahead | None, ticket: int) -> None:
+        self.client, self.ahead, self.ticket = client, ahead, ticket
 
     def __del__(self) -> None:
-        try:
-            self.client.release_ahead(self.ahead)
-        except Exception:
-            pass  # the interpreter is exiting, or the client closed: nothing is left to give back to
+        _TURNS.done(self.ticket)
+        if self.ahead is not None:
+            try:
+                self.client.release_ahead(self.ahead)
+            except Exception:
+                pass  # the interpreter is exiting, or the client closed: nothing is left to give back to
 
 
 _save_guards = threading.local()
-"""``guards``: the ``_AheadGuard`` of each save this thread runs (DCP's executor makes a thread per ``async_save``)."""
+"""``guards``: the ``_SaveGuard`` of each save this thread runs (DCP's executor makes a thread per ``async_save``)."""
+
+
+def _forget_turns_in_child() -> None:
+    """A forked child runs saves of its own: none of its parent's is its to wait for."""
+    global _TURNS
+    _TURNS = _Turns()
+
+
+os.register_at_fork(after_in_child=_forget_turns_in_child)

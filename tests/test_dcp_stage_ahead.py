@@ -9,7 +9,8 @@ A planner that waits for the caller proves the order: it plans only after
 ``async_save`` has returned, and the state is overwritten before it may. A
 planner that makes copies of what it resolves, and one that fails on one rank
 (the next save must get the slot and in-flight place back) complete the ways a
-plan can meet a staged state.
+plan can meet a staged state. Last, three saves made in a row without waiting
+must each hold the state as it was when it was made.
 """
 
 from __future__ import annotations
@@ -44,13 +45,21 @@ def _state(rank: int, world: int) -> dict:
             "grid": distribute_tensor(grid, init_device_mesh("cpu", (world,)), [Shard(1)])}
 
 
-def _scribble(state: object) -> None:
+def _scribble(state: object, value: float = -1) -> None:
     if isinstance(state, dict):
         for v in state.values():
-            _scribble(v)
+            _scribble(v, value)
     elif isinstance(state, torch.Tensor):
         with torch.no_grad():
-            getattr(state, "_local_tensor", state).fill_(-1)
+            getattr(state, "_local_tensor", state).fill_(value)
+
+
+def _holds_only(state: object, value: float) -> bool:
+    if isinstance(state, dict):
+        return all(_holds_only(v, value) for v in state.values())
+    if isinstance(state, torch.Tensor):
+        return bool((state == value).all())
+    return True
 
 
 class _WaitingPlanner(DefaultSavePlanner):
@@ -115,6 +124,18 @@ def _body(rank: int, world: int, init: str, run_dir: str, root: str, out: str) -
                                      planner=_CopyingPlanner())
             _scribble(state)
             copying.result(120)
+        # Saves in a row, none waited for: two in flight, the third waits for a place. Each plans with
+        # collectives on the same group, on a thread of its own; they must take turns, in the order they were
+        # made, on every rank.
+        with ckptd.Client(run_dir=run_dir, max_inflight=2, commit_timeout=60) as client:
+            uploads = []
+            for i in range(3):
+                _scribble(state, i)
+                uploads.append(dcp.async_save(state, storage_writer=StorageWriter(Path(root, f"row-{i}"),
+                                                                                  client=client, stage_in_slot=True)))
+            _scribble(state, 7)
+            for upload in uploads:
+                upload.result(60)
         return log
 
     run_rank(rank, world, init, out, "ahead", body)
@@ -161,3 +182,10 @@ def test_a_plan_that_fails_gives_the_slot_and_place_back_and_leaves_nothing(save
     root, _, _ = saved
     assert not any(p.name.startswith("failed") for p in root.iterdir())
     assert (root / "copied").is_dir()  # the save after it got the one in-flight place
+
+
+def test_saves_made_in_a_row_without_waiting_each_hold_their_own_state(saved):
+    root, _, _ = saved
+    for i in range(3):
+        loaded = ckptd.load(root / f"row-{i}")
+        assert _holds_only(loaded, i) and loaded["grid"].numel() == 30, i
