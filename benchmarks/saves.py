@@ -140,14 +140,19 @@ def torchckpt_saves(state: Any, scratch: Path, repeat: int, rss_built: int, *, f
     imported here alone: where it is absent ``cases.missing_peers`` leaves these cases out."""
     import functools
     from torch_checkpointing import CheckpointManager
+    from torch_checkpointing.checkpoint_process import CheckpointProcessConfig
+    from torch_checkpointing.config import AsyncCheckpointSaverConfig
     from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
     from . import fsync_hooks
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     hooks = dict(pre_finalize_callback=functools.partial(fsync_hooks.fsync_rank_files, rank),
                  finalize_callback=functools.partial(fsync_hooks.fsync_published, rank)) if fsync else {}
+    # Its writer subprocess must answer within 30 s by default; on two busy cores (the smoke run inside the test
+    # suite) importing torch there can take longer, and the case failed. The limit is raised; the time is measured.
+    saver = AsyncCheckpointSaverConfig(process_config=CheckpointProcessConfig(subprocess_init_timeout_secs=600))
     manager = CheckpointManager(CheckpointManager.Config(
-        storage_config=LocalFileSystemStorageConfig(use_direct_io=False), **hooks))
+        save=saver, storage_config=LocalFileSystemStorageConfig(use_direct_io=False), **hooks))
     def save(target: Path, i: int) -> dict:
         written = manager.save(str(target), state)
         t1 = time.perf_counter()
