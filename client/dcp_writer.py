@@ -447,12 +447,12 @@ class _SlotStagingWriter(StorageWriter, AsyncStager):
         self._staged.set()
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        if not self._staged.is_set() or self._ahead is not None:
+        if not self._staged.is_set() or (self._ahead is not None and not self._ahead.taken):
             raise RuntimeError("this StorageWriter(stage_in_slot=True) is still staging an async_save; "
                                "use one writer per save in flight")
         self._staged.clear()
         self._begun.clear()
-        self._staging_error, self._save_thread = None, None
+        self._staging_error, self._save_thread, self._ahead = None, None, None
         self._ticket = _TURNS.ticket()
         try:
             staged = self._stage_ahead(state_dict)
@@ -504,8 +504,11 @@ class _SlotStagingWriter(StorageWriter, AsyncStager):
             self.client.release_ahead(ahead)
 
     def synchronize_staging(self) -> None:
-        if self._staged.is_set():  # staged ahead: wait only for the save to begin on DCP's thread, where the
-            self._begun.wait(self.commit_timeout)  # PROCESS executor pickles the staged state instead, refused
+        # Staged ahead: wait only for the save to begin on DCP's thread, where the PROCESS executor pickles the
+        # staged state instead, refused.
+        if self._staged.is_set() and not self._begun.wait(self.commit_timeout):
+            raise RuntimeError(f"async_save staged this rank's state, but DCP's executor did not begin the save "
+                               f"in {self.commit_timeout:g} s (commit_timeout); nothing was saved")
         while not self._staged.wait(0.05):
             thread = self._save_thread
             if thread is not None and not thread.is_alive():
@@ -514,7 +517,11 @@ class _SlotStagingWriter(StorageWriter, AsyncStager):
             raise self._staging_error
 
     def close(self) -> None:
-        self._release_ahead()
+        """Wait for this writer's save in flight to end (as closing the shared client waits for its saves), then
+        close as ``StorageWriter.close`` does."""
+        if self._ticket is not None:
+            _TURNS.wait(self._ticket + 1, self.commit_timeout)
+        self._release_ahead()  # a save that never began (its thread never ran) leaves its slot to no one
         StorageWriter.close(self)
 
     def _save_begins(self) -> None:

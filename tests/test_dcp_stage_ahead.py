@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import ckptd
 from ckptd.dcp import StorageWriter
+from ckptd.protocol.names import INDEX_NAME
 from helpers import equal_states, short_tempdir, start_daemon
 from sharded_ranks import fsdp, full, run_rank, run_ranks
 
@@ -113,11 +114,14 @@ def _body(rank: int, world: int, init: str, run_dir: str, root: str, out: str) -
                     _scribble(state)  # after the return, before the plan: none of it may reach the checkpoint
                 upload.result(120)
                 log[name] = planner.after_return
-            failing = dcp.async_save(reference, storage_writer=StorageWriter(Path(root, "failed"), client=client,
-                                                                             stage_in_slot=True),
-                                     planner=_FailingPlanner(rank))
+            writer = StorageWriter(Path(root, "failed"), client=client, stage_in_slot=True)
+            failing = dcp.async_save(reference, storage_writer=writer, planner=_FailingPlanner(rank))
             with pytest.raises(CheckpointException, match="planner refused on rank 1"):
                 failing.result(120)
+            # The same writer saves again, and its close waits for that save (it was in flight).
+            dcp.async_save(reference, storage_writer=writer, checkpoint_id=Path(root, "retried"))
+            writer.close()
+            log["retried_closed"] = (Path(root, "retried") / INDEX_NAME).is_file()
             state = _state(rank, world)
             copying = dcp.async_save(state, storage_writer=StorageWriter(Path(root, "copied"), client=client,
                                                                          stage_in_slot=True),
@@ -179,9 +183,15 @@ def test_a_planner_that_copies_what_it_resolves_still_saves_what_was_staged(save
 
 
 def test_a_plan_that_fails_gives_the_slot_and_place_back_and_leaves_nothing(saved):
-    root, _, _ = saved
+    root, reference, logs = saved
     assert not any(p.name.startswith("failed") for p in root.iterdir())
     assert (root / "copied").is_dir()  # the save after it got the one in-flight place
+    assert equal_states(ckptd.load(root / "retried"), reference)  # the failed save's writer saved again
+
+
+def test_closing_a_writer_waits_for_its_save_in_flight(saved):
+    _, _, logs = saved
+    assert [log["retried_closed"] for log in logs] == [True, True], logs
 
 
 def test_saves_made_in_a_row_without_waiting_each_hold_their_own_state(saved):
