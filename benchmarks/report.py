@@ -160,6 +160,88 @@ SEPARATE = [  # measured by scripts of their own, not by ``make bench``: each wi
      "and RESULTS-cuda.md (`--out FILE` elsewhere). No GPU was lent this round: it ran on the CPU only "
      "(`python -m benchmarks --only gpu_check --size-gib 0.125 --repeat 2`, 73 s at load 12), which tries the "
      "harness; its CPU figures say nothing about a GPU and are not recorded."),
+    "Replication to a buddy node and restore from it (issue #28, `python -m benchmarks.replication --mib 1024 "
+    "--repeat 3`, 2026-12-02, library commit fef9cb4, 2 cores, load 2.7 falling from 4.6: another session's work "
+    "shared the machine; two daemons on 127.0.0.1 as two nodes, CurveZMQ on; medians of the steady repetitions, "
+    "every one below). The link's limits in the same run: a raw ZeroMQ stream of the same 1 GiB between two "
+    "processes, four 16 MiB frames in flight, 0.88 s (1.22 GB/s) plain and 3.78 s (0.28 GB/s) with CURVE, whose "
+    "encryption runs on one libzmq I/O thread. Held to replicated 5.47 s (0.20 GB/s): 0.69 x the CURVE stream's "
+    "speed, 0.16 x the plain one's (target >= 0.70 of the stream: met only against the encrypted stream, just "
+    "short; striping a stream over several connections, so that several I/O threads encrypt, is the next lever, "
+    "untried). A replicated snapshot's blocking 0.35 s against 0.22 s unreplicated (1.53 x, target <= 1.05: "
+    "missed here); on one machine the buddy's unlinking of the 1 GiB replica it replaced (tmpfs freeing its "
+    "pages, after its seal was answered) runs on the same two cores as the next save's copy, which separate nodes "
+    "would not share, and this was not measured apart. Restore of the lost node (origin SIGKILLed, a replacement "
+    "started; `latest()` reads the replica back, then `load_into`) 5.94 s against 0.83 s for a cold `load_into` "
+    "of the same state from disk (7.2 x): the read back is bound by the same encrypted stream. The buddy held "
+    "1.00 x the origin's own snapshot bytes in replicas (target <= 2 x). `lm-resiliency` and DLRover's flash "
+    "checkpoint were not measured: neither was installed (both pull in their frameworks' training stacks), which "
+    "remains to do.\n  every repetition: raw 1.149, 0.884, 0.845 s; raw CURVE 3.955, 3.784, 3.654 s; unreplicated "
+    "blocking 1.174 (first save of the client's second slot), 0.205, 0.231 s; replicated blocking 3.471 (the same "
+    "first save into a second slot), 0.353, 0.334 s; held to replicated 8.377, 5.473, 5.375 s; restore 6.794, "
+    "5.799, 5.937 s; cold disk load 2.238, 0.829, 0.619 s.",
+    "Replication again, and where its blocking goes (issue #28; `python -m benchmarks.replication --mib 1024 "
+    "--repeat 3`, then the same with `--pin`, 2026-12-03, commit 42a4e4c, 2 cores, load 0.1 and 0.6, run one "
+    "after the other; medians of 3). `--pin` puts the buddy's daemon on core 1 and the trainer with the origin's "
+    "daemon on core 0, as two nodes' CPUs are apart. Unpinned: blocking 0.183 s replicated against 0.124 s "
+    "unreplicated (**1.47 ×**, target ≤ 1.05, missed); held to replicated 2.43 s, 0.69 × the CURVE stream (1.67 "
+    "s, 0.64 GB/s; plain 0.54 s, 2.00 GB/s); restore (latest + load_into) 3.29 s against a cold disk load_into "
+    "0.70 s (4.7 ×); the buddy held 1.00 × the origin's bytes. Pinned: blocking 0.256 s against 0.227 s (**1.13 "
+    "×**, missed by less), held to replicated 2.70 s, 0.94 × the CURVE stream (2.55 s on one core); restore 2.88 "
+    "s against 0.73 s cold (3.9 ×). So most of the unpinned excess (0.47 of it) is the buddy's work (decrypting, "
+    "checksumming, then freeing the replaced 1 GiB replica) on the trainer's cores, which separate nodes do not "
+    "share; 0.13 remains with the buddy on a core of its own, not measured apart (the origin's daemon, on the "
+    "trainer's core, unpins and drops the snapshot the newer one replaces while the next save copies). Every "
+    "repetition, unpinned: blocking plain 0.546 (first save into the client's second slot), 0.124, 0.123 s, "
+    "replicated 0.456 (the same), 0.183, 0.143 s; held to replicated 2.614, 2.431, 2.370 s; restore 3.331, 2.923, "
+    "3.291 s; cold 0.700, 0.714, 0.609 s. Pinned: blocking plain 0.337, 0.210, 0.227 s, replicated 0.484, 0.256, "
+    "0.236 s; held to replicated 2.715, 2.701, 2.399 s; restore 2.875, 3.207, 2.760 s; cold 0.751, 0.653, 0.729 "
+    "s. An `s3://` load of the same state was not measured (lm-resiliency and DLRover: the next bullet).",
+    "Peers' in-memory checkpoints with a copy on another node: lm-resiliency's GEMINI and DLRover's flash "
+    "checkpoint (issue #28; `/work/peervenv/bin/python -m benchmarks.peer_memory --mib 256 --repeat 3 --only "
+    "gemini`, then `... --mib 256 --repeat 2 --warmup 0 --only dlrover`, 2026-12-03, 2 cores, load 1.5 and 2.2; a "
+    "venv of their own: `lm-resiliency` 0.2.0, `dlrover` 0.6.1 plus `grpcio` and `tornado`, which its flash "
+    "checkpoint imports though they are only in its `k8s` extra, on torch 2.13.0+cpu; neither is a ckptd "
+    "requirement). Two processes joined by a 2-rank gloo group on 127.0.0.1 stand for two nodes, rank r alone on "
+    'core r with one thread; each holds `{"w": torch.randn(size // 4)}` of 256 MiB and both save at once; times '
+    "are the slower rank's; the peer's copy was checked against the peer's state after every save. Both run on "
+    'CPU. GEMINI (`InMemoryCheckpointManager`, disk tier off, 16 MiB chunks; on CPU its "async" device copy is a '
+    "synchronous `copy_` on the caller, then a thread sends and receives over gloo): blocking (`save`) 0.141 s, "
+    "**1.83 ×** a memcpy of the same bytes in the same run (0.077 s, one core); peer copy complete "
+    "(`finalize_replication()` True) 0.471 s, **6.11 ×** memcpy and 1.80 × a plain gloo exchange of the same "
+    "bytes (0.262 s, 1.03 GB/s). DLRover (`DdpCheckpointer(global_shard_num=2, replica_count=2)`, whose "
+    "`ShardCkptReplicaManager` all-gathers each rank's shared-memory buffer inside `save_to_memory`, so the call "
+    "returns with the peer's copy done): 81.4 s and 83.9 s per save, blocking and complete alike, **1,314 ×** "
+    "that run's steady memcpy (0.064 s) and 305 × its gloo exchange (0.275 s). cProfile at 16 MiB: 11.8 s of a "
+    "12.1 s save in `replica.py` `_gather_peer_ckpt` itself, whose `torch.ByteTensor(buffer)` builds the tensor "
+    "from the shared memory's memoryview element by element (4 MiB: 1.30 s, against 0.014 s for "
+    "`torch.frombuffer(...).clone()`); that line is the same whatever the device. Also measured: on the second "
+    "node the peer's replica replaced that node's own checkpoint (the own shared memory no longer held rank 1's "
+    "state after any save; rank 0's was intact): the replica's `SharedMemoryHandler(local_rank=config.rank)` gets "
+    "the name `ckpt_shm_0`, the name of node 1's own local rank 0, and `_create_shared_memory` attaches to an "
+    "existing segment of that name. Started without `dlrover-run` (the engine forks its own saver), one start of "
+    'seven hung with a rank stopped after "Notify agent to create a checkpoint saver" (its saver never made) and '
+    "one more hung in engine start without a cause found; the script retries a start that is not ready in 60 s "
+    "(no retry was needed in the measured runs). Every repetition (first two of GEMINI are warm-ups, the second "
+    "the first save into its other slot; DLRover's first is its first save): memcpy 0.247, 0.070, 0.069, 0.077, "
+    "0.087 s (GEMINI run), 0.198, 0.064 s (DLRover run); gloo exchange 0.602, 0.237, 0.256, 0.262, 0.279 s and "
+    "0.673, 0.275 s; GEMINI blocking 0.437, 0.411, 0.134, 0.143, 0.141 s, peer copy complete 1.272, 1.103, 0.450, "
+    "0.484, 0.471 s; DLRover save 81.426, 83.949 s.",
+    "DCP writer, where its blocking goes (issue #30, `python -m benchmarks.profile_sharded --ranks 4 --size-gib 1 "
+    "--saves 5 --dcp`, phases per rank, slowest rank's medians): before (2026-12-03, library commit eb3817b^, "
+    "load 6-10 while a test suite ran, so only the split counts) planning took most of the block: to DCP's local "
+    "plan 0.06 s, the local plan 0.49 s, the plan exchange and global plan 2.56 s, building the shard 0.17 s, the "
+    "copy and commit 0.40 s, against a memcpy of the rank's bytes of 0.37 s. Staged before the plan now (commit "
+    "eb3817b, client/dcp_writer.py `_stage_ahead`): at load 0.9 blocking 0.29 s against that memcpy's 0.25 s "
+    "(1.17 ×); the plan runs after `async_save` returned. The full run's rows (0.72 × DCP's THREAD stager's "
+    "staged time) are in the table above.",
+    "The dense save cases rerun alone (issue #30, `python -m benchmarks --only 'memcpy,write_direct,ckptd_sync,"
+    "ckptd_sync_noreserve,torchckpt_fsync,dcp_thread_stager' --repeat 5`, 2026-12-03T07:44Z, library commit 3381e19, "
+    "load average 0.9, right after the full run above): sync blocking 0.193 s against a memcpy of 0.181 s (1.06 ×, "
+    "met: ≤ 1.1), where the full run had 1.42 ×; durable 0.950 s against torch-checkpointing with the fsyncs "
+    "durability needs 2.239 s (0.42 ×, met: ≤ 0.5; DCP THREAD + reused stager 2.617 s), where the full run had "
+    "0.51 ×; first save without reserve_bytes 0.564 s against 0.193 s steady (2.92 ×, missed as in the full run). "
+    "The two runs' spread is that of two quiet runs of the same code on this machine.",
 ]
 PEER_NOTES = [  # how each peer is configured, and why: rendered under the first table of peers
     "DCP + reused DefaultStager: one stager for every save (its staging copies kept); PROCESS stages into shared "
@@ -181,19 +263,26 @@ PEER_NOTES = [  # how each peer is configured, and why: rendered under the first
     "on gloo.",
 ]
 CAUSES = [  # of misses, as measured in runs of their own (per-thread /proc CPU, perf_counter, thread_time)
-    "FSDP2 blocking: one intra-op thread per rank (as now): 0.94 × and 1.60 × in runs at load average 8 and 16 (2: 1.29 ×).",
+    "FSDP2 blocking: one intra-op thread per rank (as now): 0.94 × and 1.60 × in runs at load average 8 and 16 "
+    "(2: 1.29 ×).",
     "Daemon CPU/GB (0.12): CRC32C thread 0.07 (14-15 GB/s per core, 256 KiB-64 MiB buffers alike, GIL released), writer "
     "0.025 in 64 MiB O_DIRECT writes (0.07 in 8 MiB: kernel cost per call), loop + commit 0.02: CRC32C is 70% of 0.1.",
-    "Durable: streamed (the default only where torch's copy leaves a core free) 1 GiB was durable at 0.83 × raw, blocking 1.17 ×.",
+    "Durable: streamed (the default only where torch's copy leaves a core free) 1 GiB was durable at 0.83 × raw, "
+    "blocking 1.17 ×.",
     "Sync blocking: side by side 0.082 s vs the same per-tensor memcpy 0.077 (1.06 ×); the limit itself spans 0.065-0.077 "
     "s between runs. Background staged: its copy takes 0.12-0.13 s on the staging thread, 0.075 on the caller's; with "
     "OMP_WAIT_POLICY=passive both take 0.11-0.12: the staging thread's OpenMP team beside the caller's spinning one.",
-    "Owning load: fresh pages' faults, 0.45-0.5 CPU-s per GB (a raw read: 0.15), now on a helper thread: a gain if a core is idle.",
-    "1,000 × 256 B: 4.6 ms at load 1.7, 5-6.6 at 5-7: caller CPU 3.2 ms (flatten 1.4, copy 0.45), accept round trip 1.3-1.8.",
-    "First save: 1.12-1.53 × a steady one at load 1.7; a new slot costs 0.53 CPU-s/GiB under memory pressure, 0.02 s when free.",
-    "Ranks at once: 2 intra-op threads per rank spun 4.1 CPU-s/round (1: 0.21); others' processes: 3.9 of 4.4 CPU-s/round.",
+    "Owning load: fresh pages' faults, 0.45-0.5 CPU-s per GB (a raw read: 0.15), now on a helper thread: a gain "
+    "if a core is idle.",
+    "1,000 × 256 B: 4.6 ms at load 1.7, 5-6.6 at 5-7: caller CPU 3.2 ms (flatten 1.4, copy 0.45), accept round "
+    "trip 1.3-1.8.",
+    "First save: 1.12-1.53 × a steady one at load 1.7; a new slot costs 0.53 CPU-s/GiB under memory pressure, "
+    "0.02 s when free.",
+    "Ranks at once: 2 intra-op threads per rank spun 4.1 CPU-s/round (1: 0.21); others' processes: 3.9 of 4.4 "
+    "CPU-s/round.",
     "s3:// on moto (256 MiB): moto's CPU is the wall time (2.2-2.9 CPU-s a phase, one GIL); any ranged GET of a 16-part "
-    "object costs it 0.15 CPU-s (it joins the parts), so both loads make 16; an s3:// save costs the daemon 0.37 CPU-s.",
+    "object costs it 0.15 CPU-s (it joins the parts), so both loads make 16; an s3:// save costs the daemon 0.37 "
+    "CPU-s.",
     "Spread between make bench runs of this round (same code, shared disk): load_into cold 0.98 and 1.28 × raw, snapshot "
     "blocking 0.94 and 1.21 × a disk save's, FSDP2 reshard load 0.55 and 0.81 × dcp.load.",
     "Restore from memory vs a cold load: a memcpy of the same bytes into fresh memory is itself 0.5 × this disk's cold "
@@ -204,10 +293,10 @@ CAUSES = [  # of misses, as measured in runs of their own (per-thread /proc CPU,
     "2.5 × memcpy is the floor of any copy out of a slot. Measured apart on 0.96 GiB in 60 tensors: load_into "
     "unverified 0.155 s (preadv alone: 4 × 0.034), verified 0.185 (the CRC runs behind each 8 MiB piece), memmove "
     "0.054; the copy through fresh memory that load_into made before took 1.3 s.",
-    "FSDP2 through DCP with ckptd's writer: blocking is DCP's planning first (its plan collectives), then the copy into "
-    "the slot; DCP's own stager copies before planning and plans on its thread. At load average 8-20: 0.6-1.2 s of a "
-    "0.7-1.2 s block were planning, 0.1 s the copy. On the quiet writer run: blocking 0.30 s against the stager's 0.15 s "
-    "staged; durable 0.84 s against 2.68 s with DCP's FileSystemWriter (PROCESS).",
+    "First save without reserve_bytes (2.9 × in the full run and in a rerun of the dense save cases, repeat 5): the "
+    "fresh slot's pages are allocated by tmpfs as the first save writes them (pwritev, one thread: 0.56 s for 1 GiB, "
+    "where the steady copy into mapped pages takes 0.19 s on torch's two threads); `benchmarks.first_save` (below) "
+    "measured the options, and what remains is the kernel allocating 262,144 pages on the save's thread.",
 ]
 
 def field(rec: dict, name: str) -> float | None:
