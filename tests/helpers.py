@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -116,19 +117,28 @@ def raw_socket(daemon: Daemon) -> zmq.Socket:
 
 
 _GIVEN_PORTS: set[int] = set()
+_PORTS = range(20000, 32768)
+"""Below the kernel's ephemeral range (32768-60999 by default): a port no connection, gloo's or an HTTP client's,
+is given as its own by the kernel, so only another test's daemon could take it between this choice and its bind."""
+_PICK = random.SystemRandom()
 
 
 def free_port() -> int:
     """A TCP port of 127.0.0.1 nothing listens on now (for a daemon's --peer-listen), never one this process was
-    given before: the kernel hands a port it just freed out again, so three calls in a row for three nodes could
-    name one port twice, and the second daemon refuses its own endpoint as its --peer."""
+    given before (three nodes must not share one), drawn at random outside the ephemeral range: ``bind(0)`` handed
+    out ports that the test suite's other processes then took as theirs (a daemon failed with "Address already in
+    use")."""
     while True:
+        port = _PICK.choice(_PORTS)
+        if port in _GIVEN_PORTS:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _GIVEN_PORTS:
-            _GIVEN_PORTS.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN_PORTS.add(port)
+        return port
 
 
 def short_tempdir(prefix: str) -> Path:

@@ -130,7 +130,7 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
     targets = report.split("## Targets")[1].split("## ")[0]
     assert targets.count("| met |") + targets.count("| missed |") >= 19
     fsdp2 = [line for line in targets.splitlines() if line.startswith("| FSDP2")]  # the rows, not the causes
-    assert len(fsdp2) == 7 and all(line.endswith(("| met |", "| missed |")) for line in fsdp2), fsdp2
+    assert len(fsdp2) == 8 and all(line.endswith(("| met |", "| missed |")) for line in fsdp2), fsdp2
     strongest = [line for line in targets.splitlines() if "the strongest peer: " in line]
     assert len(strongest) == 2, strongest  # dense and FSDP2, each naming the peer that was fastest to durable
     labels = {by_name[n]["label"] for n in peers[:3] + ["torchckpt_fsync"]}
