@@ -6,6 +6,8 @@
 ``--dcp``: ``dcp.async_save`` (THREAD) through ``StorageWriter(stage_in_slot=True)`` instead, split into its phases
 on every rank: DCP's planning (from the call to ``write_data``), building the shard from the plan
 (``_planned_shard``) and the copy into the slot with the commit's round trip (to staged, when the call returns).
+That split describes a writer that copies after DCP's plan (before commit eb3817b); since it stages ahead, the call
+returns before the plan, so ``blocking`` is the copy alone and the phases after it run in the background.
 
 Each rank (one intra-op thread, as torchrun sets it) builds the FSDP2 transformer (``state.build(fsdp=True)``), makes
 a slot with a warm-up save, then times ``--saves`` saves with sync staging (each starting on a barrier) and the
