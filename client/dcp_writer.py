@@ -51,6 +51,7 @@ import contextlib
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -376,17 +377,18 @@ def _local_shard(flat_state: dict[str, Any], mappings: Any) -> Flat | None:
     return Flat(tensors, _structure(flat_state, mappings), chunks, shapes)
 
 
-_wrappers: dict[str, tuple[Slot, ShardLayout, dict[str, Any]]] = {}
-"""By slot name: the DTensors over that slot's views last handed to DCP, for the layout they were made for. A
-DTensor made per tensor per save costs more than copying a small one; a loop saving the same state reuses them."""
+_wrappers: "weakref.WeakKeyDictionary[Slot, tuple[ShardLayout, dict[str, Any]]]" = weakref.WeakKeyDictionary()
+"""Per slot: the DTensors over its views last handed to DCP, for the layout they were made for. A DTensor made per
+tensor per save costs more than copying a small one; a loop saving the same state reuses them. Weakly keyed: a
+closed client's slot (and the views that keep its memory mapped) goes with it."""
 
 
 def _in_slot(flat_state: dict[str, Any], ahead: Ahead) -> dict[str, Any]:
     """``flat_state`` with each tensor replaced by its view of the slot (a DTensor by one over its local view,
     with its spec: same mesh, placements and global shape)."""
     slot, layout, views = ahead.slot, ahead.layout, ahead.views
-    cached = _wrappers.get(slot.name)
-    made = cached[2] if cached is not None and cached[0] is slot and cached[1] is layout else {}
+    cached = _wrappers.get(slot)
+    made = cached[1] if cached is not None and cached[0] is layout else {}
     out: dict[str, Any] = {}
     for fqn, value in flat_state.items():
         if is_dtensor(value):
@@ -399,7 +401,7 @@ def _in_slot(flat_state: dict[str, Any], ahead: Ahead) -> dict[str, Any]:
         else:
             out[fqn] = value
     _wrappers.clear()  # one slot's: a client saving through several slots rebuilds them, nothing is kept stale
-    _wrappers[slot.name] = (slot, layout, made)
+    _wrappers[slot] = (layout, made)
     return out
 
 
