@@ -121,7 +121,10 @@ class PendingCheckpoint(Attempt):
 
     def index(self, tensors: Mapping[str, TensorRecord] | None = None) -> CheckpointIndex:
         files = tuple(self.shards[r] for r in sorted(self.shards))
-        return CheckpointIndex(world_size=self.world_size, step=self.step, created=time.time(), files=files,
+        # a persisted snapshot was acknowledged when it was held: ordered by when a persist ran, it would outrank a
+        # checkpoint committed after it (retention and ``latest`` order by step, then by this time)
+        created = self.snapshot.created if self.snapshot is not None else time.time()
+        return CheckpointIndex(world_size=self.world_size, step=self.step, created=created, files=files,
                                tensors=tensors or {}, keep_last=self.keep_last)
 
 

@@ -48,6 +48,7 @@ from ckptd.loop.replies import as_error, error_reply
 from ckptd.loop.state import NodeState
 from ckptd.loop.workers import Workers
 from ckptd.storage.backends import Backends
+from ckptd.storage.contract import Space
 
 log = logging.getLogger("ckptd")
 DRAIN_RETRY_S = 0.5
@@ -391,15 +392,47 @@ class Holding:
         self.state.attempts.move(snap, AttemptState.PERSISTING)
         snap.persist_started = time.monotonic()
         log.info("event=persist path=%s step=%s", snap.path, snap.step)
-        files, final = self.storage.at(snap.path).files, snap.path
-        self.workers.submit("admit", lambda: files.space(final.parent), lambda fut: self._persist_room(snap, fut),
+        backend, final, order = self.storage.at(snap.path), snap.path, snap.order
+
+        def look() -> tuple[Space, Path | None]:
+            return backend.files.space(final.parent), backend.newer_beside(final, order)
+        self.workers.submit("admit", look, lambda fut: self._persist_room(snap, fut),
                             failed=lambda exc: self.persisted(snap.path, as_error(self.state.stats, exc)))
 
     def _persist_room(self, snap: HeldSnapshot, fut: Future) -> None:
         if fut.exception() is not None:
             self.persisted(snap.path, WriteFailed(f"cannot persist {snap.path}: {fut.exception()}"))
         elif snap.persisting:
-            self.saves.persist(snap, fut.result())
+            space, newer = fut.result()
+            if newer is None:
+                self.saves.persist(snap, space)
+            else:
+                self._outranked(snap, newer)
+
+    def _outranked(self, snap: HeldSnapshot, newer: Path) -> None:
+        """A checkpoint newer than ``snap`` (by step, then time) is committed beside it: ``snap`` is not persisted.
+
+        Persisted, it would never be ``latest``, and retention would count it,
+        written last, as newer than the checkpoint committed after it, and
+        delete that one. An explicit ``persist`` is refused saying so; one the
+        daemon began itself (its trainer gone, a drain) drops the snapshot, as
+        its directory's newest state is on disk: nothing acknowledged is lost,
+        and a spawned daemon is not kept from exiting by it.
+        """
+        self.state.attempts.move(snap, AttemptState.HELD)
+        log.info("event=snapshot_not_persisted path=%s step=%s reason=newer_on_disk newer=%s", snap.path, snap.step,
+                 newer)
+        self._answer_persists(snap, CheckpointExists(
+            f"snapshot {display(snap.path)} (step {snap.step}) is not persisted: {display(newer)}, committed beside "
+            f"it, is newer (by step, then time); persisted, it would never be latest(), and keep_last would count it "
+            f"as newer than {display(newer)}. Save it with persist=True under a step above that checkpoint's"))
+        replacing = self.snapshots.replacing.get(snap.path)
+        if replacing is not None and replacing.acknowledged:  # it waited for this persist to end: it drops ``snap``
+            self._take_path(replacing)
+        elif self.state.draining or not any(self.state.pid_connected(sh.pid) for sh in snap.shards.values()):
+            log.info("event=snapshot_dropped path=%s step=%s reason=older_than_disk", snap.path, snap.step)
+            self.snapshots.remove(snap, AttemptState.DROPPED)
+            self._drop([(snap, "older_than_disk")])
 
     def committed(self, event: Committed) -> None:
         self.persisted(event.path, None)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ckptd.protocol.errors import CheckpointExists, CkptdError, PathNotAllowed, WriteFailed
-from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME
+from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME, committed_in
 from ckptd.protocol.objects import display, is_permanent
 
 from ckptd.storage.contract import Files, Kind, ShardWriter
@@ -211,6 +211,16 @@ class Checkpoints:
         """The bytes of ``checkpoint``'s index (None: it has none)."""
         st = self.files.stat(checkpoint / INDEX_NAME)
         return None if st is None else self.files.read(checkpoint / INDEX_NAME, 0, st.size)
+
+    def newer_beside(self, final: Path, order: tuple[int, float]) -> Path | None:
+        """The newest committed checkpoint beside ``final`` (in its directory, ``final`` itself left out) if it is
+        newer than ``order`` (step, then the time it was acknowledged: retention's and ``latest``'s order), else
+        None. A memory snapshot older than it is not persisted: it would never be ``latest``, and its directory's
+        retention would count it as newer than what was committed after it."""
+        beside = [(key, path) for key, path in committed_in(final.parent, self.files) if path != final]
+        if beside and beside[-1][0] > order:
+            return beside[-1][1]
+        return None
 
     def listed(self, directory: Path) -> tuple[list[Path], list[Path]]:
         """What ``directory`` lists: (committed checkpoints, attempts), where an attempt is a ``.incomplete``
