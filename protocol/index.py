@@ -86,7 +86,7 @@ class CheckpointIndex:
     world_size: int
     step: int | None
     created: float
-    """Unix time at which the checkpoint was committed."""
+    """Unix time at which the checkpoint was acknowledged: committed, or, for a persisted memory snapshot, held."""
     files: tuple[ShardRecord, ...]
     tensors: Mapping[str, TensorRecord] = field(default_factory=dict)
     """Global tensors by name (format version 2); empty when the state holds none."""

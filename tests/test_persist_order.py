@@ -56,3 +56,43 @@ def test_a_directory_kept_by_keep_spares_the_newer_checkpoint_when_an_older_snap
     client.close()
     assert daemon.stop(timeout=60) == 0
     assert sorted(p.name for p in directory.iterdir()) == ["step-20"]
+
+
+def test_an_origin_paused_while_its_buddy_drained_finds_its_snapshot_committed_by_the_buddy_and_loses_nothing(
+        root, tmp_path) -> None:
+    """The origin does not answer for longer than the drain's 2 s (SIGSTOP): its buddy judges it gone and persists
+    its replica. Resumed, the origin's own drain finds the same bytes committed (issue 38, case 5): no loss, and
+    ``ckptd stop`` exits 0, where it said the committed snapshot was lost (exit 3)."""
+    import os
+    import signal
+
+    import torch
+    from test_peers import _pair
+
+    pair = _pair(root, tmp_path, origin_extra=("--persist-on-exit", "never"))
+    state = {"w": torch.randn(50_000), "step": 9}
+    path = root / "run" / "step-9"
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async(state, path, step=9, persist=False).wait_replicated(60)
+        client.close()
+        os.kill(pair.origin.proc.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: open(f"/proc/{pair.origin.proc.pid}/stat").read().split()[2] == "T", 10,
+                       "the origin is stopped")
+            stopped = pair.buddy.cli("stop", timeout=120)
+            assert stopped.returncode == 0, stopped.stderr
+        finally:
+            os.kill(pair.origin.proc.pid, signal.SIGCONT)
+        buddy_log = (pair.buddy_dir / "ckptd.log").read_text()
+        assert "event=drain_persist_replica" in buddy_log and "did not answer" in buddy_log, buddy_log
+        assert (path / "ckptd.json").exists()
+        stopped = pair.origin.cli("stop", timeout=120)
+        assert stopped.returncode == 0, stopped.stderr
+        assert pair.origin.proc.wait(30) == 0
+        origin_log = (pair.origin_dir / "ckptd.log").read_text()
+        assert f"event=snapshot_not_persisted path={path} reason=committed_by_another" in origin_log
+        back = ckptd.load(path)
+        assert torch.equal(back["w"], state["w"]) and back["step"] == 9
+    finally:
+        pair.kill()

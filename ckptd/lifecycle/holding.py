@@ -393,9 +393,11 @@ class Holding:
         snap.persist_started = time.monotonic()
         log.info("event=persist path=%s step=%s", snap.path, snap.step)
         backend, final, order = self.storage.at(snap.path), snap.path, snap.order
+        world_size, fingerprint = snap.world_size, snap.fingerprint
 
-        def look() -> tuple[Space, Path | None]:
-            return backend.files.space(final.parent), backend.newer_beside(final, order)
+        def look() -> tuple[Space, Path | None, bool]:
+            return (backend.files.space(final.parent), backend.newer_beside(final, order),
+                    backend.holds_same(final, world_size, fingerprint))
         self.workers.submit("admit", look, lambda fut: self._persist_room(snap, fut),
                             failed=lambda exc: self.persisted(snap.path, as_error(self.state.stats, exc)))
 
@@ -403,11 +405,19 @@ class Holding:
         if fut.exception() is not None:
             self.persisted(snap.path, WriteFailed(f"cannot persist {snap.path}: {fut.exception()}"))
         elif snap.persisting:
-            space, newer = fut.result()
-            if newer is None:
+            space, newer, there = fut.result()
+            if there:
+                self._committed_by_another(snap)
+            elif newer is None:
                 self.saves.persist(snap, space)
             else:
                 self._outranked(snap, newer)
+
+    def _committed_by_another(self, snap: HeldSnapshot) -> None:
+        """Its path holds exactly its bytes, committed by another holder of them (its buddy's drain judged this
+        node gone while it did not answer, or a node restored from that buddy): persisted, and no loss."""
+        log.info("event=snapshot_not_persisted path=%s reason=committed_by_another", snap.path)
+        self._persist_ended(snap, None)
 
     def _outranked(self, snap: HeldSnapshot, newer: Path) -> None:
         """A checkpoint newer than ``snap`` (by step, then time) is committed beside it: ``snap`` is not persisted.
@@ -477,19 +487,28 @@ class Holding:
                 self._drop([(snap, "saved_to_disk")])
                 self._answer_persists(snap, why)
             return
+        if isinstance(error, CheckpointExists):  # another holder of the same bytes may have committed them first
+            backend, world_size, fingerprint = self.storage.at(path), snap.world_size, snap.fingerprint
+
+            def judged(same: bool) -> None:
+                if self.snapshots.held.get(path) is snap and snap.persisting:
+                    self._committed_by_another(snap) if same else self._persist_ended(snap, error)
+            self.workers.submit("admit", lambda: backend.holds_same(path, world_size, fingerprint),
+                                lambda fut: judged(fut.result()), failed=lambda _: judged(False))
+            return
+        self._persist_ended(snap, error)
+
+    def _persist_ended(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
+        """``snap``'s persist committed (``error`` None) or failed: persisted, or held again and retried by a
+        drain while its deadline allows; its waiters answered; a replacement that waited for it takes the path."""
+        path = snap.path
         self.state.attempts.move(snap, AttemptState.PERSISTED if error is None else AttemptState.HELD)
         if error is not None:
             log.warning("event=persist_failed path=%s draining=%s error=%s", path, self.state.draining, error.message)
             self.state.stats.error(f"persisting snapshot {path} failed: {error.message}")
             if self.state.draining and _transient(error) and self._retry_in_drain(snap):
                 return  # its waiters are answered by the last attempt
-            if (self.state.draining and snap.replication in (Replication.ADOPTED, Replication.RESTORED)
-                    and isinstance(error, CheckpointExists)):
-                # a copy of a peer's replica (read back here, or adopted from a node that is gone): another holder
-                # of the same bytes (the buddy that held the replica, or the node restored from it) committed it
-                # first; nothing is lost
-                log.info("event=snapshot_not_persisted path=%s reason=committed_by_another", path)
-            elif self.state.draining:
+            if self.state.draining:
                 self.drain_failures.append(f"{display(path)}: {error.message}")
         self._answer_persists(snap, error)
         replacing = self.snapshots.replacing.get(path)

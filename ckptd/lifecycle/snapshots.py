@@ -111,6 +111,11 @@ class HeldSnapshot(Attempt):
         return self.state is AttemptState.PERSISTED
 
     @property
+    def fingerprint(self) -> dict[int, tuple[int, int]]:
+        """Each rank's (size, checksum): what a checkpoint on disk holds if it holds this snapshot's bytes."""
+        return {r: (s.msg.nbytes, s.checksum if s.checksum is not None else -1) for r, s in self.shards.items()}
+
+    @property
     def checksummed(self) -> bool:
         return all(s.checksum is not None for s in self.shards.values())
 

@@ -21,8 +21,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ckptd.protocol.errors import CheckpointExists, CkptdError, PathNotAllowed, WriteFailed
-from ckptd.protocol.index import INCOMPLETE_SUFFIX, INDEX_NAME, committed_in
+from ckptd.protocol.errors import CheckpointExists, CkptdError, InvalidCheckpoint, PathNotAllowed, WriteFailed
+from ckptd.protocol.index import CHECKSUM_ALGORITHM, INCOMPLETE_SUFFIX, INDEX_NAME, committed_in, read_index
 from ckptd.protocol.objects import display, is_permanent
 
 from ckptd.storage.contract import Files, Kind, ShardWriter
@@ -221,6 +221,17 @@ class Checkpoints:
         if beside and beside[-1][0] > order:
             return beside[-1][1]
         return None
+
+    def holds_same(self, final: Path, world_size: int, shards: dict[int, tuple[int, int]]) -> bool:
+        """Whether ``final`` is a committed checkpoint of ``world_size`` ranks whose shards are exactly ``shards``
+        (rank: size, crc32c): the same bytes as a snapshot being persisted, written by another holder of them
+        (its buddy's drain, a node restored from that buddy). Then that persist is done, not refused."""
+        try:
+            index = read_index(final, self.files)
+        except InvalidCheckpoint:
+            return False
+        return (index.world_size == world_size and index.checksum_algorithm == CHECKSUM_ALGORITHM
+                and {f.rank: (f.size, f.checksum) for f in index.files} == shards)
 
     def listed(self, directory: Path) -> tuple[list[Path], list[Path]]:
         """What ``directory`` lists: (committed checkpoints, attempts), where an attempt is a ``.incomplete``
