@@ -18,7 +18,7 @@ import zmq
 import ckptd
 from ckptd.protocol.errors import InvalidCheckpoint
 
-from helpers import Daemon, ckptd_cli, free_port, short_tempdir, start_daemon
+from helpers import Daemon, ckptd_cli, free_port, segments_of, short_tempdir, start_daemon, wait_until
 
 LOG = "ckptd.log"
 
@@ -69,6 +69,16 @@ def _snapshot(run_dir: Path, path: Path, mib: int = 1) -> Any:
     fut = client.save_async({"w": torch.ones(mib * 262144)}, path, step=1, persist=False)
     fut.result(60)
     return client, fut
+
+
+def _replace_origin(pair: Pair, *extra: str) -> Path:
+    """The origin node is lost whole; a replacement starts in a new run directory with a key of its own."""
+    pair.origin.kill()
+    new_dir, _ = _node(pair.keys, pair.lines)
+    pair.keys.write_text("".join(pair.lines))
+    pair.origin = start_daemon(new_dir, pair.origin.root, "--peer", pair.buddy_ep, "--peer-keys", str(pair.keys),
+                               *extra)
+    return new_dir
 
 
 def test_a_peer_whose_key_is_not_trusted_is_refused_and_its_snapshot_is_reported_not_replicated(
@@ -168,10 +178,7 @@ def test_one_node_restored_from_its_buddy_resumes_and_its_next_snapshot_replaces
         client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
         client.save_async(state, root / "step-1", step=1, persist=False).wait_replicated(60)
         client.close()
-        pair.origin.kill()  # the node is lost; its replacement is another run directory with a key of its own
-        new_dir, _ = _node(pair.keys, pair.lines)
-        pair.keys.write_text("".join(pair.lines))
-        pair.origin = start_daemon(new_dir, root, "--peer", pair.buddy_ep, "--peer-keys", str(pair.keys), *never)
+        new_dir = _replace_origin(pair, *never)
         assert ckptd.latest(root, run_dir=new_dir) == root / "step-1"
         back = {"w": torch.zeros(1000), "step": 0}
         ckptd.load_into(back, root / "step-1", run_dir=new_dir)
@@ -197,10 +204,7 @@ def test_a_replica_file_shortened_in_the_buddys_memory_is_refused_at_restore_and
         client.close()
         ((_, name, *_),) = pair.buddy.status()["peers"]["replicas_held"]["held"][0]["shards"]
         os.truncate(Path(pair.buddy.status()["shm"]["dir"]) / name, 1000)
-        pair.origin.kill()
-        new_dir, _ = _node(pair.keys, pair.lines)
-        pair.keys.write_text("".join(pair.lines))
-        pair.origin = start_daemon(new_dir, root, "--peer", pair.buddy_ep, "--peer-keys", str(pair.keys), *never)
+        new_dir = _replace_origin(pair, *never)
         assert ckptd.latest(root, run_dir=new_dir) is None  # never loaded; nothing else to resume from
         assert "was shortened" in (new_dir / LOG).read_text()  # the restore was tried, and refused for that
         assert pair.buddy.proc.poll() is None and pair.buddy.status()["peers"]["replicas_held"]["held"]
@@ -309,4 +313,57 @@ def test_after_a_node_was_replaced_draining_its_buddy_then_it_persists_the_snaps
         back = ckptd.load(path)
         assert torch.equal(back["w"], state["w"]) and back["step"] == 4
     finally:
+        pair.kill()
+
+
+
+@pytest.mark.timeout(180)
+def test_a_path_a_second_run_overwrote_at_a_lower_step_comes_back_with_the_second_runs_bytes(
+        root: Path, tmp_path: Path) -> None:
+    """Run 1 snapshots run/last at step 100, its node is lost; run 2 on the replacement snapshots the same path at
+    step 10 (overwrite=True). The buddy kept run 1's replica beside run 2's (the newer step of the directory
+    stayed), so a second loss restored run 1's bytes; it holds only run 2's, as the origin does."""
+    never = ("--persist-on-exit", "never")
+    pair = _pair(root, tmp_path, origin_extra=never)
+    path = root / "run" / "last"
+    second = {"w": torch.full((50_000,), 2.0), "step": 10}
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async({"w": torch.full((50_000,), 1.0), "step": 100}, path, step=100,
+                          persist=False).wait_replicated(60)
+        client.close()
+        new_dir = _replace_origin(pair, *never)
+        client = ckptd.Client(run_dir=new_dir, spawn=False)
+        client.save_async(second, path, step=10, persist=False, overwrite=True).wait_replicated(60)
+        client.close()
+        held = pair.buddy.status()["peers"]["replicas_held"]["held"]
+        assert [(r["path"], r["step"]) for r in held] == [(str(path), 10)], held
+        third_dir = _replace_origin(pair, *never)
+        assert ckptd.latest(root / "run", run_dir=third_dir) == path
+        back = {"w": torch.zeros(50_000), "step": 0}
+        ckptd.load_into(back, path, run_dir=third_dir)
+        assert torch.equal(back["w"], second["w"]) and back["step"] == 10
+    finally:
+        pair.kill()
+
+
+@pytest.mark.timeout(180)
+def test_a_path_rolled_back_again_and_again_leaves_the_buddy_one_replica_file(root: Path, tmp_path: Path) -> None:
+    """Each snapshot of the same path at a lower step replaced the buddy's replica in its books without unlinking
+    its file: one file per rollback, outside the budget and every listing, until the buddy exited."""
+    pair = _pair(root, tmp_path)
+    path = root / "run" / "last"
+    client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+    try:
+        for step in (5, 4, 3, 2, 1):
+            client.save_async({"w": torch.full((50_000,), float(step))}, path, step=step, persist=False,
+                              overwrite=True).wait_replicated(60)
+        held = pair.buddy.status()["peers"]["replicas_held"]
+        assert [(r["path"], r["step"]) for r in held["held"]] == [(str(path), 1)], held
+        ((_, name, size, *_),) = held["held"][0]["shards"]
+        assert held["bytes"] == size
+        wait_until(lambda: segments_of(pair.buddy.proc.pid) == [name], 30,
+                   lambda: f"the buddy's files in /dev/shm are {segments_of(pair.buddy.proc.pid)}, not [{name}]")
+    finally:
+        client.close()
         pair.kill()

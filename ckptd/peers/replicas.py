@@ -7,9 +7,11 @@ offers one rank's shard of a snapshot it holds (``Offer``: that rank's
 written, and a shard whose checksum differs from the origin's is never held.
 A replica is complete once every rank the origin holds of that snapshot is
 sealed; only then is it listed (``Replicas``), read back by a node restoring
-it (``Fetch``), and only then does it replace the older replica of the same
-ranks in its directory, from any origin (a replacement node has a key of its
-own, and takes its predecessor's place).
+it (``Fetch``), and only then does it replace the replica of the same path
+(whatever its step: a buddy holds, per origin path, only the copy its origin
+holds now) and the older replica of the same ranks in its directory, from
+any origin (a replacement node has a key of its own, and takes its
+predecessor's place).
 
 The memory budget (``--memory-budget``) counts replicas and this node's own
 snapshots together, and neither evicts the other: an offer that does not fit
@@ -222,17 +224,21 @@ class Replicas:
         self.workers.submit("replica", lambda: None, sealed)  # behind the chunks' writes
 
     def _completed(self, replica: Replica) -> None:
-        """A replica is whole: it is listed, and replaces the older ones of the same ranks in its directory, from
-        whichever origin (a replacement node has a key of its own, and takes its predecessor's place). Of the
-        newer ones only the newest stays, as its origin keeps a newer snapshot it never drops for an older one
-        (a restarted run saving older steps): otherwise each older save would add one more replica."""
+        """A replica is whole: it is listed, and replaces every replica of the same path from its origin or of a
+        rank it holds, whatever their step (its origin holds only this save of the path now: a rollback, a second
+        run or a replacement node replaced the older one there), and the older ones of the same ranks in its directory,
+        from whichever origin (a replacement node has a key of its own, and takes its predecessor's place). Of
+        the other paths' newer ones only the newest stays, as its origin keeps a newer snapshot it never drops
+        for an older one (a restarted run saving older steps): otherwise each older save would add one more."""
         del self.incoming[(replica.origin, replica.path)]
-        same = [r for r in self.held.values() if r.path.parent == replica.path.parent and r.ranks == replica.ranks]
+        replaced = [r for r in self.held.values() if r.path == replica.path
+                    and (r.origin == replica.origin or set(r.ranks) & set(replica.ranks))]
+        same = [r for r in self.held.values() if r.path.parent == replica.path.parent and r.path != replica.path
+                and r.ranks == replica.ranks]
         newest = max((r for r in same if r.order > replica.order), key=lambda r: r.order, default=None)
-        older = [r for r in same if r is not newest]
-        for old in older:
+        for old in [*replaced, *(r for r in same if r is not newest)]:
             del self.held[(old.origin, old.path)]
-            log.info("event=replica_dropped path=%s reason=replaced", old.path)
+            log.info("event=replica_dropped path=%s origin=%s reason=replaced", old.path, old.origin[:8])
             self._unlink(old)
         self.held[(replica.origin, replica.path)] = replica
         log.info("event=replica_held path=%s ranks=%s bytes=%d origin=%s", replica.path, list(replica.ranks),
