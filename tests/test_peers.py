@@ -4,6 +4,7 @@ port harms nothing, and a start with a peer option it cannot honour is refused n
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -16,9 +17,16 @@ import torch
 import zmq
 
 import ckptd
-from ckptd.protocol.errors import InvalidCheckpoint
+from ckptd.peers.keys import KeyPair
+from ckptd.protocol.checksums import updater
+from ckptd.protocol.errors import ErrorCode, InvalidCheckpoint
+from ckptd.protocol.index import CHECKSUM_ALGORITHM
+from ckptd.protocol.layout import TensorEntry
+from ckptd.protocol.messages import Error, Ok, decode
+from ckptd.protocol.peer_messages import MAX_PIECE, PEER_TYPES, Chunk, Fetch, Offer, Piece, Seal
 
 from helpers import Daemon, ckptd_cli, free_port, segments_of, short_tempdir, start_daemon, wait_until
+from test_fuzz_peers import SNAPSHOT, _peer_socket
 
 LOG = "ckptd.log"
 
@@ -366,4 +374,80 @@ def test_a_path_rolled_back_again_and_again_leaves_the_buddy_one_replica_file(ro
                    lambda: f"the buddy's files in /dev/shm are {segments_of(pair.buddy.proc.pid)}, not [{name}]")
     finally:
         client.close()
+        pair.kill()
+
+
+def _raw_offer(rid: int, path: Path, fill: int) -> tuple[Offer, bytes]:
+    """An offer of rank 0's shard of a one-rank snapshot of ``path`` (two full chunks, every byte ``fill``), as a
+    trusted peer's own code would make it, and the shard's bytes."""
+    nbytes = 2 * MAX_PIECE
+    snap = dataclasses.replace(SNAPSHOT, path=str(path), rank=0, world_size=1, nbytes=nbytes, staged=nbytes,
+                               tensors=(TensorEntry("w", "U8", (nbytes - 4096,), 0, nbytes - 4096),))
+    data = bytes([fill]) * nbytes
+    return Offer(rid, snap.to_wire(), updater(CHECKSUM_ALGORITHM)(data, 0), CHECKSUM_ALGORITHM, 1.0, (0,)), data
+
+
+def _send_shard(sock: zmq.Socket, offer: Offer, data: bytes) -> list[int]:
+    """Every chunk of ``offer``'s shard, then its seal, sent without waiting for an answer; their request ids."""
+    ids = []
+    for offset in range(0, len(data), MAX_PIECE):
+        ids.append(offer.id + 1 + len(ids))
+        sock.send_multipart([Chunk(ids[-1], offer.id, offset).to_wire(), data[offset:offset + MAX_PIECE]])
+    ids.append(offer.id + 1 + len(ids))
+    sock.send(Seal(ids[-1], offer.id).to_wire())
+    return ids
+
+
+def _answers(sock: zmq.Socket, ids: list[int]) -> dict[int, Any]:
+    """One answer to each of ``ids`` (a second answer to one, or none within 30 s, fails)."""
+    got: dict[int, Any] = {}
+    while set(got) != set(ids):
+        assert sock.poll(30_000), f"no answer to requests {sorted(set(ids) - set(got))}"
+        msg = decode(sock.recv_multipart()[0], PEER_TYPES)
+        assert msg.id in ids and msg.id not in got, f"an answer no request was waiting for: {msg}"
+        got[msg.id] = msg
+    return got
+
+
+@pytest.mark.timeout(180)
+def test_a_peer_offering_a_shard_again_before_its_seal_is_answered_leaves_only_the_new_replica(
+        root: Path, tmp_path: Path) -> None:
+    """A trusted peer seals a shard and offers it again at once: the new offer dropped the first attempt, then the
+    seal's check completed that dropped attempt (files unlinked) in the books and deleted the new attempt instead,
+    so the buddy listed a replica that failed every read with an internal error, and the new seal failed too.
+    The first seal is refused, the new shard is held and read back, and no file is left over. The seal's check
+    waits behind the last chunk's write, so the new offer comes first; a round where it did not is tried again."""
+    pair = _pair(root, tmp_path, buddy_extra=("--memory-budget", "256MiB"))
+    sock = _peer_socket(pair.buddy_ep, KeyPair.of(pair.buddy_dir).public, KeyPair.of(pair.origin_dir))
+    path = root / "raced" / "step-1"
+    raced = 0
+    try:
+        for rid in range(0, 5000, 1000):
+            first, first_data = _raw_offer(rid + 1, path, 1)
+            sock.send(first.to_wire())
+            assert isinstance(_answers(sock, [first.id])[first.id], Ok)
+            sent = _send_shard(sock, first, first_data)
+            second, second_data = _raw_offer(rid + 100, path, 2)
+            sock.send(second.to_wire())  # before the seal's answer
+            answers = _answers(sock, [*sent, second.id])
+            seal = answers[sent[-1]]
+            raced += isinstance(seal, Error)
+            assert isinstance(seal, Ok) or (seal.code == ErrorCode.CONFLICT and "newer offer" in seal.message), seal
+            assert isinstance(answers[second.id], Ok), answers[second.id]
+            answers = _answers(sock, _send_shard(sock, second, second_data))
+            assert all(isinstance(a, Ok) for a in answers.values()), answers
+            (held,) = pair.buddy.status()["peers"]["replicas_held"]["held"]
+            assert held["path"] == str(path) and held["shards"][0][3] == second.checksum
+            sock.send(Fetch(rid + 200, str(path), 0, 4096, 8).to_wire())
+            assert sock.poll(30_000)
+            piece, data = sock.recv_multipart()
+            assert isinstance(decode(piece, PEER_TYPES), Piece) and data == second_data[4096:4104]
+            wait_until(lambda: segments_of(pair.buddy.proc.pid) == [held["shards"][0][1]], 30,
+                       lambda: f"the buddy's files in /dev/shm: {segments_of(pair.buddy.proc.pid)}")
+            if raced:
+                break
+        assert raced, "the new offer never came before the seal's check ended: the race was not run"
+        assert "event=internal_error" not in (pair.buddy_dir / LOG).read_text()
+    finally:
+        sock.close()
         pair.kill()

@@ -208,6 +208,11 @@ class Replicas:
         replica = next(r for r in self.incoming.values() if any(s is shard for s in r.shards.values()))
 
         def sealed(_: object) -> None:
+            if not self._receiving(replica, shard):
+                reply(error_reply(self.stats, msg.id, Conflict(
+                    f"seal of offer {msg.offer}: a newer offer of {display(replica.path)} rank "
+                    f"{shard.offer.snapshot.rank} came before its check ended; this shard is not held")), None)
+                return
             if shard.queued != shard.nbytes or shard.crc != shard.offer.checksum:
                 self._drop(replica)
                 why = (f"{shard.queued} of {shard.nbytes} bytes came" if shard.queued != shard.nbytes else
@@ -222,6 +227,13 @@ class Replicas:
                 self._completed(replica)
             reply(Ok(msg.id), None)
         self.workers.submit("replica", lambda: None, sealed)  # behind the chunks' writes
+
+    def _receiving(self, replica: Replica, shard: ReplicaShard) -> bool:
+        """Whether ``shard`` of ``replica`` is still being received: a new offer of the same shard (a peer that
+        did not wait for its seal's answer) drops the attempt it belongs to, files and all, before its seal is
+        checked, and then neither may be held nor touch the new attempt's books."""
+        return self.incoming.get((replica.origin, replica.path)) is replica and replica.shards.get(
+            shard.offer.snapshot.rank) is shard
 
     def _completed(self, replica: Replica) -> None:
         """A replica is whole: it is listed, and replaces every replica of the same path from its origin or of a
@@ -249,7 +261,8 @@ class Replicas:
         return Ok(rid) if exc is None else error_reply(self.stats, rid, exc)
 
     def _drop(self, replica: Replica) -> None:
-        self.incoming.pop((replica.origin, replica.path), None)
+        if self.incoming.get((replica.origin, replica.path)) is replica:
+            del self.incoming[(replica.origin, replica.path)]
         for key in [k for k, s in self._offers.items() if s in replica.shards.values()]:
             del self._offers[key]
         self._unlink(replica)
