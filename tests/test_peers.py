@@ -22,10 +22,11 @@ from ckptd.protocol.checksums import updater
 from ckptd.protocol.errors import ErrorCode, InvalidCheckpoint
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
 from ckptd.protocol.layout import TensorEntry
-from ckptd.protocol.messages import Error, Ok, decode
+from ckptd.protocol.messages import Error, Ok, Restore, decode
 from ckptd.protocol.peer_messages import MAX_PIECE, PEER_TYPES, Chunk, Fetch, Offer, Piece, Seal
 
-from helpers import Daemon, ckptd_cli, free_port, segments_of, short_tempdir, start_daemon, wait_until
+from helpers import (Daemon, ckptd_cli, free_port, raw_socket, segments_of, short_tempdir, start_daemon,
+                     wait_until)
 from test_fuzz_peers import SNAPSHOT, _peer_socket
 
 LOG = "ckptd.log"
@@ -450,4 +451,83 @@ def test_a_peer_offering_a_shard_again_before_its_seal_is_answered_leaves_only_t
         assert "event=internal_error" not in (pair.buddy_dir / LOG).read_text()
     finally:
         sock.close()
+        pair.kill()
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_offered_outside_the_buddys_roots_is_refused_naming_the_path_and_the_roots(
+        root: Path, tmp_path: Path) -> None:
+    """A peer's path was taken as given: the buddy held, and its drain would have written, a replica of a path its
+    own --root never allowed. It passes the roots as a local save does, before any byte is taken."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    pair = _pair(root, tmp_path, origin_extra=("--root", str(elsewhere)))
+    try:
+        client, fut = _snapshot(pair.origin_dir, elsewhere / "step-1")
+        with pytest.raises(InvalidCheckpoint, match=f"not replicated: .*{elsewhere / 'step-1'} is not strictly "
+                                                    f"below the daemon's allowed roots \\({root}\\)"):
+            fut.wait_replicated(60)
+        client.close()
+        replicas = pair.buddy.status()["peers"]["replicas_held"]
+        assert (replicas["held"], replicas["bytes"], replicas["receiving"]) == ([], 0, 0)
+        assert segments_of(pair.buddy.proc.pid) == []
+        (snap,) = pair.origin.status()["memory"]["snapshots"]
+        assert snap["replication"] == "failed" and "allowed roots" in snap["replication_error"]
+    finally:
+        pair.kill()
+
+
+@pytest.mark.timeout(120)
+def test_a_restore_of_a_path_outside_this_nodes_roots_is_refused_before_any_byte_is_read(
+        root: Path, tmp_path: Path) -> None:
+    """The buddy allows both directories and holds the replica; the replacement node allows only ``root``: it held
+    the snapshot read back from the buddy under a path it would refuse from its own ranks, and could persist it
+    there."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    never = ("--persist-on-exit", "never")
+    wide = ("--root", str(elsewhere))
+    pair = _pair(root, tmp_path, buddy_extra=wide, origin_extra=(*wide, *never))
+    path = elsewhere / "step-1"
+    try:
+        client, fut = _snapshot(pair.origin_dir, path)
+        fut.wait_replicated(60)
+        client.close()
+        _replace_origin(pair, *never)
+        sock = raw_socket(pair.origin)
+        try:
+            sock.send(Restore(1, str(path), rank=0).to_wire())
+            reply = decode(sock.recv())
+        finally:
+            sock.close()
+        assert isinstance(reply, Error) and reply.code == ErrorCode.PATH_NOT_ALLOWED, reply
+        assert str(path) in reply.message and str(root) in reply.message, reply.message
+        assert pair.origin.status()["memory"]["snapshots"] == [] and segments_of(pair.origin.proc.pid) == []
+    finally:
+        pair.kill()
+
+
+@pytest.mark.timeout(180)
+def test_a_drain_never_persists_a_replica_whose_directory_now_leads_outside_the_roots(
+        root: Path, tmp_path: Path) -> None:
+    """The replica's path was within the roots when it came; its directory was then made, as a link to a directory
+    outside them. The drain of a buddy whose origin is gone wrote the replica through the link; it is refused,
+    named among what the drain could not persist (``ckptd stop`` exits 3), and nothing is written there."""
+    pair = _pair(root, tmp_path, origin_extra=("--persist-on-exit", "never"), ring=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async({"w": torch.randn(50_000)}, root / "run" / "step-7", step=7,
+                          persist=False).wait_replicated(60)
+        client.close()
+        (root / "run").symlink_to(elsewhere)
+        pair.origin.kill()
+        stopped = pair.buddy.cli("stop", timeout=120)
+        assert list(elsewhere.iterdir()) == []
+        assert stopped.returncode == 3, (stopped.returncode, stopped.stderr)
+        log = (pair.buddy_dir / LOG).read_text()
+        assert "reason=outside_roots" in log and "event=drain_persist_replica" not in log
+        assert "not strictly below the daemon's allowed roots" in stopped.stderr + log
+    finally:
         pair.kill()

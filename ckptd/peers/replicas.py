@@ -143,8 +143,11 @@ class Replicas:
     snapshots: ``room`` says how many bytes are free of it)."""
 
     def __init__(self, workers: Workers, stats: Stats, shm_dir: Path, new_name: Callable[[], str],
-                 room: Callable[[], int]) -> None:
+                 room: Callable[[], int], resolve: Callable[[str], Path]) -> None:
         self.workers, self.stats, self.shm_dir, self.new_name, self.room = workers, stats, shm_dir, new_name, room
+        self.resolve = resolve
+        """A path a peer names, checked against this daemon's roots as a local request's is (``PathNotAllowed``
+        naming it and the roots; I/O, so on the pool): a drain may write a replica to disk here."""
         self.held: dict[tuple[str, Path], Replica] = {}
         """Complete replicas by (origin, path)."""
         self.incoming: dict[tuple[str, Path], Replica] = {}
@@ -176,11 +179,17 @@ class Replicas:
             replica = self.incoming[(origin, path)] = Replica(origin, path, msg.ranks, msg.created)
         shard = replica.shards[snap.rank] = ReplicaShard(msg, self.new_name())
         self._offers[(ident, msg.id)] = shard
-        path_in_shm = self.shm_dir / shard.name
+        path_in_shm, resolve = self.shm_dir / shard.name, self.resolve
 
         def create() -> None:
+            resolve(snap.path)
             shard.fd, shard.map = new_shm_file(path_in_shm, shard.nbytes)
-        self.workers.submit("replica", create, lambda fut: reply(self._answer(fut, msg.id), None))
+
+        def created(fut: Any) -> None:
+            if fut.exception() is not None:  # refused, or no file: nothing of the offer stays on the books
+                self._drop(replica)
+            reply(self._answer(fut, msg.id), None)
+        self.workers.submit("replica", create, created)
 
     def chunk(self, ident: bytes, msg: Chunk, data: memoryview, reply: Reply) -> None:
         """Write the next piece of a shard being received (in order); Ok once written."""

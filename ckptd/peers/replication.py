@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import zmq
 
-from ckptd.protocol.errors import CkptdError, InvalidCheckpoint
+from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed
 from ckptd.protocol.index import CHECKSUM_ALGORITHM, INDEX_NAME
 from ckptd.protocol.messages import Message, Ok, PeerSnapshots, Restore, Snapshot, SnapshotList
 from ckptd.protocol.objects import display
@@ -55,6 +55,7 @@ from ckptd.peers.keys import KeyPair, Trust
 from ckptd.peers.link import PeerLink, PeerUnavailable
 from ckptd.peers.placement import Placement
 from ckptd.peers.replicas import Replica, Replicas, new_shm_file, remove_shm_file
+from ckptd.storage.backends import Backends
 
 log = logging.getLogger("ckptd")
 ASK_TIMEOUT_S = 2.0
@@ -279,8 +280,10 @@ class Replication:
             return None
         self._restoring[path] = [(ident, msg.id)]
         asks, shm_dir, new_name = self.asks, self.holding.state.slots.shm_dir, self.holding.state.slots.own_name
+        storage, roots = self.holding.storage, self.config.roots
 
         def pull() -> tuple[dict[str, Any], list[_Pulled]]:
+            storage.resolve(msg.path, roots)  # a snapshot held here may be persisted here: within the roots only
             why = []
             for link in asks:
                 try:
@@ -361,10 +364,12 @@ class Replication:
             log.warning("event=peer_keys_unreadable error=%s", exc)  # the keys read before stand
         by_key = {key.decode(): endpoint for endpoint, key in self.keys.endpoints.items()}
         ctx, keys, pair, storage = self.ctx, self.keys, KeyPair.of(self.config.run_dir), self.holding.storage
+        roots, refused = self.config.roots, []
         log.info("event=drain_replicas replicas=%d", len(todo))
 
         def judge() -> list[tuple[Replica, str | None]]:
-            """Each replica, and why it is persisted (its origin is gone), or None with the reason logged."""
+            """Each replica, and why it is persisted (its origin is gone), or None with the reason logged (and in
+            ``refused`` if it cannot be persisted within this daemon's roots)."""
             gone: dict[str, str | None] = {}
             for origin in sorted({r.origin for r in todo}):
                 endpoint = by_key.get(origin)
@@ -387,6 +392,10 @@ class Replication:
                 elif replica.describe()["coordinated"]:
                     _not_persisted(replica, "spans_nodes")
                     why = None
+                elif (outside := _outside_roots(storage, replica.path, roots)) is not None:
+                    _not_persisted(replica, "outside_roots")
+                    refused.append(f"{display(replica.path)} (a replica of a node that is gone): {outside}")
+                    why = None
                 elif storage.at(replica.path).files.stat(replica.path / INDEX_NAME) is not None:
                     _not_persisted(replica, "committed_already")
                     why = None
@@ -394,6 +403,7 @@ class Replication:
             return verdicts
 
         def adopt(fut: Future) -> None:
+            self.holding.drain_failures.extend(refused)
             for replica, why in fut.result():
                 if why is None or replicas.held.get((replica.origin, replica.path)) is not replica:
                     continue
@@ -429,6 +439,16 @@ class Replication:
 
     def close(self) -> None:
         self.placement.close()
+
+
+def _outside_roots(storage: Backends, path: Path, roots: tuple[Path, ...]) -> PathNotAllowed | None:
+    """Why ``path`` may not be written by this daemon (None: it lies within its roots), asked now: a directory
+    on the way may have become a link since the replica came."""
+    try:
+        storage.resolve(str(path), roots)
+    except PathNotAllowed as exc:
+        return exc
+    return None
 
 
 def _not_persisted(replica: Replica, reason: str) -> None:
