@@ -531,3 +531,71 @@ def test_a_drain_never_persists_a_replica_whose_directory_now_leads_outside_the_
         assert "not strictly below the daemon's allowed roots" in stopped.stderr + log
     finally:
         pair.kill()
+
+
+def _replication(daemon: Daemon, path: Path) -> tuple[str, str]:
+    """(replication, replication_error) of the snapshot of ``path`` ``daemon`` holds."""
+    (snap,) = [s for s in daemon.status()["memory"]["snapshots"] if s["path"] == str(path)]
+    return snap["replication"], snap["replication_error"]
+
+
+@pytest.mark.timeout(180)
+def test_a_snapshot_whose_buddy_restarted_is_found_gone_and_sent_again(root: Path, tmp_path: Path) -> None:
+    """The buddy's daemon restarted, and every replica it held went with it: the origin said ``replicated`` for a
+    copy that no longer existed, for as long as it held the snapshot. It asks the buddy what it holds every few
+    seconds, finds the copy gone, and sends it again."""
+    pair = _pair(root, tmp_path)
+    path = root / "run" / "step-3"
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async({"w": torch.randn(50_000)}, path, step=3, persist=False).wait_replicated(60)
+        pair.buddy.kill()
+        pair.buddy = start_daemon(pair.buddy_dir, root, "--peer-listen", pair.buddy_ep, "--peer-keys",
+                                  str(pair.keys))
+        assert pair.buddy.status()["peers"]["replicas_held"]["held"] == []
+        wait_until(lambda: [r["path"] for r in pair.buddy.status()["peers"]["replicas_held"]["held"]] == [str(path)],
+                   60, lambda: f"the buddy holds {pair.buddy.status()['peers']['replicas_held']['held']}; the origin "
+                               f"says {_replication(pair.origin, path)}")
+        assert _replication(pair.origin, path)[0] in ("replicating", "replicated")
+        wait_until(lambda: _replication(pair.origin, path)[0] == "replicated", 30)
+        assert "event=replica_gone" in (pair.origin_dir / LOG).read_text()
+        client.close()
+    finally:
+        pair.kill()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name, step", [("last", 1), ("step-9", 9)])
+def test_a_snapshot_whose_replica_another_run_replaced_on_the_buddy_is_no_longer_said_replicated(
+        root: Path, tmp_path: Path, name: str, step: int) -> None:
+    """Another run (another node, a key of its own) snapshots the same path, or a newer step of the same directory,
+    and replicates it to the same buddy, which drops the first run's replica for it: the first run's daemon said
+    ``replicated`` still. It says ``failed`` and why, and so does ``wait_replicated``; it does not send the copy
+    back, which would only drop the other run's in turn."""
+    pair = _pair(root, tmp_path)
+    other_dir, _ = _node(pair.keys, pair.lines)
+    pair.keys.write_text("".join(pair.lines))
+    other = start_daemon(other_dir, root, "--peer", pair.buddy_ep, "--peer-keys", str(pair.keys))
+    path = root / "run" / "last"
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        fut = client.save_async({"w": torch.randn(50_000)}, path, step=5, persist=False)
+        fut.wait_replicated(60)
+        theirs = ckptd.Client(run_dir=other_dir, spawn=False)
+        theirs.save_async({"w": torch.randn(50_000)}, root / "run" / name, step=step, persist=False,
+                          overwrite=True).wait_replicated(60)
+        theirs.close()
+        held = pair.buddy.status()["peers"]["replicas_held"]["held"]
+        assert [(r["path"], r["step"]) for r in held] == [(str(root / "run" / name), step)], held
+        wait_until(lambda: _replication(pair.origin, path)[0] == "failed", 60,
+                   lambda: f"the origin says {_replication(pair.origin, path)}")
+        assert f"no longer holds its copy: it holds a replica of {root / 'run' / name}" in _replication(
+            pair.origin, path)[1]
+        with pytest.raises(InvalidCheckpoint, match="no longer holds its copy"):
+            fut.wait_replicated(10)
+        client.close()
+        assert [(r["path"], r["step"]) for r in pair.buddy.status()["peers"]["replicas_held"]["held"]] == [
+            (str(root / "run" / name), step)]
+    finally:
+        other.kill()
+        pair.kill()

@@ -360,6 +360,8 @@ class Server:
         self.attempts.housekeep(time.monotonic(), died)
         if self.replicas is not None:
             self.replicas.tidy(time.monotonic())
+        if self.replication is not None and not self.state.draining:
+            self.replication.check(time.monotonic())
 
     def _busy(self) -> bool:
         return self.state.busy or self.workers.in_flight > 0
