@@ -4,6 +4,7 @@ port harms nothing, and a start with a peer option it cannot honour is refused n
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -16,9 +17,17 @@ import torch
 import zmq
 
 import ckptd
-from ckptd.protocol.errors import InvalidCheckpoint
+from ckptd.peers.keys import KeyPair
+from ckptd.protocol.checksums import updater
+from ckptd.protocol.errors import ErrorCode, InvalidCheckpoint
+from ckptd.protocol.index import CHECKSUM_ALGORITHM
+from ckptd.protocol.layout import TensorEntry
+from ckptd.protocol.messages import Error, Ok, Restore, decode
+from ckptd.protocol.peer_messages import MAX_PIECE, PEER_TYPES, Chunk, Fetch, Offer, Piece, Seal
 
-from helpers import Daemon, ckptd_cli, free_port, short_tempdir, start_daemon
+from helpers import (Daemon, ckptd_cli, free_port, raw_socket, segments_of, short_tempdir, start_daemon,
+                     wait_until)
+from test_fuzz_peers import SNAPSHOT, _peer_socket
 
 LOG = "ckptd.log"
 
@@ -69,6 +78,16 @@ def _snapshot(run_dir: Path, path: Path, mib: int = 1) -> Any:
     fut = client.save_async({"w": torch.ones(mib * 262144)}, path, step=1, persist=False)
     fut.result(60)
     return client, fut
+
+
+def _replace_origin(pair: Pair, *extra: str) -> Path:
+    """The origin node is lost whole; a replacement starts in a new run directory with a key of its own."""
+    pair.origin.kill()
+    new_dir, _ = _node(pair.keys, pair.lines)
+    pair.keys.write_text("".join(pair.lines))
+    pair.origin = start_daemon(new_dir, pair.origin.root, "--peer", pair.buddy_ep, "--peer-keys", str(pair.keys),
+                               *extra)
+    return new_dir
 
 
 def test_a_peer_whose_key_is_not_trusted_is_refused_and_its_snapshot_is_reported_not_replicated(
@@ -168,10 +187,7 @@ def test_one_node_restored_from_its_buddy_resumes_and_its_next_snapshot_replaces
         client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
         client.save_async(state, root / "step-1", step=1, persist=False).wait_replicated(60)
         client.close()
-        pair.origin.kill()  # the node is lost; its replacement is another run directory with a key of its own
-        new_dir, _ = _node(pair.keys, pair.lines)
-        pair.keys.write_text("".join(pair.lines))
-        pair.origin = start_daemon(new_dir, root, "--peer", pair.buddy_ep, "--peer-keys", str(pair.keys), *never)
+        new_dir = _replace_origin(pair, *never)
         assert ckptd.latest(root, run_dir=new_dir) == root / "step-1"
         back = {"w": torch.zeros(1000), "step": 0}
         ckptd.load_into(back, root / "step-1", run_dir=new_dir)
@@ -197,10 +213,7 @@ def test_a_replica_file_shortened_in_the_buddys_memory_is_refused_at_restore_and
         client.close()
         ((_, name, *_),) = pair.buddy.status()["peers"]["replicas_held"]["held"][0]["shards"]
         os.truncate(Path(pair.buddy.status()["shm"]["dir"]) / name, 1000)
-        pair.origin.kill()
-        new_dir, _ = _node(pair.keys, pair.lines)
-        pair.keys.write_text("".join(pair.lines))
-        pair.origin = start_daemon(new_dir, root, "--peer", pair.buddy_ep, "--peer-keys", str(pair.keys), *never)
+        new_dir = _replace_origin(pair, *never)
         assert ckptd.latest(root, run_dir=new_dir) is None  # never loaded; nothing else to resume from
         assert "was shortened" in (new_dir / LOG).read_text()  # the restore was tried, and refused for that
         assert pair.buddy.proc.poll() is None and pair.buddy.status()["peers"]["replicas_held"]["held"]
@@ -309,4 +322,280 @@ def test_after_a_node_was_replaced_draining_its_buddy_then_it_persists_the_snaps
         back = ckptd.load(path)
         assert torch.equal(back["w"], state["w"]) and back["step"] == 4
     finally:
+        pair.kill()
+
+
+
+@pytest.mark.timeout(180)
+def test_a_path_a_second_run_overwrote_at_a_lower_step_comes_back_with_the_second_runs_bytes(
+        root: Path, tmp_path: Path) -> None:
+    """Run 1 snapshots run/last at step 100, its node is lost; run 2 on the replacement snapshots the same path at
+    step 10 (overwrite=True). The buddy kept run 1's replica beside run 2's (the newer step of the directory
+    stayed), so a second loss restored run 1's bytes; it holds only run 2's, as the origin does."""
+    never = ("--persist-on-exit", "never")
+    pair = _pair(root, tmp_path, origin_extra=never)
+    path = root / "run" / "last"
+    second = {"w": torch.full((50_000,), 2.0), "step": 10}
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async({"w": torch.full((50_000,), 1.0), "step": 100}, path, step=100,
+                          persist=False).wait_replicated(60)
+        client.close()
+        new_dir = _replace_origin(pair, *never)
+        client = ckptd.Client(run_dir=new_dir, spawn=False)
+        client.save_async(second, path, step=10, persist=False, overwrite=True).wait_replicated(60)
+        client.close()
+        held = pair.buddy.status()["peers"]["replicas_held"]["held"]
+        assert [(r["path"], r["step"]) for r in held] == [(str(path), 10)], held
+        third_dir = _replace_origin(pair, *never)
+        assert ckptd.latest(root / "run", run_dir=third_dir) == path
+        back = {"w": torch.zeros(50_000), "step": 0}
+        ckptd.load_into(back, path, run_dir=third_dir)
+        assert torch.equal(back["w"], second["w"]) and back["step"] == 10
+    finally:
+        pair.kill()
+
+
+@pytest.mark.timeout(180)
+def test_a_path_rolled_back_again_and_again_leaves_the_buddy_one_replica_file(root: Path, tmp_path: Path) -> None:
+    """Each snapshot of the same path at a lower step replaced the buddy's replica in its books without unlinking
+    its file: one file per rollback, outside the budget and every listing, until the buddy exited."""
+    pair = _pair(root, tmp_path)
+    path = root / "run" / "last"
+    client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+    try:
+        for step in (5, 4, 3, 2, 1):
+            client.save_async({"w": torch.full((50_000,), float(step))}, path, step=step, persist=False,
+                              overwrite=True).wait_replicated(60)
+        held = pair.buddy.status()["peers"]["replicas_held"]
+        assert [(r["path"], r["step"]) for r in held["held"]] == [(str(path), 1)], held
+        ((_, name, size, *_),) = held["held"][0]["shards"]
+        assert held["bytes"] == size
+        wait_until(lambda: segments_of(pair.buddy.proc.pid) == [name], 30,
+                   lambda: f"the buddy's files in /dev/shm are {segments_of(pair.buddy.proc.pid)}, not [{name}]")
+    finally:
+        client.close()
+        pair.kill()
+
+
+def _raw_offer(rid: int, path: Path, fill: int) -> tuple[Offer, bytes]:
+    """An offer of rank 0's shard of a one-rank snapshot of ``path`` (two full chunks, every byte ``fill``), as a
+    trusted peer's own code would make it, and the shard's bytes."""
+    nbytes = 2 * MAX_PIECE
+    snap = dataclasses.replace(SNAPSHOT, path=str(path), rank=0, world_size=1, nbytes=nbytes, staged=nbytes,
+                               tensors=(TensorEntry("w", "U8", (nbytes - 4096,), 0, nbytes - 4096),))
+    data = bytes([fill]) * nbytes
+    return Offer(rid, snap.to_wire(), updater(CHECKSUM_ALGORITHM)(data, 0), CHECKSUM_ALGORITHM, 1.0, (0,)), data
+
+
+def _send_shard(sock: zmq.Socket, offer: Offer, data: bytes) -> list[int]:
+    """Every chunk of ``offer``'s shard, then its seal, sent without waiting for an answer; their request ids."""
+    ids = []
+    for offset in range(0, len(data), MAX_PIECE):
+        ids.append(offer.id + 1 + len(ids))
+        sock.send_multipart([Chunk(ids[-1], offer.id, offset).to_wire(), data[offset:offset + MAX_PIECE]])
+    ids.append(offer.id + 1 + len(ids))
+    sock.send(Seal(ids[-1], offer.id).to_wire())
+    return ids
+
+
+def _answers(sock: zmq.Socket, ids: list[int]) -> dict[int, Any]:
+    """One answer to each of ``ids`` (a second answer to one, or none within 30 s, fails)."""
+    got: dict[int, Any] = {}
+    while set(got) != set(ids):
+        assert sock.poll(30_000), f"no answer to requests {sorted(set(ids) - set(got))}"
+        msg = decode(sock.recv_multipart()[0], PEER_TYPES)
+        assert msg.id in ids and msg.id not in got, f"an answer no request was waiting for: {msg}"
+        got[msg.id] = msg
+    return got
+
+
+@pytest.mark.timeout(180)
+def test_a_peer_offering_a_shard_again_before_its_seal_is_answered_leaves_only_the_new_replica(
+        root: Path, tmp_path: Path) -> None:
+    """A trusted peer seals a shard and offers it again at once: the new offer dropped the first attempt, then the
+    seal's check completed that dropped attempt (files unlinked) in the books and deleted the new attempt instead,
+    so the buddy listed a replica that failed every read with an internal error, and the new seal failed too.
+    The first seal is refused, the new shard is held and read back, and no file is left over. The seal's check
+    waits behind the last chunk's write, so the new offer comes first; a round where it did not is tried again."""
+    pair = _pair(root, tmp_path, buddy_extra=("--memory-budget", "256MiB"))
+    sock = _peer_socket(pair.buddy_ep, KeyPair.of(pair.buddy_dir).public, KeyPair.of(pair.origin_dir))
+    path = root / "raced" / "step-1"
+    raced = 0
+    try:
+        for rid in range(0, 5000, 1000):
+            first, first_data = _raw_offer(rid + 1, path, 1)
+            sock.send(first.to_wire())
+            assert isinstance(_answers(sock, [first.id])[first.id], Ok)
+            sent = _send_shard(sock, first, first_data)
+            second, second_data = _raw_offer(rid + 100, path, 2)
+            sock.send(second.to_wire())  # before the seal's answer
+            answers = _answers(sock, [*sent, second.id])
+            seal = answers[sent[-1]]
+            raced += isinstance(seal, Error)
+            assert isinstance(seal, Ok) or (seal.code == ErrorCode.CONFLICT and "newer offer" in seal.message), seal
+            assert isinstance(answers[second.id], Ok), answers[second.id]
+            answers = _answers(sock, _send_shard(sock, second, second_data))
+            assert all(isinstance(a, Ok) for a in answers.values()), answers
+            (held,) = pair.buddy.status()["peers"]["replicas_held"]["held"]
+            assert held["path"] == str(path) and held["shards"][0][3] == second.checksum
+            sock.send(Fetch(rid + 200, str(path), 0, 4096, 8).to_wire())
+            assert sock.poll(30_000)
+            piece, data = sock.recv_multipart()
+            assert isinstance(decode(piece, PEER_TYPES), Piece) and data == second_data[4096:4104]
+            wait_until(lambda: segments_of(pair.buddy.proc.pid) == [held["shards"][0][1]], 30,
+                       lambda: f"the buddy's files in /dev/shm: {segments_of(pair.buddy.proc.pid)}")
+            if raced:
+                break
+        assert raced, "the new offer never came before the seal's check ended: the race was not run"
+        assert "event=internal_error" not in (pair.buddy_dir / LOG).read_text()
+    finally:
+        sock.close()
+        pair.kill()
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_offered_outside_the_buddys_roots_is_refused_naming_the_path_and_the_roots(
+        root: Path, tmp_path: Path) -> None:
+    """A peer's path was taken as given: the buddy held, and its drain would have written, a replica of a path its
+    own --root never allowed. It passes the roots as a local save does, before any byte is taken."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    pair = _pair(root, tmp_path, origin_extra=("--root", str(elsewhere)))
+    try:
+        client, fut = _snapshot(pair.origin_dir, elsewhere / "step-1")
+        with pytest.raises(InvalidCheckpoint, match=f"not replicated: .*{elsewhere / 'step-1'} is not strictly "
+                                                    f"below the daemon's allowed roots \\({root}\\)"):
+            fut.wait_replicated(60)
+        client.close()
+        replicas = pair.buddy.status()["peers"]["replicas_held"]
+        assert (replicas["held"], replicas["bytes"], replicas["receiving"]) == ([], 0, 0)
+        assert segments_of(pair.buddy.proc.pid) == []
+        (snap,) = pair.origin.status()["memory"]["snapshots"]
+        assert snap["replication"] == "failed" and "allowed roots" in snap["replication_error"]
+    finally:
+        pair.kill()
+
+
+@pytest.mark.timeout(120)
+def test_a_restore_of_a_path_outside_this_nodes_roots_is_refused_before_any_byte_is_read(
+        root: Path, tmp_path: Path) -> None:
+    """The buddy allows both directories and holds the replica; the replacement node allows only ``root``: it held
+    the snapshot read back from the buddy under a path it would refuse from its own ranks, and could persist it
+    there."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    never = ("--persist-on-exit", "never")
+    wide = ("--root", str(elsewhere))
+    pair = _pair(root, tmp_path, buddy_extra=wide, origin_extra=(*wide, *never))
+    path = elsewhere / "step-1"
+    try:
+        client, fut = _snapshot(pair.origin_dir, path)
+        fut.wait_replicated(60)
+        client.close()
+        _replace_origin(pair, *never)
+        sock = raw_socket(pair.origin)
+        try:
+            sock.send(Restore(1, str(path), rank=0).to_wire())
+            reply = decode(sock.recv())
+        finally:
+            sock.close()
+        assert isinstance(reply, Error) and reply.code == ErrorCode.PATH_NOT_ALLOWED, reply
+        assert str(path) in reply.message and str(root) in reply.message, reply.message
+        assert pair.origin.status()["memory"]["snapshots"] == [] and segments_of(pair.origin.proc.pid) == []
+    finally:
+        pair.kill()
+
+
+@pytest.mark.timeout(180)
+def test_a_drain_never_persists_a_replica_whose_directory_now_leads_outside_the_roots(
+        root: Path, tmp_path: Path) -> None:
+    """The replica's path was within the roots when it came; its directory was then made, as a link to a directory
+    outside them. The drain of a buddy whose origin is gone wrote the replica through the link; it is refused,
+    named among what the drain could not persist (``ckptd stop`` exits 3), and nothing is written there."""
+    pair = _pair(root, tmp_path, origin_extra=("--persist-on-exit", "never"), ring=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async({"w": torch.randn(50_000)}, root / "run" / "step-7", step=7,
+                          persist=False).wait_replicated(60)
+        client.close()
+        (root / "run").symlink_to(elsewhere)
+        pair.origin.kill()
+        stopped = pair.buddy.cli("stop", timeout=120)
+        assert list(elsewhere.iterdir()) == []
+        assert stopped.returncode == 3, (stopped.returncode, stopped.stderr)
+        log = (pair.buddy_dir / LOG).read_text()
+        assert "reason=outside_roots" in log and "event=drain_persist_replica" not in log
+        assert "not strictly below the daemon's allowed roots" in stopped.stderr + log
+    finally:
+        pair.kill()
+
+
+def _replication(daemon: Daemon, path: Path) -> tuple[str, str]:
+    """(replication, replication_error) of the snapshot of ``path`` ``daemon`` holds."""
+    (snap,) = [s for s in daemon.status()["memory"]["snapshots"] if s["path"] == str(path)]
+    return snap["replication"], snap["replication_error"]
+
+
+@pytest.mark.timeout(180)
+def test_a_snapshot_whose_buddy_restarted_is_found_gone_and_sent_again(root: Path, tmp_path: Path) -> None:
+    """The buddy's daemon restarted, and every replica it held went with it: the origin said ``replicated`` for a
+    copy that no longer existed, for as long as it held the snapshot. It asks the buddy what it holds every few
+    seconds, finds the copy gone, and sends it again."""
+    pair = _pair(root, tmp_path)
+    path = root / "run" / "step-3"
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async({"w": torch.randn(50_000)}, path, step=3, persist=False).wait_replicated(60)
+        pair.buddy.kill()
+        pair.buddy = start_daemon(pair.buddy_dir, root, "--peer-listen", pair.buddy_ep, "--peer-keys",
+                                  str(pair.keys))
+        assert pair.buddy.status()["peers"]["replicas_held"]["held"] == []
+        wait_until(lambda: [r["path"] for r in pair.buddy.status()["peers"]["replicas_held"]["held"]] == [str(path)],
+                   60, lambda: f"the buddy holds {pair.buddy.status()['peers']['replicas_held']['held']}; the origin "
+                               f"says {_replication(pair.origin, path)}")
+        assert _replication(pair.origin, path)[0] in ("replicating", "replicated")
+        wait_until(lambda: _replication(pair.origin, path)[0] == "replicated", 30)
+        assert "event=replica_gone" in (pair.origin_dir / LOG).read_text()
+        client.close()
+    finally:
+        pair.kill()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name, step", [("last", 1), ("step-9", 9)])
+def test_a_snapshot_whose_replica_another_run_replaced_on_the_buddy_is_no_longer_said_replicated(
+        root: Path, tmp_path: Path, name: str, step: int) -> None:
+    """Another run (another node, a key of its own) snapshots the same path, or a newer step of the same directory,
+    and replicates it to the same buddy, which drops the first run's replica for it: the first run's daemon said
+    ``replicated`` still. It says ``failed`` and why, and so does ``wait_replicated``; it does not send the copy
+    back, which would only drop the other run's in turn."""
+    pair = _pair(root, tmp_path)
+    other_dir, _ = _node(pair.keys, pair.lines)
+    pair.keys.write_text("".join(pair.lines))
+    other = start_daemon(other_dir, root, "--peer", pair.buddy_ep, "--peer-keys", str(pair.keys))
+    path = root / "run" / "last"
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        fut = client.save_async({"w": torch.randn(50_000)}, path, step=5, persist=False)
+        fut.wait_replicated(60)
+        theirs = ckptd.Client(run_dir=other_dir, spawn=False)
+        theirs.save_async({"w": torch.randn(50_000)}, root / "run" / name, step=step, persist=False,
+                          overwrite=True).wait_replicated(60)
+        theirs.close()
+        held = pair.buddy.status()["peers"]["replicas_held"]["held"]
+        assert [(r["path"], r["step"]) for r in held] == [(str(root / "run" / name), step)], held
+        wait_until(lambda: _replication(pair.origin, path)[0] == "failed", 60,
+                   lambda: f"the origin says {_replication(pair.origin, path)}")
+        assert f"no longer holds its copy: it holds a replica of {root / 'run' / name}" in _replication(
+            pair.origin, path)[1]
+        with pytest.raises(InvalidCheckpoint, match="no longer holds its copy"):
+            fut.wait_replicated(10)
+        client.close()
+        assert [(r["path"], r["step"]) for r in pair.buddy.status()["peers"]["replicas_held"]["held"]] == [
+            (str(root / "run" / name), step)]
+    finally:
+        other.kill()
         pair.kill()

@@ -106,7 +106,8 @@ _R = Replication
 NEXT_REPLICATION: dict[Replication, frozenset[Replication]] = {
     _R.OFF: frozenset({_R.REPLICATING}),
     _R.REPLICATING: frozenset({_R.REPLICATED, _R.FAILED, _R.SUPERSEDED, _R.REPLICATING}),
-    _R.REPLICATED: frozenset({_R.REPLICATING}),  # a late rank of its node joined: sent again with it
+    _R.REPLICATED: frozenset({_R.REPLICATING, _R.FAILED}),  # a late rank of its node joined, or the buddy lost
+    # its copy: sent again; the buddy replaced its copy with another's: failed
     _R.FAILED: frozenset({_R.REPLICATING}),
     _R.SUPERSEDED: frozenset({_R.REPLICATING}),
     _R.RESTORED: frozenset(),

@@ -133,7 +133,8 @@ class Server:
         config, slots, stats = self.config, self.state.slots, self.state.stats
         snapshots = self.state.snapshots
         book = self.replicas = Replicas(self.workers, stats, slots.shm_dir, slots.own_name,
-                                        lambda: snapshots.budget - snapshots.held_bytes)
+                                        lambda: snapshots.budget - snapshots.held_bytes,
+                                        lambda raw: self.storage.resolve(raw, config.roots))
         snapshots.replica_bytes = lambda: book.nbytes
         book.endpoint_of = lambda origin: next((ep for ep, key in keys.endpoints.items() if key.decode() == origin),
                                                None)
@@ -359,6 +360,8 @@ class Server:
         self.attempts.housekeep(time.monotonic(), died)
         if self.replicas is not None:
             self.replicas.tidy(time.monotonic())
+        if self.replication is not None and not self.state.draining:
+            self.replication.check(time.monotonic())
 
     def _busy(self) -> bool:
         return self.state.busy or self.workers.in_flight > 0

@@ -7,9 +7,11 @@ offers one rank's shard of a snapshot it holds (``Offer``: that rank's
 written, and a shard whose checksum differs from the origin's is never held.
 A replica is complete once every rank the origin holds of that snapshot is
 sealed; only then is it listed (``Replicas``), read back by a node restoring
-it (``Fetch``), and only then does it replace the older replica of the same
-ranks in its directory, from any origin (a replacement node has a key of its
-own, and takes its predecessor's place).
+it (``Fetch``), and only then does it replace the replica of the same path
+(whatever its step: a buddy holds, per origin path, only the copy its origin
+holds now) and the older replica of the same ranks in its directory, from
+any origin (a replacement node has a key of its own, and takes its
+predecessor's place).
 
 The memory budget (``--memory-budget``) counts replicas and this node's own
 snapshots together, and neither evicts the other: an offer that does not fit
@@ -141,8 +143,11 @@ class Replicas:
     snapshots: ``room`` says how many bytes are free of it)."""
 
     def __init__(self, workers: Workers, stats: Stats, shm_dir: Path, new_name: Callable[[], str],
-                 room: Callable[[], int]) -> None:
+                 room: Callable[[], int], resolve: Callable[[str], Path]) -> None:
         self.workers, self.stats, self.shm_dir, self.new_name, self.room = workers, stats, shm_dir, new_name, room
+        self.resolve = resolve
+        """A path a peer names, checked against this daemon's roots as a local request's is (``PathNotAllowed``
+        naming it and the roots; I/O, so on the pool): a drain may write a replica to disk here."""
         self.held: dict[tuple[str, Path], Replica] = {}
         """Complete replicas by (origin, path)."""
         self.incoming: dict[tuple[str, Path], Replica] = {}
@@ -174,11 +179,17 @@ class Replicas:
             replica = self.incoming[(origin, path)] = Replica(origin, path, msg.ranks, msg.created)
         shard = replica.shards[snap.rank] = ReplicaShard(msg, self.new_name())
         self._offers[(ident, msg.id)] = shard
-        path_in_shm = self.shm_dir / shard.name
+        path_in_shm, resolve = self.shm_dir / shard.name, self.resolve
 
         def create() -> None:
+            resolve(snap.path)
             shard.fd, shard.map = new_shm_file(path_in_shm, shard.nbytes)
-        self.workers.submit("replica", create, lambda fut: reply(self._answer(fut, msg.id), None))
+
+        def created(fut: Any) -> None:
+            if fut.exception() is not None:  # refused, or no file: nothing of the offer stays on the books
+                self._drop(replica)
+            reply(self._answer(fut, msg.id), None)
+        self.workers.submit("replica", create, created)
 
     def chunk(self, ident: bytes, msg: Chunk, data: memoryview, reply: Reply) -> None:
         """Write the next piece of a shard being received (in order); Ok once written."""
@@ -206,6 +217,11 @@ class Replicas:
         replica = next(r for r in self.incoming.values() if any(s is shard for s in r.shards.values()))
 
         def sealed(_: object) -> None:
+            if not self._receiving(replica, shard):
+                reply(error_reply(self.stats, msg.id, Conflict(
+                    f"seal of offer {msg.offer}: a newer offer of {display(replica.path)} rank "
+                    f"{shard.offer.snapshot.rank} came before its check ended; this shard is not held")), None)
+                return
             if shard.queued != shard.nbytes or shard.crc != shard.offer.checksum:
                 self._drop(replica)
                 why = (f"{shard.queued} of {shard.nbytes} bytes came" if shard.queued != shard.nbytes else
@@ -221,18 +237,29 @@ class Replicas:
             reply(Ok(msg.id), None)
         self.workers.submit("replica", lambda: None, sealed)  # behind the chunks' writes
 
+    def _receiving(self, replica: Replica, shard: ReplicaShard) -> bool:
+        """Whether ``shard`` of ``replica`` is still being received: a new offer of the same shard (a peer that
+        did not wait for its seal's answer) drops the attempt it belongs to, files and all, before its seal is
+        checked, and then neither may be held nor touch the new attempt's books."""
+        return self.incoming.get((replica.origin, replica.path)) is replica and replica.shards.get(
+            shard.offer.snapshot.rank) is shard
+
     def _completed(self, replica: Replica) -> None:
-        """A replica is whole: it is listed, and replaces the older ones of the same ranks in its directory, from
-        whichever origin (a replacement node has a key of its own, and takes its predecessor's place). Of the
-        newer ones only the newest stays, as its origin keeps a newer snapshot it never drops for an older one
-        (a restarted run saving older steps): otherwise each older save would add one more replica."""
+        """A replica is whole: it is listed, and replaces every replica of the same path from its origin or of a
+        rank it holds, whatever their step (its origin holds only this save of the path now: a rollback, a second
+        run or a replacement node replaced the older one there), and the older ones of the same ranks in its directory,
+        from whichever origin (a replacement node has a key of its own, and takes its predecessor's place). Of
+        the other paths' newer ones only the newest stays, as its origin keeps a newer snapshot it never drops
+        for an older one (a restarted run saving older steps): otherwise each older save would add one more."""
         del self.incoming[(replica.origin, replica.path)]
-        same = [r for r in self.held.values() if r.path.parent == replica.path.parent and r.ranks == replica.ranks]
+        replaced = [r for r in self.held.values() if r.path == replica.path
+                    and (r.origin == replica.origin or set(r.ranks) & set(replica.ranks))]
+        same = [r for r in self.held.values() if r.path.parent == replica.path.parent and r.path != replica.path
+                and r.ranks == replica.ranks]
         newest = max((r for r in same if r.order > replica.order), key=lambda r: r.order, default=None)
-        older = [r for r in same if r is not newest]
-        for old in older:
+        for old in [*replaced, *(r for r in same if r is not newest)]:
             del self.held[(old.origin, old.path)]
-            log.info("event=replica_dropped path=%s reason=replaced", old.path)
+            log.info("event=replica_dropped path=%s origin=%s reason=replaced", old.path, old.origin[:8])
             self._unlink(old)
         self.held[(replica.origin, replica.path)] = replica
         log.info("event=replica_held path=%s ranks=%s bytes=%d origin=%s", replica.path, list(replica.ranks),
@@ -243,7 +270,8 @@ class Replicas:
         return Ok(rid) if exc is None else error_reply(self.stats, rid, exc)
 
     def _drop(self, replica: Replica) -> None:
-        self.incoming.pop((replica.origin, replica.path), None)
+        if self.incoming.get((replica.origin, replica.path)) is replica:
+            del self.incoming[(replica.origin, replica.path)]
         for key in [k for k, s in self._offers.items() if s in replica.shards.values()]:
             del self._offers[key]
         self._unlink(replica)

@@ -11,6 +11,10 @@ its slots are not handed back to their trainer mid-stream. Its
 ``replicated``, ``failed`` with why, ``superseded`` when a newer snapshot of
 its directory was held before its turn came, ``restored`` for one read back
 from a peer); ``ckptd status`` and ``SaveFuture.wait_replicated`` read it.
+What it says is what the buddy holds now: every ``CHECK_S`` the origin asks
+the buddy what it holds, sends a copy lost with no successor again (the
+buddy restarted), and reports one the buddy replaced with another run's
+snapshot of its path or directory ``failed``, saying so.
 
 A node restoring asks its peers what they hold (``PeerSnapshots``
 lists their replicas of snapshots it does not hold) and reads one back
@@ -37,7 +41,7 @@ from typing import Any, Callable
 
 import zmq
 
-from ckptd.protocol.errors import CkptdError, InvalidCheckpoint
+from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed
 from ckptd.protocol.index import CHECKSUM_ALGORITHM, INDEX_NAME
 from ckptd.protocol.messages import Message, Ok, PeerSnapshots, Restore, Snapshot, SnapshotList
 from ckptd.protocol.objects import display
@@ -55,10 +59,13 @@ from ckptd.peers.keys import KeyPair, Trust
 from ckptd.peers.link import PeerLink, PeerUnavailable
 from ckptd.peers.placement import Placement
 from ckptd.peers.replicas import Replica, Replicas, new_shm_file, remove_shm_file
+from ckptd.storage.backends import Backends
 
 log = logging.getLogger("ckptd")
 ASK_TIMEOUT_S = 2.0
 """Seconds a peer has to answer a question (what it holds): a listing must not hang on a node that is gone."""
+CHECK_S = 5.0
+"""Seconds between two checks that the buddy still holds the copies this daemon says are replicated."""
 Send = Callable[[bytes, Message], None]
 
 
@@ -73,6 +80,31 @@ class _Turn:
     superseded: bool = False
     held_at: float = field(default_factory=time.monotonic)
     """When it was held here (its ranks told): its lag runs from then to the buddy's last seal."""
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """A snapshot's copy on a buddy, as it was sealed there: gone once the buddy no longer lists these shards."""
+
+    snap: HeldSnapshot
+    endpoint: str
+    checksums: tuple[tuple[int, int], ...]
+    """(rank, checksum) of every shard sent."""
+
+    def held_by(self, replicas: list[dict[str, Any]]) -> bool:
+        """Whether the buddy's listing holds this copy: the path, with every shard's checksum."""
+        return any(r["path"] == str(self.snap.path) and r.get("complete")
+                   and set(self.checksums) <= {(rank, checksum) for rank, _, _, checksum, _ in r["shards"]}
+                   for r in replicas)
+
+    def replaced_by(self, replicas: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The replica the buddy holds in its place, if any (``Replicas._completed``'s rules: another of the same
+        path, or a newer one of the same ranks in its directory); None: it was lost with no successor (the buddy
+        restarted)."""
+        path, ranks = self.snap.path, sorted(rank for rank, _ in self.checksums)
+        return next((r for r in replicas if r["path"] == str(path) or (
+            Path(r["path"]).parent == path.parent and r["ranks_held"] == ranks and _step(r["step"]) > _step(
+                self.snap.step))), None)
 
 
 @dataclass
@@ -139,6 +171,10 @@ class Replication:
     _turns: dict[Path, _Turn] = field(default_factory=dict)
     _restoring: dict[Path, list[tuple[bytes, int]]] = field(default_factory=dict)
     _pins: Any = field(default_factory=lambda: itertools.count(1))
+    _copies: dict[Path, _Copy] = field(default_factory=dict)
+    """Where each snapshot said ``replicated`` was sent, for the check that the copy is still there (``check``)."""
+    _next_check: float = 0.0
+    _checking: bool = False
 
     def __post_init__(self) -> None:
         self.placement = Placement(self.ctx, self.config, self.keys, self.workers, self.config.peer_timeout,
@@ -167,9 +203,14 @@ class Replication:
     def held(self, event: SnapshotHeld) -> None:
         """A snapshot was held here (its ranks told): queue its stream to the buddy."""
         snap = self.holding.snapshots.held.get(event.path)
+        if snap is not None and snap.replication not in (R.RESTORED, R.ADOPTED):  # read back from a replica, or
+            # a replica a drain is persisting
+            self._stream(snap)
+
+    def _stream(self, snap: HeldSnapshot) -> None:
+        """Queue ``snap``'s stream to the buddy (none without one)."""
         buddy = self.buddy
-        if buddy is None or snap is None or snap.replication in (R.RESTORED, R.ADOPTED):  # read back from a
-            # replica, or a replica a drain is persisting
+        if buddy is None:
             return
         reader = b"ckptd-replication-%d" % next(self._pins)
         self.holding.snapshots.pin(reader, snap.path)
@@ -211,6 +252,8 @@ class Replication:
         if exc is None and fut.result() is not None:
             start, end = fut.result()
             move(R.REPLICATED)
+            self._copies[snap.path] = _Copy(snap, turn.endpoint, tuple(sorted((r, sh.checksum)
+                                                                              for r, sh in snap.shards.items())))
             snap.replication_lag_s = round(end - turn.held_at, 6)
             record.answered()
             record.bytes_replicated += snap.nbytes
@@ -231,6 +274,64 @@ class Replication:
                 record.last_error = str(exc)
             log.warning("event=replication_failed path=%s step=%s error=%s", snap.path, snap.step, exc)
             self.stats.error(f"replicating snapshot {display(snap.path)} failed: {exc}")
+
+    def check(self, now: float) -> None:
+        """Housekeeping: every ``CHECK_S``, ask each buddy holding a copy said ``replicated`` whether it holds it
+        still. A copy lost with no successor (the buddy restarted) is streamed again; one the buddy replaced (by
+        another run's snapshot of the path, or a newer one of its directory) is reported ``failed``, saying so. A
+        buddy that does not answer is not judged: it may be paused, and still hold the copy."""
+        if self._checking or now < self._next_check:
+            return
+        self._next_check = now + CHECK_S
+        for path in [p for p, c in self._copies.items() if self.holding.snapshots.held.get(p) is not c.snap
+                     or c.snap.replication is not R.REPLICATED]:
+            del self._copies[path]
+        asks = {link.endpoint: link for link in self.asks}
+        copies = [c for c in self._copies.values() if c.endpoint in asks]
+        if not copies:
+            return
+        self._checking = True
+        links = [asks[endpoint] for endpoint in sorted({c.endpoint for c in copies})]
+
+        def ask() -> dict[str, list[dict[str, Any]] | BaseException]:
+            listed: dict[str, list[dict[str, Any]] | BaseException] = {}
+            for link in links:
+                try:
+                    listed[link.endpoint] = link.replicas()
+                except CkptdError as exc:
+                    listed[link.endpoint] = exc
+            return listed
+
+        def answer(fut: Future) -> None:
+            self._checking = False
+            listed = fut.result()
+            self._heard({ep: r if isinstance(r, BaseException) else None for ep, r in listed.items()})
+            for copy in copies:
+                replicas = listed.get(copy.endpoint)
+                if isinstance(replicas, list) and self._copies.get(copy.snap.path) is copy \
+                        and copy.snap.replication is R.REPLICATED and not copy.held_by(replicas):
+                    self._copy_gone(copy, copy.replaced_by(replicas))
+
+        def unasked(exc: BaseException) -> None:
+            self._checking = False
+            log.warning("event=replica_check_failed error=%s", exc)
+        self.workers.submit("peer_ask", ask, answer, failed=unasked)
+
+    def _copy_gone(self, copy: _Copy, successor: dict[str, Any] | None) -> None:
+        """The buddy no longer holds ``copy``: send it again, or say why not (on the loop)."""
+        snap = copy.snap
+        if successor is None and snap.path.parent in self._turns:  # a stream of its directory is queued: the
+            return  # next check decides
+        del self._copies[snap.path]
+        log.warning("event=replica_gone path=%s step=%s peer=%s action=%s", snap.path, snap.step, copy.endpoint,
+                    "failed" if successor is not None else "sent_again")
+        if successor is None:
+            self._stream(snap)
+            return
+        self.holding.state.attempts.replicate(snap, R.FAILED, (
+            f"peer {copy.endpoint} no longer holds its copy: it holds a replica of {successor['path']} at step "
+            f"{successor['step']} in its place (another run's snapshot of the same path, or a newer one of its "
+            f"directory)"))
 
     # -- from the peers -------------------------------------------------------
 
@@ -279,8 +380,10 @@ class Replication:
             return None
         self._restoring[path] = [(ident, msg.id)]
         asks, shm_dir, new_name = self.asks, self.holding.state.slots.shm_dir, self.holding.state.slots.own_name
+        storage, roots = self.holding.storage, self.config.roots
 
         def pull() -> tuple[dict[str, Any], list[_Pulled]]:
+            storage.resolve(msg.path, roots)  # a snapshot held here may be persisted here: within the roots only
             why = []
             for link in asks:
                 try:
@@ -361,10 +464,12 @@ class Replication:
             log.warning("event=peer_keys_unreadable error=%s", exc)  # the keys read before stand
         by_key = {key.decode(): endpoint for endpoint, key in self.keys.endpoints.items()}
         ctx, keys, pair, storage = self.ctx, self.keys, KeyPair.of(self.config.run_dir), self.holding.storage
+        roots, refused = self.config.roots, []
         log.info("event=drain_replicas replicas=%d", len(todo))
 
         def judge() -> list[tuple[Replica, str | None]]:
-            """Each replica, and why it is persisted (its origin is gone), or None with the reason logged."""
+            """Each replica, and why it is persisted (its origin is gone), or None with the reason logged (and in
+            ``refused`` if it cannot be persisted within this daemon's roots)."""
             gone: dict[str, str | None] = {}
             for origin in sorted({r.origin for r in todo}):
                 endpoint = by_key.get(origin)
@@ -387,6 +492,10 @@ class Replication:
                 elif replica.describe()["coordinated"]:
                     _not_persisted(replica, "spans_nodes")
                     why = None
+                elif (outside := _outside_roots(storage, replica.path, roots)) is not None:
+                    _not_persisted(replica, "outside_roots")
+                    refused.append(f"{display(replica.path)} (a replica of a node that is gone): {outside}")
+                    why = None
                 elif storage.at(replica.path).files.stat(replica.path / INDEX_NAME) is not None:
                     _not_persisted(replica, "committed_already")
                     why = None
@@ -394,6 +503,7 @@ class Replication:
             return verdicts
 
         def adopt(fut: Future) -> None:
+            self.holding.drain_failures.extend(refused)
             for replica, why in fut.result():
                 if why is None or replicas.held.get((replica.origin, replica.path)) is not replica:
                     continue
@@ -429,6 +539,21 @@ class Replication:
 
     def close(self) -> None:
         self.placement.close()
+
+
+def _step(step: int | None) -> int:
+    """A step to compare: none is older than any."""
+    return -1 if step is None else step
+
+
+def _outside_roots(storage: Backends, path: Path, roots: tuple[Path, ...]) -> PathNotAllowed | None:
+    """Why ``path`` may not be written by this daemon (None: it lies within its roots), asked now: a directory
+    on the way may have become a link since the replica came."""
+    try:
+        storage.resolve(str(path), roots)
+    except PathNotAllowed as exc:
+        return exc
+    return None
 
 
 def _not_persisted(replica: Replica, reason: str) -> None:
