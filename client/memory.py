@@ -444,11 +444,11 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
         if parent != real_root:
             continue
         key, shown = (s["step"] if s["step"] is not None else -1, s["created"]), str(root / name)
-        if s.get("on_peer"):
-            if _my_rank() in s["ranks_held"] and key > there.get(shown, ((-2, 0.0),))[0]:
-                there[shown] = (key, _save_of(s), s["path"])
+        if not _serves_this_rank(s):  # a replica on a peer as a snapshot held here: one rule
             continue
-        if not _serves_this_rank(s):
+        if s.get("on_peer"):
+            if _my_rank() in s["ranks_held"] and key > there.get(shown, ((-2, 0.0),))[0]:  # a restore reads its own
+                there[shown] = (key, _save_of(s), s["path"])
             continue
         if key >= here.get(shown, key):
             here[shown] = key
@@ -544,11 +544,13 @@ def _pass_over(everyone: list[list[list[Any]]], common: set[tuple[str, str]], be
 
 
 def _serves_this_rank(held: dict[str, Any]) -> bool:
-    """Whether this rank can resume from a snapshot this node holds: all of it is here, or (a snapshot that spans
-    nodes, of which this node holds its own ranks' shards) the world is the one that saved it and this rank's
-    shard is among them. A world of another size would need shards held on other nodes, or none (a resharded
-    resume reads every rank's regions): such a snapshot is passed over, and the ranks agree on what every one of
-    them can read (a persisted checkpoint), never some from memory and others from disk."""
+    """Whether this rank can resume from a snapshot this node holds, or from a peer's replica of it (read back
+    first): all of it is there, or (a snapshot that spans nodes, of which the node holds its own ranks' shards)
+    the world is the one that saved it and this rank's shard is among them. A world of another size would need
+    shards held on other nodes, or none (a resharded resume reads every rank's regions): such a snapshot is
+    passed over, and the ranks agree on what every one of them can read (a persisted checkpoint), never some from
+    memory and others from disk. A replica is judged alike: one process restarted in place of two read back rank
+    0's half and resumed from it as if it were the whole snapshot."""
     if len(held["ranks_held"]) >= held["world_size"]:
         return True
     return _my_world() == held["world_size"] and _my_rank() in held["ranks_held"]
