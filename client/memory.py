@@ -241,7 +241,7 @@ class HeldFiles(ChunkFiles):
         """
         entries, _, data_start = self._headers[record.file]
         entries = sorted(entries, key=lambda e: e.begin)  # file order: back to back, no holes (``parse_header``)
-        if record.file not in self._copies and not self._holds_chunks(record.file):
+        if record.file not in self._copies and not self.holds_chunks(record.file):
             bufs = [torch.empty(e.nbytes, dtype=torch.uint8) for e in entries]
             try:
                 self._read_checked(record, [torch.empty(data_start, dtype=torch.uint8), *bufs])
@@ -250,10 +250,6 @@ class HeldFiles(ChunkFiles):
                 self._copies[record.file] = self._instead_of_dropped(record, exc)
         data = self._owned(record.file)
         return {e.name: typed_view(data[data_start + e.begin : data_start + e.end].clone(), e) for e in entries}
-
-    def _holds_chunks(self, file: str) -> bool:
-        """Whether ``file`` holds chunks of global tensors (``load`` assembles them out of the whole shard)."""
-        return any(c.file == file for t in self.index.tensors.values() for c in t.chunks)
 
     def _read_checked(self, record: ShardRecord, into: list[torch.Tensor]) -> None:
         """Read the slot into ``into`` (byte buffers that cover the shard front to back: the header, then each

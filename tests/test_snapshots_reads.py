@@ -182,16 +182,19 @@ def _rng_state() -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("source", ["memory", "buddy", "disk"])
+@pytest.mark.parametrize("source", ["memory", "buddy", "disk", "store"])
 def test_a_resume_of_the_rng_from_what_load_returns_works_and_every_tensor_owns_exactly_its_memory(
-    source: str, daemon_factory, root: Path, run_dir: Path, tmp_path: Path
+    source: str, daemon_factory, root: Path, run_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """``torch.set_rng_state(ckptd.load(p)["rng"])`` from a snapshot held here, one restored from a buddy and a
-    checkpoint on disk: a tensor from memory used to view one buffer per shard, at an offset, and torch read the
-    generator's state from the buffer's start (SIGSEGV); one small tensor kept the whole shard alive, and
-    ``torch.save`` of it wrote the whole shard."""
+    """``torch.set_rng_state(ckptd.load(p)["rng"])`` from a snapshot held here, one restored from a buddy, a
+    checkpoint on disk and one on an object store: a tensor from memory (or a store) used to view one buffer per
+    shard, at an offset, and torch read the generator's state from the buffer's start (SIGSEGV); one small tensor
+    kept the whole shard alive, and ``torch.save`` of it wrote the whole shard."""
     state, path, never = _rng_state(), root / "step-3", ("--persist-on-exit", "never")
     pair = None
+    if source == "store":
+        root = f"s3://{request.getfixturevalue('bucket')}/run"
+        path = f"{root}/step-3"
     try:
         if source == "buddy":
             pair = _pair(root, tmp_path, origin_extra=never)
@@ -203,16 +206,17 @@ def test_a_resume_of_the_rng_from_what_load_returns_works_and_every_tensor_owns_
             pair.keys.write_text("".join(pair.lines))
             pair.origin = start_daemon(run_dir, root, "--peer", pair.buddy_ep, "--peer-keys", str(pair.keys), *never)
         else:
-            daemon_factory(*never)
+            daemon_factory(*never, *(("--root", root) if source == "store" else ()))
             client = ckptd.Client(run_dir=run_dir, spawn=False)
-            client.save_async(state, path, step=3, persist=source == "disk").result(60)
+            client.save_async(state, path, step=3, persist=source in ("disk", "store")).result(60)
             client.close()
         out = subprocess.run([sys.executable, "-c", RNG_RESUMER, str(root), str(run_dir), str(tmp_path / "rng.pt")],
                              capture_output=True, text=True, timeout=90)
         assert out.returncode == 0, f"the resumer exited {out.returncode}: {out.stderr[-3000:]}"
         report = json.loads(out.stdout)
         assert report["path"] == str(path)
-        assert path.exists() == (source == "disk")  # the snapshot was read from memory, never from disk
+        if source != "store":
+            assert path.exists() == (source == "disk")  # the snapshot was read from memory, never from disk
         if source == "buddy":
             assert "event=snapshot_restored" in (run_dir / "ckptd.log").read_text()
         gen = torch.Generator()
