@@ -175,10 +175,10 @@ def load_rank(files: ChunkFiles, rank: int, device: torch.device | None,
     shard = files.path / record.file
     if isinstance(files, HeldFiles):  # a snapshot in node memory
         metadata, tensors = files.read(record, copy=not mmap)
-    elif mmap or files.reading.fetched:  # fetched whole into this process's memory, which the tensors then view
-        if not mmap:
-            files.fetch_whole(record.file)  # not only what load_into's copies would fetch: the tensors are returned
+    elif mmap:  # the mapping's views (an object: fetched whole into this process's memory)
         metadata, tensors = _map_tensors(files, record)
+    elif files.reading.fetched:
+        metadata, tensors = _fetch_tensors(files, record)
     else:
         metadata, tensors = _read_tensors(shard, record, verify=files.verify, algorithm=index.checksum_algorithm)
     structure = check_shard_structure(tensors.keys(), metadata, record, index, shard)
@@ -238,6 +238,21 @@ def _read_into(f: BinaryIO, view: memoryview, shard: Path) -> None:
         if not n:
             raise InvalidCheckpoint(f"shard {shard} ended early while being read (changed under the reader?)")
         done += n
+
+
+def _fetch_tensors(files: ChunkFiles, record: ShardRecord) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """An object's tensors, each fetched straight into memory of its own (ranged reads, checksummed as they land),
+    as a local shard's are read: views of the whole fetched object kept all of it alive. An object holding chunks
+    of global tensors is fetched whole once (they are assembled from it) and its own tensors copied out."""
+    if files.holds_chunks(record.file):
+        files.fetch_whole(record.file)
+        metadata, views = _map_tensors(files, record)
+        return metadata, {name: t.clone() for name, t in views.items()}
+    entries, metadata, data_start = files.header(record)
+    bufs = {e.name: torch.empty(e.nbytes, dtype=torch.uint8) for e in entries}
+    files.read_into(record.file, [(data_start + e.begin, data_start + e.end, bytes_of(bufs[e.name]))
+                                  for e in entries if e.nbytes])
+    return metadata, {e.name: typed_view(bufs[e.name], e) for e in entries}
 
 
 def _map_tensors(files: ChunkFiles, record: ShardRecord) -> tuple[dict[str, str], dict[str, torch.Tensor]]:

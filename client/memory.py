@@ -54,6 +54,10 @@ PEERS_TIMEOUT = 15.0
 RESTORE_TIMEOUT = 600.0
 """Seconds a restore from a peer's replica may take (its bytes cross the network)."""
 REPLICATION_POLL_S = 0.02
+PARALLEL_COPY = 4 << 20
+"""Bytes from which a piece of a held slot is copied by torch (on every core); a smaller piece (one small tensor)
+by one memcpy: torch's copy hands each piece to its threads, which cost several times the copy for a small tensor
+(five times a memcpy for 256 KiB tensors on a busy two-core machine)."""
 
 
 def _endpoint(run_dir: str | os.PathLike | None) -> str:
@@ -137,10 +141,12 @@ class HeldFiles(ChunkFiles):
     The slots stay shared with the daemon, which may drop the snapshot and
     hand a slot back to its trainer, who stages the next step into it while
     this reads. So each shard is read once into this process's own memory
-    and checksummed there: the bytes every tensor views (or is copied from)
-    are the bytes that passed the check, and a shard that changed during the
-    read fails it. That is then told as what it is, a snapshot dropped while
-    read; if it was persisted, the disk copy is read instead.
+    and checksummed there (``load``: straight into one tensor per saved
+    tensor, each owning exactly its bytes, as from disk): the bytes every
+    tensor holds or views are the bytes that passed the check, and a shard
+    that changed during the read fails it. That is then told as what it is,
+    a snapshot dropped while read; if it was persisted, the disk copy is
+    read instead.
     """
 
     remembers_verified = False  # a slot is rewritten in place when its trainer reuses it
@@ -219,18 +225,46 @@ class HeldFiles(ChunkFiles):
             record = self.index.shard(rank)
             data = torch.empty(size, dtype=torch.uint8)
             try:
-                crc = self._read_slot(record, bytes_of(data))
-                if crc is not None:
-                    check_checksum(self.path / f"rank {rank} in memory", crc, record, self.index.checksum_algorithm)
-                if parse_header(bytes_of(data), size) != self._headers[file]:  # unverified: still the same layout?
-                    raise InvalidCheckpoint(f"snapshot {self.path}: the header of rank {rank} changed while read")
+                self._read_checked(record, [data])
             except InvalidCheckpoint as exc:
                 data = self._instead_of_dropped(record, exc)
             self._copies[file] = data
         return self._copies[file]
 
-    def _read_slot(self, record: ShardRecord, into: memoryview) -> int | None:
-        """Copy the slot into ``into`` in large pieces, each checksummed right behind its copy (``verify``).
+    def _tensors_owned(self, record: ShardRecord) -> dict[str, torch.Tensor]:
+        """Each tensor of the shard in memory of its own (its storage exactly its bytes, as from disk): a tensor
+        viewing the shard's one buffer kept all of it alive, ``torch.save`` of it wrote all of it, and torch reads
+        a generator's state from its storage's start (``torch.set_rng_state`` died of it).
+
+        Read straight from the slot into each tensor, checksummed as it goes; a shard this reader holds whole
+        already (its global tensors' chunks are read from it) has its tensors copied out of that, once checked.
+        """
+        entries, _, data_start = self._headers[record.file]
+        entries = sorted(entries, key=lambda e: e.begin)  # file order: back to back, no holes (``parse_header``)
+        if record.file not in self._copies and not self.holds_chunks(record.file):
+            bufs = [torch.empty(e.nbytes, dtype=torch.uint8) for e in entries]
+            try:
+                self._read_checked(record, [torch.empty(data_start, dtype=torch.uint8), *bufs])
+                return {e.name: typed_view(buf, e) for e, buf in zip(entries, bufs)}
+            except InvalidCheckpoint as exc:
+                self._copies[record.file] = self._instead_of_dropped(record, exc)
+        data = self._owned(record.file)
+        return {e.name: typed_view(data[data_start + e.begin : data_start + e.end].clone(), e) for e in entries}
+
+    def _read_checked(self, record: ShardRecord, into: list[torch.Tensor]) -> None:
+        """Read the slot into ``into`` (byte buffers that cover the shard front to back: the header, then each
+        tensor in file order) and check the bytes read: their checksum (``verify``), and their header, which must
+        still be the one this reader parsed. ``InvalidCheckpoint`` if not."""
+        rank = record.rank
+        crc = self._read_slot(record, into)
+        if crc is not None:
+            check_checksum(self.path / f"rank {rank} in memory", crc, record, self.index.checksum_algorithm)
+        if parse_header(bytes_of(into[0]), record.size) != self._headers[record.file]:  # unverified: same layout?
+            raise InvalidCheckpoint(f"snapshot {self.path}: the header of rank {rank} changed while read")
+
+    def _read_slot(self, record: ShardRecord, into: list[torch.Tensor]) -> int | None:
+        """Copy the slot into ``into`` (byte buffers, front to back) in large pieces, each checksummed right behind
+        its copy (``verify``).
 
         The copy goes through a shared read-only mapping (torch's copy runs
         on every core; a ``preadv`` from shared memory copies page by page on
@@ -251,13 +285,18 @@ class HeldFiles(ChunkFiles):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # read-only: only ever copied from
                 source = torch.frombuffer(mapping, dtype=torch.uint8)
-            target = torch.frombuffer(into, dtype=torch.uint8)
-            with Behind(self.index.checksum_algorithm) as crc:
-                for offset in range(0, record.size, GAP_READ):
-                    end = min(offset + GAP_READ, record.size)
-                    target[offset:end].copy_(source[offset:end])
-                    if self.verify:
-                        crc.add(into[offset:end])
+            with Behind(self.index.checksum_algorithm) as crc, memoryview(mapping) as view:
+                start = 0
+                for target in into:
+                    for offset in range(0, target.numel(), GAP_READ):
+                        piece, begin = target[offset : offset + GAP_READ], start + offset
+                        if piece.numel() >= PARALLEL_COPY:
+                            piece.copy_(source[begin : begin + piece.numel()])
+                        else:
+                            bytes_of(piece)[:] = view[begin : begin + piece.numel()]
+                        if self.verify:
+                            crc.add(bytes_of(piece))
+                    start += target.numel()
                 return crc.value() if self.verify else None
         finally:
             del source
@@ -286,11 +325,13 @@ class HeldFiles(ChunkFiles):
         return torch.frombuffer(shard.mapping, dtype=torch.uint8)
 
     def read(self, record: ShardRecord, *, copy: bool) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-        """One rank's tensors: views of its verified bytes in this process's own memory, or (``direct`` and not
-        ``copy``) of the pinned slot, for ``load_into`` to copy out of while the lease holds."""
-
-        data = self._owned(record.file) if copy or not self.direct else self._slot(record.file)
+        """One rank's tensors: with ``copy`` each in memory of its own (``_tensors_owned``); else views of its
+        verified bytes in this process's own memory, or (``direct``) of the pinned slot, for ``load_into`` to copy
+        out of while the lease holds."""
         entries, metadata, data_start = self._headers[record.file]
+        if copy:
+            return metadata, self._tensors_owned(record)
+        data = self._slot(record.file) if self.direct else self._owned(record.file)
         return metadata, {e.name: typed_view(data[data_start + e.begin : data_start + e.end], e) for e in entries}
 
 
@@ -399,11 +440,11 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
         if parent != real_root:
             continue
         key, shown = (s["step"] if s["step"] is not None else -1, s["created"]), str(root / name)
-        if s.get("on_peer"):
-            if _my_rank() in s["ranks_held"] and key > there.get(shown, ((-2, 0.0),))[0]:
-                there[shown] = (key, _save_of(s), s["path"])
+        if not _serves_this_rank(s):  # a replica on a peer as a snapshot held here: one rule
             continue
-        if not _serves_this_rank(s):
+        if s.get("on_peer"):
+            if _my_rank() in s["ranks_held"] and key > there.get(shown, ((-2, 0.0),))[0]:  # a restore reads its own
+                there[shown] = (key, _save_of(s), s["path"])
             continue
         if key >= here.get(shown, key):
             here[shown] = key
@@ -499,11 +540,13 @@ def _pass_over(everyone: list[list[list[Any]]], common: set[tuple[str, str]], be
 
 
 def _serves_this_rank(held: dict[str, Any]) -> bool:
-    """Whether this rank can resume from a snapshot this node holds: all of it is here, or (a snapshot that spans
-    nodes, of which this node holds its own ranks' shards) the world is the one that saved it and this rank's
-    shard is among them. A world of another size would need shards held on other nodes, or none (a resharded
-    resume reads every rank's regions): such a snapshot is passed over, and the ranks agree on what every one of
-    them can read (a persisted checkpoint), never some from memory and others from disk."""
+    """Whether this rank can resume from a snapshot this node holds, or from a peer's replica of it (read back
+    first): all of it is there, or (a snapshot that spans nodes, of which the node holds its own ranks' shards)
+    the world is the one that saved it and this rank's shard is among them. A world of another size would need
+    shards held on other nodes, or none (a resharded resume reads every rank's regions): such a snapshot is
+    passed over, and the ranks agree on what every one of them can read (a persisted checkpoint), never some from
+    memory and others from disk. A replica is judged alike: one process restarted in place of two read back rank
+    0's half and resumed from it as if it were the whole snapshot."""
     if len(held["ranks_held"]) >= held["world_size"]:
         return True
     return _my_world() == held["world_size"] and _my_rank() in held["ranks_held"]

@@ -164,6 +164,16 @@ class ChunkFiles:
         self.mapped(file)
         read_verified(self._shards[file], self._record(file), verify=self.verify)
 
+    def holds_chunks(self, file: str) -> bool:
+        """Whether ``file`` holds chunks of global tensors (``load`` assembles them out of the whole file)."""
+        return any(c.file == file for t in self.index.tensors.values() for c in t.chunks)
+
+    def read_into(self, file: str, spans: list[tuple[int, int, memoryview]]) -> None:
+        """Read ``file``'s bytes ``[begin, end)`` into each span's memory, with ``verify`` checking the checksum of
+        every byte of it in the same pass; nothing is kept of the file afterwards."""
+        record = self._record(file)
+        self.reading.reader(self.path / file, record, self.index.checksum_algorithm).read(spans, verify=self.verify)
+
     def _record(self, file: str) -> ShardRecord:
         return next(f for f in self.index.files if f.file == file)
 

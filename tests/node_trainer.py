@@ -19,15 +19,17 @@ def state(rank: int, step: int) -> dict[str, Any]:
     return {"w": torch.randn(256, 256, generator=gen), "b": torch.randn(300, generator=gen), "step": step}
 
 
-def resume(rank: int, root: str, run_dir: str, log: dict[str, Any]) -> None:
+def resume(rank: int, root: str, run_dir: str, log: dict[str, Any], *, saved_rank: int | None = None) -> None:
     """``ckptd.latest`` and ``ckptd.load_into`` against the daemon of ``run_dir``; ``log`` gets what was resumed
-    (``resumed``), its step and whether it is bitwise that step's state of this rank (``bitwise``)."""
+    (``resumed``), its step and whether it is bitwise that step's state of this rank (``bitwise``), or of
+    ``saved_rank`` (a rank beyond the world that saved takes one saved rank's per-rank state: ``load_into``'s
+    ``rank=``)."""
     resumed = ckptd.latest(root, run_dir=run_dir)
     log["resumed"] = None if resumed is None else str(resumed)
     if resumed is not None:
         into = {"w": torch.zeros(256, 256), "b": torch.zeros(300), "step": -1}
-        ckptd.load_into(into, resumed, run_dir=run_dir)
-        want = state(rank, into["step"])
+        ckptd.load_into(into, resumed, run_dir=run_dir, rank=saved_rank)
+        want = state(rank if saved_rank is None else saved_rank, into["step"])
         log["step"] = into["step"]
         log["bitwise"] = all(torch.equal(into[k], want[k]) for k in ("w", "b"))
 

@@ -38,7 +38,7 @@ LOG = "ckptd.log"
 def _rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: str, persist: list[int],
           snapshots: list[int]) -> None:
     """One trainer: resume from the newest checkpoint, save, then stay alive (as a trainer does) until killed."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=NODES)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=len(run_dirs))
     log: dict[str, Any] = {"warnings": []}
     warned = logging.Handler(logging.WARNING)
     warned.emit = lambda record: log["warnings"].append(record.getMessage())  # type: ignore[method-assign]
@@ -256,13 +256,15 @@ def test_when_both_holders_of_a_shard_are_lost_every_rank_resumes_from_the_newes
     _kill_job(ctx)
 
 
-def _resume_rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: str) -> None:
-    """A rank of a job restarted with another world size (``len(run_dirs)`` ranks): resume, report, exit."""
+def _resume_rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: str, saved_world: int = NODES
+                 ) -> None:
+    """A rank of a job restarted with another world size (``len(run_dirs)`` ranks): resume, report, exit. A rank
+    beyond the ``saved_world`` ranks that saved takes the per-rank state of one of them (``rank % saved_world``)."""
     world = len(run_dirs)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     log: dict[str, Any] = {}
     try:
-        resume(rank, root, run_dirs[rank], log)
+        resume(rank, root, run_dirs[rank], log, saved_rank=rank % saved_world if rank >= saved_world else None)
     except BaseException:
         log["crash"] = traceback.format_exc()
     Path(out, f"rank-{rank}.json").write_text(json.dumps(log))
@@ -286,3 +288,47 @@ def test_a_job_restarted_with_another_world_size_resumes_from_disk_never_from_a_
     assert all("crash" not in log for log in logs), logs
     assert [(log["resumed"], log["step"], log["bitwise"]) for log in logs] == [(str(root / "step-5"), 5, True)] * 2
     assert _held(cluster.status(0), "step-10")["complete"]  # still held: passed over, not dropped
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_job_restarted_on_a_replacement_node_with_another_world_size_never_reads_back_half_a_snapshot(
+        world: int, root: Path, tmp_path: Path) -> None:
+    """Two ranks on two nodes placed by their ring hold a snapshot, each rank's shard replicated on the other node;
+    node 0 is lost, and the job restarts on its replacement (its run directory and key pair kept, its memory lost,
+    the surviving node as its ``--peer``) with another world size. The replica of rank 0's shard was read back and
+    resumed from as if it were the whole snapshot (a world of one: rank 0's half, silently); a replica is passed
+    over by the rule a snapshot held here is, and every rank resumes from the newest persisted checkpoint."""
+    never = ("--persist-on-exit", "never")
+    dirs, ports = [short_tempdir(f"ckw{node}-") for node in range(2)], [free_port() for _ in range(2)]
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in ports]
+    daemons = [start_daemon(d, root, "--peer-listen", ep, *never) for d, ep in zip(dirs, endpoints)]
+    try:
+        out = tmp_path / "saved"
+        out.mkdir()
+        ctx = start_ranks(_rank, (str(out / "init"), [str(d) for d in dirs], str(root), str(out), [5], [10]), 2)
+        wait_for_ranks(out, "done", 2, ctx, time.monotonic() + 180, "the job's ranks did not finish saving")
+        assert all("crash" not in json.loads((out / f"rank-{r}.json").read_text()) for r in range(2))
+        daemons[0].kill()  # node 0 is lost, and the job with it
+        _kill_job(ctx)
+        keys = tmp_path / "peer-keys"
+        keys.write_text(ckptd_cli("peer-key", "--run-dir", str(dirs[1]), "--endpoint", endpoints[1]).stdout)
+        daemons[0] = start_daemon(dirs[0], root, "--peer-listen", endpoints[0], "--peer", endpoints[1],
+                                  "--peer-keys", str(keys), *never)
+        replicas = daemons[1].status()["peers"]["replicas_held"]["held"]
+        assert [(r["path"], r["ranks_held"]) for r in replicas] == [(str(root / "step-10"), [0])]
+
+        out = tmp_path / "restarted"
+        out.mkdir()
+        run_dirs = [str(dirs[0]), str(dirs[1]), str(dirs[0])][:world]
+        ctx = start_ranks(_resume_rank, (str(out / "init"), run_dirs, str(root), str(out), 2), world)
+        wait_for_ranks(out, "done", world, ctx, time.monotonic() + 180, "the restarted ranks did not finish resuming")
+        logs = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
+        assert all("crash" not in log for log in logs), logs
+        resumed = [(log["resumed"], log["step"], log["bitwise"]) for log in logs]
+        assert resumed == [(str(root / "step-5"), 5, True)] * world
+        assert not daemons[0].status()["memory"]["snapshots"]  # nothing read back
+        assert "event=snapshot_restored" not in (dirs[0] / LOG).read_text()
+    finally:
+        for daemon in daemons:
+            daemon.kill()

@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,8 +21,9 @@ import torch
 import ckptd
 from ckptd.client.memory import HeldFiles, find_held, open_checkpoint
 
-from helpers import segments_of, wait_until
+from helpers import segments_of, start_daemon, wait_until
 from snapshots import full, held_paths
+from test_peers import _node, _pair
 
 
 def test_tensors_loaded_from_memory_stay_as_verified_when_the_trainer_reuses_the_slot(
@@ -157,3 +159,72 @@ def test_the_pins_of_a_reader_that_dies_end_and_its_snapshot_is_released(daemon,
     wait_until(lambda: slot not in segments_of(daemon.proc.pid), 30, "the dead reader's pin ends, the slot goes")
     assert held_paths(run_dir) == {str(root / "s2")}
     daemon.stop()
+
+
+RNG_RESUMER = r"""
+import json, os, sys, torch, ckptd
+root, run_dir, saved = sys.argv[1], sys.argv[2], sys.argv[3]
+path = ckptd.latest(root, run_dir=run_dir)
+state = ckptd.load(path, run_dir=run_dir)
+torch.set_rng_state(state["rng"])  # a plain resume, as a training script does it
+storage = {k: [t.untyped_storage().nbytes(), t.nbytes, t.storage_offset()]
+           for k, t in state.items() if isinstance(t, torch.Tensor)}
+torch.save(state["rng"], saved)
+print(json.dumps({"path": str(path), "draws": torch.rand(4).tolist(), "storage": storage,
+                  "saved_bytes": os.path.getsize(saved)}))
+"""
+
+
+def _rng_state() -> dict[str, Any]:
+    """A trainer's state with its RNG's (5 KB) beside a 16 MB tensor, in the same shard."""
+    gen = torch.Generator().manual_seed(1234)
+    return {"w": torch.randn(4 << 20, generator=gen), "b": torch.arange(7), "rng": gen.get_state(), "step": 3}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("source", ["memory", "buddy", "disk", "store"])
+def test_a_resume_of_the_rng_from_what_load_returns_works_and_every_tensor_owns_exactly_its_memory(
+    source: str, daemon_factory, root: Path, run_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """``torch.set_rng_state(ckptd.load(p)["rng"])`` from a snapshot held here, one restored from a buddy, a
+    checkpoint on disk and one on an object store: a tensor from memory (or a store) used to view one buffer per
+    shard, at an offset, and torch read the generator's state from the buffer's start (SIGSEGV); one small tensor
+    kept the whole shard alive, and ``torch.save`` of it wrote the whole shard."""
+    state, path, never = _rng_state(), root / "step-3", ("--persist-on-exit", "never")
+    pair = None
+    if source == "store":
+        root = f"s3://{request.getfixturevalue('bucket')}/run"
+        path = f"{root}/step-3"
+    try:
+        if source == "buddy":
+            pair = _pair(root, tmp_path, origin_extra=never)
+            client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+            client.save_async(state, path, step=3, persist=False).wait_replicated(60)
+            client.close()
+            pair.origin.kill()  # the node is lost; its replacement reads the snapshot back from the buddy
+            run_dir, _ = _node(pair.keys, pair.lines)
+            pair.keys.write_text("".join(pair.lines))
+            pair.origin = start_daemon(run_dir, root, "--peer", pair.buddy_ep, "--peer-keys", str(pair.keys), *never)
+        else:
+            daemon_factory(*never, *(("--root", root) if source == "store" else ()))
+            client = ckptd.Client(run_dir=run_dir, spawn=False)
+            client.save_async(state, path, step=3, persist=source in ("disk", "store")).result(60)
+            client.close()
+        out = subprocess.run([sys.executable, "-c", RNG_RESUMER, str(root), str(run_dir), str(tmp_path / "rng.pt")],
+                             capture_output=True, text=True, timeout=90)
+        assert out.returncode == 0, f"the resumer exited {out.returncode}: {out.stderr[-3000:]}"
+        report = json.loads(out.stdout)
+        assert report["path"] == str(path)
+        if source != "store":
+            assert path.exists() == (source == "disk")  # the snapshot was read from memory, never from disk
+        if source == "buddy":
+            assert "event=snapshot_restored" in (run_dir / "ckptd.log").read_text()
+        gen = torch.Generator()
+        gen.set_state(state["rng"])
+        assert report["draws"] == torch.rand(4, generator=gen).tolist()  # the generator resumed where it was
+        for name, (storage, nbytes, offset) in report["storage"].items():
+            assert (storage, offset) == (nbytes, 0), f"{name}: {storage} bytes of storage at offset {offset}"
+        assert report["saved_bytes"] < 64 << 10, f"torch.save of the RNG state wrote {report['saved_bytes']} bytes"
+    finally:
+        if pair is not None:
+            pair.kill()
