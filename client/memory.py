@@ -434,13 +434,14 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
             here[str(on_disk)] = (index.step if index.step is not None else -1, index.created)
         except InvalidCheckpoint:  # removed since
             pass
-    real_root, there = canonical(root), {}
+    real_root, there, other_world = canonical(root), {}, []
     for s in held_snapshots(run_dir, peers=True):
         parent, name = os.path.split(resolved(s["path"]))
         if parent != real_root:
             continue
         key, shown = (s["step"] if s["step"] is not None else -1, s["created"]), str(root / name)
         if not _serves_this_rank(s):  # a replica on a peer as a snapshot held here: one rule
+            other_world.append((key, shown, s["world_size"]))
             continue
         if s.get("on_peer"):
             if _my_rank() in s["ranks_held"] and key > there.get(shown, ((-2, 0.0),))[0]:  # a restore reads its own
@@ -450,7 +451,19 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
             here[shown] = key
             saves[shown] = "" if s.get("persisted") else _save_of(s)  # persisted: the disk's own
     chosen = _chosen(here, saves, there, run_dir)
+    _warn_other_world(other_world, None if chosen is None else here.get(chosen, there.get(chosen, ((-1, 0.0),))[0]))
     return None if chosen is None else user_path(chosen)  # an object: its s3:// URL
+
+
+def _warn_other_world(other_world: list[tuple[Key, str, int]], chosen: Key | None) -> None:
+    """Rank 0 names the newest snapshot passed over for its world size (one that spans nodes, saved by a job of
+    another size: its shards lie on the nodes that saved it), where it is newer than what the job resumes from."""
+    newer = [entry for entry in other_world if chosen is None or entry[0] > chosen]
+    if newer and _my_rank() == 0:
+        (step, _), shown, world = max(newer)
+        log.warning("ckptd.latest: %s (step %s) was saved by %d ranks and spans nodes; this job has %d, so it is "
+                    "passed over, and the job resumes from the newest checkpoint every rank can read", shown, step,
+                    world, _my_world())
 
 
 def _save_of(held: dict[str, Any]) -> str:

@@ -35,14 +35,20 @@ NODES = 3
 LOG = "ckptd.log"
 
 
-def _rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: str, persist: list[int],
-          snapshots: list[int]) -> None:
-    """One trainer: resume from the newest checkpoint, save, then stay alive (as a trainer does) until killed."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=len(run_dirs))
+def _warnings_kept() -> dict[str, Any]:
+    """A rank's report, whose ``warnings`` collects what the ``ckptd`` logger warns of in this process."""
     log: dict[str, Any] = {"warnings": []}
     warned = logging.Handler(logging.WARNING)
     warned.emit = lambda record: log["warnings"].append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("ckptd").addHandler(warned)
+    return log
+
+
+def _rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: str, persist: list[int],
+          snapshots: list[int]) -> None:
+    """One trainer: resume from the newest checkpoint, save, then stay alive (as a trainer does) until killed."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=len(run_dirs))
+    log = _warnings_kept()
     try:
         client = ckptd.Client(run_dir=run_dirs[rank], spawn=False, commit_timeout=60, timeout=10, heartbeat=0.2)
         resume(rank, root, run_dirs[rank], log)
@@ -262,7 +268,7 @@ def _resume_rank(rank: int, init_file: str, run_dirs: list[str], root: str, out:
     beyond the ``saved_world`` ranks that saved takes the per-rank state of one of them (``rank % saved_world``)."""
     world = len(run_dirs)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    log: dict[str, Any] = {}
+    log = _warnings_kept()
     try:
         resume(rank, root, run_dirs[rank], log, saved_rank=rank % saved_world if rank >= saved_world else None)
     except BaseException:
@@ -288,6 +294,14 @@ def test_a_job_restarted_with_another_world_size_resumes_from_disk_never_from_a_
     assert all("crash" not in log for log in logs), logs
     assert [(log["resumed"], log["step"], log["bitwise"]) for log in logs] == [(str(root / "step-5"), 5, True)] * 2
     assert _held(cluster.status(0), "step-10")["complete"]  # still held: passed over, not dropped
+    _warned_of_another_world(logs, root)
+
+
+def _warned_of_another_world(logs: list[dict[str, Any]], root: Path) -> None:
+    """Rank 0, and only rank 0, names the snapshot passed over for its world size."""
+    said = [w for w in logs[0]["warnings"] if "passed over" in w]
+    assert len(said) == 1 and str(root / "step-10") in said[0] and "spans nodes" in said[0], logs[0]["warnings"]
+    assert not any("passed over" in w for log in logs[1:] for w in log["warnings"]), logs
 
 
 @pytest.mark.timeout(240)
@@ -327,6 +341,7 @@ def test_a_job_restarted_on_a_replacement_node_with_another_world_size_never_rea
         assert all("crash" not in log for log in logs), logs
         resumed = [(log["resumed"], log["step"], log["bitwise"]) for log in logs]
         assert resumed == [(str(root / "step-5"), 5, True)] * world
+        _warned_of_another_world(logs, root)
         assert not daemons[0].status()["memory"]["snapshots"]  # nothing read back
         assert "event=snapshot_restored" not in (dirs[0] / LOG).read_text()
     finally:
