@@ -44,7 +44,7 @@ from ckptd.lifecycle.snapshots import HeldShard, HeldSnapshot, shards_of
 from ckptd.lifecycle.writer import Progress, checksum_when_staged
 from ckptd.loop.config import DaemonConfig
 from ckptd.loop.events import Committed, Deleted, Events, Failed, SnapshotDropped, SnapshotHeld
-from ckptd.loop.replies import as_error, error_reply
+from ckptd.loop.replies import as_error, error_reply, logged
 from ckptd.loop.state import NodeState
 from ckptd.loop.workers import Workers
 from ckptd.storage.backends import Backends
@@ -210,11 +210,13 @@ class Holding:
         """Slots of a snapshot that failed before its ranks were told ``Held``: their clients still count them as
         their own (no ``released`` entry), and a gone client's is unlinked (``_hand_back``)."""
         if shards:
-            self._hand_back(shards, lambda back, fut: None)
+            self._hand_back(shards, lambda back, fut: None, logged(self.state.stats))
 
-    def _hand_back(self, shards: list[HeldShard], done: Callable[[list[HeldShard], Future], None]) -> None:
+    def _hand_back(self, shards: list[HeldShard], done: Callable[[list[HeldShard], Future], None],
+                   failed: Callable[[BaseException], None]) -> None:
         """A connected client's slot goes back under its old name, a gone one's is unlinked (its name would be a
-        dead process's segment that nothing reclaims any more); ``done(back, future)`` runs on the loop after."""
+        dead process's segment that nothing reclaims any more); ``done(back, future)`` runs on the loop after,
+        ``failed(exc)`` if it raised."""
         slots = self.state.slots
         back = [sh for sh in shards if self.state.pid_connected(sh.pid)]
         gone = [sh for sh in shards if sh not in back]
@@ -226,7 +228,7 @@ class Holding:
             _unlink(slots.shm_dir, names)
             for sh in back:
                 slots.give_back(sh.slot, sh.msg.slot)
-        self.workers.submit("maintenance", work, lambda fut: done(back, fut))
+        self.workers.submit("maintenance", work, lambda fut: done(back, fut), failed)
 
     # -- the registry's housekeeping (``registry.Registry``) -------------------------------------------------
 
@@ -327,10 +329,15 @@ class Holding:
                 if sh.msg.slot not in left:
                     self.snapshots.released.setdefault(sh.pid, []).append(sh.msg.slot)
             if left:
-                self.workers.submit("maintenance", lambda: _unlink(slots.shm_dir, left))
+                self.workers.background("maintenance", lambda: _unlink(slots.shm_dir, left))
+            then()
+
+        def undone(exc: BaseException) -> None:  # ``done`` raised (a defect): those waiting on ``then`` (ranks owed
+            # their Held, a closing client its Ok) are answered still
+            as_error(self.state.stats, exc)
             then()
         if shards:
-            self._hand_back(shards, done)
+            self._hand_back(shards, done, undone)
         else:
             then()
 
@@ -477,7 +484,8 @@ class Holding:
             if self.snapshots.held.get(snap.path) is snap and not snap.persisting and not snap.persisted:
                 self.start_persist(snap)
 
-        self.workers.submit("maintenance", lambda: time.sleep(delay), again)
+        self.workers.submit("maintenance", lambda: time.sleep(delay), again,
+                            failed=lambda exc: self.persisted(snap.path, as_error(self.state.stats, exc)))
         return True
 
     def _answer_persists(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
