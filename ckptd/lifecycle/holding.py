@@ -103,8 +103,19 @@ class Holding:
             slots.adopt(slot, name)
             return crc
         self.workers.submit("checksum", checksum_and_adopt, lambda f: self._checksummed(ident, msg, snap, f),
-                            failed=lambda exc: self.fail(snap, exc) if self.snapshots.held.get(snap.path) is snap
-                            else None)
+                            failed=lambda exc: self._checksum_failed(ident, msg, snap, exc))
+
+    def _checksum_failed(self, ident: bytes, msg: Snapshot, snap: HeldSnapshot, exc: BaseException) -> None:
+        """The completion of a shard's checksum raised (a defect): its snapshot fails on every rank now, held or
+        replacing one (``holds``: a replacement with ``overwrite=True`` is in the other book, and its ranks waited
+        for their timeout), and the shard's slot goes back as a failed checksum's would."""
+        self.state.end_save(ident, msg.id)
+        if not self.snapshots.holds(snap):
+            return
+        self.fail(snap, exc)
+        shard = snap.shards.get(msg.rank)
+        if shard is not None and shard.checksum is None:  # ``fail`` hands back only the checksummed ones
+            self._return_unheld([shard])
 
     def _evicted(self, evicted: list[HeldSnapshot]) -> None:
         for old in evicted:
