@@ -356,11 +356,19 @@ class Holding:
         """A rank of run ``msg.job`` gave up on a save of ``msg.path``; Ok follows. A snapshot of that run still
         gathering its ranks there fails on every rank at once (``ckptd.dcp.StorageWriter`` aborts when a rank's
         shard never came, so the others do not wait for their timeout); anything else is a coordinated disk
-        attempt's Abort (``Saves.abort_at``)."""
+        attempt's Abort (``Saves.abort_at``). A held snapshot being written to disk is not: that write is the
+        daemon's own (its ranks were answered), so an Abort, which ends an attempt whose ranks are gathering, never
+        fails it (it was taken for the persist's disk attempt, and the persist failed with ``RanksMissing``)."""
 
         def abort(final: Path) -> None:
             candidates = (self.snapshots.replacing.get(final), self.snapshots.held.get(final))
             snap = next((s for s in candidates if s is not None and s.open and s.contributors.job == msg.job), None)
+            held = self.snapshots.held.get(final)
+            if snap is None and held is not None and held.persisting:
+                log.info("event=abort_ignored path=%s job=%r reason=%s why=persisting_held_snapshot", final, msg.job,
+                         msg.reason)
+                self.send(ident, Ok(msg.id))
+                return
             if snap is None:
                 self.saves.abort_at(ident, msg, final)
                 return
