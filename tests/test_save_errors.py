@@ -94,8 +94,9 @@ def test_failed_write_leaves_no_final_directory_and_the_daemon_keeps_serving(
     client.save_async({"w": torch.ones(100)}, root / "good-before").result(30)
     with pytest.raises(ckptd.WriteFailed, match=os.strerror(fault["errno"])):
         client.save_async({"w": torch.ones(100)}, root / "broken").result(30)
-    wait_until(lambda: not (root / "broken.incomplete").exists())
-    assert not (root / "broken").exists()
+    # the end state: a discard sets the attempt aside (broken.discarded-<id>.incomplete), then removes it
+    wait_until(lambda: sorted(os.listdir(root)) == ["good-before"], 30,
+               lambda: f"the failed attempt removed and no final directory: {sorted(os.listdir(root))}")
     client.save_async({"w": torch.ones(100)}, root / "good-after").result(30)
     assert sorted(p.name for p in root.iterdir()) == ["good-after", "good-before"]
     assert torch.equal(ckptd.load(root / "good-before")["w"], torch.ones(100))
