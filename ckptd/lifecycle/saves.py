@@ -376,7 +376,8 @@ class Saves:
 
     def _discard(self, pending: PendingCheckpoint) -> None:
         self.workers.submit("admit", lambda: self.state.commits.set_aside(pending),
-                            lambda fut: self._set_aside(pending, fut), failed=lambda exc: self._unset_aside(pending, exc))
+                            lambda fut: self._set_aside(pending, fut),
+                            failed=lambda exc: self._unset_aside(pending, exc))
 
     def _unset_aside(self, pending: PendingCheckpoint, exc: BaseException) -> None:
         """A completion of ``pending``'s discard raised (a defect): what waits for its path to be cleared (a retry,
