@@ -107,6 +107,7 @@ class FaultyStorage(LocalStorage):
 
     def _inject(self, op: str, where: str, *, after: bool = False) -> None:
         for i, f in enumerate(self.faults):
+            # a ``space`` fault that is no defect reports a full filesystem instead (``space``)
             if f.hits(op, where, after) and (op != "space" or f.defect) and self._past_skip(i):
                 raises = "defect" if op in COMPLETIONS or f.defect else f"errno={f.errno}" if f.errno else ""
                 action = "kill" if f.kill else raises or f"delay={f.delay:g}"
