@@ -238,7 +238,8 @@ def test_a_defect_in_a_replacements_checksum_completion_fails_its_rank_at_once_a
 ) -> None:
     """A completion that raises fails its snapshot on every rank at once (``Workers.submit``'s ``failed``); for a
     replacement (``overwrite=True``) it looked the snapshot up in the held book, found the one it replaces, and
-    did nothing: the rank waited for its ten-minute timeout (issue 38, case 8b)."""
+    did nothing: the rank waited with no end (a snapshot whose ranks are all in is never overdue), and its client's
+    close with it (issue 38, case 8b)."""
     path = root / "snap"
     daemon = daemon_factory(faults=[{"op": "checksummed", "match": str(path), "skip": 1}])  # the held one passes
     client = client_factory(commit_timeout=600)
