@@ -22,6 +22,8 @@ log = logging.getLogger("ckptd")
 SPEC = "tests.faults:FaultyStorage"
 """What ``--storage`` (or ``CKPTD_STORAGE``) names to load this class."""
 ENV = "CKPTD_FAULTS"
+COMPLETIONS = ("completion", "checksummed")
+"""The ops that are no storage call but a completion on the daemon's loop thread."""
 
 
 @dataclass(frozen=True)
@@ -36,9 +38,10 @@ class Fault:
     no free space (until the ``wait_for`` file exists, if one is named). Each fault that acts logs
     ``event=fault`` first, so a test can tell which call it hit.
 
-    One is no storage call: ``completion`` raises ``RuntimeError`` in the loop-thread completion of a shard's
-    write into a checkpoint whose path matches (``Saves._write_finished``), a defect of the daemon's own code
-    that no storage call can reach (the loop thread does no I/O). The storage loaded into the daemon installs it.
+    Two are no storage calls: ``completion`` raises ``RuntimeError`` in the loop-thread completion of a shard's
+    write into a checkpoint whose path matches (``Saves._write_finished``), and ``checksummed`` in that of a
+    snapshot shard's checksum (``Holding._checksummed``): a defect of the daemon's own code that no storage call
+    can reach (the loop thread does no I/O). The storage loaded into the daemon installs them.
     """
 
     op: str
@@ -55,10 +58,18 @@ class Fault:
     """Block until this file exists (at most a minute): the test says when the call may go on."""
     exact: bool = False
     """Match only the path equal to ``match`` (a directory, not the names below it)."""
+    armed_by: str = ""
+    """Act only once this file exists: calls before it pass (a ``Status`` fault the daemon's start must not meet)."""
+    skip: int = 0
+    """Let this many matching calls through before acting (a snapshot held at a path, then its replacement hit)."""
+    defect: bool = False
+    """Raise ``RuntimeError`` instead of an ``OSError``: a defect of the daemon's code under a storage call, which no
+    handler of storage errors catches (``space`` raises it too, where it otherwise reports a full filesystem)."""
 
     def hits(self, op: str, where: str, after: bool) -> bool:
         matches = where == self.match if self.exact else self.match in where
-        return self.op == op and self.after == after and matches
+        armed = not self.armed_by or os.path.exists(self.armed_by)
+        return self.op == op and self.after == after and matches and armed
 
 
 class FaultyStorage(LocalStorage):
@@ -73,24 +84,33 @@ class FaultyStorage(LocalStorage):
             faults = [Fault(**f) for f in json.loads(os.environ.get(ENV) or "[]")]
         self.faults = faults
         self._paths: dict[int, str] = {}
-        if any(f.op == "completion" for f in faults):
+        self._hits: dict[int, int] = {}
+        """Matching calls seen per fault (by its place in ``faults``), for ``skip``."""
+        if any(f.op in COMPLETIONS for f in faults):
             self._install_completion_faults()
 
     def _install_completion_faults(self) -> None:
+        from ckptd.lifecycle.holding import Holding
         from ckptd.lifecycle.saves import Saves
 
-        write_finished, inject = Saves._write_finished, self._inject
+        write_finished, checksummed, inject = Saves._write_finished, Holding._checksummed, self._inject
 
         def raising(saves, job, pending, fut):  # noqa: ANN001, ANN202 - Saves._write_finished's own signature
             inject("completion", str(pending.path))
             return write_finished(saves, job, pending, fut)
 
-        Saves._write_finished = raising
+        def raising_held(holding, ident, msg, snap, fut):  # noqa: ANN001, ANN202 - Holding._checksummed's own
+            inject("checksummed", str(snap.path))
+            return checksummed(holding, ident, msg, snap, fut)
+
+        Saves._write_finished, Holding._checksummed = raising, raising_held
 
     def _inject(self, op: str, where: str, *, after: bool = False) -> None:
-        for f in self.faults:
-            if f.hits(op, where, after):
-                action = "kill" if f.kill else (f"errno={f.errno}" if f.errno else f"delay={f.delay:g}")
+        for i, f in enumerate(self.faults):
+            # a ``space`` fault that is no defect reports a full filesystem instead (``space``)
+            if f.hits(op, where, after) and (op != "space" or f.defect) and self._past_skip(i):
+                raises = "defect" if op in COMPLETIONS or f.defect else f"errno={f.errno}" if f.errno else ""
+                action = "kill" if f.kill else raises or f"delay={f.delay:g}"
                 log.warning("event=fault op=%s after=%s action=%s path=%s", op, after, action, where)
                 if f.delay:
                     time.sleep(f.delay)
@@ -99,10 +119,15 @@ class FaultyStorage(LocalStorage):
                     time.sleep(0.05)
                 if f.kill:
                     os.kill(os.getpid(), signal.SIGKILL)
-                if op == "completion":
-                    raise RuntimeError(f"injected defect in the completion of {where}")
+                if op in COMPLETIONS or f.defect:
+                    raise RuntimeError(f"injected defect in the {op} of {where}")
                 if f.errno:
                     raise OSError(f.errno, f"{os.strerror(f.errno)} (injected)", where)
+
+    def _past_skip(self, i: int) -> bool:
+        """Whether fault ``i``, which matches this call, acts on it (it has let its ``skip`` calls through)."""
+        self._hits[i] = self._hits.get(i, 0) + 1
+        return self._hits[i] > self.faults[i].skip
 
     def _around(self, op: str, where: str, call, *args, **kwargs):
         self._inject(op, where)
@@ -151,9 +176,10 @@ class FaultyStorage(LocalStorage):
         return self._around("resolve", str(path), super().resolve, path)
 
     def space(self, path: Path) -> Space:
+        self._inject("space", str(path))  # only its ``defect`` faults raise; the others report the space as full
         room = super().space(path)
         for f in self.faults:
-            if f.hits("space", str(path), False) and not (f.wait_for and os.path.exists(f.wait_for)):
+            if f.hits("space", str(path), False) and not f.defect and not (f.wait_for and os.path.exists(f.wait_for)):
                 log.warning("event=fault op=space action=full path=%s", path)
                 return dataclasses.replace(room, free=0)
         return room

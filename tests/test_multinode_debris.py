@@ -73,9 +73,9 @@ def test_a_multi_node_attempt_whose_job_was_killed_leaves_no_incomplete_director
         kill_job(ctx)
         if daemons == "killed-and-restarted":
             node_a = start_daemon(run_a, root)
-        wait_until(lambda: not (root / "doomed.incomplete").exists(), 60,
-                   lambda: f"doomed.incomplete removed: it holds {sorted(os.listdir(root / 'doomed.incomplete'))}")
-        assert sorted(os.listdir(root)) == ["first"]
+        # the end state: a discard sets the attempt aside (doomed.discarded-<id>.incomplete), then removes it
+        wait_until(lambda: sorted(os.listdir(root)) == ["first"], 60,
+                   lambda: f"doomed.incomplete removed and nothing left beside first: {sorted(os.listdir(root))}")
         for node in (node_a, node_b):
             if node.proc.poll() is None:
                 wait_until(lambda: not node.status()["checkpoints"], 60, "no attempt left in status")

@@ -13,7 +13,8 @@ import torch
 import ckptd
 
 from ckptd.protocol.endpoint import LOG_NAME
-from helpers import wait_until
+from ckptd.protocol.messages import Error, Ping, Pong, Status, decode
+from helpers import raw_socket, wait_until
 
 
 def test_path_outside_the_allowed_roots_fails_with_path_not_allowed(client, root, tmp_path) -> None:
@@ -93,8 +94,9 @@ def test_failed_write_leaves_no_final_directory_and_the_daemon_keeps_serving(
     client.save_async({"w": torch.ones(100)}, root / "good-before").result(30)
     with pytest.raises(ckptd.WriteFailed, match=os.strerror(fault["errno"])):
         client.save_async({"w": torch.ones(100)}, root / "broken").result(30)
-    wait_until(lambda: not (root / "broken.incomplete").exists())
-    assert not (root / "broken").exists()
+    # the end state: a discard sets the attempt aside (broken.discarded-<id>.incomplete), then removes it
+    wait_until(lambda: sorted(os.listdir(root)) == ["good-before"], 30,
+               lambda: f"the failed attempt removed and no final directory: {sorted(os.listdir(root))}")
     client.save_async({"w": torch.ones(100)}, root / "good-after").result(30)
     assert sorted(p.name for p in root.iterdir()) == ["good-after", "good-before"]
     assert torch.equal(ckptd.load(root / "good-before")["w"], torch.ones(100))
@@ -181,3 +183,29 @@ def test_a_defect_in_a_completion_answers_every_waiting_rank_at_once_and_the_dae
     for fut in [c.save_async({"w": torch.ones(4)}, root / "after", step=1) for c in clients]:
         fut.result(60)
     assert ckptd.load(root / "after")["w"].tolist() == [1.0] * 4
+
+
+def test_a_defect_in_a_pool_job_answers_its_request_at_once_with_an_error_and_the_daemon_serves_on(
+        daemon_factory, root, tmp_path) -> None:
+    """Every completion of the worker pools has a failure path (``Workers.submit`` requires one): a Status whose
+    pool job raised a defect (injected under ``space``, which Status asks of every root) is answered at once with an
+    ``InternalError``. Status had none, like some fifteen others (Restore, peer replies, replication), and its
+    caller waited for its own timeout (issue 38, case 8e)."""
+    armed = tmp_path / "armed"
+    daemon = daemon_factory(faults=[{"op": "space", "match": str(root), "exact": True, "defect": True,
+                                     "armed_by": str(armed)}])
+    armed.touch()
+    sock = raw_socket(daemon)
+    try:
+        sock.send(Status(1).to_wire())
+        assert sock.poll(10_000), "Status was not answered within 10 s"
+        reply = decode(sock.recv())
+        assert isinstance(reply, Error) and reply.code == ckptd.InternalError.code, reply
+        assert "injected defect in the space" in reply.message
+        sock.send(Ping(2).to_wire())
+        assert isinstance(decode(sock.recv()), Pong)
+    finally:
+        sock.close()
+    log = (daemon.run_dir / LOG_NAME).read_text()
+    assert "event=fault op=space" in log and "Traceback" in log
+    assert daemon.stop() == 0

@@ -23,7 +23,7 @@ import ckptd
 from ckptd.client.memory import held_snapshots
 
 from helpers import SHM, equal_states, segments_of, wait_until
-from snapshots import STATE_SRC, full, held_paths, state_at
+from snapshots import STATE_SRC, full, held, held_paths, state_at
 from zygote import Script
 
 
@@ -231,3 +231,26 @@ def test_a_snapshot_over_a_held_one_is_refused_as_existing_and_replaces_it_with_
     wait_until(lambda: ckptd.read_index(one).step == 6, 30, "the replacement persisted on exit")
     assert equal_states(ckptd.load(one), states(6)[0])
     assert daemon.stop() == 0
+
+
+def test_a_defect_in_a_replacements_checksum_completion_fails_its_rank_at_once_and_the_held_one_serves(
+    daemon_factory, client_factory, root, run_dir
+) -> None:
+    """A completion that raises fails its snapshot on every rank at once (``Workers.submit``'s ``failed``); for a
+    replacement (``overwrite=True``) it looked the snapshot up in the held book, found the one it replaces, and
+    did nothing: the rank waited with no end (a snapshot whose ranks are all in is never overdue), and its client's
+    close with it (issue 38, case 8b)."""
+    path = root / "snap"
+    daemon = daemon_factory(faults=[{"op": "checksummed", "match": str(path), "skip": 1}])  # the held one passes
+    client = client_factory(commit_timeout=600)
+    client.save_async(full(1), path, step=1, persist=False).result(30)
+    replacement = client.save_async(full(2), path, step=2, persist=False, overwrite=True)
+    with pytest.raises(ckptd.InternalError, match="injected defect in the checksummed"):
+        replacement.result(30)
+    assert held(daemon, path)["step"] == 1
+    assert ckptd.load(path, run_dir=run_dir)["w"].equal(full(1)["w"])
+    listed = {shard[1] for snap in held_snapshots(run_dir) for shard in snap["shards"]}
+    wait_until(lambda: segments_of(daemon.proc.pid) == sorted(listed), 10,
+               lambda: f"the replacement's slot given back: the daemon names {segments_of(daemon.proc.pid)}")
+    assert daemon.stop() == 0  # the drain persists the held one
+    assert ckptd.read_index(path).step == 1

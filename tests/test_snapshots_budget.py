@@ -8,7 +8,9 @@ import torch
 
 import ckptd
 
-from helpers import SHM, ckptd_cli
+from ckptd.client.memory import held_snapshots
+
+from helpers import SHM, ckptd_cli, segments_of, wait_until
 from snapshots import full, held_paths
 
 
@@ -30,6 +32,32 @@ def test_the_budget_evicts_persisted_snapshots_then_refuses_saying_what_to_do(
     assert "memory budget is 2.0 MiB" in message and "1.5 MiB hold snapshots (2 held" in message
     assert "--memory-budget" in message and "persist" in message
     assert [s["path"] for s in daemon.status()["memory"]["snapshots"]] == held  # nothing newest was dropped
+    daemon.stop()
+
+
+def test_a_snapshot_refused_for_the_budget_evicts_nothing_and_every_slot_the_daemon_holds_stays_counted(
+    daemon_factory, client_factory, root, run_dir
+) -> None:
+    """Eviction is decided before it is done: one that would still leave no room evicts nothing. It evicted the
+    persisted snapshot from the books and then refused, so that snapshot's slot stayed mapped under the daemon's
+    name, outside the budget, with no SnapshotDropped (issue 38, case 8a)."""
+    daemon = daemon_factory("--memory-budget", "2MiB", "--keep-snapshots", "2")
+    client = client_factory()
+    small = {"w": torch.ones(200_000)}  # 0.77 MiB each: two fit, and evicting one leaves no room for a 1.5 MiB one
+    client.save_async(small, root / "a", step=1, persist=False).result(30)
+    client.save_async(small, root / "b", step=2, persist=False).result(30)
+    client.persist(root / "a")
+    with pytest.raises(ckptd.NoSpace, match="memory budget is 2.0 MiB"):
+        client.save_async({"w": torch.ones(400_000)}, root / "big", step=3, persist=False).result(30)
+    assert held_paths(run_dir) == {str(root / "a"), str(root / "b")}  # a stays: evicting it would not have helped
+    listed = {shard[1] for snap in held_snapshots(run_dir) for shard in snap["shards"]}
+    assert segments_of(daemon.proc.pid) == sorted(listed)  # no slot held that no snapshot counts
+    memory = daemon.status()["memory"]
+    assert memory["held_bytes"] == sum(s["bytes"] for s in memory["snapshots"])
+    client.save_async(small, root / "c", step=4, persist=False).result(30)  # this one fits once a is evicted
+    assert held_paths(run_dir) == {str(root / "b"), str(root / "c")}
+    wait_until(lambda: len(segments_of(daemon.proc.pid)) == 2, 10, lambda: f"a's slot released by the daemon: "
+               f"it names {segments_of(daemon.proc.pid)}")
     daemon.stop()
 
 

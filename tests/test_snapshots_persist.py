@@ -13,6 +13,7 @@ applies when a snapshot is persisted on exit.
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,8 +21,9 @@ import pytest
 
 import ckptd
 from ckptd.client.memory import held_snapshots
+from ckptd.protocol.messages import Abort, Error, Hello, decode
 
-from helpers import SHM, equal_states, status, wait_until
+from helpers import SHM, equal_states, raw_socket, status, wait_until
 from snapshots import full, held, state_at
 
 
@@ -205,6 +207,35 @@ def test_a_persist_that_times_out_says_what_it_waited_for(daemon_factory, client
     with pytest.raises(TimeoutError, match=r"persist\(.*slow'\) was not committed to disk within 0.5 s"):
         client.persist(root / "slow", timeout=0.5)
     go.touch()
+    daemon.stop()
+
+
+def test_an_abort_from_the_snapshots_own_job_never_fails_the_daemons_write_of_it_to_disk(
+    daemon_factory, client_factory, root, tmp_path
+) -> None:
+    """An Abort ends the job's attempt still gathering its ranks, not a held snapshot's persist, which the daemon
+    runs for ranks already answered: the persist's disk attempt bears the snapshot's job, and an Abort of that
+    job at the path failed it with ``RanksMissing`` (issue 38, case 8d)."""
+    go = tmp_path / "go"
+    daemon = daemon_factory(faults=[{"op": "fsync", "match": "/slow.incomplete/", "errno": 0, "wait_for": str(go)}])
+    client = client_factory(job="run-1")
+    path = root / "slow"
+    client.save_async(full(1), path, step=1, persist=False).result(30)
+    with ThreadPoolExecutor(1) as pool:
+        persisted = pool.submit(client.persist, path)
+        wait_until(lambda: held(daemon, path)["persisting"], 30, "the persist under way")
+        sock = raw_socket(daemon)
+        try:  # a rank of run-1 in a process of its own, as ``ckptd.dcp.StorageWriter``'s Abort comes
+            for request in (Hello(1, os.getpid(), os.getuid(), "test", job="run-1"),
+                            Abort(2, str(path), "a rank of run-1 gave up", "run-1")):
+                sock.send(request.to_wire())
+                assert not isinstance(reply := decode(sock.recv()), Error), reply
+        finally:
+            sock.close()
+        go.touch()
+        assert persisted.result(60) == path
+    assert ckptd.read_index(path).step == 1 and ckptd.load(path)["w"].equal(full(1)["w"])
+    assert held(daemon, path)["persisted"]
     daemon.stop()
 
 

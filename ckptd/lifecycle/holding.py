@@ -44,7 +44,7 @@ from ckptd.lifecycle.snapshots import HeldShard, HeldSnapshot, shards_of
 from ckptd.lifecycle.writer import Progress, checksum_when_staged
 from ckptd.loop.config import DaemonConfig
 from ckptd.loop.events import Committed, Deleted, Events, Failed, SnapshotDropped, SnapshotHeld
-from ckptd.loop.replies import as_error, error_reply
+from ckptd.loop.replies import as_error, error_reply, logged
 from ckptd.loop.state import NodeState
 from ckptd.loop.workers import Workers
 from ckptd.storage.backends import Backends
@@ -104,8 +104,19 @@ class Holding:
             slots.adopt(slot, name)
             return crc
         self.workers.submit("checksum", checksum_and_adopt, lambda f: self._checksummed(ident, msg, snap, f),
-                            failed=lambda exc: self.fail(snap, exc) if self.snapshots.held.get(snap.path) is snap
-                            else None)
+                            failed=lambda exc: self._checksum_failed(ident, msg, snap, exc))
+
+    def _checksum_failed(self, ident: bytes, msg: Snapshot, snap: HeldSnapshot, exc: BaseException) -> None:
+        """The completion of a shard's checksum raised (a defect): its snapshot fails on every rank now, held or
+        replacing one (``holds``: a replacement with ``overwrite=True`` is in the other book, and its ranks waited
+        for their timeout), and the shard's slot goes back as a failed checksum's would."""
+        self.state.end_save(ident, msg.id)
+        if not self.snapshots.holds(snap):
+            return
+        self.fail(snap, exc)
+        shard = snap.shards.get(msg.rank)
+        if shard is not None and shard.checksum is None:  # ``fail`` hands back only the checksummed ones
+            self._return_unheld([shard])
 
     def _evicted(self, evicted: list[HeldSnapshot]) -> None:
         for old in evicted:
@@ -211,11 +222,13 @@ class Holding:
         """Slots of a snapshot that failed before its ranks were told ``Held``: their clients still count them as
         their own (no ``released`` entry), and a gone client's is unlinked (``_hand_back``)."""
         if shards:
-            self._hand_back(shards, lambda back, fut: None)
+            self._hand_back(shards, lambda back, fut: None, logged(self.state.stats))
 
-    def _hand_back(self, shards: list[HeldShard], done: Callable[[list[HeldShard], Future], None]) -> None:
+    def _hand_back(self, shards: list[HeldShard], done: Callable[[list[HeldShard], Future], None],
+                   failed: Callable[[BaseException], None]) -> None:
         """A connected client's slot goes back under its old name, a gone one's is unlinked (its name would be a
-        dead process's segment that nothing reclaims any more); ``done(back, future)`` runs on the loop after."""
+        dead process's segment that nothing reclaims any more); ``done(back, future)`` runs on the loop after,
+        ``failed(exc)`` if it raised."""
         slots = self.state.slots
         back = [sh for sh in shards if self.state.pid_connected(sh.pid)]
         gone = [sh for sh in shards if sh not in back]
@@ -227,7 +240,7 @@ class Holding:
             _unlink(slots.shm_dir, names)
             for sh in back:
                 slots.give_back(sh.slot, sh.msg.slot)
-        self.workers.submit("maintenance", work, lambda fut: done(back, fut))
+        self.workers.submit("maintenance", work, lambda fut: done(back, fut), failed)
 
     # -- the registry's housekeeping (``registry.Registry``) -------------------------------------------------
 
@@ -328,10 +341,15 @@ class Holding:
                 if sh.msg.slot not in left:
                     self.snapshots.released.setdefault(sh.pid, []).append(sh.msg.slot)
             if left:
-                self.workers.submit("maintenance", lambda: _unlink(slots.shm_dir, left))
+                self.workers.background("maintenance", lambda: _unlink(slots.shm_dir, left))
+            then()
+
+        def undone(exc: BaseException) -> None:  # ``done`` raised (a defect): those waiting on ``then`` (ranks owed
+            # their Held, a closing client its Ok) are answered still
+            as_error(self.state.stats, exc)
             then()
         if shards:
-            self._hand_back(shards, done)
+            self._hand_back(shards, done, undone)
         else:
             then()
 
@@ -339,11 +357,19 @@ class Holding:
         """A rank of run ``msg.job`` gave up on a save of ``msg.path``; Ok follows. A snapshot of that run still
         gathering its ranks there fails on every rank at once (``ckptd.dcp.StorageWriter`` aborts when a rank's
         shard never came, so the others do not wait for their timeout); anything else is a coordinated disk
-        attempt's Abort (``Saves.abort_at``)."""
+        attempt's Abort (``Saves.abort_at``). A held snapshot being written to disk is not: that write is the
+        daemon's own (its ranks were answered), so an Abort, which ends an attempt whose ranks are gathering, never
+        fails it (it was taken for the persist's disk attempt, and the persist failed with ``RanksMissing``)."""
 
         def abort(final: Path) -> None:
             candidates = (self.snapshots.replacing.get(final), self.snapshots.held.get(final))
             snap = next((s for s in candidates if s is not None and s.open and s.contributors.job == msg.job), None)
+            held = self.snapshots.held.get(final)
+            if snap is None and held is not None and held.persisting:
+                log.info("event=abort_ignored path=%s job=%r reason=%s why=persisting_held_snapshot", final, msg.job,
+                         msg.reason)
+                self.send(ident, Ok(msg.id))
+                return
             if snap is None:
                 self.saves.abort_at(ident, msg, final)
                 return
@@ -529,7 +555,8 @@ class Holding:
             if self.snapshots.held.get(snap.path) is snap and not snap.persisting and not snap.persisted:
                 self.start_persist(snap)
 
-        self.workers.submit("maintenance", lambda: time.sleep(delay), again)
+        self.workers.submit("maintenance", lambda: time.sleep(delay), again,
+                            failed=lambda exc: self.persisted(snap.path, as_error(self.state.stats, exc)))
         return True
 
     def _answer_persists(self, snap: HeldSnapshot, error: CkptdError | None) -> None:

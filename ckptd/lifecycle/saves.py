@@ -41,7 +41,7 @@ from ckptd.lifecycle.snapshots import HeldSnapshot
 from ckptd.lifecycle.writer import Progress, WriteJob, WriteState, write_shard
 from ckptd.loop.config import DaemonConfig
 from ckptd.loop.events import Committed, Events, Failed
-from ckptd.loop.replies import as_error, error_reply
+from ckptd.loop.replies import as_error, error_reply, logged
 from ckptd.loop.state import NodeState
 from ckptd.loop.workers import Workers
 from ckptd.storage.backends import Backends
@@ -137,7 +137,8 @@ class Saves:
             self.abandon(current)
             if current.settled and msg.job != current.contributors.job and not looked:
                 self._look_then(current, lambda: self.admit_examined(ident, msg, progress, examined, pid=pid,
-                                                                     looked=True, arrived_draining=arrived_draining))
+                                                                     looked=True, arrived_draining=arrived_draining),
+                                failed=lambda exc: self.refuse(ident, msg, exc))
                 return
             conflict = current.broken_by(msg)
             if conflict is not None:  # the run's save is broken: every rank is told, this one included
@@ -375,7 +376,16 @@ class Saves:
 
     def _discard(self, pending: PendingCheckpoint) -> None:
         self.workers.submit("admit", lambda: self.state.commits.set_aside(pending),
-                            lambda fut: self._set_aside(pending, fut))
+                            lambda fut: self._set_aside(pending, fut),
+                            failed=lambda exc: self._unset_aside(pending, exc))
+
+    def _unset_aside(self, pending: PendingCheckpoint, exc: BaseException) -> None:
+        """A completion of ``pending``'s discard raised (a defect): what waits for its path to be cleared (a retry,
+        a persist: ``Commits.wait_for_cleanup``) goes on now, and meets what is left there, instead of waiting
+        for its timeout."""
+        as_error(self.state.stats, exc)
+        for again in self.state.commits.cleared(pending.path):
+            again()
 
     def _set_aside(self, pending: PendingCheckpoint, fut: Future) -> None:
         state = self.state
@@ -385,14 +395,15 @@ class Saves:
             delay = min(MAX_DISCARD_RETRY_S, DISCARD_RETRY_S * 2 ** (tries - 1))
             log.warning("event=discard_failed path=%s attempt=%d retry_in_s=%g error=%s", pending.incomplete, tries,
                         delay, getattr(error, "strerror", None) or error)
-            self.workers.submit("maintenance", lambda: time.sleep(delay), lambda _: self._discard(pending))
+            self.workers.submit("maintenance", lambda: time.sleep(delay), lambda _: self._discard(pending),
+                                failed=lambda exc: self._unset_aside(pending, exc))
             return
         self._discards.pop(pending.path, None)
         if error is not None:
             log.warning("event=discard_failed path=%s error=%r", pending.incomplete, error)
         elif fut.result() is not None:
             aside: Path = fut.result()
-            self.workers.submit("maintenance", lambda: self.storage.at(aside).files.remove_tree(aside))
+            self.workers.background("maintenance", lambda: self.storage.at(aside).files.remove_tree(aside))
         for again in state.commits.cleared(pending.path):
             again()
 
@@ -421,19 +432,22 @@ class Saves:
                 log.warning("event=release_failed path=%s error=%r", pending.incomplete, fut.exception())
             elif (aside := fut.result()) is not None:
                 log.info("event=released path=%s", pending.incomplete)
-                self.workers.submit("maintenance", lambda: self.storage.at(aside).files.remove_tree(aside))
+                self.workers.background("maintenance", lambda: self.storage.at(aside).files.remove_tree(aside))
 
-        self.workers.submit("admit", lambda: self.state.commits.release(pending), released)
+        self.workers.submit("admit", lambda: self.state.commits.release(pending), released,
+                            failed=logged(self.state.stats))
 
-    def _look_then(self, pending: PendingCheckpoint, then: Callable[[], None]) -> None:
-        """Let go of a settled attempt if its directory is gone (admit pool), then ``then`` on the loop."""
+    def _look_then(self, pending: PendingCheckpoint, then: Callable[[], None],
+                   failed: Callable[[BaseException], None]) -> None:
+        """Let go of a settled attempt if its directory is gone (admit pool), then ``then`` on the loop (``failed``
+        if that raised)."""
 
         def looked(fut: Future) -> None:
             if fut.exception() is None and fut.result():
                 self._let_go(pending, "its directory is gone: another node's daemon published or discarded it")
             then()
 
-        self.workers.submit("admit", lambda: self.state.commits.ended_elsewhere(pending), looked)
+        self.workers.submit("admit", lambda: self.state.commits.ended_elsewhere(pending), looked, failed)
 
     def _let_go_ended(self) -> None:
         """Housekeeping: let go of settled attempts that another node's daemon published or discarded meanwhile
@@ -452,7 +466,12 @@ class Saves:
             for pending in fut.result() if fut.exception() is None else []:
                 self._let_go(pending, "its directory is gone: another node's daemon published or discarded it")
 
-        self.workers.submit("maintenance", lambda: [p for p in kept if commits.ended_elsewhere(p)], looked)
+        def unlooked(exc: BaseException) -> None:
+            self._looking = False
+            as_error(self.state.stats, exc)
+
+        self.workers.submit("maintenance", lambda: [p for p in kept if commits.ended_elsewhere(p)], looked,
+                            failed=unlooked)
 
     # -- the registry's housekeeping (``registry.Registry``) -------------------------------------------------
 

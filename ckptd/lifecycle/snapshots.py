@@ -266,26 +266,31 @@ class Snapshots:
         return snap, evicted
 
     def make_room(self, final: Path, needed: int) -> list[HeldSnapshot]:
-        """Evict the oldest persisted snapshots until ``needed`` more bytes fit; ``NoSpace`` if they cannot."""
-        evicted: list[HeldSnapshot] = []
+        """Evict the oldest persisted snapshots until ``needed`` more bytes fit; ``NoSpace`` if they cannot.
+
+        Which to evict is decided first, and nothing is evicted unless ``needed`` then fits: a snapshot refused
+        anyway must not cost one that is held (the caller releases the evicted ones' slots only on success)."""
         candidates = sorted((s for s in self.held.values() if s.persisted and not s.persisting and not s.readers),
                             key=lambda s: s.order)  # a pinned one's memory would stay until its readers are done
-        while self.held_bytes + needed > self.budget and candidates:
-            victim = candidates.pop(0)
-            self.remove(victim, AttemptState.DROPPED)
-            evicted.append(victim)
-        if self.held_bytes + needed > self.budget:
-            unpersisted, replicas = sum(1 for s in self.held.values() if not s.persisted), self.replica_bytes()
-            raise NoSpace(
-                f"snapshot {final} needs {human_bytes(needed)} of node memory, but the daemon's memory budget is "
-                f"{human_bytes(self.budget)}: {human_bytes(self.held_bytes - replicas)} hold snapshots "
-                f"({len(self.held)} held, {unpersisted} of them not on disk yet, which are never evicted for "
-                f"another; the rest being replaced or still read after a drop) and {human_bytes(replicas)} hold "
-                f"replicas for peers. The budget must hold keep_snapshots + 1 snapshots per job (the newest is only "
-                f"dropped once a newer one is held): start the daemon with a larger --memory-budget or a smaller "
-                f"--keep-snapshots, persist (client.persist, for a snapshot of one node) or save to disk "
-                f"(persist=True) instead")
-        return evicted
+        evicted: list[HeldSnapshot] = []
+        freed = 0
+        while self.held_bytes - freed + needed > self.budget and candidates:
+            evicted.append(candidates.pop(0))
+            freed += evicted[-1].nbytes
+        if self.held_bytes - freed + needed <= self.budget:
+            for victim in evicted:
+                self.remove(victim, AttemptState.DROPPED)
+            return evicted
+        unpersisted, replicas = sum(1 for s in self.held.values() if not s.persisted), self.replica_bytes()
+        raise NoSpace(
+            f"snapshot {final} needs {human_bytes(needed)} of node memory, but the daemon's memory budget is "
+            f"{human_bytes(self.budget)}: {human_bytes(self.held_bytes - replicas)} hold snapshots "
+            f"({len(self.held)} held, {unpersisted} of them not on disk yet, which are never evicted for "
+            f"another; the rest being replaced or still read after a drop) and {human_bytes(replicas)} hold "
+            f"replicas for peers. The budget must hold keep_snapshots + 1 snapshots per job (the newest is only "
+            f"dropped once a newer one is held): start the daemon with a larger --memory-budget or a smaller "
+            f"--keep-snapshots, persist (client.persist, for a snapshot of one node) or save to disk "
+            f"(persist=True) instead")
 
     def newer_than_kept(self, snap: HeldSnapshot) -> list[HeldSnapshot]:
         """Once ``snap`` is complete: the snapshots of its job to drop, dropped from the books.

@@ -12,6 +12,7 @@ handler answers its request with ``error_reply``; an attempt that fails
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from ckptd.protocol.errors import CkptdError, InternalError
 from ckptd.protocol.messages import Error
@@ -34,3 +35,13 @@ def as_error(stats: Stats, exc: BaseException) -> CkptdError:
 def error_reply(stats: Stats, rid: int, exc: BaseException) -> Error:
     """The ``Error`` that answers request ``rid`` for ``exc`` (``as_error``)."""
     return Error.of(rid, as_error(stats, exc))
+
+
+def logged(stats: Stats) -> Callable[[BaseException], None]:
+    """The failure path (``Workers.submit``'s ``failed``) of a completion no rank, request or peer waits on: the
+    defect is logged and shown among ``ckptd status``'s recent errors (``as_error``), and nobody is to be told."""
+
+    def log_it(exc: BaseException) -> None:
+        as_error(stats, exc)
+
+    return log_it

@@ -125,8 +125,8 @@ class Server:
         # its pid), which the sweep of dead pids cannot tell: unlinked now, before this daemon takes any over.
         if reclaimed := self.state.slots.reclaim(os.getpid()):
             log.info("event=slots_reclaimed count=%d owner=predecessor_with_this_pid", reclaimed)
-        self.workers.submit("maintenance", reclaim_orphaned_slots)
-        self.workers.submit("maintenance", lambda: sweep_incomplete(storage, directories, config.sweep))
+        self.workers.background("maintenance", reclaim_orphaned_slots)
+        self.workers.background("maintenance", lambda: sweep_incomplete(storage, directories, config.sweep))
 
     def _start_peers(self, keys: Trust) -> None:
         """The replicas held for other nodes, the peer endpoint (``--peer-listen``) and replication to the buddy."""
@@ -288,7 +288,8 @@ class Server:
     def _on_status(self, ident: bytes, msg: Status) -> None:
         info = self._status_info()
         self.workers.submit("status", lambda: add_filesystems(info, self.storage),
-                            lambda fut: self._send(ident, StatusReply(msg.id, fut.result())))
+                            lambda fut: self._send(ident, StatusReply(msg.id, fut.result())),
+                            failed=lambda exc: self._send(ident, error_reply(self.state.stats, msg.id, exc)))
         return None  # the reply follows once the filesystems' numbers are in
 
     def _on_lease(self, ident: bytes, msg: Lease) -> None:
@@ -345,9 +346,9 @@ class Server:
     def _housekeeping(self) -> None:
         if self.metrics is not None:
             metrics, info = self.metrics, self._status_info()
-            self.workers.submit("status", lambda: metrics.update(add_filesystems(info, self.storage)))
+            self.workers.background("status", lambda: metrics.update(add_filesystems(info, self.storage)))
         if self.state.slots.mapped_bytes:  # slots clients replaced; nothing to do (nor to keep busy) when none
-            self.workers.submit("maintenance", self.state.slots.drop_unlinked)
+            self.workers.background("maintenance", self.state.slots.drop_unlinked)
         died = []
         for ident in self.state.dead_clients():
             client = self.state.clients[ident]
@@ -356,7 +357,7 @@ class Server:
             if client.job:  # a rank of a named run: its run's saves still waiting for it never complete
                 died.append(DeadRank(client.job, client.world_size, client.rank, pid))
             if not self.state.pid_connected(pid):
-                self.workers.submit("maintenance", lambda pid=pid: self.state.slots.reclaim(pid))
+                self.workers.background("maintenance", lambda pid=pid: self.state.slots.reclaim(pid))
         self.attempts.housekeep(time.monotonic(), died)
         if self.replicas is not None:
             self.replicas.tidy(time.monotonic())

@@ -137,7 +137,7 @@ class Placement:
         named = {"peer": {self.buddy_endpoint()}, "peer_ask": set(self.ask_endpoints())}
         for pool, links in self._links.items():
             for endpoint in [ep for ep in links if ep not in named[pool]]:
-                self.workers.submit(pool, links.pop(endpoint).close)
+                self.workers.background(pool, links.pop(endpoint).close)
 
     def close(self) -> None:
         """Close every link (the pools have stopped)."""

@@ -189,7 +189,7 @@ class Replicas:
             if fut.exception() is not None:  # refused, or no file: nothing of the offer stays on the books
                 self._drop(replica)
             reply(self._answer(fut, msg.id), None)
-        self.workers.submit("replica", create, created)
+        self.workers.submit("replica", create, created, failed=self._refused(reply, msg.id))
 
     def chunk(self, ident: bytes, msg: Chunk, data: memoryview, reply: Reply) -> None:
         """Write the next piece of a shard being received (in order); Ok once written."""
@@ -207,7 +207,8 @@ class Replicas:
             assert shard.map is not None
             shard.map[msg.offset:msg.offset + len(data)] = data
             shard.crc = update(data, shard.crc)
-        self.workers.submit("replica", write, lambda fut: reply(self._answer(fut, msg.id), None))
+        self.workers.submit("replica", write, lambda fut: reply(self._answer(fut, msg.id), None),
+                            failed=self._refused(reply, msg.id))
 
     def seal(self, ident: bytes, msg: Seal, reply: Reply) -> None:
         """Every byte of a shard came: held if its checksum is the origin's, else dropped; Ok or Error."""
@@ -235,7 +236,8 @@ class Replicas:
             if replica.complete:
                 self._completed(replica)
             reply(Ok(msg.id), None)
-        self.workers.submit("replica", lambda: None, sealed)  # behind the chunks' writes
+        self.workers.submit("replica", lambda: None, sealed, failed=self._refused(reply, msg.id))  # behind the
+        # chunks' writes
 
     def _receiving(self, replica: Replica, shard: ReplicaShard) -> bool:
         """Whether ``shard`` of ``replica`` is still being received: a new offer of the same shard (a peer that
@@ -269,6 +271,10 @@ class Replicas:
         exc = fut.exception()
         return Ok(rid) if exc is None else error_reply(self.stats, rid, exc)
 
+    def _refused(self, reply: Reply, rid: int) -> Callable[[BaseException], None]:
+        """A completion's failure path: the peer's request ``rid`` is answered with the error, not left to time out."""
+        return lambda exc: reply(error_reply(self.stats, rid, exc), None)
+
     def _drop(self, replica: Replica) -> None:
         if self.incoming.get((replica.origin, replica.path)) is replica:
             del self.incoming[(replica.origin, replica.path)]
@@ -278,7 +284,7 @@ class Replicas:
 
     def _unlink(self, replica: Replica) -> None:
         shards, shm_dir = list(replica.shards.values()), self.shm_dir
-        self.workers.submit("replica", lambda: [s.close(shm_dir) for s in shards])
+        self.workers.background("replica", lambda: [s.close(shm_dir) for s in shards])
 
     def tidy(self, now: float) -> None:
         """Drop replicas whose origin stopped streaming them."""
@@ -316,7 +322,7 @@ class Replicas:
                 reply(self._answer(fut, msg.id), None)
             else:
                 reply(Piece(msg.id, msg.offset), fut.result())
-        self.workers.submit("replica", read, send)
+        self.workers.submit("replica", read, send, failed=self._refused(reply, msg.id))
 
     def hand_over(self, replica: Replica) -> list[tuple[Snapshot, str, int, mmap.mmap, int]]:
         """Take a complete replica off the books without unlinking its files, which become a snapshot held here

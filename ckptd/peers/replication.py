@@ -52,7 +52,7 @@ from ckptd.lifecycle.holding import Holding
 from ckptd.lifecycle.snapshots import HeldSnapshot
 from ckptd.loop.config import DaemonConfig
 from ckptd.loop.events import SnapshotHeld
-from ckptd.loop.replies import error_reply
+from ckptd.loop.replies import as_error, error_reply
 from ckptd.loop.stats import Stats
 from ckptd.loop.workers import Workers
 from ckptd.peers.keys import KeyPair, Trust
@@ -235,7 +235,8 @@ class Replication:
                 finally:
                     view.release()
             return start, time.monotonic()
-        self.workers.submit("peer", stream, lambda fut: self._streamed(turn, fut))
+        self.workers.submit("peer", stream, lambda fut: self._streamed(turn, fut),
+                            failed=lambda exc: self._unstreamed(turn, exc))
 
     def _streamed(self, turn: _Turn, fut: Future) -> None:
         snap, newer = turn.snap, self._turns.get(turn.snap.path.parent)
@@ -333,6 +334,16 @@ class Replication:
             f"{successor['step']} in its place (another run's snapshot of the same path, or a newer one of its "
             f"directory)"))
 
+    def _unstreamed(self, turn: _Turn, exc: BaseException) -> None:
+        """``_streamed`` raised (a defect): the snapshot is unpinned and shows its replication failed, instead of
+        ``replicating`` for ever (``wait_replicated`` waits on it)."""
+        snap = turn.snap
+        if self._turns.get(snap.path.parent) is turn:
+            del self._turns[snap.path.parent]
+        self.holding.unpin_for(turn.reader, snap.path)
+        if snap.replication is R.REPLICATING:
+            self.holding.state.attempts.replicate(snap, R.FAILED, as_error(self.stats, exc).message)
+
     # -- from the peers -------------------------------------------------------
 
     def listing(self, ident: bytes, msg: PeerSnapshots) -> Message | None:
@@ -409,8 +420,8 @@ class Replication:
             raise InvalidCheckpoint(f"no peer holds a replica of snapshot {display(path)} that passes its check"
                                     + (f": {'; '.join(why)}" if why else " (none holds one)"))
 
-        def done(fut: Future) -> None:
-            waiters = self._restoring.pop(path, [])
+        def done(fut: Future) -> None:  # its waiters stay listed until answered: ``unanswered`` answers them if
+            # this raises
             error: BaseException | None = fut.exception()
             if error is None:
                 entry, pulled = fut.result()
@@ -419,11 +430,14 @@ class Replication:
                                                                         for p in pulled])
                     log.info("event=snapshot_restored path=%s step=%s peer=%s", path, entry["step"], entry["on_peer"])
                 except CkptdError as exc:
-                    self.workers.submit("maintenance", lambda: _discard(pulled, shm_dir))
+                    self.workers.background("maintenance", lambda: _discard(pulled, shm_dir))
                     error = exc
-            for who, rid in waiters:
+            for who, rid in self._restoring.pop(path, []):
                 self.send(who, Ok(rid) if error is None else error_reply(self.stats, rid, error))
-        self.workers.submit("peer_ask", pull, done)
+        def unanswered(exc: BaseException) -> None:
+            for who, rid in self._restoring.pop(path, []):
+                self.send(who, error_reply(self.stats, rid, exc))
+        self.workers.submit("peer_ask", pull, done, failed=unanswered)
         return None
 
     def _heard(self, outcomes: dict[str, BaseException | None]) -> None:

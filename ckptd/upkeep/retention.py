@@ -30,6 +30,7 @@ from ckptd.protocol.names import INDEX_NAME
 
 from ckptd.loop.config import DaemonConfig
 from ckptd.loop.events import Committed, Deleted, Events
+from ckptd.loop.replies import logged
 from ckptd.loop.stats import Stats
 from ckptd.loop.workers import Workers
 from ckptd.storage.backends import Backends
@@ -201,7 +202,7 @@ class Retainer:
             return apply_retention(self.storage.at(request.newest), request.newest, request.keep_last,
                                    set(request.in_flight), self.not_uploaded, self.publishing)
 
-        self.workers.submit("maintenance", run, lambda fut: self._done(newest, fut))
+        self.workers.submit("maintenance", run, lambda fut: self._done(newest, fut), failed=logged(self.stats))
 
     def delete(self, final: Path, answer: Callable[[BaseException | None], None]) -> None:
         """A trainer's ``Delete`` of ``final`` (loop thread): refused while a save to it is in flight, else the
