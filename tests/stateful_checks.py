@@ -111,18 +111,43 @@ class Checks:
         self.model.may.pop(path, None)
         self.model.trimmed.discard(path)
         self.model.history.setdefault(path, []).append(saved)
+        tiers = self.model.tier(path)
+        if tier in SNAPSHOTS:  # the buddy's copy of the path is vouched for again once it shows replicated
+            tiers.memory, tiers.buddy = saved, None
+        elif path.startswith("s3://"):
+            tiers.store = saved
+        else:  # a disk save drops a held snapshot of its path (docs/memory.md)
+            tiers.disk, tiers.memory = saved, None
         if tier == "mirror":
             self.model.mirrored_names.add(name)
-        keep = keep_last if keep_last is not None else (self.cfg.local_keep if tier == "mirror" else None)
+        keep = self._keep(path, keep_last)
         if keep is None or tier in SNAPSHOTS:
             return
-        siblings = [(s.step, s.seq, p) for p, s in self.model.must.items()
-                    if p != path and os.path.dirname(p) == os.path.dirname(path)]
+        siblings = [(s.step, s.seq, p) for p, s in self.model.must.items()  # committed ones: a held snapshot is not
+                    if p != path and os.path.dirname(p) == os.path.dirname(path) and s.durable]
         for _, _, old in sorted(siblings, reverse=True)[keep - 1:]:
-            self.model.trimmed.add(old)
-            if tier != "mirror" or self.cfg.mirror_keep is not None:
-                self.model.allow_gone(old)  # with --mirror-keep a trimmed one may be neither local nor mirrored
-            # else: gone locally once uploaded, it must stay readable from the mirror
+            self._trimmed(old, gone=tier != "mirror" or self.cfg.mirror_keep is not None)
+
+    def _keep(self, path: str, keep_last: int | None) -> int | None:
+        """How many checkpoints retention keeps in ``path``'s directory after it commits: its own ``keep_last``,
+        else the daemon's ``--keep`` for the directory."""
+        if keep_last is not None:
+            return keep_last
+        parent = os.path.dirname(path)
+        if parent == str(self.w.root / "mir"):
+            return self.cfg.local_keep
+        if parent == str(self.w.root / "run") and self.cfg.run_keep is not None \
+                and not self.cfg.awaits("persist_outranks_newer"):
+            return self.cfg.run_keep
+        return None
+
+    def _trimmed(self, path: str, gone: bool = True) -> None:
+        """Retention was asked to delete ``path`` (``gone``: it may then be absent anywhere; else, mirrored, it must
+        stay readable from the mirror)."""
+        self.model.trimmed.add(path)
+        self.model.tier(path).disk = self.model.tier(path).store = None
+        if gone:
+            self.model.allow_gone(path)
 
     def _which_run(self, path: str, candidates: list[tuple[int, int]]) -> int:
         """Which of ``candidates`` ((incarnation, save id)) ``path``'s rank 0 holds."""
@@ -148,11 +173,39 @@ class Checks:
         for parent in sorted(parents):
             newest = self._newest_held(lambda s, parent=parent: s.inc == job.inc
                                        and os.path.dirname(self._path_of(s)) == parent)
-            if newest is not None and not newest.durable:
-                path = self._path_of(newest)
-                wait_until(lambda path=path: self._persisted(path), 60,
-                           f"the dead job's newest snapshot {path} persisted")
-                newest.durable = True
+            if newest is None or newest.durable:
+                continue
+            path = self._path_of(newest)
+            if self._newer_committed(newest):  # never persisted over a newer checkpoint (issue 38, case 2)
+                continue
+            wait_until(lambda path=path: self._persisted(path), 60,
+                       f"the dead job's newest snapshot {path} persisted")
+            self._now_durable(newest)
+
+    def _newer_committed(self, snapshot: Saved) -> bool:
+        """Whether a checkpoint of a higher step than ``snapshot`` is committed in its directory: persisting the
+        snapshot may then be passed over (what is persisted never outranks what was committed after it)."""
+        parent = os.path.dirname(self._path_of(snapshot))
+        return any(s.durable and s.step > snapshot.step for p, s in self.model.must.items()
+                   if os.path.dirname(p) == parent)
+
+    def _now_durable(self, saved: Saved) -> None:
+        """A held snapshot was persisted: committed on disk (or in the bucket) as well as in memory."""
+        saved.durable = True
+        path = self._path_of(saved)
+        if path.startswith("s3://"):
+            self.model.tier(path).store = saved
+        else:
+            self.model.tier(path).disk = saved
+        keep = None if path.startswith("s3://") else self._keep(path, saved.keep_last)
+        if keep is None:
+            return
+        # Retention after a persist orders by step, then commit: a persisted snapshot never outranks a newer
+        # checkpoint (issue 38, case 2). Beyond the newest ``keep`` (the snapshot among them) each may go.
+        committed = sorted(((s.step, s.seq, p) for p, s in self.model.must.items()
+                            if s.durable and os.path.dirname(p) == os.path.dirname(path)), reverse=True)
+        for _, _, old in committed[keep:]:
+            self._trimmed(old)
 
     def _restart_job_and_daemons(self, nodes: list[int]) -> None:
         self.dead_pids += [self.w.daemons[node].proc.pid for node in nodes]  # not the others: they live on
@@ -233,7 +286,7 @@ class Checks:
     def _load(self, path: str, rank: int) -> dict:
         """Rank ``rank``'s state at ``path``, through the daemon of the node that rank saves through (a DCP
         checkpoint holds it under ``rank<r>``)."""
-        per_node = -(-self.world // self.cfg.nodes)
+        per_node = -(-self.world // self.cfg.job_nodes)
         state = ckptd.load(path, rank=rank, run_dir=self.w.run_dirs[rank // per_node])
         return state.get(f"rank{rank}", state) if isinstance(state, dict) and "tag" not in state else state
 

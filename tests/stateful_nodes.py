@@ -103,7 +103,7 @@ class NodeLoss:
         path = next((p for p, s in self.model.must.items() if s is saved), None)
         if path is None:
             return
-        for node, info in enumerate(self._statuses()):
+        for node, info in enumerate(self._statuses()[:self.cfg.job_nodes]):  # the nodes its ranks saved through
             (snap,) = [s for s in info["memory"]["snapshots"] if s["path"] == path]
             assert snap["replication"] == "replicated", (
                 f"node {node}'s shards of {path}, the snapshot held last, are {snap['replication']} "

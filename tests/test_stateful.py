@@ -18,7 +18,7 @@ from stateful import CheckpointMachine, run_stateful
 from stateful_world import CONFIGS
 
 SHORT = {"tiers": (3, 10), "named_runs": (5, 6), "kills_inside": (2, 8), "two_nodes": (3, 6), "dcp": (3, 6),
-         "node_lost": (2, 3)}
+         "node_lost": (2, 3), "one_model": (3, 8)}
 """(sequences, steps) per configuration in ``make test``: about half a minute each on two busy cores (``node_lost``
 about 40 s: each of its sequences opens with a node lost, and 2 x 3 lose three nodes, one of them with its buddy).
 ``node_lost_wide`` (six ranks too) runs in ``make soak`` only.
@@ -66,6 +66,12 @@ def test_dcp_writer_saves_of_one_to_four_ranks_keep_every_acknowledged_checkpoin
 def test_nodes_lost_whole_resume_every_rank_bitwise_from_one_save_a_changed_replica_never_loaded(
         aws: S3Server) -> None:
     _run(aws, "node_lost")
+
+
+@pytest.mark.timeout(600)
+def test_snapshots_and_checkpoints_of_one_directory_on_disk_in_memory_and_on_a_buddy_match_one_model(
+        aws: S3Server) -> None:
+    _run(aws, "one_model")
 
 
 class _Drawn:
