@@ -179,25 +179,28 @@ class TierRules(TierChecks):
             if self._persisted(path):
                 self._now_durable(snapshot)
 
-    @precondition(lambda self: _on("replica_of_a_replaced_save")(self)
-                  and any(t.memory is not None and t.memory.step >= 1 for t in self.model.tiers.values()))
+    @precondition(lambda self: _on("replica_of_a_replaced_save")(self) and self._rollbacks())
     @rule(data=st.data(), second_run=st.booleans())
     def a_snapshot_is_rolled_back_to_a_lower_step(self, data: st.DataObject, second_run: bool) -> None:
-        """A held snapshot's path is snapshotted again at a lower step with ``overwrite=True``, by the same run or
-        by a second run of the job (the first one closed).
+        """A snapshot's path (held, persisted, or restored from the buddy after a loss) is snapshotted again at a
+        lower step with ``overwrite=True``, by the same run or by a second run of the job (the first one closed).
 
-        Allowed: ``ok`` (a held snapshot is replaced with ``overwrite``); then the path loads as the new save, and
-        once replication settled the buddy holds, of that path, only the new save (issue 38, cases 3 and 6)."""
+        Allowed: ``ok`` (a snapshot is replaced with ``overwrite``, docs/memory.md); then the path loads as the new
+        save, and once replication settled the buddy holds, of that path, only the new save (issue 38, case 3); a
+        later loss of node 0 resumes from it or from what is on disk, never from the replaced save's replica."""
         self._begin()
-        held = sorted((p, t.memory) for p, t in self.model.tiers.items()
-                      if t.memory is not None and t.memory.step >= 1)
-        path, saved = data.draw(st.sampled_from(held), label="snapshot")
+        path, step = data.draw(st.sampled_from(self._rollbacks()), label="snapshot")
         if second_run:
             self.job.exit()
             self._job_gone(self.job)
             self.job = self._new_job()
-        name = f"step-{path.rsplit('-', 1)[1]}"
-        self._save_all("memory", name, True, None, False, step=saved.step - 1)
+        self._save_all("memory", f"step-{path.rsplit('-', 1)[1]}", True, None, False, step=step - 1)
+
+    def _rollbacks(self) -> list[tuple[str, int]]:
+        """(path, step) of each snapshot path whose newest acknowledged save is at a step above 0."""
+        newest = {p: max(saves, key=lambda s: s.seq) for p, saves in self.model.history.items()
+                  if os.path.basename(p).startswith("snap-")}
+        return sorted((p, s.step) for p, s in newest.items() if s.step >= 1)
 
     @precondition(lambda self: self.cfg.buddy)
     @rule()

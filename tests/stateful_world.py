@@ -219,6 +219,9 @@ class Model:
         saved = self.must.pop(path, None)
         if saved is not None:
             self.may.setdefault(path, []).append(saved)
+            persisted = self.tier(path).disk  # a snapshot replaced in memory leaves its persisted predecessor
+            if persisted is not None and persisted not in self.may[path]:
+                self.may[path].append(persisted)
 
 
 KILL_POINTS = {
