@@ -298,6 +298,36 @@ class TierRules(TierChecks):
             self._wait(lambda: self._replication_of(path) == "replicated", PAUSED_S,
                        f"the snapshot after the pause, {path}, replicated")
 
+    @precondition(lambda self: _on("paused_origin_calls_its_snapshot_lost")(self)
+                  and any(t.memory is not None for t in self.model.tiers.values()))
+    @rule()
+    def the_origin_is_paused_while_its_buddy_drains(self) -> None:
+        """Node 0's daemon is stopped (SIGSTOP, proven by its process state) while node 1 drains (``ckptd stop``),
+        then continued and drained in turn; both daemons start again, with a new run of the job.
+
+        Allowed (docs/memory.md, Drain): the buddy judges an origin that does not answer within 2 s gone and
+        persists its replicas; both drains exit 0, the second writer of the same bytes told it was committed by
+        another (issue 38, case 5); node 0's newest snapshot of the directory is on disk, whoever wrote it."""
+        self._begin()
+        self._wait_replication_settled()
+        origin, buddy = self.w.daemons
+        origin.proc.send_signal(signal.SIGSTOP)
+        try:
+            self._wait(lambda: _process_state(origin.proc.pid) == "T", 30, "node 0's daemon stopped")
+            code = buddy.stop(timeout=120)
+            assert code == 0, f"ckptd stop of the buddy (node 1) exited {code}"
+        finally:
+            origin.proc.send_signal(signal.SIGCONT)
+        self.model.forget("buddy")
+        code = origin.stop(timeout=120)
+        assert code == 0, f"ckptd stop of node 0, paused while its buddy drained, exited {code}"
+        newest = self._newest_held(lambda s: os.path.dirname(self._path_of(s)) == self._directory())
+        if newest is not None and not newest.durable and not self._newer_committed(newest):
+            self._now_durable(newest)
+        self.dead_pids.append(buddy.proc.pid)
+        self.w.start_daemon(1)
+        self._daemon_lost(0)
+
     def _replication_of(self, path: str) -> str | None:
         """Node 0's word on its snapshot of ``path`` (asked of node 0 alone: node 1 may be stopped)."""
         return next((s["replication"] for s in status(self.w.run_dir)["memory"]["snapshots"] if s["path"] == path),

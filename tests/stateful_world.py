@@ -131,10 +131,12 @@ AWAITING_ISSUE_38 = frozenset({
     "persist_outranks_newer",  # case 2: persisting an older snapshot deletes a newer checkpoint (also via --keep)
     "replica_of_a_replaced_save",  # case 3: a path snapshotted again at a lower step keeps its old replica
     "replicated_but_gone",  # case 7: the origin says replicated for a replica its restarted buddy lost
+    "paused_origin_calls_its_snapshot_lost",  # case 5: the buddy persisted it, the origin's drain exits 3
 })
 """Issue 38's open cases the ``one_model`` rules find (``Config.awaiting_fixes``), each off until its fix merges:
 ``persist_outranks_newer`` turns off the rule persisting a snapshot under a newer checkpoint and ``--keep`` on its
-directory, ``replica_of_a_replaced_save`` the rollback rule, ``replicated_but_gone`` the buddy's restart."""
+directory, ``replica_of_a_replaced_save`` the rollback rule, ``replicated_but_gone`` the buddy's restart,
+``paused_origin_calls_its_snapshot_lost`` the origin paused while its buddy drains."""
 
 CONFIGS: dict[str, Config] = {
     "tiers": Config(forms=("unnamed", "job")),
@@ -302,8 +304,9 @@ class World:
                 extra += ["--keep", f"{self.root / 'mir'}={self.cfg.local_keep}"]
             if self.cfg.mirror_keep is not None:
                 extra += ["--mirror-keep", str(self.cfg.mirror_keep)]
-            if self.cfg.run_keep is not None and not self.cfg.awaits("persist_outranks_newer"):
-                extra += ["--keep", f"{self.root / 'run'}={self.cfg.run_keep}"]
+
+        if self.cfg.run_keep is not None and not self.cfg.awaits("persist_outranks_newer"):  # every node: a buddy
+            extra += ["--keep", f"{self.root / 'run'}={self.cfg.run_keep}"]  # persists replicas there on a drain
         if self.cfg.peers:
             extra += ["--peer-listen", self.endpoint(node), "--peer", self.endpoint(node + 1), "--peer-keys",
                       str(self.keys_file), "--persist-on-exit", "never"]
