@@ -103,6 +103,7 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
             self._save_all("disk", data.draw(st.sampled_from(NAMES), label="name"), False, None, False)
             self._save_all("memory", data.draw(st.sampled_from(NAMES), label="name"), False, None, False)
             self.the_origin_node_is_lost()
+            self._opening(data)
         elif self.cfg.nodes > 1:
             self.job_crashes_mid_save(data, data.draw(st.sampled_from(NAMES), label="name"), False)
 

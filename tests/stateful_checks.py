@@ -123,10 +123,27 @@ class Checks:
         keep = self._keep(path, keep_last)
         if keep is None or tier in SNAPSHOTS:
             return
-        siblings = [(s.step, s.seq, p) for p, s in self.model.must.items()  # committed ones: a held snapshot is not
-                    if p != path and os.path.dirname(p) == os.path.dirname(path) and s.durable]
-        for _, _, old in sorted(siblings, reverse=True)[keep - 1:]:
-            self._trimmed(old, gone=tier != "mirror" or self.cfg.mirror_keep is not None)
+        self._retention(path, keep - 1, counted=True, gone=tier != "mirror" or self.cfg.mirror_keep is not None)
+
+    def _retention(self, committed: str, slots: int, *, counted: bool, gone: bool = True) -> None:
+        """Retention ran after ``committed`` committed in its directory. ``counted``: it is kept and the others share
+        ``slots`` (``keep_last - 1``: the one just committed always counts, docs/api.md); else it is one of the
+        candidates for ``slots`` (a persisted snapshot never outranks a newer checkpoint, issue 38, case 2).
+        Newest by step, then commit time: a checkpoint with ``slots`` certainly newer ones is deleted; one with that
+        many possibly newer (a snapshot a daemon persisted unseen, a tie in step with a persisted snapshot, whose
+        commit time the model does not know) may be."""
+        parent = os.path.dirname(committed)
+        certain = {p: s for p, s in self.model.must.items() if s.durable and os.path.dirname(p) == parent}
+        possible = {**{p: olds[-1] for p, olds in self.model.may.items() if os.path.dirname(p) == parent}, **certain}
+        if counted:
+            possible.pop(committed, None)
+        for path, saved in possible.items():
+            surely = sum(1 for p, s in certain.items() if p != path and p in possible and _newer(s, saved))
+            maybe = sum(1 for p, s in possible.items() if p != path and _maybe_newer(s, saved))
+            if surely >= slots:
+                self._trimmed(path, gone=gone)
+            elif maybe >= slots:
+                self.model.allow_gone(path)
 
     def _keep(self, path: str, keep_last: int | None) -> int | None:
         """How many checkpoints retention keeps in ``path``'s directory after it commits: its own ``keep_last``,
@@ -200,12 +217,7 @@ class Checks:
         keep = None if path.startswith("s3://") else self._keep(path, saved.keep_last)
         if keep is None:
             return
-        # Retention after a persist orders by step, then commit: a persisted snapshot never outranks a newer
-        # checkpoint (issue 38, case 2). Beyond the newest ``keep`` (the snapshot among them) each may go.
-        committed = sorted(((s.step, s.seq, p) for p, s in self.model.must.items()
-                            if s.durable and os.path.dirname(p) == os.path.dirname(path)), reverse=True)
-        for _, _, old in committed[keep:]:
-            self._trimmed(old)
+        self._retention(path, keep, counted=False)
 
     def _restart_job_and_daemons(self, nodes: list[int]) -> None:
         self.dead_pids += [self.w.daemons[node].proc.pid for node in nodes]  # not the others: they live on
@@ -405,3 +417,17 @@ class Checks:
             url = f"s3://{self.w.bucket}/{key}"
             if url not in self.model.must and url not in self.model.may and not key.startswith("mirror/"):
                 raise AssertionError(f"{url} is committed in the bucket but was never acknowledged")
+
+
+def _newer(one: Saved, other: Saved) -> bool:
+    """Whether retention certainly ranks ``one`` above ``other``: a higher step, or the same step committed later by
+    two disk saves (a persist's commit time is not the snapshot's)."""
+    if one.step != other.step:
+        return one.step > other.step
+    return one.seq > other.seq and one.held_by is None and other.held_by is None
+
+
+def _maybe_newer(one: Saved, other: Saved) -> bool:
+    """Whether retention may rank ``one`` above ``other``."""
+    return one.step > other.step or (one.step == other.step and (
+        one.seq > other.seq or one.held_by is not None or other.held_by is not None))

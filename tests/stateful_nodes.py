@@ -160,8 +160,8 @@ class NodeLoss:
         entries = [(p, s, must) for p, s, must in entries if os.path.dirname(p) == directory]
         survive = {p for p, s, _ in entries if not s.durable and self._survives(p, lost, holdings)}
         for path, saved, must in entries:
-            if not saved.durable and path not in survive:
-                continue
+            if not saved.durable and path not in survive and (must or not self._persisted(path)):
+                continue  # (a snapshot the model let go may have been persisted unseen: a restored one at a drain)
             possible[(saved.inc, saved.sid)] = (path, saved)
             if must:
                 certain.append((saved.step, path))

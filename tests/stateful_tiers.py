@@ -143,6 +143,28 @@ class TierRules(TierChecks):
         self._memory_holds(origin)
         self._disk_holds()
 
+    def _opening(self, data: st.DataObject) -> None:
+        """After the opening loss, one of the rules where the tiers meet (drawn among those on), so a short run
+        of few sequences exercises several of them."""
+        rules = {"paused buddy": lambda: self.the_buddy_is_paused_past_the_peer_timeout("step-1"),
+                 "another world size": self.the_job_restarts_with_another_world_size}
+        if not self.cfg.awaits("persist_outranks_newer"):
+            rules["persist under a newer checkpoint"] = lambda: (
+                self.a_snapshot_then_a_newer_checkpoint_then_the_snapshot_persisted(
+                    data.draw(st.sampled_from(["close", "kill", "drain"]), label="how")))
+        if not self.cfg.awaits("replica_of_a_replaced_save"):
+            rules["rollback"] = lambda: self.a_snapshot_is_rolled_back_to_a_lower_step(
+                data, data.draw(st.booleans(), label="second_run"))
+        if not self.cfg.awaits("replicated_but_gone"):
+            rules["buddy restarted"] = self.the_buddy_is_restarted
+        if not self.cfg.awaits("paused_origin_calls_its_snapshot_lost"):
+            rules["origin paused"] = self.the_origin_is_paused_while_its_buddy_drains
+        if self.world < 2:
+            rules.pop("another world size")
+        if not self._rollbacks():
+            rules.pop("rollback", None)
+        rules[data.draw(st.sampled_from(sorted(rules)), label="then")]()
+
     @precondition(_on("persist_outranks_newer"))
     @rule(how=st.sampled_from(["close", "kill", "drain"]))
     def a_snapshot_then_a_newer_checkpoint_then_the_snapshot_persisted(self, how: str) -> None:
