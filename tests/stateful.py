@@ -168,7 +168,8 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
         self.seq += 1
         held_by = self.w.daemon.proc.pid if tier in SNAPSHOTS else None
         saved = Saved(job.inc, sid, int(name.split("-")[1]) if step is None else step, self.seq,
-                      durable=held_by is None, held_by=held_by, overwrite=overwrite, dcp=dcp, keep_last=keep_last)
+                      durable=held_by is None, held_by=held_by, overwrite=overwrite, dcp=dcp, keep_last=keep_last,
+                      run=job.job)
         self._acknowledged(tier, name, saved, keep_last)
         self._snapshot_held(tier, saved)
 
@@ -469,8 +470,27 @@ class TiersMachine(TierRules, CheckpointMachine):
     """The machine of the ``buddy`` configuration: one model for every tier (``tests/stateful_tiers.py``)."""
 
 
+class Drawn:
+    """Stands in for Hypothesis's ``data`` in a rule called by hand (a replayed sequence): each draw is the value
+    given for its label."""
+
+    def __init__(self, **values: object) -> None:
+        self.values = values
+
+    def draw(self, strategy: object, label: str) -> object:
+        return self.values[label]
+
+
 STATS: list[tuple[list[str], int, str]] = []
 """(rules run, world, launcher) of every example run in this process: the tests report how much they ran."""
+
+
+def configured(config: str) -> Config:
+    """Configuration ``config``, less the cases ``STATEFUL_FIXED`` names (comma-separated, of
+    ``stateful_world.AWAITING_ISSUE_38``): their rules run, to try them on a branch with the fixes."""
+    cfg = CONFIGS[config]
+    fixed = {c for c in os.environ.get("STATEFUL_FIXED", "").split(",") if c}
+    return replace(cfg, awaiting_fixes=cfg.awaiting_fixes - fixed)
 
 
 def run_stateful(s3: S3Server, config: str, *, examples: int, steps: int, derandomize: bool, shrink: bool) -> str:
@@ -478,9 +498,7 @@ def run_stateful(s3: S3Server, config: str, *, examples: int, steps: int, derand
     steps, the world sizes and launchers drawn, how often each rule ran). Shrinking replays sequences against real
     processes (minutes per failure), so the short run leaves it off: the failing sequence is printed either way
     (STATEFUL_VERBOSE=1 prints every sequence run)."""
-    cfg = CONFIGS[config]
-    fixed = {c for c in os.environ.get("STATEFUL_FIXED", "").split(",") if c}  # cases to try on a branch with fixes
-    cfg = replace(cfg, awaiting_fixes=cfg.awaiting_fixes - fixed)
+    cfg = configured(config)
     base = NodeLossMachine if cfg.peers else TiersMachine if cfg.buddy else CheckpointMachine
     machine = type(f"Machine_{config}", (base,), {"s3": s3, "cfg": cfg})
     phases = [Phase.generate, Phase.shrink] if shrink else [Phase.generate]

@@ -28,8 +28,8 @@ from hypothesis.stateful import invariant, precondition, rule
 import ckptd
 from helpers import status
 from jobs import killed
-from stateful_nodes import Resumable
-from stateful_world import PEER_TIMEOUT_S, Saved
+from stateful_nodes import Holdings, Resumable
+from stateful_world import NAMES, PEER_TIMEOUT_S, Saved
 
 PAUSED_S = 60.0
 """How long node 0 may take to report a replication to a paused buddy failed: ``--peer-timeout`` per step of the
@@ -66,21 +66,21 @@ class TierChecks:
         return by_path
 
     def _status_shows_only_real_copies(self, origin: dict, buddy: dict) -> None:
-        """A snapshot node 0 shows ``replicated`` is listed by the buddy as a replica of the same save; and the
-        buddy holds, per path node 0 holds, only the copy node 0 holds now (issue 38, cases 3 and 7)."""
+        """A snapshot node 0 shows ``replicated`` is listed by the buddy as a replica of the same save (issue 38,
+        case 7), and as the only replica of its path: a replica of a replaced save is dropped once its replacement
+        is complete there (case 3). (One whose replacement never reached the buddy stays, and may be restored.)"""
         replicas = self._replicas(buddy)
         for snap in origin["memory"]["snapshots"]:
-            if not snap["complete"]:
+            if not snap["complete"] or snap["replication"] != "replicated":
                 continue
             key = (snap["job"], snap["save"], snap["step"])
             copies = [(r["job"], r["save"], r["step"]) for r in replicas.get(snap["path"], [])]
-            if snap["replication"] == "replicated":
-                assert key in copies, (
-                    f"node 0 shows {snap['path']} (job {key[0]!r}, save {key[1]}, step {key[2]}) replicated, but the "
-                    f"buddy holds {copies or 'no replica of it'}")
-            assert all(c == key for c in copies), (
+            assert key in copies, (
+                f"node 0 shows {snap['path']} (job {key[0]!r}, save {key[1]}, step {key[2]}) replicated, but the "
+                f"buddy holds {copies or 'no replica of it'}")
+            assert copies == [key], (
                 f"the buddy holds {copies} of {snap['path']}, where node 0 holds save {key[1]} of job {key[0]!r} at "
-                f"step {key[2]} now: a replica of a replaced save")
+                f"step {key[2]}, replicated: a replica of a replaced save")
 
     def _replicated_now(self, origin: dict) -> None:
         """A snapshot node 0 shows ``replicated`` is the model's buddy copy of its path from now on."""
@@ -156,9 +156,9 @@ class TierRules(TierChecks):
             rules["rollback"] = lambda: self.a_snapshot_is_rolled_back_to_a_lower_step(
                 data, data.draw(st.booleans(), label="second_run"))
         if not self.cfg.awaits("replicated_but_gone"):
-            rules["buddy restarted"] = self.the_buddy_is_restarted
+            rules["buddy restarted"] = lambda: self.the_buddy_is_restarted("step-2")
         if not self.cfg.awaits("paused_origin_calls_its_snapshot_lost"):
-            rules["origin paused"] = self.the_origin_is_paused_while_its_buddy_drains
+            rules["origin paused"] = lambda: self.the_origin_is_paused_while_its_buddy_drains("step-2")
         if self.world < 2:
             rules.pop("another world size")
         if not self._rollbacks():
@@ -237,6 +237,7 @@ class TierRules(TierChecks):
         self._assert_newest_snapshot_replicated()
         holdings = [self._holdings(n) for n in range(self.cfg.nodes)]
         can = self._resumable([0], holdings)
+        can.possible.update(self._replicated_saves(holdings[1]))
         floor = self._buddy_floor()
         if floor is not None and (can.floor is None or floor[0] > can.floor):
             can = Resumable(can.possible, floor[0], [*can.certain, floor[1]])
@@ -244,6 +245,31 @@ class TierRules(TierChecks):
         self.w.replace_node(0)
         self.job = self._new_job()
         self._resume(can, [0], None)
+
+    def _replicated_saves(self, buddy: Holdings) -> dict[tuple[int, int], tuple[str, Saved]]:
+        """The acknowledged saves the buddy's complete replicas are of (its run and step; a replica of a save
+        whose replacement never reached the buddy is one), each readable back whole once node 0 is lost."""
+        found = {}
+        for replica in buddy.entries:
+            if replica["path"] not in buddy.replicas:  # changed bytes, never restored
+                continue
+            for saved in self.model.history.get(replica["path"], []):
+                if saved.run == replica["job"] and saved.step == replica["step"]:
+                    found[(saved.inc, saved.sid)] = (replica["path"], saved)
+        return found
+
+    def _replicas_persisted(self, replicas: dict[tuple[int, int], tuple[str, Saved]]) -> None:
+        """The buddy's drain judged node 0 gone and may have persisted each of ``replicas`` (docs/memory.md, Drain):
+        a path now on disk holds one of them there, as the model's disk copy of it."""
+        for path, saved in replicas.values():
+            if not self._persisted(path):
+                continue
+            if self.model.must.get(path) is saved:
+                self._now_durable(saved)
+            else:
+                self.model.tier(path).disk = saved
+                if path not in self.model.must and saved not in self.model.may.setdefault(path, []):
+                    self.model.may[path].append(saved)
 
     def _lose_origin(self) -> None:
         """Node 0's daemon and the job's ranks die of SIGKILL (proven by their exit status)."""
@@ -276,18 +302,21 @@ class TierRules(TierChecks):
         self._resume(can, [], None)
 
     @precondition(_on("replicated_but_gone"))
-    @rule()
-    def the_buddy_is_restarted(self) -> None:
-        """Node 1's daemon is SIGKILLed and started again (its replicas die with it).
+    @rule(name=st.sampled_from(NAMES))
+    def the_buddy_is_restarted(self, name: str) -> None:
+        """Node 0 snapshots ``name`` and replicates it; node 1's daemon is SIGKILLed and started again (its replicas
+        die with it).
 
         Allowed: node 0 shows no snapshot ``replicated`` whose replica the new buddy does not hold: it sends it
         again or shows it not replicated (issue 38, case 7)."""
         self._begin()
+        self._snapshot_replicated(name)
         daemon = self.w.daemons[1]
         daemon.kill()
         assert killed(daemon.proc.returncode), f"node 1's daemon exited {daemon.proc.returncode}"
         self.dead_pids.append(daemon.proc.pid)
         self.model.forget("buddy")
+        self.last_snapshot = None  # its replica is gone: sent again, or shown not replicated
         self.w.start_daemon(1)
 
     @precondition(lambda self: self.cfg.buddy)
@@ -313,17 +342,11 @@ class TierRules(TierChecks):
         finally:
             buddy.proc.send_signal(signal.SIGCONT)
         self._wait(lambda: _process_state(buddy.proc.pid) != "T", 30, "node 1's daemon continued")
-        after = "step-3" if name != "step-3" else "step-2"
-        self._save_all("memory", after, True, None, False)
-        path = self.w.path("memory", after)
-        if path in self.model.must:
-            self._wait(lambda: self._replication_of(path) == "replicated", PAUSED_S,
-                       f"the snapshot after the pause, {path}, replicated")
+        self._snapshot_replicated("step-3" if name != "step-3" else "step-2")  # on a new connection
 
-    @precondition(lambda self: _on("paused_origin_calls_its_snapshot_lost")(self)
-                  and any(t.memory is not None for t in self.model.tiers.values()))
-    @rule()
-    def the_origin_is_paused_while_its_buddy_drains(self) -> None:
+    @precondition(_on("paused_origin_calls_its_snapshot_lost"))
+    @rule(name=st.sampled_from(NAMES))
+    def the_origin_is_paused_while_its_buddy_drains(self, name: str) -> None:
         """Node 0's daemon is stopped (SIGSTOP, proven by its process state) while node 1 drains (``ckptd stop``),
         then continued and drained in turn; both daemons start again, with a new run of the job.
 
@@ -331,7 +354,9 @@ class TierRules(TierChecks):
         persists its replicas; both drains exit 0, the second writer of the same bytes told it was committed by
         another (issue 38, case 5); node 0's newest snapshot of the directory is on disk, whoever wrote it."""
         self._begin()
+        self._snapshot_replicated(name)
         self._wait_replication_settled()
+        replicas = self._replicated_saves(self._holdings(1))
         origin, buddy = self.w.daemons
         origin.proc.send_signal(signal.SIGSTOP)
         try:
@@ -341,6 +366,7 @@ class TierRules(TierChecks):
         finally:
             origin.proc.send_signal(signal.SIGCONT)
         self.model.forget("buddy")
+        self._replicas_persisted(replicas)
         code = origin.stop(timeout=120)
         assert code == 0, f"ckptd stop of node 0, paused while its buddy drained, exited {code}"
         newest = self._newest_held(lambda s: os.path.dirname(self._path_of(s)) == self._directory())
@@ -349,6 +375,12 @@ class TierRules(TierChecks):
         self.dead_pids.append(buddy.proc.pid)
         self.w.start_daemon(1)
         self._daemon_lost(0)
+
+    def _snapshot_replicated(self, name: str) -> None:
+        """Node 0 snapshots ``name`` (``overwrite=True``) and its buddy holds the replica."""
+        self._save_all("memory", name, True, None, False)
+        path = self.w.path("memory", name)
+        self._wait(lambda: self._replication_of(path) == "replicated", PAUSED_S, f"{path} replicated")
 
     def _replication_of(self, path: str) -> str | None:
         """Node 0's word on its snapshot of ``path`` (asked of node 0 alone: node 1 may be stopped)."""

@@ -177,6 +177,8 @@ class Saved:
     """Saved by ``dcp.save``: each rank's state is under the key ``rank<r>``."""
     keep_last: int | None = None
     """The save's ``keep_last``: a snapshot's persist applies it (docs/memory.md)."""
+    run: str = ""
+    """The name its run's clients gave (``job`` in ``status``)."""
 
 
 @dataclass
