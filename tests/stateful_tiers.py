@@ -377,9 +377,11 @@ class TierRules(TierChecks):
         self._daemon_lost(0)
 
     def _snapshot_replicated(self, name: str) -> None:
-        """Node 0 snapshots ``name`` (``overwrite=True``) and its buddy holds the replica."""
-        self._save_all("memory", name, True, None, False)
+        """Node 0 snapshots ``name`` (with ``overwrite`` only where the model knows a checkpoint may be: a free
+        path's snapshot is persisted without it) and its buddy holds the replica."""
         path = self.w.path("memory", name)
+        taken = path in self.model.must or path in self.model.may or path in self.model.trimmed
+        self._save_all("memory", name, taken, None, False)
         self._wait(lambda: self._replication_of(path) == "replicated", PAUSED_S, f"{path} replicated")
 
     def _replication_of(self, path: str) -> str | None:
