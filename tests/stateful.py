@@ -255,7 +255,7 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
                 extra.exit()
                 self._job_gone(extra)
 
-    @precondition(lambda self: self.cfg.nodes == 1  # a snapshot spanning nodes is not persisted (docs/memory.md)
+    @precondition(lambda self: self.cfg.job_nodes == 1  # a snapshot spanning nodes is not persisted (docs/memory.md)
                   and any(not s.durable and s.inc == self.job.inc for s in self.model.must.values()))
     @rule(tier=st.sampled_from(SNAPSHOTS), name=st.sampled_from(NAMES))
     def persist(self, tier: str, name: str) -> None:

@@ -7,7 +7,9 @@ disk checkpoints share one directory and its ``keep_last``, and the daemons
 persist a job's newest snapshot when it closes or dies, and on a drain.
 ``Model.tiers`` holds, per path, the newest acknowledged save on disk, in node
 0's memory, on the buddy (once node 0's status said ``replicated``) and on the
-store; ``TierChecks`` checks each tier against the daemons after every rule,
+store; ``TierChecks`` checks each tier against the daemons after every rule
+(what the store holds is read by the machine's own loads: no ``s3://`` path is
+held in memory here),
 and ``TierRules`` adds the rules where the tiers meet: a snapshot persisted
 after a newer checkpoint committed (on close, kill and drain), a path rolled
 back to a lower step, a second run on the same paths, node 0 lost whole and
