@@ -373,6 +373,7 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
                 self._now_durable(newest)
         self.model.forget("memory")
         self.model.forget("buddy")
+        self.last_snapshot = None
         for path, saved in list(self.model.must.items()):
             if not saved.durable:
                 self.model.allow_gone(path)
