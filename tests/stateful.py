@@ -38,7 +38,7 @@ from jobs import Job, killed
 from s3server import S3Server
 from stateful_checks import Checks
 from stateful_nodes import NodeLoss, NodeLossRules
-from stateful_tiers import TierRules
+from stateful_tiers import INTERLEAVED, TierRules
 from stateful_world import CONFIGS, KILL_POINTS, NAMES, SNAPSHOTS, Config, Model, Saved, World, launch_for
 
 HANG_S = 240.0
@@ -99,9 +99,8 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
             self._save_all("memory", data.draw(st.sampled_from(NAMES), label="name"), False, None, False)
             self.node_is_lost(data.draw(st.integers(0, self.cfg.nodes - 1), label="node"),
                               data.draw(st.booleans(), label="buddy_too"), data.draw(st.booleans(), label="corrupt"))
-        elif self.cfg.buddy:  # a checkpoint and a snapshot in one directory, then the node holding them lost
-            self._save_all("disk", data.draw(st.sampled_from(NAMES), label="name"), False, None, False)
-            self._save_all("memory", data.draw(st.sampled_from(NAMES), label="name"), False, None, False)
+        elif self.cfg.buddy:  # checkpoints and snapshots in one directory, then the node holding them lost
+            self.snapshots_and_checkpoints_of_one_directory_interleaved(data.draw(INTERLEAVED, label="saves"))
             self.the_origin_node_is_lost()
             self._opening(data)
         elif self.cfg.nodes > 1:

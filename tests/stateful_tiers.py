@@ -38,6 +38,11 @@ PAUSED_S = 60.0
 stream, on two busy cores (a guard, never a pace)."""
 
 
+INTERLEAVED = st.lists(st.tuples(st.sampled_from(["disk", "memory"]), st.sampled_from(NAMES), st.booleans(),
+                                 st.sampled_from([None, 1, 2])), min_size=2, max_size=4)
+"""Saves of one directory: (tier, name, overwrite, keep_last) each."""
+
+
 def _on(case: str):
     """A rule's precondition: the ``buddy`` configuration, and the fix of the issue 38 case it finds merged."""
     return lambda self: self.cfg.buddy and not self.cfg.awaits(case)
@@ -56,10 +61,18 @@ class TierChecks:
         return str(self.w.root / "run")
 
     def _origin_and_buddy(self) -> tuple[dict, dict]:
-        """Node 0's and node 1's status once node 0 streams nothing and node 1 receives nothing."""
-        self._wait_replication_settled()
+        """Node 0's and node 1's status once node 0 streams nothing."""
+        self._origin_settled()
         origin, buddy = self._statuses()
         return origin, buddy
+
+    def _origin_settled(self) -> None:
+        """Until node 0 streams no snapshot to its buddy: each is replicated (the buddy acknowledged it whole) or
+        failed. (Not until the buddy receives nothing: what a paused buddy received of a stream node 0 failed
+        stays there as ``receiving`` until ``STALLED_S``, and is never listed or restored.)"""
+        self._wait(lambda: not any(s.get("replication") == "replicating"
+                                   for s in status(self.w.run_dir)["memory"]["snapshots"]),
+                   PAUSED_S, "node 0 streaming no snapshot")
 
     def _replicas(self, buddy: dict) -> dict[str, list[dict]]:
         by_path: dict[str, list[dict]] = {}
@@ -167,6 +180,22 @@ class TierRules(TierChecks):
             rules.pop("rollback", None)
         rules[data.draw(st.sampled_from(sorted(rules)), label="then")]()
 
+    @precondition(lambda self: self.cfg.buddy)
+    @rule(saves=INTERLEAVED)
+    def snapshots_and_checkpoints_of_one_directory_interleaved(
+            self, saves: list[tuple[str, str, bool, int | None]]) -> None:
+        """Snapshots and disk saves of one directory in a drawn order, each with ``overwrite`` and ``keep_last``
+        drawn (a snapshot's applies when it is persisted, so only once a persist never outranks a newer checkpoint;
+        the daemon's ``--keep`` likewise).
+
+        Allowed: what ``save`` allows each; retention after a disk save keeps it and the newest ``keep_last - 1``
+        others by step, then commit time (docs/api.md)."""
+        self._begin()
+        for tier, name, overwrite, keep_last in saves:
+            if tier == "memory" and self.cfg.awaits("persist_outranks_newer"):
+                keep_last = None
+            self._save_all(tier, name, overwrite, keep_last, False)
+
     @precondition(_on("persist_outranks_newer"))
     @rule(how=st.sampled_from(["close", "kill", "drain"]))
     def a_snapshot_then_a_newer_checkpoint_then_the_snapshot_persisted(self, how: str) -> None:
@@ -235,7 +264,7 @@ class TierRules(TierChecks):
         Allowed: one save, bitwise, on every rank: a checkpoint on disk, or a snapshot the buddy holds whole; never
         older than the newest checkpoint on disk or the newest snapshot node 0 showed replicated."""
         self._begin()
-        self._wait_replication_settled()
+        self._origin_settled()
         self._assert_newest_snapshot_replicated()
         holdings = [self._holdings(n) for n in range(self.cfg.nodes)]
         can = self._resumable([0], holdings)
@@ -297,7 +326,7 @@ class TierRules(TierChecks):
         self._begin()
         self.job.exit()
         self._job_gone(self.job)
-        self._wait_replication_settled()
+        self._origin_settled()
         can = self._resumable([], [self._holdings(n) for n in range(self.cfg.nodes)])
         self.world -= 1
         self.job = self._new_job()
@@ -357,7 +386,7 @@ class TierRules(TierChecks):
         another (issue 38, case 5); node 0's newest snapshot of the directory is on disk, whoever wrote it."""
         self._begin()
         self._snapshot_replicated(name)
-        self._wait_replication_settled()
+        self._origin_settled()
         replicas = self._replicated_saves(self._holdings(1))
         origin, buddy = self.w.daemons
         origin.proc.send_signal(signal.SIGSTOP)

@@ -20,7 +20,7 @@ from stateful import CheckpointMachine, Drawn, run_stateful
 from stateful_world import CONFIGS
 
 SHORT = {"tiers": (3, 10), "named_runs": (5, 6), "kills_inside": (2, 8), "two_nodes": (3, 6), "dcp": (3, 6),
-         "node_lost": (2, 3), "one_model": (3, 8)}
+         "node_lost": (2, 3), "one_model": (4, 10)}
 """(sequences, steps) per configuration in ``make test``: about half a minute each on two busy cores (``node_lost``
 about 40 s: each of its sequences opens with a node lost, and 2 x 3 lose three nodes, one of them with its buddy).
 ``node_lost_wide`` (six ranks too) runs in ``make soak`` only. ``one_model`` (about 40 s) opens each sequence
