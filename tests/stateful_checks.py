@@ -143,6 +143,7 @@ class Checks:
             if surely >= slots:
                 self._trimmed(path, gone=gone)
             elif maybe >= slots:
+                self._unvouched(path)
                 self.model.allow_gone(path)
 
     def _keep(self, path: str, keep_last: int | None) -> int | None:
@@ -162,9 +163,15 @@ class Checks:
         """Retention was asked to delete ``path`` (``gone``: it may then be absent anywhere; else, mirrored, it must
         stay readable from the mirror)."""
         self.model.trimmed.add(path)
-        self.model.tier(path).disk = self.model.tier(path).store = None
+        self._unvouched(path)
         if gone:
             self.model.allow_gone(path)
+
+    def _unvouched(self, path: str) -> None:
+        """Retention may delete ``path``: the model vouches for no copy of it (a persisted snapshot retention
+        deletes leaves memory too)."""
+        tiers = self.model.tier(path)
+        tiers.disk = tiers.store = tiers.memory = None
 
     def _which_run(self, path: str, candidates: list[tuple[int, int]]) -> int:
         """Which of ``candidates`` ((incarnation, save id)) ``path``'s rank 0 holds."""

@@ -129,14 +129,16 @@ class Config:
 
 AWAITING_ISSUE_38 = frozenset({
     "persist_outranks_newer",  # case 2: persisting an older snapshot deletes a newer checkpoint (also via --keep)
-    "replica_of_a_replaced_save",  # case 3: a path snapshotted again at a lower step keeps its old replica
+    "replica_of_a_replaced_save",  # case 3: a path snapshotted again (lower step, or another run) keeps the old replica
     "replicated_but_gone",  # case 7: the origin says replicated for a replica its restarted buddy lost
     "paused_origin_calls_its_snapshot_lost",  # case 5: the buddy persisted it, the origin's drain exits 3
 })
 """Issue 38's open cases the ``one_model`` rules find (``Config.awaiting_fixes``), each off until its fix merges:
-``persist_outranks_newer`` turns off the rule persisting a snapshot under a newer checkpoint and ``--keep`` on its
-directory, ``replica_of_a_replaced_save`` the rollback rule, ``replicated_but_gone`` the buddy's restart,
-``paused_origin_calls_its_snapshot_lost`` the origin paused while its buddy drains."""
+``persist_outranks_newer`` turns off the rule persisting a snapshot under a newer checkpoint, a snapshot's own
+``keep_last`` and ``--keep`` on its directory; ``replica_of_a_replaced_save`` the rollback rule and the check that
+a replicated snapshot is the buddy's only copy of its path (another run's overwrite of a restored snapshot's path
+finds it too); ``replicated_but_gone`` the buddy's restart and the check that the buddy holds what node 0 shows
+replicated; ``paused_origin_calls_its_snapshot_lost`` the origin paused while its buddy drains."""
 
 CONFIGS: dict[str, Config] = {
     "tiers": Config(forms=("unnamed", "job")),
