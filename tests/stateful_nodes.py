@@ -199,9 +199,9 @@ class NodeLoss:
 
     # -- the resume -----------------------------------------------------------------------------------------
 
-    def _resume(self, can: Resumable, lost: list[int], changed: str | None) -> None:
+    def _resume(self, can: Resumable, lost: list[int], changed: str | None) -> tuple[str, Saved] | None:
         """Every rank of the new run calls ``latest`` and ``load_into``; all must resume from one save, bitwise,
-        and one that ``can`` allows."""
+        and one that ``can`` allows; returns it (path, save), None for nothing."""
         root = str(self.w.root / "run")
         cids = {}
         for rank in self.job.ranks:
@@ -217,7 +217,7 @@ class NodeLoss:
         (path,) = paths
         if path is None:
             assert can.floor is None, f"{what}: nothing resumed, where {can.certain} survive"
-            return
+            return None
         tags = {r: o["tag"] for r, o in told.items()}
         assert len({(t[0], t[1]) for t in tags.values()}) == 1, f"{what}: {path} mixes saves: {tags}"
         assert all(t[2] == r for r, t in tags.items()), f"{what}: {path} gave a rank another's shard: {tags}"
@@ -234,6 +234,7 @@ class NodeLoss:
         if changed is not None and (can.floor is None or self._step_of(changed) > can.floor):
             log = (self.w.run_dirs[lost[0]] / "ckptd.log").read_text()
             assert "event=restore_failed" in log, f"{what}: the replacement never refused the changed replica"
+        return path, saved
 
     def _step_of(self, path: str) -> int:
         saved = self.model.must.get(path) or (self.model.may.get(path) or [None])[-1]

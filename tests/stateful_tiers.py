@@ -275,7 +275,13 @@ class TierRules(TierChecks):
         self._lose_origin()
         self.w.replace_node(0)
         self.job = self._new_job()
-        self._resume(can, [0], None)
+        resumed = self._resume(can, [0], None)
+        if resumed is not None and not resumed[1].durable:  # read back from the buddy: node 0 holds it again
+            path, saved = resumed
+            if self.model.must.get(path) is not saved:
+                self.model.allow_gone(path)
+                if saved not in self.model.may.setdefault(path, []):
+                    self.model.may[path].append(saved)
 
     def _replicated_saves(self, buddy: Holdings) -> dict[tuple[int, int], tuple[str, Saved]]:
         """The acknowledged saves the buddy's complete replicas are of (its run and step; a replica of a save
