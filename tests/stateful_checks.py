@@ -107,6 +107,7 @@ class Checks:
 
     def _acknowledged(self, tier: str, name: str, saved: Saved, keep_last: int | None) -> None:
         path = self.w.path(tier, name)
+        before = [*self.model.may.get(path, []), *([self.model.must[path]] if path in self.model.must else [])]
         self.model.must[path] = saved
         self.model.may.pop(path, None)
         self.model.trimmed.discard(path)
@@ -114,10 +115,11 @@ class Checks:
         tiers = self.model.tier(path)
         if tier in SNAPSHOTS:  # the buddy's copy of the path is vouched for again once it shows replicated
             tiers.memory, tiers.buddy = saved, None
+            tiers.beneath = [s for s in [*tiers.beneath, *before] if s.durable or s.held_by is None]
         elif path.startswith("s3://"):
             tiers.store = saved
         else:  # a disk save drops a held snapshot of its path (docs/memory.md)
-            tiers.disk, tiers.memory = saved, None
+            tiers.disk, tiers.memory, tiers.beneath = saved, None, []
         if tier == "mirror":
             self.model.mirrored_names.add(name)
         keep = self._keep(path, keep_last)
@@ -220,7 +222,7 @@ class Checks:
         if path.startswith("s3://"):
             self.model.tier(path).store = saved
         else:
-            self.model.tier(path).disk = saved
+            self.model.tier(path).disk, self.model.tier(path).beneath = saved, []
         keep = None if path.startswith("s3://") else self._keep(path, saved.keep_last)
         if keep is None:
             return

@@ -155,8 +155,8 @@ class NodeLoss:
         certain: list[tuple[int, str]] = []
         entries = [(p, s, True) for p, s in self.model.must.items()]
         entries += [(p, s, False) for p, olds in self.model.may.items() for s in olds]
-        entries += [(p, t.disk, False) for p, t in self.model.tiers.items() if t.disk is not None]  # a persisted
-        # copy a newer snapshot of its path replaced in memory only: on disk until that one is persisted
+        entries += [(p, s, False) for p, t in self.model.tiers.items() for s in [t.disk, *t.beneath]
+                    if s is not None]  # a persisted copy a newer snapshot of its path replaced in memory only
         entries = [(p, s, must) for p, s, must in entries if os.path.dirname(p) == directory]
         survive = {p for p, s, _ in entries if not s.durable and self._survives(p, lost, holdings)}
         for path, saved, must in entries:

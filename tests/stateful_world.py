@@ -195,6 +195,9 @@ class Tiers:
     """A replica on node 1, once node 0's status said ``replicated``."""
     store: Saved | None = None
     """Committed in the bucket."""
+    beneath: list[Saved] = field(default_factory=list)
+    """What the path's copy on disk may still be while a snapshot that replaced it is held in memory only (a
+    persisted predecessor, perhaps one retention may have deleted): what it may hold once that snapshot is lost."""
 
 
 @dataclass
@@ -225,9 +228,10 @@ class Model:
         saved = self.must.pop(path, None)
         if saved is not None:
             self.may.setdefault(path, []).append(saved)
-            persisted = self.tier(path).disk  # a snapshot replaced in memory leaves its persisted predecessor
-            if persisted is not None and persisted not in self.may[path]:
-                self.may[path].append(persisted)
+            tiers = self.tier(path)  # a snapshot replaced in memory leaves its persisted predecessor
+            for persisted in [tiers.disk, *tiers.beneath]:
+                if persisted is not None and persisted not in self.may[path]:
+                    self.may[path].append(persisted)
 
 
 KILL_POINTS = {
