@@ -27,6 +27,7 @@ import signal
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 
 from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis import strategies as st
@@ -37,6 +38,7 @@ from jobs import Job, killed
 from s3server import S3Server
 from stateful_checks import Checks
 from stateful_nodes import NodeLoss, NodeLossRules
+from stateful_tiers import INTERLEAVED, TierRules
 from stateful_world import CONFIGS, KILL_POINTS, NAMES, SNAPSHOTS, Config, Model, Saved, World, launch_for
 
 HANG_S = 240.0
@@ -97,6 +99,10 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
             self._save_all("memory", data.draw(st.sampled_from(NAMES), label="name"), False, None, False)
             self.node_is_lost(data.draw(st.integers(0, self.cfg.nodes - 1), label="node"),
                               data.draw(st.booleans(), label="buddy_too"), data.draw(st.booleans(), label="corrupt"))
+        elif self.cfg.buddy:  # checkpoints and snapshots in one directory, then the node holding them lost
+            self.snapshots_and_checkpoints_of_one_directory_interleaved(data.draw(INTERLEAVED, label="saves"))
+            self.the_origin_node_is_lost()
+            self._opening(data)
         elif self.cfg.nodes > 1:
             self.job_crashes_mid_save(data, data.draw(st.sampled_from(NAMES), label="name"), False)
 
@@ -108,26 +114,27 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
         self.runs += 1
         launch_no, restarts = (self.runs, 0) if overlapping or self.job is None else (
             self.job.launch_no, self.job.restarts + 1)
-        job = Job(self.w.run_dirs, self.w.fifos, self.world, next(self.incs),
+        job = Job(self.w.run_dirs[:self.cfg.job_nodes], self.w.fifos, self.world, next(self.incs),
                   launch=launch_for(self.form, self.runs, restarts, launch_no, self.cfg.dist))
         job.launch_no, job.restarts = launch_no, restarts
         return job
 
     def _send(self, job: Job, rank: int, op: str, sid: int, tier: str, name: str, *, overwrite: bool = False,
-              keep_last: int | None = None, path: str | None = None) -> int:
+              keep_last: int | None = None, path: str | None = None, step: int | None = None) -> int:
         cid = job.next_id()
-        job.ranks[rank].send(op=op, id=cid, sid=sid, step=int(name.split("-")[1]),
+        job.ranks[rank].send(op=op, id=cid, sid=sid, step=int(name.split("-")[1]) if step is None else step,
                              path=path or self.w.path(tier, name), overwrite=overwrite, keep_last=keep_last,
                              persist=tier not in SNAPSHOTS)
         job.ranks[rank].wait_for("returned", cid)
         return cid
 
     def _save(self, job: Job, ranks: list[int], tier: str, name: str, *, overwrite: bool = False,
-              keep_last: int | None = None, dcp: bool = False, path: str | None = None) -> tuple[int, dict[int, int]]:
+              keep_last: int | None = None, dcp: bool = False, path: str | None = None,
+              step: int | None = None) -> tuple[int, dict[int, int]]:
         """Send one save to ``ranks`` of ``job`` (in that order); returns the save id and each rank's command id."""
         sid = next(self.sids)
         cids = {r: self._send(job, r, "dcp" if dcp else "save", sid, tier, name, overwrite=overwrite,
-                              keep_last=keep_last, path=path) for r in ranks}
+                              keep_last=keep_last, path=path, step=step) for r in ranks}
         return sid, cids
 
     # -- rules ----------------------------------------------------------------------------------------------
@@ -144,21 +151,24 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
                        dcp=dcp)
 
     def _save_all(self, tier: str, name: str, overwrite: bool, keep_last: int | None, reverse: bool,
-                  dcp: bool = False) -> None:
+                  dcp: bool = False, step: int | None = None) -> None:
+        """Every rank saves ``name`` of ``tier`` (at ``step``, else the name's); recorded if acknowledged."""
         allowed = self._allowed(tier, name, overwrite, dcp=dcp)
         ranks = list(range(self.world))[::-1] if reverse else list(range(self.world))
-        sid, cids = self._save(self.job, ranks, tier, name, overwrite=overwrite, keep_last=keep_last, dcp=dcp)
+        sid, cids = self._save(self.job, ranks, tier, name, overwrite=overwrite, keep_last=keep_last, dcp=dcp,
+                               step=step)
         what = (f"{'dcp.save' if dcp else 'save'} {sid} of {self.w.path(tier, name)} (incarnation {self.job.inc}, "
                 f"job {self.job.job!r}, overwrite={overwrite})")
         if self._check(what, self._outcomes(self.job, cids), allowed) == "ok":
-            self._record(tier, name, sid, self.job, overwrite, keep_last, dcp=dcp)
+            self._record(tier, name, sid, self.job, overwrite, keep_last, dcp=dcp, step=step)
 
     def _record(self, tier: str, name: str, sid: int, job: Job, overwrite: bool, keep_last: int | None,
-                dcp: bool = False) -> None:
+                dcp: bool = False, step: int | None = None) -> None:
         self.seq += 1
         held_by = self.w.daemon.proc.pid if tier in SNAPSHOTS else None
-        saved = Saved(job.inc, sid, int(name.split("-")[1]), self.seq, durable=held_by is None, held_by=held_by,
-                      overwrite=overwrite, dcp=dcp)
+        saved = Saved(job.inc, sid, int(name.split("-")[1]) if step is None else step, self.seq,
+                      durable=held_by is None, held_by=held_by, overwrite=overwrite, dcp=dcp, keep_last=keep_last,
+                      run=job.job)
         self._acknowledged(tier, name, saved, keep_last)
         self._snapshot_held(tier, saved)
 
@@ -244,7 +254,7 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
                 extra.exit()
                 self._job_gone(extra)
 
-    @precondition(lambda self: self.cfg.nodes == 1  # a snapshot spanning nodes is not persisted (docs/memory.md)
+    @precondition(lambda self: self.cfg.job_nodes == 1  # a snapshot spanning nodes is not persisted (docs/memory.md)
                   and any(not s.durable and s.inc == self.job.inc for s in self.model.must.values()))
     @rule(tier=st.sampled_from(SNAPSHOTS), name=st.sampled_from(NAMES))
     def persist(self, tier: str, name: str) -> None:
@@ -260,7 +270,7 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
             cids[rank.rank] = cid
         outcomes = self._outcomes(self.job, cids)
         assert all(o["ok"] for o in outcomes.values()), f"persist of held snapshot {path}: {outcomes}"
-        saved.durable = True
+        self._now_durable(saved)
         assert self._persisted(path), f"persist of {path} returned, but it is not on disk"
 
     @precondition(lambda self: self.model.must)
@@ -268,13 +278,14 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
     def daemon_is_killed_and_restarted(self, node: int) -> None:
         """A daemon (of one node) is SIGKILLed between saves, and started again with a new run of the job."""
         self._begin()
-        node %= self.cfg.nodes
+        node %= self.cfg.job_nodes  # a buddy restarted is a rule of its own (tests/stateful_tiers.py)
         daemon = self.w.daemons[node]
         daemon.kill()
         assert killed(daemon.proc.returncode), "the daemon did not die of SIGKILL"
         self._daemon_lost(node)
 
     def _daemon_lost(self, node: int) -> None:
+        self.model.forget("memory" if node < self.cfg.job_nodes else "buddy")
         for path, saved in list(self.model.must.items()):
             if not saved.durable:  # memory snapshots do not survive the daemon (on several nodes: its shards)
                 self.model.allow_gone(path)
@@ -357,8 +368,11 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
         parents = {os.path.dirname(p) for p, s in self.model.must.items() if s.held_by is not None}
         for parent in parents:
             newest = self._newest_held(lambda s, parent=parent: os.path.dirname(self._path_of(s)) == parent)
-            if newest is not None:
-                newest.durable = True
+            if newest is not None and not self._newer_committed(newest):
+                self._now_durable(newest)
+        self.model.forget("memory")
+        self.model.forget("buddy")
+        self.last_snapshot = None
         for path, saved in list(self.model.must.items()):
             if not saved.durable:
                 self.model.allow_gone(path)
@@ -452,8 +466,31 @@ class NodeLossMachine(NodeLossRules, CheckpointMachine):
     """The machine of a configuration with peers: nodes lost whole, and resumes (``tests/stateful_nodes.py``)."""
 
 
+class TiersMachine(TierRules, CheckpointMachine):
+    """The machine of the ``buddy`` configuration: one model for every tier (``tests/stateful_tiers.py``)."""
+
+
+class Drawn:
+    """Stands in for Hypothesis's ``data`` in a rule called by hand (a replayed sequence): each draw is the value
+    given for its label."""
+
+    def __init__(self, **values: object) -> None:
+        self.values = values
+
+    def draw(self, strategy: object, label: str) -> object:
+        return self.values[label]
+
+
 STATS: list[tuple[list[str], int, str]] = []
 """(rules run, world, launcher) of every example run in this process: the tests report how much they ran."""
+
+
+def configured(config: str) -> Config:
+    """Configuration ``config``, less the cases ``STATEFUL_FIXED`` names (comma-separated, of
+    ``stateful_world.AWAITING_ISSUE_38``): their rules run, to try them on a branch with the fixes."""
+    cfg = CONFIGS[config]
+    fixed = {c for c in os.environ.get("STATEFUL_FIXED", "").split(",") if c}
+    return replace(cfg, awaiting_fixes=cfg.awaiting_fixes - fixed)
 
 
 def run_stateful(s3: S3Server, config: str, *, examples: int, steps: int, derandomize: bool, shrink: bool) -> str:
@@ -461,8 +498,9 @@ def run_stateful(s3: S3Server, config: str, *, examples: int, steps: int, derand
     steps, the world sizes and launchers drawn, how often each rule ran). Shrinking replays sequences against real
     processes (minutes per failure), so the short run leaves it off: the failing sequence is printed either way
     (STATEFUL_VERBOSE=1 prints every sequence run)."""
-    base = NodeLossMachine if CONFIGS[config].peers else CheckpointMachine
-    machine = type(f"Machine_{config}", (base,), {"s3": s3, "cfg": CONFIGS[config]})
+    cfg = configured(config)
+    base = NodeLossMachine if cfg.peers else TiersMachine if cfg.buddy else CheckpointMachine
+    machine = type(f"Machine_{config}", (base,), {"s3": s3, "cfg": cfg})
     phases = [Phase.generate, Phase.shrink] if shrink else [Phase.generate]
     STATS.clear()
     started = time.monotonic()

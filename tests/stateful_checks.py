@@ -107,22 +107,73 @@ class Checks:
 
     def _acknowledged(self, tier: str, name: str, saved: Saved, keep_last: int | None) -> None:
         path = self.w.path(tier, name)
+        before = [*self.model.may.get(path, []), *([self.model.must[path]] if path in self.model.must else [])]
         self.model.must[path] = saved
         self.model.may.pop(path, None)
         self.model.trimmed.discard(path)
         self.model.history.setdefault(path, []).append(saved)
+        tiers = self.model.tier(path)
+        if tier in SNAPSHOTS:  # the buddy's copy of the path is vouched for again once it shows replicated
+            tiers.memory, tiers.buddy = saved, None
+            tiers.beneath = [s for s in [*tiers.beneath, *before] if s.durable or s.held_by is None]
+        elif path.startswith("s3://"):
+            tiers.store = saved
+        else:  # a disk save drops a held snapshot of its path (docs/memory.md)
+            tiers.disk, tiers.memory, tiers.beneath = saved, None, []
         if tier == "mirror":
             self.model.mirrored_names.add(name)
-        keep = keep_last if keep_last is not None else (self.cfg.local_keep if tier == "mirror" else None)
+        keep = self._keep(path, keep_last)
         if keep is None or tier in SNAPSHOTS:
             return
-        siblings = [(s.step, s.seq, p) for p, s in self.model.must.items()
-                    if p != path and os.path.dirname(p) == os.path.dirname(path)]
-        for _, _, old in sorted(siblings, reverse=True)[keep - 1:]:
-            self.model.trimmed.add(old)
-            if tier != "mirror" or self.cfg.mirror_keep is not None:
-                self.model.allow_gone(old)  # with --mirror-keep a trimmed one may be neither local nor mirrored
-            # else: gone locally once uploaded, it must stay readable from the mirror
+        self._retention(path, keep - 1, counted=True, gone=tier != "mirror" or self.cfg.mirror_keep is not None)
+
+    def _retention(self, committed: str, slots: int, *, counted: bool, gone: bool = True) -> None:
+        """Retention ran after ``committed`` committed in its directory. ``counted``: it is kept and the others share
+        ``slots`` (``keep_last - 1``: the one just committed always counts, docs/api.md); else it is one of the
+        candidates for ``slots`` (a persisted snapshot never outranks a newer checkpoint, issue 38, case 2).
+        Newest by step, then commit time: a checkpoint with ``slots`` certainly newer ones is deleted; one with that
+        many possibly newer (a snapshot a daemon persisted unseen, a tie in step with a persisted snapshot, whose
+        commit time the model does not know) may be."""
+        parent = os.path.dirname(committed)
+        certain = {p: s for p, s in self.model.must.items() if s.durable and os.path.dirname(p) == parent}
+        possible = {**{p: olds[-1] for p, olds in self.model.may.items() if os.path.dirname(p) == parent}, **certain}
+        if counted:
+            possible.pop(committed, None)
+        for path, saved in possible.items():
+            surely = sum(1 for p, s in certain.items() if p != path and p in possible and _newer(s, saved))
+            maybe = sum(1 for p, s in possible.items() if p != path and _maybe_newer(s, saved))
+            if surely >= slots:
+                self._trimmed(path, gone=gone)
+            elif maybe >= slots:
+                self._unvouched(path)
+                self.model.allow_gone(path)
+
+    def _keep(self, path: str, keep_last: int | None) -> int | None:
+        """How many checkpoints retention keeps in ``path``'s directory after it commits: its own ``keep_last``,
+        else the daemon's ``--keep`` for the directory."""
+        if keep_last is not None:
+            return keep_last
+        parent = os.path.dirname(path)
+        if parent == str(self.w.root / "mir"):
+            return self.cfg.local_keep
+        if parent == str(self.w.root / "run") and self.cfg.run_keep is not None \
+                and not self.cfg.awaits("persist_outranks_newer"):
+            return self.cfg.run_keep
+        return None
+
+    def _trimmed(self, path: str, gone: bool = True) -> None:
+        """Retention was asked to delete ``path`` (``gone``: it may then be absent anywhere; else, mirrored, it must
+        stay readable from the mirror)."""
+        self.model.trimmed.add(path)
+        self._unvouched(path)
+        if gone:
+            self.model.allow_gone(path)
+
+    def _unvouched(self, path: str) -> None:
+        """Retention may delete ``path``: the model vouches for no copy of it (a persisted snapshot retention
+        deletes leaves memory too)."""
+        tiers = self.model.tier(path)
+        tiers.disk = tiers.store = tiers.memory = None
 
     def _which_run(self, path: str, candidates: list[tuple[int, int]]) -> int:
         """Which of ``candidates`` ((incarnation, save id)) ``path``'s rank 0 holds."""
@@ -148,11 +199,34 @@ class Checks:
         for parent in sorted(parents):
             newest = self._newest_held(lambda s, parent=parent: s.inc == job.inc
                                        and os.path.dirname(self._path_of(s)) == parent)
-            if newest is not None and not newest.durable:
-                path = self._path_of(newest)
-                wait_until(lambda path=path: self._persisted(path), 60,
-                           f"the dead job's newest snapshot {path} persisted")
-                newest.durable = True
+            if newest is None or newest.durable:
+                continue
+            path = self._path_of(newest)
+            if self._newer_committed(newest):  # never persisted over a newer checkpoint (issue 38, case 2)
+                continue
+            wait_until(lambda path=path: self._persisted(path), 60,
+                       f"the dead job's newest snapshot {path} persisted")
+            self._now_durable(newest)
+
+    def _newer_committed(self, snapshot: Saved) -> bool:
+        """Whether a checkpoint of a higher step than ``snapshot`` is committed in its directory: persisting the
+        snapshot may then be passed over (what is persisted never outranks what was committed after it)."""
+        parent = os.path.dirname(self._path_of(snapshot))
+        return any(s.durable and s.step > snapshot.step for p, s in self.model.must.items()
+                   if os.path.dirname(p) == parent)
+
+    def _now_durable(self, saved: Saved) -> None:
+        """A held snapshot was persisted: committed on disk (or in the bucket) as well as in memory."""
+        saved.durable = True
+        path = self._path_of(saved)
+        if path.startswith("s3://"):
+            self.model.tier(path).store = saved
+        else:
+            self.model.tier(path).disk, self.model.tier(path).beneath = saved, []
+        keep = None if path.startswith("s3://") else self._keep(path, saved.keep_last)
+        if keep is None:
+            return
+        self._retention(path, keep, counted=False)
 
     def _restart_job_and_daemons(self, nodes: list[int]) -> None:
         self.dead_pids += [self.w.daemons[node].proc.pid for node in nodes]  # not the others: they live on
@@ -233,7 +307,7 @@ class Checks:
     def _load(self, path: str, rank: int) -> dict:
         """Rank ``rank``'s state at ``path``, through the daemon of the node that rank saves through (a DCP
         checkpoint holds it under ``rank<r>``)."""
-        per_node = -(-self.world // self.cfg.nodes)
+        per_node = -(-self.world // self.cfg.job_nodes)
         state = ckptd.load(path, rank=rank, run_dir=self.w.run_dirs[rank // per_node])
         return state.get(f"rank{rank}", state) if isinstance(state, dict) and "tag" not in state else state
 
@@ -352,3 +426,17 @@ class Checks:
             url = f"s3://{self.w.bucket}/{key}"
             if url not in self.model.must and url not in self.model.may and not key.startswith("mirror/"):
                 raise AssertionError(f"{url} is committed in the bucket but was never acknowledged")
+
+
+def _newer(one: Saved, other: Saved) -> bool:
+    """Whether retention certainly ranks ``one`` above ``other``: a higher step, or the same step committed later by
+    two disk saves (a persist's commit time is not the snapshot's)."""
+    if one.step != other.step:
+        return one.step > other.step
+    return one.seq > other.seq and one.held_by is None and other.held_by is None
+
+
+def _maybe_newer(one: Saved, other: Saved) -> bool:
+    """Whether retention may rank ``one`` above ``other``."""
+    return one.step > other.step or (one.step == other.step and (
+        one.seq > other.seq or one.held_by is not None or other.held_by is not None))

@@ -103,7 +103,7 @@ class NodeLoss:
         path = next((p for p, s in self.model.must.items() if s is saved), None)
         if path is None:
             return
-        for node, info in enumerate(self._statuses()):
+        for node, info in enumerate(self._statuses()[:self.cfg.job_nodes]):  # the nodes its ranks saved through
             (snap,) = [s for s in info["memory"]["snapshots"] if s["path"] == path]
             assert snap["replication"] == "replicated", (
                 f"node {node}'s shards of {path}, the snapshot held last, are {snap['replication']} "
@@ -155,11 +155,13 @@ class NodeLoss:
         certain: list[tuple[int, str]] = []
         entries = [(p, s, True) for p, s in self.model.must.items()]
         entries += [(p, s, False) for p, olds in self.model.may.items() for s in olds]
+        entries += [(p, s, False) for p, t in self.model.tiers.items() for s in [t.disk, *t.beneath]
+                    if s is not None]  # a persisted copy a newer snapshot of its path replaced in memory only
         entries = [(p, s, must) for p, s, must in entries if os.path.dirname(p) == directory]
         survive = {p for p, s, _ in entries if not s.durable and self._survives(p, lost, holdings)}
         for path, saved, must in entries:
-            if not saved.durable and path not in survive:
-                continue
+            if not saved.durable and path not in survive and (must or not self._persisted(path)):
+                continue  # (a snapshot the model let go may have been persisted unseen: a restored one at a drain)
             possible[(saved.inc, saved.sid)] = (path, saved)
             if must:
                 certain.append((saved.step, path))
@@ -197,9 +199,9 @@ class NodeLoss:
 
     # -- the resume -----------------------------------------------------------------------------------------
 
-    def _resume(self, can: Resumable, lost: list[int], changed: str | None) -> None:
+    def _resume(self, can: Resumable, lost: list[int], changed: str | None) -> tuple[str, Saved] | None:
         """Every rank of the new run calls ``latest`` and ``load_into``; all must resume from one save, bitwise,
-        and one that ``can`` allows."""
+        and one that ``can`` allows; returns it (path, save), None for nothing."""
         root = str(self.w.root / "run")
         cids = {}
         for rank in self.job.ranks:
@@ -215,7 +217,7 @@ class NodeLoss:
         (path,) = paths
         if path is None:
             assert can.floor is None, f"{what}: nothing resumed, where {can.certain} survive"
-            return
+            return None
         tags = {r: o["tag"] for r, o in told.items()}
         assert len({(t[0], t[1]) for t in tags.values()}) == 1, f"{what}: {path} mixes saves: {tags}"
         assert all(t[2] == r for r, t in tags.items()), f"{what}: {path} gave a rank another's shard: {tags}"
@@ -232,6 +234,7 @@ class NodeLoss:
         if changed is not None and (can.floor is None or self._step_of(changed) > can.floor):
             log = (self.w.run_dirs[lost[0]] / "ckptd.log").read_text()
             assert "event=restore_failed" in log, f"{what}: the replacement never refused the changed replica"
+        return path, saved
 
     def _step_of(self, path: str) -> int:
         saved = self.model.must.get(path) or (self.model.may.get(path) or [None])[-1]

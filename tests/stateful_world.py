@@ -27,6 +27,8 @@ NAMES = ("step-1", "step-2", "step-3")
 TIERS = ("disk", "memory", "s3", "s3-memory", "mirror")
 SNAPSHOTS = ("memory", "s3-memory")
 """Tiers saved with ``persist=False``: held in the daemon's memory, persisted to the directory or bucket later."""
+PEER_TIMEOUT_S = 2.0
+"""``--peer-timeout`` of the ``buddy`` configuration: a paused buddy fails a replication this soon."""
 IDLE_S = 60.0
 """How long the daemon may take to settle (uploads retried after an outage back off up to this order)."""
 
@@ -91,16 +93,52 @@ class Config:
     127.0.0.1, one keys file), runs ``--persist-on-exit never`` (a snapshot spanning nodes is never persisted), and
     keeps its snapshots in the disk checkpoints' directory, so a resume chooses among both; nodes are lost whole
     and replaced (``node_is_lost``)."""
+    buddy: bool = False
+    """One model for every tier (``tests/stateful_tiers.py``): the job runs on node 0 alone, node 1 is its buddy
+    (static ``--peer``, a short ``--peer-timeout``), snapshots share the disk checkpoints' directory and
+    ``keep_last``, and the daemons persist on exit as by default; node 0 is lost whole and replaced, the buddy
+    restarted and paused, the job restarted with another world size."""
+    run_keep: int | None = None
+    """``--keep run=N`` on the directory of the disk checkpoints (and, with ``buddy``, of the snapshots)."""
+    awaiting_fixes: frozenset[str] = frozenset()
+    """Issue 38's cases still open whose rules are left out (``AWAITING_ISSUE_38``): once a case's fix is merged,
+    take it out and the derandomized run exercises its rules again."""
+
+    def awaits(self, case: str) -> bool:
+        return case in self.awaiting_fixes
+
+    @property
+    def job_nodes(self) -> int:
+        """The nodes the job's ranks run on (with ``buddy``, node 1 only holds replicas)."""
+        return 1 if self.buddy else self.nodes
+
+    @property
+    def peer_ring(self) -> bool:
+        """Whether the daemons listen for peers (a key pair each, one keys file)."""
+        return self.peers or self.buddy
 
     @property
     def dist(self) -> bool:
-        return self.nodes > 1 or self.dcp
+        return self.job_nodes > 1 or self.dcp
 
     @property
     def persists_on_exit(self) -> bool:
         """Whether a dead job's newest snapshot of each directory is persisted (the daemons' default)."""
         return not self.peers
 
+
+AWAITING_ISSUE_38 = frozenset({
+    "persist_outranks_newer",  # case 2: persisting an older snapshot deletes a newer checkpoint (also via --keep)
+    "replica_of_a_replaced_save",  # case 3: a path snapshotted again (lower step, or another run) keeps the old replica
+    "replicated_but_gone",  # case 7: the origin says replicated for a replica its restarted buddy lost
+    "paused_origin_calls_its_snapshot_lost",  # case 5: the buddy persisted it, the origin's drain exits 3
+})
+"""Issue 38's open cases the ``one_model`` rules find (``Config.awaiting_fixes``), each off until its fix merges:
+``persist_outranks_newer`` turns off the rule persisting a snapshot under a newer checkpoint, a snapshot's own
+``keep_last`` and ``--keep`` on its directory; ``replica_of_a_replaced_save`` the rollback rule and the check that
+a replicated snapshot is the buddy's only copy of its path (another run's overwrite of a restored snapshot's path
+finds it too); ``replicated_but_gone`` the buddy's restart and the check that the buddy holds what node 0 shows
+replicated; ``paused_origin_calls_its_snapshot_lost`` the origin paused while its buddy drains."""
 
 CONFIGS: dict[str, Config] = {
     "tiers": Config(forms=("unnamed", "job")),
@@ -117,6 +155,8 @@ CONFIGS: dict[str, Config] = {
     "node_lost": Config(worlds=(3,), nodes=3, tiers=("disk", "memory"), peers=True, forms=("torchrun-c10d",)),
     "node_lost_wide": Config(worlds=(3, 6), nodes=3, tiers=("disk", "memory"), peers=True,
                              forms=("torchrun-c10d", "drawn", "job")),
+    "one_model": Config(worlds=(1, 2), nodes=2, tiers=("disk", "memory", "s3"), buddy=True, forms=("job",),
+                        run_keep=2, awaiting_fixes=AWAITING_ISSUE_38),
 }
 """The configurations the short run and the soak run, by name (``tests/test_stateful.py``)."""
 
@@ -137,6 +177,27 @@ class Saved:
     """Saved with ``overwrite=True``: on a mirror, too, it replaces what was there."""
     dcp: bool = False
     """Saved by ``dcp.save``: each rank's state is under the key ``rank<r>``."""
+    keep_last: int | None = None
+    """The save's ``keep_last``: a snapshot's persist applies it (docs/memory.md)."""
+    run: str = ""
+    """The name its run's clients gave (``job`` in ``status``)."""
+
+
+@dataclass
+class Tiers:
+    """Per path, the newest acknowledged state in each tier (``None``: none the model vouches for there)."""
+
+    disk: Saved | None = None
+    """Committed on the local filesystem: saved to disk, or a snapshot persisted (explicitly, on exit, on drain)."""
+    memory: Saved | None = None
+    """Held in node 0's daemon (a snapshot, persisted or not)."""
+    buddy: Saved | None = None
+    """A replica on node 1, once node 0's status said ``replicated``."""
+    store: Saved | None = None
+    """Committed in the bucket."""
+    beneath: list[Saved] = field(default_factory=list)
+    """What the path's copy on disk may still be while a snapshot that replaced it is held in memory only (a
+    persisted predecessor, perhaps one retention may have deleted): what it may hold once that snapshot is lost."""
 
 
 @dataclass
@@ -152,11 +213,25 @@ class Model:
     """Every name ever acknowledged in the mirrored directory (``--mirror-keep`` counts them)."""
     history: dict[str, list[Saved]] = field(default_factory=dict)
     """Every save ever acknowledged, by path (a mirror may hold an older version of a name)."""
+    tiers: dict[str, Tiers] = field(default_factory=dict)
+    """Per path, what each tier holds (kept by the ``buddy`` configuration's machine, ``tests/stateful_tiers.py``)."""
+
+    def tier(self, path: str) -> Tiers:
+        return self.tiers.setdefault(path, Tiers())
+
+    def forget(self, tier: str) -> None:
+        """The daemon holding ``tier`` (``memory``, ``buddy``) died: none of its copies is vouched for."""
+        for tiers in self.tiers.values():
+            setattr(tiers, tier, None)
 
     def allow_gone(self, path: str) -> None:
         saved = self.must.pop(path, None)
         if saved is not None:
             self.may.setdefault(path, []).append(saved)
+            tiers = self.tier(path)  # a snapshot replaced in memory leaves its persisted predecessor
+            for persisted in [tiers.disk, *tiers.beneath]:
+                if persisted is not None and persisted not in self.may[path]:
+                    self.may[path].append(persisted)
 
 
 KILL_POINTS = {
@@ -187,7 +262,7 @@ class World:
         self.daemons: list[Daemon | None] = [None] * cfg.nodes
         self.kill_cycle = 0
         """The kill points of the running node-0 daemon are armed in ``kill_dir(kill_cycle)``."""
-        self.ports = [free_port() for _ in range(cfg.nodes)] if cfg.peers else []
+        self.ports = [free_port() for _ in range(cfg.nodes)] if cfg.peer_ring else []
         self.keys_file = self.fifos / "peer-keys"
         self.key_lines = [self._key_line(node) for node in range(len(self.ports))]
         self._write_keys()
@@ -203,7 +278,7 @@ class World:
         return daemon
 
     def path(self, tier: str, name: str) -> str:
-        if self.cfg.peers and tier == "memory":  # beside the disk checkpoints: a resume chooses among both
+        if self.cfg.peer_ring and tier == "memory":  # beside the disk checkpoints: a resume chooses among both
             return str(self.root / "run" / f"snap-{name.split('-')[1]}")
         return {"disk": str(self.root / "run" / name), "memory": str(self.root / "mem" / name),
                 "mirror": str(self.root / "mir" / name), "s3": f"s3://{self.bucket}/run/{name}",
@@ -237,9 +312,15 @@ class World:
                 extra += ["--keep", f"{self.root / 'mir'}={self.cfg.local_keep}"]
             if self.cfg.mirror_keep is not None:
                 extra += ["--mirror-keep", str(self.cfg.mirror_keep)]
+
+        if self.cfg.run_keep is not None and not self.cfg.awaits("persist_outranks_newer"):  # every node: a buddy
+            extra += ["--keep", f"{self.root / 'run'}={self.cfg.run_keep}"]  # persists replicas there on a drain
         if self.cfg.peers:
             extra += ["--peer-listen", self.endpoint(node), "--peer", self.endpoint(node + 1), "--peer-keys",
                       str(self.keys_file), "--persist-on-exit", "never"]
+        if self.cfg.buddy:
+            extra += ["--peer-listen", self.endpoint(node), "--peer", self.endpoint(node + 1), "--peer-keys",
+                      str(self.keys_file), "--peer-timeout", str(PEER_TIMEOUT_S)]
         faults = self.kill_faults() if self.cfg.kills_inside and node == 0 else None
         with _env(AWS_ENDPOINT_URL=f"http://127.0.0.1:{self.proxy.port}"):
             daemon = start_daemon(self.run_dirs[node], self.root, *extra, faults=faults)

@@ -1,13 +1,19 @@
 """Sequences the stateful test found, each a defect fixed since, replayed by hand against real daemons, ranks and
 peers (the ``node_lost`` configuration): resumes that mixed two saves of one path (even of two runs), a snapshot
-of several ranks per node refused on every rank, and a lost node resumed from further back than it needed."""
+of several ranks per node refused on every rank, and a lost node resumed from further back than it needed.
+
+And the shortest sequences the ``one_model`` configuration finds of issue 38's open cases, each skipped while its
+case is in ``stateful_world.AWAITING_ISSUE_38`` (take it out once the fix is merged: the replay must pass)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 from helpers import wait_until
 from s3server import S3Server
 
-from stateful import HANG_S, CheckpointMachine, NodeLossMachine
+from stateful import HANG_S, CheckpointMachine, Drawn, NodeLossMachine, TiersMachine, configured
 from stateful_world import CONFIGS
 
 
@@ -152,5 +158,81 @@ def test_a_lost_node_resumes_from_the_newest_snapshot_every_rank_can_read_back_p
         machine._save_all("memory", "step-2", True, None, False)
         machine.node_is_lost(2, False, False)  # fails: resumed from step 1, where step 2 survives
         machine.settle()
+    finally:
+        machine.teardown()
+
+
+def _tiers_machine(aws: S3Server, world: int = 1) -> TiersMachine:
+    """The ``one_model`` configuration's machine, every rule on: node 0 runs ``world`` ranks, node 1 its buddy."""
+    cfg = replace(CONFIGS["one_model"], awaiting_fixes=frozenset())
+    machine = type("Machine_one_model", (TiersMachine,), {"s3": aws, "cfg": cfg})()
+    machine.world, machine.form = world, "job"
+    machine.job = machine._new_job()
+    return machine
+
+
+def _awaiting(case: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(configured("one_model").awaits(case),
+                              reason=f"issue 38's {case} awaits its fix (stateful_world.AWAITING_ISSUE_38)")
+
+
+@_awaiting("persist_outranks_newer")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["close", "kill", "drain"])
+def test_a_snapshot_persisted_after_a_newer_checkpoint_committed_never_deletes_it(aws: S3Server, how: str) -> None:
+    """Issue 38, case 2, as ``one_model`` finds it: snapshot ``snap-15`` (step 15, ``keep_last=1``), then disk save
+    ``step-20`` (``keep_last=1``, acknowledged); the job closes, is killed, or node 0's daemon drains, and the
+    daemon persists ``snap-15``: retention counts it as the newest and deletes ``step-20``."""
+    machine = _tiers_machine(aws)
+    try:
+        machine.a_snapshot_then_a_newer_checkpoint_then_the_snapshot_persisted(how)
+        machine.every_acknowledged_checkpoint_loads_as_saved()
+        machine.every_tier_holds_what_the_model_says()
+    finally:
+        machine.teardown()
+
+
+@_awaiting("replica_of_a_replaced_save")
+@pytest.mark.timeout(300)
+def test_a_restored_snapshot_rolled_back_by_the_next_run_leaves_no_replica_of_the_old_run(aws: S3Server) -> None:
+    """Issue 38, case 3, as ``one_model`` finds it: run 1 snapshots ``snap-3`` (step 3, replicated); node 0 is lost
+    and run 2 resumes from it (read back from the buddy); run 2 snapshots ``snap-3`` at step 2 with
+    ``overwrite=True`` (replicated): the buddy lists both, run 1's step 3 and run 2's step 2, so the next loss of
+    node 0 restores run 1's bytes."""
+    machine = _tiers_machine(aws)
+    try:
+        machine._save_all("memory", "step-3", False, None, False)
+        machine.the_origin_node_is_lost()
+        path = machine.w.path("memory", "step-3")
+        machine.a_snapshot_is_rolled_back_to_a_lower_step(Drawn(snapshot=(path, 3)), False)
+        machine.every_tier_holds_what_the_model_says()
+        machine.the_origin_node_is_lost()
+    finally:
+        machine.teardown()
+
+
+@_awaiting("replicated_but_gone")
+@pytest.mark.timeout(300)
+def test_a_snapshot_whose_buddy_restarted_is_not_shown_replicated(aws: S3Server) -> None:
+    """Issue 38, case 7, as ``one_model`` finds it: ``snap-3`` replicated, the buddy's daemon SIGKILLed and started
+    again (its replicas gone); node 0 still shows ``snap-3`` replicated, and the buddy lists no replica of it."""
+    machine = _tiers_machine(aws)
+    try:
+        machine.the_buddy_is_restarted("step-3")
+        machine.every_tier_holds_what_the_model_says()
+    finally:
+        machine.teardown()
+
+
+@_awaiting("paused_origin_calls_its_snapshot_lost")
+@pytest.mark.timeout(300)
+def test_an_origin_paused_while_its_buddy_drains_calls_nothing_lost(aws: S3Server) -> None:
+    """Issue 38, case 5, as ``one_model`` finds it: ``snap-3`` replicated; node 0's daemon SIGSTOPped while its buddy
+    drains (the buddy judges it gone and persists the replica), then continued and drained: its ``ckptd stop``
+    exits 3, calling ``snap-3``, committed with the same bytes, lost."""
+    machine = _tiers_machine(aws)
+    try:
+        machine.the_origin_is_paused_while_its_buddy_drains("step-3")
+        machine.every_acknowledged_checkpoint_loads_as_saved()
     finally:
         machine.teardown()

@@ -20,9 +20,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("CKPTD_SOAK") != "1",
                                 reason="soak test: run with `make soak` (CKPTD_SOAK=1)")
 
 CHOSEN = [c for c in os.environ.get("STATEFUL_CONFIGS", ",".join(CONFIGS)).split(",") if c]
-DEFAULTS = {"node_lost": (20, 15), "node_lost_wide": (10, 15)}
+DEFAULTS = {"node_lost": (20, 15), "node_lost_wide": (10, 15), "one_model": (20, 20)}
 """(sequences, steps) where the defaults of 30 x 20 would outlast the hour: every step of these starts a job of
-three nodes (a node loss also a daemon and a key pair), 5-10 s each on two busy cores."""
+three nodes (a node loss also a daemon and a key pair), 5-10 s each on two busy cores; ``one_model`` waits for
+replication to settle after every step and loses a node in every sequence."""
 
 
 @pytest.mark.timeout(3600)
