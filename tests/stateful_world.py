@@ -127,12 +127,7 @@ class Config:
         return not self.peers
 
 
-AWAITING_ISSUE_38 = frozenset({
-    "persist_outranks_newer",  # case 2: persisting an older snapshot deletes a newer checkpoint (also via --keep)
-    "replica_of_a_replaced_save",  # case 3: a path snapshotted again (lower step, or another run) keeps the old replica
-    "replicated_but_gone",  # case 7: the origin says replicated for a replica its restarted buddy lost
-    "paused_origin_calls_its_snapshot_lost",  # case 5: the buddy persisted it, the origin's drain exits 3
-})
+AWAITING_ISSUE_38: frozenset[str] = frozenset()
 """Issue 38's open cases the ``one_model`` rules find (``Config.awaiting_fixes``), each off until its fix merges:
 ``persist_outranks_newer`` turns off the rule persisting a snapshot under a newer checkpoint, a snapshot's own
 ``keep_last`` and ``--keep`` on its directory; ``replica_of_a_replaced_save`` the rollback rule and the check that

@@ -96,3 +96,48 @@ def test_an_origin_paused_while_its_buddy_drained_finds_its_snapshot_committed_b
         assert torch.equal(back["w"], state["w"]) and back["step"] == 9
     finally:
         pair.kill()
+
+
+TRAINER = '''
+import sys, torch, ckptd
+run_dir, directory, acked = sys.argv[1:]
+client = ckptd.Client(run_dir=run_dir, spawn=False)
+w, step = torch.zeros(1000), 0
+while True:
+    step += 1
+    w.fill_(step)
+    try:
+        client.save_async({"w": w}, f"{directory}/step-{step}", step=step, persist=False).result()
+    except ckptd.CkptdError:
+        break
+    open(acked, "w").write(str(step))
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_stop_beside_a_trainer_snapshotting_every_step_persists_the_last_snapshot_it_acknowledged(
+        daemon_factory, root, tmp_path) -> None:
+    """``ckptd stop`` while a trainer snapshots as fast as it can: a snapshot whose shard came before the drain
+    began but was held after the drain chose what to persist is persisted too (it was acknowledged and never
+    written, and the stop exited 0). A race, so several rounds; the new-user pass saw it in 3 of 12."""
+    import subprocess
+    import sys
+
+    for round_ in range(4):
+        directory, acked = root / f"r{round_}", tmp_path / f"acked-{round_}"
+        directory.mkdir()
+        daemon = daemon_factory()
+        trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(daemon.run_dir), str(directory), str(acked)])
+        try:
+            wait_until(lambda: acked.exists() and int(acked.read_text() or 0) > 20, 60, "20 snapshots acknowledged")
+            assert daemon.stop(timeout=120) == 0
+        finally:
+            trainer.kill()
+            trainer.wait()
+        step = int(acked.read_text())
+        newest = ckptd.latest(directory)
+        assert newest is not None and ckptd.read_index(newest).step >= step, (round_, step, newest)
+        assert ckptd.load(newest)["w"][0].item() == ckptd.read_index(newest).step
+    sweeper = daemon_factory()  # the killed trainer's slots: a daemon's start reclaims a dead client's
+    wait_until(lambda: not sweeper.status()["clients"], 30, "no clients")
+    assert sweeper.stop(timeout=60) == 0

@@ -183,8 +183,13 @@ class Holding:
             return
         # One release for both, then Held: it names every slot they give back, so the trainer reuses them
         self._drop(dropped, then=lambda: self._tell_held(snap))
-        if snap.persist_waiting or self._left_behind(snap):
+        if snap.persist_waiting or self._left_behind(snap) or self._held_in_drain(snap):
             self.start_persist(snap)
+
+    def _held_in_drain(self, snap: HeldSnapshot) -> bool:
+        """Whether ``snap`` (its shards came before the drain began) was held after the drain chose what to
+        persist, and is now its directory's newest: persisted too, or a stop lost it while exiting 0."""
+        return self.state.draining and any(s is snap for s in self.snapshots.newest())
 
     def _left_behind(self, snap: HeldSnapshot) -> bool:
         """Whether ``snap`` took its path after every client of its ranks had gone (a replacement that waited for

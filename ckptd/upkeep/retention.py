@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Iterable
@@ -44,7 +45,8 @@ log = logging.getLogger("ckptd")
 def apply_retention(storage: Checkpoints, newest: Path, keep_last: int, in_flight: set[Path],
                     keep: Callable[[Path], bool] | None = None,
                     publishing: AbstractContextManager[Any] = nullcontext(),
-                    spare_later: bool = True, failed: list[Path] | None = None) -> list[Path]:
+                    spare_later: bool = True, failed: list[Path] | None = None,
+                    committed_at: float | None = None) -> list[Path]:
     """Delete committed checkpoints beside ``newest`` beyond the newest ``keep_last``.
 
     ``newest`` (the checkpoint just committed) is never deleted, whatever its
@@ -60,15 +62,22 @@ def apply_retention(storage: Checkpoints, newest: Path, keep_last: int, in_fligh
     retention's order, one directory at a time) keeps only the newest ``keep_last`` in that order: an older
     step uploaded after a newer one was created later than it, and sparing it kept it on the store for good.
     A victim whose deletion failed (an ``OSError``: the store away) is logged, kept, and added to ``failed``.
+    ``committed_at``: when ``newest`` was committed, where that is later than the time its index records (a
+    persisted memory snapshot records when it was held): a checkpoint committed between the two is spared only if
+    it is newer by step, as retention orders by step, then time, never by when a persist ran.
     Returns what was deleted.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     found = committed_in(newest.parent, storage.files)
-    created = next((key[1] for key, path in found if path == newest), float("inf"))
+    mine = next((key for key, path in found if path == newest), (-1, float("inf")))
+    since = max(mine[1], committed_at or mine[1])
     others = [(key, path) for key, path in found if path != newest]
+
+    def later(key: tuple[int, float]) -> bool:  # committed after newest: stays
+        return key[1] > since or (key > mine and key[1] > mine[1])
     victims = [p for key, p in others[: max(0, len(others) - (keep_last - 1))]
-               if p not in in_flight and (key[1] <= created or not spare_later)]  # committed after newest: stays
+               if p not in in_flight and not (spare_later and later(key))]
     deleted = []
     for victim in victims:
         judged = storage.index_bytes(victim)
@@ -131,6 +140,8 @@ class Retention:
     newest: Path
     keep_last: int
     in_flight: frozenset[Path]
+    committed_at: float | None = None
+    """When ``newest`` was committed (None: after an upload, judged by its index's time)."""
 
 
 class RetentionQueue:
@@ -181,26 +192,27 @@ class Retainer:
         self.queue = RetentionQueue()
 
     def committed(self, event: Committed) -> None:
-        self.retain(event.path, event.keep_last)
+        self.retain(event.path, event.keep_last, committed_at=time.time())
 
     def after_upload(self, newest: Path, keep_last: int | None) -> None:
         """Beside a checkpoint just mirrored, which local retention may now delete (mirror thread)."""
         self.workers.call_soon(lambda: self.retain(newest, keep_last))
 
-    def retain(self, newest: Path, keep_last: int | None) -> None:
+    def retain(self, newest: Path, keep_last: int | None, committed_at: float | None = None) -> None:
         """Retention beside ``newest`` on the maintenance thread (loop thread); never deletes what the mirror
         lacks. A run still waiting for the thread there does this request instead."""
         keep = keep_last or self.config.retention_for(newest)
         if keep is None:
             return
-        key = self.queue.offer(Retention(newest, keep, frozenset(self.in_flight())))
+        key = self.queue.offer(Retention(newest, keep, frozenset(self.in_flight()), committed_at))
         if key is None:
             return
 
         def run() -> list[Path]:
             request = self.queue.take(key)
             return apply_retention(self.storage.at(request.newest), request.newest, request.keep_last,
-                                   set(request.in_flight), self.not_uploaded, self.publishing)
+                                   set(request.in_flight), self.not_uploaded, self.publishing,
+                                   committed_at=request.committed_at)
 
         self.workers.submit("maintenance", run, lambda fut: self._done(newest, fut), failed=logged(self.stats))
 
