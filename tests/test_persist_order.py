@@ -141,3 +141,18 @@ def test_a_stop_beside_a_trainer_snapshotting_every_step_persists_the_last_snaps
     sweeper = daemon_factory()  # the killed trainer's slots: a daemon's start reclaims a dead client's
     wait_until(lambda: not sweeper.status()["clients"], 30, "no clients")
     assert sweeper.stop(timeout=60) == 0
+
+
+def test_retention_after_a_persist_orders_by_step_not_by_when_the_snapshot_was_held(daemon, client_factory,
+                                                                                     root) -> None:
+    """A snapshot of step 3 (``keep_last=1``), then a disk save of step 2 committed after it: persisting step 3 makes
+    it the newest by step, and its retention deletes step 2, though step 2 was committed after step 3 was held (the
+    time the persisted index records)."""
+    directory = root / "run"
+    client = client_factory()
+    client.save_async(full(3), directory / "step-3", step=3, persist=False, keep_last=1).result(30)
+    client.save_async(full(2), directory / "step-2", step=2, keep_last=1).result(30)
+    assert client.persist(directory / "step-3") == directory / "step-3"
+    wait_until(lambda: sorted(p.name for p in directory.iterdir()) == ["step-3"], 30,
+               lambda: f"retention leaves only step-3: {sorted(p.name for p in directory.iterdir())}")
+    assert ckptd.latest(directory) == directory / "step-3"
