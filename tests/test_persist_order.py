@@ -5,16 +5,26 @@ directory with ``keep_last=1``: however the snapshot reaches disk afterwards
 (its trainer's ``close()``, an explicit ``persist``, a drain), step 20 stays
 committed and ``latest``. Retention orders a directory by step (then by the
 time a save was acknowledged), never by the time a persist happened to run.
+A persist that finds its path committed with exactly its bytes (a buddy's drain
+wrote them while the origin was paused) is done, not lost (case 5), and a stop
+beside a trainer snapshotting every step persists the last one it acknowledged.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
+import torch
 
 import ckptd
 
 from helpers import wait_until
 from snapshots import full
+from test_peers import _pair
 
 
 def _held_then_saved(client, directory):
@@ -63,12 +73,6 @@ def test_an_origin_paused_while_its_buddy_drained_finds_its_snapshot_committed_b
     """The origin does not answer for longer than the drain's 2 s (SIGSTOP): its buddy judges it gone and persists
     its replica. Resumed, the origin's own drain finds the same bytes committed (issue 38, case 5): no loss, and
     ``ckptd stop`` exits 0, where it said the committed snapshot was lost (exit 3)."""
-    import os
-    import signal
-
-    import torch
-    from test_peers import _pair
-
     pair = _pair(root, tmp_path, origin_extra=("--persist-on-exit", "never"))
     state = {"w": torch.randn(50_000), "step": 9}
     path = root / "run" / "step-9"
@@ -120,9 +124,6 @@ def test_a_stop_beside_a_trainer_snapshotting_every_step_persists_the_last_snaps
     """``ckptd stop`` while a trainer snapshots as fast as it can: a snapshot whose shard came before the drain
     began but was held after the drain chose what to persist is persisted too (it was acknowledged and never
     written, and the stop exited 0). A race, so several rounds; the new-user pass saw it in 3 of 12."""
-    import subprocess
-    import sys
-
     for round_ in range(4):
         directory, acked = root / f"r{round_}", tmp_path / f"acked-{round_}"
         directory.mkdir()
