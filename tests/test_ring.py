@@ -35,7 +35,7 @@ from ckptd.protocol.messages import (
 )
 from ckptd.protocol.peer_messages import PEER_TYPES
 
-from helpers import Daemon, ckptd_cli, free_port, raw_socket, short_tempdir, start_daemon, wait_for_ranks
+from helpers import Daemon, ckptd_cli, free_port, raw_socket, short_tempdir, start_daemon, wait_for_ranks, wait_until
 from node_trainer import report_and_train_on, resume, snapshot, state
 from zygote import start_ranks
 
@@ -302,6 +302,31 @@ def test_the_ranks_set_the_ring_and_a_node_lost_whole_resumes_bitwise_from_its_b
         # the rebuilt node holds again: its step 30 has a replica on node 2, and it holds node 0's
         assert _replicas_held(nodes.daemon(2)) == [("step-30", [1])]
         assert _replicas_held(nodes.daemon(1)) == [("step-30", [0])]
+        _kill_job(ctx)
+    finally:
+        nodes.close()
+
+
+def test_a_survivor_sends_what_it_holds_to_a_replacement_buddy_at_another_endpoint_and_never_calls_it_replicated_before(
+        root: Path, tmp_path: Path) -> None:
+    """Node 1 (node 0's buddy) is lost and replaced at another endpoint; the restarted job resumes and saves nothing
+    new. Node 0's snapshot, which its old buddy held, is sent to the new one (found by a new-user pass: it stayed
+    ``replicated`` with no copy anywhere, and a second loss of node 0 lost it)."""
+    nodes = Nodes(root, tmp_path)
+    try:
+        for node in range(NODES):
+            nodes.start(node)
+        ctx, _ = nodes.job(snapshots=[20])
+        nodes.lose(1)
+        _kill_job(ctx)
+        nodes.start(1)
+        ctx, logs = nodes.job(snapshots=[])
+        assert [log["step"] for log in logs] == [20] * NODES
+        wait_until(lambda: ("step-20", [0]) in _replicas_held(nodes.daemon(1)), 60,
+                   lambda: f"node 1 holds {_replicas_held(nodes.daemon(1))}, not node 0's step-20")
+        held = next(s for s in nodes.daemon(0).status()["memory"]["snapshots"] if s["path"] == str(root / "step-20"))
+        assert held["replication"] == "replicated"
+        assert "event=replica_gone" in (nodes.daemon(0).run_dir / LOG).read_text()
         _kill_job(ctx)
     finally:
         nodes.close()

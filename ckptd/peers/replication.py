@@ -278,7 +278,8 @@ class Replication:
 
     def check(self, now: float) -> None:
         """Housekeeping: every ``CHECK_S``, ask each buddy holding a copy said ``replicated`` whether it holds it
-        still. A copy lost with no successor (the buddy restarted) is streamed again; one the buddy replaced (by
+        still. A copy lost with no successor (the buddy restarted), or on a buddy the ring has since replaced, is
+        streamed again (to the buddy now); one the buddy replaced (by
         another run's snapshot of the path, or a newer one of its directory) is reported ``failed``, saying so. A
         buddy that does not answer is not judged: it may be paused, and still hold the copy."""
         if self._checking or now < self._next_check:
@@ -287,6 +288,10 @@ class Replication:
         for path in [p for p, c in self._copies.items() if self.holding.snapshots.held.get(p) is not c.snap
                      or c.snap.replication is not R.REPLICATED]:
             del self._copies[path]
+        buddy = self.buddy
+        for copy in [c for c in self._copies.values() if buddy is not None and c.endpoint != buddy.endpoint]:
+            self._copy_gone(copy, None)  # the ring named a new buddy (a replacement node at another endpoint): the
+            # copy on the old one is no copy of this node's any more, and the new one is sent what is held
         asks = {link.endpoint: link for link in self.asks}
         copies = [c for c in self._copies.values() if c.endpoint in asks]
         if not copies:
