@@ -188,8 +188,10 @@ class Holding:
 
     def _held_in_drain(self, snap: HeldSnapshot) -> bool:
         """Whether ``snap`` (its shards came before the drain began) was held after the drain chose what to
-        persist, and is now its directory's newest: persisted too, or a stop lost it while exiting 0."""
-        return self.state.draining and any(s is snap for s in self.snapshots.newest())
+        persist, and is now its directory's newest: persisted too, or a stop lost it while exiting 0. Asked of
+        the drain's choice (``drain``), not of the SIGTERM flag: one held between the signal and the drain's
+        first pass is the drain's to choose (and its ``drain_persist`` count to include)."""
+        return self._drain_deadline is not None and any(s is snap for s in self.snapshots.newest())
 
     def _left_behind(self, snap: HeldSnapshot) -> bool:
         """Whether ``snap`` took its path after every client of its ranks had gone (a replacement that waited for
