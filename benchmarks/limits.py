@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 import psutil
 import torch
-from ckptd.loop.config import DEFAULT_CHUNK_BYTES
+from ckptd.core.config import DEFAULT_CHUNK_BYTES
 
 CHUNK, PAGE = 8 << 20, 4096
 

@@ -23,10 +23,10 @@ from ckptd.protocol.messages import Error, SnapshotList, Snapshots, Status, Stat
 from ckptd.protocol.objects import display
 from ckptd.protocol.reading import files_for
 
-from ckptd.loop.config import DaemonConfig
+from ckptd.core.config import DaemonConfig
 from ckptd.tools.control import request
 from ckptd.tools.options import add_start_options, config_kwargs, detached_argv, path_arg, positive_int, seconds
-from ckptd.tools.render import human_bytes, printable, render_status
+from ckptd.core.render import human_bytes, printable, render_status
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
@@ -111,7 +111,7 @@ def lost_snapshots(pid: int | None, failed: list[str]) -> str:
 
 
 def _peer_key(args: argparse.Namespace, run_dir: Path) -> int:
-    from ckptd.peers.keys import key_line
+    from ckptd.core.keys import key_line
 
     if args.endpoint is not None and not args.endpoint.startswith("tcp://"):
         raise ValueError(f"--endpoint {args.endpoint}: expected tcp://HOST:PORT, as given to --peer-listen")

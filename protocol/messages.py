@@ -550,7 +550,7 @@ class Error(Message):
     @classmethod
     def of(cls, request_id: int, error: CkptdError) -> "Error":
         """The reply telling ``error`` (the daemon turns exceptions into ``CkptdError`` in one place:
-        ``ckptd/loop/replies.py``)."""
+        ``ckptd/core/replies.py``)."""
         return cls(request_id, error.code, error.message)
 
 

@@ -1,6 +1,6 @@
 """The parts of docs/ that follow from the code, rendered from it: the CLI's options (from the parser in
 ``ckptd/cli.py``, whose ``start`` options come from ``ckptd/tools/options.py``) and the Prometheus metrics (what
-``ckptd/loop/metrics.py`` serves for a real daemon's status), plus the key paths of a ``status --json`` document.
+``ckptd/core/metrics.py`` serves for a real daemon's status), plus the key paths of a ``status --json`` document.
 
 A page holds each rendered table between ``<!-- begin: NAME -->`` and ``<!-- end: NAME -->``;
 ``tests/test_docs.py`` checks that the checked-in tables equal these, so a new option or metric cannot go
@@ -76,7 +76,7 @@ def metrics_table(status: dict[str, Any]) -> str:
     """The metrics a daemon with ``status`` serves: name (with labels), type and help, in exposition order."""
     from prometheus_client import generate_latest
 
-    from ckptd.loop.metrics import Metrics
+    from ckptd.core.metrics import Metrics
 
     metrics = Metrics(port=None, addr="", textfile=None)
     metrics.update(status)

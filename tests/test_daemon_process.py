@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import ckptd
-from ckptd.loop.config import DaemonConfig
+from ckptd.core.config import DaemonConfig
 from ckptd.protocol.errors import ErrorCode
 from ckptd.protocol.messages import WriteShard, Error, Hello, Status, StatusReply, Welcome, decode
 from ckptd.protocol.layout import plan_layout
-from ckptd.tools.render import render_status
+from ckptd.core.render import render_status
 
 from helpers import dead_pid, raw_socket, start_daemon, status, wait_until
 

@@ -27,7 +27,7 @@ def test_the_cli_reference_is_the_parsers() -> None:
 
 def test_the_metrics_reference_is_what_a_daemon_serves(daemon) -> None:
     body = regions(METRICS_PAGE.read_text()).get("metrics")
-    assert body == metrics_table(daemon.status()), f"docs/metrics.md differs from ckptd/loop/metrics.py: {REGENERATE}"
+    assert body == metrics_table(daemon.status()), f"docs/metrics.md differs from ckptd/core/metrics.py: {REGENERATE}"
 
 
 def _expand(path: str) -> set[str]:

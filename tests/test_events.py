@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.loop.events import Committed, Events, Failed, SnapshotDropped, SnapshotHeld
+from ckptd.core.events import Committed, Events, Failed, SnapshotDropped, SnapshotHeld
 from ckptd.protocol.errors import WriteFailed
 
 

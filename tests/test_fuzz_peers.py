@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptd
-from ckptd.peers.keys import KeyPair
+from ckptd.core.keys import KeyPair
 from ckptd.protocol.errors import ErrorCode
 from ckptd.protocol.messages import Error, decode
 from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Seal

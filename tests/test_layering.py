@@ -182,8 +182,13 @@ def test_the_protocol_modules_import_one_another_without_a_cycle() -> None:
     _assert_no_cycle(edges)
 
 
-ROLES = ("loop", "lifecycle", "peers", "storage", "upkeep", "tools")
-"""The daemon's role folders (``docs/design.md``'s code map); its top level holds the package face and the CLI."""
+LAYERS = ("storage", "core", "tools", "upkeep", "lifecycle", "peers", "loop")
+"""The daemon's role folders from the ground up (``docs/design.md``'s code map): storage (the seam), core (config,
+events, replies, workers, stats, the peer keys file), the command line's tools, upkeep (retention, mirrors, sweeps),
+the lifecycle (attempts, their pipelines and books), the peers (replicas, replication), and the roof, loop (the
+server and the daemon process). A folder imports only folders before it; tools and upkeep share a level."""
+LEVEL = {"storage": 0, "core": 1, "tools": 2, "upkeep": 2, "lifecycle": 3, "peers": 4, "loop": 5}
+ROLES = LAYERS
 MAX_TOP_LEVEL = 10
 
 
@@ -198,6 +203,24 @@ def test_the_daemon_is_grouped_by_role_without_an_import_cycle_or_a_folder_impor
     bad = {f"{p.relative_to(REPO)}: {m}" for p in _daemon() if p.parent.name in ROLES for m in _imports(p)
            if m in above or m.startswith(tuple(f"{a}." for a in above))}
     assert not bad, f"a role folder imports the level above it: {sorted(bad)}"
+
+
+def test_no_role_folder_imports_a_folder_above_it_or_beside_it() -> None:
+    """The folders form a directed graph, ground to roof (``LAYERS``): every import counts, a function's or one
+    under ``TYPE_CHECKING`` too, so a module can be read knowing only the folders below it, and a change to the
+    loop cannot break the lifecycle."""
+    assert set(LEVEL) == set(LAYERS)
+    bad = set()
+    for path in _daemon():
+        here = path.parent.name
+        if here not in LEVEL:
+            continue
+        for module in _imports(path):
+            parts = module.split(".")
+            if parts[0] == "ckptd" and len(parts) > 2 and parts[1] in LEVEL and parts[1] != here \
+                    and LEVEL[parts[1]] >= LEVEL[here]:
+                bad.add(f"{path.relative_to(REPO)}: {module}")
+    assert not bad, f"a folder imports one above or beside it ({' < '.join(LAYERS)}): {sorted(bad)}"
     modules = {_dotted(p): p for p in _daemon() if p.stem != "__init__"}
     edges = {name: {m for m in modules if m != name and any(i == m or i.startswith(f"{m}.") for i in _imports(p))}
              for name, p in modules.items()}
@@ -242,9 +265,9 @@ def test_no_runtime_module_uses_numpy_which_ckptd_does_not_require() -> None:
     assert not found, f"these need numpy, which ckptd does not require: {sorted(found)}"
 
 
-REACTIONS = ("ckptd.upkeep.mirror", "ckptd.upkeep.retention", "ckptd.lifecycle.holding", "ckptd.loop.metrics",
-             "ckptd.loop.stats")
-"""Modules that react to a commit (they subscribe to ``ckptd/loop/events.py``)."""
+REACTIONS = ("ckptd.upkeep.mirror", "ckptd.upkeep.retention", "ckptd.lifecycle.holding", "ckptd.core.metrics",
+             "ckptd.core.stats")
+"""Modules that react to a commit (they subscribe to ``ckptd/core/events.py``)."""
 
 
 def test_the_modules_that_commit_import_none_of_the_modules_that_react_to_a_commit() -> None:

@@ -1,6 +1,6 @@
 """Load leases cap how many processes of a node read checkpoints at once.
 
-The bookkeeping on its own (``ckptd.loop.leases``: no daemon, no socket), then
+The bookkeeping on its own (``ckptd.core.leases``: no daemon, no socket), then
 leases held by real processes through a real daemon: a limit caps the loads
 that overlap, a holder that dies frees its lease, and the daemon's default
 applies to a load that names no limit of its own.
@@ -19,7 +19,7 @@ import torch
 
 import ckptd
 from ckptd.client.lease import load_lease
-from ckptd.loop.leases import LoadLeases
+from ckptd.core.leases import LoadLeases
 
 from zygote import Script
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.loop.config import DaemonConfig
+from ckptd.core.config import DaemonConfig
 from ckptd.storage.backends import load_storage
 from ckptd.storage.contract import Kind, LocalStorage, Storage
 

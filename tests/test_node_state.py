@@ -8,13 +8,13 @@ import os
 import pytest
 
 from ckptd.lifecycle.attempt import AttemptState
-from ckptd.loop.config import DaemonConfig
+from ckptd.core.config import DaemonConfig
 from ckptd.protocol.errors import Conflict, InternalError, RanksMissing, UnknownClient
 from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.layout import TensorEntry
 from ckptd.protocol.messages import WriteShard, Error, Snapshot
 from ckptd.lifecycle.snapshots import Snapshots
-from ckptd.loop.state import NodeState
+from ckptd.lifecycle.state import NodeState
 from ckptd.storage.contract import LocalStorage
 from ckptd.lifecycle.writer import WriteJob
 

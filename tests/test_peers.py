@@ -17,7 +17,7 @@ import torch
 import zmq
 
 import ckptd
-from ckptd.peers.keys import KeyPair
+from ckptd.core.keys import KeyPair
 from ckptd.protocol.checksums import updater
 from ckptd.protocol.errors import ErrorCode, InvalidCheckpoint
 from ckptd.protocol.index import CHECKSUM_ALGORITHM

@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from ckptd.cli import _parser
-from ckptd.loop.config import DaemonConfig
+from ckptd.core.config import DaemonConfig
 from ckptd.tools.options import START_OPTIONS, config_kwargs, detached_argv
 
 NOT_OPTIONS = {"run_dir", "log_to_stderr", "chunk_bytes", "space_margin_fraction", "space_margin_bytes",

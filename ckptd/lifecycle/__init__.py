@@ -1,1 +1,1 @@
-"""Attempts at a checkpoint and their pipelines: ranks joining (attempt, contributors), admission, the disk pipeline (saves, commit, writer), the memory tier (snapshots, holding), slot maps."""
+"""Attempts at a checkpoint and their pipelines: ranks joining (attempt, contributors), admission, the disk pipeline (saves, commit, writer), the memory tier (snapshots, holding), slot maps, and the node's state that holds their books (state)."""

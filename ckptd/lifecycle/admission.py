@@ -32,7 +32,7 @@ from ckptd.lifecycle.slot_maps import MappedSlot, SlotMaps
 from ckptd.lifecycle.writer import round_up
 from ckptd.storage.backends import Backends
 from ckptd.storage.contract import Space
-from ckptd.tools.render import human_bytes
+from ckptd.core.render import human_bytes
 
 
 @dataclass

@@ -42,11 +42,11 @@ from ckptd.lifecycle.saves import Saves
 from ckptd.lifecycle.slot_maps import MappedSlot, SlotMaps
 from ckptd.lifecycle.snapshots import HeldShard, HeldSnapshot, shards_of
 from ckptd.lifecycle.writer import Progress, checksum_when_staged
-from ckptd.loop.config import DaemonConfig
-from ckptd.loop.events import Committed, Deleted, Events, Failed, SnapshotDropped, SnapshotHeld
-from ckptd.loop.replies import as_error, error_reply, logged
-from ckptd.loop.state import NodeState
-from ckptd.loop.workers import Workers
+from ckptd.core.config import DaemonConfig
+from ckptd.core.events import Committed, Deleted, Events, Failed, SnapshotDropped, SnapshotHeld
+from ckptd.core.replies import as_error, error_reply, logged
+from ckptd.lifecycle.state import NodeState
+from ckptd.core.workers import Workers
 from ckptd.storage.backends import Backends
 from ckptd.storage.contract import Space
 

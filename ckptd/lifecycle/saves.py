@@ -39,11 +39,11 @@ from ckptd.lifecycle.commit import PendingCheckpoint
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.snapshots import HeldSnapshot
 from ckptd.lifecycle.writer import Progress, WriteJob, WriteState, write_shard
-from ckptd.loop.config import DaemonConfig
-from ckptd.loop.events import Committed, Events, Failed
-from ckptd.loop.replies import as_error, error_reply, logged
-from ckptd.loop.state import NodeState
-from ckptd.loop.workers import Workers
+from ckptd.core.config import DaemonConfig
+from ckptd.core.events import Committed, Events, Failed
+from ckptd.core.replies import as_error, error_reply, logged
+from ckptd.lifecycle.state import NodeState
+from ckptd.core.workers import Workers
 from ckptd.storage.backends import Backends
 from ckptd.storage.contract import Space
 from ckptd.upkeep.sweep import KnownDirs

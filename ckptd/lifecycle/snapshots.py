@@ -51,7 +51,7 @@ from ckptd.lifecycle.attempt import Attempt, AttemptState, Replication, Waiter
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.registry import Registry
 from ckptd.lifecycle.slot_maps import MappedSlot
-from ckptd.tools.render import human_bytes
+from ckptd.core.render import human_bytes
 
 
 @dataclass

@@ -1,1 +1,1 @@
-"""The daemon's loop and process: the socket and dispatch (server), the worker pools, replies, events, node state, stats and metrics, configuration, the daemon process and load leases."""
+"""The roof: the loop that serves one node (the socket and dispatch: server) and the daemon process around it (daemon). It imports every folder below it; none imports it."""

@@ -25,7 +25,7 @@ from ckptd.protocol.names import DRAIN_FAILED_NAME, ERR_NAME, LOG_NAME, PID_NAME
 from ckptd.protocol.errors import CkptdError
 from ckptd.protocol.objects import check_bucket, display, is_object_path
 
-from ckptd.loop.config import DaemonConfig
+from ckptd.core.config import DaemonConfig
 from ckptd.loop.server import Server
 from ckptd.storage.backends import load_storage
 from ckptd.tools.control import probe

@@ -33,15 +33,15 @@ from ckptd.lifecycle.holding import Holding
 from ckptd.lifecycle.registry import DeadRank
 from ckptd.lifecycle.saves import Saves
 from ckptd.lifecycle.slot_maps import reclaim_orphaned_slots
-from ckptd.loop.config import DaemonConfig
-from ckptd.loop.events import Committed, Deleted, Events, Failed, SnapshotDropped, SnapshotHeld
-from ckptd.loop.leases import Grant
-from ckptd.loop.replies import error_reply
-from ckptd.loop.state import MAX_PID, NodeState
-from ckptd.loop.stats import add_filesystems
-from ckptd.loop.workers import Workers
+from ckptd.core.config import DaemonConfig
+from ckptd.core.events import Committed, Deleted, Events, Failed, SnapshotDropped, SnapshotHeld
+from ckptd.core.leases import Grant
+from ckptd.core.replies import error_reply
+from ckptd.lifecycle.state import MAX_PID, NodeState
+from ckptd.core.stats import add_filesystems
+from ckptd.core.workers import Workers
 from ckptd.peers.endpoint import PeerEndpoint
-from ckptd.peers.keys import KeyPair, PeerKeys, Trust
+from ckptd.core.keys import KeyPair, PeerKeys, Trust
 from ckptd.peers.replicas import Replicas
 from ckptd.peers.replication import Replication
 from ckptd.storage.backends import Backends
@@ -91,7 +91,7 @@ class Server:
             self.mirrors.start()
         self.metrics = None
         if config.metrics_port is not None or config.metrics_textfile is not None:
-            from ckptd.loop.metrics import Metrics
+            from ckptd.core.metrics import Metrics
 
             self.metrics = Metrics(port=config.metrics_port, addr=config.metrics_addr,
                                    textfile=config.metrics_textfile)

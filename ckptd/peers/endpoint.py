@@ -25,9 +25,9 @@ from ckptd.protocol.errors import BadMessage
 from ckptd.protocol.messages import MAX_MESSAGE_BYTES, Message, decode, request_id
 from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Fetch, Offer, Replicas, Seal
 
-from ckptd.loop.replies import error_reply
-from ckptd.loop.stats import Stats
-from ckptd.peers.keys import KeyPair, Trust
+from ckptd.core.replies import error_reply
+from ckptd.core.stats import Stats
+from ckptd.core.keys import KeyPair, Trust
 from ckptd.peers.replicas import Replicas as Book
 
 log = logging.getLogger("ckptd")

@@ -29,7 +29,7 @@ from ckptd.protocol.errors import CkptdError, DaemonUnavailable, InvalidCheckpoi
 from ckptd.protocol.messages import MAX_MESSAGE_BYTES, Error, Message, Ok, decode
 from ckptd.protocol.peer_messages import MAX_PIECE, PEER_TYPES, Chunk, Fetch, Offer, Piece, ReplicaList, Replicas, Seal
 
-from ckptd.peers.keys import KeyPair, Trust
+from ckptd.core.keys import KeyPair, Trust
 
 log = logging.getLogger("ckptd")
 WINDOW = 4

@@ -37,9 +37,9 @@ import zmq
 from ckptd.protocol.errors import BadMessage
 from ckptd.protocol.messages import Ring
 
-from ckptd.loop.config import DaemonConfig
-from ckptd.loop.workers import Workers
-from ckptd.peers.keys import KeyPair, Trust
+from ckptd.core.config import DaemonConfig
+from ckptd.core.workers import Workers
+from ckptd.core.keys import KeyPair, Trust
 from ckptd.peers.link import PeerLink
 
 log = logging.getLogger("ckptd")

@@ -50,12 +50,12 @@ from ckptd.protocol.peer_messages import Offer
 from ckptd.lifecycle.attempt import Replication as R
 from ckptd.lifecycle.holding import Holding
 from ckptd.lifecycle.snapshots import HeldSnapshot
-from ckptd.loop.config import DaemonConfig
-from ckptd.loop.events import SnapshotHeld
-from ckptd.loop.replies import as_error, error_reply
-from ckptd.loop.stats import Stats
-from ckptd.loop.workers import Workers
-from ckptd.peers.keys import KeyPair, Trust
+from ckptd.core.config import DaemonConfig
+from ckptd.core.events import SnapshotHeld
+from ckptd.core.replies import as_error, error_reply
+from ckptd.core.stats import Stats
+from ckptd.core.workers import Workers
+from ckptd.core.keys import KeyPair, Trust
 from ckptd.peers.link import PeerLink, PeerUnavailable
 from ckptd.peers.placement import Placement
 from ckptd.peers.replicas import Replica, Replicas, new_shm_file, remove_shm_file

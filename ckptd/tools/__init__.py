@@ -1,1 +1,1 @@
-"""What the command line shows and does besides the daemon: listings, export, rendering, control requests, the start options."""
+"""What the command line shows and does besides the daemon: listings, export, control requests, the start options."""

@@ -24,7 +24,7 @@ from ckptd.protocol.objects import canonical, display
 
 from ckptd.storage.contract import Files, Kind, tree_bytes
 from ckptd.storage.backends import load_storage
-from ckptd.tools.render import human_bytes, printable
+from ckptd.core.render import human_bytes, printable
 
 
 class EntryState(str, Enum):

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from ckptd.protocol.objects import check_url, display, object_url
 
-from ckptd.loop.config import DaemonConfig
+from ckptd.core.config import DaemonConfig
 
 
 def seconds(text: str) -> float:

@@ -29,11 +29,11 @@ from ckptd.protocol.index import committed_in
 from ckptd.protocol.objects import display
 from ckptd.protocol.names import INDEX_NAME
 
-from ckptd.loop.config import DaemonConfig
-from ckptd.loop.events import Committed, Deleted, Events
-from ckptd.loop.replies import logged
-from ckptd.loop.stats import Stats
-from ckptd.loop.workers import Workers
+from ckptd.core.config import DaemonConfig
+from ckptd.core.events import Committed, Deleted, Events
+from ckptd.core.replies import logged
+from ckptd.core.stats import Stats
+from ckptd.core.workers import Workers
 from ckptd.storage.backends import Backends
 from ckptd.storage.checkpoints import Checkpoints
 from ckptd.storage.contract import Files

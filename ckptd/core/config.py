@@ -118,7 +118,7 @@ class DaemonConfig:
     """Other nodes' peer endpoints (``--peer``, repeatable): the first is this node's buddy, which holds a replica
     of every snapshot held here; all of them are asked when this node restores one it lost."""
     peer_keys: Path | None = None
-    """The peer keys file (``ckptd/peers/keys.py``): the public keys of the peers trusted, and the endpoints of
+    """The peer keys file (``ckptd/core/keys.py``): the public keys of the peers trusted, and the endpoints of
     those this daemon connects to. Needed by ``--peer``; without it, ``--peer-listen`` takes its peers from the
     ring its ranks send (``ckptd/peers/placement.py``)."""
     replicas: int | None = None
@@ -209,7 +209,7 @@ class DaemonConfig:
                              "daemon trusts (one line per node, as `ckptd peer-key` prints it); or leave placement to "
                              "the ranks: --peer-listen alone")
         if self.peer_keys is not None:
-            from ckptd.peers.keys import PeerKeys
+            from ckptd.core.keys import PeerKeys
 
             self.peer_keys = Path(self.peer_keys).absolute()
             keys = PeerKeys(self.peer_keys)  # a bad file or a --peer without a key: refused now, before a start

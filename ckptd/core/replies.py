@@ -17,7 +17,7 @@ from typing import Callable
 from ckptd.protocol.errors import CkptdError, InternalError
 from ckptd.protocol.messages import Error
 
-from ckptd.loop.stats import Stats
+from ckptd.core.stats import Stats
 
 log = logging.getLogger("ckptd")
 

@@ -28,9 +28,9 @@ from ckptd.lifecycle.commit import Commits, PendingCheckpoint
 from ckptd.lifecycle.slot_maps import SlotMaps
 from ckptd.lifecycle.snapshots import Snapshots
 from ckptd.lifecycle.writer import Progress, WriteJob
-from ckptd.loop.config import DaemonConfig
-from ckptd.loop.leases import Grant, LoadLeases
-from ckptd.loop.stats import Stats
+from ckptd.core.config import DaemonConfig
+from ckptd.core.leases import Grant, LoadLeases
+from ckptd.core.stats import Stats
 from ckptd.storage.backends import Backends
 
 MAX_PID = 1 << 22

@@ -13,7 +13,7 @@ import collections
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
+from typing import Any, Iterable, Mapping, Protocol
 
 import psutil
 
@@ -21,27 +21,25 @@ from ckptd.protocol import __version__
 from ckptd.protocol.objects import display
 from ckptd.protocol.shm import shm_usage
 
-from ckptd.loop.config import DaemonConfig
-from ckptd.loop.events import Committed, SnapshotDropped, SnapshotHeld
+from ckptd.core.config import DaemonConfig
+from ckptd.core.events import Committed, SnapshotDropped, SnapshotHeld
 from ckptd.storage.backends import Backends
 from ckptd.storage.contract import UNLIMITED
 
-if TYPE_CHECKING:
-    from ckptd.lifecycle.commit import PendingCheckpoint
-    from ckptd.lifecycle.writer import WriteJob
-
 
 class NodeView(Protocol):
-    """What status may read of the node state (``state.NodeState`` is one)."""
+    """What status may read of the node state (``lifecycle/state.NodeState`` is one). Its writes and checkpoints
+    are the lifecycle's (``lifecycle/writer.WriteJob``, ``lifecycle/commit.PendingCheckpoint``), typed ``Any`` here:
+    this ground never imports the lifecycle above it."""
 
     draining: bool
-    writes: list["WriteJob"]
-    """Shard writes admitted and not yet ended."""
+    writes: list[Any]
+    """Shard writes admitted and not yet ended (``WriteJob``)."""
 
     @property
     def client_records(self) -> Iterable[Any]: ...
     @property
-    def checkpoints(self) -> Iterable["PendingCheckpoint"]: ...
+    def checkpoints(self) -> Iterable[Any]: ...
     @property
     def shm_mapped_bytes(self) -> int: ...
     @property

@@ -1,0 +1,1 @@
+"""The ground every part of the daemon stands on: its configuration, the events the lifecycle publishes, the one place that turns exceptions into error replies, the worker pools, status counters and metrics, load leases, the peer keys file and the rendering of sizes and names. Nothing here imports a folder above it (``tests/test_layering.py``)."""
