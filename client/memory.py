@@ -35,7 +35,9 @@ from ckptd.protocol.index import latest as latest_on_disk
 from ckptd.protocol.objects import canonical, resolved, user_path
 from ckptd.protocol.layout import MAX_HEADER_BYTES, TensorEntry, parse_header
 from ckptd.protocol.mapped import GAP_READ, MappedShard, identity
-from ckptd.protocol.messages import Bye, Error, Ok, PeerSnapshots, Pin, Restore, SnapshotList, Snapshots, Unpin
+from ckptd.protocol.messages import (
+    Bye, Error, Ok, PeerSnapshots, Pin, ReplicationState, Restore, SnapshotList, Snapshots, Unpin,
+)
 from ckptd.protocol.reading import files_for
 from ckptd.protocol.request import request
 from ckptd.protocol.shard_reads import check_checksum
@@ -45,6 +47,8 @@ from .checks import check_path
 from .connection import Connection
 from .dtypes import typed_view
 from .reshard import ChunkFiles, bytes_of, map_shard
+
+R = ReplicationState
 
 log = logging.getLogger("ckptd")
 ASK_TIMEOUT = 5.0
@@ -85,14 +89,14 @@ def wait_replicated(endpoint: str, path: Path | str, timeout: float | None) -> N
         if not isinstance(reply, SnapshotList):
             raise InvalidCheckpoint(f"snapshot {path}: the daemon did not list its snapshots ({reply.type})")
         snap = next((s for s in reply.snapshots if resolved(s["path"]) == want), None)
-        state = None if snap is None else snap.get("replication", "off")
-        if state in ("replicated", "restored"):
+        state = None if snap is None else ReplicationState(snap.get("replication", R.OFF))
+        if state in (R.REPLICATED, R.RESTORED):
             return
-        if snap is None or state != "replicating":
+        if snap is None or state is not R.REPLICATING:
             why = {None: "it is no longer held (a newer snapshot, a delete or a disk save dropped it)",
-                   "off": "the daemon has no buddy (start it with --peer-listen, so the ranks place it in their "
+                   R.OFF: "the daemon has no buddy (start it with --peer-listen, so the ranks place it in their "
                           "ring, or with --peer and --peer-keys)",
-                   "superseded": "a newer snapshot of its directory was held before its turn, and is replicated "
+                   R.SUPERSEDED: "a newer snapshot of its directory was held before its turn, and is replicated "
                                  "instead"}.get(state, snap.get("replication_error", "") if snap else "")
             raise InvalidCheckpoint(f"snapshot {path} was not replicated: {why}")
         if deadline is not None and time.monotonic() >= deadline:

@@ -44,6 +44,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, ClassVar
 
 import msgpack
@@ -291,10 +292,31 @@ class Restore(Message):
             raise BadMessage(f"restore.rank {self.rank} is not a rank below {MAX_WORLD_SIZE}")
 
 
+class ReplicationState(str, Enum):
+    """A held snapshot's copy on the buddy node: the ``replication`` of each map in a ``SnapshotList`` (and of
+    ``ckptd status``), defined here once for the daemon, which moves it (``ckptd/lifecycle/attempt.py``'s
+    ``NEXT_REPLICATION``), and the client, which waits on it (``SaveFuture.wait_replicated``)."""
+
+    OFF = "off"
+    """Not sent (yet): no buddy, or not held yet."""
+    REPLICATING = "replicating"
+    REPLICATED = "replicated"
+    """Held on the buddy, every checksum checked there."""
+    FAILED = "failed"
+    """Not held on the buddy; ``replication_error`` says why."""
+    SUPERSEDED = "superseded"
+    """A newer snapshot of its directory was held before its turn came: that one is sent instead."""
+    RESTORED = "restored"
+    """Read back from a peer's replica: its copy is the peer's, never sent on."""
+    ADOPTED = "adopted"
+    """A replica held here for a node that is gone, persisted by this daemon's drain: never sent on."""
+
+
 @dataclass(frozen=True)
 class SnapshotList(Message):
     """Every held snapshot: a map per snapshot (path, step, world_size, created, persisted, complete,
-    shards as ``[rank, slot, size, checksum, tensors]``), documented in docs/status.md."""
+    ``replication`` (a ``ReplicationState`` value), shards as ``[rank, slot, size, checksum, tensors]``),
+    documented in docs/status.md."""
 
     snapshots: tuple[dict, ...]
     type: ClassVar[str] = "snapshot_list"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.storage.local import LocalCheckpoints
-from ckptd.storage.store import ObjectCheckpoints, ObjectFiles
+from ckptd.storage.store import ObjectCheckpoints, ObjectStorage
 from ckptd.storage.ownership import owner_marker
 from ckptd.protocol.errors import CheckpointExists
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
@@ -71,7 +71,7 @@ def test_the_daemons_storage_chooses_each_names_backend_once(tmp_path: Path) -> 
     backends = Backends(LocalStorage())
     local, store = backends.at(tmp_path / "a"), backends.at(Path("s3://bucket/a"))
     assert isinstance(local, LocalCheckpoints) and isinstance(local, Checkpoints) and local.files is backends.local
-    assert isinstance(store, ObjectCheckpoints) and isinstance(store.files, ObjectFiles)
+    assert isinstance(store, ObjectCheckpoints) and isinstance(store.files, ObjectStorage)
     assert backends.at("s3://bucket/b") is store and backends.at(tmp_path / "b") is local
 
 

@@ -108,7 +108,7 @@ def test_only_the_registry_moves_an_attempt() -> None:
 
 
 def test_only_the_registry_moves_a_snapshots_replication() -> None:
-    """A held snapshot's second track (its copy on the buddy, ``attempt.Replication``) moves along
+    """A held snapshot's second track (its copy on the buddy, ``protocol.messages.ReplicationState``) moves along
     ``NEXT_REPLICATION`` through ``Registry.replicate`` only: no other module of the daemon assigns it."""
     def assigned(node: ast.AST) -> list[ast.expr]:
         if isinstance(node, ast.Assign):

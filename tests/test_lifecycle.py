@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import ckptd
-from ckptd.lifecycle.attempt import ENDED, NEXT_REPLICATION, NEXT_STATES, AttemptState, Replication
+from ckptd.lifecycle.attempt import ENDED, NEXT_REPLICATION, NEXT_STATES, AttemptState
+from ckptd.protocol.messages import ReplicationState
 from ckptd.protocol.endpoint import LOG_NAME
 from helpers import SHM, wait_until
 
@@ -32,10 +33,10 @@ def test_every_state_leads_to_an_end_and_only_the_ends_lead_nowhere() -> None:
 def test_a_snapshots_replication_reaches_its_buddy_again_from_every_state_it_is_sent_from() -> None:
     """The second track: every state is in the table, a snapshot that was sent (or failed, or was superseded) can
     be sent again (a late rank joined), and the copies that are a peer's (restored, adopted) are never sent on."""
-    assert set(NEXT_REPLICATION) == set(Replication)
-    R = Replication
+    assert set(NEXT_REPLICATION) == set(ReplicationState)
+    R = ReplicationState
     assert {s for s, after in NEXT_REPLICATION.items() if not after} == {R.RESTORED, R.ADOPTED}
-    for state in set(Replication) - {R.RESTORED, R.ADOPTED}:
+    for state in set(ReplicationState) - {R.RESTORED, R.ADOPTED}:
         assert R.REPLICATING in NEXT_REPLICATION[state], f"{state.value} is never sent again"
     assert {R.REPLICATED, R.FAILED, R.SUPERSEDED} <= NEXT_REPLICATION[R.REPLICATING]
     assert all(R.OFF not in after for after in NEXT_REPLICATION.values()), "nothing goes back to not sent"

@@ -18,7 +18,7 @@ from helpers import keys, mirrored, seeded_state as state, wait_until
 
 from ckptd.upkeep.mirror import Mirrors
 from ckptd.storage.backends import Backends
-from ckptd.storage.store import ObjectFiles
+from ckptd.storage.store import ObjectStorage
 from ckptd.protocol.endpoint import LOG_NAME
 from ckptd.storage.contract import LocalStorage
 
@@ -104,7 +104,7 @@ def test_a_stop_with_a_stalled_endpoint_leaves_the_uploads_and_store_requests_at
     assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-2"]  # neither is on the mirror
 
 
-class HeldRemovals(ObjectFiles):
+class HeldRemovals(ObjectStorage):
     """The store's objects, whose removals wait until the test lets them go on."""
 
     def __init__(self) -> None:

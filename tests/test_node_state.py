@@ -13,10 +13,10 @@ from ckptd.protocol.errors import Conflict, InternalError, RanksMissing, Unknown
 from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.layout import TensorEntry
 from ckptd.protocol.messages import WriteShard, Error, Snapshot
-from ckptd.lifecycle.snapshots import Snapshots
+from ckptd.lifecycle.snapshots import SnapshotBook
 from ckptd.lifecycle.state import NodeState
 from ckptd.storage.contract import LocalStorage
-from ckptd.lifecycle.writer import WriteJob
+from ckptd.lifecycle.writer import ShardWrite
 
 SHARD = 8192
 TENSORS = (TensorEntry("w", "U8", (4096,), 0, 4096),)
@@ -89,7 +89,7 @@ def test_a_save_counts_for_its_client_and_ends_with_its_write(state) -> None:
     progress = state.begin_save(b"a", client, commit(1), deadline=1e18)
     assert (client.saves, client.waited_s, client.last_waited_s) == (1, 0.25, 0.25)
     assert state.staging[(b"a", 1)] is progress and state.busy
-    job = WriteJob(b"a", commit(1), FakeSlot("ckptd-0-1-1"), Path("/ckpts/a.incomplete/r"), Path("/ckpts/a"),
+    job = ShardWrite(b"a", commit(1), FakeSlot("ckptd-0-1-1"), Path("/ckpts/a.incomplete/r"), Path("/ckpts/a"),
                    progress, device=7)
     state.writes.append(job)
     state.finish_job(job)
@@ -102,7 +102,7 @@ def test_reserved_bytes_are_what_is_admitted_and_not_yet_written_per_device(stat
     client = state.hello(b"a", 1)
     for rid, device, written in ((1, 7, 0), (2, 7, 1000), (3, 8, 0)):
         progress = state.begin_save(b"a", client, commit(rid), deadline=1e18)
-        job = WriteJob(b"a", commit(rid), FakeSlot(str(rid)), Path("/x"), Path("/y"), progress, device=device)
+        job = ShardWrite(b"a", commit(rid), FakeSlot(str(rid)), Path("/x"), Path("/y"), progress, device=device)
         job.written = written
         state.writes.append(job)
     assert state.reserved_on(7) == 2 * SHARD - 1000
@@ -154,7 +154,7 @@ def test_disk_and_memory_attempts_share_one_set_of_rules_for_their_ranks(state, 
     """Joining, overdue ranks and failing every waiting rank behave alike on disk and in memory."""
     final = tmp_path / "both"
     pending, _ = state.commits.admit(commit(1, world_size=2, path=str(final)), b"a", final, os.getpid())
-    snaps = Snapshots(budget=1 << 30, keep=1, registry=state.attempts)
+    snaps = SnapshotBook(budget=1 << 30, keep=1, registry=state.attempts)
     shot = Snapshot(**{**commit(1, world_size=2, path=str(final)).__dict__})
     snap, _ = snaps.admit(shot, final, FakeSlot("s"), os.getpid(), b"a")  # type: ignore[arg-type]
     for attempt, kind in ((pending, "checkpoint"), (snap, "snapshot")):

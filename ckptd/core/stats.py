@@ -29,12 +29,12 @@ from ckptd.storage.contract import UNLIMITED
 
 class NodeView(Protocol):
     """What status may read of the node state (``lifecycle/state.NodeState`` is one). Its writes and checkpoints
-    are the lifecycle's (``lifecycle/writer.WriteJob``, ``lifecycle/commit.PendingCheckpoint``), typed ``Any`` here:
+    are the lifecycle's (``lifecycle/writer.ShardWrite``, ``lifecycle/commit.PendingCheckpoint``), typed ``Any`` here:
     this ground never imports the lifecycle above it."""
 
     draining: bool
     writes: list[Any]
-    """Shard writes admitted and not yet ended (``WriteJob``)."""
+    """Shard writes admitted and not yet ended (``ShardWrite``)."""
 
     @property
     def client_records(self) -> Iterable[Any]: ...

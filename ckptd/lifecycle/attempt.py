@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, ClassVar
 
 from ckptd.protocol.errors import CkptdError, Conflict, InternalError, RanksMissing
-from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Error, Message, StagedShard
+from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Error, Message, ReplicationState, StagedShard
 from ckptd.protocol.objects import display
 
 from ckptd.lifecycle.contributors import Contributors
@@ -81,29 +81,11 @@ NEXT_STATES: dict[AttemptState, frozenset[AttemptState]] = {
 ENDED = frozenset(state for state, after in NEXT_STATES.items() if not after)
 
 
-class Replication(str, Enum):
-    """A held snapshot's copy on the buddy node (``ckptd/peers/replication.py``): the second track of a memory
-    attempt's state, beside ``AttemptState``, since a snapshot is streamed to its buddy while it is held,
-    persisted or being persisted alike (a drain persists what is being replicated). Moved along
-    ``NEXT_REPLICATION`` by ``registry.Registry.replicate`` only."""
-
-    OFF = "off"
-    """Not sent (yet): no buddy, or not held yet."""
-    REPLICATING = "replicating"
-    REPLICATED = "replicated"
-    """Held on the buddy, every checksum checked there."""
-    FAILED = "failed"
-    """Not held on the buddy; ``replication_error`` says why."""
-    SUPERSEDED = "superseded"
-    """A newer snapshot of its directory was held before its turn came: that one is sent instead."""
-    RESTORED = "restored"
-    """Read back from a peer's replica: its copy is the peer's, never sent on."""
-    ADOPTED = "adopted"
-    """A replica held here for a node that is gone, persisted by this daemon's drain: never sent on."""
-
-
-_R = Replication
-NEXT_REPLICATION: dict[Replication, frozenset[Replication]] = {
+_R = ReplicationState
+NEXT_REPLICATION: dict[ReplicationState, frozenset[ReplicationState]] = {
+    # a held snapshot's second track, beside ``AttemptState``: it is streamed to its buddy while it is held,
+    # persisted or being persisted alike (a drain persists what is being replicated); moved by
+    # ``registry.Registry.replicate`` only
     _R.OFF: frozenset({_R.REPLICATING}),
     _R.REPLICATING: frozenset({_R.REPLICATED, _R.FAILED, _R.SUPERSEDED, _R.REPLICATING}),
     _R.REPLICATED: frozenset({_R.REPLICATING, _R.FAILED}),  # a late rank of its node joined, or the buddy lost

@@ -63,7 +63,7 @@ from ckptd.storage.contract import PublishedNotDurable
 from ckptd.storage.ownership import release, remove_markers
 
 if TYPE_CHECKING:
-    from ckptd.lifecycle.writer import WriteJob
+    from ckptd.lifecycle.writer import ShardWrite
 
 
 @dataclass(kw_only=True)
@@ -78,7 +78,7 @@ class PendingCheckpoint(Attempt):
     ranks_seen: set[int] = field(default_factory=set)
     writing: int = 0
     """Shards of this checkpoint admitted here and not yet durable or failed."""
-    queued: list[WriteJob] | None = None
+    queued: list[ShardWrite] | None = None
     """Admitted writes waiting for ``p.incomplete`` to be made (None: nobody has started making it yet)."""
     state: AttemptState = AttemptState.PREPARING
     owns_directory: bool = False

@@ -31,13 +31,14 @@ from ckptd.protocol.errors import (
     CheckpointExists, CkptdError, InvalidCheckpoint, RanksMissing, ShuttingDown, WriteFailed,
 )
 from ckptd.protocol.messages import (
-    Abort, Accepted, Done, Error, Held, Message, Ok, Persist, Pin, Snapshot, SnapshotList, Snapshots, Unpin,
+    Abort, Accepted, Done, Error, Held, Message, Ok, Persist, Pin, ReplicationState, Snapshot, SnapshotList, Snapshots,
+    Unpin,
 )
 from ckptd.protocol.objects import display, is_permanent
 
 from ckptd.lifecycle.admission import Examined, examine
 from ckptd.lifecycle.contributors import Contributors
-from ckptd.lifecycle.attempt import AttemptState, Replication
+from ckptd.lifecycle.attempt import AttemptState
 from ckptd.lifecycle.saves import Saves
 from ckptd.lifecycle.slot_maps import MappedSlot, SlotMaps
 from ckptd.lifecycle.snapshots import HeldShard, HeldSnapshot, shards_of
@@ -291,7 +292,7 @@ class Holding:
         self._release(shards_of(self.snapshots.unpin(reader, path)))
 
     def hold_restored(self, path: Path, created: float, shards: list[tuple[Snapshot, str, int, mmap.mmap, int]],
-                      replication: Replication = Replication.RESTORED) -> HeldSnapshot:
+                      replication: ReplicationState = ReplicationState.RESTORED) -> HeldSnapshot:
         """Hold a snapshot read back from a peer's replica (``peers/replication.py``), every shard checked: its
         ranks' ``Snapshot`` messages as the origin admitted them, and the files of this daemon's own that hold
         them (name, fd, mapping, checksum). It is held as its origin held it, complete; ``CheckpointExists``

@@ -2,7 +2,7 @@
 housekeeping over them.
 
 Each pipeline keeps its attempts by path in books the registry gives it (``book``: ``Commits.pending``,
-``Snapshots.held`` and ``Snapshots.replacing``), and changes an attempt's state only through ``Registry.move``,
+``SnapshotBook.held`` and ``SnapshotBook.replacing``), and changes an attempt's state only through ``Registry.move``,
 along ``attempt.NEXT_STATES``; an attempt that ends leaves every book in the same call, so no book ever holds an
 ended attempt, nor forgets one that goes on (a test scans the daemon for any other caller of ``move_to``).
 
@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from ckptd.protocol.errors import CkptdError, InternalError
+from ckptd.protocol.messages import ReplicationState
 
-from ckptd.lifecycle.attempt import NEXT_REPLICATION, Attempt, AttemptState, Replication
+from ckptd.lifecycle.attempt import NEXT_REPLICATION, Attempt, AttemptState
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class Registry:
                     del book[attempt.path]
 
     @staticmethod
-    def replicate(snap: Any, state: Replication, error: str = "") -> None:
+    def replicate(snap: Any, state: ReplicationState, error: str = "") -> None:
         """Move held snapshot ``snap``'s replication to ``state`` along ``NEXT_REPLICATION`` (any other move is a
         defect, raised as ``InternalError``); ``error`` says why it failed."""
         if state not in NEXT_REPLICATION[snap.replication]:

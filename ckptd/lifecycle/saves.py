@@ -38,7 +38,7 @@ from ckptd.lifecycle.attempt import AttemptState
 from ckptd.lifecycle.commit import PendingCheckpoint
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.snapshots import HeldSnapshot
-from ckptd.lifecycle.writer import Progress, WriteJob, WriteState, write_shard
+from ckptd.lifecycle.writer import Progress, ShardWrite, WriteState, write_shard
 from ckptd.core.config import DaemonConfig
 from ckptd.core.events import Committed, Events, Failed
 from ckptd.core.replies import as_error, error_reply, logged
@@ -162,7 +162,7 @@ class Saves:
             state.slots.release(examined.slot)
             self.refuse(ident, msg, exc)
             return
-        job = WriteJob(ident, msg, examined.slot, dest, pending.path, progress, device=examined.space.device)
+        job = ShardWrite(ident, msg, examined.slot, dest, pending.path, progress, device=examined.space.device)
         log.info("event=admitted path=%s rank=%d bytes=%d", pending.path, msg.rank, msg.nbytes)
         # The daemon holds the save now (its slot mapped, its job listed): the client may go on, before the
         # checkpoint's directory exists (a failure to make it fails the save through its future).
@@ -194,7 +194,7 @@ class Saves:
             msg = dataclasses.replace(shard.msg, id=0, coordinated=False)
             progress = Progress(msg.nbytes, msg.nbytes, deadline=math.inf)
             dest = pending.incomplete / shard_name(rank, snap.world_size)
-            self._queue(WriteJob(b"", msg, shard.slot, dest, final, progress, device=space.device), pending)
+            self._queue(ShardWrite(b"", msg, shard.slot, dest, final, progress, device=space.device), pending)
 
     def _check_room(self, final: Path, space: Space, nbytes: int, shm_free: int | None = None) -> None:
         """Refuse ``nbytes`` more for ``final`` unless its device keeps its margin after the writes in flight
@@ -204,7 +204,7 @@ class Saves:
                    margin_fraction=cfg.space_margin_fraction, margin_min=cfg.space_margin_bytes,
                    shm_min_free=cfg.shm_min_free, shm_free=shm_free)
 
-    def _queue(self, job: WriteJob, pending: PendingCheckpoint) -> None:
+    def _queue(self, job: ShardWrite, pending: PendingCheckpoint) -> None:
         """List an admitted write and start it, or queue it until ``pending``'s directory is made (first rank)."""
         self.state.writes.append(job)
         if pending.state is not AttemptState.PREPARING:
@@ -241,7 +241,7 @@ class Saves:
         for job in jobs:  # the checkpoint failed before its directory was ready: these never start
             self._write_finished(job, pending, None)
 
-    def _start(self, job: WriteJob, pending: PendingCheckpoint) -> None:
+    def _start(self, job: ShardWrite, pending: PendingCheckpoint) -> None:
         cfg, backend, checksums = self.config, self.storage.at(job.dest), self.workers.checksums
         run = lambda: write_shard(job, backend, checksums, direct=cfg.direct_io, chunk=cfg.chunk_bytes)  # noqa: E731
         self.workers.submit("write", run, lambda fut: self._write_finished(job, pending, fut),
@@ -249,7 +249,7 @@ class Saves:
 
     # -- writes and commits ---------------------------------------------------
 
-    def _write_finished(self, job: WriteJob, pending: PendingCheckpoint, fut: Future | None) -> None:
+    def _write_finished(self, job: ShardWrite, pending: PendingCheckpoint, fut: Future | None) -> None:
         self.state.finish_job(job)
         exc = fut.exception() if fut is not None else None
         record: ShardRecord | None = fut.result() if fut is not None and exc is None else None
@@ -274,7 +274,7 @@ class Saves:
         if ready:
             self._finalize(pending)
 
-    def _write_defect(self, job: WriteJob, pending: PendingCheckpoint, exc: BaseException) -> None:
+    def _write_defect(self, job: ShardWrite, pending: PendingCheckpoint, exc: BaseException) -> None:
         """``_write_finished`` raised: the write is over, so it ends here if the completion had not ended it yet
         (its slot back, its shard no longer in flight), and the attempt fails on every rank (and is discarded once
         nothing of it is written any more)."""

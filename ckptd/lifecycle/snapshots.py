@@ -44,10 +44,10 @@ from typing import Any, Callable, ClassVar, Iterable
 
 from ckptd.protocol.errors import CheckpointExists, NoSpace, PathNotAllowed
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
-from ckptd.protocol.messages import Snapshot
+from ckptd.protocol.messages import ReplicationState, Snapshot
 from ckptd.protocol.objects import display
 
-from ckptd.lifecycle.attempt import Attempt, AttemptState, Replication, Waiter
+from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.registry import Registry
 from ckptd.lifecycle.slot_maps import MappedSlot
@@ -82,7 +82,7 @@ class HeldSnapshot(Attempt):
     persist_started: float = 0.0
     readers: dict[bytes, int] = field(default_factory=dict)
     """Pins by reader connection (``Pin``): while any is held its slots stay as they are, dropped or not."""
-    replication: Replication = Replication.OFF
+    replication: ReplicationState = ReplicationState.OFF
     """Its copy on the buddy node (``ckptd/peers/replication.py``), moved by ``Registry.replicate`` only."""
     replication_error: str = ""
     """Why replication failed."""
@@ -180,7 +180,7 @@ class HeldSnapshot(Attempt):
         }
 
 
-class Snapshots:
+class SnapshotBook:
     """The snapshots this daemon holds, by final path, within the memory budget."""
 
     def __init__(self, budget: int, keep: int, registry: Registry) -> None:
@@ -306,7 +306,7 @@ class Snapshots:
         clients = {sh.client for sh in snap.shards.values()}
         job = sorted((s for s in self.held.values() if s.acknowledged and s.path.parent == snap.path.parent
                       and not s.persisting and (clients & {sh.client for sh in s.shards.values()}
-                                                or (s.replication is Replication.RESTORED or s.left_by_a_gone_run(snap))
+                                                or (s.replication is ReplicationState.RESTORED or s.left_by_a_gone_run(snap))
                                                 and set(s.shards) & set(snap.shards))),
                      key=lambda s: s.order, reverse=True)
         dropped = [s for s in job[self.keep:] if s is not snap]

@@ -26,8 +26,8 @@ from ckptd.protocol.processes import pid_alive
 from ckptd.lifecycle.registry import Registry
 from ckptd.lifecycle.commit import Commits, PendingCheckpoint
 from ckptd.lifecycle.slot_maps import SlotMaps
-from ckptd.lifecycle.snapshots import Snapshots
-from ckptd.lifecycle.writer import Progress, WriteJob
+from ckptd.lifecycle.snapshots import SnapshotBook
+from ckptd.lifecycle.writer import Progress, ShardWrite
 from ckptd.core.config import DaemonConfig
 from ckptd.core.leases import Grant, LoadLeases
 from ckptd.core.stats import Stats
@@ -67,13 +67,13 @@ class NodeState:
         self.staging: dict[tuple[bytes, int], Progress] = {}
         """Staging progress of every shard from its WriteShard or Snapshot until its write ends (``Staged`` finds
         it here)."""
-        self.writes: list[WriteJob] = []
+        self.writes: list[ShardWrite] = []
         """Admitted shard writes, queued or running, until they end (their bytes reserved on their device)."""
         self.commits = Commits(storage, self.attempts)
         self.leases = LoadLeases(config.max_concurrent_loads)
         self.slots = slots if slots is not None else SlotMaps()
         self.stats = Stats(config)
-        self.snapshots = Snapshots(config.memory_budget, config.keep_snapshots, self.attempts)
+        self.snapshots = SnapshotBook(config.memory_budget, config.keep_snapshots, self.attempts)
         self.draining = False
 
     # -- the view status reads (stats.NodeView) ---------------------------------
@@ -183,7 +183,7 @@ class NodeState:
         """Bytes admitted to ``device`` and not yet written (admission's promise)."""
         return sum(j.msg.nbytes - j.written for j in self.writes if j.device == device)
 
-    def finish_job(self, job: WriteJob) -> None:
+    def finish_job(self, job: ShardWrite) -> None:
         self.writes.remove(job)
         self.slots.release(job.slot)
         self.end_save(job.client, job.msg.id)

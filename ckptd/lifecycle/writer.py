@@ -96,7 +96,7 @@ class Progress:
 
 
 @dataclass
-class WriteJob:
+class ShardWrite:
     """One rank's shard on its way from slot to disk."""
 
     client: bytes
@@ -115,7 +115,7 @@ class WriteJob:
     finished_at: float | None = None
 
 
-def write_shard(job: WriteJob, storage: Checkpoints, checksums: Executor, *, direct: bool, chunk: int) -> ShardRecord:
+def write_shard(job: ShardWrite, storage: Checkpoints, checksums: Executor, *, direct: bool, chunk: int) -> ShardRecord:
     """Write ``job``'s shard to ``job.dest``, fsync it, and return its record."""
     job.state, job.started_at = WriteState.WRITING, time.monotonic()
     nbytes = job.msg.nbytes
@@ -161,7 +161,7 @@ def write_shard(job: WriteJob, storage: Checkpoints, checksums: Executor, *, dir
     )
 
 
-def _await_bytes(job: WriteJob, upto: int) -> None:
+def _await_bytes(job: ShardWrite, upto: int) -> None:
     if job.progress.staged < upto:
         job.state = WriteState.STAGING
         job.progress.wait_for(upto)

@@ -42,7 +42,7 @@ from ckptd.core.stats import add_filesystems
 from ckptd.core.workers import Workers
 from ckptd.peers.endpoint import PeerEndpoint
 from ckptd.core.keys import KeyPair, PeerKeys, Trust
-from ckptd.peers.replicas import Replicas
+from ckptd.peers.replicas import ReplicaBook
 from ckptd.peers.replication import Replication
 from ckptd.storage.backends import Backends
 from ckptd.upkeep.mirror import Mirrors
@@ -75,7 +75,7 @@ class Server:
         self.holding = Holding(self.state, self.workers, storage, config, self._send, self.saves, self.events)
         self.attempts = self.state.attempts
         self.attempts.keep((self.saves, self.holding))
-        self.replicas: Replicas | None = None
+        self.replicas: ReplicaBook | None = None
         self.peer_endpoint: PeerEndpoint | None = None
         self.replication: Replication | None = None
         if config.peer_keys is not None or config.peer_listen is not None:
@@ -132,7 +132,7 @@ class Server:
         """The replicas held for other nodes, the peer endpoint (``--peer-listen``) and replication to the buddy."""
         config, slots, stats = self.config, self.state.slots, self.state.stats
         snapshots = self.state.snapshots
-        book = self.replicas = Replicas(self.workers, stats, slots.shm_dir, slots.own_name,
+        book = self.replicas = ReplicaBook(self.workers, stats, slots.shm_dir, slots.own_name,
                                         lambda: snapshots.budget - snapshots.held_bytes,
                                         lambda raw: self.storage.resolve(raw, config.roots))
         snapshots.replica_bytes = lambda: book.nbytes

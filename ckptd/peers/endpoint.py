@@ -10,7 +10,7 @@ answered like a local request: any exception becomes an ``Error`` reply
 through ``replies.error_reply``, and no message can take the daemon down.
 
 The loop thread polls this socket beside the local one; the bytes of
-replicas move on the ``replica`` pool (``replicas.Replicas``).
+replicas move on the ``replica`` pool (``replicas.ReplicaBook``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Fetch, Offer, Replic
 from ckptd.core.replies import error_reply
 from ckptd.core.stats import Stats
 from ckptd.core.keys import KeyPair, Trust
-from ckptd.peers.replicas import Replicas as Book
+from ckptd.peers.replicas import ReplicaBook
 
 log = logging.getLogger("ckptd")
 ZAP_DOMAIN = "ckptd-peers"
@@ -37,7 +37,7 @@ ZAP_DOMAIN = "ckptd-peers"
 class PeerEndpoint:
     """Serve other daemons: offers, chunks and seals of replicas, listings, and fetches of them."""
 
-    def __init__(self, ctx: zmq.Context, listen: str, pair: KeyPair, keys: Trust, book: Book,
+    def __init__(self, ctx: zmq.Context, listen: str, pair: KeyPair, keys: Trust, book: ReplicaBook,
                  stats: Stats) -> None:
         self.book, self.stats = book, stats
         self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("ckptd.zap"))

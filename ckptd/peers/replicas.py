@@ -138,7 +138,7 @@ def remove_shm_file(shm_dir: Path, name: str, fd: int, mapping: mmap.mmap | None
         pass
 
 
-class Replicas:
+class ReplicaBook:
     """Every replica this daemon holds or is receiving, within the node's memory budget (shared with its own
     snapshots: ``room`` says how many bytes are free of it)."""
 

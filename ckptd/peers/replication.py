@@ -47,7 +47,7 @@ from ckptd.protocol.messages import Message, Ok, PeerSnapshots, Restore, Snapsho
 from ckptd.protocol.objects import display
 from ckptd.protocol.peer_messages import Offer
 
-from ckptd.lifecycle.attempt import Replication as R
+from ckptd.protocol.messages import ReplicationState as R
 from ckptd.lifecycle.holding import Holding
 from ckptd.lifecycle.snapshots import HeldSnapshot
 from ckptd.core.config import DaemonConfig
@@ -58,7 +58,7 @@ from ckptd.core.workers import Workers
 from ckptd.core.keys import KeyPair, Trust
 from ckptd.peers.link import PeerLink, PeerUnavailable
 from ckptd.peers.placement import Placement
-from ckptd.peers.replicas import Replica, Replicas, new_shm_file, remove_shm_file
+from ckptd.peers.replicas import Replica, ReplicaBook, new_shm_file, remove_shm_file
 from ckptd.storage.backends import Backends
 
 log = logging.getLogger("ckptd")
@@ -98,7 +98,7 @@ class _Copy:
                    for r in replicas)
 
     def replaced_by(self, replicas: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """The replica the buddy holds in its place, if any (``Replicas._completed``'s rules: another of the same
+        """The replica the buddy holds in its place, if any (``ReplicaBook._completed``'s rules: another of the same
         path, or a newer one of the same ranks in its directory); None: it was lost with no successor (the buddy
         restarted)."""
         path, ranks = self.snap.path, sorted(rank for rank, _ in self.checksums)
@@ -456,7 +456,7 @@ class Replication:
 
     # -- the drain ------------------------------------------------------------------
 
-    def drain(self, replicas: Replicas) -> None:
+    def drain(self, replicas: ReplicaBook) -> None:
         """The daemon drains: every replica held here whose origin is gone is persisted as a snapshot of this
         node's own would be, so draining a cluster loses nothing.
 

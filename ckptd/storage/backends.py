@@ -5,7 +5,7 @@ A caller names the checkpoint (or attempt, or shard) it is about once
 (``Backends.at``) and speaks to the backend that holds it: its checkpoint
 operations (``LocalCheckpoints`` or ``ObjectCheckpoints``) and, beneath them,
 its file operations (``.files``: the local ``Storage``, which
-``--storage module:Class`` may replace, or ``ObjectFiles``). This is the one
+``--storage module:Class`` may replace, or ``ObjectStorage``). This is the one
 place that asks which backend a name is on.
 """
 
@@ -20,7 +20,7 @@ from ckptd.protocol.objects import is_object_path
 from ckptd.storage.checkpoints import Checkpoints
 from ckptd.storage.contract import Files, LocalStorage, Storage
 from ckptd.storage.local import LocalCheckpoints
-from ckptd.storage.store import ObjectCheckpoints, ObjectFiles
+from ckptd.storage.store import ObjectCheckpoints, ObjectStorage
 
 
 class Backends:
@@ -30,7 +30,7 @@ class Backends:
     def __init__(self, local: Storage, store: Files | None = None) -> None:
         self.local = local
         self._local = LocalCheckpoints(local)
-        self._store = ObjectCheckpoints(store if store is not None else ObjectFiles())
+        self._store = ObjectCheckpoints(store if store is not None else ObjectStorage())
 
     def at(self, path: Path | str) -> Checkpoints:
         """The backend holding the checkpoint, attempt, shard or directory named ``path``."""

@@ -12,7 +12,7 @@ object store by writing the index last (``ckptd/storage/store.py``);
 Both rest on file operations by name (``Files``): the POSIX calls of the
 local filesystem (``LocalStorage``, a ``Storage``: with the descriptors a
 local shard is written through) and their object-store counterparts
-(``ObjectFiles``). Ownership checks, listing and the sweep read through
+(``ObjectStorage``). Ownership checks, listing and the sweep read through
 them. Tests load a fault-injecting ``Storage`` that lives with them
 (``tests/faults.py``) with ``ckptd start --storage module:Class``; its
 faults act inside the checkpoint operations built on it. Production code

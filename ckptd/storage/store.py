@@ -20,7 +20,7 @@ operations mean this here (``ckptd/storage/contract.py`` holds the contract):
   checkpoint loses its index first.
 - ``space`` reports no limit (the store enforces its own quotas).
 
-``ObjectFiles`` holds the file operations beneath (objects, prefixes,
+``ObjectStorage`` holds the file operations beneath (objects, prefixes,
 ranged reads); ``ObjectCheckpoints`` the checkpoint operations on top.
 """
 
@@ -99,7 +99,7 @@ class _Upload:
         raise OSError(errno.EIO, "the upload ended early", objects.object_url(self.path))
 
 
-class ObjectFiles(CheckpointReads):
+class ObjectStorage(CheckpointReads):
     """The file operations of the seam for ``s3://`` names (see the module docstring); a shard is uploaded
     through ``ObjectCheckpoints.open_shard``, never opened."""
 
@@ -205,7 +205,7 @@ class ObjectCheckpoints(Checkpoints):
     """``Checkpoints`` where the index written last publishes (see the module docstring).
 
     Only ``open_shard`` needs a store; the rest goes through ``files`` (an
-    ``ObjectFiles``, or any storage a test runs this protocol on). What is at
+    ``ObjectStorage``, or any storage a test runs this protocol on). What is at
     a name is asked in ``begin``, after Accepted (two requests fewer in
     ``save_async``), and never replaced by a trainer's save.
     """
