@@ -22,7 +22,7 @@ log = logging.getLogger("ckptd")
 SPEC = "tests.faults:FaultyStorage"
 """What ``--storage`` (or ``CKPTD_STORAGE``) names to load this class."""
 ENV = "CKPTD_FAULTS"
-COMPLETIONS = ("completion", "checksummed")
+COMPLETIONS = ("completion", "checksummed", "persist_end")
 """The ops that are no storage call but a completion on the daemon's loop thread."""
 
 
@@ -40,8 +40,9 @@ class Fault:
 
     Two are no storage calls: ``completion`` raises ``RuntimeError`` in the loop-thread completion of a shard's
     write into a checkpoint whose path matches (``Saves._write_finished``), and ``checksummed`` in that of a
-    snapshot shard's checksum (``Holding._checksummed``): a defect of the daemon's own code that no storage call
-    can reach (the loop thread does no I/O). The storage loaded into the daemon installs them.
+    snapshot shard's checksum (``Holding._checksummed``), ``persist_end`` in the memory tier's handling of a
+    snapshot's write to disk that ended (``Holding._persist_outcome``): a defect of the daemon's own code that no
+    storage call can reach (the loop thread does no I/O). The storage loaded into the daemon installs them.
     """
 
     op: str
@@ -103,7 +104,13 @@ class FaultyStorage(LocalStorage):
             inject("checksummed", str(snap.path))
             return checksummed(holding, ident, msg, snap, fut)
 
-        Saves._write_finished, Holding._checksummed = raising, raising_held
+        persist_outcome = Holding._persist_outcome
+
+        def raising_end(holding, snap, error):  # noqa: ANN001, ANN202 - Holding._persist_outcome's own signature
+            inject("persist_end", str(snap.path))
+            return persist_outcome(holding, snap, error)
+
+        Saves._write_finished, Holding._checksummed, Holding._persist_outcome = raising, raising_held, raising_end
 
     def _inject(self, op: str, where: str, *, after: bool = False) -> None:
         for i, f in enumerate(self.faults):

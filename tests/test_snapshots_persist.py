@@ -210,6 +210,24 @@ def test_a_persist_that_times_out_says_what_it_waited_for(daemon_factory, client
     daemon.stop()
 
 
+def test_a_defect_where_a_persist_ends_answers_its_waiter_at_once_and_leaves_the_snapshot_held(
+        daemon_factory, client_factory, root, run_dir) -> None:
+    """A persist's end reached the memory tier through a ``Committed`` subscriber, whose defects the events
+    swallow: the snapshot stayed ``persisting`` and ``persist()`` waited for its timeout (issue 39). The save
+    pipeline calls the memory tier directly now, and a defect there is an internal error its waiter is told."""
+    path = root / "snap"
+    daemon = daemon_factory(faults=[{"op": "persist_end", "match": str(path)}])
+    client = client_factory(commit_timeout=600)
+    client.save_async(full(1), path, step=1, persist=False).result(30)
+    with pytest.raises(ckptd.InternalError, match="injected defect in the persist_end"):
+        client.persist(path, timeout=60)
+    assert "event=fault op=persist_end" in (run_dir / "ckptd.log").read_text()  # the fault fired
+    snap = held(daemon, path)
+    assert (snap["persisting"], snap["persisted"]) == (False, False)  # held again: an exit or a drain tries again
+    assert ckptd.load(path)["w"].equal(full(1)["w"])  # the write itself committed
+    assert daemon.status()["daemon"]["pid"] == daemon.proc.pid
+
+
 def test_an_abort_from_the_snapshots_own_job_never_fails_the_daemons_write_of_it_to_disk(
     daemon_factory, client_factory, root, tmp_path
 ) -> None:

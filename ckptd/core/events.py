@@ -10,7 +10,10 @@ a new reaction is one more subscription, not another hook inside the pipeline.
 Handlers run on the loop thread, synchronously and in the order they
 subscribed, after the lifecycle has answered the ranks. A handler that raises
 is logged and the others still run: a defect in one reaction can neither undo
-a commit nor keep the next reaction from happening.
+a commit nor keep the next reaction from happening. So nothing anyone waits
+on is ended by a handler: the persist of a held snapshot ends through a direct
+call from the save pipeline (``Saves.persist_ended``), which answers its
+waiters even when it fails.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class Committed:
     """From the attempt's first rank to its publication."""
     keep_last: int | None
     """The save's own retention (``save_async(keep_last=)``), None: the directory's ``--keep``, if any."""
+    snapshot: bool = False
+    """It persisted a snapshot held in memory (whose end the save pipeline told the memory tier directly)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,8 @@ class Failed:
 
     path: Path
     error: CkptdError
+    snapshot: bool = False
+    """It was the persist of a snapshot held in memory (held again; the memory tier was told directly)."""
 
 
 @dataclass(frozen=True)

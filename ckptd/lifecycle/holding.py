@@ -44,7 +44,7 @@ from ckptd.lifecycle.slot_maps import MappedSlot, SlotMaps
 from ckptd.lifecycle.snapshots import HeldShard, HeldSnapshot, shards_of
 from ckptd.lifecycle.writer import Progress, checksum_when_staged
 from ckptd.core.config import DaemonConfig
-from ckptd.core.events import Committed, Deleted, Events, Failed, SnapshotDropped, SnapshotHeld
+from ckptd.core.events import Committed, Deleted, Events, SnapshotDropped, SnapshotHeld
 from ckptd.core.replies import as_error, error_reply, logged
 from ckptd.lifecycle.state import NodeState
 from ckptd.core.workers import Workers
@@ -64,6 +64,7 @@ class Holding:
                  send: Send, saves: Saves, events: Events) -> None:
         self.state, self.workers, self.storage, self.config = state, workers, storage, config
         self.send, self.saves, self.events = send, saves, events
+        saves.persist_ended = self.persist_ended
         self.snapshots = state.snapshots
         self.drain_failures: list[str] = []
         """Snapshots the drain could not persist (path: why), for the log and ``ckptd stop``."""
@@ -422,7 +423,7 @@ class Holding:
         # else: started when the snapshot is complete (``_checksummed``), answered when it is committed
 
     def start_persist(self, snap: HeldSnapshot) -> None:
-        """Hand every held shard of ``snap`` to the save pipeline; ``persisted`` answers its waiters."""
+        """Hand every held shard of ``snap`` to the save pipeline; ``persist_ended`` answers its waiters."""
         self.state.attempts.move(snap, AttemptState.PERSISTING)
         snap.persist_started = time.monotonic()
         log.info("event=persist path=%s step=%s", snap.path, snap.step)
@@ -433,11 +434,11 @@ class Holding:
             return (backend.files.space(final.parent), backend.newer_beside(final, order),
                     backend.holds_same(final, world_size, fingerprint))
         self.workers.submit("admit", look, lambda fut: self._persist_room(snap, fut),
-                            failed=lambda exc: self.persisted(snap.path, as_error(self.state.stats, exc)))
+                            failed=lambda exc: self.persist_ended(snap, as_error(self.state.stats, exc)))
 
     def _persist_room(self, snap: HeldSnapshot, fut: Future) -> None:
         if fut.exception() is not None:
-            self.persisted(snap.path, WriteFailed(f"cannot persist {snap.path}: {fut.exception()}"))
+            self.persist_ended(snap, WriteFailed(f"cannot persist {snap.path}: {fut.exception()}"))
         elif snap.persisting:
             space, newer, there = fut.result()
             if there:
@@ -479,10 +480,25 @@ class Holding:
             self._drop([(snap, "older_than_disk")])
 
     def committed(self, event: Committed) -> None:
-        self.persisted(event.path, None)
-
-    def failed(self, event: Failed) -> None:
-        self.persisted(event.path, event.error)
+        """A disk save committed ``event.path``: a snapshot held of that path is older than it, and is dropped so
+        it never shadows it (a snapshot's own persist ends through ``persist_ended``, not this event)."""
+        if event.snapshot:
+            return
+        path = event.path
+        snap = self.snapshots.held.get(path)
+        if snap is None or snap.persisting:
+            return
+        log.info("event=snapshot_dropped path=%s step=%s reason=saved_to_disk", snap.path, snap.step)
+        why = InvalidCheckpoint(f"snapshot {path} was dropped from memory: a disk save committed the same path")
+        replacing = self.snapshots.replacing.get(path)
+        if replacing is not None:  # older than that save, as the one it was to replace
+            self.fail(replacing, why)
+        if not snap.acknowledged:
+            self.fail(snap, why)
+            return
+        self.snapshots.remove(snap, AttemptState.DROPPED)
+        self._drop([(snap, "saved_to_disk")])
+        self._answer_persists(snap, why)
 
     def deleted(self, event: Deleted) -> None:
         """Retention deleted the disk copy of a persisted snapshot still held: the snapshot goes from memory too,
@@ -496,31 +512,27 @@ class Holding:
         self.snapshots.remove(snap, AttemptState.DROPPED)
         self._drop([(snap, "retention_deleted_disk_copy")])
 
-    def persisted(self, path: Path, error: CkptdError | None) -> None:
-        """The save pipeline committed (``error`` None) or failed checkpoint ``path`` (``Committed``, ``Failed``).
+    def persist_ended(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
+        """The write of ``snap`` to disk committed (``error`` None) or failed: the save pipeline calls this
+        directly (``Saves.persist_ended``), as do the persist's own checks before it.
 
-        A held snapshot being persisted is persisted (or back to held, not
-        persisted, so exit and drain try again); one not being persisted is
-        older than the disk save that just committed the same path, and is
-        dropped so it never shadows it.
+        A defect here is an internal error its persist's waiters are told,
+        and the snapshot is held again (a drain, an exit or a ``persist()``
+        tries again): never left ``persisting`` for ever.
         """
-        snap = self.snapshots.held.get(path)
-        if snap is None:
+        try:
+            self._persist_outcome(snap, error)
+        except BaseException as exc:
+            internal = as_error(self.state.stats, exc)
+            log.error("event=persist_end_failed path=%s error=%s", snap.path, internal.message)
+            if snap.persisting:
+                self.state.attempts.move(snap, AttemptState.HELD)
+            self._answer_persists(snap, internal)
+
+    def _persist_outcome(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
+        if self.snapshots.held.get(snap.path) is not snap or not snap.persisting:
             return
-        if not snap.persisting:
-            if error is None:
-                log.info("event=snapshot_dropped path=%s step=%s reason=saved_to_disk", snap.path, snap.step)
-                why = InvalidCheckpoint(f"snapshot {path} was dropped from memory: a disk save committed the same path")
-                replacing = self.snapshots.replacing.get(path)
-                if replacing is not None:  # older than that save, as the one it was to replace
-                    self.fail(replacing, why)
-                if not snap.acknowledged:
-                    self.fail(snap, why)
-                    return
-                self.snapshots.remove(snap, AttemptState.DROPPED)
-                self._drop([(snap, "saved_to_disk")])
-                self._answer_persists(snap, why)
-            return
+        path = snap.path
         if isinstance(error, CheckpointExists):  # another holder of the same bytes may have committed them first
             backend, world_size, fingerprint = self.storage.at(path), snap.world_size, snap.fingerprint
 
@@ -564,7 +576,7 @@ class Holding:
                 self.start_persist(snap)
 
         self.workers.submit("maintenance", lambda: time.sleep(delay), again,
-                            failed=lambda exc: self.persisted(snap.path, as_error(self.state.stats, exc)))
+                            failed=lambda exc: self.persist_ended(snap, as_error(self.state.stats, exc)))
         return True
 
     def _answer_persists(self, snap: HeldSnapshot, error: CkptdError | None) -> None:

@@ -74,6 +74,9 @@ class Saves:
         """Told when a checkpoint commits or fails: stats, the mirror, retention and the memory tier react."""
         self._discards: dict[Path, int] = {}
         """Failed removals of attempts, by path: how many so far."""
+        self.persist_ended: Callable[[HeldSnapshot, CkptdError | None], None] = _no_memory_tier
+        """How the write of a held snapshot to disk ends: the memory tier's (``Holding.persist_ended``), called
+        directly, not through an event, so the snapshot and its waiters learn it whatever a subscriber does."""
         self._looking = False
         """Whether housekeeping's look for settled attempts that ended elsewhere is in flight (``_let_go_ended``)."""
         self._next_look = 0.0
@@ -176,8 +179,9 @@ class Saves:
         rank by rank: one attempt with every rank in (``Commits.begin_persist``),
         refused or failed as a whole (``Failed``, and the snapshot is held
         again), even while draining; each shard must write with the checksum
-        it was held with. Its outcome reaches the memory tier as
-        ``Committed`` or ``Failed``, like any save's.
+        it was held with. Its outcome reaches the memory tier directly
+        (``persist_ended``), then the subscribers as ``Committed`` or
+        ``Failed``, like any save's.
         """
         state, final = self.state, snap.path
         if state.commits.wait_for_cleanup(final, lambda: self.persist(snap, space)):
@@ -186,7 +190,7 @@ class Saves:
             self._check_room(final, space, snap.nbytes)
             pending = state.commits.begin_persist(snap)
         except BaseException as exc:
-            self.events.publish(Failed(final, as_error(state.stats, exc)))
+            self.persist_ended(snap, as_error(state.stats, exc))
             return
         log.info("event=admitted path=%s ranks=%d bytes=%d persist=true", final, len(snap.shards), snap.nbytes)
         for rank, shard in sorted(snap.shards.items()):
@@ -329,7 +333,10 @@ class Saves:
             self.send(waiter.client, Done(waiter.request_id, str(pending.path), pending.shards[waiter.rank].size,
                                           seconds))
         pending.waiting = []
-        self.events.publish(Committed(pending.path, pending.step, nbytes, seconds, pending.keep_last))
+        if pending.snapshot is not None:
+            self.persist_ended(pending.snapshot, None)
+        self.events.publish(Committed(pending.path, pending.step, nbytes, seconds, pending.keep_last,
+                                      snapshot=pending.snapshot is not None))
 
     # -- failures -------------------------------------------------------------
 
@@ -360,7 +367,9 @@ class Saves:
         state.commits.fail(pending, exc)
         log.warning("event=failed path=%s error=%s", pending.path, exc.message)
         pending.tell_failed(self.send, exc)
-        self.events.publish(Failed(pending.path, exc))
+        if pending.snapshot is not None:
+            self.persist_ended(pending.snapshot, exc)
+        self.events.publish(Failed(pending.path, exc, snapshot=pending.snapshot is not None))
         if pending.writing == 0:  # else the last shard to finish discards (_write_finished)
             self._discard(pending)
 
@@ -491,3 +500,8 @@ class Saves:
                 f"the daemon was stopped while checkpoint {pending.path} waited for ranks {pending.missing} "
                 f"of {pending.world_size}; it waited {self.config.drain_timeout:g} s for them and "
                 f"committed nothing"))
+
+
+def _no_memory_tier(snap: HeldSnapshot, error: CkptdError | None) -> None:
+    """``Saves.persist_ended`` until a memory tier (``Holding``) takes it: no snapshot is persisted without one."""
+    raise RuntimeError(f"snapshot {snap.path} was persisted with no memory tier to tell")

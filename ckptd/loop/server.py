@@ -34,7 +34,7 @@ from ckptd.lifecycle.registry import DeadRank
 from ckptd.lifecycle.saves import Saves
 from ckptd.lifecycle.slot_maps import reclaim_orphaned_slots
 from ckptd.core.config import DaemonConfig
-from ckptd.core.events import Committed, Deleted, Events, Failed, SnapshotDropped, SnapshotHeld
+from ckptd.core.events import Committed, Deleted, Events, SnapshotDropped, SnapshotHeld
 from ckptd.core.leases import Grant
 from ckptd.core.replies import error_reply
 from ckptd.lifecycle.state import MAX_PID, NodeState
@@ -168,7 +168,6 @@ class Server:
         events.subscribe(SnapshotHeld, stats.held)
         events.subscribe(SnapshotDropped, stats.dropped)
         events.subscribe(Committed, self.holding.committed)
-        events.subscribe(Failed, self.holding.failed)
         events.subscribe(Deleted, self.holding.deleted)
         if self.mirrors is not None:
             mirrors = self.mirrors
