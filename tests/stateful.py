@@ -351,8 +351,15 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
     def daemon_is_stopped_and_restarted(self, outage: bool) -> None:
         """SIGTERM drains: the newest held snapshot of each directory is persisted first, also when the store
         is away for a moment as the drain begins (``outage``). Not with peers: their snapshots span nodes, which
-        no drain persists (``ckptd stop`` exits 3 naming them, docs/memory.md)."""
+        no drain persists (``ckptd stop`` exits 3 naming them, docs/memory.md). With a buddy, both daemons drain at
+        once: whether node 0 still answers when the buddy's drain asks is a race, so the buddy may persist the
+        replicas it holds, a replica of a snapshot node 0 dropped before included (the newest of its directory,
+        which a buddy keeps); what it committed is read from its log (``_replicas_persisted``)."""
         self._begin()
+        replicas, mark = {}, 0
+        if self.cfg.buddy:  # what the buddy holds as its drain begins, and where its log stands
+            self._origin_settled()
+            replicas, mark = self._replicated_saves(self._holdings(1)), self._log_mark(1)
         if outage:
             self.w.proxy.cut()
         try:
@@ -370,6 +377,9 @@ class CheckpointMachine(NodeLoss, Checks, RuleBasedStateMachine):
             newest = self._newest_held(lambda s, parent=parent: os.path.dirname(self._path_of(s)) == parent)
             if newest is not None and not self._newer_committed(newest):
                 self._now_durable(newest)
+        if self.cfg.buddy:  # both were signalled at once: a buddy whose drain began after node 0 exited judged it
+            # gone and persisted its replicas (docs/memory.md, Drain), after node 0's own persists
+            self._replicas_persisted(replicas, self._committed_since(1, mark))
         self.model.forget("memory")
         self.model.forget("buddy")
         self.last_snapshot = None

@@ -202,7 +202,11 @@ class Checks:
             if newest is None or newest.durable:
                 continue
             path = self._path_of(newest)
-            if self._newer_committed(newest):  # never persisted over a newer checkpoint (issue 38, case 2)
+            if self._newer_committed(newest):  # never persisted over a newer checkpoint (issue 38, case 2): the
+                # persist the daemon began drops it, the directory's newest state being on disk (docs/memory.md, "A
+                # persist never writes an older state over a newer one"), so it may be gone from memory too
+                self.model.tier(path).memory = None
+                self.model.allow_gone(path)
                 continue
             wait_until(lambda path=path: self._persisted(path), 60,
                        f"the dead job's newest snapshot {path} persisted")

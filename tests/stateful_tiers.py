@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
 import ckptd
+from ckptd.protocol.names import LOG_NAME
 from helpers import status
 from jobs import killed
 from stateful_nodes import Holdings, Resumable
@@ -239,10 +240,10 @@ class TierRules(TierChecks):
             return
         self._wait(self._idle, 60, "the daemons idle after the job's exit")
         if snapshot is not None and not snapshot.durable:  # persisted or passed over, never counted as newer
-            path = self._path_of(snapshot)
+            path = self.w.path("memory", "step-15")  # (``_job_gone`` may have let it go already: passed over)
             self._wait(lambda: not any(s["persisting"] for s in status(self.w.run_dir)["memory"]["snapshots"]
                                        if s["path"] == path), 60, f"the persist of {path} ended")
-            if self._persisted(path):
+            if self._persisted(path) and self.model.must.get(path) is snapshot:
                 self._now_durable(snapshot)
             elif path not in [s["path"] for s in status(self.w.run_dir)["memory"]["snapshots"]]:
                 # older than the checkpoint committed beside it: a persist the daemon began drops it (docs/memory.md,
@@ -313,18 +314,44 @@ class TierRules(TierChecks):
                     found[(saved.inc, saved.sid)] = (replica["path"], saved)
         return found
 
-    def _replicas_persisted(self, replicas: dict[tuple[int, int], tuple[str, Saved]]) -> None:
+    def _replicas_persisted(self, replicas: dict[tuple[int, int], tuple[str, Saved]],
+                            committed: set[str] | None = None) -> None:
         """The buddy's drain judged node 0 gone and may have persisted each of ``replicas`` (docs/memory.md, Drain):
-        a path now on disk holds one of them there, as the model's disk copy of it."""
+        a path now on disk (of ``committed``, where given: what the buddy logged committed in its drain) holds one
+        of them there, as the model's disk copy of it.
+
+        Such a persist is a commit like node 0's own (``_now_durable``), also of a replica whose snapshot node 0
+        dropped before (older than a checkpoint then on disk, which retention may have deleted since): a path
+        retention was asked to delete is on disk again, and the persist's retention (its save's ``keep_last``,
+        else ``--keep``) counts it by step, then time, as it does any checkpoint (docs/memory.md, "What retention
+        counts"), so it may delete a lower step committed after the snapshot was held."""
         for path, saved in replicas.values():
-            if not self._persisted(path):
+            if not (self._persisted(path) if committed is None else path in committed):
                 continue
             if self.model.must.get(path) is saved:
                 self._now_durable(saved)
-            else:
-                self.model.tier(path).disk = saved
-                if path not in self.model.must and saved not in self.model.may.setdefault(path, []):
-                    self.model.may[path].append(saved)
+                continue
+            self.model.trimmed.discard(path)
+            self.model.tier(path).disk = saved
+            if path not in self.model.must:
+                olds = self.model.may.setdefault(path, [])
+                if saved in olds:
+                    olds.remove(saved)
+                olds.append(saved)  # the newest of the path's possible saves, as retention below counts it
+            keep = self._keep(path, saved.keep_last)
+            if keep is not None:
+                self._retention(path, keep, counted=False)
+
+    def _log_mark(self, node: int) -> int:
+        """Where node ``node``'s log ends now (``_committed_since`` reads what it logs after it)."""
+        return (self.w.run_dirs[node] / LOG_NAME).stat().st_size
+
+    def _committed_since(self, node: int, mark: int) -> set[str]:
+        """The paths node ``node``'s daemon logged committed (``event=committed``) since ``mark``."""
+        with open(self.w.run_dirs[node] / LOG_NAME, "rb") as f:
+            f.seek(mark)
+            lines = f.read().decode(errors="replace").splitlines()
+        return {ln.split(" path=", 1)[1].split(" ", 1)[0] for ln in lines if " event=committed path=" in ln}
 
     def _lose_origin(self) -> None:
         """Node 0's daemon and the job's ranks die of SIGKILL (proven by their exit status)."""

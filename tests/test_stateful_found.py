@@ -3,7 +3,9 @@ peers (the ``node_lost`` configuration): resumes that mixed two saves of one pat
 of several ranks per node refused on every rank, and a lost node resumed from further back than it needed.
 
 And the shortest sequences the ``one_model`` configuration finds of issue 38's open cases, each skipped while its
-case is in ``stateful_world.AWAITING_ISSUE_38`` (take it out once the fix is merged: the replay must pass)."""
+case is in ``stateful_world.AWAITING_ISSUE_38`` (take it out once the fix is merged: the replay must pass); and one
+it found where the model, not the daemons, was wrong (a buddy's drain persisting a replica whose origin drained
+first)."""
 
 from __future__ import annotations
 
@@ -234,5 +236,43 @@ def test_an_origin_paused_while_its_buddy_drains_calls_nothing_lost(aws: S3Serve
     try:
         machine.the_origin_is_paused_while_its_buddy_drains("step-3")
         machine.every_acknowledged_checkpoint_loads_as_saved()
+    finally:
+        machine.teardown()
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_whose_origin_drained_first_is_persisted_by_its_buddys_drain_and_its_retention_counts(
+        aws: S3Server) -> None:
+    """Found by the derandomized ``one_model`` run (4 x 10, its third sequence, at teardown): snapshot ``snap-15``
+    (step 15, ``keep_last=1``, replicated) and disk save ``step-20`` (``keep_last=1``); node 0 drains and drops
+    ``snap-15`` (``reason=older_than_disk``), while its buddy keeps the replica (the newest of the directory, never
+    dropped for an older one, docs/memory.md). The next run saves ``step-2`` (``keep_last=1``: ``step-20`` goes) and
+    snapshots ``snap-3`` (``keep_last=1``). Both daemons drain; node 0 exits first, persisting ``snap-3`` (``step-2``
+    goes); the buddy judges node 0 gone and persists its replicas (docs/memory.md, Drain): ``snap-15``, now the
+    directory's newest by step, commits and its ``keep_last=1`` deletes ``snap-3``. The daemons follow the documented
+    rules; the model had ``snap-15`` as deleted by ``step-2``'s retention and never let the buddy's drain commit it
+    again, so teardown waited for ``snap-15`` to go. Here node 1 is signalled once node 0 exited: the buddy's drain
+    always finds its origin gone (in the stateful run both are signalled together, a race)."""
+    machine = _tiers_machine(aws)
+    try:
+        machine.a_snapshot_then_a_newer_checkpoint_then_the_snapshot_persisted("drain")
+        snap = machine.w.path("memory", "step-15")
+        replicas = [r["path"] for r in machine._statuses()[1]["peers"]["replicas_held"]["held"] if r["complete"]]
+        assert snap in replicas, f"the buddy holds no replica of {snap} after node 0's drain: {replicas}"
+        machine.snapshots_and_checkpoints_of_one_directory_interleaved(
+            [("disk", "step-2", False, 1), ("memory", "step-3", False, 1)])
+        machine.every_acknowledged_checkpoint_loads_as_saved()
+        machine.every_tier_holds_what_the_model_says()
+        origin, buddy = machine.w.daemons
+        signal_buddy = buddy.proc.send_signal
+
+        def after_the_origin(sig: int) -> None:  # the drain rule signals node 0, then node 1
+            origin.proc.wait(120)
+            signal_buddy(sig)
+        buddy.proc.send_signal = after_the_origin
+        machine.daemon_is_stopped_and_restarted(False)
+        assert machine._persisted(snap), f"the buddy's drain did not persist {snap}; nothing was replayed"
+        machine.every_acknowledged_checkpoint_loads_as_saved()
+        machine.settle()
     finally:
         machine.teardown()
