@@ -182,6 +182,23 @@ def test_persist_right_after_staging_never_finds_the_snapshot_missing(daemon, cl
     daemon.stop()
 
 
+def test_a_persist_onto_a_directory_a_user_made_after_the_snapshot_is_refused_before_a_byte_is_written(
+        daemon, client_factory, root) -> None:
+    """A directory that is no checkpoint appeared at a held snapshot's path: its persist wrote the whole
+    snapshot aside, then failed saying the checkpoint "appeared while this one was written" (found by a
+    new-user pass). It is refused first, as a disk save to that directory is, and the directory is left alone."""
+    path = root / "run" / "step-1"
+    client = client_factory()
+    client.save_async(full(1), path, step=1, persist=False).result(30)
+    path.mkdir(parents=True)
+    (path / "notes.txt").write_text("mine")
+    with pytest.raises(ckptd.CheckpointExists, match="not a committed ckptd checkpoint"):
+        client.persist(path, timeout=60)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["step-1"]  # nothing written aside
+    assert (path / "notes.txt").read_text() == "mine"
+    assert held(daemon, path)["persisted"] is False  # still held: a persist once the name is free writes it
+
+
 def test_persist_refuses_a_snapshot_whose_bytes_changed_in_memory(daemon, client_factory, root, run_dir) -> None:
     client = client_factory()
     client.save_async(full(5), root / "s5", step=5, persist=False).result(30)

@@ -429,16 +429,21 @@ class Holding:
         log.info("event=persist path=%s step=%s", snap.path, snap.step)
         backend, final, order = self.storage.at(snap.path), snap.path, snap.order
         world_size, fingerprint = snap.world_size, snap.fingerprint
+        overwrite = snap.shards[min(snap.shards)].msg.overwrite
 
         def look() -> tuple[Space, Path | None, bool]:
-            return (backend.files.space(final.parent), backend.newer_beside(final, order),
-                    backend.holds_same(final, world_size, fingerprint))
+            there = backend.holds_same(final, world_size, fingerprint)
+            if not there:  # what came to its name since it was held (a directory a user made) refuses it now, as
+                backend.admit(final, overwrite)  # a disk save's admission would, before a byte is written
+            return backend.files.space(final.parent), backend.newer_beside(final, order), there
         self.workers.submit("admit", look, lambda fut: self._persist_room(snap, fut),
                             failed=lambda exc: self.persist_ended(snap, as_error(self.state.stats, exc)))
 
     def _persist_room(self, snap: HeldSnapshot, fut: Future) -> None:
-        if fut.exception() is not None:
-            self.persist_ended(snap, WriteFailed(f"cannot persist {snap.path}: {fut.exception()}"))
+        exc = fut.exception()
+        if exc is not None:
+            self.persist_ended(snap, exc if isinstance(exc, CkptdError) else WriteFailed(
+                f"cannot persist {snap.path}: {exc}"))
         elif snap.persisting:
             space, newer, there = fut.result()
             if there:
