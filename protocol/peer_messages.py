@@ -83,6 +83,19 @@ class Seal(Message):
 
 
 @dataclass(frozen=True)
+class Forget(Message):
+    """The origin let its snapshot of ``path`` go for good (older than a checkpoint on disk, deleted, saved over
+    on disk): drop its replica of ``path`` from this origin, so no drain of this node persists a state the origin
+    gave up (``Ok``; ``Ok`` too when none is held)."""
+
+    path: str
+    type: ClassVar[str] = "forget"
+
+    def __post_init__(self) -> None:
+        _check_path(self.path)
+
+
+@dataclass(frozen=True)
 class Replicas(Message):
     """Ask which replicas a peer holds."""
 
@@ -123,6 +136,6 @@ class Piece(Message):
 
 
 PEER_TYPES: dict[str, type[Message]] = {
-    cls.type: cls for cls in (Offer, Chunk, Seal, Replicas, ReplicaList, Fetch, Piece, Ok, Error)
+    cls.type: cls for cls in (Offer, Chunk, Seal, Forget, Replicas, ReplicaList, Fetch, Piece, Ok, Error)
 }
 assert MAX_PIECE * 2 < MAX_MESSAGE_BYTES

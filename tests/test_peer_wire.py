@@ -13,7 +13,7 @@ import pytest
 
 from ckptd.protocol.errors import BadMessage
 from ckptd.protocol.messages import MESSAGE_TYPES, Message, Snapshots, decode
-from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Fetch, Offer, Piece, ReplicaList, Replicas, Seal
+from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Fetch, Forget, Offer, Piece, ReplicaList, Replicas, Seal
 from test_wire_format import GOLDEN
 
 SNAPSHOT = GOLDEN["snapshot"][0]
@@ -35,6 +35,10 @@ PEER_GOLDEN: dict[str, tuple[Message, str]] = {
     "seal": (
         Seal(id=5, offer=3),
         "84a17601a474797065a47365616ca2696405a56f6666657203",
+    ),
+    "forget": (
+        Forget(id=8, path="/ckpt/step-101"),
+        "84a17601a474797065a6666f72676574a2696408a470617468ae2f636b70742f737465702d313031",
     ),
     "replicas": (
         Replicas(id=6),

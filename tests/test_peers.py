@@ -599,3 +599,34 @@ def test_a_snapshot_whose_replica_another_run_replaced_on_the_buddy_is_no_longer
     finally:
         other.kill()
         pair.kill()
+
+
+def _held_replicas(daemon: Daemon) -> list[tuple[str, int]]:
+    return [(r["path"], r["step"]) for r in daemon.status()["peers"]["replicas_held"]["held"]]
+
+
+def test_a_snapshot_its_origin_drops_as_older_than_the_disk_leaves_the_buddy_too_and_no_drain_brings_it_back(
+        root: Path, tmp_path: Path) -> None:
+    """Step 15 snapshotted and replicated, step 20 saved to disk beside it: the origin's exit drops step 15 as older
+    than the disk (never persisted). Its replica stayed on the buddy, whose drain, finding the origin gone, wrote
+    step 15 back, the directory's newest by step again (found by the stateful model; over a second run restarted
+    at lower steps, its keep_last deleted that run's newest). The origin tells its buddy to forget it."""
+    pair = _pair(root, tmp_path)
+    snap15 = root / "run" / "snap-15"
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async({"w": torch.randn(50_000)}, snap15, step=15, persist=False).wait_replicated(60)
+        assert _held_replicas(pair.buddy) == [(str(snap15), 15)]
+        client.save_async({"w": torch.randn(50_000)}, root / "run" / "step-20", step=20).result(60)
+        client.close()  # its trainer gone: the persist of step 15 finds step 20 newer and drops it
+        wait_until(lambda: "reason=older_than_disk" in (pair.origin_dir / "ckptd.log").read_text(), 60,
+                   "the origin dropped step 15 as older than the disk")
+        wait_until(lambda: _held_replicas(pair.buddy) == [], 60,
+                   lambda: f"the buddy still holds {_held_replicas(pair.buddy)}")
+        assert "reason=forgotten" in (pair.buddy_dir / "ckptd.log").read_text()
+        pair.origin.kill()
+        assert pair.buddy.stop() == 0
+        assert not snap15.exists(), "the buddy's drain wrote back a snapshot its origin gave up"
+        assert ckptd.latest(root / "run") == root / "run" / "step-20"
+    finally:
+        pair.kill()

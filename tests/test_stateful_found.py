@@ -241,24 +241,23 @@ def test_an_origin_paused_while_its_buddy_drains_calls_nothing_lost(aws: S3Serve
 
 
 @pytest.mark.timeout(300)
-def test_a_replica_whose_origin_drained_first_is_persisted_by_its_buddys_drain_and_its_retention_counts(
+def test_a_snapshot_its_origin_dropped_as_older_than_the_disk_is_never_written_back_by_its_buddys_drain(
         aws: S3Server) -> None:
     """Found by the derandomized ``one_model`` run (4 x 10, its third sequence, at teardown): snapshot ``snap-15``
     (step 15, ``keep_last=1``, replicated) and disk save ``step-20`` (``keep_last=1``); node 0 drains and drops
-    ``snap-15`` (``reason=older_than_disk``), while its buddy keeps the replica (the newest of the directory, never
-    dropped for an older one, docs/memory.md). The next run saves ``step-2`` (``keep_last=1``: ``step-20`` goes) and
-    snapshots ``snap-3`` (``keep_last=1``). Both daemons drain; node 0 exits first, persisting ``snap-3`` (``step-2``
-    goes); the buddy judges node 0 gone and persists its replicas (docs/memory.md, Drain): ``snap-15``, now the
-    directory's newest by step, commits and its ``keep_last=1`` deletes ``snap-3``. The daemons follow the documented
-    rules; the model had ``snap-15`` as deleted by ``step-2``'s retention and never let the buddy's drain commit it
-    again, so teardown waited for ``snap-15`` to go. Here node 1 is signalled once node 0 exited: the buddy's drain
-    always finds its origin gone (in the stateful run both are signalled together, a race)."""
+    ``snap-15`` (``reason=older_than_disk``), while its buddy kept the replica. The next run saves ``step-2``
+    (``keep_last=1``: ``step-20`` goes) and snapshots ``snap-3`` (``keep_last=1``). Both daemons drain; node 0
+    exits first, persisting ``snap-3`` (``step-2`` goes); the buddy judged node 0 gone and persisted ``snap-15``,
+    the directory's newest by step, whose ``keep_last=1`` deleted ``snap-3``: the second run's newest, lost. Node 0
+    now tells its buddy to forget a snapshot it drops for good (``Forget``): the buddy holds no replica of
+    ``snap-15`` once node 0 dropped it, and its drain writes nothing back. Node 1 is signalled once node 0 exited:
+    the buddy's drain always finds its origin gone (in the stateful run both are signalled together, a race)."""
     machine = _tiers_machine(aws)
     try:
         machine.a_snapshot_then_a_newer_checkpoint_then_the_snapshot_persisted("drain")
         snap = machine.w.path("memory", "step-15")
-        replicas = [r["path"] for r in machine._statuses()[1]["peers"]["replicas_held"]["held"] if r["complete"]]
-        assert snap in replicas, f"the buddy holds no replica of {snap} after node 0's drain: {replicas}"
+        wait_until(lambda: snap not in _replicas(machine), 60,
+                   lambda: f"the buddy still holds a replica of {snap}, which node 0 dropped: {_replicas(machine)}")
         machine.snapshots_and_checkpoints_of_one_directory_interleaved(
             [("disk", "step-2", False, 1), ("memory", "step-3", False, 1)])
         machine.every_acknowledged_checkpoint_loads_as_saved()
@@ -271,8 +270,14 @@ def test_a_replica_whose_origin_drained_first_is_persisted_by_its_buddys_drain_a
             signal_buddy(sig)
         buddy.proc.send_signal = after_the_origin
         machine.daemon_is_stopped_and_restarted(False)
-        assert machine._persisted(snap), f"the buddy's drain did not persist {snap}; nothing was replayed"
+        assert not machine._persisted(snap), f"the buddy's drain wrote back {snap}, which its origin gave up"
+        assert machine._persisted(machine.w.path("memory", "step-3")), "the second run's newest was lost"
         machine.every_acknowledged_checkpoint_loads_as_saved()
         machine.settle()
     finally:
         machine.teardown()
+
+
+def _replicas(machine: CheckpointMachine) -> list[str]:
+    """The complete replicas node 1 (the buddy) holds, by path."""
+    return [r["path"] for r in machine._statuses()[1]["peers"]["replicas_held"]["held"] if r["complete"]]

@@ -175,6 +175,7 @@ class Server:
         events.subscribe(Committed, self.retainer.committed)
         if self.replication is not None:
             events.subscribe(SnapshotHeld, self.replication.held)
+            events.subscribe(SnapshotDropped, self.replication.dropped)
 
     # -- loop ---------------------------------------------------------------
 

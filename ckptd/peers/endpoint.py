@@ -23,7 +23,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from ckptd.protocol.errors import BadMessage
 from ckptd.protocol.messages import MAX_MESSAGE_BYTES, Message, decode, request_id
-from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Fetch, Offer, Replicas, Seal
+from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Fetch, Forget, Offer, Replicas, Seal
 
 from ckptd.core.replies import error_reply
 from ckptd.core.stats import Stats
@@ -90,6 +90,8 @@ class PeerEndpoint:
                 self.book.chunk(ident, msg, data, reply)
             elif isinstance(msg, Seal):
                 self.book.seal(ident, msg, reply)
+            elif isinstance(msg, Forget):
+                reply(self.book.forget(origin, msg))
             elif isinstance(msg, Replicas):
                 reply(self.book.listing(msg.id))
             elif isinstance(msg, Fetch):

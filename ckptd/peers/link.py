@@ -27,7 +27,9 @@ import zmq
 from ckptd.protocol.checksums import updater
 from ckptd.protocol.errors import CkptdError, DaemonUnavailable, InvalidCheckpoint, error_for_code
 from ckptd.protocol.messages import MAX_MESSAGE_BYTES, Error, Message, Ok, decode
-from ckptd.protocol.peer_messages import MAX_PIECE, PEER_TYPES, Chunk, Fetch, Offer, Piece, ReplicaList, Replicas, Seal
+from ckptd.protocol.peer_messages import (
+    MAX_PIECE, PEER_TYPES, Chunk, Fetch, Forget, Offer, Piece, ReplicaList, Replicas, Seal,
+)
 
 from ckptd.core.keys import KeyPair, Trust
 
@@ -128,6 +130,10 @@ class PeerLink:
         except zmq.ZMQError as exc:
             self.reset()
             raise PeerUnavailable(f"peer {self.endpoint}: {exc}") from None
+
+    def forget(self, path: str) -> None:
+        """Tell the peer this daemon let its snapshot of ``path`` go for good: it drops its replica of it."""
+        self._call(Forget(next(self._ids), path))
 
     def replicas(self) -> list[dict[str, Any]]:
         """The complete replicas the peer holds."""

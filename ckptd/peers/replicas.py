@@ -39,7 +39,7 @@ from ckptd.protocol.checksums import updater
 from ckptd.protocol.errors import Conflict, InvalidCheckpoint, NoSpace, WriteFailed
 from ckptd.protocol.messages import Message, Ok, Snapshot
 from ckptd.protocol.objects import display
-from ckptd.protocol.peer_messages import Chunk, Fetch, Offer, Piece, ReplicaList, Seal
+from ckptd.protocol.peer_messages import Chunk, Fetch, Forget, Offer, Piece, ReplicaList, Seal
 
 from ckptd.core.replies import error_reply
 from ckptd.core.stats import Stats
@@ -292,6 +292,20 @@ class ReplicaBook:
             if all(now - s.last_chunk > STALLED_S for s in replica.shards.values() if not s.sealed):
                 log.warning("event=replica_dropped path=%s reason=stalled", replica.path)
                 self._drop(replica)
+
+    def forget(self, origin: str, msg: Forget) -> Ok:
+        """The origin let its snapshot of ``msg.path`` go for good: its replica from that origin goes too (a
+        replica of the path from another origin, a replacement node's, stays)."""
+        path = Path(msg.path)
+        incoming = self.incoming.get((origin, path))
+        if incoming is not None:
+            log.info("event=replica_dropped path=%s origin=%s reason=forgotten", path, origin[:8])
+            self._drop(incoming)
+        held = self.held.pop((origin, path), None)
+        if held is not None:
+            log.info("event=replica_dropped path=%s origin=%s reason=forgotten", path, origin[:8])
+            self._unlink(held)
+        return Ok(msg.id)
 
     # -- reading back -------------------------------------------------------
 

@@ -51,7 +51,7 @@ from ckptd.protocol.messages import ReplicationState as R
 from ckptd.lifecycle.holding import Holding
 from ckptd.lifecycle.snapshots import HeldSnapshot
 from ckptd.core.config import DaemonConfig
-from ckptd.core.events import SnapshotHeld
+from ckptd.core.events import SnapshotDropped, SnapshotHeld
 from ckptd.core.replies import as_error, error_reply
 from ckptd.core.stats import Stats
 from ckptd.core.workers import Workers
@@ -62,6 +62,9 @@ from ckptd.peers.replicas import Replica, ReplicaBook, new_shm_file, remove_shm_
 from ckptd.storage.backends import Backends
 
 log = logging.getLogger("ckptd")
+FORGOTTEN = frozenset({"older_than_disk", "deleted", "saved_to_disk", "retention_deleted_disk_copy"})
+"""Why a snapshot leaves memory for good (``SnapshotDropped.reason``): its replica is dropped on the buddy too. A
+snapshot replaced or evicted by a newer one is not: its replica serves until the newer one's replaces it."""
 ASK_TIMEOUT_S = 2.0
 """Seconds a peer has to answer a question (what it holds): a listing must not hang on a node that is gone."""
 CHECK_S = 5.0
@@ -206,6 +209,26 @@ class Replication:
         if snap is not None and snap.replication not in (R.RESTORED, R.ADOPTED):  # read back from a replica, or
             # a replica a drain is persisting
             self._stream(snap)
+
+    def dropped(self, event: SnapshotDropped) -> None:
+        """A snapshot left this node's memory: where it went for good (``FORGOTTEN``), the buddy is told to drop
+        its replica, after any stream of it still queued (one peer thread, in order). A copy on a buddy the ring
+        has since replaced is not: that node is gone. Kept there, a drain of the
+        buddy that found this node gone would persist it: a state this node gave up, which a second run that
+        restarted the directory at lower steps would see outrank its own newest, and lose it to ``keep_last``."""
+        if event.reason not in FORGOTTEN:
+            return
+        self._copies.pop(event.path, None)
+        buddy, path = self.buddy, str(event.path)
+        if buddy is None:
+            return
+
+        def forget() -> None:  # on the peer thread, as the buddy's streams are (a link is one socket, one thread)
+            try:
+                buddy.forget(path)
+            except CkptdError as exc:  # the buddy's drain may still find it: said so in the log
+                log.warning("event=replica_forget_failed path=%s peer=%s error=%s", path, buddy.endpoint, exc)
+        self.workers.background("peer", forget)
 
     def _stream(self, snap: HeldSnapshot) -> None:
         """Queue ``snap``'s stream to the buddy (none without one)."""
