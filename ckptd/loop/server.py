@@ -4,9 +4,9 @@ Each turn polls the socket and the workers' wake-up fd with a timeout,
 decodes and dispatches requests, replies, applies finished work, and does
 housekeeping (dead clients, overdue checkpoints, slots clients unlinked,
 metrics, idle exit). What the node is doing lives in ``NodeState``; saves
-move through ``Saves``; all file I/O runs on ``Workers``' pools. ``_handle`` catches whatever a request
-raises and answers it with ``replies.error_reply``, so no request, however malformed, can take the daemon
-down.
+move through ``Saves``; all file I/O runs on ``Workers``' pools. Requests are served as the peer
+protocol's are (``core/dispatch.py``): whatever one raises is answered with ``replies.error_reply``, so no
+request, however malformed, can take the daemon down.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from ckptd.protocol.messages import (
     MAX_MESSAGE_BYTES, Abort, Bye, Delete, Finalize, Granted, Hello, Lease, Message, Ok, PeerIdentity,
     PeerIdentityReply, PeerSnapshots, Persist, Pin, Ping, Pong, Release, Restore, Ring, Snapshot, Snapshots, Staged,
     StagedShard, Status, StatusReply, Stop, Unpin, Welcome, WriteShard,
-    decode, request_id,
 )
 from ckptd.protocol.objects import display
 
@@ -34,6 +33,7 @@ from ckptd.lifecycle.registry import DeadRank
 from ckptd.lifecycle.saves import Saves
 from ckptd.lifecycle.slot_maps import reclaim_orphaned_slots
 from ckptd.core.config import DaemonConfig
+from ckptd.core.dispatch import Dispatch, Handler, Sender
 from ckptd.core.events import Committed, Deleted, Events, SnapshotDropped, SnapshotHeld
 from ckptd.core.leases import Grant
 from ckptd.core.replies import error_reply
@@ -97,7 +97,7 @@ class Server:
                                    textfile=config.metrics_textfile)
         self._drain_deadline: float | None = None
         self._idle_since = time.monotonic()
-        self._handlers: dict[type[Message], Callable[[bytes, Any], Message | None]] = {
+        handlers: dict[type[Message], Callable[[bytes, Any], Message | None]] = {
             Hello: self._on_hello,
             WriteShard: self.saves.write_shard,
             Snapshot: self.holding.snapshot,
@@ -120,6 +120,8 @@ class Server:
             Bye: self._on_bye,
             Stop: self._on_stop,
         }
+        self.dispatch = Dispatch(self.router, self.state.stats, {
+            kind: self._local(handler) for kind, handler in handlers.items()})
         directories = list(dict.fromkeys([*config.roots, *self.known_dirs.dirs]))
         # Slots under this daemon's own pid are a dead predecessor's (in a container a restarted daemon often gets
         # its pid), which the sweep of dead pids cannot tell: unlinked now, before this daemon takes any over.
@@ -192,7 +194,7 @@ class Server:
         while True:
             events = dict(poller.poll(POLL_MS))
             if self.router in events:
-                self._drain_socket()
+                self.dispatch.drain()
             if peers is not None and peers in events:
                 self.peer_endpoint.drain()
             if self.workers.wake_fd in events:
@@ -226,41 +228,17 @@ class Server:
         self.ctx.term()
         self.state.slots.close()
 
-    def _drain_socket(self) -> None:
-        while True:
-            try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            ident, payloads = frames[0], frames[1:]
-            if len(payloads) != 1:
-                self._send(ident, error_reply(self.state.stats, 0, BadMessage(f"expected one frame, got "
-                                                                              f"{len(payloads)}")))
-                continue
-            reply = self._handle(ident, payloads[0])
-            if reply is not None:
-                self._send(ident, reply)
-
-    def _handle(self, ident: bytes, payload: bytes) -> Message | None:
-        """Decode, dispatch, and turn any exception into an Error reply."""
-        rid = 0
-        try:
-            msg = decode(payload)
-            rid = msg.id
-            if isinstance(msg, StagedShard):  # WriteShard or Snapshot
-                msg = self.state.resolve_layout(ident, msg)
-            handler = self._handlers.get(type(msg))
-            if handler is None:
-                raise BadMessage(f"{msg.type!r} is a reply; the daemon does not accept it as a request")
-            return handler(ident, msg)
-        except Exception as exc:  # a CkptdError is the client's; anything else is a bug: keep serving
-            return error_reply(self.state.stats, rid or request_id(payload), exc)
+    def _local(self, handler: Callable[[bytes, Any], Message | None]) -> Handler:
+        """A local request's handler, as ``Dispatch`` calls it: a shard's layout resolved first (a ``WriteShard``
+        or ``Snapshot`` may name the layout its client sent before instead of repeating it)."""
+        def handle(sender: Sender, msg: Any) -> Message | None:
+            if isinstance(msg, StagedShard):
+                msg = self.state.resolve_layout(sender.ident, msg)
+            return handler(sender.ident, msg)
+        return handle
 
     def _send(self, ident: bytes, msg: Message) -> None:
-        try:
-            self.router.send_multipart([ident, msg.to_wire()], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # peer gone or its queue full: it will time out
-            log.warning("event=reply_dropped type=%s error=%s", msg.type, exc)
+        self.dispatch.send(ident, msg)
 
     def _send_grants(self, grants: list[Grant]) -> None:
         for g in grants:

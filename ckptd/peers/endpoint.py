@@ -6,8 +6,9 @@ opens no TCP port. The socket is a CURVE server with this daemon's key pair
 every connecting key, so a peer whose key is not trusted is refused in the
 handshake, before any message of it reaches the loop. What comes through is
 decoded against the peer protocol only (``protocol/peer_messages.py``) and
-answered like a local request: any exception becomes an ``Error`` reply
-through ``replies.error_reply``, and no message can take the daemon down.
+served as a local request is (``core/dispatch.py``): any exception becomes an
+``Error`` reply through ``replies.error_reply``, and no message can take the
+daemon down.
 
 The loop thread polls this socket beside the local one; the bytes of
 replicas move on the ``replica`` pool (``replicas.ReplicaBook``).
@@ -21,11 +22,10 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from ckptd.protocol.errors import BadMessage
-from ckptd.protocol.messages import MAX_MESSAGE_BYTES, Message, decode, request_id
+from ckptd.protocol.messages import MAX_MESSAGE_BYTES, Message
 from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Fetch, Forget, Offer, Replicas, Seal
 
-from ckptd.core.replies import error_reply
+from ckptd.core.dispatch import Dispatch, Sender
 from ckptd.core.stats import Stats
 from ckptd.core.keys import KeyPair, Trust
 from ckptd.peers.replicas import ReplicaBook
@@ -55,58 +55,29 @@ class PeerEndpoint:
             self.close()
             raise ValueError(f"--peer-listen {listen}: cannot listen there: {exc}") from None
         self.listen = listen
+        self.dispatch = Dispatch(self.socket, stats, self._handlers(), types=PEER_TYPES, data_frame=Chunk,
+                                 authenticated=True, refusal="a peer does not send it as a request",
+                                 event="peer_reply_dropped")
         log.info("event=peer_listen endpoint=%s", listen)
 
     def drain(self) -> None:
         """Handle every message waiting on the socket (the loop thread)."""
-        while True:
-            try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            ident = frames[0].bytes
-            if len(frames) not in (2, 3):
-                self._send(ident, error_reply(self.stats, 0, BadMessage(
-                    f"a peer message is one frame and, for a chunk, its bytes: got {len(frames) - 1} frames")))
-                continue
-            origin = frames[1].get("User-Id") or ident.hex()
-            data = frames[2].buffer if len(frames) == 3 else None
-            self._handle(ident, origin, frames[1].bytes, data)
+        self.dispatch.drain()
 
-    def _handle(self, ident: bytes, origin: str, payload: bytes, data: memoryview | None) -> None:
-        rid = 0
+    def _handlers(self) -> dict[type[Message], Any]:
+        """The peer requests, by type: what a replica's stream, listing, read-back and forgetting do."""
+        book = self.book
 
-        def reply(msg: Message, extra: Any = None) -> None:
-            self._send(ident, msg, extra)
-        try:
-            msg = decode(payload, PEER_TYPES)
-            rid = msg.id
-            if (data is not None) != isinstance(msg, Chunk):
-                raise BadMessage(f"{msg.type}: {'unexpected bytes frame' if data is not None else 'no bytes frame'}")
-            if isinstance(msg, Offer):
-                self.book.offer(ident, origin, msg, reply)
-            elif isinstance(msg, Chunk):
-                assert data is not None
-                self.book.chunk(ident, msg, data, reply)
-            elif isinstance(msg, Seal):
-                self.book.seal(ident, msg, reply)
-            elif isinstance(msg, Forget):
-                reply(self.book.forget(origin, msg))
-            elif isinstance(msg, Replicas):
-                reply(self.book.listing(msg.id))
-            elif isinstance(msg, Fetch):
-                self.book.fetch(msg, reply)
-            else:
-                raise BadMessage(f"{msg.type!r} is a reply; a peer does not send it as a request")
-        except Exception as exc:  # a peer's mistake, or a bug: answered, never fatal
-            self._send(ident, error_reply(self.stats, rid or request_id(payload), exc))
-
-    def _send(self, ident: bytes, msg: Message, data: Any = None) -> None:
-        frames = [ident, msg.to_wire()] + ([data] if data is not None else [])
-        try:
-            self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as exc:  # the peer went: it times out and tries again
-            log.warning("event=peer_reply_dropped type=%s error=%s", msg.type, exc)
+        def reply(sender: Sender) -> Any:
+            return lambda msg, data=None: self.dispatch.send(sender.ident, msg, data)
+        return {
+            Offer: lambda s, m: book.offer(s.ident, s.origin, m, reply(s)),
+            Chunk: lambda s, m: book.chunk(s.ident, m, s.data, reply(s)),
+            Seal: lambda s, m: book.seal(s.ident, m, reply(s)),
+            Forget: lambda s, m: book.forget(s.origin, m),
+            Replicas: lambda s, m: book.listing(m.id),
+            Fetch: lambda s, m: book.fetch(m, reply(s)),
+        }
 
     def close(self) -> None:
         self.socket.close(0)
