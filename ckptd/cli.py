@@ -24,9 +24,9 @@ from ckptd.protocol.objects import display
 from ckptd.protocol.reading import files_for
 
 from ckptd.core.config import DaemonConfig
+from ckptd.core.render import human_bytes, printable, render_status
 from ckptd.tools.control import request
 from ckptd.tools.options import add_start_options, config_kwargs, detached_argv, path_arg, positive_int, seconds
-from ckptd.core.render import human_bytes, printable, render_status
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 CLEAR_SCREEN = "\x1b[H\x1b[2J"

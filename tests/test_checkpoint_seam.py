@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from ckptd.storage.local import LocalCheckpoints
-from ckptd.storage.store import ObjectCheckpoints, ObjectStorage
 from ckptd.storage.ownership import owner_marker
+from ckptd.storage.store import ObjectCheckpoints, ObjectStorage
 from ckptd.protocol.errors import CheckpointExists
 from ckptd.protocol.index import CheckpointIndex, ShardRecord, read_index
 from ckptd.protocol.names import (

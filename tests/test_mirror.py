@@ -16,9 +16,9 @@ import pytest
 import torch
 from helpers import keys, mirrored, seeded_state as state, wait_until
 
-from ckptd.upkeep.mirror import Mirrors
 from ckptd.storage.backends import Backends
 from ckptd.storage.store import ObjectStorage
+from ckptd.upkeep.mirror import Mirrors
 from ckptd.protocol.endpoint import LOG_NAME
 from ckptd.storage.contract import LocalStorage
 

@@ -7,16 +7,16 @@ from pathlib import Path
 import os
 import pytest
 
-from ckptd.lifecycle.attempt import AttemptState
 from ckptd.core.config import DaemonConfig
+from ckptd.lifecycle.attempt import AttemptState
 from ckptd.protocol.errors import Conflict, InternalError, RanksMissing, UnknownClient
 from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.layout import TensorEntry
 from ckptd.protocol.messages import WriteShard, Error, Snapshot
 from ckptd.lifecycle.snapshots import SnapshotBook
 from ckptd.lifecycle.state import NodeState
-from ckptd.storage.contract import LocalStorage
 from ckptd.lifecycle.writer import ShardWrite
+from ckptd.storage.contract import LocalStorage
 
 SHARD = 8192
 TENSORS = (TensorEntry("w", "U8", (4096,), 0, 4096),)

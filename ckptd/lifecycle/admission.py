@@ -28,11 +28,11 @@ from ckptd.protocol.layout import TensorEntry, parse_header
 from ckptd.protocol.messages import StagedShard
 from ckptd.protocol.shm import SHM_REMEDIES, shm_usage
 
+from ckptd.core.render import human_bytes
 from ckptd.lifecycle.slot_maps import MappedSlot, SlotMaps
 from ckptd.lifecycle.writer import round_up
 from ckptd.storage.backends import Backends
 from ckptd.storage.contract import Space
-from ckptd.core.render import human_bytes
 
 
 @dataclass

@@ -36,18 +36,18 @@ from ckptd.protocol.messages import (
 )
 from ckptd.protocol.objects import display, is_permanent
 
-from ckptd.lifecycle.admission import Examined, examine
-from ckptd.lifecycle.contributors import Contributors
-from ckptd.lifecycle.attempt import AttemptState
-from ckptd.lifecycle.saves import Saves
-from ckptd.lifecycle.slot_maps import MappedSlot, SlotMaps
-from ckptd.lifecycle.snapshots import HeldShard, HeldSnapshot, shards_of
-from ckptd.lifecycle.writer import Progress, checksum_when_staged
 from ckptd.core.config import DaemonConfig
 from ckptd.core.events import Committed, Deleted, Events, SnapshotDropped, SnapshotHeld
 from ckptd.core.replies import as_error, error_reply, logged
-from ckptd.lifecycle.state import NodeState
 from ckptd.core.workers import Workers
+from ckptd.lifecycle.admission import Examined, examine
+from ckptd.lifecycle.attempt import AttemptState
+from ckptd.lifecycle.contributors import Contributors
+from ckptd.lifecycle.saves import Saves
+from ckptd.lifecycle.slot_maps import MappedSlot, SlotMaps
+from ckptd.lifecycle.snapshots import HeldShard, HeldSnapshot, shards_of
+from ckptd.lifecycle.state import NodeState
+from ckptd.lifecycle.writer import Progress, checksum_when_staged
 from ckptd.storage.backends import Backends
 from ckptd.storage.contract import Space
 

@@ -33,17 +33,17 @@ from ckptd.protocol.index import ShardRecord, shard_name
 from ckptd.protocol.messages import Abort, Accepted, Done, Durable, Finalize, Message, Ok, StagedShard, WriteShard
 from ckptd.protocol.objects import display, is_permanent
 
+from ckptd.core.config import DaemonConfig
+from ckptd.core.events import Committed, Events, Failed
+from ckptd.core.replies import as_error, error_reply, logged
+from ckptd.core.workers import Workers
 from ckptd.lifecycle.admission import Examined, check_room, examine
 from ckptd.lifecycle.attempt import AttemptState
 from ckptd.lifecycle.commit import PendingCheckpoint
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.snapshots import HeldSnapshot
-from ckptd.lifecycle.writer import Progress, ShardWrite, WriteState, write_shard
-from ckptd.core.config import DaemonConfig
-from ckptd.core.events import Committed, Events, Failed
-from ckptd.core.replies import as_error, error_reply, logged
 from ckptd.lifecycle.state import NodeState
-from ckptd.core.workers import Workers
+from ckptd.lifecycle.writer import Progress, ShardWrite, WriteState, write_shard
 from ckptd.storage.backends import Backends
 from ckptd.storage.contract import Space
 from ckptd.upkeep.sweep import KnownDirs

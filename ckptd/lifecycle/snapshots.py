@@ -47,11 +47,11 @@ from ckptd.protocol.index import CHECKSUM_ALGORITHM
 from ckptd.protocol.messages import ReplicationState, Snapshot
 from ckptd.protocol.objects import display
 
+from ckptd.core.render import human_bytes
 from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.registry import Registry
 from ckptd.lifecycle.slot_maps import MappedSlot
-from ckptd.core.render import human_bytes
 
 
 @dataclass

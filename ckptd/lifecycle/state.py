@@ -23,14 +23,14 @@ from ckptd.protocol.layout import CheckedTable
 from ckptd.protocol.messages import StagedShard
 from ckptd.protocol.processes import pid_alive
 
-from ckptd.lifecycle.registry import Registry
-from ckptd.lifecycle.commit import Commits, PendingCheckpoint
-from ckptd.lifecycle.slot_maps import SlotMaps
-from ckptd.lifecycle.snapshots import SnapshotBook
-from ckptd.lifecycle.writer import Progress, ShardWrite
 from ckptd.core.config import DaemonConfig
 from ckptd.core.leases import Grant, LoadLeases
 from ckptd.core.stats import Stats
+from ckptd.lifecycle.commit import Commits, PendingCheckpoint
+from ckptd.lifecycle.registry import Registry
+from ckptd.lifecycle.slot_maps import SlotMaps
+from ckptd.lifecycle.snapshots import SnapshotBook
+from ckptd.lifecycle.writer import Progress, ShardWrite
 from ckptd.storage.backends import Backends
 
 MAX_PID = 1 << 22

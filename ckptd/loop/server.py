@@ -28,20 +28,20 @@ from ckptd.protocol.messages import (
 )
 from ckptd.protocol.objects import display
 
+from ckptd.core.config import DaemonConfig
+from ckptd.core.dispatch import Dispatch, Handler, Sender
+from ckptd.core.events import Committed, Deleted, Events, SnapshotDropped, SnapshotHeld
+from ckptd.core.keys import KeyPair, PeerKeys, Trust
+from ckptd.core.leases import Grant
+from ckptd.core.replies import error_reply
+from ckptd.core.stats import add_filesystems
+from ckptd.core.workers import Workers
 from ckptd.lifecycle.holding import Holding
 from ckptd.lifecycle.registry import DeadRank
 from ckptd.lifecycle.saves import Saves
 from ckptd.lifecycle.slot_maps import reclaim_orphaned_slots
-from ckptd.core.config import DaemonConfig
-from ckptd.core.dispatch import Dispatch, Handler, Sender
-from ckptd.core.events import Committed, Deleted, Events, SnapshotDropped, SnapshotHeld
-from ckptd.core.leases import Grant
-from ckptd.core.replies import error_reply
 from ckptd.lifecycle.state import MAX_PID, NodeState
-from ckptd.core.stats import add_filesystems
-from ckptd.core.workers import Workers
 from ckptd.peers.endpoint import PeerEndpoint
-from ckptd.core.keys import KeyPair, PeerKeys, Trust
 from ckptd.peers.replicas import ReplicaBook
 from ckptd.peers.replication import Replication
 from ckptd.storage.backends import Backends

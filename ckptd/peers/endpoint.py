@@ -26,8 +26,8 @@ from ckptd.protocol.messages import MAX_MESSAGE_BYTES, Message
 from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Fetch, Forget, Offer, Replicas, Seal
 
 from ckptd.core.dispatch import Dispatch, Sender
-from ckptd.core.stats import Stats
 from ckptd.core.keys import KeyPair, Trust
+from ckptd.core.stats import Stats
 from ckptd.peers.replicas import ReplicaBook
 
 log = logging.getLogger("ckptd")

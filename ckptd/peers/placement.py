@@ -38,8 +38,8 @@ from ckptd.protocol.errors import BadMessage
 from ckptd.protocol.messages import Ring
 
 from ckptd.core.config import DaemonConfig
-from ckptd.core.workers import Workers
 from ckptd.core.keys import KeyPair, Trust
+from ckptd.core.workers import Workers
 from ckptd.peers.link import PeerLink
 
 log = logging.getLogger("ckptd")

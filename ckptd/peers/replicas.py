@@ -41,10 +41,10 @@ from ckptd.protocol.messages import Message, Ok, Snapshot
 from ckptd.protocol.objects import display
 from ckptd.protocol.peer_messages import Chunk, Fetch, Forget, Offer, Piece, ReplicaList, Seal
 
+from ckptd.core.render import human_bytes
 from ckptd.core.replies import error_reply
 from ckptd.core.stats import Stats
 from ckptd.core.workers import Workers
-from ckptd.core.render import human_bytes
 
 log = logging.getLogger("ckptd")
 STALLED_S = 60.0

@@ -48,14 +48,14 @@ from ckptd.protocol.objects import display
 from ckptd.protocol.peer_messages import Offer
 
 from ckptd.protocol.messages import ReplicationState as R
-from ckptd.lifecycle.holding import Holding
-from ckptd.lifecycle.snapshots import HeldSnapshot
 from ckptd.core.config import DaemonConfig
 from ckptd.core.events import SnapshotDropped, SnapshotHeld
+from ckptd.core.keys import KeyPair, Trust
 from ckptd.core.replies import as_error, error_reply
 from ckptd.core.stats import Stats
 from ckptd.core.workers import Workers
-from ckptd.core.keys import KeyPair, Trust
+from ckptd.lifecycle.holding import Holding
+from ckptd.lifecycle.snapshots import HeldSnapshot
 from ckptd.peers.link import PeerLink, PeerUnavailable
 from ckptd.peers.placement import Placement
 from ckptd.peers.replicas import Replica, ReplicaBook, new_shm_file, remove_shm_file

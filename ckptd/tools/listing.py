@@ -22,9 +22,9 @@ from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import INCOMPLETE_SUFFIX, missing_or_truncated, read_index
 from ckptd.protocol.objects import canonical, display
 
-from ckptd.storage.contract import Files, Kind, tree_bytes
-from ckptd.storage.backends import load_storage
 from ckptd.core.render import human_bytes, printable
+from ckptd.storage.backends import load_storage
+from ckptd.storage.contract import Files, Kind, tree_bytes
 
 
 class EntryState(str, Enum):
