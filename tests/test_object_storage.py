@@ -37,6 +37,17 @@ def test_a_save_to_s3_round_trips_through_the_bucket(s3, bucket, daemon_factory,
     assert not s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
 
 
+def test_status_shows_a_bucket_root_as_an_object_store_without_free_bytes(s3, bucket, daemon_factory, root) -> None:
+    """A store enforces its own quotas: status says which root is one (the seam's ``Space.bounded``), never the
+    placeholder it reports as free space; a local root beside it shows its filesystem's numbers."""
+    daemon = daemon_factory("--root", f"s3://{bucket}", "--root", str(root))
+    roots = {r["path"]: r for r in daemon.status()["roots"]}
+    assert roots[f"s3://{bucket}"] == {"path": f"s3://{bucket}", "free_bytes": None, "total_bytes": None,
+                                       "object_store": True}
+    local = roots[str(root)]
+    assert "object_store" not in local and 0 < local["free_bytes"] <= local["total_bytes"]
+
+
 def test_names_that_say_bucket_are_names_like_any_other(s3, aws, daemon_factory, client_factory, root) -> None:
     """A missing bucket is told apart from a missing object by its type, never by the word "bucket" in a message
     that names the object (saves to the README's own s3://my-bucket failed: the first HEAD's "no such object"

@@ -24,7 +24,6 @@ from ckptd.protocol.shm import shm_usage
 from ckptd.core.config import DaemonConfig
 from ckptd.core.events import Committed, SnapshotDropped, SnapshotHeld
 from ckptd.storage.backends import Backends
-from ckptd.storage.contract import UNLIMITED
 
 
 class NodeView(Protocol):
@@ -174,6 +173,6 @@ def _root_usage(storage: Backends, root: Path) -> dict[str, Any]:
         space = storage.at(root).files.space(root)
     except OSError:
         return {"path": display(root), "free_bytes": None, "total_bytes": None}
-    if space.total == UNLIMITED:  # a store enforces its own quotas: it has no free space to show
+    if not space.bounded:  # a store enforces its own quotas: it has no free space to show
         return {"path": display(root), "free_bytes": None, "total_bytes": None, "object_store": True}
     return {"path": display(root), "free_bytes": space.free, "total_bytes": space.total}

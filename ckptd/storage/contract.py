@@ -105,6 +105,9 @@ class Space:
     total: int
     kind: str = ""
     """The filesystem's type, looked up only when it holds no storage (``proc``, ``sysfs``: for the message)."""
+    bounded: bool = True
+    """Whether ``free`` and ``total`` are a size to show: a store enforces its own quotas and reports
+    ``UNLIMITED`` for both (status shows it as an object store, not as free bytes)."""
 
 
 @runtime_checkable

@@ -165,7 +165,7 @@ class ObjectStorage(CheckpointReads):
         return path
 
     def space(self, path: Path) -> Space:
-        return Space(device=-1, free=UNLIMITED, total=UNLIMITED, kind="s3")
+        return Space(device=-1, free=UNLIMITED, total=UNLIMITED, kind="s3", bounded=False)
 
 
 
