@@ -89,7 +89,11 @@ def wait_replicated(endpoint: str, path: Path | str, timeout: float | None) -> N
         if not isinstance(reply, SnapshotList):
             raise InvalidCheckpoint(f"snapshot {path}: the daemon did not list its snapshots ({reply.type})")
         snap = next((s for s in reply.snapshots if resolved(s["path"]) == want), None)
-        state = None if snap is None else ReplicationState(snap.get("replication", R.OFF))
+        try:
+            state = None if snap is None else ReplicationState(snap.get("replication", R.OFF))
+        except ValueError:  # a daemon of another release names a state this client does not know
+            raise InvalidCheckpoint(f"snapshot {path}: the daemon says its replication is "
+                                    f"{snap.get('replication')!r}, which this client does not know") from None
         if state in (R.REPLICATED, R.RESTORED):
             return
         if snap is None or state is not R.REPLICATING:

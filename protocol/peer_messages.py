@@ -85,14 +85,19 @@ class Seal(Message):
 @dataclass(frozen=True)
 class Forget(Message):
     """The origin let its snapshot of ``path`` go for good (older than a checkpoint on disk, deleted, saved over
-    on disk): drop its replica of ``path`` from this origin, so no drain of this node persists a state the origin
-    gave up (``Ok``; ``Ok`` too when none is held)."""
+    on disk): drop its replica of ``path`` from this origin, or of one of its ``ranks`` (a replacement node
+    holds, under a key of its own, what it restored from its predecessor's replica), so no drain of this node
+    persists a state the origin gave up (``Ok``; ``Ok`` too when none is held)."""
 
     path: str
+    ranks: tuple[int, ...]
     type: ClassVar[str] = "forget"
 
     def __post_init__(self) -> None:
         _check_path(self.path)
+        if len(self.ranks) > MAX_WORLD_SIZE or not all(isinstance(r, int) and 0 <= r < MAX_WORLD_SIZE
+                                                        for r in self.ranks):
+            raise BadMessage(f"forget.ranks must be at most {MAX_WORLD_SIZE} ranks below {MAX_WORLD_SIZE}")
 
 
 @dataclass(frozen=True)

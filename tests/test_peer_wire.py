@@ -37,8 +37,8 @@ PEER_GOLDEN: dict[str, tuple[Message, str]] = {
         "84a17601a474797065a47365616ca2696405a56f6666657203",
     ),
     "forget": (
-        Forget(id=8, path="/ckpt/step-101"),
-        "84a17601a474797065a6666f72676574a2696408a470617468ae2f636b70742f737465702d313031",
+        Forget(id=8, path="/ckpt/step-101", ranks=(0, 1)),
+        "85a17601a474797065a6666f72676574a2696408a470617468ae2f636b70742f737465702d313031a572616e6b73920001",
     ),
     "replicas": (
         Replicas(id=6),

@@ -630,3 +630,29 @@ def test_a_snapshot_its_origin_drops_as_older_than_the_disk_leaves_the_buddy_too
         assert ckptd.latest(root / "run") == root / "run" / "step-20"
     finally:
         pair.kill()
+
+
+def test_a_replacement_that_lets_go_of_what_it_restored_makes_the_buddy_forget_its_predecessors_replica(
+        root: Path, tmp_path: Path) -> None:
+    """The replica a replacement node restored is held on the buddy under its predecessor's key; when the
+    replacement drops that snapshot for good (a newer checkpoint on disk), the buddy drops it too: a forget names
+    the snapshot's ranks, not only its sender's key (found by a review: the predecessor's copy stayed, for a drain
+    of the buddy to write back)."""
+    pair = _pair(root, tmp_path)
+    snap = root / "run" / "snap-15"
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async({"w": torch.randn(50_000)}, snap, step=15, persist=False).wait_replicated(60)
+        client.close()
+        new_dir = _replace_origin(pair, "--persist-on-exit", "never")
+        assert ckptd.latest(root / "run", run_dir=new_dir) == snap  # restored from the predecessor's replica
+        client = ckptd.Client(run_dir=new_dir, spawn=False)
+        client.save_async({"w": torch.randn(50_000)}, root / "run" / "step-20", step=20).result(60)
+        with pytest.raises(ckptd.CheckpointExists, match="step-20"):
+            client.persist(snap)  # passed over for the newer checkpoint: the replacement lets go of it
+        client.close()
+        wait_until(lambda: _held_replicas(pair.buddy) == [], 60,
+                   lambda: f"the buddy still holds {_held_replicas(pair.buddy)}")
+        assert "reason=forgotten" in (pair.buddy_dir / "ckptd.log").read_text()
+    finally:
+        pair.kill()

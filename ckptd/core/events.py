@@ -71,6 +71,8 @@ class SnapshotDropped:
     step: int | None
     reason: str
     """``budget`` (evicted for a newer one), ``newer`` (beyond ``keep_snapshots``) or ``saved_to_disk``."""
+    ranks: tuple[int, ...] = ()
+    """The ranks held of it here (its replica on the buddy is theirs, whichever node's key sent it)."""
 
 
 @dataclass(frozen=True)

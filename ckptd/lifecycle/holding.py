@@ -123,7 +123,7 @@ class Holding:
     def _evicted(self, evicted: list[HeldSnapshot]) -> None:
         for old in evicted:
             log.info("event=snapshot_evicted path=%s step=%s reason=budget", old.path, old.step)
-            self.events.publish(SnapshotDropped(old.path, old.step, "budget"))
+            self.events.publish(SnapshotDropped(old.path, old.step, "budget", tuple(sorted(old.shards))))
         self._release(shards_of(evicted))  # never pinned: the budget evicts none a reader holds
 
     def _checksummed(self, ident: bytes, msg: Snapshot, snap: HeldSnapshot, fut: Future) -> None:
@@ -270,7 +270,7 @@ class Holding:
         meanwhile)."""
         snaps = [snap for snap, _ in dropped]
         for snap, reason in dropped:
-            self.events.publish(SnapshotDropped(snap.path, snap.step, reason))
+            self.events.publish(SnapshotDropped(snap.path, snap.step, reason, tuple(sorted(snap.shards))))
         pinned = [s for s in snaps if s.readers]
         for snap in pinned:
             log.info("event=snapshot_drop_deferred path=%s step=%s readers=%d", snap.path, snap.step,
@@ -533,6 +533,9 @@ class Holding:
             if snap.persisting:
                 self.state.attempts.move(snap, AttemptState.HELD)
             self._answer_persists(snap, internal)
+            replacing = self.snapshots.replacing.get(snap.path)
+            if replacing is not None and replacing.acknowledged:  # it waited for this write to end
+                self._take_path(replacing)
 
     def _persist_outcome(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
         if self.snapshots.held.get(snap.path) is not snap or not snap.persisting:

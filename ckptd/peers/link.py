@@ -131,9 +131,9 @@ class PeerLink:
             self.reset()
             raise PeerUnavailable(f"peer {self.endpoint}: {exc}") from None
 
-    def forget(self, path: str) -> None:
-        """Tell the peer this daemon let its snapshot of ``path`` go for good: it drops its replica of it."""
-        self._call(Forget(next(self._ids), path))
+    def forget(self, path: str, ranks: tuple[int, ...]) -> None:
+        """Tell the peer this daemon let its snapshot of ``path`` (of ``ranks``) go for good: it drops its replica."""
+        self._call(Forget(next(self._ids), path, ranks))
 
     def replicas(self) -> list[dict[str, Any]]:
         """The complete replicas the peer holds."""

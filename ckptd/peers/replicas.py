@@ -294,17 +294,20 @@ class ReplicaBook:
                 self._drop(replica)
 
     def forget(self, origin: str, msg: Forget) -> Ok:
-        """The origin let its snapshot of ``msg.path`` go for good: its replica from that origin goes too (a
-        replica of the path from another origin, a replacement node's, stays)."""
-        path = Path(msg.path)
-        incoming = self.incoming.get((origin, path))
-        if incoming is not None:
-            log.info("event=replica_dropped path=%s origin=%s reason=forgotten", path, origin[:8])
-            self._drop(incoming)
-        held = self.held.pop((origin, path), None)
-        if held is not None:
-            log.info("event=replica_dropped path=%s origin=%s reason=forgotten", path, origin[:8])
-            self._unlink(held)
+        """The origin let its snapshot of ``msg.path`` go for good: its replica of that path goes too, from that
+        origin or of one of its ranks (``_completed``'s rule: a replacement node, under a key of its own, holds
+        what it restored from its predecessor's replica here)."""
+        path, ranks = Path(msg.path), set(msg.ranks)
+
+        def theirs(replica: Replica) -> bool:
+            return replica.path == path and (replica.origin == origin or bool(set(replica.ranks) & ranks))
+        for replica in [r for r in self.incoming.values() if theirs(r)]:
+            log.info("event=replica_dropped path=%s origin=%s reason=forgotten", path, replica.origin[:8])
+            self._drop(replica)
+        for replica in [r for r in self.held.values() if theirs(r)]:
+            del self.held[(replica.origin, replica.path)]
+            log.info("event=replica_dropped path=%s origin=%s reason=forgotten", path, replica.origin[:8])
+            self._unlink(replica)
         return Ok(msg.id)
 
     # -- reading back -------------------------------------------------------

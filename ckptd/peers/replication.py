@@ -178,6 +178,9 @@ class Replication:
     """Where each snapshot said ``replicated`` was sent, for the check that the copy is still there (``check``)."""
     _next_check: float = 0.0
     _checking: bool = False
+    _forgets: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    """Snapshots let go for good whose buddy is still to be told (``dropped``): appended on the loop, sent and
+    removed by one job on the peer thread."""
 
     def __post_init__(self) -> None:
         self.placement = Placement(self.ctx, self.config, self.keys, self.workers, self.config.peer_timeout,
@@ -212,22 +215,35 @@ class Replication:
 
     def dropped(self, event: SnapshotDropped) -> None:
         """A snapshot left this node's memory: where it went for good (``FORGOTTEN``), the buddy is told to drop
-        its replica, after any stream of it still queued (one peer thread, in order). A copy on a buddy the ring
-        has since replaced is not: that node is gone. Kept there, a drain of the
+        its replica, after any stream of it still queued (one peer thread, in order). Kept there, a drain of the
         buddy that found this node gone would persist it: a state this node gave up, which a second run that
-        restarted the directory at lower steps would see outrank its own newest, and lose it to ``keep_last``."""
+        restarted the directory at lower steps would see outrank its own newest, and lose it to ``keep_last``.
+        Forgets queued together go in one job, which stops at the first the buddy does not answer: a drain
+        waits for one peer timeout at most, not one per snapshot. A copy on a buddy the ring has since replaced
+        is not told (that node is gone, or holds a copy its next drain may persist: logged as open)."""
         if event.reason not in FORGOTTEN:
             return
         self._copies.pop(event.path, None)
-        buddy, path = self.buddy, str(event.path)
+        buddy = self.buddy
         if buddy is None:
+            return
+        queued = self._forgets
+        queued.append((str(event.path), event.ranks))
+        if len(queued) > 1:  # a job that sends what is queued is on its way
             return
 
         def forget() -> None:  # on the peer thread, as the buddy's streams are (a link is one socket, one thread)
-            try:
-                buddy.forget(path)
-            except CkptdError as exc:  # the buddy's drain may still find it: said so in the log
-                log.warning("event=replica_forget_failed path=%s peer=%s error=%s", path, buddy.endpoint, exc)
+            while queued:
+                path, ranks = queued[0]
+                try:
+                    buddy.forget(path, ranks)
+                except Exception as exc:  # the buddy's drain may still find them: said so in the log
+                    left = [p for p, _ in queued]
+                    queued.clear()
+                    log.warning("event=replica_forget_failed paths=%s peer=%s error=%s", ",".join(left),
+                                buddy.endpoint, exc)
+                    return
+                queued.pop(0)
         self.workers.background("peer", forget)
 
     def _stream(self, snap: HeldSnapshot) -> None:
