@@ -27,9 +27,10 @@ about 40 s: each of its sequences opens with a node lost, and 2 x 3 lose three n
 
 ``one_model`` (one model of every tier, issue 38) takes about 90 s: 4 x 10, each sequence opening with node 0 lost
 and waiting for replication to settle after every step. Its derandomized run once failed at teardown (``run/snap-15``
-expected deleted by retention, on disk): the buddy's drain had persisted a replica whose origin drained first, as
-docs/memory.md says it does, and the model never let it (fixed in the model; the sequence is replayed in
-``tests/test_stateful_found.py``, beside the replays of issue 38's cases).
+expected deleted by retention, on disk): the buddy's drain had persisted a replica whose origin drained first, and
+the model never let it. The model now reads what the buddy's drain committed; the daemon now has the origin tell
+its buddy to forget a snapshot it let go for good, so that replica is no longer written back (the sequence is
+replayed in ``tests/test_stateful_found.py``, beside the replays of issue 38's cases).
 
 ``mirror_keep`` runs in ``make soak`` only: after the rollback fix it passed 3 of 3 runs here, then failed once in
 a fresh-clone run under load (the store kept ``step-2`` and ``step-3`` after a store outage during the last save;
