@@ -533,9 +533,7 @@ class Holding:
             if snap.persisting:
                 self.state.attempts.move(snap, AttemptState.HELD)
             self._answer_persists(snap, internal)
-            replacing = self.snapshots.replacing.get(snap.path)
-            if replacing is not None and replacing.acknowledged:  # it waited for this write to end
-                self._take_path(replacing)
+            self._replacement_in(snap.path)
 
     def _persist_outcome(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
         if self.snapshots.held.get(snap.path) is not snap or not snap.persisting:
@@ -565,8 +563,13 @@ class Holding:
             if self.state.draining:
                 self.drain_failures.append(f"{display(path)}: {error.message}")
         self._answer_persists(snap, error)
+        self._replacement_in(path)
+
+    def _replacement_in(self, path: Path) -> None:
+        """A write of the snapshot at ``path`` ended, however: a complete replacement that waited for it
+        (``_acknowledge``) takes the path now."""
         replacing = self.snapshots.replacing.get(path)
-        if replacing is not None and replacing.acknowledged:  # it waited for this write to end (``_acknowledge``)
+        if replacing is not None and replacing.acknowledged:
             self._take_path(replacing)
 
     def _retry_in_drain(self, snap: HeldSnapshot) -> bool:
