@@ -100,11 +100,54 @@ def test_the_checkpoint_lifecycle_never_asks_which_backend_a_name_is_on() -> Non
 
 
 def test_only_the_registry_moves_an_attempt() -> None:
-    """Every change of an attempt's state (disk or memory) goes through ``lifecycle/registry.Registry.move``, which
-    keeps the books: no other module of the daemon calls ``Attempt.move_to``."""
+    """Every change of an attempt's state (disk or memory) goes through ``lifecycle/registry.Registry`` (``move``,
+    ``end``), which keeps the books: no other module of the daemon calls ``Attempt.move_to``."""
     movers = {p.relative_to(REPO).as_posix() for p in _daemon() for node in ast.walk(ast.parse(p.read_text()))
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "move_to"}
     assert movers == {"ckptd/lifecycle/registry.py"}, f"attempts moved outside the registry: {sorted(movers)}"
+
+
+REGISTRY_CALLS = frozenset({"move", "end", "end_orphaned", "open", "promote", "forget"})
+"""What changes an attempt's state or a book: ``lifecycle/registry.Registry``'s methods."""
+BOOKS = frozenset({"pending", "held", "replacing"})
+"""The attempts' books (``Commits.pending``, ``SnapshotBook.held`` and ``.replacing``), written by the registry only."""
+
+
+def _registry_callers(path: Path) -> set[str]:
+    """The registry methods ``path`` calls (on ``…attempts`` or ``…registry``: the registry's names)."""
+    return {node.func.attr for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in REGISTRY_CALLS
+            and isinstance(node.func.value, ast.Attribute) and node.func.value.attr in ("attempts", "registry")}
+
+
+def test_only_the_pipelines_end_an_attempt_and_only_through_the_registry() -> None:
+    """An attempt moves and ends through ``Registry.move``/``end`` only (``end`` answers its ranks and releases
+    what it held through its pipeline's hook), called by the lifecycle's own modules: the loop, the peers and the
+    upkeep ask the pipelines, never the registry, to change an attempt."""
+    callers = {p.relative_to(REPO).as_posix() for p in _daemon() if _registry_callers(p)}
+    assert callers <= {f"ckptd/lifecycle/{m}.py" for m in ("commit", "saves", "holding", "snapshots")}, callers
+    assert "end" in _registry_callers(_by_stem("saves")) and "end" in _registry_callers(_by_stem("holding"))
+
+
+def test_no_module_but_the_registry_writes_an_attempts_book() -> None:
+    """No item of a book is set or deleted, and no book is cleared or popped, outside ``Registry`` (a book is a
+    read-only mapping to the rest: ``registry.Book``). The buddy's replicas (``peers/replicas.py``, whose ``held``
+    is a book of its own, keyed by origin) are not attempts of this registry."""
+    def written(tree: ast.AST) -> list[str]:
+        found = []
+        for node in ast.walk(tree):
+            targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete)) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            found += [t.value.attr for t in targets if isinstance(t, ast.Subscript)
+                      and isinstance(t.value, ast.Attribute) and t.value.attr in BOOKS]
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("clear", "pop", "popitem", "setdefault", "update")
+                    and isinstance(node.func.value, ast.Attribute) and node.func.value.attr in BOOKS):
+                found.append(node.func.value.attr)
+        return found
+    writers = {f"{p.relative_to(REPO).as_posix()}: {w}" for p in _daemon() if p.name not in ("registry.py", "replicas.py")
+               for w in written(ast.parse(p.read_text()))}
+    assert not writers, f"books written outside the registry: {sorted(writers)}"
 
 
 def test_only_the_registry_moves_a_snapshots_replication() -> None:

@@ -130,7 +130,9 @@ def test_ranks_join_one_pending_checkpoint_until_it_is_complete(state, tmp_path)
 def test_a_failed_checkpoint_fails_its_late_ranks_the_same_way_and_a_retry_starts_afresh(state, tmp_path) -> None:
     final = tmp_path / "lonely"
     pending, _ = state.commits.admit(commit(1, rank=0, world_size=2), b"a", final, os.getpid())
-    state.commits.fail(pending, RanksMissing("ranks [1] never came"))
+    failure = RanksMissing("ranks [1] never came")
+    state.attempts.end(pending, AttemptState.FAILED, failure)
+    state.commits.failed_with(pending, failure)  # what the save pipeline's end of a failed attempt remembers
     assert pending.state is AttemptState.FAILED and final not in state.commits.pending
     with pytest.raises(RanksMissing, match="ranks \\[1\\] never came"):
         state.commits.admit(commit(2, rank=1, world_size=2), b"b", final, os.getpid())
@@ -143,11 +145,13 @@ def test_a_checkpoint_moves_only_forward_and_ends_once(state, tmp_path) -> None:
     with pytest.raises(InternalError, match="cannot go from preparing to committing"):
         state.attempts.move(pending, AttemptState.COMMITTING)  # no shard is written before its directory exists
     state.attempts.move(pending, AttemptState.WRITING)
-    state.commits.fail(pending, RanksMissing("gone"))
+    with pytest.raises(InternalError, match="ends through Registry.end"):
+        state.attempts.move(pending, AttemptState.FAILED)  # an end answers its ranks and releases what it holds
+    state.attempts.end(pending, AttemptState.FAILED, RanksMissing("gone"))
     with pytest.raises(InternalError, match="cannot go from failed to failed"):
-        state.commits.fail(pending, RanksMissing("twice"))  # each rank is told once
+        state.attempts.end(pending, AttemptState.FAILED, RanksMissing("twice"))  # each rank is told once
     with pytest.raises(InternalError, match="cannot go from failed to committed"):
-        state.attempts.move(pending, AttemptState.COMMITTED)
+        state.attempts.end(pending, AttemptState.COMMITTED)
 
 
 def test_disk_and_memory_attempts_share_one_set_of_rules_for_their_ranks(state, tmp_path) -> None:
@@ -156,7 +160,7 @@ def test_disk_and_memory_attempts_share_one_set_of_rules_for_their_ranks(state, 
     pending, _ = state.commits.admit(commit(1, world_size=2, path=str(final)), b"a", final, os.getpid())
     snaps = SnapshotBook(budget=1 << 30, keep=1, registry=state.attempts)
     shot = Snapshot(**{**commit(1, world_size=2, path=str(final)).__dict__})
-    snap, _ = snaps.admit(shot, final, FakeSlot("s"), os.getpid(), b"a")  # type: ignore[arg-type]
+    snap = snaps.admit(shot, final, FakeSlot("s"), os.getpid(), b"a")  # type: ignore[arg-type]
     for attempt, kind in ((pending, "checkpoint"), (snap, "snapshot")):
         with pytest.raises(Conflict, match=f"rank 0 of {kind} .* already"):
             attempt.check_join(commit(2, world_size=2, path=str(final)))

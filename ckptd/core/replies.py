@@ -5,7 +5,7 @@ Anything else is a defect in the daemon: it is logged with its traceback and
 answered as an ``InternalError``, and the daemon keeps serving. Either way
 the message joins the recent errors ``ckptd status`` shows. A synchronous
 handler answers its request with ``error_reply``; an attempt that fails
-(``Saves.fail``, ``Holding.fail``, also when a pool completion raised:
+(``Registry.end`` with ``failed``, its pipeline telling the ranks; also when a pool completion raised:
 ``Workers.submit``'s ``failed``) tells every waiting rank ``as_error``'s.
 """
 

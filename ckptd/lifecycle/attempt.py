@@ -117,6 +117,8 @@ class Attempt:
     """How messages name the attempt: checkpoint (on disk) or snapshot (in node memory)."""
     nothing_kept: ClassVar[str]
     """What a failure leaves: nothing was committed / nothing was held."""
+    entry: ClassVar[AttemptState]
+    """The state every attempt of the kind starts at (``Registry.open`` refuses any other)."""
     path: Path
     world_size: int
     step: int | None
@@ -127,8 +129,11 @@ class Attempt:
     contributors: Contributors = field(default_factory=lambda: Contributors(""))
     """The run and the processes whose shards this attempt holds (no other may join)."""
     waiting: list[Waiter] = field(default_factory=list)
-    state: AttemptState
-    """Set by each kind to where it starts (``PendingCheckpoint``: preparing; ``HeldSnapshot``: holding)."""
+    state: AttemptState = field(init=False)
+    """Where it is: its kind's ``entry`` at first, then moved by ``registry.Registry`` only."""
+
+    def __post_init__(self) -> None:
+        self.state = self.entry
 
     @property
     def arrived(self) -> set[int]:
@@ -142,7 +147,7 @@ class Attempt:
 
     def move_to(self, state: AttemptState) -> None:
         """Change state along ``NEXT_STATES``; any other move is a defect in a pipeline, never done silently.
-        Called by ``registry.Registry.move`` only, which keeps the books."""
+        Called by ``registry.Registry`` only (``move`` and ``end``), which keeps the books."""
         if state not in NEXT_STATES[self.state]:
             raise InternalError(f"{self.noun} {self.path} cannot go from {self.state.value} to {state.value}")
         self.state = state

@@ -56,7 +56,7 @@ from ckptd.protocol.objects import display
 
 from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter
 from ckptd.lifecycle.contributors import Contributors
-from ckptd.lifecycle.registry import Registry
+from ckptd.lifecycle.registry import Book, Registry
 from ckptd.lifecycle.snapshots import HeldSnapshot
 from ckptd.storage.backends import Backends
 from ckptd.storage.contract import PublishedNotDurable
@@ -80,7 +80,7 @@ class PendingCheckpoint(Attempt):
     """Shards of this checkpoint admitted here and not yet durable or failed."""
     queued: list[ShardWrite] | None = None
     """Admitted writes waiting for ``p.incomplete`` to be made (None: nobody has started making it yet)."""
-    state: AttemptState = AttemptState.PREPARING
+    entry: ClassVar[AttemptState] = AttemptState.PREPARING
     owns_directory: bool = False
     """Whether ``prepare`` made ``p.incomplete`` for this attempt: only then may a failure remove it."""
     snapshot: HeldSnapshot | None = None
@@ -151,7 +151,7 @@ class Commits:
 
     def __init__(self, storage: Backends, registry: Registry) -> None:
         self.storage, self.registry = storage, registry
-        self.pending: dict[Path, PendingCheckpoint] = registry.book()
+        self.pending: Book[PendingCheckpoint] = registry.book()
         self.failed: dict[Path, FailedCheckpoint] = {}
         self.closing: dict[Path, list[Callable[[], None]]] = {}
         """Failed attempts whose ``p.incomplete`` is not yet out of the way, with what waits for it (a retry's
@@ -175,14 +175,13 @@ class Commits:
         pending = self.pending.get(final)
         if pending is not None and pending.moved_on(commit):
             # its directory is another node's daemon's to publish or remove: left alone
-            self.registry.move(pending, AttemptState.LET_GO)
+            self.registry.end(pending, AttemptState.LET_GO, reason="a rank of its run saved the path again")
             pending = None
         if pending is None:
-            pending = PendingCheckpoint(path=final, world_size=commit.world_size, step=commit.step,
-                                        overwrite=commit.overwrite, coordinated=commit.coordinated,
-                                        keep_last=commit.keep_last, timeout=commit.timeout,
-                                        contributors=Contributors(commit.job))
-            self.pending[final] = pending
+            pending = self.registry.open(self.pending, PendingCheckpoint(
+                path=final, world_size=commit.world_size, step=commit.step, overwrite=commit.overwrite,
+                coordinated=commit.coordinated, keep_last=commit.keep_last, timeout=commit.timeout,
+                contributors=Contributors(commit.job)))
         if pending.snapshot is not None:
             raise Conflict(f"the daemon is writing its memory snapshot of {display(final)} to disk there now; save "
                            f"again once that is done (client.persist({display(final)!r}) returns then), or save "
@@ -201,11 +200,10 @@ class Commits:
             raise Conflict(f"a save of {display(final)} is being written; the memory snapshot of that path is not "
                            f"persisted over it (once that save commits, the snapshot is dropped as older)")
         first = snap.shards[min(snap.shards)].msg
-        pending = PendingCheckpoint(path=final, world_size=snap.world_size, step=snap.step, overwrite=first.overwrite,
-                                    keep_last=first.keep_last, contributors=Contributors(snap.contributors.job),
-                                    snapshot=snap, ranks_seen=set(snap.shards), writing=len(snap.shards))
-        self.pending[final] = pending
-        return pending
+        return self.registry.open(self.pending, PendingCheckpoint(
+            path=final, world_size=snap.world_size, step=snap.step, overwrite=first.overwrite,
+            keep_last=first.keep_last, contributors=Contributors(snap.contributors.job), snapshot=snap,
+            ranks_seen=set(snap.shards), writing=len(snap.shards)))
 
     def _refuse_late_rank_of_failed(self, final: Path, commit: StagedShard) -> None:
         """A rank arriving after its checkpoint failed gets the same error; its retry starts afresh.
@@ -248,9 +246,9 @@ class Commits:
         for path in [p for p, f in self.failed.items() if now > f.expires]:
             del self.failed[path]
 
-    def fail(self, pending: PendingCheckpoint, error: CkptdError) -> None:
-        """Forget a failed checkpoint, remembering why for its late ranks."""
-        self.registry.move(pending, AttemptState.FAILED)
+    def failed_with(self, pending: PendingCheckpoint, error: CkptdError) -> None:
+        """``pending`` failed (``Registry.end``): remember why for its late ranks, and keep what waits for its
+        directory to be cleared away (``wait_for_cleanup``)."""
         self.closing.setdefault(pending.path, [])
         if not pending.coordinated:  # across nodes the ranks' own agreement tells late ranks
             remembered = max(pending.timeout, FAILED_MEMORY_S)  # a bare copy: no traceback pins frames
@@ -279,12 +277,13 @@ class Commits:
             kept.ranks_seen = set(range(msg.world_size))
             kept.waiting.append(Waiter(client, msg.id, 0))
             return kept
-        pending = PendingCheckpoint(path=final, world_size=msg.world_size, step=msg.step, overwrite=msg.overwrite,
-                                    coordinated=True, keep_last=msg.keep_last, shards={f.rank: f for f in msg.files},
-                                    ranks_seen=set(range(msg.world_size)), state=AttemptState.COMMITTING,
-                                    owns_directory=True, waiting=[Waiter(client, msg.id, 0)],
-                                    contributors=Contributors(msg.job))
-        self.pending[final] = pending  # taken: no other run's rank may start an attempt at the path meanwhile
+        pending = self.registry.open(self.pending, PendingCheckpoint(  # taken: no other run's rank may start an
+            # attempt at the path meanwhile
+            path=final, world_size=msg.world_size, step=msg.step, overwrite=msg.overwrite, coordinated=True,
+            keep_last=msg.keep_last, shards={f.rank: f for f in msg.files}, ranks_seen=set(range(msg.world_size)),
+            owns_directory=True, waiting=[Waiter(client, msg.id, 0)], contributors=Contributors(msg.job)))
+        self.registry.move(pending, AttemptState.WRITING)  # its shards were written by the other nodes' daemons
+        self.registry.move(pending, AttemptState.COMMITTING)
         return pending
 
     def ended_elsewhere(self, pending: PendingCheckpoint) -> bool:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from ckptd.protocol.errors import (
-    CheckpointExists, CkptdError, InvalidCheckpoint, RanksMissing, ShuttingDown, WriteFailed,
+    CheckpointExists, CkptdError, InternalError, InvalidCheckpoint, RanksMissing, ShuttingDown, WriteFailed,
 )
 from ckptd.protocol.messages import (
     Abort, Accepted, Done, Error, Held, Message, Ok, Persist, Pin, ReplicationState, Snapshot, SnapshotList, Snapshots,
@@ -60,10 +60,15 @@ Send = Callable[[bytes, Message], None]
 class Holding:
     """Moves snapshots in and out of node memory; replies through ``send``."""
 
+    kind = HeldSnapshot
+    """The attempts it runs, which ``Registry.end`` hands to ``ended``."""
+
     def __init__(self, state: NodeState, workers: Workers, storage: Backends, config: DaemonConfig,
                  send: Send, saves: Saves, events: Events) -> None:
         self.state, self.workers, self.storage, self.config = state, workers, storage, config
         self.send, self.saves, self.events = send, saves, events
+        self.registry = state.attempts
+        """The registry: the only way a snapshot moves or ends."""
         saves.persist_ended = self.persist_ended
         self.snapshots = state.snapshots
         self.drain_failures: list[str] = []
@@ -82,21 +87,19 @@ class Holding:
 
     def _examined(self, ident: bytes, msg: Snapshot, progress: Progress, examined: Examined, *, pid: int) -> None:
         current = self.snapshots.opening(examined.final)
-        if current is not None:
-            self.abandon(current)
+        if current is not None and self.registry.end_orphaned(current):
             current = self.snapshots.opening(examined.final)
         conflict = None if current is None else current.broken_by(msg)
         try:
             if conflict is not None:  # the snapshot fails on every rank, this one included
-                self.fail(current, conflict)
+                self.registry.end(current, AttemptState.FAILED, conflict)
                 raise conflict
             self.snapshots.refuse_nested(examined.final)
-            snap, evicted = self.snapshots.admit(msg, examined.final, examined.slot, pid, ident)
+            snap = self.snapshots.admit(msg, examined.final, examined.slot, pid, ident)
         except CkptdError as exc:
             self.state.slots.release(examined.slot)
             self.saves.refuse(ident, msg, exc)
             return
-        self._evicted(evicted)
         self.send(ident, Accepted(msg.id))
         slot, slots = examined.slot, self.state.slots
         name = slots.own_name()
@@ -115,16 +118,10 @@ class Holding:
         self.state.end_save(ident, msg.id)
         if not self.snapshots.holds(snap):
             return
-        self.fail(snap, exc)
+        self.registry.end(snap, AttemptState.FAILED, exc)
         shard = snap.shards.get(msg.rank)
-        if shard is not None and shard.checksum is None:  # ``fail`` hands back only the checksummed ones
+        if shard is not None and shard.checksum is None:  # a failure hands back only the checksummed ones
             self._return_unheld([shard])
-
-    def _evicted(self, evicted: list[HeldSnapshot]) -> None:
-        for old in evicted:
-            log.info("event=snapshot_evicted path=%s step=%s reason=budget", old.path, old.step)
-            self.events.publish(SnapshotDropped(old.path, old.step, "budget", tuple(sorted(old.shards))))
-        self._release(shards_of(evicted))  # never pinned: the budget evicts none a reader holds
 
     def _checksummed(self, ident: bytes, msg: Snapshot, snap: HeldSnapshot, fut: Future) -> None:
         self.state.end_save(ident, msg.id)
@@ -136,7 +133,7 @@ class Holding:
                 snap.answered(ident, msg.id)
                 self.send(ident, error_reply(self.state.stats, msg.id, fut.exception()))
             elif not failed:
-                self.fail(snap, fut.exception())
+                self.registry.end(snap, AttemptState.FAILED, fut.exception())
             return
         if failed:  # the snapshot failed meanwhile (its ranks were told): the slot goes back under its name
             self._return_unheld([shard])
@@ -159,7 +156,7 @@ class Holding:
         """Every rank held here: from now on it is a snapshot a restore may use. A replacement (``overwrite=True``
         over a held snapshot) takes its path now, or, while the one it replaces is being written to disk, once
         that write ended (``persisted``): that write's end must find the snapshot it was writing."""
-        self.state.attempts.move(snap, AttemptState.HELD)
+        self.registry.move(snap, AttemptState.HELD)
         replaced = self.snapshots.replaced_by(snap)
         if replaced is not None and replaced.persisting:
             log.info("event=snapshot_replace_deferred path=%s step=%s reason=persisting", snap.path, snap.step)
@@ -172,19 +169,17 @@ class Holding:
         nodes) is complete once this node's ranks are held: its older ones are dropped then as well, or a multi-node
         job's snapshots would pile up until the memory budget refused the next."""
         replaced = self.snapshots.promote(snap)
-        dropped = [] if replaced is None else [(replaced, "replaced")]
-        if replaced is not None:
-            log.info("event=snapshot_dropped path=%s step=%s reason=replaced", replaced.path, replaced.step)
-            self._answer_persists(replaced, InvalidCheckpoint(
-                f"snapshot {display(snap.path)} was replaced in memory by a newer one (overwrite=True)"))
-        dropped += [(s, "newer") for s in self.snapshots.newer_than_kept(snap)]
+        dropped: list[tuple[HeldSnapshot, str, CkptdError | None]] = [] if replaced is None else [(
+            replaced, "replaced",
+            InvalidCheckpoint(f"snapshot {display(snap.path)} was replaced in memory by a newer one (overwrite=True)"))]
+        dropped += [(s, "newer", None) for s in self.snapshots.beyond_kept(snap)]
         if snap.coordinated:  # its ranks were told as each was held (the slots dropped now are named in their next
             # Held); they agree among themselves
-            self._drop(dropped)
+            self._drop_all(dropped)
             self._published_held(snap)
             return
-        # One release for both, then Held: it names every slot they give back, so the trainer reuses them
-        self._drop(dropped, then=lambda: self._tell_held(snap))
+        # Their slots back first, then Held: it names every slot they give back, so the trainer reuses them
+        self._drop_all(dropped, then=lambda: self._tell_held(snap))
         if snap.persist_waiting or self._left_behind(snap) or self._held_in_drain(snap):
             self.start_persist(snap)
 
@@ -217,15 +212,48 @@ class Holding:
         return Held(rid, str(snap.path), nbytes, time.monotonic() - snap.started_at,
                     self.snapshots.take_released(pid))
 
-    def fail(self, snap: HeldSnapshot, exc: BaseException) -> None:
-        """A snapshot failed: tell its waiting ranks, drop its shards (their slots go back with the error)."""
-        self.snapshots.remove(snap, AttemptState.FAILED)
-        error = as_error(self.state.stats, exc)
-        log.warning("event=snapshot_failed path=%s error=%s", snap.path, error.message)
-        snap.tell_failed(self.send, error)
-        self._answer_persists(snap, error)
-        self._return_unheld([sh for sh in snap.shards.values() if sh.checksum is not None])  # the others: when
-        # checksummed (``_checksummed``)
+    # -- how a snapshot ends (``Registry.end`` hands it here) ------------------------------------------------
+
+    def ended(self, snap: HeldSnapshot, state: AttemptState, error: BaseException | None, reason: str) -> None:
+        """``snap`` ended in ``state`` and left the books: every rank and ``persist`` still waiting is answered
+        (``error``; a drop without one says why it was dropped), its slots go back (a dropped one a reader pins is
+        parked until it unpins), and a drop is published last (``SnapshotDropped``, with ``reason``)."""
+        if state is AttemptState.FAILED:
+            failure = as_error(self.state.stats, error if error is not None else InternalError("failed"))
+            log.warning("event=snapshot_failed path=%s error=%s", snap.path, failure.message)
+            snap.tell_failed(self.send, failure)
+            self._answer_persists(snap, failure)
+            self._return_unheld([sh for sh in snap.shards.values() if sh.checksum is not None])  # the others:
+            # when checksummed (``_checksummed``)
+            return
+        log.info("event=snapshot_dropped path=%s step=%s reason=%s", snap.path, snap.step, reason)
+        self._answer_persists(snap, as_error(self.state.stats, error) if error is not None else InvalidCheckpoint(
+            f"snapshot {display(snap.path)} was dropped from memory ({reason})"))
+        if snap.readers:
+            log.info("event=snapshot_drop_deferred path=%s step=%s readers=%d", snap.path, snap.step,
+                     sum(snap.readers.values()))
+            self.snapshots.parked.append(snap)
+        else:
+            self._release(list(snap.shards.values()))
+        self.events.publish(SnapshotDropped(snap.path, snap.step, reason, tuple(sorted(snap.shards))))
+
+    def _drop_all(self, dropped: list[tuple[HeldSnapshot, str, CkptdError | None]],
+                  then: Callable[[], None] | None = None) -> None:
+        """End each of ``dropped`` (a snapshot, why, what its persists are told), then ``then`` on the loop once
+        all their slots are back: the releases run in order on the one maintenance thread, so a no-op queued
+        after them completes after theirs."""
+        for snap, reason, error in dropped:
+            self.registry.end(snap, AttemptState.DROPPED, error, reason=reason)
+        if then is None:
+            return
+        if not dropped:
+            then()
+            return
+
+        def undone(exc: BaseException) -> None:
+            as_error(self.state.stats, exc)
+            then()
+        self.workers.submit("maintenance", lambda: None, lambda _: then(), undone)
 
     def _return_unheld(self, shards: list[HeldShard]) -> None:
         """Slots of a snapshot that failed before its ranks were told ``Held``: their clients still count them as
@@ -256,27 +284,8 @@ class Holding:
     def attempts(self) -> list[HeldSnapshot]:
         return self.snapshots.all()
 
-    def abandon(self, snap: HeldSnapshot) -> None:
-        """Fail a snapshot still missing ranks whose contributors died: no rank of their job can complete it."""
-        if (why := snap.orphaned()) is not None:
-            self.fail(snap, why)
-
     def tidy(self, now: float) -> None:
         """Nothing of its own: a snapshot's life after it is held is the budget's and its readers'."""
-
-    def _drop(self, dropped: list[tuple[HeldSnapshot, str]], then: Callable[[], None] = lambda: None) -> None:
-        """Release the slots of snapshots dropped from the books (each with why), except those a reader pins:
-        parked until it unpins (a reader copies straight out of the slot, which must not go back to its trainer
-        meanwhile)."""
-        snaps = [snap for snap, _ in dropped]
-        for snap, reason in dropped:
-            self.events.publish(SnapshotDropped(snap.path, snap.step, reason, tuple(sorted(snap.shards))))
-        pinned = [s for s in snaps if s.readers]
-        for snap in pinned:
-            log.info("event=snapshot_drop_deferred path=%s step=%s readers=%d", snap.path, snap.step,
-                     sum(snap.readers.values()))
-        self.snapshots.parked += pinned
-        self._release(shards_of([s for s in snaps if not s.readers]), then)
 
     def pin(self, ident: bytes, msg: Pin) -> SnapshotList:
         """A reader's lease on a held snapshot: its listing, its slots kept as they are until ``Unpin``."""
@@ -303,14 +312,14 @@ class Holding:
         if self.snapshots.opening(path) is not None or not shards:
             raise CheckpointExists(f"snapshot {display(path)} is held here already; the replica is not restored")
         first = shards[0][0]
-        self._evicted(self.snapshots.make_room(path, sum(msg.nbytes for msg, *_ in shards)))
+        self.snapshots.make_room(path, sum(msg.nbytes for msg, *_ in shards))
         snap = HeldSnapshot(path=path, world_size=first.world_size, step=first.step, coordinated=first.coordinated,
                             created=created, contributors=Contributors(first.job), replication=replication)
         for msg, name, fd, mapping, checksum in shards:
             slot = MappedSlot(name, os.fstat(fd).st_ino, max(1, msg.nbytes), mapping, fd, users=1)
             snap.shards[msg.rank] = HeldShard(msg, slot, os.getpid(), checksum=checksum)
-        self.snapshots.held[path] = snap
-        self.state.attempts.move(snap, AttemptState.HELD)
+        self.registry.open(self.snapshots.held, snap)
+        self.registry.move(snap, AttemptState.HELD)
         self._published_held(snap)
         return snap
 
@@ -328,10 +337,8 @@ class Holding:
         snap = self.snapshots.held.get(final)
         if snap is None or not snap.acknowledged or snap.persisting:
             return
-        log.info("event=snapshot_dropped path=%s step=%s reason=deleted", snap.path, snap.step)
-        self.snapshots.remove(snap, AttemptState.DROPPED)
-        self._answer_persists(snap, InvalidCheckpoint(f"snapshot {display(final)} was deleted (client.delete)"))
-        self._drop([(snap, "deleted")])
+        self.registry.end(snap, AttemptState.DROPPED,
+                          InvalidCheckpoint(f"snapshot {display(final)} was deleted (client.delete)"), reason="deleted")
 
     def reader_gone(self, ident: bytes) -> None:
         """A connection closed or its process died: its pins end."""
@@ -382,7 +389,8 @@ class Holding:
             if snap is None:
                 self.saves.abort_at(ident, msg, final)
                 return
-            self.fail(snap, RanksMissing(f"snapshot {display(final)} was aborted: {msg.reason}"))
+            self.registry.end(snap, AttemptState.FAILED,
+                              RanksMissing(f"snapshot {display(final)} was aborted: {msg.reason}"))
             self.send(ident, Ok(msg.id))
 
         self.saves.resolve_then(ident, msg.id, msg.path, abort)
@@ -424,7 +432,7 @@ class Holding:
 
     def start_persist(self, snap: HeldSnapshot) -> None:
         """Hand every held shard of ``snap`` to the save pipeline; ``persist_ended`` answers its waiters."""
-        self.state.attempts.move(snap, AttemptState.PERSISTING)
+        self.registry.move(snap, AttemptState.PERSISTING)
         snap.persist_started = time.monotonic()
         log.info("event=persist path=%s step=%s", snap.path, snap.step)
         backend, final, order = self.storage.at(snap.path), snap.path, snap.order
@@ -469,7 +477,7 @@ class Holding:
         its directory's newest state is on disk: nothing acknowledged is lost,
         and a spawned daemon is not kept from exiting by it.
         """
-        self.state.attempts.move(snap, AttemptState.HELD)
+        self.registry.move(snap, AttemptState.HELD)
         log.info("event=snapshot_not_persisted path=%s step=%s reason=newer_on_disk newer=%s", snap.path, snap.step,
                  newer)
         self._answer_persists(snap, CheckpointExists(
@@ -480,9 +488,7 @@ class Holding:
         if replacing is not None and replacing.acknowledged:  # it waited for this persist to end: it drops ``snap``
             self._take_path(replacing)
         elif self.state.draining or not any(self.state.pid_connected(sh.pid) for sh in snap.shards.values()):
-            log.info("event=snapshot_dropped path=%s step=%s reason=older_than_disk", snap.path, snap.step)
-            self.snapshots.remove(snap, AttemptState.DROPPED)
-            self._drop([(snap, "older_than_disk")])
+            self.registry.end(snap, AttemptState.DROPPED, reason="older_than_disk")
 
     def committed(self, event: Committed) -> None:
         """A disk save committed ``event.path``: a snapshot held of that path is older than it, and is dropped so
@@ -493,17 +499,12 @@ class Holding:
         snap = self.snapshots.held.get(path)
         if snap is None or snap.persisting:
             return
-        log.info("event=snapshot_dropped path=%s step=%s reason=saved_to_disk", snap.path, snap.step)
         why = InvalidCheckpoint(f"snapshot {path} was dropped from memory: a disk save committed the same path")
         replacing = self.snapshots.replacing.get(path)
         if replacing is not None:  # older than that save, as the one it was to replace
-            self.fail(replacing, why)
-        if not snap.acknowledged:
-            self.fail(snap, why)
-            return
-        self.snapshots.remove(snap, AttemptState.DROPPED)
-        self._drop([(snap, "saved_to_disk")])
-        self._answer_persists(snap, why)
+            self.registry.end(replacing, AttemptState.FAILED, why)
+        self.registry.end(snap, AttemptState.DROPPED if snap.acknowledged else AttemptState.FAILED, why,
+                          reason="saved_to_disk")
 
     def deleted(self, event: Deleted) -> None:
         """Retention deleted the disk copy of a persisted snapshot still held: the snapshot goes from memory too,
@@ -513,9 +514,7 @@ class Holding:
         snap = self.snapshots.held.get(event.path)
         if snap is None or not snap.persisted:
             return
-        log.info("event=snapshot_dropped path=%s step=%s reason=retention_deleted_disk_copy", snap.path, snap.step)
-        self.snapshots.remove(snap, AttemptState.DROPPED)
-        self._drop([(snap, "retention_deleted_disk_copy")])
+        self.registry.end(snap, AttemptState.DROPPED, reason="retention_deleted_disk_copy")
 
     def persist_ended(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
         """The write of ``snap`` to disk committed (``error`` None) or failed: the save pipeline calls this
@@ -531,7 +530,7 @@ class Holding:
             internal = as_error(self.state.stats, exc)
             log.error("event=persist_end_failed path=%s error=%s", snap.path, internal.message)
             if snap.persisting:
-                self.state.attempts.move(snap, AttemptState.HELD)
+                self.registry.move(snap, AttemptState.HELD)
             self._answer_persists(snap, internal)
             self._replacement_in(snap.path)
 
@@ -554,7 +553,7 @@ class Holding:
         """``snap``'s persist committed (``error`` None) or failed: persisted, or held again and retried by a
         drain while its deadline allows; its waiters answered; a replacement that waited for it takes the path."""
         path = snap.path
-        self.state.attempts.move(snap, AttemptState.PERSISTED if error is None else AttemptState.HELD)
+        self.registry.move(snap, AttemptState.PERSISTED if error is None else AttemptState.HELD)
         if error is not None:
             log.warning("event=persist_failed path=%s draining=%s error=%s", path, self.state.draining, error.message)
             self.state.stats.error(f"persisting snapshot {path} failed: {error.message}")
@@ -624,10 +623,9 @@ class Holding:
         still under this daemon's own name (a release or give-back queued
         behind abandoned maintenance).
         """
-        held = shards_of([*self.snapshots.all(), *self.snapshots.parked])
+        held = shards_of([*self.registry.forget(self.snapshots.held, self.snapshots.replacing),
+                          *self.snapshots.parked])
         owed = [n for names in self.snapshots.released.values() for n in names]
-        self.snapshots.held.clear()
-        self.snapshots.replacing.clear()
         self.snapshots.parked.clear()
         self.snapshots.released.clear()
         for shard in held:  # a shard never taken over keeps its client's name: the client's to unlink

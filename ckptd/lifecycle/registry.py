@@ -1,18 +1,21 @@
-"""Every attempt in progress on this daemon, disk or memory: their books, the one code that moves them, and the one
-housekeeping over them.
+"""Every attempt in progress on this daemon, disk or memory: their books, the one code that moves and ends them,
+and the one housekeeping over them.
 
 Each pipeline keeps its attempts by path in books the registry gives it (``book``: ``Commits.pending``,
-``SnapshotBook.held`` and ``SnapshotBook.replacing``), and changes an attempt's state only through ``Registry.move``,
-along ``attempt.NEXT_STATES``; an attempt that ends leaves every book in the same call, so no book ever holds an
-ended attempt, nor forgets one that goes on (a test scans the daemon for any other caller of ``move_to``).
+``SnapshotBook.held`` and ``SnapshotBook.replacing``). A book is read-only to everyone but the registry: an attempt
+enters one through ``open`` (at its kind's entry state, ``Attempt.entry``), moves from the replacing book to the
+held one through ``promote``, and leaves every book when it ends. Its state changes through ``move`` (a step along
+``attempt.NEXT_STATES`` that does not end it) and it ends through ``end`` only, once: ``end`` takes it out of every
+book, then hands it to the pipeline of its kind (``Pipeline.ended``), which answers every rank still waiting,
+releases what the attempt held (slots, directories, pins) and publishes the event last. So no book ever holds an
+ended attempt nor forgets one that goes on, and nothing leaves the books without being released (a test scans the
+daemon for any other caller of ``move_to``, and for writes to the books).
 
 Both pipelines (``saves.Saves``: attempts at a disk checkpoint; ``holding.Holding``: memory snapshots) gather
 their ranks the same way (``attempt.Attempt``). So what ends an attempt whose ranks will never all come is judged
-once, here, for either kind, each housekeeping round (``Registry.housekeep``, called by the loop): ranks still
-missing after the attempt's timeout, a rank of a named run whose process died before it saved, contributors
-that died while ranks were missing. The pipeline that owns the attempt fails it (``fail``: every waiting rank is
-told once, and ``Failed`` is published) or lets go of it (a disk attempt settled on several nodes whose
-contributors all died: ``abandon``).
+once, here, for either kind, each housekeeping round (``Registry.housekeep``, called by the loop) and when a rank
+of another run arrives at its path (``end_orphaned``): ranks still missing after the attempt's timeout, a rank of a
+named run whose process died before it saved, contributors that died while ranks were missing.
 
 Bookkeeping only, on the loop thread.
 """
@@ -21,12 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Generic, Iterator, Mapping, Protocol, Sequence, TypeVar
 
-from ckptd.protocol.errors import CkptdError, InternalError
+from ckptd.protocol.errors import InternalError
 from ckptd.protocol.messages import ReplicationState
 
-from ckptd.lifecycle.attempt import NEXT_REPLICATION, Attempt, AttemptState
+from ckptd.lifecycle.attempt import ENDED, NEXT_REPLICATION, Attempt, AttemptState
+
+A = TypeVar("A", bound=Attempt)
 
 
 @dataclass(frozen=True)
@@ -39,20 +44,35 @@ class DeadRank:
     pid: int
 
 
+class Book(Mapping[Path, A], Generic[A]):
+    """Attempts of one kind by path: read by their pipeline, written by the registry only."""
+
+    def __init__(self) -> None:
+        self._by_path: dict[Path, A] = {}
+
+    def __getitem__(self, path: Path) -> A:
+        return self._by_path[path]
+
+    def __iter__(self) -> Iterator[Path]:
+        return iter(self._by_path)
+
+    def __len__(self) -> int:
+        return len(self._by_path)
+
+
 class Pipeline(Protocol):
-    """What the registry needs of a pipeline: its attempts, and how it ends one."""
+    """What the registry needs of a pipeline: the kind of attempt it runs, its attempts, and how one ends."""
+
+    kind: type[Attempt]
 
     def attempts(self) -> list[Attempt]:
         """Its attempts in progress (a copy: ending one changes the books)."""
         ...
 
-    def fail(self, attempt: Attempt, exc: CkptdError) -> None:
-        """Fail ``attempt`` on every rank waiting for it."""
-        ...
-
-    def abandon(self, attempt: Attempt) -> None:
-        """``attempt``'s contributors died (``Attempt.orphaned``, or, for a settled disk attempt, all of them):
-        fail it, or let go of it where another node's daemon may still publish it."""
+    def ended(self, attempt: Attempt, state: AttemptState, error: BaseException | None, reason: str) -> None:
+        """``attempt`` ended in ``state`` (out of the books already): answer every rank still waiting (``error``
+        for a failure), release what it held, publish the event last; ``reason`` says why (a snapshot dropped, a
+        disk attempt let go)."""
         ...
 
     def tidy(self, now: float) -> None:
@@ -61,31 +81,80 @@ class Pipeline(Protocol):
 
 
 class Registry:
-    """The attempts of every pipeline: their books, their moves, and the one place that ends those whose ranks will
-    never all come."""
+    """The attempts of every pipeline: their books, their moves and ends, and the one place that ends those whose
+    ranks will never all come."""
 
     def __init__(self) -> None:
-        self._books: list[dict[Path, Any]] = []
+        self._books: list[Book] = []
         self.pipelines: tuple[Pipeline, ...] = ()
 
-    def book(self) -> dict[Path, Any]:
-        """A new book of attempts by path, for a pipeline to keep its attempts in (an ended one leaves it)."""
-        book: dict[Path, Any] = {}
+    def book(self) -> Book:
+        """A new book of attempts by path, for a pipeline to read its attempts in (``open`` writes it)."""
+        book: Book = Book()
         self._books.append(book)
         return book
 
     def keep(self, pipelines: Sequence[Pipeline]) -> None:
-        """The pipelines whose attempts ``housekeep`` looks at (built after their books)."""
+        """The pipelines whose attempts ``housekeep`` looks at and ``end`` hands over (built after their books)."""
         self.pipelines = tuple(pipelines)
 
+    def open(self, book: Book[A], attempt: A) -> A:
+        """``attempt``, new at its kind's entry state, is ``book``'s at its path (none may be there)."""
+        if attempt.state is not attempt.entry:
+            raise InternalError(f"{attempt.noun} {attempt.path} opened at {attempt.state.value}, not at "
+                                f"{attempt.entry.value}")
+        if attempt.path in book:
+            raise InternalError(f"{attempt.noun} {attempt.path} opened where one is in progress")
+        book._by_path[attempt.path] = attempt
+        return attempt
+
+    def promote(self, attempt: A, source: Book[A], target: Book[A]) -> A | None:
+        """``attempt`` leaves ``source`` for ``target`` at its path; returns the attempt it displaced there (still
+        going: the caller ends it), or None."""
+        if source.get(attempt.path) is not attempt:
+            raise InternalError(f"{attempt.noun} {attempt.path} promoted from a book it is not in")
+        del source._by_path[attempt.path]
+        old = target.get(attempt.path)
+        target._by_path[attempt.path] = attempt
+        return old
+
     def move(self, attempt: Attempt, state: AttemptState) -> None:
-        """Move ``attempt`` to ``state`` (``Attempt.move_to`` refuses a move the table lacks); one that ends
-        leaves every book it is in."""
+        """Move ``attempt`` to ``state``, a step along ``NEXT_STATES`` that does not end it (``end`` does that;
+        ``Attempt.move_to`` refuses a move the table lacks)."""
+        if state in ENDED:
+            raise InternalError(f"{attempt.noun} {attempt.path} ends through Registry.end, not move ({state.value})")
         attempt.move_to(state)
-        if attempt.ended:
-            for book in self._books:
-                if book.get(attempt.path) is attempt:
-                    del book[attempt.path]
+
+    def end(self, attempt: Attempt, state: AttemptState, error: BaseException | None = None, *,
+            reason: str = "") -> None:
+        """The one way an attempt ends: moved to ``state`` (one of ``ENDED``; an attempt ends once), out of every
+        book, then its pipeline's ``ended`` answers its ranks, releases what it held and publishes the event."""
+        if state not in ENDED:
+            raise InternalError(f"{attempt.noun} {attempt.path} cannot end in {state.value}")
+        attempt.move_to(state)
+        for book in self._books:
+            if book.get(attempt.path) is attempt:
+                del book._by_path[attempt.path]
+        for pipeline in self.pipelines:
+            if isinstance(attempt, pipeline.kind):
+                pipeline.ended(attempt, state, error, reason)
+                return
+
+    def end_orphaned(self, attempt: Attempt) -> bool:
+        """Fail ``attempt`` if it still misses ranks and some of its contributors died (``Attempt.orphaned``): no
+        rank of their run can complete it. True if it ended."""
+        why = attempt.orphaned()
+        if why is not None:
+            self.end(attempt, AttemptState.FAILED, why)
+        return why is not None
+
+    def forget(self, *books: Book[A]) -> list[A]:
+        """The daemon exits: ``books`` are emptied, and what they held is returned (what it holds is the caller's
+        to release; nobody is told)."""
+        every = [a for book in books for a in book.values()]
+        for book in books:
+            book._by_path.clear()
+        return every
 
     @staticmethod
     def replicate(snap: Any, state: ReplicationState, error: str = "") -> None:
@@ -97,13 +166,14 @@ class Registry:
         snap.replication, snap.replication_error = state, error
 
     def housekeep(self, now: float, died: Sequence[DeadRank] = ()) -> None:
-        """One round: fail what is overdue or waits for a rank that died, abandon what its contributors left."""
+        """One round: fail what is overdue, waits for a rank that died, or was left by contributors that died."""
         for pipeline in self.pipelines:
             for attempt in pipeline.attempts():
+                if attempt.ended:  # ended by an earlier one's hook this round
+                    continue
                 why = attempt.overdue(now) or next(
-                    (w for d in died if (w := attempt.rank_died(d.job, d.world_size, d.rank, d.pid)) is not None), None)
+                    (w for d in died if (w := attempt.rank_died(d.job, d.world_size, d.rank, d.pid)) is not None),
+                    None) or attempt.orphaned()
                 if why is not None:
-                    pipeline.fail(attempt, why)
-                else:
-                    pipeline.abandon(attempt)
+                    self.end(attempt, AttemptState.FAILED, why)
             pipeline.tidy(now)

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
-from ckptd.protocol.errors import CkptdError, RanksMissing, ShuttingDown, WriteFailed
+from ckptd.protocol.errors import CkptdError, InternalError, RanksMissing, ShuttingDown, WriteFailed
 from ckptd.protocol.index import ShardRecord, shard_name
 from ckptd.protocol.messages import Abort, Accepted, Done, Durable, Finalize, Message, Ok, StagedShard, WriteShard
 from ckptd.protocol.objects import display, is_permanent
@@ -65,9 +65,14 @@ Admit = Callable[..., None]
 class Saves:
     """Moves saves through the pipeline above; replies through ``send``."""
 
+    kind = PendingCheckpoint
+    """The attempts it runs, which ``Registry.end`` hands to ``ended``."""
+
     def __init__(self, state: NodeState, workers: Workers, storage: Backends, config: DaemonConfig,
                  send: Send, known_dirs: KnownDirs, events: Events) -> None:
         self.state, self.workers, self.storage, self.config = state, workers, storage, config
+        self.registry = state.attempts
+        """The registry: the only way one of its attempts moves or ends."""
         self.send = send
         self.known_dirs = known_dirs
         self.events = events
@@ -137,7 +142,8 @@ class Saves:
         state, final = self.state, examined.final
         current = state.commits.pending.get(final)
         if current is not None and current.snapshot is None:
-            self.abandon(current)
+            if not self.registry.end_orphaned(current):
+                self._let_go_unclaimed(current)
             if current.settled and msg.job != current.contributors.job and not looked:
                 self._look_then(current, lambda: self.admit_examined(ident, msg, progress, examined, pid=pid,
                                                                      looked=True, arrived_draining=arrived_draining),
@@ -145,7 +151,7 @@ class Saves:
                 return
             conflict = current.broken_by(msg)
             if conflict is not None:  # the run's save is broken: every rank is told, this one included
-                self.fail(current, conflict)
+                self.registry.end(current, AttemptState.FAILED, conflict)
                 state.slots.release(examined.slot)
                 self.refuse(ident, msg, conflict)
                 return
@@ -237,11 +243,11 @@ class Saves:
         pending.owns_directory = fut.exception() is None
         if pending.state is AttemptState.PREPARING:
             if fut.exception() is None:
-                self.state.attempts.move(pending, AttemptState.WRITING)
+                self.registry.move(pending, AttemptState.WRITING)
                 for job in jobs:
                     self._start(job, pending)
                 return
-            self.fail(pending, fut.exception())
+            self.registry.end(pending, AttemptState.FAILED, fut.exception())
         for job in jobs:  # the checkpoint failed before its directory was ready: these never start
             self._write_finished(job, pending, None)
 
@@ -265,7 +271,7 @@ class Saves:
         if record is None:
             job.state = WriteState.FAILED
             if exc is not None and pending.state is not AttemptState.FAILED:
-                self.fail(pending, exc)
+                self.registry.end(pending, AttemptState.FAILED, exc)
         ready = self.state.commits.shard_done(pending, record)
         if pending.state is AttemptState.FAILED:
             if pending.writing == 0:
@@ -322,10 +328,24 @@ class Saves:
                             lambda fut: self._finalized(pending, fut), failed=self._fails(pending))
 
     def _finalized(self, pending: PendingCheckpoint, fut: Future) -> None:
-        if fut.exception() is not None:
-            self.fail(pending, fut.exception())
-            return
-        self.state.attempts.move(pending, AttemptState.COMMITTED)
+        self.registry.end(pending, AttemptState.COMMITTED if fut.exception() is None else AttemptState.FAILED,
+                          fut.exception())
+
+    # -- how an attempt ends (``Registry.end`` hands it here) ------------------------------------------------
+
+    def ended(self, pending: PendingCheckpoint, state: AttemptState, error: BaseException | None,
+              reason: str) -> None:
+        """``pending`` ended in ``state`` and left the books: its ranks are answered, its directory set aside if
+        it failed, and ``Committed`` or ``Failed`` is published last (a let-go attempt is only logged: its
+        directory is another node's daemon's, and nobody here waits for it)."""
+        if state is AttemptState.COMMITTED:
+            self._committed(pending)
+        elif state is AttemptState.FAILED:
+            self._failed(pending, error)
+        else:
+            log.info("event=let_go path=%s job=%r why=%s", pending.path, pending.contributors.job, reason)
+
+    def _committed(self, pending: PendingCheckpoint) -> None:
         seconds = time.monotonic() - pending.started_at
         nbytes = pending.index().total_bytes
         log.info("event=committed path=%s bytes=%d seconds=%.3f", pending.path, nbytes, seconds)
@@ -353,33 +373,35 @@ class Saves:
             log.warning("event=abort_of_other_run path=%s job=%r attempt_job=%r reason=%s", final, msg.job,
                         pending.contributors.job, msg.reason)
         else:
-            pending = pending or PendingCheckpoint(
-                path=final, world_size=1, step=None, overwrite=False, coordinated=True,
-                state=AttemptState.WRITING, owns_directory=True, contributors=Contributors(msg.job))
-            if pending.state is not AttemptState.FAILED:
-                self.fail(pending, RanksMissing(f"checkpoint {display(final)} was aborted: {msg.reason}"))
+            pending = pending or PendingCheckpoint(  # none here: this node's ranks never came; another node's
+                # daemon made its directory, removed here as its Abort says
+                path=final, world_size=1, step=None, overwrite=False, coordinated=True, owns_directory=True,
+                contributors=Contributors(msg.job))
+            if not pending.ended:
+                self.registry.end(pending, AttemptState.FAILED,
+                                  RanksMissing(f"checkpoint {display(final)} was aborted: {msg.reason}"))
         self.send(ident, Ok(msg.id))
 
-    def fail(self, pending: PendingCheckpoint, exc: BaseException) -> None:
-        """Fail a checkpoint: tell every rank, remember why, clean up once no shard is being written."""
-        state = self.state
-        exc = as_error(state.stats, exc)
-        state.commits.fail(pending, exc)
+    def _failed(self, pending: PendingCheckpoint, error: BaseException | None) -> None:
+        """A checkpoint failed: every rank is told, why is remembered, and its directory is set aside once no
+        shard of it is being written."""
+        exc = as_error(self.state.stats, error if error is not None else InternalError("failed for no reason"))
+        self.state.commits.failed_with(pending, exc)
         log.warning("event=failed path=%s error=%s", pending.path, exc.message)
         pending.tell_failed(self.send, exc)
         if pending.snapshot is not None:
             self.persist_ended(pending.snapshot, exc)
-        self.events.publish(Failed(pending.path, exc, snapshot=pending.snapshot is not None))
         if pending.writing == 0:  # else the last shard to finish discards (_write_finished)
             self._discard(pending)
+        self.events.publish(Failed(pending.path, exc, snapshot=pending.snapshot is not None))
 
     def _fails(self, pending: PendingCheckpoint) -> Callable[[BaseException], None]:
         """What a completion of ``pending``'s work that raised does: fail it on every waiting rank now (unless it
         already ended), so none waits for its timeout."""
 
         def failed(exc: BaseException) -> None:
-            if pending.state not in (AttemptState.FAILED, AttemptState.COMMITTED):
-                self.fail(pending, exc)
+            if not pending.ended:
+                self.registry.end(pending, AttemptState.FAILED, exc)
 
         return failed
 
@@ -416,20 +438,17 @@ class Saves:
         for again in state.commits.cleared(pending.path):
             again()
 
-    def abandon(self, pending: PendingCheckpoint) -> None:
-        """Fail an attempt still missing ranks whose contributors died: no rank of their job can complete it; let
-        go of a settled one whose contributors all died (its directory may still be another node's to publish)."""
-        if (why := pending.orphaned()) is not None:
-            self.fail(pending, why)
-        elif pending.unclaimed() and self._let_go(pending, "its contributors all died"):
+    def _let_go_unclaimed(self, pending: PendingCheckpoint) -> None:
+        """Let go of a settled attempt whose contributors all died (its directory may still be another node's to
+        publish): no Finalize or Abort of theirs can come here."""
+        if pending.unclaimed() and self._let_go(pending, "its contributors all died"):
             self._release(pending)
 
     def _let_go(self, pending: PendingCheckpoint, why: str) -> bool:
         """Forget a settled attempt that ended without a word here; nobody is told. False if it was not kept."""
         if self.state.commits.pending.get(pending.path) is not pending or not pending.settled:
             return False
-        log.info("event=let_go path=%s job=%r why=%s", pending.path, pending.contributors.job, why)
-        self.state.attempts.move(pending, AttemptState.LET_GO)
+        self.registry.end(pending, AttemptState.LET_GO, reason=why)
         return True
 
     def _release(self, pending: PendingCheckpoint) -> None:
@@ -464,7 +483,7 @@ class Saves:
         now = time.monotonic()
         if self._looking or now < self._next_look:
             return
-        kept = [p for p in self.state.commits.pending.values() if p.settled]
+        kept = self.attempts_kept()
         if not kept:
             return
         self._looking, self._next_look = True, now + LOOK_INTERVAL_S
@@ -489,14 +508,20 @@ class Saves:
 
     def tidy(self, now: float) -> None:
         self.state.commits.forget_old_failures(now)
+        for pending in self.attempts_kept():
+            self._let_go_unclaimed(pending)
         self._let_go_ended()
+
+    def attempts_kept(self) -> list[PendingCheckpoint]:
+        """Settled attempts: kept until their run's Finalize or Abort, here or on another node's daemon."""
+        return [p for p in self.state.commits.pending.values() if p.settled]
 
     def fail_waiting_for_ranks(self) -> None:
         """At the end of a drain: checkpoints still missing ranks fail with ``ShuttingDown``."""
         waiting = [p for p in self.state.commits.pending.values()
                    if p.state is not AttemptState.COMMITTING and not p.coordinated and p.missing]
         for pending in waiting:
-            self.fail(pending, ShuttingDown(
+            self.registry.end(pending, AttemptState.FAILED, ShuttingDown(
                 f"the daemon was stopped while checkpoint {pending.path} waited for ranks {pending.missing} "
                 f"of {pending.world_size}; it waited {self.config.drain_timeout:g} s for them and "
                 f"committed nothing"))

@@ -50,7 +50,7 @@ from ckptd.protocol.objects import display
 from ckptd.core.render import human_bytes
 from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter
 from ckptd.lifecycle.contributors import Contributors
-from ckptd.lifecycle.registry import Registry
+from ckptd.lifecycle.registry import Book, Registry
 from ckptd.lifecycle.slot_maps import MappedSlot
 
 
@@ -76,7 +76,7 @@ class HeldSnapshot(Attempt):
     nothing_kept: ClassVar[str] = "nothing was held"
     shards: dict[int, HeldShard] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
-    state: AttemptState = AttemptState.HOLDING
+    entry: ClassVar[AttemptState] = AttemptState.HOLDING
     persist_waiting: list[tuple[bytes, int]] = field(default_factory=list)
     """(client, request id) of every ``Persist`` owed a ``Done`` or an ``Error`` for this snapshot."""
     persist_started: float = 0.0
@@ -187,12 +187,12 @@ class SnapshotBook:
         self.budget, self.keep, self.registry = budget, keep, registry
         self.replica_bytes: Callable[[], int] = lambda: 0
         """What the replicas this node holds for its peers occupy of the same budget (``peers/replicas.py``)."""
-        self.held: dict[Path, HeldSnapshot] = registry.book()
+        self.held: Book[HeldSnapshot] = registry.book()
         self.released: dict[int, list[str]] = {}
         """Slots dropped from snapshots whose client is alive, by its pid: named in its next ``Held``."""
         self.parked: list[HeldSnapshot] = []
         """Dropped while pinned by a reader: no longer listed, their slots released when the last reader unpins."""
-        self.replacing: dict[Path, HeldSnapshot] = registry.book()
+        self.replacing: Book[HeldSnapshot] = registry.book()
         """Snapshots saved with ``overwrite=True`` over the acknowledged one held at their path, by path: not
         listed, read or persisted until complete (``promote``), so the held one serves until then."""
 
@@ -214,15 +214,11 @@ class SnapshotBook:
         return self.held.get(snap.path) if self.replacing.get(snap.path) is snap else None
 
     def promote(self, snap: HeldSnapshot) -> HeldSnapshot | None:
-        """A complete replacement takes its path; returns the snapshot it replaced, dropped from the books."""
+        """A complete replacement takes its path; returns the snapshot it replaced, out of the books and still to
+        be ended (dropped) by the caller."""
         if self.replacing.get(snap.path) is not snap:
             return None
-        del self.replacing[snap.path]
-        old = self.held.get(snap.path)
-        self.held[snap.path] = snap
-        if old is not None:
-            self.registry.move(old, AttemptState.DROPPED)
-        return old
+        return self.registry.promote(snap, self.replacing, self.held)
 
     @property
     def held_bytes(self) -> int:
@@ -239,9 +235,8 @@ class SnapshotBook:
                 raise PathNotAllowed(f"checkpoint path {display(final)} {where} memory snapshot "
                                      f"{display(snap.path)}; a checkpoint holds no other: save beside it")
 
-    def admit(self, msg: Snapshot, final: Path, slot: MappedSlot, pid: int, client: bytes
-              ) -> tuple[HeldSnapshot, list[HeldSnapshot]]:
-        """Register one rank's shard; returns its snapshot and the persisted ones evicted to make room.
+    def admit(self, msg: Snapshot, final: Path, slot: MappedSlot, pid: int, client: bytes) -> HeldSnapshot:
+        """Register one rank's shard; returns its snapshot (persisted ones may be evicted to make room).
 
         Raises ``NoSpace`` (the budget), ``CheckpointExists`` (a snapshot is held at the path, no ``overwrite``) or
         ``Conflict`` (the rank is held already, or the world differs, or another run's snapshot is open there).
@@ -256,20 +251,21 @@ class SnapshotBook:
         snap = into.get(final)
         if snap is not None:
             snap.check_join(msg)
-        evicted = self.make_room(final, msg.nbytes)
+        self.make_room(final, msg.nbytes)
         if snap is None:
-            snap = into[final] = HeldSnapshot(path=final, world_size=msg.world_size, step=msg.step,
-                                              coordinated=msg.coordinated, timeout=msg.timeout,
-                                              contributors=Contributors(msg.job))
+            snap = self.registry.open(into, HeldSnapshot(path=final, world_size=msg.world_size, step=msg.step,
+                                                         coordinated=msg.coordinated, timeout=msg.timeout,
+                                                         contributors=Contributors(msg.job)))
         snap.join(msg, pid, Waiter(client, msg.id, msg.rank, pid, msg.nbytes))
         snap.shards[msg.rank] = HeldShard(msg, slot, pid, client)
-        return snap, evicted
+        return snap
 
-    def make_room(self, final: Path, needed: int) -> list[HeldSnapshot]:
+    def make_room(self, final: Path, needed: int) -> None:
         """Evict the oldest persisted snapshots until ``needed`` more bytes fit; ``NoSpace`` if they cannot.
 
         Which to evict is decided first, and nothing is evicted unless ``needed`` then fits: a snapshot refused
-        anyway must not cost one that is held (the caller releases the evicted ones' slots only on success)."""
+        anyway must not cost one that is held. Each evicted one ends dropped (``Registry.end``: its slots are
+        released by the memory tier)."""
         candidates = sorted((s for s in self.held.values() if s.persisted and not s.persisting and not s.readers),
                             key=lambda s: s.order)  # a pinned one's memory would stay until its readers are done
         evicted: list[HeldSnapshot] = []
@@ -278,9 +274,9 @@ class SnapshotBook:
             evicted.append(candidates.pop(0))
             freed += evicted[-1].nbytes
         if self.held_bytes - freed + needed <= self.budget:
-            for victim in evicted:
-                self.remove(victim, AttemptState.DROPPED)
-            return evicted
+            for victim in evicted:  # never pinned: the budget evicts none a reader holds
+                self.registry.end(victim, AttemptState.DROPPED, reason="budget")
+            return
         unpersisted, replicas = sum(1 for s in self.held.values() if not s.persisted), self.replica_bytes()
         raise NoSpace(
             f"snapshot {final} needs {human_bytes(needed)} of node memory, but the daemon's memory budget is "
@@ -292,8 +288,8 @@ class SnapshotBook:
             f"--keep-snapshots, persist (client.persist, for a snapshot of one node) or save to disk "
             f"(persist=True) instead")
 
-    def newer_than_kept(self, snap: HeldSnapshot) -> list[HeldSnapshot]:
-        """Once ``snap`` is complete: the snapshots of its job to drop, dropped from the books.
+    def beyond_kept(self, snap: HeldSnapshot) -> list[HeldSnapshot]:
+        """Once ``snap`` is complete: the snapshots of its job to drop (the caller ends them).
 
         Its job's snapshots are the acknowledged ones in its directory held
         from the same client connections (or read back from a peer's replica for the same ranks: the job that
@@ -309,14 +305,7 @@ class SnapshotBook:
                                                 or (s.replication is ReplicationState.RESTORED or s.left_by_a_gone_run(snap))
                                                 and set(s.shards) & set(snap.shards))),
                      key=lambda s: s.order, reverse=True)
-        dropped = [s for s in job[self.keep:] if s is not snap]
-        for s in dropped:
-            self.remove(s, AttemptState.DROPPED)
-        return dropped
-
-    def remove(self, snap: HeldSnapshot, ended: AttemptState) -> None:
-        """``snap`` ends (failed or dropped) and leaves the books."""
-        self.registry.move(snap, ended)
+        return [s for s in job[self.keep:] if s is not snap]
 
     def newest(self, *, pid: int | None = None) -> list[HeldSnapshot]:
         """Per directory, the newest acknowledged snapshot not yet on disk (of client ``pid``'s ranks, if given)."""
