@@ -253,7 +253,7 @@ def main() -> None:
                         help="the buddy's daemon on the last core, the trainer and the origin's daemon on the others, "
                              "as two nodes' CPUs are apart (one machine's nodes otherwise share every core)")
     parser.add_argument("--restore-only", action="store_true",
-                        help="only the lost node's restore against the cold disk and s3:// loads")
+                        help="only the raw streams and the lost node's restore against the cold disk and s3:// loads")
     parser.add_argument("--no-s3", action="store_true", help="no s3:// load (moto) beside the restore")
     args = parser.parse_args()
     cpus = None
@@ -276,17 +276,18 @@ def main() -> None:
             nodes.start(0)
             nodes.start(1)
             nodes.serve(1)
+            raw = raw_stream(size, False, args.repeat)
+            raw_curve = raw_stream(size, True, args.repeat)
+            print(f"raw ZeroMQ stream: {med(raw):.3f} s ({size / med(raw) / 1e9:.2f} GB/s); with CURVE "
+                  f"{med(raw_curve):.3f} s ({size / med(raw_curve) / 1e9:.2f} GB/s)")
             if args.restore_only:
                 nodes.serve(0, *s3)
                 client = ckptd.Client(run_dir=nodes.run_dirs[0], spawn=False)
                 client.save_async(state, nodes.root / "snap", step=1, persist=False).wait_replicated(600)
                 client.close()
-                print("every repetition:", restores(nodes, state, args.repeat, not args.no_s3))
+                print("every repetition:", {"raw": raw, "raw_curve": raw_curve,
+                                            **restores(nodes, state, args.repeat, not args.no_s3)})
                 return
-            raw = raw_stream(size, False, args.repeat)
-            raw_curve = raw_stream(size, True, args.repeat)
-            print(f"raw ZeroMQ stream: {med(raw):.3f} s ({size / med(raw) / 1e9:.2f} GB/s); with CURVE "
-                  f"{med(raw_curve):.3f} s ({size / med(raw_curve) / 1e9:.2f} GB/s)")
             nodes.serve(0, "--replicas", "0")
             plain = snapshots(nodes, state, args.repeat, "plain")
             nodes.stop()
