@@ -36,6 +36,7 @@ import torch
 import zmq
 
 import ckptd
+from ckptd.peers.link import FETCH_PIECE, FETCH_WINDOW
 
 from benchmarks.limits import evict, files_under
 from benchmarks.saves import free_port
@@ -69,11 +70,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def raw_stream(size: int, curve: bool, repeat: int) -> list[float]:
-    """Seconds to stream ``size`` bytes to another process, four frames in flight, as replication does."""
+def raw_stream(size: int, curve: bool, repeat: int, frame: int = FRAME, window: int = 4) -> list[float]:
+    """Seconds to stream ``size`` bytes to another process in ``frame``-byte frames, ``window`` in flight (as
+    replication does by default; a restore reads in ``FETCH_PIECE`` pieces, ``FETCH_WINDOW`` ahead)."""
     server_public, server_secret = zmq.curve_keypair()
     client_public, client_secret = zmq.curve_keypair()
-    proc = subprocess.Popen([sys.executable, "-c", RECEIVER, str(size), str(FRAME), "1" if curve else "0",
+    proc = subprocess.Popen([sys.executable, "-c", RECEIVER, str(size), str(frame), "1" if curve else "0",
                              server_public.decode(), server_secret.decode()], stdout=subprocess.PIPE, text=True)
     port = int(proc.stdout.readline())
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -84,11 +86,11 @@ def raw_stream(size: int, curve: bool, repeat: int) -> list[float]:
     times = []
     for _ in range(repeat):
         started, unanswered = time.perf_counter(), 0
-        for offset in range(0, size, FRAME):
-            while unanswered >= 4:
+        for offset in range(0, size, frame):
+            while unanswered >= window:
                 sock.recv()
                 unanswered -= 1
-            sock.send(data[offset:offset + FRAME], copy=False)
+            sock.send(data[offset:offset + frame], copy=False)
             unanswered += 1
         while unanswered:
             sock.recv()
@@ -281,11 +283,14 @@ def main() -> None:
             print(f"raw ZeroMQ stream: {med(raw):.3f} s ({size / med(raw) / 1e9:.2f} GB/s); with CURVE "
                   f"{med(raw_curve):.3f} s ({size / med(raw_curve) / 1e9:.2f} GB/s)")
             if args.restore_only:
+                raw_pieces = raw_stream(size, True, args.repeat, FETCH_PIECE, FETCH_WINDOW)
+                print(f"with CURVE in a restore's pieces ({FETCH_PIECE >> 20} MiB, {FETCH_WINDOW} in flight): "
+                      f"{med(raw_pieces):.3f} s ({size / med(raw_pieces) / 1e9:.2f} GB/s)")
                 nodes.serve(0, *s3)
                 client = ckptd.Client(run_dir=nodes.run_dirs[0], spawn=False)
                 client.save_async(state, nodes.root / "snap", step=1, persist=False).wait_replicated(600)
                 client.close()
-                print("every repetition:", {"raw": raw, "raw_curve": raw_curve,
+                print("every repetition:", {"raw": raw, "raw_curve": raw_curve, "raw_curve_pieces": raw_pieces,
                                             **restores(nodes, state, args.repeat, not args.no_s3)})
                 return
             nodes.serve(0, "--replicas", "0")
