@@ -241,7 +241,8 @@ def restores(nodes: Nodes, state: dict, repeat: int, s3: bool) -> dict[str, list
     med = statistics.median
     print(f"restore of the lost node from its buddy (latest + load_into): {med(out['restore']):.3f} s (latest, which "
           f"reads the replica back, {med(out['latest']):.3f} s; load_into {med(out['load_into']):.3f} s); cold disk "
-          f"load_into of the same state: {med(out['cold']):.3f} s (restore / cold {med(out['restore']) / med(out['cold']):.2f})"
+          f"load_into of the same state: {med(out['cold']):.3f} s (restore / cold "
+          f"{med(out['restore']) / med(out['cold']):.2f})"
           + (f"; s3:// load_into (moto on localhost): {med(out['s3']):.3f} s (restore / s3 "
              f"{med(out['restore']) / med(out['s3']):.2f})" if s3 else ""))
     return out

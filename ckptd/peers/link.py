@@ -49,8 +49,9 @@ WINDOW = 4
 """Chunks sent and not yet answered, at most."""
 FETCH_PIECE = 2 * 1024 * 1024
 """Bytes a restore asks for in one ``Fetch``: a piece the two ends' ciphers and the write here work on at once.
-Measured restoring 30 MiB between two daemons on one loaded two-core machine: 16 MiB pieces 139 ms for the
-fetch, 2 MiB 73 ms, 1 MiB 100 ms (benchmarks/RESULTS.md)."""
+Measured restoring 30 MiB between two daemons on one loaded two-core machine (load 14, medians of 6, the file's
+pages mapped ahead in each): the fetch took 139 ms in 16 MiB pieces (4 ahead), 73 ms in 2 MiB (8 ahead), 100 ms
+in 1 MiB (16 ahead); the whole profile is in benchmarks/RESULTS.md."""
 FETCH_WINDOW = 8
 """Pieces of a restore asked for and not yet arrived, at most (16 MiB in flight)."""
 
