@@ -33,8 +33,6 @@ from typing import Any
 
 import zmq
 
-from ckptd.protocol._prof import prof
-import time
 from ckptd.protocol.checksums import updater
 from ckptd.protocol.errors import CkptdError, DaemonUnavailable, InvalidCheckpoint, error_for_code
 from ckptd.protocol.messages import MAX_MESSAGE_BYTES, Error, Message, Ok, decode
@@ -81,7 +79,6 @@ class PeerLink:
         if self._socket is not None and server_key != self._server_key:
             self.reset()
         if self._socket is None:
-            prof("l.socket_new")
             sock = self.ctx.socket(zmq.DEALER)
             sock.curve_serverkey = self._server_key = server_key
             sock.curve_publickey, sock.curve_secretkey = self.pair.public, self.pair.secret
@@ -189,13 +186,9 @@ class PeerLink:
             while next_offset in arrived:  # checksummed in order, whatever order the pieces come in
                 piece = arrived.pop(next_offset)
                 written = 0
-                t0 = time.perf_counter()
                 while written < len(piece):
                     written += os.pwrite(into, piece[written:], next_offset + written)
-                t1 = time.perf_counter()
                 crc = update(piece, crc)
-                t2 = time.perf_counter()
-                prof(f"l.fetch.piece copy_ms={1e3*(t1-t0):.2f} crc_ms={1e3*(t2-t1):.2f} n={len(piece)}")
                 next_offset += len(piece)
         if next_offset != size or crc != checksum:
             raise InvalidCheckpoint(f"the replica of {path} rank {rank} on peer {self.endpoint} fails its check "
