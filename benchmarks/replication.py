@@ -1,6 +1,7 @@
-"""Replication to a buddy node and restore from it, beside a raw ZeroMQ stream and a cold disk load (issue #28).
+"""Replication to a buddy node and restore from it, beside a raw ZeroMQ stream, a cold disk load and an s3:// load
+(issues #28, #40).
 
-    python -m benchmarks.replication --mib 1024 --repeat 3 [--pin]
+    python -m benchmarks.replication --mib 1024 --repeat 3 [--pin] [--restore-only] [--no-s3]
 
 Two daemons on 127.0.0.1 stand for two nodes (origin and buddy), each with its own run directory and peer port,
 CurveZMQ on, as ``docs/memory.md`` deploys them. In one run, for the same state:
@@ -11,13 +12,15 @@ CurveZMQ on, as ``docs/memory.md`` deploys them. In one run, for the same state:
   ``--replicas 0``, and the time from held to replicated (``result()`` to ``wait_replicated()``);
 - restoring a lost node: the origin's daemon SIGKILLed, a replacement started, ``latest()`` (which reads the
   replica back) plus ``load_into``, against ``load_into`` of the same state persisted on disk with its page
-  cache dropped first;
+  cache dropped first, and of the same state saved to ``s3://`` on moto's S3 server on localhost (a subprocess;
+  ``--no-s3``: not measured); the restore's two calls are also timed apart;
 - the memory a buddy spends: the replica bytes it holds over the origin's own.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -33,8 +36,10 @@ import torch
 import zmq
 
 import ckptd
+from ckptd.peers.link import FETCH_PIECE, FETCH_WINDOW
 
 from benchmarks.limits import evict, files_under
+from benchmarks.saves import free_port
 
 FRAME = 16 << 20
 RECEIVER = r"""
@@ -65,11 +70,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def raw_stream(size: int, curve: bool, repeat: int) -> list[float]:
-    """Seconds to stream ``size`` bytes to another process, four frames in flight, as replication does."""
+def raw_stream(size: int, curve: bool, repeat: int, frame: int = FRAME, window: int = 4) -> list[float]:
+    """Seconds to stream ``size`` bytes to another process in ``frame``-byte frames, ``window`` in flight (as
+    replication does by default; a restore reads in ``FETCH_PIECE`` pieces, ``FETCH_WINDOW`` ahead)."""
     server_public, server_secret = zmq.curve_keypair()
     client_public, client_secret = zmq.curve_keypair()
-    proc = subprocess.Popen([sys.executable, "-c", RECEIVER, str(size), str(FRAME), "1" if curve else "0",
+    proc = subprocess.Popen([sys.executable, "-c", RECEIVER, str(size), str(frame), "1" if curve else "0",
                              server_public.decode(), server_secret.decode()], stdout=subprocess.PIPE, text=True)
     port = int(proc.stdout.readline())
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -80,11 +86,11 @@ def raw_stream(size: int, curve: bool, repeat: int) -> list[float]:
     times = []
     for _ in range(repeat):
         started, unanswered = time.perf_counter(), 0
-        for offset in range(0, size, FRAME):
-            while unanswered >= 4:
+        for offset in range(0, size, frame):
+            while unanswered >= window:
                 sock.recv()
                 unanswered -= 1
-            sock.send(data[offset:offset + FRAME], copy=False)
+            sock.send(data[offset:offset + frame], copy=False)
             unanswered += 1
         while unanswered:
             sock.recv()
@@ -174,6 +180,74 @@ def snapshots(nodes: Nodes, state: dict, repeat: int, tag: str) -> dict[str, lis
     return out
 
 
+class Moto:
+    """moto's S3 server on 127.0.0.1 (a subprocess), with bucket ``bench``; the AWS environment set in this process
+    before the daemons start, so theirs points at it too."""
+
+    def __enter__(self) -> "Moto":
+        import boto3  # moto's dependency
+
+        os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1",
+                          AWS_ENDPOINT_URL=f"http://127.0.0.1:{(port := free_port())}")
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(400):
+            try:
+                boto3.client("s3").create_bucket(Bucket="bench")
+                return self
+            except Exception:
+                time.sleep(0.05)
+        raise RuntimeError("moto's S3 server did not start")
+
+    def __exit__(self, *_: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def restores(nodes: Nodes, state: dict, repeat: int, s3: bool) -> dict[str, list[float]]:
+    """The lost node's restore (``latest`` + ``load_into``, each also timed apart) against a cold disk ``load_into``
+    of the same state and an ``s3://`` one, in turns, ``repeat`` times."""
+    on_disk, in_store = nodes.root / "disk", "s3://bench/restore-state"
+    saver = ckptd.Client(run_dir=nodes.run_dirs[0], spawn=False)
+    saver.save_async(state, on_disk, step=0).result(600)
+    if s3:
+        saver.save_async(state, in_store, step=0).result(600)
+    saver.close()
+    out: dict[str, list[float]] = {"restore": [], "latest": [], "load_into": [], "cold": [], "s3": []}
+    target = {"w": torch.empty_like(state["w"])}
+    for _ in range(repeat):
+        nodes.kill(0)
+        nodes.start(0)
+        nodes.serve(0, *(("--root", "s3://bench") if s3 else ()))
+        started = time.perf_counter()
+        newest = ckptd.latest(nodes.root, run_dir=nodes.run_dirs[0])
+        chosen = time.perf_counter()
+        ckptd.load_into(target, newest, run_dir=nodes.run_dirs[0])
+        ended = time.perf_counter()
+        out["restore"].append(ended - started)
+        out["latest"].append(chosen - started)
+        out["load_into"].append(ended - chosen)
+        assert torch.equal(target["w"], state["w"]), "the restored state differs"
+        evict(files_under(on_disk))
+        started = time.perf_counter()
+        ckptd.load_into(target, on_disk)
+        out["cold"].append(time.perf_counter() - started)
+        if s3:
+            target["w"].zero_()
+            started = time.perf_counter()
+            ckptd.load_into(target, in_store)
+            out["s3"].append(time.perf_counter() - started)
+            assert torch.equal(target["w"], state["w"]), "the state loaded from s3:// differs"
+    med = statistics.median
+    print(f"restore of the lost node from its buddy (latest + load_into): {med(out['restore']):.3f} s (latest, which "
+          f"reads the replica back, {med(out['latest']):.3f} s; load_into {med(out['load_into']):.3f} s); cold disk "
+          f"load_into of the same state: {med(out['cold']):.3f} s (restore / cold "
+          f"{med(out['restore']) / med(out['cold']):.2f})"
+          + (f"; s3:// load_into (moto on localhost): {med(out['s3']):.3f} s (restore / s3 "
+             f"{med(out['restore']) / med(out['s3']):.2f})" if s3 else ""))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=1024)
@@ -181,6 +255,9 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true",
                         help="the buddy's daemon on the last core, the trainer and the origin's daemon on the others, "
                              "as two nodes' CPUs are apart (one machine's nodes otherwise share every core)")
+    parser.add_argument("--restore-only", action="store_true",
+                        help="only the raw streams and the lost node's restore against the cold disk and s3:// loads")
+    parser.add_argument("--no-s3", action="store_true", help="no s3:// load (moto) beside the restore")
     args = parser.parse_args()
     cpus = None
     if args.pin:
@@ -194,21 +271,34 @@ def main() -> None:
     print(f"{args.mib} MiB, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
           + (f", origin's node on cores {sorted(cpus[0])}, buddy's on {sorted(cpus[1])}" if cpus else ""))
     med = statistics.median
-    raw = raw_stream(size, False, args.repeat)
-    raw_curve = raw_stream(size, True, args.repeat)
-    print(f"raw ZeroMQ stream: {med(raw):.3f} s ({size / med(raw) / 1e9:.2f} GB/s); with CURVE "
-          f"{med(raw_curve):.3f} s ({size / med(raw_curve) / 1e9:.2f} GB/s)")
-    with tempfile.TemporaryDirectory(dir=os.environ.get("CKPTD_BENCH_DIR", "/tmp")) as scratch:
+    with tempfile.TemporaryDirectory(dir=os.environ.get("CKPTD_BENCH_DIR", "/tmp")) as scratch, \
+            (contextlib.nullcontext() if args.no_s3 else Moto()):
         nodes = Nodes(Path(scratch), cpus)
+        s3 = () if args.no_s3 else ("--root", "s3://bench")
         try:
             nodes.start(0)
             nodes.start(1)
             nodes.serve(1)
+            raw = raw_stream(size, False, args.repeat)
+            raw_curve = raw_stream(size, True, args.repeat)
+            print(f"raw ZeroMQ stream: {med(raw):.3f} s ({size / med(raw) / 1e9:.2f} GB/s); with CURVE "
+                  f"{med(raw_curve):.3f} s ({size / med(raw_curve) / 1e9:.2f} GB/s)")
+            if args.restore_only:
+                raw_pieces = raw_stream(size, True, args.repeat, FETCH_PIECE, FETCH_WINDOW)
+                print(f"with CURVE in a restore's pieces ({FETCH_PIECE >> 20} MiB, {FETCH_WINDOW} in flight): "
+                      f"{med(raw_pieces):.3f} s ({size / med(raw_pieces) / 1e9:.2f} GB/s)")
+                nodes.serve(0, *s3)
+                client = ckptd.Client(run_dir=nodes.run_dirs[0], spawn=False)
+                client.save_async(state, nodes.root / "snap", step=1, persist=False).wait_replicated(600)
+                client.close()
+                print("every repetition:", {"raw": raw, "raw_curve": raw_curve, "raw_curve_pieces": raw_pieces,
+                                            **restores(nodes, state, args.repeat, not args.no_s3)})
+                return
             nodes.serve(0, "--replicas", "0")
             plain = snapshots(nodes, state, args.repeat, "plain")
             nodes.stop()
             nodes.serve(1)
-            nodes.serve(0)
+            nodes.serve(0, *s3)
             rep = snapshots(nodes, state, args.repeat, "replicated")
             replicated = med(rep["replicated"])
             print(f"snapshot blocking: replicated {med(rep['blocking']):.3f} s, unreplicated "
@@ -220,33 +310,11 @@ def main() -> None:
             own = _status(nodes.run_dirs[0])["memory"]["held_bytes"]
             print(f"buddy memory: replicas {buddy / 2**20:.0f} MiB for the origin's {own / 2**20:.0f} MiB held "
                   f"({buddy / own:.2f} x; the buddy keeps the newest replica of each directory's ranks)")
-            # the same state on disk, for the cold load
-            on_disk = nodes.root / "disk"
-            saver = ckptd.Client(run_dir=nodes.run_dirs[0], spawn=False)
-            saver.save_async(state, on_disk, step=0).result(600)
-            saver.close()
-            restores, cold = [], []
-            target = {"w": torch.empty_like(state["w"])}
-            for i in range(args.repeat):
-                nodes.kill(0)
-                nodes.start(0)
-                nodes.serve(0)
-                started = time.perf_counter()
-                newest = ckptd.latest(nodes.root, run_dir=nodes.run_dirs[0])
-                ckptd.load_into(target, newest, run_dir=nodes.run_dirs[0])
-                restores.append(time.perf_counter() - started)
-                assert torch.equal(target["w"], state["w"]), "the restored state differs"
-                evict(files_under(on_disk))
-                started = time.perf_counter()
-                ckptd.load_into(target, on_disk)
-                cold.append(time.perf_counter() - started)
-            print(f"restore of the lost node from its buddy (latest + load_into): {med(restores):.3f} s; cold disk "
-                  f"load_into of the same state: {med(cold):.3f} s (restore / cold {med(restores) / med(cold):.2f})")
+            back = restores(nodes, state, args.repeat, not args.no_s3)
             print("every repetition:", {"raw": raw, "raw_curve": raw_curve, "plain": plain, "replicated": rep,
-                                        "restore": restores, "cold": cold})
+                                        **back})
         finally:
             nodes.stop()
-
 
 if __name__ == "__main__":
     main()

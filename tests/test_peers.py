@@ -18,6 +18,7 @@ import zmq
 
 import ckptd
 from ckptd.core.keys import KeyPair
+from ckptd.peers.link import FETCH_PIECE, FETCH_WINDOW
 from ckptd.protocol.checksums import updater
 from ckptd.protocol.errors import ErrorCode, InvalidCheckpoint
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
@@ -197,6 +198,27 @@ def test_one_node_restored_from_its_buddy_resumes_and_its_next_snapshot_replaces
         client.close()
         assert [s["path"] for s in pair.origin.status()["memory"]["snapshots"]] == [str(root / "step-2")]
         assert [r["path"] for r in pair.buddy.status()["peers"]["replicas_held"]["held"]] == [str(root / "step-2")]
+    finally:
+        pair.kill()
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_of_more_pieces_than_a_restore_asks_for_at_once_comes_back_bitwise(root: Path, tmp_path: Path) -> None:
+    """The restore asks for ``FETCH_WINDOW`` pieces of ``FETCH_PIECE`` ahead and writes each where it belongs: a
+    shard of more pieces than that, its last one short, of bytes that differ everywhere, comes back as it was."""
+    never = ("--persist-on-exit", "never")
+    pair = _pair(root, tmp_path, origin_extra=never)
+    state = {"w": torch.randn((FETCH_PIECE * (FETCH_WINDOW + 2) + 4100) // 4), "step": 1}
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async(state, root / "step-1", step=1, persist=False).wait_replicated(60)
+        client.close()
+        new_dir = _replace_origin(pair, *never)
+        assert ckptd.latest(root, run_dir=new_dir) == root / "step-1"
+        back = {"w": torch.zeros_like(state["w"]), "step": 0}
+        ckptd.load_into(back, root / "step-1", run_dir=new_dir)
+        assert torch.equal(back["w"], state["w"]) and back["step"] == 1
+        assert "event=snapshot_restored" in (new_dir / LOG).read_text()
     finally:
         pair.kill()
 

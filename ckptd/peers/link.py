@@ -13,13 +13,22 @@ A shard streams in ``MAX_PIECE`` chunks with ``WINDOW`` of them unanswered
 at most: the buddy answers each once written, so neither side holds more
 than the window in memory, and the link runs at the slower of the two
 memcpys and the network.
+
+A replica is read back (``fetch``) in ``FETCH_PIECE`` pieces with
+``FETCH_WINDOW`` asked for and not yet arrived: small enough that the
+buddy's CURVE encryption of one piece, its decryption here and the write
+and checksum of the one before run at once (each end's ZeroMQ I/O thread
+ciphers a whole message before the next step sees any of it), and each
+piece is written into the file with ``pwrite``, not through a fresh
+mapping, whose page faults cost more than the copy (docs/memory.md,
+issue 40).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import mmap
+import os
 from typing import Any
 
 import zmq
@@ -36,6 +45,13 @@ from ckptd.core.keys import KeyPair, Trust
 log = logging.getLogger("ckptd")
 WINDOW = 4
 """Chunks sent and not yet answered, at most."""
+FETCH_PIECE = 2 * 1024 * 1024
+"""Bytes a restore asks for in one ``Fetch``: a piece the two ends' ciphers and the write here work on at once.
+Measured restoring 30 MiB between two daemons on one loaded two-core machine (load 14, medians of 6, the file's
+pages mapped ahead in each): the fetch took 139 ms in 16 MiB pieces (4 ahead), 73 ms in 2 MiB (8 ahead), 100 ms
+in 1 MiB (16 ahead); the whole profile is in benchmarks/RESULTS.md."""
+FETCH_WINDOW = 8
+"""Pieces of a restore asked for and not yet arrived, at most (16 MiB in flight)."""
 
 
 class PeerUnavailable(DaemonUnavailable):
@@ -142,28 +158,38 @@ class PeerLink:
             raise InvalidCheckpoint(f"peer {self.endpoint} answered a listing with {answer.type}")
         return list(answer.replicas)
 
-    def fetch(self, path: str, rank: int, size: int, checksum: int, algorithm: str, into: mmap.mmap) -> None:
-        """Read a replica's shard into ``into``, checking its bytes against ``checksum`` (the origin's) as they come;
-        ``InvalidCheckpoint`` if they differ."""
+    def fetch(self, path: str, rank: int, size: int, checksum: int, algorithm: str, into: int) -> None:
+        """Read a replica's shard into the file ``into`` (a descriptor, written from offset 0), checking its bytes
+        against ``checksum`` (the origin's) as they come; ``InvalidCheckpoint`` if they differ. The pieces are
+        asked for ``FETCH_WINDOW`` ahead, so the buddy always has the next ones to send."""
         update, crc = updater(algorithm), 0
+        offsets = iter(range(0, size, FETCH_PIECE))
         pending: dict[int, int] = {}
-        offsets = iter(range(0, size, MAX_PIECE))
         arrived: dict[int, memoryview] = {}
         next_offset = 0
-        for offset in offsets:
-            req = Fetch(next(self._ids), path, rank, offset, min(MAX_PIECE, size - offset))
-            self._send(req)
-            pending[req.id] = offset
-            while len(pending) >= WINDOW or (pending and offset + MAX_PIECE >= size):
-                answer, data = self._answer()
-                if answer.id not in pending or not isinstance(answer, Piece) or data is None:
-                    continue
-                arrived[pending.pop(answer.id)] = data
-                while next_offset in arrived:  # checksummed in order, whatever order the pieces come in
-                    piece = arrived.pop(next_offset)
-                    into[next_offset:next_offset + len(piece)] = piece
-                    crc = update(piece, crc)
-                    next_offset += len(piece)
+        while True:
+            while len(pending) < FETCH_WINDOW and (ask := next(offsets, None)) is not None:
+                req = Fetch(next(self._ids), path, rank, ask, min(FETCH_PIECE, size - ask))
+                self._send(req)
+                pending[req.id] = ask
+            if not pending:
+                break
+            answer, data = self._answer()
+            if answer.id not in pending or not isinstance(answer, Piece) or data is None:
+                continue
+            offset = pending.pop(answer.id)
+            if len(data) != min(FETCH_PIECE, size - offset):
+                self.reset()  # the pieces still in flight belong to no one
+                raise InvalidCheckpoint(f"peer {self.endpoint} answered a fetch of {path} rank {rank} at {offset} "
+                                        f"with {len(data)} bytes, not the {min(FETCH_PIECE, size - offset)} asked for")
+            arrived[offset] = data
+            while next_offset in arrived:  # checksummed in order, whatever order the pieces come in
+                piece = arrived.pop(next_offset)
+                written = 0
+                while written < len(piece):
+                    written += os.pwrite(into, piece[written:], next_offset + written)
+                crc = update(piece, crc)
+                next_offset += len(piece)
         if next_offset != size or crc != checksum:
             raise InvalidCheckpoint(f"the replica of {path} rank {rank} on peer {self.endpoint} fails its check "
                                     f"({next_offset} of {size} bytes, checksum {crc:#x}, its origin took "

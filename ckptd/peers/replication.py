@@ -455,7 +455,7 @@ class Replication:
                         name = new_name()
                         fd, mapping = new_shm_file(shm_dir / name, size)
                         pulled.append(_Pulled(Snapshot.from_wire(wire), name, fd, mapping, checksum))
-                        link.fetch(msg.path, rank, size, checksum, entry["checksum_algorithm"], mapping)
+                        link.fetch(msg.path, rank, size, checksum, entry["checksum_algorithm"], fd)
                     return {**entry, "on_peer": link.endpoint}, pulled
                 except (CkptdError, OSError, KeyError, ValueError) as exc:
                     why.append(str(exc))
