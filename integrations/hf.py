@@ -141,13 +141,16 @@ def require_supported(version: str) -> None:
 require_supported(transformers.__version__)
 
 
-def _rng_states() -> dict[str, Any]:
-    """This process's generators, as the ``Trainer``'s ``rng_state.pth`` holds them (numpy's array as a tensor)."""
-    import numpy as np
+def _numpy() -> Any:
+    """numpy, which transformers imports (ckptd itself requires none, so this module never imports it)."""
+    return sys.modules["numpy"]
 
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+
+def _rng_states() -> dict[str, Any]:
+    """This process's generators, as the ``Trainer``'s ``rng_state.pth`` holds them (numpy's key array as a list)."""
+    kind, keys, pos, has_gauss, cached = _numpy().random.get_state()
     states: dict[str, Any] = {"python": random.getstate(),
-                              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.copy()), "pos": int(pos),
+                              "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos),
                                         "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
                               "cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available():
@@ -156,12 +159,11 @@ def _rng_states() -> dict[str, Any]:
 
 
 def _set_rng_states(states: dict[str, Any]) -> None:
-    import numpy as np
-
     python = states["python"]
     random.setstate((python[0], tuple(python[1]), python[2]))
-    n = states["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy(), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    n, np = states["numpy"], _numpy()
+    np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     torch.random.set_rng_state(states["cpu"])
     if torch.cuda.is_available() and "cuda" in states:
         torch.cuda.random.set_rng_state_all(states["cuda"])
