@@ -417,7 +417,7 @@ def export_pretrained(checkpoint: str | os.PathLike, out_dir: str | os.PathLike)
     import subprocess
 
     checkpoint, out = Path(checkpoint), Path(out_dir)
-    state = ckptd.load(checkpoint)
+    state = ckptd.load(checkpoint, mmap=True)  # for its plain values: the tensors are never read
     subprocess.run([sys.executable, "-m", "ckptd", "export", str(checkpoint), str(out), "--prefix", "model."],
                    check=True)
     if "config" in state:

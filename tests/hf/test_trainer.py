@@ -21,7 +21,7 @@ from transformers import GPT2LMHeadModel
 from transformers.trainer_utils import get_last_checkpoint
 
 import ckptd
-from ckptd.integrations.hf import export_pretrained, require_supported
+from ckptd.integrations.hf import require_supported
 
 from helpers import REPO, start_daemon, wait_until
 
@@ -83,7 +83,10 @@ def test_one_process_killed_with_its_daemon_mid_save_resumes_bitwise_from_the_la
     assert set(state["rng"]) >= {"python", "numpy", "cpu"}
     assert json.loads(state["trainer_state"])["global_step"] == 9
     assert state["scheduler"]["last_epoch"] == 9 and state["optimizer"]["state"]
-    exported = export_pretrained(ref / "checkpoint-9", tmp_path / "pretrained")
+    exported = tmp_path / "pretrained"  # the one command docs/integrations.md gives
+    ok(subprocess.run([sys.executable, "-m", "ckptd.integrations.hf", "export", str(ref / "checkpoint-9"),
+                       str(exported)], cwd=REPO, capture_output=True, text=True, timeout=120))
+    assert sorted(p.name for p in exported.iterdir()) == ["config.json", "model.safetensors", "trainer_state.json"]
     pretrained = GPT2LMHeadModel.from_pretrained(exported).state_dict()
     final = torch.load(out / "ref.pt")
     assert [k for k in final if not torch.equal(final[k], pretrained[k])] == []
