@@ -344,10 +344,8 @@ class CkptdTrainerMixin:
             resume_from_checkpoint = os.fspath(newest)
         if not (isinstance(resume_from_checkpoint, (str, os.PathLike))
                 and self._is_ckptd(os.fspath(resume_from_checkpoint))):
-            try:
-                return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
-            finally:
-                self.wait_for_checkpoints()
+            return self._finishing(super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                                 **kwargs))
         checkpoint = os.fspath(resume_from_checkpoint)
         state = ckptd.load(checkpoint, run_dir=self.ckptd_run_dir)
         view = tempfile.mkdtemp(prefix="ckptd-hf-resume-")
@@ -355,11 +353,20 @@ class CkptdTrainerMixin:
             Path(view, TRAINER_STATE_NAME).write_text(state["trainer_state"])
             self._resume = (view, checkpoint, state)
             log.info("resuming from the ckptd checkpoint %s", checkpoint)
-            return super().train(resume_from_checkpoint=view, trial=trial, **kwargs)
+            return self._finishing(super().train(resume_from_checkpoint=view, trial=trial, **kwargs))
         finally:
             self._resume = None
             shutil.rmtree(view, ignore_errors=True)
-            self.wait_for_checkpoints()
+
+    def _finishing(self, result: Any) -> Any:
+        """``result``, once every save is committed and the client closed (its shared memory freed; the daemon
+        persists the newest memory snapshot a closing trainer leaves, by its ``--persist-on-exit``). A failed
+        ``train`` leaves the client to the process's exit, so the failure is what propagates."""
+        self.wait_for_checkpoints()
+        if self._ckptd is not None:
+            client, self._ckptd = self._ckptd, None
+            client.close()
+        return result
 
     def _resumed(self, checkpoint: str | None) -> dict[str, Any] | None:
         """The loaded state when ``checkpoint`` is the directory ``train`` gave the Trainer for a ckptd checkpoint."""
