@@ -114,11 +114,14 @@ def test_one_process_killed_with_its_daemon_mid_save_resumes_bitwise_from_the_la
 def test_two_processes_one_killed_mid_save_resume_bitwise_under_torchrun(daemon, root: Path, tmp_path: Path) -> None:
     """torchrun, two processes (DDP on gloo). Process 1 dies by SIGKILL at checkpoint-6 once process 0's shard of
     it is on disk and before handing over its own: checkpoint-6 is never committed, get_last_checkpoint finds
-    checkpoint-3, and two processes resume from it to the uninterrupted run's weights, bit for bit."""
+    checkpoint-3, and two processes resume from it to the uninterrupted run's weights, bit for bit;
+    ``save_total_limit=2`` holds on both runs."""
     out = tmp_path
     ref, killed = root / "ref2", root / "killed2"
-    common = ("--max-steps", "9", "--save-steps", "3")
+    common = ("--max-steps", "9", "--save-steps", "3", "--save-total-limit", "2")
     ok(run(daemon, out, "ref", "--output-dir", str(ref), *common, procs=2))
+    wait_until(lambda: checkpoints(ref) == ["checkpoint-6", "checkpoint-9"], timeout=60,
+               what=lambda: f"save_total_limit=2 through the daemon's retention left {checkpoints(ref)}")
     index = ckptd.read_index(ref / "checkpoint-9")
     assert index.world_size == 2 and index.step == 9
 
@@ -134,7 +137,8 @@ def test_two_processes_one_killed_mid_save_resume_bitwise_under_torchrun(daemon,
     resumed = ok(run(daemon, out, "resumed", "--output-dir", str(killed), *common, procs=2))
     assert "rank 0: trained to step 9" in resumed and "rank 1: trained to step 9" in resumed
     assert same_weights(out / "ref.pt", out / "resumed.pt") == []
-    assert checkpoints(killed) == ["checkpoint-3", "checkpoint-6", "checkpoint-9"]
+    wait_until(lambda: checkpoints(killed) == ["checkpoint-6", "checkpoint-9"], timeout=60,
+               what=lambda: f"after the resume: {checkpoints(killed)}")
 
 
 @pytest.mark.timeout(400)
