@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-torchtitan test-nonumpy soak demo bench clean
+.PHONY: test test-torchtitan test-hf test-nonumpy soak demo bench clean
 
 $(STAMP): setup.cfg pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,22 @@ $(TT_STAMP): setup.cfg pyproject.toml requirements-dev.txt requirements-torchtit
 
 test-torchtitan: $(TT_STAMP)
 	$(TT_PY) -m pytest -q --timeout=300 -n 0 tests/torchtitan $(PYTEST_ARGS)
+
+# The Hugging Face Trainer integration (integrations/hf.py) against transformers and accelerate themselves, in a venv of
+# its own (.venv-hf): torch==2.13.0 (CPU), the test runner, transformers 5.25 and accelerate 1.16
+# (requirements-hf.txt says what was measured). tests/hf/ is collected only here (`make test` skips that directory by
+# name); its trainers are processes of their own (one, and two under torchrun), so it runs in this process (no -n).
+HF_VENV := .venv-hf
+HF_PY := $(HF_VENV)/bin/python
+HF_STAMP := $(HF_VENV)/.installed
+
+$(HF_STAMP): setup.cfg pyproject.toml requirements-hf.txt
+	$(PYTHON) -m venv $(HF_VENV)
+	$(HF_PY) -m pip install --quiet --disable-pip-version-check -r requirements-hf.txt -e .
+	touch $(HF_STAMP)
+
+test-hf: $(HF_STAMP)
+	$(HF_PY) -m pytest -q --timeout=600 tests/hf $(PYTEST_ARGS)
 
 # The client's saves and loads where numpy is not installed: ckptd requires none and torch runs without it, but
 # torch's numpy bridge (Tensor.numpy(), torch.from_numpy) then raises, and `make test` cannot see a use of it
@@ -71,4 +87,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(TT_VENV) $(NN_VENV) demo-checkpoints .pytest_cache
+	rm -rf $(VENV) $(TT_VENV) $(HF_VENV) $(NN_VENV) demo-checkpoints .pytest_cache
