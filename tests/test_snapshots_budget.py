@@ -102,3 +102,29 @@ def test_eviction_keeps_each_jobs_newest_by_step_and_never_another_jobs(daemon, 
     assert held_paths(run_dir) == {str(root / "b-5"), str(root / "a-20"), str(root / "a-stepless-2")}
     assert ckptd.latest(root, run_dir=run_dir) == root / "a-20"
     daemon.stop()
+
+
+def test_a_small_snapshot_left_in_a_grown_slot_by_a_gone_trainer_gives_the_rest_of_the_slot_back(
+    daemon_factory, client_factory, root, run_dir
+) -> None:
+    """A slot only grows: a small snapshot staged into a slot grown for a larger state would keep all of that
+    slot in /dev/shm for as long as it is held, while the budget counts only its shard (a new-user pass: 1.2 GB
+    pinned by a 4 KB snapshot after a Ctrl-C). Once its trainer is gone, the slot shrinks to the shard."""
+    daemon = daemon_factory("--keep-snapshots", "1")
+    client = client_factory()
+    big, small = {"w": torch.ones(8 << 20)}, {"w": torch.ones(1000)}  # 32 MiB, 4 KB
+    client.save_async(big, root / "s-1", step=1, persist=False).result(30)
+    client.save_async(small, root / "s-2", step=2, persist=False).result(30)  # drops s-1: its slot comes back
+    client.save_async(small, root / "s-3", step=3, persist=False).result(30)  # into s-1's slot, the one free
+
+    def newest() -> dict:
+        (snap,) = [s for s in daemon.status()["memory"]["snapshots"] if s["path"] == str(root / "s-3")]
+        return snap
+    assert newest()["held_bytes"] >= 32 << 20, newest()  # what the fix is for: the small one is in the big slot
+    ((_, slot, *_),) = [snap["shards"] for snap in held_snapshots(run_dir) if snap["path"] == str(root / "s-3")][0]
+    client.close()  # the trainer goes; its newest snapshot is persisted and stays held
+    wait_until(lambda: newest()["held_bytes"] < 1 << 20, 30, lambda: f"the slot trimmed: {newest()}")
+    assert (SHM / slot).stat().st_size < 1 << 20
+    wait_until(lambda: newest()["persisted"], 30, "s-3 persisted on exit")
+    assert torch.equal(ckptd.load(root / "s-3", run_dir=run_dir)["w"], small["w"])  # read from the trimmed slot
+    daemon.stop()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import ckptd
+from ckptd.protocol.names import DRAIN_FAILED_NAME
 
 from helpers import equal_states, join_ranks, short_tempdir, start_daemon, wait_for_ranks, wait_until
 from zygote import start_ranks
@@ -72,8 +73,13 @@ def test_ranks_agree_on_latest_and_never_choose_a_snapshot_one_node_lost(root: P
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-        daemon_a.stop()
+        stopped = daemon_a.stop()
         daemon_b.stop()
+    # node A still held its share of the snapshot, its directory's newest: no drain persists a snapshot of several
+    # nodes, and the stop says it is lost instead of exiting 0 (``ckptd stop`` prints the same line)
+    assert stopped == 3
+    lost = (run_a / DRAIN_FAILED_NAME).read_text()
+    assert f"{root / 'memory'}: a snapshot of several nodes (this node held 1 of its 2 ranks)" in lost, lost
     logs = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(WORLD)]
     for r, log in enumerate(logs):
         assert "crash" not in log, log["crash"]

@@ -47,11 +47,13 @@ from ckptd.lifecycle.saves import Saves
 from ckptd.lifecycle.slot_maps import MappedSlot, SlotMaps
 from ckptd.lifecycle.snapshots import HeldShard, HeldSnapshot, shards_of
 from ckptd.lifecycle.state import NodeState
-from ckptd.lifecycle.writer import Progress, checksum_when_staged
+from ckptd.lifecycle.writer import Progress, checksum_when_staged, round_up
 from ckptd.storage.backends import Backends
 from ckptd.storage.contract import Space
 
 log = logging.getLogger("ckptd")
+TRIM_MIN_BYTES = 1 << 20
+"""A gone client's held slot is trimmed to its shard when that gives back at least this much."""
 DRAIN_RETRY_S = 0.5
 """A drain persists a snapshot again this long after a failed write, doubling, while its deadline allows."""
 Send = Callable[[bytes, Message], None]
@@ -604,12 +606,29 @@ class Holding:
             for snap in self.snapshots.newest(pid=pid):
                 if not any(self.state.pid_connected(sh.pid) for sh in snap.shards.values()):
                     self.start_persist(snap)
+        if not self.state.pid_connected(pid):
+            self._trim_slots(pid)
         owed = list(self.snapshots.released.pop(pid, []))
         if not owed:
             then()
             return
         self.workers.submit("maintenance", lambda: _unlink(self.state.slots.shm_dir, owed), lambda _: then(),
                             failed=lambda _: then())
+
+    def _trim_slots(self, pid: int) -> None:
+        """Gone client ``pid``'s held slots shrink to the whole pages of the shards they hold (``SlotMaps.trim``; a
+        write with O_DIRECT reads the last page whole), where that gives back at least ``TRIM_MIN_BYTES``; a slot
+        still being taken over (not checksummed) keeps its client's name and is left alone."""
+        shards = [sh for snap in self.snapshots.all() for sh in snap.shards.values() if sh.pid == pid
+                  and sh.checksum is not None and sh.slot.size - round_up(sh.msg.nbytes) >= TRIM_MIN_BYTES]
+        if not shards:
+            return
+        slots = self.state.slots
+
+        def trimmed(fut: Future) -> None:
+            log.info("event=slots_trimmed pid=%d slots=%d bytes=%d", pid, len(shards), fut.result())
+        self.workers.submit("maintenance", lambda: sum(slots.trim(sh.slot, round_up(sh.msg.nbytes)) for sh in shards),
+                            trimmed, failed=logged(self.state.stats))
 
     def close(self) -> None:
         """The daemon exits (its loop is over, its workers closed): no slot it took over outlives it.
@@ -641,6 +660,32 @@ class Holding:
         log.info("event=drain_persist snapshots=%d deadline_s=%g", len(newest), self.config.drain_timeout)
         for snap in newest:
             self.start_persist(snap)
+        for snap in self.snapshots.newest_of_several_nodes():
+            self._lost_in_drain(snap)
+
+    def _lost_in_drain(self, snap: HeldSnapshot) -> None:
+        """``snap``, its directory's newest, spans several nodes: no drain persists it (this node holds its ranks'
+        share only), so unless a checkpoint newer than it is committed beside it, it is lost with the daemon's
+        memory, and ``ckptd stop`` exits 3 naming it (as it does for a snapshot of one node a drain could not
+        persist) instead of exiting 0 as if nothing held were lost."""
+        backend, final, order = self.storage.at(snap.path), snap.path, snap.order
+        why = (f"a snapshot of several nodes (this node held {len(snap.shards)} of its {snap.world_size} ranks): "
+               f"a drain persists one node's snapshots only, so this node's share is lost with its memory (a state "
+               f"a stop must keep is saved with persist=True)")
+
+        def judged(fut: Future) -> None:
+            newer = fut.result()
+            if newer is not None:
+                log.info("event=snapshot_not_persisted path=%s step=%s reason=newer_on_disk newer=%s", final,
+                         snap.step, newer)
+                return
+            log.error("event=drain_not_persisted path=%s step=%s reason=spans_nodes", final, snap.step)
+            self.drain_failures.append(f"{display(final)}: {why}")
+
+        def unjudged(exc: BaseException) -> None:
+            self.drain_failures.append(f"{display(final)}: {why} (and whether a newer checkpoint is on disk "
+                                       f"could not be read: {as_error(self.state.stats, exc).message})")
+        self.workers.submit("admit", lambda: backend.newer_beside(final, order), judged, failed=unjudged)
 
 
 def _examine(storage: Backends, slots: SlotMaps, msg: Snapshot, *, pid: int,

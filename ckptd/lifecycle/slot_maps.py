@@ -184,6 +184,25 @@ class SlotMaps:
             self._maps.setdefault(name, slot)
             self.release(slot)  # closes it only if another mapping had taken the name meanwhile
 
+    def trim(self, slot: MappedSlot, nbytes: int) -> int:
+        """Shrink a held slot's file to ``nbytes``, the shard it holds in whole pages (I/O); returns the bytes
+        given back.
+
+        For a slot whose client is gone: a slot only grows, so a small
+        snapshot taken into one grown for a larger state (or left by a save
+        that gave up) would keep all of it in ``/dev/shm`` for as long as the
+        snapshot is held, while the budget counts only its shard. Nobody reads
+        past the shard's last page: the daemon's mapping keeps its length, and
+        its pages past the new end are never touched. A live client's slot is never
+        trimmed: it gets the slot back and stages its next save into it.
+        """
+        with self._lock:
+            if slot.size <= nbytes:
+                return 0
+            os.truncate(self.shm_dir / slot.name, nbytes)
+            freed, slot.size = slot.size - nbytes, nbytes
+            return freed
+
     def reclaim(self, pid: int) -> int:
         """Unlink the slots of dead client ``pid``; returns how many.
 

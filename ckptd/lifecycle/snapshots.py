@@ -319,6 +319,16 @@ class SnapshotBook:
                 best[s.path.parent] = s
         return [s for s in best.values() if not (s.persisted or s.persisting)]
 
+    def newest_of_several_nodes(self) -> list[HeldSnapshot]:
+        """Per directory, the newest acknowledged snapshot if it spans several nodes and is not on disk: a drain
+        persists no such snapshot (this node holds only its ranks' share), so it is lost with this memory."""
+        best: dict[Path, HeldSnapshot] = {}
+        for s in self.held.values():
+            current = best.get(s.path.parent)
+            if s.acknowledged and (current is None or s.order > current.order):
+                best[s.path.parent] = s
+        return [s for s in best.values() if s.coordinated and not s.persisted]
+
     def pin(self, reader: bytes, path: Path) -> HeldSnapshot | None:
         """One more pin of the complete snapshot at ``path`` by ``reader``; None if none is held there."""
         snap = self.held.get(path)
