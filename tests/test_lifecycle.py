@@ -79,3 +79,44 @@ def test_each_way_an_attempt_ends_on_a_node_is_a_move_of_the_table(daemon_factor
                lambda: f"every end logged; logged: {ended(log_path.read_text())}")
     assert "cannot go from" not in log_path.read_text()
     assert ckptd.load(root / "shadow")["w"].tolist() == [2.0] * 4
+
+
+def dropped(log: str) -> list[tuple[str, str]]:
+    """(path's name, reason) of every snapshot the daemon logged as dropped."""
+    return [(line.split(" path=", 1)[1].split(" ", 1)[0].rsplit("/", 1)[-1], line.rsplit("reason=", 1)[1])
+            for line in log.splitlines() if "event=snapshot_dropped" in line]
+
+
+@pytest.mark.timeout(120)
+def test_each_way_a_snapshot_is_dropped_ends_it_through_the_registry_with_its_reason(
+    daemon_factory, client_factory, root, run_dir
+) -> None:
+    """A snapshot ends dropped for a budget, a newer one kept, a replacement, a delete, and a newer checkpoint on
+    disk; each end is the registry's (``Registry.end``: logged as ended, with the reason its pipeline publishes)
+    and leaves no slot of the daemon's behind."""
+    daemon = daemon_factory("--keep-snapshots", "2", "--memory-budget", "2MiB")
+    client = client_factory()
+    state = lambda v: {"w": torch.full((150_000,), float(v))}  # noqa: E731 - 0.57 MiB: three fit, four do not
+    client.save_async(state(1), root / "b" / "s-1", step=1, persist=False).result(30)
+    client.persist(root / "b" / "s-1")
+    client.save_async(state(3), root / "c" / "s-3", step=3, persist=False).result(30)
+    client.save_async(state(4), root / "c" / "s-4", step=4, persist=False).result(30)
+    client.save_async(state(5), root / "c" / "s-5", step=5, persist=False).result(30)  # evicts s-1 (on disk), and
+    # drops s-3 once held (keep 2)
+    client.delete(root / "c" / "s-4")
+    client.save_async(state(6), root / "c" / "s-5", step=5, persist=False, overwrite=True).result(30)  # replaced
+    client.save_async(state(2), root / "b" / "s-2", step=2, persist=False).result(30)
+    client.save_async(state(7), root / "b" / "d-9", step=9).result(30)  # a disk save newer than s-2
+    client.close()  # its exit persists b's newest snapshot: s-2, older than d-9, is dropped instead
+    log_path = daemon.run_dir / LOG_NAME
+    wanted = {("s-1", "budget"), ("s-3", "newer"), ("s-5", "replaced"), ("s-4", "deleted"),
+              ("s-2", "older_than_disk")}
+    wait_until(lambda: wanted <= set(dropped(log_path.read_text())), 30,
+               lambda: f"every drop logged; logged: {dropped(log_path.read_text())}")
+    ends = [(name, end) for kind, name, end in ended(log_path.read_text()) if kind == "snapshot"]
+    for name, _ in wanted:
+        assert (name, "dropped") in ends, (name, ends)
+    assert "cannot go from" not in log_path.read_text()
+    held = {s["path"] for s in daemon.status()["memory"]["snapshots"]}
+    assert held == {str(root / "c" / "s-5")}, held  # the replacement, persisted on exit
+    assert ckptd.load(root / "c" / "s-5", run_dir=run_dir)["w"].tolist()[:2] == [6.0, 6.0]
