@@ -449,7 +449,7 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
             continue
         key, shown = (s["step"] if s["step"] is not None else -1, s["created"]), str(root / name)
         if not _serves_this_rank(s):  # a replica on a peer as a snapshot held here: one rule
-            other_world.append((key, shown, s["world_size"]))
+            other_world.append((key, shown, s["world_size"], tuple(s["ranks_held"])))
             continue
         if s.get("on_peer"):
             if _my_rank() in s["ranks_held"] and key > there.get(shown, ((-2, 0.0),))[0]:  # a restore reads its own
@@ -463,15 +463,17 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
     return None if chosen is None else user_path(chosen)  # an object: its s3:// URL
 
 
-def _warn_other_world(other_world: list[tuple[Key, str, int]], chosen: Key | None) -> None:
-    """Rank 0 names the newest snapshot passed over for its world size (one that spans nodes, saved by a job of
-    another size: its shards lie on the nodes that saved it), where it is newer than what the job resumes from."""
+def _warn_other_world(other_world: list[tuple[Key, str, int, tuple[int, ...]]], chosen: Key | None) -> None:
+    """Rank 0 names the newest snapshot passed over for its world size or its placement (one that spans nodes:
+    its shards lie on the nodes that saved it), where it is newer than what the job resumes from."""
     newer = [entry for entry in other_world if chosen is None or entry[0] > chosen]
     if newer and _my_rank() == 0:
-        (step, _), shown, world = max(newer)
-        log.warning("ckptd.latest: %s (step %s) was saved by %d ranks and spans nodes; this job has %d, so it is "
-                    "passed over, and the job resumes from the newest checkpoint every rank can read", shown, step,
-                    world, _my_world())
+        (step, _), shown, world, ranks = max(newer)
+        why = (f"this job has {_my_world()}" if world != _my_world() else
+               f"this node holds the shards of ranks {list(ranks)}, not this rank's (the ranks were placed on other "
+               f"nodes than when it was saved)")
+        log.warning("ckptd.latest: %s (step %s) was saved by %d ranks and spans nodes; %s, so it is passed over, and "
+                    "the job resumes from the newest checkpoint every rank can read", shown, step, world, why)
 
 
 def _save_of(held: dict[str, Any]) -> str:

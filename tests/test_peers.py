@@ -161,14 +161,17 @@ def test_garbage_on_the_peer_port_harms_nothing(root: Path, tmp_path: Path) -> N
     (["--peer", "tcp://127.0.0.1:47999", "--peer-keys", "KEYS"], "names no key for it"),
     (["--replicas", "2", "--peer-keys", "KEYS"], "replicas must be 0 or 1"),
     (["--replicas", "1", "--peer-keys", "KEYS"], "1 needs a --peer"),
+    (["--peer-listen", "tcp://127.0.0.1:47999", "--peer-keys", "MISSING"], "--peer-keys MISSING: cannot read it"),
 ])
 def test_a_start_with_a_peer_option_it_cannot_honour_is_refused_naming_it(
         root: Path, tmp_path: Path, args: list[str], says: str) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# no peer yet\n")
+    missing = tmp_path / "no-such-dir" / "keys"
+    named = {"KEYS": str(keys), "MISSING": str(missing)}
     done = ckptd_cli("start", "--foreground", "--run-dir", str(short_tempdir("ckp-")), "--root", str(root),
-                     *[str(keys) if a == "KEYS" else a for a in args])
-    assert done.returncode == 2 and says in done.stderr, done.stderr
+                     *[named.get(a, a) for a in args])
+    assert done.returncode == 2 and says.replace("MISSING", str(missing)) in done.stderr, done.stderr
 
 
 def test_a_garbled_keys_file_is_refused_naming_its_line(root: Path, tmp_path: Path) -> None:

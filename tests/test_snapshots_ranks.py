@@ -105,3 +105,17 @@ def test_a_snapshot_missing_on_one_rank_is_never_chosen_and_the_complete_one_is_
     for r in (0, 1):
         assert equal_states(ckptd.load(root / "s1", rank=r, run_dir=run_dir), states[r])
     daemon.stop()
+
+
+def test_a_snapshot_passed_over_for_its_placement_is_named_for_that_not_for_a_world_size(caplog) -> None:
+    """Rank 0's warning says why a snapshot of several nodes is passed over: another world size, or (the same
+    size) ranks placed on other nodes than when it was saved, where the node holds other ranks' shards (a new-user
+    pass was told "this job has 3" by a job of 3)."""
+    from ckptd.client.memory import _warn_other_world
+
+    with caplog.at_level("WARNING", logger="ckptd"):
+        _warn_other_world([((7, 1.0), "/ckpts/step-7", 1, (1,))], (3, 0.0))  # this process is a world of 1
+        _warn_other_world([((7, 1.0), "/ckpts/step-7", 2, (0,))], (3, 0.0))
+    placed, sized = [r.getMessage() for r in caplog.records]
+    assert "this node holds the shards of ranks [1], not this rank's" in placed and "this job has" not in placed
+    assert "was saved by 2 ranks and spans nodes; this job has 1, so it is passed over" in sized

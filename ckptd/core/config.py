@@ -212,7 +212,12 @@ class DaemonConfig:
             from ckptd.core.keys import PeerKeys
 
             self.peer_keys = Path(self.peer_keys).absolute()
-            keys = PeerKeys(self.peer_keys)  # a bad file or a --peer without a key: refused now, before a start
+            try:
+                keys = PeerKeys(self.peer_keys)  # a bad file or a --peer without a key: refused now, before a start
+            except OSError as exc:  # a usage error like any other bad option (exit 2), naming the option
+                raise ValueError(f"--peer-keys {self.peer_keys}: cannot read it ({exc.strerror or exc}); make it "
+                                 f"with `ckptd peer-key --run-dir DIR --endpoint tcp://HOST:PORT >> FILE` on each "
+                                 f"node") from None
             for endpoint in self.peers:
                 keys.key_for(endpoint)
         if self.replicas is None:
