@@ -145,8 +145,8 @@ def test_no_module_but_the_registry_writes_an_attempts_book() -> None:
                     and isinstance(node.func.value, ast.Attribute) and node.func.value.attr in BOOKS):
                 found.append(node.func.value.attr)
         return found
-    writers = {f"{p.relative_to(REPO).as_posix()}: {w}" for p in _daemon() if p.name not in ("registry.py", "replicas.py")
-               for w in written(ast.parse(p.read_text()))}
+    writers = {f"{p.relative_to(REPO).as_posix()}: {w}" for p in _daemon()
+               if p.name not in ("registry.py", "replicas.py") for w in written(ast.parse(p.read_text()))}
     assert not writers, f"books written outside the registry: {sorted(writers)}"
 
 
@@ -167,6 +167,19 @@ READERS = ("export", "listing")
 """Daemon-side modules that read committed checkpoints through ``protocol/reading.py``."""
 CHOOSERS = ("objects", "reading")
 """Protocol modules that tell a name on a store from a local one: the parser, and the reader stack's one choice."""
+
+
+def test_an_attempt_is_bound_to_its_backend_once_where_it_is_made() -> None:
+    """The lifecycle asks which backend a path is on only where an attempt is made (a rank's admission, a
+    Finalize or Abort of ranks all on other nodes, a snapshot read back from a peer): the attempt keeps it
+    (``Attempt.backend``), and its writes, commit, discard and removal go through that, never through
+    ``Backends.at`` again nor a backend's ``files``."""
+    def asks(path: Path) -> list[str]:
+        return [f"{path.name}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.Attribute) and (node.attr == "at" or node.attr == "files"
+                and not (isinstance(node.value, ast.Name) and node.value.id == "msg"))]
+    found = sorted(a for p in sorted((REPO / "ckptd" / "lifecycle").glob("*.py")) for a in asks(p))
+    assert [a.split(":")[0] for a in found] == ["admission.py", "commit.py", "holding.py", "saves.py"], found
 
 
 def test_readers_never_ask_which_backend_a_name_is_on() -> None:

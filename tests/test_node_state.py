@@ -112,14 +112,14 @@ def test_reserved_bytes_are_what_is_admitted_and_not_yet_written_per_device(stat
 
 def test_ranks_join_one_pending_checkpoint_until_it_is_complete(state, tmp_path) -> None:
     final = tmp_path / "two"
-    first, dest = state.commits.admit(commit(1, rank=0, world_size=2), b"a", final, os.getpid())
+    first, dest = state.commits.admit(commit(1, rank=0, world_size=2), b"a", final, os.getpid(), state.commits.storage)
     assert first.state is AttemptState.PREPARING and dest == tmp_path / "two.incomplete/rank-00000-of-00002.safetensors"
-    second, _ = state.commits.admit(commit(2, rank=1, world_size=2), b"b", final, os.getpid())
+    second, _ = state.commits.admit(commit(2, rank=1, world_size=2), b"b", final, os.getpid(), state.commits.storage)
     assert second is first and first.writing == 2 and first.missing == []
     with pytest.raises(Conflict, match="rank 1 .* is already in it"):
-        state.commits.admit(commit(3, rank=1, world_size=2), b"b", final, os.getpid())
+        state.commits.admit(commit(3, rank=1, world_size=2), b"b", final, os.getpid(), state.commits.storage)
     with pytest.raises(Conflict, match="world size 2"):
-        state.commits.admit(commit(4, rank=0, world_size=3), b"c", final, os.getpid())
+        state.commits.admit(commit(4, rank=0, world_size=3), b"c", final, os.getpid(), state.commits.storage)
     state.attempts.move(first, AttemptState.WRITING)
     assert not state.commits.shard_done(first, ShardRecord("rank-00000-of-00002.safetensors", 0, SHARD, 1, 0))
     assert state.commits.shard_done(first, ShardRecord("rank-00001-of-00002.safetensors", 1, SHARD, 1, 0))
@@ -129,19 +129,19 @@ def test_ranks_join_one_pending_checkpoint_until_it_is_complete(state, tmp_path)
 
 def test_a_failed_checkpoint_fails_its_late_ranks_the_same_way_and_a_retry_starts_afresh(state, tmp_path) -> None:
     final = tmp_path / "lonely"
-    pending, _ = state.commits.admit(commit(1, rank=0, world_size=2), b"a", final, os.getpid())
+    pending, _ = state.commits.admit(commit(1, rank=0, world_size=2), b"a", final, os.getpid(), state.commits.storage)
     failure = RanksMissing("ranks [1] never came")
     state.attempts.end(pending, AttemptState.FAILED, failure)
     state.commits.failed_with(pending, failure)  # what the save pipeline's end of a failed attempt remembers
     assert pending.state is AttemptState.FAILED and final not in state.commits.pending
     with pytest.raises(RanksMissing, match="ranks \\[1\\] never came"):
-        state.commits.admit(commit(2, rank=1, world_size=2), b"b", final, os.getpid())
-    retry, _ = state.commits.admit(commit(3, rank=0, world_size=2), b"a", final, os.getpid())
+        state.commits.admit(commit(2, rank=1, world_size=2), b"b", final, os.getpid(), state.commits.storage)
+    retry, _ = state.commits.admit(commit(3, rank=0, world_size=2), b"a", final, os.getpid(), state.commits.storage)
     assert retry is not pending and retry.state is AttemptState.PREPARING
 
 
 def test_a_checkpoint_moves_only_forward_and_ends_once(state, tmp_path) -> None:
-    pending, _ = state.commits.admit(commit(1), b"a", tmp_path / "once", os.getpid())
+    pending, _ = state.commits.admit(commit(1), b"a", tmp_path / "once", os.getpid(), state.commits.storage)
     with pytest.raises(InternalError, match="cannot go from preparing to committing"):
         state.attempts.move(pending, AttemptState.COMMITTING)  # no shard is written before its directory exists
     state.attempts.move(pending, AttemptState.WRITING)
@@ -157,10 +157,11 @@ def test_a_checkpoint_moves_only_forward_and_ends_once(state, tmp_path) -> None:
 def test_disk_and_memory_attempts_share_one_set_of_rules_for_their_ranks(state, tmp_path) -> None:
     """Joining, overdue ranks and failing every waiting rank behave alike on disk and in memory."""
     final = tmp_path / "both"
-    pending, _ = state.commits.admit(commit(1, world_size=2, path=str(final)), b"a", final, os.getpid())
+    pending, _ = state.commits.admit(commit(1, world_size=2, path=str(final)), b"a", final, os.getpid(),
+                                     state.commits.storage)
     snaps = SnapshotBook(budget=1 << 30, keep=1, registry=state.attempts)
     shot = Snapshot(**{**commit(1, world_size=2, path=str(final)).__dict__})
-    snap = snaps.admit(shot, final, FakeSlot("s"), os.getpid(), b"a")  # type: ignore[arg-type]
+    snap = snaps.admit(shot, final, state.commits.storage, FakeSlot("s"), os.getpid(), b"a")  # type: ignore[arg-type]
     for attempt, kind in ((pending, "checkpoint"), (snap, "snapshot")):
         with pytest.raises(Conflict, match=f"rank 0 of {kind} .* already"):
             attempt.check_join(commit(2, world_size=2, path=str(final)))

@@ -32,6 +32,7 @@ from ckptd.core.render import human_bytes
 from ckptd.lifecycle.slot_maps import MappedSlot, SlotMaps
 from ckptd.lifecycle.writer import round_up
 from ckptd.storage.backends import Backends
+from ckptd.storage.checkpoints import Checkpoints
 from ckptd.storage.contract import Space
 
 
@@ -40,6 +41,8 @@ class Examined:
     """What admission found out about one commit, off the loop thread."""
 
     final: Path
+    backend: Checkpoints
+    """The storage ``final`` lies on: the attempt the shard joins or opens keeps it (``Attempt.backend``)."""
     slot: MappedSlot
     space: Space
     shm_free: int | None
@@ -59,7 +62,7 @@ def examine(storage: Backends, slots: SlotMaps, msg: StagedShard, *, pid: int, r
         backend = storage.at(final)
         backend.admit(final, msg.overwrite)  # before the room check: "exists" is the answer that helps
         shm_free = shm_free_bytes()
-        return Examined(final, slot, backend.files.space(final.parent),
+        return Examined(final, backend, slot, backend.space(final.parent),
                         None if shm_free is None else shm_free + slot.size)
     except BadMessage as exc:
         slots.release(slot)

@@ -31,6 +31,7 @@ from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Error, Message, Repl
 from ckptd.protocol.objects import display
 
 from ckptd.lifecycle.contributors import Contributors
+from ckptd.storage.checkpoints import Checkpoints
 
 log = logging.getLogger("ckptd")
 
@@ -120,6 +121,9 @@ class Attempt:
     entry: ClassVar[AttemptState]
     """The state every attempt of the kind starts at (``Registry.open`` refuses any other)."""
     path: Path
+    backend: Checkpoints
+    """The storage its path lies on, resolved once when the attempt was made: everything it writes, reads, sets
+    aside or removes goes through it, never through a backend asked for again by path."""
     world_size: int
     step: int | None
     coordinated: bool = False

@@ -51,7 +51,6 @@ from ckptd.protocol.index import (
     shard_name,
 )
 from ckptd.protocol.messages import Finalize, StagedShard
-from ckptd.protocol.inspect import read_shard_header
 from ckptd.protocol.objects import display
 
 from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter
@@ -59,8 +58,8 @@ from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.registry import Book, Registry
 from ckptd.lifecycle.snapshots import HeldSnapshot
 from ckptd.storage.backends import Backends
+from ckptd.storage.checkpoints import Checkpoints
 from ckptd.storage.contract import PublishedNotDurable
-from ckptd.storage.ownership import release, remove_markers
 
 if TYPE_CHECKING:
     from ckptd.lifecycle.writer import ShardWrite
@@ -161,8 +160,10 @@ class Commits:
         that a victim is still the version it judged and sets it aside (maintenance pool): so retention never
         deletes a version that replaced the one it checked (an overwrite committed while it asked the mirror)."""
 
-    def admit(self, commit: StagedShard, client: bytes, final: Path, pid: int) -> tuple[PendingCheckpoint, Path]:
-        """Register one rank's commit (from process ``pid``) to ``final``; returns its checkpoint and shard file path.
+    def admit(self, commit: StagedShard, client: bytes, final: Path, pid: int,
+              backend: Checkpoints) -> tuple[PendingCheckpoint, Path]:
+        """Register one rank's commit (from process ``pid``) to ``final`` (on ``backend``, as admission found it);
+        returns its checkpoint and shard file path.
 
         A new checkpoint starts ``preparing``: its directory is made by
         ``prepare`` on a worker before any of its shards is written. A rank
@@ -179,7 +180,7 @@ class Commits:
             pending = None
         if pending is None:
             pending = self.registry.open(self.pending, PendingCheckpoint(
-                path=final, world_size=commit.world_size, step=commit.step, overwrite=commit.overwrite,
+                path=final, backend=backend, world_size=commit.world_size, step=commit.step, overwrite=commit.overwrite,
                 coordinated=commit.coordinated, keep_last=commit.keep_last, timeout=commit.timeout,
                 contributors=Contributors(commit.job)))
         if pending.snapshot is not None:
@@ -201,7 +202,7 @@ class Commits:
                            f"persisted over it (once that save commits, the snapshot is dropped as older)")
         first = snap.shards[min(snap.shards)].msg
         return self.registry.open(self.pending, PendingCheckpoint(
-            path=final, world_size=snap.world_size, step=snap.step, overwrite=first.overwrite,
+            path=final, backend=snap.backend, world_size=snap.world_size, step=snap.step, overwrite=first.overwrite,
             keep_last=first.keep_last, contributors=Contributors(snap.contributors.job), snapshot=snap,
             ranks_seen=set(snap.shards), writing=len(snap.shards)))
 
@@ -225,8 +226,8 @@ class Commits:
         """Begin the attempt: refuse what is in the way, then create ``p.incomplete`` with this daemon's marker
         (I/O; ``Checkpoints.begin``). Coordinated checkpoints share the directory with other nodes' daemons, so
         there it is created if missing and never removed."""
-        self.storage.at(pending.path).begin(pending.path, pending.incomplete, overwrite=pending.overwrite,
-                                            coordinated=pending.coordinated)
+        pending.backend.begin(pending.path, pending.incomplete, overwrite=pending.overwrite,
+                              coordinated=pending.coordinated)
 
     def shard_done(self, pending: PendingCheckpoint, record: ShardRecord | None) -> bool:
         """Record a shard's end (None: it failed); True when the checkpoint can be finalized."""
@@ -279,7 +280,8 @@ class Commits:
             return kept
         pending = self.registry.open(self.pending, PendingCheckpoint(  # taken: no other run's rank may start an
             # attempt at the path meanwhile
-            path=final, world_size=msg.world_size, step=msg.step, overwrite=msg.overwrite, coordinated=True,
+            path=final, backend=self.storage.at(final), world_size=msg.world_size, step=msg.step,
+            overwrite=msg.overwrite, coordinated=True,
             keep_last=msg.keep_last, shards={f.rank: f for f in msg.files}, ranks_seen=set(range(msg.world_size)),
             owns_directory=True, waiting=[Waiter(client, msg.id, 0)], contributors=Contributors(msg.job)))
         self.registry.move(pending, AttemptState.WRITING)  # its shards were written by the other nodes' daemons
@@ -288,7 +290,7 @@ class Commits:
 
     def ended_elsewhere(self, pending: PendingCheckpoint) -> bool:
         """Whether a settled attempt's directory is gone: another node's daemon published or discarded it (I/O)."""
-        return not self.storage.at(pending.path).holds(pending.incomplete)
+        return not pending.backend.holds(pending.incomplete)
 
     def finalize(self, pending: PendingCheckpoint) -> None:
         """Index, then publish: the checkpoint becomes visible (I/O; ``Checkpoints.publish`` says how).
@@ -308,8 +310,7 @@ class Commits:
         visible (the future fails: durability was promised and is unknown), and the
         checkpoint is left in place, never discarded.
         """
-        final = pending.path
-        backend = self.storage.at(final)
+        final, backend = pending.path, pending.backend
         try:
             backend.check_shards(pending.incomplete, {f.file: f.size for f in pending.shards.values()},
                                  {f.file: f.rank for f in pending.shards.values()})
@@ -319,7 +320,7 @@ class Commits:
         except CkptdError:
             raise
         except PublishedNotDurable as exc:
-            remove_markers(backend.files, final)
+            backend.published(final)
             raise WriteFailed(
                 f"checkpoint {final} is committed and visible (its index and shards are durable), but "
                 f"fsync of {final.parent} failed ({exc.strerror or exc}), so the new name may not survive "
@@ -327,7 +328,7 @@ class Commits:
                 f"path") from None
         except OSError as exc:
             raise WriteFailed(f"committing {final} failed: {exc.strerror or exc}") from None
-        remove_markers(backend.files, final)
+        backend.published(final)
 
     def _tensor_table(self, pending: PendingCheckpoint) -> dict[str, TensorRecord]:
         """The global tensors' chunks, from every shard's header (the ranks' chunk tables)."""
@@ -335,7 +336,7 @@ class Commits:
         for f in pending.shards.values():
             try:
                 shard = pending.incomplete / f.file
-                entries, metadata, data_start = read_shard_header(shard, f.size, self.storage.at(shard).files)
+                entries, metadata, data_start = pending.backend.shard_header(shard, f.size)
             except InvalidCheckpoint as exc:
                 raise WriteFailed(exc.message) from None
             headers.append((f.file, f.size, entries, metadata, data_start))
@@ -355,18 +356,12 @@ class Commits:
         """
         if not pending.owns_directory:
             return None
-        return self.storage.at(pending.path).discard(pending.incomplete, pending.path)
+        return pending.backend.discard(pending.incomplete, pending.path)
 
     def release(self, pending: PendingCheckpoint) -> Path | None:
         """Let go of this daemon's part of a settled attempt whose contributors all died (I/O): its marker goes,
         and so does ``p.incomplete`` once no other daemon claims it; returns what is left to remove later."""
-        backend = self.storage.at(pending.path)
-        try:
-            if not backend.holds(pending.incomplete) or not release(backend.files, pending.incomplete):
-                return None
-        except FileNotFoundError:  # removed meanwhile by the other node's daemon letting go
-            return None
-        return backend.discard(pending.incomplete, pending.path)
+        return pending.backend.let_go(pending.incomplete, pending.path)
 
     def wait_for_cleanup(self, final: Path, then: Callable[[], None]) -> bool:
         """Keep ``then`` until ``final``'s failed attempt is cleared away; False if none is in the way."""

@@ -97,7 +97,7 @@ class Holding:
                 self.registry.end(current, AttemptState.FAILED, conflict)
                 raise conflict
             self.snapshots.refuse_nested(examined.final)
-            snap = self.snapshots.admit(msg, examined.final, examined.slot, pid, ident)
+            snap = self.snapshots.admit(msg, examined.final, examined.backend, examined.slot, pid, ident)
         except CkptdError as exc:
             self.state.slots.release(examined.slot)
             self.saves.refuse(ident, msg, exc)
@@ -315,8 +315,9 @@ class Holding:
             raise CheckpointExists(f"snapshot {display(path)} is held here already; the replica is not restored")
         first = shards[0][0]
         self.snapshots.make_room(path, sum(msg.nbytes for msg, *_ in shards))
-        snap = HeldSnapshot(path=path, world_size=first.world_size, step=first.step, coordinated=first.coordinated,
-                            created=created, contributors=Contributors(first.job), replication=replication)
+        snap = HeldSnapshot(path=path, backend=self.storage.at(path), world_size=first.world_size, step=first.step,
+                            coordinated=first.coordinated, created=created, contributors=Contributors(first.job),
+                            replication=replication)
         for msg, name, fd, mapping, checksum in shards:
             slot = MappedSlot(name, os.fstat(fd).st_ino, max(1, msg.nbytes), mapping, fd, users=1)
             snap.shards[msg.rank] = HeldShard(msg, slot, os.getpid(), checksum=checksum)
@@ -437,7 +438,7 @@ class Holding:
         self.registry.move(snap, AttemptState.PERSISTING)
         snap.persist_started = time.monotonic()
         log.info("event=persist path=%s step=%s", snap.path, snap.step)
-        backend, final, order = self.storage.at(snap.path), snap.path, snap.order
+        backend, final, order = snap.backend, snap.path, snap.order
         world_size, fingerprint = snap.world_size, snap.fingerprint
         overwrite = snap.shards[min(snap.shards)].msg.overwrite
 
@@ -445,7 +446,7 @@ class Holding:
             there = backend.holds_same(final, world_size, fingerprint)
             if not there:  # what came to its name since it was held (a directory a user made) refuses it now, as
                 backend.admit(final, overwrite)  # a disk save's admission would, before a byte is written
-            return backend.files.space(final.parent), backend.newer_beside(final, order), there
+            return backend.space(final.parent), backend.newer_beside(final, order), there
         self.workers.submit("admit", look, lambda fut: self._persist_room(snap, fut),
                             failed=lambda exc: self.persist_ended(snap, as_error(self.state.stats, exc)))
 
@@ -541,7 +542,7 @@ class Holding:
             return
         path = snap.path
         if isinstance(error, CheckpointExists):  # another holder of the same bytes may have committed them first
-            backend, world_size, fingerprint = self.storage.at(path), snap.world_size, snap.fingerprint
+            backend, world_size, fingerprint = snap.backend, snap.world_size, snap.fingerprint
 
             def judged(same: bool) -> None:
                 if self.snapshots.held.get(path) is snap and snap.persisting:
@@ -668,7 +669,7 @@ class Holding:
         share only), so unless a checkpoint newer than it is committed beside it, it is lost with the daemon's
         memory, and ``ckptd stop`` exits 3 naming it (as it does for a snapshot of one node a drain could not
         persist) instead of exiting 0 as if nothing held were lost."""
-        backend, final, order = self.storage.at(snap.path), snap.path, snap.order
+        backend, final, order = snap.backend, snap.path, snap.order
         why = (f"a snapshot of several nodes (this node held {len(snap.shards)} of its {snap.world_size} ranks): "
                f"a drain persists one node's snapshots only, so this node's share is lost with its memory (a state "
                f"a stop must keep is saved with persist=True)")
@@ -694,7 +695,7 @@ def _examine(storage: Backends, slots: SlotMaps, msg: Snapshot, *, pid: int,
     snapshot that could never be persisted is refused now, not when its trainer dies or the daemon drains (I/O)."""
     examined = examine(storage, slots, msg, pid=pid, roots=roots)
     try:
-        storage.at(examined.final).persistable(examined.final, msg.overwrite)
+        examined.backend.persistable(examined.final, msg.overwrite)
     except BaseException:
         slots.release(examined.slot)
         raise

@@ -166,7 +166,7 @@ class Saves:
                                    "checkpoints already in progress)")
             state.snapshots.refuse_nested(final)
             self._check_room(final, examined.space, msg.nbytes, examined.shm_free)
-            pending, dest = state.commits.admit(msg, ident, final, pid)
+            pending, dest = state.commits.admit(msg, ident, final, pid, examined.backend)
         except BaseException as exc:
             state.slots.release(examined.slot)
             self.refuse(ident, msg, exc)
@@ -252,7 +252,7 @@ class Saves:
             self._write_finished(job, pending, None)
 
     def _start(self, job: ShardWrite, pending: PendingCheckpoint) -> None:
-        cfg, backend, checksums = self.config, self.storage.at(job.dest), self.workers.checksums
+        cfg, backend, checksums = self.config, pending.backend, self.workers.checksums
         run = lambda: write_shard(job, backend, checksums, direct=cfg.direct_io, chunk=cfg.chunk_bytes)  # noqa: E731
         self.workers.submit("write", run, lambda fut: self._write_finished(job, pending, fut),
                             failed=lambda exc: self._write_defect(job, pending, exc))
@@ -375,7 +375,8 @@ class Saves:
         else:
             pending = pending or PendingCheckpoint(  # none here: this node's ranks never came; another node's
                 # daemon made its directory, removed here as its Abort says
-                path=final, world_size=1, step=None, overwrite=False, coordinated=True, owns_directory=True,
+                path=final, backend=self.storage.at(final), world_size=1, step=None, overwrite=False,
+                coordinated=True, owns_directory=True,
                 contributors=Contributors(msg.job))
             if not pending.ended:
                 self.registry.end(pending, AttemptState.FAILED,
@@ -434,7 +435,7 @@ class Saves:
             log.warning("event=discard_failed path=%s error=%r", pending.incomplete, error)
         elif fut.result() is not None:
             aside: Path = fut.result()
-            self.workers.background("maintenance", lambda: self.storage.at(aside).files.remove_tree(aside))
+            self.workers.background("maintenance", lambda: pending.backend.remove_tree(aside))
         for again in state.commits.cleared(pending.path):
             again()
 
@@ -460,7 +461,7 @@ class Saves:
                 log.warning("event=release_failed path=%s error=%r", pending.incomplete, fut.exception())
             elif (aside := fut.result()) is not None:
                 log.info("event=released path=%s", pending.incomplete)
-                self.workers.background("maintenance", lambda: self.storage.at(aside).files.remove_tree(aside))
+                self.workers.background("maintenance", lambda: pending.backend.remove_tree(aside))
 
         self.workers.submit("admit", lambda: self.state.commits.release(pending), released,
                             failed=logged(self.state.stats))

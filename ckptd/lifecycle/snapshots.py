@@ -52,6 +52,7 @@ from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.registry import Book, Registry
 from ckptd.lifecycle.slot_maps import MappedSlot
+from ckptd.storage.checkpoints import Checkpoints
 
 
 @dataclass
@@ -235,8 +236,10 @@ class SnapshotBook:
                 raise PathNotAllowed(f"checkpoint path {display(final)} {where} memory snapshot "
                                      f"{display(snap.path)}; a checkpoint holds no other: save beside it")
 
-    def admit(self, msg: Snapshot, final: Path, slot: MappedSlot, pid: int, client: bytes) -> HeldSnapshot:
-        """Register one rank's shard; returns its snapshot (persisted ones may be evicted to make room).
+    def admit(self, msg: Snapshot, final: Path, backend: Checkpoints, slot: MappedSlot, pid: int,
+              client: bytes) -> HeldSnapshot:
+        """Register one rank's shard to ``final`` (on ``backend``, as admission found it); returns its snapshot
+        (persisted ones may be evicted to make room).
 
         Raises ``NoSpace`` (the budget), ``CheckpointExists`` (a snapshot is held at the path, no ``overwrite``) or
         ``Conflict`` (the rank is held already, or the world differs, or another run's snapshot is open there).
@@ -253,9 +256,9 @@ class SnapshotBook:
             snap.check_join(msg)
         self.make_room(final, msg.nbytes)
         if snap is None:
-            snap = self.registry.open(into, HeldSnapshot(path=final, world_size=msg.world_size, step=msg.step,
-                                                         coordinated=msg.coordinated, timeout=msg.timeout,
-                                                         contributors=Contributors(msg.job)))
+            snap = self.registry.open(into, HeldSnapshot(path=final, backend=backend, world_size=msg.world_size,
+                                                         step=msg.step, coordinated=msg.coordinated,
+                                                         timeout=msg.timeout, contributors=Contributors(msg.job)))
         snap.join(msg, pid, Waiter(client, msg.id, msg.rank, pid, msg.nbytes))
         snap.shards[msg.rank] = HeldShard(msg, slot, pid, client)
         return snap

@@ -23,11 +23,12 @@ from typing import Any, ClassVar
 
 from ckptd.protocol.errors import CheckpointExists, CkptdError, InvalidCheckpoint, PathNotAllowed, WriteFailed
 from ckptd.protocol.index import CHECKSUM_ALGORITHM, INCOMPLETE_SUFFIX, INDEX_NAME, committed_in, read_index
+from ckptd.protocol.inspect import read_shard_header
 from ckptd.protocol.objects import display, is_permanent
 
-from ckptd.storage.contract import Files, Kind, ShardWriter
+from ckptd.storage.contract import Files, Kind, ShardWriter, Space
 from ckptd.storage.ownership import (
-    check_replaceable, is_owner_marker, owner_marker, why_not_leftover, why_not_replaceable,
+    check_replaceable, is_owner_marker, owner_marker, release, remove_markers, why_not_leftover, why_not_replaceable,
 )
 
 log = logging.getLogger("ckptd")
@@ -45,6 +46,35 @@ class Checkpoints:
 
     def __init__(self, files: Files) -> None:
         self.files = files
+
+    # -- what an attempt asks of the backend it was bound to at admission -----------------------------------------
+
+    def space(self, directory: Path) -> Space:
+        """The room in ``directory``'s filesystem (a store: unbounded, ``Space.bounded``)."""
+        return self.files.space(directory)
+
+    def shard_header(self, shard: Path, size: int) -> tuple[Any, Any, int]:
+        """A written shard's tensor entries, metadata and data start, read back from its header."""
+        return read_shard_header(shard, size, self.files)
+
+    def remove_tree(self, path: Path) -> None:
+        """Remove what an attempt set aside (``discard``, ``release``), with everything under it."""
+        self.files.remove_tree(path)
+
+    def published(self, final: Path) -> None:
+        """A checkpoint took its name: this daemon's owner markers in it go (readers ignore them, so a failure to
+        remove them harms nobody and is only logged)."""
+        remove_markers(self.files, final)
+
+    def let_go(self, attempt: Path, final: Path) -> Path | None:
+        """Give up this daemon's part of a shared attempt directory: its marker goes, and so does the directory
+        once no other daemon claims it (set aside, returned to be removed later); None if it is gone or claimed."""
+        try:
+            if not self.holds(attempt) or not release(self.files, attempt):
+                return None
+        except FileNotFoundError:  # removed meanwhile by the other node's daemon letting go
+            return None
+        return self.discard(attempt, final)
 
     # -- what each backend decides -----------------------------------------------------------------------------
 
