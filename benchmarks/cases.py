@@ -59,7 +59,7 @@ def missing_peers() -> dict[str, str]:
 class Case:
     name: str
     section: str
-    """``save``, ``multi``, ``scaling``, ``load``, ``sharded``, ``objects``, ``steps`` or ``gpu``: where the report
+    """``save``, ``multi``, ``scaling``, ``load``, ``sharded``, ``objects``, ``transport``, ``steps`` or ``gpu``: where the report
     puts it. ``gpu`` (``gpu_check``) is the whole of a ``--device cuda`` run, and in a CPU run only when named."""
     method: str
     label: str
@@ -140,6 +140,9 @@ def registry(s: Settings) -> list[Case]:
                      params={"mode": m, "ranks": s.ranks}) for m, label in SHARDED_MODES.items()]
         out.append(Case("objects", section="objects", method="objects", label="s3:// on moto's server",
                         repeat=s.repeat, size_gib=min(s.size_gib, 1 / 4)))
+        out.append(Case("transport", section="transport", method="transport", repeat=s.repeat,
+                        label="replication transport candidates against a plain TCP stream",
+                        size_gib=min(s.size_gib, 1 / 4)))
         out += [Case(f"steps_{name}", section="steps", method="steps", label=label, repeat=s.repeat,
                      state="trainee", size_gib=s.steps_gib, params={"integration": name, "every": s.steps_every})
                 for name, label in STEP_CASES.items() if name != "torchtitan" or TT_PY.exists()]

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from . import gpu_check, integration_steps, limits, loads, objects, ranks, saves, snapshots
+from . import gpu_check, integration_steps, limits, loads, objects, ranks, saves, snapshots, transport
 from .cases import Case
 from .limits import memory
 from .state import BYTES_PER_PARAM, build, param_count, pick_width
@@ -62,6 +62,7 @@ METHODS: dict[str, Callable[[Case, Path], dict]] = {
     "rank_loads": lambda c, d: ranks.rank_loads(d, size_gib=c.size_gib, repeat=c.repeat, **c.params),
     "sharded": lambda c, d: ranks.sharded(d, size_gib=c.size_gib, repeat=c.repeat, **c.params),
     "objects": objects.objects_case,
+    "transport": transport.transport_case,
     "steps": integration_steps.steps_case,
     "gpu_check": gpu_check.gpu_check,
 }

@@ -495,6 +495,30 @@ def steps_table(recs: Records) -> str:
                   "snapshot ÷ persisted", "snapshot: interval cost s", "persisted: interval cost s",
                   "own: interval cost s", "interval: snapshot ÷ own", "interval: snapshot ÷ persisted"], rows)
 
+def transport_table(recs: Records) -> str:
+    """``benchmarks/transport.py``: each candidate per frame size, its speed as a share of the plain TCP stream of the
+    same round (the median of the rounds' ratios), and each side's CPU per GB."""
+    rows = []
+    for r in (r for r in recs.values() if r["name"] == "transport"):
+        reps, gb = r["reps"], r["nbytes"] / GB
+        for frame in r["frames"]:
+            k = f"{frame >> 10}k"
+            tcp = reps.get(f"tcp_{k}_s") or []
+            for name, (label, gives) in r["candidates"].items():
+                secs = reps.get(f"{name}_{k}_s") or []
+                ratio = statistics.median(t / s for t, s in zip(tcp, secs)) if tcp and secs else None
+                alone = med(r, f"alone_{name}_{k}_s")
+                rows.append([label, f"{frame / MIB:g}", gives, fmt(div(gb, med(r, f"{name}_{k}_s")), 2),
+                             fmt(ratio, 2), fmt(div(med(r, f"{name}_{k}_cpu_send"), gb), 2),
+                             fmt(div(med(r, f"{name}_{k}_cpu_recv"), gb), 2), fmt(div(gb, alone), 2)])
+            for label, why in r.get("absent", {}).items():
+                rows.append([label, f"{frame / MIB:g}", why, "–", "–", "–", "–", "–"])
+            alone = med(r, f"alone_crc32c_{k}_s")
+            rows.append(["crc32c alone (ckptd's checksum, reference)", f"{frame / MIB:g}", "integrity (no key)", "–",
+                         "–", "–", "–", fmt(div(gb, alone), 2)])
+    return table(["stream between two processes on 127.0.0.1", "frame MiB", "gives", "GB/s", "× plain TCP (same "
+                  "round)", "sender CPU s/GB", "receiver CPU s/GB", "its primitive alone, one core, GB/s"], rows)
+
 def gpu_table(recs: Records) -> str:
     r = recs.get("gpu_check")
     if r is None:
@@ -582,6 +606,13 @@ def render(records: list[dict], meta: dict[str, Any]) -> str:
                "the same tensors and against DCP's pinned `DefaultStager`; step-time cost of background staging "
                "against an awaited one while a small model trains. On the CPU (`--only gpu_check`) the same code runs "
                "host to host: it tries the harness, its figures say nothing about a GPU."),
+              ("transport", "Replication transport: authenticated bulk transfer against plain TCP", transport_table,
+               "`benchmarks/transport.py` (issue #40): the same bytes streamed between two processes on 127.0.0.1, "
+               "every candidate once per round, round after round; × plain TCP is the median of each round's ratio "
+               "to the plain TCP stream of that round. CPU: each process's `time.process_time` (all its threads) "
+               "per GB streamed. One thread a side, as the daemon's link; sender and receiver share this machine's "
+               "cores (two nodes would not). The keyed candidates' key reaches the receiver over a stand-in for the "
+               "CURVE control channel; every frame's 12-byte header is in its tag or its AEAD's associated data."),
               ("steps", "Step-time cost of a save, per integration", steps_table,
                "One process per integration trains an MLP with AdamW on the CPU (`benchmarks/steps.py`), saving "
                "every N steps through the integration: a memory snapshot (ckptd's memory tier: DCP "

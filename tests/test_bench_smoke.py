@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-PARTS = ("save,load,snapshot,gpu", "multi,scaling,sharded,objects,steps")
+PARTS = ("save,load,snapshot,gpu", "multi,scaling,sharded,objects,transport,steps")
 """The sections of each run (``--only``), about as long as each other."""
 
 
@@ -100,6 +100,10 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
         reps = by_name[name]["reps"]
         assert set(reps) == {f"{m}_{k}" for m in ("none", "snapshot", "persisted", "own") for k in ("step", "interval")}
         assert all(len(reps[f"{m}_step"]) == by_name[name]["repeat"] for m in ("snapshot", "persisted", "own")), name
+    transport = by_name["transport"]  # every candidate of the replication transport, beside plain TCP in each round
+    assert {"tcp", "zmq", "curve", "curve2", "hmac", "blake2b"} <= set(transport["candidates"]), transport["candidates"]
+    assert all(f"{n}_{f >> 10}k_{k}" in transport["reps"] for n in transport["candidates"] for f in transport["frames"]
+               for k in ("s", "cpu_send", "cpu_recv")), sorted(transport["reps"])
     for name in sharded_loads:  # loaded on half the ranks: each holds a larger shard than a saving rank did
         assert set(by_name[name]["reps"]) == {"cold", "warm"}, name
         assert by_name[name]["state"]["nbytes"] > by_name["sharded_memcpy"]["state"]["nbytes"], name
@@ -121,7 +125,8 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
 
     report = (tmp_path / "RESULTS.md").read_text()
     for heading in ("## Targets", "## Saving", "## Clients on one node", "## Scaling", "## Loading",
-                    "## Ranks loading at once", "## Sharded state: FSDP2", "## Step-time cost of a save", "## Every repetition"):
+                    "## Ranks loading at once", "## Sharded state: FSDP2", "## Replication transport",
+                    "## Step-time cost of a save", "## Every repetition"):
         assert heading in report
     assert "## Failed cases" not in report
     for r in records:
