@@ -99,7 +99,7 @@ try:
     import transformers
     from transformers import Trainer
     from transformers.trainer_callback import ExportableState
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint
 except ImportError as exc:
     raise ImportError("ckptd.integrations.hf needs transformers 5.25: pip install 'transformers>=5.25,<5.26'") from exc
 
@@ -175,13 +175,23 @@ def _step_of(path: str | os.PathLike) -> int | None:
 
 
 class CkptdTrainerMixin:
-    """The ``Trainer``'s checkpoints through ckptd; put it before ``Trainer`` (or a subclass of it) in the bases.
+    """The ``Trainer``'s checkpoints through ckptd; put it before ``Trainer`` (or a subclass of it) in the bases
+    (a class that puts it after is refused when it is defined: the ``Trainer``'s own methods would win, and its
+    checkpoints would silently be the ``Trainer``'s files).
 
     Keyword arguments beyond the ``Trainer``'s: ``memory_steps`` (a memory
     snapshot every N steps between persisted checkpoints; 0: none),
     ``ckptd_run_dir`` (the daemon's run directory; default as ``ckptd.Client``)
     and ``commit_timeout`` (seconds every process has to hand its shard over).
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        if Trainer in mro and mro.index(CkptdTrainerMixin) > mro.index(Trainer):
+            raise TypeError(f"{cls.__name__}: put CkptdTrainerMixin before the Trainer class among its bases "
+                            f"(class {cls.__name__}(CkptdTrainerMixin, ...)); after it, the Trainer's own checkpoint "
+                            f"methods win and nothing is saved through ckptd")
 
     def __init__(self, *args: Any, memory_steps: int = 0, ckptd_run_dir: str | os.PathLike | None = None,
                  commit_timeout: float = 600.0, **kwargs: Any) -> None:
@@ -263,6 +273,12 @@ class CkptdTrainerMixin:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if os.path.isdir(output_dir) and not os.path.isfile(os.path.join(output_dir, INDEX_NAME)):
+            raise FileExistsError(
+                f"{output_dir} exists and is not a ckptd checkpoint (the Trainer's own files?): ckptd never replaces "
+                f"what it did not write. Move it away, or train into a new output_dir; a run switched from "
+                f"transformers.Trainer resumes from its newest own checkpoint (resume_from_checkpoint=True) and "
+                f"saves its later steps through ckptd")
         if (self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
                 and self.state.best_global_step):
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
@@ -271,9 +287,21 @@ class CkptdTrainerMixin:
         self._save(output_dir, persist=True)
         self._snapshotted_step = self.state.global_step
 
+    def _settle(self) -> None:
+        """The save in flight, once it ended (asked every step, never waited for): a failure is raised now, at
+        the step after it (a save the daemon refused, or a daemon that died, stops the run then, not one
+        ``save_steps`` later), and where a best checkpoint is tracked ``save_total_limit`` is applied right after
+        the commit, as the ``Trainer`` applies it after its own save."""
+        if self._pending is not None and self._pending.done():
+            pending, self._pending = self._pending, None
+            pending.result()
+            if self._tracks_best():
+                self._rotate()
+
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         """The Trainer's log, evaluation and save, then a memory snapshot every ``memory_steps`` steps that
         persisted nothing."""
+        self._settle()
         super()._maybe_log_save_evaluate(*args, **kwargs)
         step = self.state.global_step
         if self.memory_steps and step > 0 and step % self.memory_steps == 0 and self._snapshotted_step != step:
@@ -339,6 +367,11 @@ class CkptdTrainerMixin:
         if resume_from_checkpoint is True:
             newest = ckptd.latest(self.args.output_dir, run_dir=self.ckptd_run_dir) \
                 if os.path.isdir(self.args.output_dir) or self.memory_steps else None
+            own = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+            if own is not None and not self._is_ckptd(own) and (
+                    newest is None or (_step_of(own) or -1) > (_step_of(newest) or -1)):
+                log.info("resuming from %s, the Trainer's own checkpoint (newer than any ckptd one here)", own)
+                newest = own  # a run switched from transformers.Trainer: its own loaders read it
             if newest is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
             resume_from_checkpoint = os.fspath(newest)
@@ -424,6 +457,9 @@ def export_pretrained(checkpoint: str | os.PathLike, out_dir: str | os.PathLike)
     import subprocess
 
     checkpoint, out = Path(checkpoint), Path(out_dir)
+    if not (checkpoint / INDEX_NAME).is_file() and find_held(checkpoint, None) is not None:
+        raise ckptd.InvalidCheckpoint(f"{checkpoint} is held in node memory only (a memory_steps snapshot): persist "
+                                      f"it first (ckptd.Client().persist({str(checkpoint)!r})), then export it")
     state = ckptd.load(checkpoint, mmap=True)  # for its plain values: the tensors are never read
     subprocess.run([sys.executable, "-m", "ckptd", "export", str(checkpoint), str(out), "--prefix", "model."],
                    check=True)
@@ -442,7 +478,15 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("checkpoint")
     export.add_argument("out_dir")
     args = parser.parse_args(argv)
-    print(export_pretrained(args.checkpoint, args.out_dir))
+    import subprocess
+
+    try:
+        print(export_pretrained(args.checkpoint, args.out_dir))
+    except ckptd.CkptdError as exc:
+        print(f"ckptd: {exc}", file=sys.stderr)
+        return 2
+    except subprocess.CalledProcessError as exc:  # ``ckptd export`` said why on stderr already
+        return exc.returncode
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,3 +181,67 @@ def test_a_trainer_killed_between_two_persists_resumes_bitwise_from_its_memory_s
     assert "trained to step 8" in resumed
     assert same_weights(tmp_path / "ref.pt", tmp_path / "resumed.pt") == []
     assert checkpoints(killed) == ["checkpoint-4", "checkpoint-8"]
+
+
+@pytest.mark.timeout(600)
+def test_a_run_switched_from_the_trainers_own_checkpoints_resumes_from_them_and_never_saves_over_them(
+        daemon, root: Path, tmp_path: Path) -> None:
+    """A run that saved with ``transformers.Trainer`` to step 6 (its own files: checkpoint-3 and 6) switches to
+    ``CkptdTrainer``: ``resume_from_checkpoint=True`` takes the Trainer's newest own checkpoint (the ckptd one
+    alone would find none), resumes through the Trainer's own loaders and ends bitwise as a run that saved through
+    ckptd from the start (to 6, then resumed to 9: the learning rate schedule is the 6-step run's in both);
+    checkpoint-9 is ckptd's. A fresh run into a directory holding a Trainer's own checkpoint-3 fails at that
+    save, naming it, and writes nothing there (it failed one save later, with the save refused by the daemon)."""
+    common = ("--max-steps", "9", "--save-steps", "3")
+    ok(run(daemon, tmp_path, "unused", "--output-dir", str(root / "ref3"), "--max-steps", "6", "--save-steps", "3"))
+    ok(run(daemon, tmp_path, "ref", "--output-dir", str(root / "ref3"), *common))  # ckptd's own 6, then 9
+    switched = root / "switched"
+    ok(run(daemon, tmp_path, "unused", "--plain", "--output-dir", str(switched), "--max-steps", "6",
+           "--save-steps", "3"))
+    assert checkpoints(switched) == ["checkpoint-3", "checkpoint-6"]
+    assert not (switched / "checkpoint-6" / "ckptd.json").exists()  # the Trainer's own files
+    ok(run(daemon, tmp_path, "switched", "--resume", "--output-dir", str(switched), *common))
+    assert same_weights(tmp_path / "ref.pt", tmp_path / "switched.pt") == []
+    assert (switched / "checkpoint-9" / "ckptd.json").is_file() and checkpoints(switched) == [
+        "checkpoint-3", "checkpoint-6", "checkpoint-9"]
+
+    clash = root / "clash"
+    clash.mkdir()
+    shutil.copytree(switched / "checkpoint-3", clash / "checkpoint-3")
+    before = sorted(p.name for p in (clash / "checkpoint-3").iterdir())
+    failed = run(daemon, tmp_path, "unused", "--output-dir", str(clash), "--max-steps", "3", "--save-steps", "3")
+    assert failed.returncode != 0
+    assert f"{clash / 'checkpoint-3'} exists and is not a ckptd checkpoint" in failed.stderr, failed.stderr[-3000:]
+    assert sorted(p.name for p in (clash / "checkpoint-3").iterdir()) == before
+
+
+def test_the_mixin_after_the_trainer_among_the_bases_is_refused_when_the_class_is_defined() -> None:
+    """Placed after ``Trainer``, the mixin's methods never run: the checkpoints would silently be the Trainer's own
+    files. The class is refused instead, saying where to put it."""
+    from transformers import Trainer
+
+    from ckptd.integrations.hf import CkptdTrainerMixin
+
+    with pytest.raises(TypeError, match="put CkptdTrainerMixin before the Trainer class"):
+        type("Backwards", (Trainer, CkptdTrainerMixin), {})
+
+    class Forwards(CkptdTrainerMixin, Trainer):
+        pass
+    assert Forwards.__mro__.index(CkptdTrainerMixin) < Forwards.__mro__.index(Trainer)
+
+
+def test_the_export_of_a_bad_path_or_a_snapshot_held_in_memory_says_why_without_a_traceback(
+        daemon, root: Path, tmp_path: Path) -> None:
+    env = dict(os.environ, CKPTD_RUN_DIR=str(daemon.run_dir))
+    client = ckptd.Client(run_dir=daemon.run_dir, spawn=False)
+    try:
+        client.save_async({"model": {"w": torch.ones(4)}, "trainer_state": "{}"}, root / "held" / "checkpoint-7",
+                          step=7, persist=False).result(60)
+        for source, says in ((root / "nowhere", "no checkpoint"),
+                             (root / "held" / "checkpoint-7", "is held in node memory only")):
+            done = subprocess.run([sys.executable, "-m", "ckptd.integrations.hf", "export", str(source),
+                                   str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True,
+                                  timeout=120)
+            assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    finally:
+        client.close()

@@ -8,6 +8,8 @@ Run as the example is (``python tests/hf/trainer.py ...`` or under torchrun), wi
   the test's fault kills at the shard's write: the process waits for that failure first. On two, the other
   process's shard of checkpoint-N is on disk and this process never hands its own over;
 - ``--die-after-snapshot N``: after the memory snapshot of step N is held, process 0 dies by SIGKILL;
+- ``--plain``: train with ``transformers.Trainer`` itself (its own checkpoint files), as a run before it switched;
+- ``--resume``: ``resume_from_checkpoint=True`` whatever ``ckptd.latest`` finds (the example asks it first);
 - ``--best-first``: evaluate at every save with a metric whose best is the first evaluation, keep the best
   checkpoint and load it at the end (``load_best_model_at_end``).
 """
@@ -38,6 +40,8 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--die-rank", type=int, default=0)
     parser.add_argument("--die-after-snapshot", type=int, default=-1)
     parser.add_argument("--best-first", action="store_true")
+    parser.add_argument("--plain", action="store_true")
+    parser.add_argument("--resume", action="store_true")
     return parser.parse_known_args()
 
 
@@ -94,6 +98,19 @@ if __name__ == "__main__":
             return int(REST[REST.index("--save-steps") + 1])
 
         example.arguments = arguments
-    trainer = example.main(Trainer, REST, **extra)
+    trainer_class: type = Trainer
+    if OPTIONS.plain:
+        import transformers
+
+        class Own(transformers.Trainer):  # the run before the switch: the Trainer's own checkpoint files
+            def __init__(self, *args: Any, memory_steps: int = 0, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+        trainer_class = Own
+    elif OPTIONS.resume:
+        class Resuming(Trainer):
+            def train(self, resume_from_checkpoint: Any = None, **kwargs: Any) -> Any:
+                return super().train(resume_from_checkpoint=True, **kwargs)
+        trainer_class = Resuming
+    trainer = example.main(trainer_class, REST, **extra)
     if trainer.args.process_index == 0:
         torch.save({k: v.clone() for k, v in trainer.model.state_dict().items()}, OPTIONS.final)
