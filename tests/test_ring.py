@@ -35,7 +35,12 @@ from ckptd.protocol.messages import (
 )
 from ckptd.protocol.peer_messages import PEER_TYPES
 
-from helpers import Daemon, ckptd_cli, free_port, raw_socket, short_tempdir, start_daemon, wait_for_ranks, wait_until
+from ckptd.protocol.endpoint import endpoint_for, running_daemon_pid
+from ckptd.protocol.request import answers
+
+from helpers import (
+    Daemon, ckptd_cli, free_port, raw_socket, short_tempdir, start_daemon, status, wait_for_ranks, wait_until,
+)
 from node_trainer import report_and_train_on, resume, snapshot, state
 from zygote import start_ranks
 
@@ -371,3 +376,127 @@ def test_a_node_without_a_peer_endpoint_leaves_the_job_with_no_ring_and_its_rank
     finally:
         listening.kill()
         plain.kill()
+
+
+# --------------------------------------------------------------------------- daemons spawned by the ranks' clients
+
+
+def _spawning_rank(rank: int, init_file: str, run_dirs: list[str], endpoints: list[str], root: str, out: str,
+                   snapshots: list[int]) -> None:
+    """One trainer on a node where nothing was started by hand: the node's environment names its run directory,
+    its roots and its peer endpoint (``CKPTD_PEER_LISTEN``), and the rank's client spawns the daemon."""
+    os.environ.update(CKPTD_RUN_DIR=run_dirs[rank], CKPTD_ROOTS=root, CKPTD_PEER_LISTEN=endpoints[rank])
+    os.environ.pop("CKPTD_FAULTS", None)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=NODES)
+    log: dict[str, Any] = {}
+    try:
+        client = ckptd.Client(spawn=True, commit_timeout=60, timeout=10, heartbeat=0.2)
+        log["ring"] = client.ring
+        resume(rank, root, run_dirs[rank], log)
+        snapshot(client, rank, root, snapshots)
+        log["saved"] = snapshots
+    except BaseException:
+        log["crash"] = traceback.format_exc()
+    report_and_train_on(out, rank, log)
+
+
+def _daemon_pid(run_dir: Path) -> int | None:
+    return running_daemon_pid(endpoint_for(run_dir))
+
+
+def _dead(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@dataclass
+class SpawnedNodes:
+    """Three nodes whose daemons the ranks' clients spawn, each told its peer endpoint by ``CKPTD_PEER_LISTEN``."""
+
+    root: Path
+    work: Path
+    run_dirs: list[Path] = field(default_factory=list)
+    endpoints: list[str] = field(default_factory=list)
+    every_run_dir: list[Path] = field(default_factory=list)
+    jobs: int = 0
+
+    def new(self, node: int) -> None:
+        """A new node ``node``: a run directory of its own (no daemon in it yet) and a port of its own."""
+        run_dir, endpoint = short_tempdir(f"cks{node}-"), f"tcp://127.0.0.1:{free_port()}"
+        if node < len(self.run_dirs):
+            self.run_dirs[node], self.endpoints[node] = run_dir, endpoint
+        else:
+            self.run_dirs.append(run_dir)
+            self.endpoints.append(endpoint)
+        self.every_run_dir.append(run_dir)
+
+    def status(self, node: int) -> dict[str, Any]:
+        return status(self.run_dirs[node])
+
+    def job(self, snapshots: list[int]) -> tuple[Any, list[dict[str, Any]]]:
+        self.jobs += 1
+        out = self.work / f"job-{self.jobs}"
+        out.mkdir()
+        args = (str(out / "init"), [str(d) for d in self.run_dirs], self.endpoints, str(self.root), str(out), snapshots)
+        ctx = start_ranks(_spawning_rank, args, NODES)
+        wait_for_ranks(out, "done", NODES, ctx, time.monotonic() + 240, "the job's ranks did not finish saving")
+        logs = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(NODES)]
+        for log in logs:
+            assert "crash" not in log, log["crash"]
+        return ctx, logs
+
+    def lose(self, node: int) -> None:
+        """The node's daemon is killed outright, and everything it held in memory with it."""
+        pid = _daemon_pid(self.run_dirs[node])
+        assert pid is not None, f"no daemon runs in {self.run_dirs[node]}"
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: _dead(pid), 30, f"the daemon of node {node} (pid {pid}) to die")
+        assert _daemon_pid(self.run_dirs[node]) is None
+        assert not answers(endpoint_for(self.run_dirs[node]), timeout=1.0)
+
+    def close(self) -> None:
+        """Every daemon spawned here is stopped (or, failing that, killed)."""
+        for run_dir in self.every_run_dir:
+            pid = _daemon_pid(run_dir)
+            if pid is None:
+                continue
+            ckptd_cli("stop", "--run-dir", str(run_dir), timeout=60)
+            if not _dead(pid):
+                os.kill(pid, signal.SIGKILL)
+                wait_until(lambda: _dead(pid), 30, f"the spawned daemon {pid} to die")
+
+
+def test_clients_spawn_daemons_with_a_peer_endpoint_from_the_environment_and_a_node_lost_whole_resumes_bitwise_from_its_buddy(
+        root: Path, tmp_path: Path) -> None:
+    """``CKPTD_PEER_LISTEN`` is all a node needs: each rank's client spawns its node's daemon, which opens its peer
+    endpoint, the ranks set the ring, and a node lost whole (daemon and trainer) is replaced by a new node (another
+    run directory and port, its daemon spawned the same way) whose rank resumes bitwise from its buddy."""
+    nodes = SpawnedNodes(root, tmp_path)
+    try:
+        for node in range(NODES):
+            nodes.new(node)
+        ctx, logs = nodes.job(snapshots=[10, 20])
+        assert [log["ring"] for log in logs] == [{"nodes": NODES, "ring": nodes.endpoints, "refused": []}] * NODES
+        for node in range(NODES):
+            spawned = nodes.status(node)
+            assert spawned["peers"]["buddy"] == nodes.endpoints[(node + 1) % NODES]
+            held = [(Path(r["path"]).name, r["ranks_held"]) for r in
+                    status(nodes.run_dirs[(node + 1) % NODES])["peers"]["replicas_held"]["held"]]
+            assert held == [("step-20", [node])]
+        nodes.lose(1)
+        _kill_job(ctx)
+
+        nodes.new(1)  # the replacement: nothing runs in its run directory until its rank's client spawns it
+        assert _daemon_pid(nodes.run_dirs[1]) is None
+        ctx, logs = nodes.job(snapshots=[30])
+        assert [(log["resumed"], log["step"], log["bitwise"]) for log in logs] == [(str(root / "step-20"), 20, True)] * 3
+        assert list(root.iterdir()) == []  # never on disk: every byte came from node memory
+        assert "event=snapshot_restored" in (nodes.run_dirs[1] / LOG).read_text()
+        assert nodes.status(0)["peers"]["buddy"] == nodes.endpoints[1]
+        _kill_job(ctx)
+    finally:
+        nodes.close()

@@ -56,3 +56,21 @@ def test_the_help_quotes_the_configs_defaults() -> None:
         if default:
             assert f"(default {default})" in flat, option.flag
     assert "(default 60)" in flat and "(default remove)" in flat
+
+
+def test_ckptd_peer_listen_is_the_default_of_peer_listen_passed_on_by_a_detached_start_and_a_flag_wins(
+        tmp_path: Path, monkeypatch) -> None:
+    """A daemon a client spawns inherits the client's environment: ``CKPTD_PEER_LISTEN`` opens its peer endpoint."""
+    root = ["--root", str(tmp_path)]
+    monkeypatch.setenv("CKPTD_PEER_LISTEN", "tcp://127.0.0.1:47100")
+    from_env = DaemonConfig(run_dir=tmp_path / "run", **config_kwargs(_start_args(root)))
+    assert from_env.peer_listen == "tcp://127.0.0.1:47100" and from_env.replicas == 1
+    assert detached_argv(from_env, _start_args(root))[-2:] == ["--peer-listen", "tcp://127.0.0.1:47100"]
+    flag = [*root, "--peer-listen", "tcp://127.0.0.1:47101"]
+    given = DaemonConfig(run_dir=tmp_path / "run", **config_kwargs(_start_args(flag)))
+    assert given.peer_listen == "tcp://127.0.0.1:47101"
+    assert "tcp://127.0.0.1:47100" not in detached_argv(given, _start_args(flag))
+    monkeypatch.setenv("CKPTD_PEER_LISTEN", "")
+    unset = DaemonConfig(run_dir=tmp_path / "run", **config_kwargs(_start_args(root)))
+    assert unset.peer_listen is None and unset.replicas == 0
+    assert "--peer-listen" not in detached_argv(unset, _start_args(root))

@@ -112,8 +112,10 @@ class DaemonConfig:
     persist_on_exit: str = "newest"
     """When the last client of a snapshot's ranks closes or dies, ``newest``
     persists its newest snapshot not yet on disk; ``never`` leaves it in memory only."""
-    peer_listen: str | None = None
-    """``tcp://HOST:PORT`` where other nodes' daemons reach this one (``ckptd/peers``); None opens no TCP port."""
+    peer_listen: str | None = field(default_factory=lambda: os.environ.get("CKPTD_PEER_LISTEN") or None)
+    """``tcp://HOST:PORT`` where other nodes' daemons reach this one (``ckptd/peers``); None opens no TCP port.
+    Default: ``$CKPTD_PEER_LISTEN``, so a daemon a client spawns (which inherits the client's environment) opens it
+    too; unset or empty, None."""
     peers: tuple[str, ...] = ()
     """Other nodes' peer endpoints (``--peer``, repeatable): the first is this node's buddy, which holds a replica
     of every snapshot held here; all of them are asked when this node restores one it lost."""

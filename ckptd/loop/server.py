@@ -351,8 +351,8 @@ class Server:
         idle_limit = self.config.exit_when_idle
         if idle_limit is None:
             return False
-        if not self.state.idle or self._busy():
-            self._idle_since = time.monotonic()
+        if not self.state.idle or self._busy() or (self.replicas is not None and self.replicas.holds_any):
+            self._idle_since = time.monotonic()  # replicas held for peers keep it, as its own snapshots do
             return False
         if time.monotonic() - self._idle_since >= idle_limit:
             log.info("event=idle_exit idle_s=%.0f", idle_limit)

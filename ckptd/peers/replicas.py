@@ -158,6 +158,12 @@ class ReplicaBook:
         """The endpoint the peer keys file names for an origin's key (None: none), for status."""
 
     @property
+    def holds_any(self) -> bool:
+        """Whether a replica is held or being received: a peer may still need it (its node lost), so a daemon
+        that exits when idle (a spawned one) must not take it along."""
+        return bool(self.held or self.incoming)
+
+    @property
     def nbytes(self) -> int:
         """What the memory budget counts of replicas: held and incoming."""
         return sum(r.nbytes for r in (*self.held.values(), *self.incoming.values()))

@@ -176,7 +176,8 @@ START_OPTIONS: tuple[StartOption, ...] = (
     StartOption("--keep-snapshots", "keep_snapshots", "newest memory snapshots kept per checkpoint directory",
                 positive_int, "K"),
     StartOption("--peer-listen", "peer_listen", "open the peer endpoint for other nodes' daemons (CurveZMQ; "
-                "without it no TCP port is opened); alone, the job's ranks name the peers and the buddy", str,
+                "default $CKPTD_PEER_LISTEN; without either no TCP port is opened); alone, the job's ranks name the "
+                "peers and the buddy", str,
                 "tcp://HOST:PORT"),
     StartOption("--peer", "peers", "another node's peer endpoint (repeatable): the first is the buddy that holds a "
                 "replica of every snapshot (it wins over the ranks' ring)", str, "tcp://HOST:PORT", repeated=True),
@@ -189,7 +190,7 @@ START_OPTIONS: tuple[StartOption, ...] = (
     StartOption("--persist-on-exit", "persist_on_exit", "when a trainer closes or dies, write its newest snapshot "
                 "to disk", choices=("newest", "never")),
 )
-ALWAYS_PASSED = frozenset({"roots"})
+ALWAYS_PASSED = frozenset({"roots", "peer_listen"})
 """Fields a detached start always passes on: their default is read from the parent's environment."""
 
 
