@@ -7,7 +7,8 @@ new key at a new port, whose ranks resume bitwise from its buddy's memory once t
 keys again. Nothing is ever on disk: the daemons run ``--persist-on-exit never`` and the checkpoint directory stays
 empty. Beside it, with hand-made requests on a daemon's own socket: a bad ring is refused naming what is wrong, keys
 are taken only from a rank of the run the ring names, a daemon without ``--peer-listen`` ignores a ring, and a
-static ``--peer`` wins over the ring's buddy.
+static ``--peer`` wins over the ring's buddy. And the same with nothing started by hand: each rank's client spawns
+its node's daemon, whose peer endpoint comes from ``CKPTD_PEER_LISTEN`` in the rank's environment.
 """
 
 from __future__ import annotations
