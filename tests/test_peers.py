@@ -188,13 +188,7 @@ def test_one_node_restored_from_its_buddy_resumes_and_its_next_snapshot_replaces
     pair = _pair(root, tmp_path, origin_extra=never)
     state = {"w": torch.randn(1000), "step": 1}
     try:
-        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
-        client.save_async(state, root / "step-1", step=1, persist=False).wait_replicated(60)
-        client.close()
-        new_dir = _replace_origin(pair, *never)
-        assert ckptd.latest(root, run_dir=new_dir) == root / "step-1"
-        back = {"w": torch.zeros(1000), "step": 0}
-        ckptd.load_into(back, root / "step-1", run_dir=new_dir)
+        new_dir, back = _lost_and_restored(pair, root, state, never)
         assert torch.equal(back["w"], state["w"]) and back["step"] == 1 and not (root / "step-1").exists()
         client = ckptd.Client(run_dir=new_dir, spawn=False)
         client.save_async({**back, "step": 2}, root / "step-2", step=2, persist=False).wait_replicated(60)
@@ -205,6 +199,20 @@ def test_one_node_restored_from_its_buddy_resumes_and_its_next_snapshot_replaces
         pair.kill()
 
 
+def _lost_and_restored(pair: Any, root: Path, state: dict[str, Any], extra: tuple[str, ...]
+                       ) -> tuple[Path, dict[str, Any]]:
+    """``state`` snapshotted at ``root/step-1`` on the origin and replicated, the origin lost and replaced (its
+    daemon started with ``extra``): the replacement's run directory, and the state it loaded back from the buddy."""
+    client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+    client.save_async(state, root / "step-1", step=1, persist=False).wait_replicated(60)
+    client.close()
+    new_dir = _replace_origin(pair, *extra)
+    assert ckptd.latest(root, run_dir=new_dir) == root / "step-1"
+    back = {"w": torch.zeros_like(state["w"]), "step": 0}
+    ckptd.load_into(back, root / "step-1", run_dir=new_dir)
+    return new_dir, back
+
+
 @pytest.mark.timeout(120)
 def test_a_shard_of_more_pieces_than_a_restore_asks_for_at_once_comes_back_bitwise(root: Path, tmp_path: Path) -> None:
     """The restore asks for ``FETCH_WINDOW`` pieces of ``FETCH_PIECE`` ahead and writes each where it belongs: a
@@ -213,13 +221,7 @@ def test_a_shard_of_more_pieces_than_a_restore_asks_for_at_once_comes_back_bitwi
     pair = _pair(root, tmp_path, origin_extra=never)
     state = {"w": torch.randn((FETCH_PIECE * (FETCH_WINDOW + 2) + 4100) // 4), "step": 1}
     try:
-        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
-        client.save_async(state, root / "step-1", step=1, persist=False).wait_replicated(60)
-        client.close()
-        new_dir = _replace_origin(pair, *never)
-        assert ckptd.latest(root, run_dir=new_dir) == root / "step-1"
-        back = {"w": torch.zeros_like(state["w"]), "step": 0}
-        ckptd.load_into(back, root / "step-1", run_dir=new_dir)
+        new_dir, back = _lost_and_restored(pair, root, state, never)
         assert torch.equal(back["w"], state["w"]) and back["step"] == 1
         assert "event=snapshot_restored" in (new_dir / LOG).read_text()
     finally:

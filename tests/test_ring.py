@@ -207,13 +207,20 @@ def test_a_daemon_without_peer_listen_ignores_a_ring_and_a_static_peer_wins_over
 def _rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: str, snapshots: list[int]) -> None:
     """One trainer: its client sets the ring with the others', it resumes from the newest checkpoint and takes
     memory snapshots, each replicated, then stays alive (as a trainer does) until its job is killed."""
+    _train(rank, init_file, run_dirs[rank], root, out, snapshots, run_dir=run_dirs[rank], spawn=False)
+
+
+def _train(rank: int, init_file: str, node_dir: str, root: str, out: str, snapshots: list[int],
+           **client: Any) -> None:
+    """A rank's life, whoever starts its daemon (the one of run directory ``node_dir``): its client (made with
+    ``client``) sets the ring, it resumes, snapshots, and trains on until its job is killed."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=NODES)
     log: dict[str, Any] = {}
     try:
-        client = ckptd.Client(run_dir=run_dirs[rank], spawn=False, commit_timeout=60, timeout=10, heartbeat=0.2)
-        log["ring"] = client.ring
-        resume(rank, root, run_dirs[rank], log)
-        snapshot(client, rank, root, snapshots)
+        client_ = ckptd.Client(commit_timeout=60, timeout=10, heartbeat=0.2, **client)
+        log["ring"] = client_.ring
+        resume(rank, root, node_dir, log)
+        snapshot(client_, rank, root, snapshots)
         log["saved"] = snapshots
     except BaseException:
         log["crash"] = traceback.format_exc()
@@ -388,17 +395,7 @@ def _spawning_rank(rank: int, init_file: str, run_dirs: list[str], endpoints: li
     its roots and its peer endpoint (``CKPTD_PEER_LISTEN``), and the rank's client spawns the daemon."""
     os.environ.update(CKPTD_RUN_DIR=run_dirs[rank], CKPTD_ROOTS=root, CKPTD_PEER_LISTEN=endpoints[rank])
     os.environ.pop("CKPTD_FAULTS", None)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=NODES)
-    log: dict[str, Any] = {}
-    try:
-        client = ckptd.Client(spawn=True, commit_timeout=60, timeout=10, heartbeat=0.2)
-        log["ring"] = client.ring
-        resume(rank, root, run_dirs[rank], log)
-        snapshot(client, rank, root, snapshots)
-        log["saved"] = snapshots
-    except BaseException:
-        log["crash"] = traceback.format_exc()
-    report_and_train_on(out, rank, log)
+    _train(rank, init_file, run_dirs[rank], root, out, snapshots, spawn=True)
 
 
 def _daemon_pid(run_dir: Path) -> int | None:
