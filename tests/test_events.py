@@ -39,3 +39,19 @@ def test_a_subscriber_that_raises_is_logged_and_the_next_one_still_runs(caplog: 
     assert told == ["budget"]
     assert "event=subscriber_failed kind=SnapshotDropped path=/c/m" in caplog.text
     assert "a defect in one reaction" in caplog.text
+
+
+def test_a_subscriber_that_raises_is_handed_to_the_defect_hook_not_swallowed() -> None:
+    """The daemon's hook records it as an internal error (``ckptd status`` shows it); the next subscriber still
+    runs."""
+    defects: list[BaseException] = []
+    events, told = Events(defect=defects.append), []
+
+    def broken(event: Committed) -> None:
+        raise KeyError("a defect in one reaction")
+
+    events.subscribe(Committed, broken)
+    events.subscribe(Committed, lambda e: told.append(e.path))
+    events.publish(Committed(Path("/c/a"), 1, 10, 0.5, None))
+    assert told == [Path("/c/a")]
+    assert [type(d) for d in defects] == [KeyError]

@@ -9,11 +9,13 @@ a new reaction is one more subscription, not another hook inside the pipeline.
 
 Handlers run on the loop thread, synchronously and in the order they
 subscribed, after the lifecycle has answered the ranks. A handler that raises
-is logged and the others still run: a defect in one reaction can neither undo
-a commit nor keep the next reaction from happening. So nothing anyone waits
-on is ended by a handler: the persist of a held snapshot ends through a direct
-call from the save pipeline (``Saves.persist_ended``), which answers its
-waiters even when it fails.
+is a defect: it is logged with its traceback and handed to ``defect`` (the
+daemon's: an internal error in ``ckptd status``'s recent errors and count),
+never swallowed, and the others still run: a defect in one reaction can
+neither undo a commit nor keep the next reaction from happening. So nothing
+anyone waits on is ended by a handler: the persist of a held snapshot ends
+through a direct call from its disk attempt's end (``HeldBytes.ended``),
+which answers its waiters even when it fails.
 """
 
 from __future__ import annotations
@@ -89,8 +91,10 @@ E = TypeVar("E", Committed, Failed, SnapshotHeld, SnapshotDropped, Deleted)
 class Events:
     """Subscriptions by event type; ``publish`` calls each of the type's handlers (loop thread only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, defect: Callable[[BaseException], None] = lambda exc: None) -> None:
         self._handlers: defaultdict[type, list[Callable[[Event], None]]] = defaultdict(list)
+        self._defect = defect
+        """Told of each handler that raised, after it is logged (the daemon records it as an internal error)."""
 
     def subscribe(self, kind: type[E], handler: Callable[[E], None]) -> None:
         self._handlers[kind].append(handler)  # type: ignore[arg-type]
@@ -102,3 +106,4 @@ class Events:
             except Exception as exc:  # one reaction's defect must not stop the others
                 log.error("event=subscriber_failed kind=%s path=%s handler=%r error=%r", type(event).__name__,
                           event.path, handler, exc, exc_info=exc)
+                self._defect(exc)

@@ -82,9 +82,9 @@ class PendingCheckpoint(Attempt):
     entry: ClassVar[AttemptState] = AttemptState.PREPARING
     owns_directory: bool = False
     """Whether ``prepare`` made ``p.incomplete`` for this attempt: only then may a failure remove it."""
-    snapshot: HeldSnapshot | None = None
-    """The held memory snapshot this attempt writes to disk (its ``persisting``; ``Saves.persist``): the
-    daemon's own attempt, which no client's save joins, nor it one; each shard must keep its held checksum."""
+    held: HeldBytes | None = None
+    """Set when this attempt writes bytes the daemon already holds: the PERSISTING phase of a memory snapshot's
+    own attempt (``Saves.persist``), which no client's save joins, nor it one."""
 
     @property
     def arrived(self) -> set[int]:
@@ -122,7 +122,7 @@ class PendingCheckpoint(Attempt):
         files = tuple(self.shards[r] for r in sorted(self.shards))
         # a persisted snapshot was acknowledged when it was held: ordered by when a persist ran, it would outrank a
         # checkpoint committed after it (retention and ``latest`` order by step, then by this time)
-        created = self.snapshot.created if self.snapshot is not None else time.time()
+        created = self.held.created if self.held is not None else time.time()
         return CheckpointIndex(world_size=self.world_size, step=self.step, created=created, files=files,
                                tensors=tensors or {}, keep_last=self.keep_last)
 
@@ -133,6 +133,22 @@ FAILED_MEMORY_S = 600.0
 A late rank is by definition late by more than the timeout that failed its
 checkpoint, so remembering the failure only that long would make it start a
 fresh checkpoint and blame the ranks that did commit."""
+
+
+@dataclass(frozen=True)
+class HeldBytes:
+    """What a disk attempt that writes bytes the daemon already holds carries, instead of a back-pointer to
+    what holds them: the attempt is the PERSISTING phase of a memory snapshot's own attempt, and the disk
+    pipeline needs only these three things of it."""
+
+    created: float
+    """When the bytes were acknowledged as held: the checkpoint's time. Ordered by when the persist ran, it would
+    outrank a checkpoint committed after it (retention and ``latest`` order by step, then by this time)."""
+    checksums: Mapping[int, int]
+    """Each rank's checksum when held: a write that reads other bytes fails (they changed in node memory)."""
+    ended: Callable[[CkptdError | None], None]
+    """Told once how the write ended (None: committed), directly from the attempt's end (``Saves.ended``), before
+    any event: a subscriber can neither keep it from being told nor be the one who tells it."""
 
 
 @dataclass
@@ -183,7 +199,7 @@ class Commits:
                 path=final, backend=backend, world_size=commit.world_size, step=commit.step, overwrite=commit.overwrite,
                 coordinated=commit.coordinated, keep_last=commit.keep_last, timeout=commit.timeout,
                 contributors=Contributors(commit.job)))
-        if pending.snapshot is not None:
+        if pending.held is not None:
             raise Conflict(f"the daemon is writing its memory snapshot of {display(final)} to disk there now; save "
                            f"again once that is done (client.persist({display(final)!r}) returns then), or save "
                            f"under another path")
@@ -193,9 +209,10 @@ class Commits:
         pending.writing += 1
         return pending, pending.incomplete / shard_name(commit.rank, commit.world_size)
 
-    def begin_persist(self, snap: HeldSnapshot) -> PendingCheckpoint:
+    def begin_persist(self, snap: HeldSnapshot, ended: Callable[[CkptdError | None], None]) -> PendingCheckpoint:
         """The disk attempt that persists held snapshot ``snap``, every rank in: with the snapshot's own
-        ``overwrite`` and ``keep_last`` (persisting is the disk save it stood in for), ``preparing``."""
+        ``overwrite`` and ``keep_last`` (persisting is the disk save it stood in for), ``preparing``; ``ended`` is
+        told how it ends (``HeldBytes``)."""
         final = snap.path
         if final in self.pending:
             raise Conflict(f"a save of {display(final)} is being written; the memory snapshot of that path is not "
@@ -203,7 +220,8 @@ class Commits:
         first = snap.shards[min(snap.shards)].msg
         return self.registry.open(self.pending, PendingCheckpoint(
             path=final, backend=snap.backend, world_size=snap.world_size, step=snap.step, overwrite=first.overwrite,
-            keep_last=first.keep_last, contributors=Contributors(snap.contributors.job), snapshot=snap,
+            keep_last=first.keep_last, contributors=Contributors(snap.contributors.job),
+            held=HeldBytes(snap.created, {rank: shard.checksum for rank, shard in snap.shards.items()}, ended),
             ranks_seen=set(snap.shards), writing=len(snap.shards)))
 
     def _refuse_late_rank_of_failed(self, final: Path, commit: StagedShard) -> None:

@@ -71,7 +71,6 @@ class Holding:
         self.send, self.saves, self.events = send, saves, events
         self.registry = state.attempts
         """The registry: the only way a snapshot moves or ends."""
-        saves.persist_ended = self.persist_ended
         self.snapshots = state.snapshots
         self.drain_failures: list[str] = []
         """Snapshots the drain could not persist (path: why), for the log and ``ckptd stop``."""
@@ -460,7 +459,7 @@ class Holding:
             if there:
                 self._committed_by_another(snap)
             elif newer is None:
-                self.saves.persist(snap, space)
+                self.saves.persist(snap, space, lambda error: self.persist_ended(snap, error))
             else:
                 self._outranked(snap, newer)
 
@@ -521,7 +520,7 @@ class Holding:
 
     def persist_ended(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
         """The write of ``snap`` to disk committed (``error`` None) or failed: the save pipeline calls this
-        directly (``Saves.persist_ended``), as do the persist's own checks before it.
+        directly (its attempt's ``HeldBytes.ended``), as do the persist's own checks before it.
 
         A defect here is an internal error its persist's waiters are told,
         and the snapshot is held again (a drain, an exit or a ``persist()``

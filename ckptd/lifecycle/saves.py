@@ -79,9 +79,6 @@ class Saves:
         """Told when a checkpoint commits or fails: stats, the mirror, retention and the memory tier react."""
         self._discards: dict[Path, int] = {}
         """Failed removals of attempts, by path: how many so far."""
-        self.persist_ended: Callable[[HeldSnapshot, CkptdError | None], None] = _no_memory_tier
-        """How the write of a held snapshot to disk ends: the memory tier's (``Holding.persist_ended``), called
-        directly, not through an event, so the snapshot and its waiters learn it whatever a subscriber does."""
         self._looking = False
         """Whether housekeeping's look for settled attempts that ended elsewhere is in flight (``_let_go_ended``)."""
         self._next_look = 0.0
@@ -141,7 +138,7 @@ class Saves:
         """
         state, final = self.state, examined.final
         current = state.commits.pending.get(final)
-        if current is not None and current.snapshot is None:
+        if current is not None and current.held is None:
             if not self.registry.end_orphaned(current):
                 self._let_go_unclaimed(current)
             if current.settled and msg.job != current.contributors.job and not looked:
@@ -178,25 +175,24 @@ class Saves:
         self.send(ident, Accepted(msg.id))
         self._queue(job, pending)
 
-    def persist(self, snap: HeldSnapshot, space: Space) -> None:
+    def persist(self, snap: HeldSnapshot, space: Space, ended: Callable[[CkptdError | None], None]) -> None:
         """Write held snapshot ``snap`` to disk (``space``: its parent's room): the disk side of its ``persisting``.
 
         Its shards are already in the daemon's slots, so nothing is admitted
         rank by rank: one attempt with every rank in (``Commits.begin_persist``),
-        refused or failed as a whole (``Failed``, and the snapshot is held
-        again), even while draining; each shard must write with the checksum
-        it was held with. Its outcome reaches the memory tier directly
-        (``persist_ended``), then the subscribers as ``Committed`` or
-        ``Failed``, like any save's.
+        refused or failed as a whole, even while draining; each shard must
+        write with the checksum it was held with (``HeldBytes``). ``ended``
+        (the memory tier's) is told how it ended, once, directly; then the
+        subscribers learn it as ``Committed`` or ``Failed``, like any save's.
         """
         state, final = self.state, snap.path
-        if state.commits.wait_for_cleanup(final, lambda: self.persist(snap, space)):
+        if state.commits.wait_for_cleanup(final, lambda: self.persist(snap, space, ended)):
             return
         try:
             self._check_room(final, space, snap.nbytes)
-            pending = state.commits.begin_persist(snap)
+            pending = state.commits.begin_persist(snap, ended)
         except BaseException as exc:
-            self.persist_ended(snap, as_error(state.stats, exc))
+            ended(as_error(state.stats, exc))
             return
         log.info("event=admitted path=%s ranks=%d bytes=%d persist=true", final, len(snap.shards), snap.nbytes)
         for rank, shard in sorted(snap.shards.items()):
@@ -263,11 +259,11 @@ class Saves:
         self.state.finish_job(job)
         exc = fut.exception() if fut is not None else None
         record: ShardRecord | None = fut.result() if fut is not None and exc is None else None
-        held = pending.snapshot.shards.get(job.msg.rank) if pending.snapshot is not None else None
-        if record is not None and held is not None and record.checksum != held.checksum:
+        held = pending.held.checksums.get(job.msg.rank) if pending.held is not None else None
+        if record is not None and held is not None and record.checksum != held:
             exc, record = WriteFailed(
                 f"rank {job.msg.rank} of snapshot {pending.path} changed in node memory since the daemon held it "
-                f"(checksum {record.checksum:#010x} now, {held.checksum:#010x} when held): not persisted"), None
+                f"(checksum {record.checksum:#010x} now, {held:#010x} when held): not persisted"), None
         if record is None:
             job.state = WriteState.FAILED
             if exc is not None and pending.state is not AttemptState.FAILED:
@@ -353,10 +349,10 @@ class Saves:
             self.send(waiter.client, Done(waiter.request_id, str(pending.path), pending.shards[waiter.rank].size,
                                           seconds))
         pending.waiting = []
-        if pending.snapshot is not None:
-            self.persist_ended(pending.snapshot, None)
+        if pending.held is not None:
+            pending.held.ended(None)
         self.events.publish(Committed(pending.path, pending.step, nbytes, seconds, pending.keep_last,
-                                      snapshot=pending.snapshot is not None))
+                                      snapshot=pending.held is not None))
 
     # -- failures -------------------------------------------------------------
 
@@ -390,11 +386,11 @@ class Saves:
         self.state.commits.failed_with(pending, exc)
         log.warning("event=failed path=%s error=%s", pending.path, exc.message)
         pending.tell_failed(self.send, exc)
-        if pending.snapshot is not None:
-            self.persist_ended(pending.snapshot, exc)
+        if pending.held is not None:
+            pending.held.ended(exc)
         if pending.writing == 0:  # else the last shard to finish discards (_write_finished)
             self._discard(pending)
-        self.events.publish(Failed(pending.path, exc, snapshot=pending.snapshot is not None))
+        self.events.publish(Failed(pending.path, exc, snapshot=pending.held is not None))
 
     def _fails(self, pending: PendingCheckpoint) -> Callable[[BaseException], None]:
         """What a completion of ``pending``'s work that raised does: fail it on every waiting rank now (unless it
@@ -527,7 +523,3 @@ class Saves:
                 f"of {pending.world_size}; it waited {self.config.drain_timeout:g} s for them and "
                 f"committed nothing"))
 
-
-def _no_memory_tier(snap: HeldSnapshot, error: CkptdError | None) -> None:
-    """``Saves.persist_ended`` until a memory tier (``Holding``) takes it: no snapshot is persisted without one."""
-    raise RuntimeError(f"snapshot {snap.path} was persisted with no memory tier to tell")

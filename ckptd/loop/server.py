@@ -33,7 +33,7 @@ from ckptd.core.dispatch import Dispatch, Handler, Sender
 from ckptd.core.events import Committed, Deleted, Events, SnapshotDropped, SnapshotHeld
 from ckptd.core.keys import KeyPair, PeerKeys, Trust
 from ckptd.core.leases import Grant
-from ckptd.core.replies import error_reply
+from ckptd.core.replies import error_reply, logged
 from ckptd.core.stats import add_filesystems
 from ckptd.core.workers import Workers
 from ckptd.lifecycle.holding import Holding
@@ -69,7 +69,7 @@ class Server:
         self.workers = Workers(config.max_concurrent_writes)
         self.state = NodeState(config, storage)
         self.known_dirs = KnownDirs(storage.local, config.run_dir)
-        self.events = Events()
+        self.events = Events(defect=logged(self.state.stats))
         self.mirrors = Mirrors(storage, config.mirrors, config.mirror_keep) if config.mirrors else None
         self.saves = Saves(self.state, self.workers, storage, config, self._send, self.known_dirs, self.events)
         self.holding = Holding(self.state, self.workers, storage, config, self._send, self.saves, self.events)
