@@ -8,6 +8,8 @@ does not list (``cannot go from``, an ``InternalError``) ever happens.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from ckptd.lifecycle.attempt import ENDED, NEXT_REPLICATION, NEXT_STATES, Attemp
 from ckptd.protocol.messages import ReplicationState
 from ckptd.protocol.endpoint import LOG_NAME
 from helpers import SHM, wait_until
+from test_incarnations import RUN_1, Rank
 
 
 def test_every_state_leads_to_an_end_and_only_the_ends_lead_nowhere() -> None:
@@ -42,13 +45,18 @@ def test_a_snapshots_replication_reaches_its_buddy_again_from_every_state_it_is_
     assert all(R.OFF not in after for after in NEXT_REPLICATION.values()), "nothing goes back to not sent"
 
 
-def ended(log: str) -> list[tuple[str, str, str]]:
-    """(kind, path's name, end) of every attempt the daemon logged as ended."""
+ENDED_LINE = re.compile(r"event=attempt_ended kind=(\w+) path=(\S+) state=(.+?) why=(.*)$")
+
+
+def ended(log: str, why: bool = False) -> list[tuple[str, ...]]:
+    """(kind, path's name, end) of every attempt the daemon logged as ended, and why (``why``)."""
     rows = []
     for line in log.splitlines():
-        if "event=attempt_ended" in line:
-            fields = dict(f.split("=", 1) for f in line.split("event=attempt_ended ", 1)[1].split(" ", 2)[:2])
-            rows.append((fields["kind"], fields["path"].rsplit("/", 1)[-1], line.rsplit("state=", 1)[1]))
+        found = ENDED_LINE.search(line)
+        if found:
+            kind, path, state, reason = found.groups()
+            rows.append((kind, path.rsplit("/", 1)[-1], state, reason) if why else (kind, path.rsplit("/", 1)[-1],
+                                                                                     state))
     return rows
 
 
@@ -78,6 +86,7 @@ def test_each_way_an_attempt_ends_on_a_node_is_a_move_of_the_table(daemon_factor
     wait_until(lambda: wanted <= set(ended(log_path.read_text())), 30,
                lambda: f"every end logged; logged: {ended(log_path.read_text())}")
     assert "cannot go from" not in log_path.read_text()
+    assert ("snapshot", "s-9", "failed", "overdue") in ended(log_path.read_text(), why=True)
     assert ckptd.load(root / "shadow")["w"].tolist() == [2.0] * 4
 
 
@@ -120,3 +129,31 @@ def test_each_way_a_snapshot_is_dropped_ends_it_through_the_registry_with_its_re
     held = {s["path"] for s in daemon.status()["memory"]["snapshots"]}
     assert held == {str(root / "c" / "s-5")}, held  # the replacement, persisted on exit
     assert ckptd.load(root / "c" / "s-5", run_dir=run_dir)["w"].tolist()[:2] == [6.0, 6.0]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["wait", "wait-memory"], ids=["disk", "memory"])
+def test_an_attempt_whose_ranks_can_never_all_come_ends_failed_saying_why(daemon, root, mode) -> None:
+    """Housekeeping's three ends, for a checkpoint and a snapshot alike, each logged with its reason: a rank of
+    the run that died before it saved (``rank_died``), every contributor dead while ranks are missing
+    (``orphaned``), and (in the first test) a rank that never came within the timeout (``overdue``). The ranks
+    still waiting are told the same reason."""
+    died, orphaned = root / "died", root / "orphaned"
+    doomed = Rank(RUN_1, daemon.run_dir, died, 1, 2, 1.0, "connect-only")
+    doomed.event()
+    waiting = Rank(RUN_1, daemon.run_dir, died, 0, 2, 1.0, mode)
+    assert waiting.event()["event"] == "staged"
+    doomed.kill()
+    outcome = waiting.event()
+    assert outcome["event"] == "failed" and "died before that rank saved" in outcome["message"], outcome
+    left = Rank(RUN_1, daemon.run_dir, orphaned, 0, 2, 1.0, "hold" + mode[len("wait"):])
+    assert left.event()["event"] == "staged"
+    left.kill()  # rank 1 never comes, and no rank of the run is left to bring it
+    kind = "snapshot" if mode.endswith("memory") else "checkpoint"
+    log_path = daemon.run_dir / LOG_NAME
+    wanted = {(kind, "died", "failed", "rank_died"), (kind, "orphaned", "failed", "orphaned")}
+    wait_until(lambda: wanted <= set(ended(log_path.read_text(), why=True)), 60,
+               lambda: f"both ends logged with why; logged: {ended(log_path.read_text(), why=True)}")
+    assert "cannot go from" not in log_path.read_text()
+    wait_until(lambda: not daemon.status()["checkpoints"] and not daemon.status()["memory"]["snapshots"], 60,
+               "nothing of either attempt left in status")

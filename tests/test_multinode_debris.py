@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 import ckptd
+from ckptd.protocol.endpoint import LOG_NAME
 from helpers import short_tempdir, start_daemon, wait_for_ranks, wait_until
+from test_lifecycle import ended
 from zygote import start_ranks
 
 WORLD = 4
@@ -79,6 +81,10 @@ def test_a_multi_node_attempt_whose_job_was_killed_leaves_no_incomplete_director
         for node in (node_a, node_b):
             if node.proc.poll() is None:
                 wait_until(lambda: not node.status()["checkpoints"], 60, "no attempt left in status")
+        if daemons == "running":  # each node's part of the attempt ended let go (the registry's end, with why)
+            for node in (node_a, node_b):
+                assert ("checkpoint", "doomed", "let go", "its contributors all died") in ended(
+                    (node.run_dir / LOG_NAME).read_text(), why=True)
         assert [int(ckptd.load(root / "first", rank=r)["rank"][0]) for r in range(WORLD)] == [0, 1, 2, 3]
     finally:
         for p in ctx.processes:

@@ -11,15 +11,14 @@ and their pipelines (``saves.py``, ``holding.py``).
 
 Both kinds live by one state model (``AttemptState``, ``NEXT_STATES``):
 ``move_to`` is the only way an attempt changes state, refuses any move the
-table does not list (a defect, raised as ``InternalError``), and logs each
-end (``event=attempt_ended``).
+table does not list (a defect, raised as ``InternalError``); ``Registry.end``
+logs each end, with why (``event=attempt_ended``).
 
 Bookkeeping only, on the loop thread.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -33,7 +32,6 @@ from ckptd.protocol.objects import display
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.storage.checkpoints import Checkpoints
 
-log = logging.getLogger("ckptd")
 
 
 class AttemptState(str, Enum):
@@ -155,8 +153,6 @@ class Attempt:
         if state not in NEXT_STATES[self.state]:
             raise InternalError(f"{self.noun} {self.path} cannot go from {self.state.value} to {state.value}")
         self.state = state
-        if state in ENDED:
-            log.info("event=attempt_ended kind=%s path=%s state=%s", self.noun, self.path, state.value)
 
     @property
     def ended(self) -> bool:

@@ -22,6 +22,7 @@ Bookkeeping only, on the loop thread.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Iterator, Mapping, Protocol, Sequence, TypeVar
@@ -32,6 +33,7 @@ from ckptd.protocol.messages import ReplicationState
 from ckptd.lifecycle.attempt import ENDED, NEXT_REPLICATION, Attempt, AttemptState
 
 A = TypeVar("A", bound=Attempt)
+log = logging.getLogger("ckptd")
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,8 @@ class Registry:
         if state not in ENDED:
             raise InternalError(f"{attempt.noun} {attempt.path} cannot end in {state.value}")
         attempt.move_to(state)
+        why = reason or (type(error).__name__ if error is not None else "")
+        log.info("event=attempt_ended kind=%s path=%s state=%s why=%s", attempt.noun, attempt.path, state.value, why)
         for book in self._books:
             if book.get(attempt.path) is attempt:
                 del book._by_path[attempt.path]
@@ -145,7 +149,7 @@ class Registry:
         rank of their run can complete it. True if it ended."""
         why = attempt.orphaned()
         if why is not None:
-            self.end(attempt, AttemptState.FAILED, why)
+            self.end(attempt, AttemptState.FAILED, why, reason="orphaned")
         return why is not None
 
     def forget(self, *books: Book[A]) -> list[A]:
@@ -171,9 +175,20 @@ class Registry:
             for attempt in pipeline.attempts():
                 if attempt.ended:  # ended by an earlier one's hook this round
                     continue
-                why = attempt.overdue(now) or next(
-                    (w for d in died if (w := attempt.rank_died(d.job, d.world_size, d.rank, d.pid)) is not None),
-                    None) or attempt.orphaned()
-                if why is not None:
-                    self.end(attempt, AttemptState.FAILED, why)
+                judged = _why_it_fails(attempt, now, died)
+                if judged is not None:
+                    self.end(attempt, AttemptState.FAILED, judged[1], reason=judged[0])
             pipeline.tidy(now)
+
+
+def _why_it_fails(attempt: Attempt, now: float, died: Sequence[DeadRank]) -> tuple[str, BaseException] | None:
+    """Why housekeeping fails ``attempt`` (the end's reason, and the error its ranks are told), if it does."""
+    why: BaseException | None = attempt.overdue(now)
+    if why is not None:
+        return "overdue", why
+    for dead in died:
+        why = attempt.rank_died(dead.job, dead.world_size, dead.rank, dead.pid)
+        if why is not None:
+            return "rank_died", why
+    why = attempt.orphaned()
+    return ("orphaned", why) if why is not None else None
