@@ -16,12 +16,14 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 import ckptd
 
+from ckptd.protocol.endpoint import LOG_NAME
 from helpers import wait_until
 from snapshots import full
 from test_peers import _pair
@@ -157,3 +159,28 @@ def test_retention_after_a_persist_orders_by_step_not_by_when_the_snapshot_was_h
     wait_until(lambda: sorted(p.name for p in directory.iterdir()) == ["step-3"], 30,
                lambda: f"retention leaves only step-3: {sorted(p.name for p in directory.iterdir())}")
     assert ckptd.latest(directory) == directory / "step-3"
+
+
+
+def test_a_disk_save_committed_during_an_older_snapshots_persist_leaves_one_checkpoint_under_keep_last_1(
+        daemon_factory, client_factory, root) -> None:
+    """Step 5 held in memory, its persist stopped at its shard's fsync (the fault, proved by its log line); step 6
+    saved to disk (``keep_last=1``) commits meanwhile, its retention passing over step 5 in flight. Once step 5's
+    persist commits, its retention finds step 6 newer by step and by time: step 5 goes, as it would have had its
+    persist ended first, and only step 6 is left (both were left before)."""
+    gate = root.parent / "persist-may-go-on"
+    daemon = daemon_factory(faults=[{"op": "fsync", "match": "step-5", "errno": 0, "wait_for": str(gate)}])
+    directory, log_path = root / "run", daemon.run_dir / LOG_NAME
+    client = client_factory()
+    client.save_async(full(5), directory / "step-5", step=5, persist=False, keep_last=1).result(30)
+    with ThreadPoolExecutor(1) as pool:
+        persisting = pool.submit(client_factory().persist, directory / "step-5")
+        wait_until(lambda: "event=fault op=fsync" in log_path.read_text(), 30, "step 5's persist stopped at its fsync")
+        client.save_async(full(6), directory / "step-6", step=6, keep_last=1).result(30)
+        assert sorted(p.name for p in directory.iterdir()) == ["step-5.incomplete", "step-6"]
+        gate.touch()
+        assert persisting.result(60) == directory / "step-5"
+    wait_until(lambda: sorted(p.name for p in directory.iterdir()) == ["step-6"], 30,
+               lambda: f"retention leaves only step-6: {sorted(p.name for p in directory.iterdir())}")
+    assert ckptd.latest(directory) == directory / "step-6"
+    assert ckptd.load(directory / "step-6")["w"].tolist()[:1] == [6.0]

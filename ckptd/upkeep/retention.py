@@ -49,8 +49,12 @@ def apply_retention(storage: Checkpoints, newest: Path, keep_last: int, in_fligh
                     committed_at: float | None = None) -> list[Path]:
     """Delete committed checkpoints beside ``newest`` beyond the newest ``keep_last``.
 
-    ``newest`` (the checkpoint just committed) is never deleted, whatever its
-    step, and neither is one newer than it that committed meanwhile (this
+    ``newest`` (the checkpoint just committed) is not deleted, whatever its
+    step (a second run's first save is its newest), unless ``keep_last``
+    others are newer than it by step and by time alike: a memory snapshot
+    persisted while newer checkpoints committed beside it (its index records
+    when it was held), which had been deleted by their retention had its
+    persist ended first. Neither is one newer than it that committed meanwhile (this
     runs later, off the loop thread); neither is anything in ``in_flight``, nor a checkpoint that holds
     files ckptd did not write (it is logged and kept), nor one ``keep`` asks to keep (the mirror lacks it).
     ``keep`` is asked of each victim right before it goes, never of a listing made earlier: under load
@@ -78,6 +82,9 @@ def apply_retention(storage: Checkpoints, newest: Path, keep_last: int, in_fligh
         return key[1] > since or (key > mine and key[1] > mine[1])
     victims = [p for key, p in others[: max(0, len(others) - (keep_last - 1))]
                if p not in in_flight and not (spare_later and later(key))]
+    outranked_by = [p for key, p in others if key > mine and key[1] > mine[1] and p not in in_flight]
+    if len(outranked_by) >= keep_last and newest not in in_flight and newest in (p for _, p in found):
+        victims.append(newest)
     deleted = []
     for victim in victims:
         judged = storage.index_bytes(victim)
