@@ -6,9 +6,13 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+import pytest
+
+import ckptd
 from ckptd.cli import _parser
 from ckptd.core.config import DaemonConfig
 from ckptd.tools.options import START_OPTIONS, config_kwargs, detached_argv
+from helpers import short_tempdir
 
 NOT_OPTIONS = {"run_dir", "log_to_stderr", "chunk_bytes", "space_margin_fraction", "space_margin_bytes",
                "shm_min_free"}
@@ -74,3 +78,16 @@ def test_ckptd_peer_listen_is_the_default_of_peer_listen_passed_on_by_a_detached
     unset = DaemonConfig(run_dir=tmp_path / "run", **config_kwargs(_start_args(root)))
     assert unset.peer_listen is None and unset.replicas == 0
     assert "--peer-listen" not in detached_argv(unset, _start_args(root))
+
+
+@pytest.mark.parametrize("value, why", [("bogus", "expected tcp://HOST:PORT"),
+                                        ("tcp://192.0.2.1:47100", "cannot listen there")], ids=["form", "address"])
+def test_a_bad_ckptd_peer_listen_fails_the_clients_spawn_naming_the_variable(tmp_path: Path, monkeypatch, value,
+                                                                            why) -> None:
+    """The user set the variable, not the flag: the error a spawning client raises says so, and no daemon runs."""
+    run_dir = short_tempdir("ckenv-")
+    monkeypatch.setenv("CKPTD_PEER_LISTEN", value)
+    monkeypatch.setenv("CKPTD_ROOTS", str(tmp_path))
+    with pytest.raises(ckptd.DaemonUnavailable, match=rf"--peer-listen \(from \$CKPTD_PEER_LISTEN\) {value}: {why}"):
+        ckptd.Client(run_dir=run_dir, timeout=20)
+    assert not (run_dir / "ckptd.sock").exists()

@@ -200,7 +200,8 @@ class DaemonConfig:
         self.endpoint = endpoint_for(self.run_dir)
 
     def _check_peers(self) -> None:
-        for flag, endpoint in [("--peer-listen", self.peer_listen), *(("--peer", p) for p in self.peers)]:
+        for flag, endpoint in [(peer_listen_named(self.peer_listen), self.peer_listen),
+                               *(("--peer", p) for p in self.peers)]:
             if endpoint is not None and (not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", endpoint)
                                          or not 1 <= int(endpoint.rsplit(":", 1)[1]) <= 65535):
                 raise ValueError(f"{flag} {endpoint}: expected tcp://HOST:PORT, PORT between 1 and 65535")
@@ -250,3 +251,11 @@ def _check_mirrors(mirrors: dict[Path, Path], roots: tuple[Path, ...]) -> None:
             if other_local != local and remote.is_relative_to(other):
                 raise ValueError(f"{shown} and --mirror {other_local}={object_url(other)}: one prefix holds the other; "
                                  f"give each directory a prefix of its own")
+
+
+def peer_listen_named(value: str | None) -> str:
+    """How an error names the peer endpoint ``value``: ``--peer-listen``, and where it came from when that is the
+    environment (``CKPTD_PEER_LISTEN``, the default a spawned daemon inherits), which the user set, not the flag."""
+    if value is not None and value == os.environ.get("CKPTD_PEER_LISTEN"):
+        return "--peer-listen (from $CKPTD_PEER_LISTEN)"
+    return "--peer-listen"

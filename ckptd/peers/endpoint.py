@@ -25,6 +25,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from ckptd.protocol.messages import MAX_MESSAGE_BYTES, Message
 from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Fetch, Forget, Offer, Replicas, Seal
 
+from ckptd.core.config import peer_listen_named
 from ckptd.core.dispatch import Dispatch, Sender
 from ckptd.core.keys import KeyPair, Trust
 from ckptd.core.stats import Stats
@@ -53,7 +54,7 @@ class PeerEndpoint:
             self.socket.bind(listen)
         except zmq.ZMQError as exc:
             self.close()
-            raise ValueError(f"--peer-listen {listen}: cannot listen there: {exc}") from None
+            raise ValueError(f"{peer_listen_named(listen)} {listen}: cannot listen there: {exc}") from None
         self.listen = listen
         self.dispatch = Dispatch(self.socket, stats, self._handlers(), types=PEER_TYPES, data_frame=Chunk,
                                  authenticated=True, refusal="a peer does not send it as a request",
