@@ -683,3 +683,27 @@ def test_a_replacement_that_lets_go_of_what_it_restored_makes_the_buddy_forget_i
         assert "reason=forgotten" in (pair.buddy_dir / "ckptd.log").read_text()
     finally:
         pair.kill()
+
+
+def test_a_daemon_that_exits_when_idle_stays_while_it_holds_a_peers_replica_and_exits_once_it_is_forgotten(
+        root: Path, tmp_path: Path) -> None:
+    """A spawned daemon (``--exit-when-idle``) whose node's trainers are gone holds its peer's replica past its
+    idle limit (``event=idle_kept``: the limit passed, and it stayed), and exits by itself once the origin deletes
+    the snapshot and the buddy forgets the replica."""
+    pair = _pair(root, tmp_path, buddy_extra=("--exit-when-idle", "3"))  # its own trainer connects within it
+    snap = root / "run" / "snap-1"
+    buddy_log = pair.buddy_dir / "ckptd.log"
+    try:
+        own = ckptd.Client(run_dir=pair.buddy_dir, spawn=False)  # the buddy node's trainer, as a spawn has one
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async({"w": torch.randn(50_000)}, snap, step=1, persist=False).wait_replicated(60)
+        own.close()  # the buddy node's trainer is gone: only the replica keeps its daemon
+        wait_until(lambda: "event=idle_kept reason=holds_replicas" in buddy_log.read_text(), 60,
+                   "the buddy passed its idle limit holding the replica")
+        assert pair.buddy.proc.poll() is None and _held_replicas(pair.buddy) == [(str(snap), 1)]
+        client.delete(snap)
+        assert pair.buddy.proc.wait(60) == 0
+        assert "reason=forgotten" in buddy_log.read_text() and "event=idle_exit" in buddy_log.read_text()
+        client.close()
+    finally:
+        pair.kill()

@@ -97,6 +97,8 @@ class Server:
                                    textfile=config.metrics_textfile)
         self._drain_deadline: float | None = None
         self._idle_since = time.monotonic()
+        self._kept_for_replicas = False
+        """Whether it stayed past its idle limit because it holds replicas (logged once, ``event=idle_kept``)."""
         handlers: dict[type[Message], Callable[[bytes, Any], Message | None]] = {
             Hello: self._on_hello,
             WriteShard: self.saves.write_shard,
@@ -351,10 +353,19 @@ class Server:
         idle_limit = self.config.exit_when_idle
         if idle_limit is None:
             return False
-        if not self.state.idle or self._busy() or (self.replicas is not None and self.replicas.holds_any):
-            self._idle_since = time.monotonic()  # replicas held for peers keep it, as its own snapshots do
+        now = time.monotonic()
+        if not self.state.idle or self._busy():
+            self._idle_since = now
             return False
-        if time.monotonic() - self._idle_since >= idle_limit:
+        if self.replicas is not None and self.replicas.holds_any:  # a peer's node may be lost and need them: kept,
+            # as its own snapshots keep it, and idle afresh from when the last one goes
+            if now - self._idle_since >= idle_limit and not self._kept_for_replicas:
+                log.info("event=idle_kept reason=holds_replicas idle_s=%g", idle_limit)
+                self._kept_for_replicas = True
+            return False
+        if self._kept_for_replicas:
+            self._idle_since, self._kept_for_replicas = now, False
+        if now - self._idle_since >= idle_limit:
             log.info("event=idle_exit idle_s=%.0f", idle_limit)
             return True
         return False
