@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,6 +168,7 @@ def nodes(tmp_path: Path, root: Path) -> Iterator[tuple[list[Node], Path]]:
         if node.proc.poll() is None:
             node.proc.send_signal(signal.SIGKILL)
             node.proc.wait(10)
+        shutil.rmtree(node.run_dir, ignore_errors=True)
 
 
 @pytest.mark.timeout(180)
