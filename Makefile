@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-torchtitan test-hf test-nonumpy soak demo bench clean
+.PHONY: test test-torchtitan test-hf test-nonumpy test-slurm soak demo bench clean
 
 $(STAMP): setup.cfg pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,18 @@ $(NN_STAMP): setup.cfg pyproject.toml requirements-dev.txt
 
 test-nonumpy: $(NN_STAMP)
 	$(NN_PY) -m pytest -q --timeout=300 -n 2 --dist loadscope $(NONUMPY_TESTS) $(PYTEST_ARGS)
+
+# deploy/slurm/ (the prolog, epilog and task prolog, and example.sbatch) against a real Slurm: Debian's slurmctld,
+# slurmd and slurm-client, installed here when missing (apt-get, as root: about 10 s and 20 MB), one slurmctld and
+# four slurmd on this host, jobs submitted with sbatch (about a minute). tests/slurm/ is collected only here (`make
+# test` skips that directory by name).
+SLURM_PACKAGES := slurmctld slurmd slurm-client
+
+test-slurm: $(STAMP)
+	command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+		$(SLURM_PACKAGES); }
+	$(PY) -m pytest -q --timeout=600 -n 0 tests/slurm $(PYTEST_ARGS)
 
 # Long fuzzing, load and leak runs (tests/soak is skipped by `make test`).
 soak: $(STAMP)

@@ -89,8 +89,9 @@ def _anchor(heading: str) -> str:
 
 
 def test_every_link_between_the_pages_reaches_a_file_and_a_heading() -> None:
-    """The README and docs/ link to each other's sections: a renamed heading or moved page breaks no link."""
-    pages = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+    """The README, docs/ and deploy/'s READMEs link to each other's sections: a renamed heading or moved page breaks
+    no link."""
+    pages = [REPO / "README.md", *sorted(DOCS.glob("*.md")), *sorted((REPO / "deploy").glob("*/README.md"))]
     broken = []
     for page in pages:
         for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
