@@ -1,4 +1,4 @@
-"""A training loop under Hugging Face accelerate whose ``save_state`` / ``load_state`` go through ckptd (``make test-hf``).
+"""A Hugging Face accelerate training loop whose ``save_state`` / ``load_state`` go through ckptd (``make test-hf``).
 
 A small network with dropout learns a fixed regression on CPU, shuffled by
 accelerate's seedable sampler. ``CkptdAccelerator`` is the only change from

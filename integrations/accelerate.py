@@ -346,9 +346,10 @@ class CkptdAccelerator(Accelerator):
             raise TypeError("Unsupported optimizer map location passed, please choose one of `None`, `'cpu'`, or "
                             "`'on_device'`")
         if load_kwargs or load_model_func_kwargs:
-            raise TypeError(f"{type(self).__name__}.load_state got {sorted({**(load_kwargs or {}), **load_model_func_kwargs})}: "
-                            f"those are options of torch.load or DeepSpeed's load_checkpoint, which a ckptd "
-                            f"checkpoint does not take (strict= and map_location= it does)")
+            given = sorted({**(load_kwargs or {}), **load_model_func_kwargs})
+            raise TypeError(f"{type(self).__name__}.load_state got {given}: those are options of torch.load or "
+                            f"DeepSpeed's load_checkpoint, which a ckptd checkpoint does not take (strict= and "
+                            f"map_location= it does)")
         log.info("loading the accelerator's state from the ckptd checkpoint %s", path)
         state = ckptd.load(path, run_dir=self.ckptd_run_dir)
         self._check_matches(state, path)

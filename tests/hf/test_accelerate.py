@@ -10,6 +10,7 @@ optimizer state as the run never interrupted, bit for bit. The misuse cases use 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.data_loader import SeedableRandomSampler
 from accelerate.utils import ProjectConfiguration
 
 import ckptd
@@ -167,18 +169,20 @@ class Counter:
 
 
 def prepared(cls: type, daemon, **kwargs):
-    """An accelerator of ``cls`` in this process with a model, optimizer and scheduler prepared and a
-    ``Counter`` registered."""
+    """An accelerator of ``cls`` in this process with a model, optimizer, scheduler and shuffled dataloader
+    (accelerate's seedable sampler) prepared and a ``Counter`` registered."""
     extra = {"ckptd_run_dir": daemon.run_dir} if cls is CkptdAccelerator else {}
-    accelerator = cls(cpu=True, **extra, **kwargs)
+    accelerator = cls(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True), **extra,
+                      **kwargs)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    loader = torch.utils.data.DataLoader(torch.arange(16.0), batch_size=4, shuffle=True)
+    model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
     counter = Counter()
     accelerator.register_for_checkpointing(counter)
-    return accelerator, model, optimizer, counter
+    return accelerator, model, optimizer, counter, loader
 
 
 def train_step(accelerator, model, optimizer) -> None:
@@ -189,33 +193,40 @@ def train_step(accelerator, model, optimizer) -> None:
 
 def test_a_path_round_trip_memory_snapshots_and_misuse_each_say_what_is_wrong(daemon, root: Path) -> None:
     """In this process: ``save_state(path)`` then ``load_state(path)`` restores parameters, optimizer and registered
-    object bitwise; a memory snapshot (``persist=False``) is what ``load_state()`` then finds; and every misuse is
-    refused naming what was wrong, leaving what is on disk as it was: a folder of accelerate's own files as the
-    target (which ``load_state`` still reads, through accelerate's own), a ``.incomplete`` or missing folder, a
-    checkpoint saved with other objects registered, save hooks, DeepSpeed options, no ``output_dir``."""
-    accelerator, model, optimizer, counter = prepared(CkptdAccelerator, daemon)
+    object bitwise, and the dataloader's epoch with its sampler's (the same shuffle again); a memory snapshot
+    (``persist=False``) is what ``load_state()`` then finds; and every misuse is refused naming what was wrong,
+    leaving what is on disk as it was: a folder of accelerate's own files as the target (which ``load_state`` still
+    reads, through accelerate's own), a ``.incomplete`` or missing folder, a checkpoint saved with other objects
+    registered, save hooks, DeepSpeed and ``torch.load`` options, no ``output_dir``."""
+    accelerator, model, optimizer, counter, loader = prepared(CkptdAccelerator, daemon)
     try:
         train_step(accelerator, model, optimizer)
         counter.value = 7
-        before = ({k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict())
+        loader.set_epoch(4)  # the shuffle of epoch 4 is the sampler's seed plus 4
+        order = [batch.tolist() for batch in loader]
+        loader.set_epoch(4)  # a pass ends at the next epoch: back at 4, saved so
         mine = root / "mine"
         assert accelerator.save_state(mine) == mine
         accelerator.wait_for_checkpoints()
         assert sorted(p.name for p in mine.iterdir()) == ["ckptd.json", "rank-00000-of-00001.safetensors"]
         train_step(accelerator, model, optimizer)
         counter.value = 8
+        at_save = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
         accelerator.save_state(mine)  # replaces its own earlier checkpoint, as accelerate writes over its files
         accelerator.wait_for_checkpoints()
         assert ckptd.load(mine)["custom"] == [{"value": 8}]
-        accelerator.load_state(root / "mine")
-        assert counter.value == 8
         train_step(accelerator, model, optimizer)
+        counter.value = 0
+        loader.set_epoch(0)
+        assert not equal_states(model.state_dict(), at_save[0])
         accelerator.load_state(mine)
-        assert equal_states(model.state_dict(), ckptd.load(mine)["models"][0])
-        assert before[0].keys() == model.state_dict().keys()
+        assert equal_states(model.state_dict(), at_save[0]) and equal_states(optimizer.state_dict(), at_save[1])
+        assert counter.value == 8
+        assert isinstance(loader.get_sampler(), SeedableRandomSampler) and loader.get_sampler().epoch == 4
+        assert loader.iteration == 4 and [batch.tolist() for batch in loader] == order  # epoch 4's shuffle again
 
         theirs = root / "theirs"  # accelerate's own checkpoint of the same objects
-        plain, plain_model, plain_optimizer, plain_counter = prepared(Accelerator, daemon)
+        plain, plain_model, plain_optimizer, plain_counter, _ = prepared(Accelerator, daemon)
         plain_counter.value = 3
         plain.save_state(theirs)
         files = sorted(p.name for p in theirs.iterdir())
@@ -255,7 +266,7 @@ def test_a_path_round_trip_memory_snapshots_and_misuse_each_say_what_is_wrong(da
 
     project = root / "project"
     automatic = ProjectConfiguration(project_dir=str(project), automatic_checkpoint_naming=True, total_limit=1)
-    accelerator, model, optimizer, counter = prepared(CkptdAccelerator, daemon, project_config=automatic)
+    accelerator, model, optimizer, counter, _ = prepared(CkptdAccelerator, daemon, project_config=automatic)
     try:
         counter.value = 1
         accelerator.save_state()  # checkpoint_0, on disk
