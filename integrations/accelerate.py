@@ -62,8 +62,9 @@ finds it as the newest; ``total_limit`` counts persisted checkpoints only.
 
 Failures. A save the daemon refused, or a daemon that died, raises at the
 next ``backward``, ``save_state``, ``wait_for_checkpoints()`` or
-``end_training()``; ``end_training()`` waits for the last save (call it, or
-``wait_for_checkpoints()``, before the script ends).
+``end_training()``; ``end_training()`` waits for the last save. A script that
+ends without either still has its last save committed (it is the daemon's once
+staged), but never learns whether it failed.
 
 Supported: accelerate 1.16 (``SUPPORTED``; ``save_state`` and ``load_state`` read
 the ``Accelerator``'s private lists of what it prepared, so another release is
