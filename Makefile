@@ -38,10 +38,11 @@ $(TT_STAMP): setup.cfg pyproject.toml requirements-dev.txt requirements-torchtit
 test-torchtitan: $(TT_STAMP)
 	$(TT_PY) -m pytest -q --timeout=300 -n 0 tests/torchtitan $(PYTEST_ARGS)
 
-# The Hugging Face Trainer integration (integrations/hf.py) against transformers and accelerate themselves, in a venv of
+# The Hugging Face integrations (integrations/hf.py: the Trainer; integrations/accelerate.py: accelerate's
+# save_state/load_state) against transformers and accelerate themselves, in a venv of
 # its own (.venv-hf): torch==2.13.0 (CPU), the test runner, transformers 5.25 and accelerate 1.16
 # (requirements-hf.txt says what was measured). tests/hf/ is collected only here (`make test` skips that directory by
-# name); its trainers are processes of their own (one, and two under torchrun), so it runs in this process (no -n).
+# name); its trainers are processes of their own (one, and two under torchrun or accelerate launch), so it runs in this process (no -n).
 HF_VENV := .venv-hf
 HF_PY := $(HF_VENV)/bin/python
 HF_STAMP := $(HF_VENV)/.installed

@@ -86,7 +86,6 @@ import argparse
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import sys
@@ -108,6 +107,7 @@ import torch
 import ckptd
 from ckptd.client import Client, SaveFuture
 from ckptd.client.memory import find_held
+from ckptd.integrations import rng
 from ckptd.protocol.names import INDEX_NAME
 
 __all__ = ["CkptdTrainer", "CkptdTrainerMixin", "SUPPORTED", "export_pretrained", "require_supported"]
@@ -139,34 +139,6 @@ def require_supported(version: str) -> None:
 
 
 require_supported(transformers.__version__)
-
-
-def _numpy() -> Any:
-    """numpy, which transformers imports (ckptd itself requires none, so this module never imports it)."""
-    return sys.modules["numpy"]
-
-
-def _rng_states() -> dict[str, Any]:
-    """This process's generators, as the ``Trainer``'s ``rng_state.pth`` holds them (numpy's key array as a list)."""
-    kind, keys, pos, has_gauss, cached = _numpy().random.get_state()
-    states: dict[str, Any] = {"python": random.getstate(),
-                              "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos),
-                                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-                              "cpu": torch.random.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.random.get_rng_state_all()
-    return states
-
-
-def _set_rng_states(states: dict[str, Any]) -> None:
-    python = states["python"]
-    random.setstate((python[0], tuple(python[1]), python[2]))
-    n, np = states["numpy"], _numpy()
-    np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    torch.random.set_rng_state(states["cpu"])
-    if torch.cuda.is_available() and "cuda" in states:
-        torch.cuda.random.set_rng_state_all(states["cuda"])
 
 
 def _step_of(path: str | os.PathLike) -> int | None:
@@ -237,7 +209,7 @@ class CkptdTrainerMixin:
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:
                 state["scaler"] = scaler.state_dict()
-            state["rng"] = _rng_states()
+            state["rng"] = rng.capture()
         return state
 
     def _export_callback_states(self) -> None:
@@ -435,7 +407,7 @@ class CkptdTrainerMixin:
         if state is None:
             return super()._load_rng_state(checkpoint)
         if "rng" in state:
-            _set_rng_states(state["rng"])
+            rng.restore(state["rng"])
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
