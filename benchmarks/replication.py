@@ -120,7 +120,7 @@ def _data_pair() -> int:
 
 def raw_stream(size: int, curve: bool, repeat: int, frame: int = FRAME, window: int = 4) -> list[float]:
     """Seconds to stream ``size`` bytes to another process in ``frame``-byte frames, ``window`` in flight (as
-    replication does by default; a restore reads in ``FETCH_PIECE`` pieces, ``FETCH_WINDOW`` ahead)."""
+    the CURVE link used to)."""
     server_public, server_secret = zmq.curve_keypair()
     client_public, client_secret = zmq.curve_keypair()
     proc = subprocess.Popen([sys.executable, "-c", RECEIVER, str(size), str(frame), "1" if curve else "0",
