@@ -4,10 +4,12 @@
     python -m benchmarks.replication --mib 1024 --repeat 3 [--pin] [--restore-only] [--no-s3]
 
 Two daemons on 127.0.0.1 stand for two nodes (origin and buddy), each with its own run directory and peer port,
-CurveZMQ on, as ``docs/memory.md`` deploys them. In one run, for the same state:
+CurveZMQ on for the peer protocol and AES-256-GCM frames on the data port, as ``docs/memory.md`` deploys them. In
+one run, for the same state:
 
-- the link's limit: a raw ZeroMQ stream of the same bytes between two processes (16 MiB frames, DEALER to
-  ROUTER, the receiver copying each frame into one buffer), without CURVE and with it;
+- the link's limit: a plain TCP stream of the same bytes between two processes (the receiver ``recv_into`` one
+  buffer), and a raw ZeroMQ stream (16 MiB frames, DEALER to ROUTER, the receiver copying each frame into one
+  buffer), without CURVE and with it;
 - a snapshot's blocking (``save_async`` to ``wait_staged``) with replication on, and on a daemon with
   ``--replicas 0``, and the time from held to replicated (``result()`` to ``wait_replicated()``);
 - restoring a lost node: the origin's daemon SIGKILLed, a replacement started, ``latest()`` (which reads the
@@ -36,7 +38,6 @@ import torch
 import zmq
 
 import ckptd
-from ckptd.peers.link import FETCH_PIECE, FETCH_WINDOW
 
 from benchmarks.limits import evict, files_under
 from benchmarks.saves import free_port
@@ -64,15 +65,62 @@ while True:
 """
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+TCP_RECEIVER = r"""
+import socket, sys
+size = int(sys.argv[1])
+server = socket.create_server(("127.0.0.1", 0)); print(server.getsockname()[1], flush=True)
+buf = memoryview(bytearray(size))
+while True:
+    conn, _ = server.accept()
+    got = 0
+    while got < size:
+        n = conn.recv_into(buf[got:])
+        if not n:
+            sys.exit(0)
+        got += n
+    conn.sendall(b"k")
+    conn.close()
+"""
+
+
+def tcp_stream(size: int, repeat: int) -> list[float]:
+    """Seconds to stream ``size`` bytes over a plain TCP socket to another process that places them in one buffer
+    (connect to its one-byte answer): the link's limit, which the data port's AEAD frames are measured against."""
+    proc = subprocess.Popen([sys.executable, "-c", TCP_RECEIVER, str(size)], stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline())
+    data = memoryview(torch.randint(0, 255, (size,), dtype=torch.uint8).numpy())
+    times = []
+    try:
+        for _ in range(repeat):
+            started = time.perf_counter()
+            with socket.create_connection(("127.0.0.1", port)) as conn:
+                conn.sendall(data)
+                assert conn.recv(1) == b"k"
+            times.append(time.perf_counter() - started)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    return times
+
+
+def _data_pair() -> int:
+    """A port of 127.0.0.1 free with the next one (a peer endpoint's data port is its port + 1)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
 
 
 def raw_stream(size: int, curve: bool, repeat: int, frame: int = FRAME, window: int = 4) -> list[float]:
     """Seconds to stream ``size`` bytes to another process in ``frame``-byte frames, ``window`` in flight (as
-    replication does by default; a restore reads in ``FETCH_PIECE`` pieces, ``FETCH_WINDOW`` ahead)."""
+    the CURVE link used to)."""
     server_public, server_secret = zmq.curve_keypair()
     client_public, client_secret = zmq.curve_keypair()
     proc = subprocess.Popen([sys.executable, "-c", RECEIVER, str(size), str(frame), "1" if curve else "0",
@@ -110,7 +158,7 @@ class Nodes:
         self.scratch, self.keys, self.cpus = scratch, scratch / "peer-keys", cpus
         self.root = scratch / "ckpts"
         self.root.mkdir()
-        self.endpoints = [f"tcp://127.0.0.1:{_port()}" for _ in range(2)]
+        self.endpoints = [f"tcp://127.0.0.1:{_data_pair()}" for _ in range(2)]
         self.procs: list[subprocess.Popen | None] = [None, None]
         self.run_dirs: list[Path] = [Path(), Path()]
 
@@ -279,19 +327,18 @@ def main() -> None:
             nodes.start(0)
             nodes.start(1)
             nodes.serve(1)
+            tcp = tcp_stream(size, args.repeat)
             raw = raw_stream(size, False, args.repeat)
             raw_curve = raw_stream(size, True, args.repeat)
-            print(f"raw ZeroMQ stream: {med(raw):.3f} s ({size / med(raw) / 1e9:.2f} GB/s); with CURVE "
-                  f"{med(raw_curve):.3f} s ({size / med(raw_curve) / 1e9:.2f} GB/s)")
+            print(f"plain TCP stream: {med(tcp):.3f} s ({size / med(tcp) / 1e9:.2f} GB/s); raw ZeroMQ stream: "
+                  f"{med(raw):.3f} s ({size / med(raw) / 1e9:.2f} GB/s); with CURVE {med(raw_curve):.3f} s "
+                  f"({size / med(raw_curve) / 1e9:.2f} GB/s)")
             if args.restore_only:
-                raw_pieces = raw_stream(size, True, args.repeat, FETCH_PIECE, FETCH_WINDOW)
-                print(f"with CURVE in a restore's pieces ({FETCH_PIECE >> 20} MiB, {FETCH_WINDOW} in flight): "
-                      f"{med(raw_pieces):.3f} s ({size / med(raw_pieces) / 1e9:.2f} GB/s)")
                 nodes.serve(0, *s3)
                 client = ckptd.Client(run_dir=nodes.run_dirs[0], spawn=False)
                 client.save_async(state, nodes.root / "snap", step=1, persist=False).wait_replicated(600)
                 client.close()
-                print("every repetition:", {"raw": raw, "raw_curve": raw_curve, "raw_curve_pieces": raw_pieces,
+                print("every repetition:", {"tcp": tcp, "raw": raw, "raw_curve": raw_curve,
                                             **restores(nodes, state, args.repeat, not args.no_s3)})
                 return
             nodes.serve(0, "--replicas", "0")
@@ -304,15 +351,16 @@ def main() -> None:
             print(f"snapshot blocking: replicated {med(rep['blocking']):.3f} s, unreplicated "
                   f"{med(plain['blocking']):.3f} s (ratio {med(rep['blocking']) / med(plain['blocking']):.2f}); held "
                   f"in {med(rep['held']):.3f} s; held to replicated {replicated:.3f} s "
-                  f"({size / replicated / 1e9:.2f} GB/s, {med(raw_curve) / replicated:.2f} x the CURVE stream's "
-                  f"speed, {med(raw) / replicated:.2f} x the plain stream's)")
+                  f"({size / replicated / 1e9:.2f} GB/s, {med(tcp) / replicated:.2f} x the plain TCP stream's "
+                  f"speed, {med(raw) / replicated:.2f} x the plain ZeroMQ stream's, {med(raw_curve) / replicated:.2f}"
+                  f" x the CURVE stream's)")
             buddy = _status(nodes.run_dirs[1])["peers"]["replicas_held"]["bytes"]
             own = _status(nodes.run_dirs[0])["memory"]["held_bytes"]
             print(f"buddy memory: replicas {buddy / 2**20:.0f} MiB for the origin's {own / 2**20:.0f} MiB held "
                   f"({buddy / own:.2f} x; the buddy keeps the newest replica of each directory's ranks)")
             back = restores(nodes, state, args.repeat, not args.no_s3)
-            print("every repetition:", {"raw": raw, "raw_curve": raw_curve, "plain": plain, "replicated": rep,
-                                        **back})
+            print("every repetition:", {"tcp": tcp, "raw": raw, "raw_curve": raw_curve, "plain": plain,
+                                        "replicated": rep, **back})
         finally:
             nodes.stop()
 

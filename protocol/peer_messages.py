@@ -2,19 +2,21 @@
 
 The origin is the daemon whose ranks took a snapshot; its buddy holds a replica of it. Every message travels as
 one msgpack frame, decoded and validated by ``messages.decode`` against ``PEER_TYPES`` only (a peer can send no
-local request, nor a local client a peer's), and the bytes of a shard travel in a second frame beside it::
+local request, nor a local client a peer's). A shard's bytes do not travel here: the daemon that serves a stream
+answers with a ``Ticket`` (a token and a fresh key), and the bytes go as AES-256-GCM frames over the data port
+beside the peer endpoint (``ckptd/peers/bulk.py``)::
 
     origin                         buddy
-    Offer                 ──▶      Ok | Error        (one shard: its Snapshot message and checksum; room is reserved)
-    Chunk  + bytes        ──▶      Ok | Error        (the next piece of that shard, in order)
+    Offer                 ──▶      Ticket | Error    (one shard: its Snapshot message and checksum; room is reserved)
+    (the shard's bytes on the data port, under the ticket's key)
     Seal                  ──▶      Ok | Error        (every byte came and matches the checksum: a replica now)
 
     a node restoring               a holder
     Replicas              ──▶      ReplicaList       (the replicas it holds)
-    Fetch                 ──▶      Piece + bytes | Error   (a piece of one replica's shard)
+    Fetch                 ──▶      Ticket | Error    (one replica's shard, then sent on the data port)
 
 Nothing in a peer message is trusted because a peer is authenticated: an ``Offer``'s shard is checked as a
-rank's own ``Snapshot`` would be, a chunk must fall inside the shard it names, and a replica is held only once
+rank's own ``Snapshot`` would be, and a replica is held only once every byte came under its stream's key and
 its checksum matches.
 """
 
@@ -25,11 +27,12 @@ from typing import ClassVar
 
 from .checksums import ALGORITHMS
 from .errors import BadMessage
-from .messages import MAX_MESSAGE_BYTES, MAX_WORLD_SIZE, Error, Message, Ok, Snapshot, _check_path
+from .messages import MAX_WORLD_SIZE, Error, Message, Ok, Snapshot, _check_path
 
-MAX_PIECE = 16 * 1024 * 1024
-"""Bytes of shard in one ``Chunk`` or ``Piece``: large enough that a stream runs at memcpy speed, small enough
-that a window of them in flight stays well inside the socket's message limit and the holder's memory."""
+TOKEN_BYTES = 16
+"""A data stream's token: what its connection sends first, the only thing that admits it to the data port."""
+KEY_BYTES = 32
+"""A data stream's AES-256-GCM key."""
 
 
 @dataclass(frozen=True)
@@ -66,17 +69,26 @@ class Offer(Message):
 
 
 @dataclass(frozen=True)
-class Chunk(Message):
-    """The next ``len(bytes)`` bytes of offer ``offer``'s shard, from ``offset``; the bytes are the second frame."""
+class Ticket(Message):
+    """The answer to an ``Offer`` or a ``Fetch``: connect to the data port (this peer's port + 1), send ``token``
+    first, and the shard's bytes follow (to the buddy for an offer, from the holder for a fetch) as AES-256-GCM
+    frames under ``key``, which serves this one stream only. Sent over CURVE, so only the two daemons know it."""
 
-    offer: int
-    offset: int
-    type: ClassVar[str] = "chunk"
+    token: bytes
+    key: bytes
+    type: ClassVar[str] = "ticket"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token, bytes) or len(self.token) != TOKEN_BYTES:
+            raise BadMessage(f"ticket.token must be {TOKEN_BYTES} bytes")
+        if not isinstance(self.key, bytes) or len(self.key) != KEY_BYTES:
+            raise BadMessage(f"ticket.key must be {KEY_BYTES} bytes (AES-256)")
 
 
 @dataclass(frozen=True)
 class Seal(Message):
-    """Offer ``offer``'s bytes have all been sent: check them and hold them as a replica."""
+    """Offer ``offer``'s bytes have all been sent on the data port: check them and hold them as a replica
+    (answered once the buddy took or refused the stream)."""
 
     offer: int
     type: ClassVar[str] = "seal"
@@ -118,29 +130,18 @@ class ReplicaList(Message):
 
 @dataclass(frozen=True)
 class Fetch(Message):
-    """``length`` bytes from ``offset`` of rank ``rank``'s shard of the replica of ``path``."""
+    """Rank ``rank``'s shard of the replica of ``path``, whole, on the data port (answered with a ``Ticket``)."""
 
     path: str
     rank: int
-    offset: int
-    length: int
     type: ClassVar[str] = "fetch"
 
     def __post_init__(self) -> None:
         _check_path(self.path)
-        if not 0 < self.length <= MAX_PIECE:
-            raise BadMessage(f"fetch.length must be 1..{MAX_PIECE}, got {self.length}")
-
-
-@dataclass(frozen=True)
-class Piece(Message):
-    """The bytes a ``Fetch`` asked for, from ``offset``, in the second frame."""
-
-    offset: int
-    type: ClassVar[str] = "piece"
+        if not isinstance(self.rank, int) or not 0 <= self.rank < MAX_WORLD_SIZE:
+            raise BadMessage(f"fetch.rank must be a rank below {MAX_WORLD_SIZE}, got {self.rank!r}")
 
 
 PEER_TYPES: dict[str, type[Message]] = {
-    cls.type: cls for cls in (Offer, Chunk, Seal, Forget, Replicas, ReplicaList, Fetch, Piece, Ok, Error)
+    cls.type: cls for cls in (Offer, Ticket, Seal, Forget, Replicas, ReplicaList, Fetch, Ok, Error)
 }
-assert MAX_PIECE * 2 < MAX_MESSAGE_BYTES

@@ -124,20 +124,21 @@ _PICK = random.SystemRandom()
 
 
 def free_port() -> int:
-    """A TCP port of 127.0.0.1 nothing listens on now (for a daemon's --peer-listen), never one this process was
-    given before (three nodes must not share one), drawn at random outside the ephemeral range: ``bind(0)`` handed
-    out ports that the test suite's other processes then took as theirs (a daemon failed with "Address already in
-    use")."""
+    """A TCP port of 127.0.0.1 nothing listens on now (for a daemon's --peer-listen), and the next one free too
+    (its data port), neither one this process was given before (three nodes must not share one), drawn at random
+    outside the ephemeral range: ``bind(0)`` handed out ports that the test suite's other processes then took as
+    theirs (a daemon failed with "Address already in use")."""
     while True:
-        port = _PICK.choice(_PORTS)
-        if port in _GIVEN_PORTS:
+        port = _PICK.choice(_PORTS[:-1])
+        if {port, port + 1} & _GIVEN_PORTS:
             continue
-        with socket.socket() as s:
-            try:
+        try:
+            with socket.socket() as s, socket.socket() as data:
                 s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _GIVEN_PORTS.add(port)
+                data.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        _GIVEN_PORTS.update((port, port + 1))
         return port
 
 

@@ -2,14 +2,16 @@
 
 Authentication proves who a peer is, not that it is right: a hypothesis-driven peer, holding a key the buddy
 trusts, sends it random bytes, msgpack maps of every peer type (and local ones) with random fields, offers whose
-shard, checksum, ranks or algorithm are wrong, chunks and seals of offers that do not exist or out of order,
-fetches of replicas that are not there or beyond their end, and messages of the wrong number of frames. Every one
-must get exactly one reply: an ``Error`` whose code is not INTERNAL (a bug in ckptd), or the normal reply when it
-happens to be valid. Meanwhile a real origin replicates snapshots to the same buddy, and every one must arrive.
+shard, checksum, ranks or algorithm are wrong, seals of offers that do not exist, fetches of replicas that are not
+there, and messages of the wrong number of frames; and connections to the data port that send garbage, a token no
+ticket gave, or nothing. Every message must get exactly one reply: an ``Error`` whose code is not INTERNAL (a bug
+in ckptd), or the normal reply when it happens to be valid. Meanwhile a real origin replicates snapshots to the
+same buddy, and every one must arrive.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,8 @@ import ckptd
 from ckptd.core.keys import KeyPair
 from ckptd.protocol.errors import ErrorCode
 from ckptd.protocol.messages import Error, decode
-from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Seal
+from ckptd.peers.bulk import data_address
+from ckptd.protocol.peer_messages import PEER_TYPES, Seal
 
 from helpers import ckptd_cli, free_port, short_tempdir, start_daemon
 from test_wire_format import GOLDEN
@@ -61,8 +64,7 @@ cases = st.one_of(
               st.sampled_from([0, 4096 + 32, 1 << 40]), st.integers(0, 2**32 - 1),
               st.lists(st.integers(0, 3), max_size=3), st.sampled_from(["crc32c", "crc32", "md5"]),
               st.one_of(st.none(), st.binary(max_size=60))),
-    st.builds(lambda rid, o, off, data: [Chunk(rid, o, off).to_wire(), data], ids, ids,
-              st.sampled_from([0, 4096, 1 << 62]), st.binary(max_size=5000)),
+    st.builds(lambda data: ["data port", data], st.binary(max_size=5000)),
     st.builds(lambda rid, o: [Seal(rid, o).to_wire()], ids, ids),
     st.builds(lambda rid, p, r, off, n: [_map("fetch", {"id": rid, "path": p, "rank": r, "offset": off,
                                                         "length": n})],
@@ -117,9 +119,18 @@ def test_every_peer_message_gets_one_reply_and_replication_goes_on(root: Path, t
 
     @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(cases)
-    def one(frames: list[bytes]) -> None:
+    def one(frames: list[Any]) -> None:
         nonlocal sent
         sent += 1
+        if frames[0] == "data port":  # no ticket gave its first bytes: closed, nothing of it read further
+            with socket.create_connection(data_address(endpoints[0]), timeout=30) as conn:
+                try:
+                    conn.sendall(frames[1])
+                    conn.shutdown(socket.SHUT_WR)
+                    assert conn.recv(1) == b""
+                except ConnectionError:  # closed while the garbage was still coming: as good
+                    pass
+            return
         sock.send_multipart(frames)
         assert sock.poll(30_000), f"no reply to {frames!r:.300}"
         reply = sock.recv_multipart()
@@ -140,4 +151,5 @@ def test_every_peer_message_gets_one_reply_and_replication_goes_on(root: Path, t
         origin.stop()
         assert buddy.stop() == 0
     assert sent >= 100
-    assert "event=internal_error" not in (dirs[0] / "ckptd.log").read_text()
+    log = (dirs[0] / "ckptd.log").read_text()
+    assert "event=internal_error" not in log and "event=peer_data_refused" in log

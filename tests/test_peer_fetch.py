@@ -1,10 +1,13 @@
-"""A restore's read of a replica from a peer (``PeerLink.fetch``), against a fake peer on 127.0.0.1 speaking CURVE:
-the pieces are asked for a window ahead, written in place whatever order they come in and checked end to end in
-order, and a piece of the wrong length or bytes that fail the origin's checksum are refused, never taken."""
+"""A restore's read of a replica from a peer (``PeerLink.fetch``), against a fake holder on 127.0.0.1: it answers the
+``Fetch`` over CURVE with a ``Ticket`` and sends the shard on its data port (its peer port + 1) as AES-256-GCM frames.
+The shard comes back bitwise, each frame written in place only once its tag passed; a frame altered on the way, out
+of order, or under another key, a stream cut short, and bytes that pass their tags but not the origin's checksum
+are each refused with a clear error, never taken."""
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from pathlib import Path
 from typing import Callable
@@ -13,63 +16,90 @@ import pytest
 import zmq
 
 from ckptd.core.keys import KeyPair, Trust
-from ckptd.peers.link import FETCH_PIECE, FETCH_WINDOW, PeerLink
+from ckptd.peers import bulk
+from ckptd.peers.link import PeerLink
 from ckptd.protocol.checksums import checksum
 from ckptd.protocol.errors import InvalidCheckpoint
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
-from ckptd.protocol.peer_messages import PEER_TYPES, Fetch, Piece
 from ckptd.protocol.messages import decode
+from ckptd.protocol.peer_messages import PEER_TYPES, TOKEN_BYTES, Fetch, Ticket
 
-SIZE = FETCH_PIECE * (FETCH_WINDOW + 2) + 12345
-"""More pieces than the window holds, the last one short."""
+from helpers import free_port
 
-Answer = Callable[[Fetch, bytes], bytes]
+SIZE = bulk.FRAME * 3 + 12345
+"""Several frames, the last one short."""
+
+Serve = Callable[[socket.socket, bytes, bytes], None]
+"""How the fake holder sends ``data`` under ``key`` on the data connection (after the token came)."""
 
 
-class FakePeer:
-    """A CURVE ROUTER that answers every ``Fetch`` with ``answer(fetch, the bytes asked for)``; it takes the requests
-    a window at a time (until the client waits 0.2 s) and answers each window last first, and records the most it
-    saw asked at once."""
+def honest(conn: socket.socket, key: bytes, data: bytes) -> None:
+    bulk.send(conn, key, memoryview(data))
 
-    def __init__(self, data: bytes, answer: Answer = lambda _, piece: piece) -> None:
-        self.data, self.answer, self.most_asked = data, answer, 0
+
+class FakeHolder:
+    """A CURVE ROUTER that answers one ``Fetch`` with a ticket, and a data port that serves it with ``serve``."""
+
+    def __init__(self, data: bytes, serve: Serve = honest) -> None:
+        self.data, self.serve = data, serve
         self.public, secret = zmq.curve_keypair()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.curve_server = True
         self.sock.curve_publickey, self.sock.curve_secretkey = self.public, secret
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self.stop = threading.Event()
+        port = free_port()  # and port + 1, free too
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.sock.bind(self.endpoint)
+        self.listener = socket.create_server(bulk.data_address(self.endpoint))
+        self.listener.settimeout(30)
+        self.token_seen = b""
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
-        while not self.stop.is_set():
-            if not self.sock.poll(50):
-                continue
-            asked = []
-            while len(asked) < FETCH_WINDOW and self.sock.poll(200):  # what the client asks for before it waits
-                ident, frame = self.sock.recv_multipart()
-                asked.append((ident, decode(frame, PEER_TYPES)))
-            self.most_asked = max(self.most_asked, len(asked))
-            for ident, msg in reversed(asked):
-                assert isinstance(msg, Fetch)
-                piece = self.answer(msg, self.data[msg.offset:msg.offset + msg.length])
-                self.sock.send_multipart([ident, Piece(msg.id, msg.offset).to_wire(), piece])
+        if not self.sock.poll(30_000):
+            return
+        ident, frame = self.sock.recv_multipart()
+        msg = decode(frame, PEER_TYPES)
+        assert isinstance(msg, Fetch)
+        token, key = bulk.new_stream()
+        self.sock.send_multipart([ident, Ticket(msg.id, token, key).to_wire()])
+        conn, _ = self.listener.accept()
+        with conn:
+            got = bytearray(TOKEN_BYTES)
+            bulk.recv_exact(conn, memoryview(got))
+            self.token_seen = bytes(got)
+            try:
+                if self.token_seen == token:
+                    self.serve(conn, key, self.data)
+            except ConnectionError:  # the restorer refused the stream and closed its end: as it should
+                pass
 
     def close(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
+        self.thread.join(30)
+        self.listener.close()
         self.sock.close(0)
         self.ctx.term()
 
 
-def _fetch(peer: FakePeer, tmp_path: Path, expected: int) -> bytes:
+def _frames(key: bytes, shard: bytes) -> bytearray:
+    """Every frame ``bulk.send`` would send of ``shard`` under ``key``, as bytes a test may alter."""
+    frames = bytearray()
+
+    class Capture:
+        def sendall(self, view: memoryview) -> None:
+            frames.extend(view)
+    bulk.send(Capture(), key, memoryview(shard))  # type: ignore[arg-type]
+    return frames
+
+
+def _fetch(holder: FakeHolder, tmp_path: Path, expected: int) -> bytes:
+    """What ``PeerLink.fetch`` wrote into a file of ``SIZE`` zeros (``InvalidCheckpoint`` raised as it is)."""
     trust = Trust(None)
-    trust.set_ring((peer.endpoint,), (peer.public.decode(),))
+    trust.set_ring((holder.endpoint,), (holder.public.decode(),))
     ctx = zmq.Context()
-    link = PeerLink(ctx, peer.endpoint, trust, KeyPair.of(tmp_path / "run"), timeout=30)
+    link = PeerLink(ctx, holder.endpoint, trust, KeyPair.of(tmp_path / "run"), timeout=30)
     fd = os.open(tmp_path / "shard", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         os.ftruncate(fd, SIZE)
@@ -79,6 +109,11 @@ def _fetch(peer: FakePeer, tmp_path: Path, expected: int) -> bytes:
         os.close(fd)
         link.close()
         ctx.term()
+        holder.close()
+
+
+def _written(tmp_path: Path) -> bytes:
+    return (tmp_path / "shard").read_bytes()
 
 
 @pytest.fixture
@@ -87,34 +122,54 @@ def data() -> bytes:
 
 
 @pytest.mark.timeout(60)
-def test_pieces_answered_out_of_order_are_written_in_place_and_asked_for_a_window_ahead(
-        data: bytes, tmp_path: Path) -> None:
-    peer = FakePeer(data)
-    try:
-        assert _fetch(peer, tmp_path, checksum(data, CHECKSUM_ALGORITHM)) == data
-        assert peer.most_asked == FETCH_WINDOW  # the next pieces were asked for before the first came back
-    finally:
-        peer.close()
+def test_a_shard_of_several_frames_comes_back_bitwise_on_the_data_port(data: bytes, tmp_path: Path) -> None:
+    holder = FakeHolder(data)
+    assert _fetch(holder, tmp_path, checksum(data, CHECKSUM_ALGORITHM)) == data
+    assert len(holder.token_seen) == TOKEN_BYTES  # the stream came on the data connection the ticket named
 
 
 @pytest.mark.timeout(60)
-def test_bytes_that_fail_the_origins_checksum_are_refused(data: bytes, tmp_path: Path) -> None:
-    def flip(msg: Fetch, piece: bytes) -> bytes:
-        return piece if msg.offset != FETCH_PIECE else bytes([piece[0] ^ 1]) + piece[1:]
-    peer = FakePeer(data, flip)
-    try:
-        with pytest.raises(InvalidCheckpoint, match="fails its check"):
-            _fetch(peer, tmp_path, checksum(data, CHECKSUM_ALGORITHM))
-    finally:
-        peer.close()
+def test_a_frame_altered_on_the_way_is_refused_and_never_written(data: bytes, tmp_path: Path) -> None:
+    def flip(conn: socket.socket, key: bytes, shard: bytes) -> None:
+        frames = _frames(key, shard)
+        at = bulk.HEADER.size + bulk.FRAME + bulk.TAG + bulk.HEADER.size + 7  # byte 7 of frame 1's ciphertext
+        frames[at] ^= 1
+        conn.sendall(frames)
+    with pytest.raises(InvalidCheckpoint, match="frame 1 .* fails its authentication tag.*not loaded"):
+        _fetch(FakeHolder(data, flip), tmp_path, checksum(data, CHECKSUM_ALGORITHM))
+    written = _written(tmp_path)
+    assert written[:bulk.FRAME] == data[:bulk.FRAME]  # frame 0 passed and was written
+    assert written[bulk.FRAME:] == bytes(SIZE - bulk.FRAME)  # nothing of frame 1 on: never written
 
 
 @pytest.mark.timeout(60)
-def test_a_piece_of_another_length_than_asked_is_refused_before_it_is_written(data: bytes, tmp_path: Path) -> None:
-    peer = FakePeer(data, lambda msg, piece: piece + b"x" if msg.offset == 0 else piece)
-    try:
-        with pytest.raises(InvalidCheckpoint, match="not the 2097152 asked for"):
-            _fetch(peer, tmp_path, checksum(data, CHECKSUM_ALGORITHM))
-        assert os.path.getsize(tmp_path / "shard") == SIZE  # nothing was written past the shard's end
-    finally:
-        peer.close()
+def test_a_stream_cut_short_is_refused(data: bytes, tmp_path: Path) -> None:
+    def cut(conn: socket.socket, key: bytes, shard: bytes) -> None:
+        frames = _frames(key, shard)
+        conn.sendall(frames[:len(frames) // 2])
+    with pytest.raises(InvalidCheckpoint, match="ended .* bytes short of a frame.*not loaded"):
+        _fetch(FakeHolder(data, cut), tmp_path, checksum(data, CHECKSUM_ALGORITHM))
+
+
+@pytest.mark.timeout(60)
+def test_frames_out_of_order_or_under_another_key_are_refused(data: bytes, tmp_path: Path) -> None:
+    def other_key(conn: socket.socket, key: bytes, shard: bytes) -> None:
+        bulk.send(conn, bulk.new_stream()[1], memoryview(shard))
+    with pytest.raises(InvalidCheckpoint, match="frame 0 .* fails its authentication tag"):
+        _fetch(FakeHolder(data, other_key), tmp_path, checksum(data, CHECKSUM_ALGORITHM))
+    assert _written(tmp_path) == bytes(SIZE)
+
+    def reordered(conn: socket.socket, key: bytes, shard: bytes) -> None:
+        frames = _frames(key, shard)
+        whole = bulk.HEADER.size + bulk.FRAME + bulk.TAG
+        conn.sendall(frames[whole:2 * whole] + frames[:whole])  # frame 1 first
+    (tmp_path / "shard").unlink()
+    with pytest.raises(InvalidCheckpoint, match="frame 1 of .* where frame 0 of at most"):
+        _fetch(FakeHolder(data, reordered), tmp_path, checksum(data, CHECKSUM_ALGORITHM))
+
+
+@pytest.mark.timeout(60)
+def test_bytes_that_pass_their_tags_but_not_the_origins_checksum_are_refused(data: bytes, tmp_path: Path) -> None:
+    other = bytes([data[0] ^ 1]) + data[1:]  # a holder whose replica differs from what its origin held
+    with pytest.raises(InvalidCheckpoint, match="fails its check .* its origin took"):
+        _fetch(FakeHolder(other), tmp_path, checksum(data, CHECKSUM_ALGORITHM))

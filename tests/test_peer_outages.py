@@ -83,8 +83,8 @@ def test_status_and_metrics_show_each_peer_and_what_was_replicated(root: Path, t
 
 def _through(proxy: TcpProxy, root: Path, keys: Path, lines: list[str], buddy_dir: Path, buddy_ep: str,
              origin_dir: Path, *origin_args: str) -> tuple[Daemon, Daemon, str]:
-    """The buddy on its own endpoint and the origin reaching it through ``proxy`` (the keys file names the
-    buddy's key at the proxy's port too), the origin giving up on a link after 3 s: (buddy, origin, the proxy's
+    """The buddy on its own endpoint and the origin reaching it through ``proxy`` (its peer port and data port; the
+    keys file names the buddy's key at the proxy's port too), the origin giving up on a link after 3 s: (buddy, origin, the proxy's
     endpoint)."""
     via_proxy = f"tcp://127.0.0.1:{proxy.port}"
     lines.append(f"{lines[1].split()[0]} {via_proxy}\n")
@@ -103,7 +103,7 @@ def test_an_outage_between_peers_fails_replication_visibly_it_resumes_and_a_cut_
     buddy_dir, buddy_ep = _node(keys, lines)
     host, port = buddy_ep.removeprefix("tcp://").split(":")
     never = ("--persist-on-exit", "never")
-    with TcpProxy(host, int(port)) as proxy:
+    with TcpProxy(host, int(port), peer=True) as proxy:
         buddy, origin, _ = _through(proxy, root, keys, lines, buddy_dir, buddy_ep, origin_dir, *never)
         replacement = None
         states = {step: _state(mib, step) for step, mib in ((1, 1), (2, 1), (3, 1), (4, 48))}
@@ -139,9 +139,11 @@ def test_an_outage_between_peers_fails_replication_visibly_it_resumes_and_a_cut_
             with pytest.raises(InvalidCheckpoint, match="not replicated"):
                 snapshot(4).wait_replicated(120)
             assert proxy.is_cut
-            replicas = buddy.status()["peers"]["replicas_held"]
-            assert replicas["receiving"] == 1  # part of it came: cut mid-stream, kept until STALLED_S passes
-            assert [r["step"] for r in replicas["held"]] == [3]  # and never listed
+            # part of it came: the buddy dropped it when its data connection broke, and never listed it
+            wait_until(lambda: buddy.status()["peers"]["replicas_held"]["receiving"] == 0, 30,
+                       "the buddy kept the replica whose stream was cut")
+            assert [r["step"] for r in buddy.status()["peers"]["replicas_held"]["held"]] == [3]
+            assert "event=replica_stream_failed" in (buddy_dir / "ckptd.log").read_text()
             client.close()
 
             # the origin is lost; a node restoring from the buddy finds step 3, never the half of step 4
@@ -169,7 +171,7 @@ def test_a_buddy_killed_mid_stream_fails_that_snapshot_visibly_and_its_restart_t
     origin_dir, _ = _node(keys, lines)
     buddy_dir, buddy_ep = _node(keys, lines)
     host, port = buddy_ep.removeprefix("tcp://").split(":")
-    with TcpProxy(host, int(port)) as proxy:
+    with TcpProxy(host, int(port), peer=True) as proxy:
         buddy, origin, _ = _through(proxy, root, keys, lines, buddy_dir, buddy_ep, origin_dir)
         try:
             client = ckptd.Client(run_dir=origin_dir, spawn=False)

@@ -13,7 +13,7 @@ import pytest
 
 from ckptd.protocol.errors import BadMessage
 from ckptd.protocol.messages import MESSAGE_TYPES, Message, Snapshots, decode
-from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Fetch, Forget, Offer, Piece, ReplicaList, Replicas, Seal
+from ckptd.protocol.peer_messages import PEER_TYPES, Fetch, Forget, Offer, ReplicaList, Replicas, Seal, Ticket
 from test_wire_format import GOLDEN
 
 SNAPSHOT = GOLDEN["snapshot"][0]
@@ -28,9 +28,10 @@ PEER_GOLDEN: dict[str, tuple[Message, str]] = {
         "64cd1020a66c61796f7574a0a36a6f62a0aa7265706c69636174656480a47361766500a8636865636b73756dcd1234a9616c"
         "676f726974686da6637263333263a763726561746564cb41d954fc40200000a572616e6b73920001",
     ),
-    "chunk": (
-        Chunk(id=4, offer=3, offset=0),
-        "85a17601a474797065a56368756e6ba2696404a56f6666657203a66f666673657400",
+    "ticket": (
+        Ticket(id=4, token=bytes(range(16)), key=bytes(range(32))),
+        "85a17601a474797065a67469636b6574a2696404a5746f6b656ec410000102030405060708090a0b0c0d0e0fa36b6579c4200001"
+        "02030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f",
     ),
     "seal": (
         Seal(id=5, offer=3),
@@ -50,13 +51,8 @@ PEER_GOLDEN: dict[str, tuple[Message, str]] = {
         "7465702d313031a47374657065",
     ),
     "fetch": (
-        Fetch(id=7, path="/ckpt/step-101", rank=1, offset=0, length=4128),
-        "87a17601a474797065a56665746368a2696407a470617468ae2f636b70742f737465702d313031a472616e6b01a66f666673"
-        "657400a66c656e677468cd1020",
-    ),
-    "piece": (
-        Piece(id=7, offset=0),
-        "84a17601a474797065a57069656365a2696407a66f666673657400",
+        Fetch(id=7, path="/ckpt/step-101", rank=1),
+        "85a17601a474797065a56665746368a2696407a470617468ae2f636b70742f737465702d313031a472616e6b01",
     ),
 }
 
@@ -94,13 +90,22 @@ def test_a_bad_offer_is_refused_naming_what_is_wrong(bad: dict, says: str) -> No
         decode(wire.to_wire(), PEER_TYPES)
 
 
-def test_a_fetch_of_nothing_or_too_much_is_refused() -> None:
-    for length in (0, 1 << 30):
+def test_a_fetch_of_no_rank_is_refused() -> None:
+    for rank in (-1, 1 << 30):
         wire = Fetch.__new__(Fetch)
-        for name, value in dict(id=1, path="/ckpt/a", rank=0, offset=0, length=length).items():
+        for name, value in dict(id=1, path="/ckpt/a", rank=rank).items():
             object.__setattr__(wire, name, value)
-        with pytest.raises(BadMessage, match="fetch.length"):
+        with pytest.raises(BadMessage, match="fetch.rank"):
             decode(wire.to_wire(), PEER_TYPES)
+
+
+@pytest.mark.parametrize("field, size", [("token", 15), ("key", 16)])
+def test_a_ticket_of_a_short_token_or_key_is_refused(field: str, size: int) -> None:
+    wire = Ticket.__new__(Ticket)
+    for name, value in {**dict(id=1, token=bytes(16), key=bytes(32)), field: bytes(size)}.items():
+        object.__setattr__(wire, name, value)
+    with pytest.raises(BadMessage, match=f"ticket.{field}"):
+        decode(wire.to_wire(), PEER_TYPES)
 
 
 def test_the_two_protocols_do_not_accept_each_others_requests() -> None:

@@ -18,13 +18,13 @@ import zmq
 
 import ckptd
 from ckptd.core.keys import KeyPair
-from ckptd.peers.link import FETCH_PIECE, FETCH_WINDOW
+from ckptd.peers import bulk
 from ckptd.protocol.checksums import updater
 from ckptd.protocol.errors import ErrorCode, InvalidCheckpoint
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
 from ckptd.protocol.layout import TensorEntry
 from ckptd.protocol.messages import Error, Ok, Restore, decode
-from ckptd.protocol.peer_messages import MAX_PIECE, PEER_TYPES, Chunk, Fetch, Offer, Piece, Seal
+from ckptd.protocol.peer_messages import PEER_TYPES, Fetch, Offer, Seal, Ticket
 
 from helpers import (Daemon, ckptd_cli, free_port, raw_socket, segments_of, short_tempdir, start_daemon,
                      wait_until)
@@ -214,16 +214,18 @@ def _lost_and_restored(pair: Any, root: Path, state: dict[str, Any], extra: tupl
 
 
 @pytest.mark.timeout(120)
-def test_a_shard_of_more_pieces_than_a_restore_asks_for_at_once_comes_back_bitwise(root: Path, tmp_path: Path) -> None:
-    """The restore asks for ``FETCH_WINDOW`` pieces of ``FETCH_PIECE`` ahead and writes each where it belongs: a
-    shard of more pieces than that, its last one short, of bytes that differ everywhere, comes back as it was."""
+def test_a_shard_of_many_frames_goes_to_the_buddy_and_comes_back_bitwise(root: Path, tmp_path: Path) -> None:
+    """Replication and the restore both stream the shard on the data port in ``bulk.FRAME`` frames, each decrypted
+    where it belongs: a shard of several frames, its last one short, of bytes that differ everywhere, comes back
+    as it was, and neither stream went through the CURVE socket."""
     never = ("--persist-on-exit", "never")
     pair = _pair(root, tmp_path, origin_extra=never)
-    state = {"w": torch.randn((FETCH_PIECE * (FETCH_WINDOW + 2) + 4100) // 4), "step": 1}
+    state = {"w": torch.randn((bulk.FRAME * 3 + 4100) // 4), "step": 1}
     try:
         new_dir, back = _lost_and_restored(pair, root, state, never)
         assert torch.equal(back["w"], state["w"]) and back["step"] == 1
         assert "event=snapshot_restored" in (new_dir / LOG).read_text()
+        assert "event=peer_data_listen" in (pair.buddy_dir / LOG).read_text()
     finally:
         pair.kill()
 
@@ -405,25 +407,36 @@ def test_a_path_rolled_back_again_and_again_leaves_the_buddy_one_replica_file(ro
         pair.kill()
 
 
-def _raw_offer(rid: int, path: Path, fill: int) -> tuple[Offer, bytes]:
-    """An offer of rank 0's shard of a one-rank snapshot of ``path`` (two full chunks, every byte ``fill``), as a
+def _raw_offer(rid: int, path: Path, fill: int, nbytes: int = 8 * bulk.FRAME) -> tuple[Offer, bytes]:
+    """An offer of rank 0's shard of a one-rank snapshot of ``path`` (``nbytes``, every byte ``fill``), as a
     trusted peer's own code would make it, and the shard's bytes."""
-    nbytes = 2 * MAX_PIECE
     snap = dataclasses.replace(SNAPSHOT, path=str(path), rank=0, world_size=1, nbytes=nbytes, staged=nbytes,
                                tensors=(TensorEntry("w", "U8", (nbytes - 4096,), 0, nbytes - 4096),))
     data = bytes([fill]) * nbytes
     return Offer(rid, snap.to_wire(), updater(CHECKSUM_ALGORITHM)(data, 0), CHECKSUM_ALGORITHM, 1.0, (0,)), data
 
 
-def _send_shard(sock: zmq.Socket, offer: Offer, data: bytes) -> list[int]:
-    """Every chunk of ``offer``'s shard, then its seal, sent without waiting for an answer; their request ids."""
-    ids = []
-    for offset in range(0, len(data), MAX_PIECE):
-        ids.append(offer.id + 1 + len(ids))
-        sock.send_multipart([Chunk(ids[-1], offer.id, offset).to_wire(), data[offset:offset + MAX_PIECE]])
-    ids.append(offer.id + 1 + len(ids))
-    sock.send(Seal(ids[-1], offer.id).to_wire())
-    return ids
+def _send_shard(sock: zmq.Socket, endpoint: str, offer: Offer, ticket: Ticket, data: bytes) -> int:
+    """``offer``'s shard on the data port of the peer at ``endpoint`` under ``ticket``, then its seal, sent without
+    waiting for its answer; the seal's request id."""
+    with socket.create_connection(bulk.data_address(endpoint), timeout=30) as conn:
+        conn.sendall(ticket.token)
+        bulk.send(conn, ticket.key, memoryview(data))
+    sock.send(Seal(offer.id + 1, offer.id).to_wire())
+    return offer.id + 1
+
+
+def _read_back(sock: zmq.Socket, endpoint: str, rid: int, path: Path, size: int) -> bytes:
+    """Rank 0's shard of the replica of ``path`` that the peer at ``endpoint`` holds, read back as a restore does."""
+    sock.send(Fetch(rid, str(path), 0).to_wire())
+    ticket = _answers(sock, [rid])[rid]
+    assert isinstance(ticket, Ticket), ticket
+    out = bytearray(size)
+    with socket.create_connection(bulk.data_address(endpoint), timeout=30) as conn:
+        conn.sendall(ticket.token)
+        for _ in bulk.receive(conn, ticket.key, size, lambda offset, n: memoryview(out)[offset:offset + n]):
+            pass
+    return bytes(out)
 
 
 def _answers(sock: zmq.Socket, ids: list[int]) -> dict[int, Any]:
@@ -443,38 +456,36 @@ def test_a_peer_offering_a_shard_again_before_its_seal_is_answered_leaves_only_t
     """A trusted peer seals a shard and offers it again at once: the new offer dropped the first attempt, then the
     seal's check completed that dropped attempt (files unlinked) in the books and deleted the new attempt instead,
     so the buddy listed a replica that failed every read with an internal error, and the new seal failed too.
-    The first seal is refused, the new shard is held and read back, and no file is left over. The seal's check
-    waits behind the last chunk's write, so the new offer comes first; a round where it did not is tried again."""
+    Here the seal comes while half the first stream is still to come (its answer waits for the stream's end), and
+    the new offer before that: the first stream is stopped, its seal refused saying so, the new shard is held and
+    read back, and no file is left over."""
     pair = _pair(root, tmp_path, buddy_extra=("--memory-budget", "256MiB"))
     sock = _peer_socket(pair.buddy_ep, KeyPair.of(pair.buddy_dir).public, KeyPair.of(pair.origin_dir))
     path = root / "raced" / "step-1"
-    raced = 0
     try:
-        for rid in range(0, 5000, 1000):
-            first, first_data = _raw_offer(rid + 1, path, 1)
-            sock.send(first.to_wire())
-            assert isinstance(_answers(sock, [first.id])[first.id], Ok)
-            sent = _send_shard(sock, first, first_data)
-            second, second_data = _raw_offer(rid + 100, path, 2)
-            sock.send(second.to_wire())  # before the seal's answer
-            answers = _answers(sock, [*sent, second.id])
-            seal = answers[sent[-1]]
-            raced += isinstance(seal, Error)
-            assert isinstance(seal, Ok) or (seal.code == ErrorCode.CONFLICT and "newer offer" in seal.message), seal
-            assert isinstance(answers[second.id], Ok), answers[second.id]
-            answers = _answers(sock, _send_shard(sock, second, second_data))
-            assert all(isinstance(a, Ok) for a in answers.values()), answers
-            (held,) = pair.buddy.status()["peers"]["replicas_held"]["held"]
-            assert held["path"] == str(path) and held["shards"][0][3] == second.checksum
-            sock.send(Fetch(rid + 200, str(path), 0, 4096, 8).to_wire())
-            assert sock.poll(30_000)
-            piece, data = sock.recv_multipart()
-            assert isinstance(decode(piece, PEER_TYPES), Piece) and data == second_data[4096:4104]
-            wait_until(lambda: segments_of(pair.buddy.proc.pid) == [held["shards"][0][1]], 30,
-                       lambda: f"the buddy's files in /dev/shm: {segments_of(pair.buddy.proc.pid)}")
-            if raced:
-                break
-        assert raced, "the new offer never came before the seal's check ended: the race was not run"
+        first, first_data = _raw_offer(1, path, 1)
+        sock.send(first.to_wire())
+        ticket = _answers(sock, [first.id])[first.id]
+        assert isinstance(ticket, Ticket), ticket
+        with socket.create_connection(bulk.data_address(pair.buddy_ep), timeout=30) as conn:
+            conn.sendall(ticket.token)
+            bulk.send(conn, ticket.key, memoryview(first_data)[:len(first_data) // 2])  # frames 0..3 of 8
+            sock.send(Seal(2, first.id).to_wire())
+            second, second_data = _raw_offer(100, path, 2)
+            sock.send(second.to_wire())  # before the seal's answer, which waits for the stream
+            answers = _answers(sock, [2, second.id])
+            assert conn.recv(1) == b""  # the first stream was stopped: its connection closed by the buddy
+        seal = answers[2]
+        assert isinstance(seal, Error) and seal.code == ErrorCode.CONFLICT, seal
+        assert "dropped before its stream ended" in seal.message, seal
+        assert isinstance(answers[second.id], Ticket), answers[second.id]
+        sealed = _send_shard(sock, pair.buddy_ep, second, answers[second.id], second_data)
+        assert isinstance(_answers(sock, [sealed])[sealed], Ok)
+        (held,) = pair.buddy.status()["peers"]["replicas_held"]["held"]
+        assert held["path"] == str(path) and held["shards"][0][3] == second.checksum
+        assert _read_back(sock, pair.buddy_ep, 200, path, len(second_data)) == second_data
+        wait_until(lambda: segments_of(pair.buddy.proc.pid) == [held["shards"][0][1]], 30,
+                   lambda: f"the buddy's files in /dev/shm: {segments_of(pair.buddy.proc.pid)}")
         assert "event=internal_error" not in (pair.buddy_dir / LOG).read_text()
     finally:
         sock.close()

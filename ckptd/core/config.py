@@ -203,8 +203,9 @@ class DaemonConfig:
         for flag, endpoint in [(peer_listen_named(self.peer_listen), self.peer_listen),
                                *(("--peer", p) for p in self.peers)]:
             if endpoint is not None and (not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", endpoint)
-                                         or not 1 <= int(endpoint.rsplit(":", 1)[1]) <= 65535):
-                raise ValueError(f"{flag} {endpoint}: expected tcp://HOST:PORT, PORT between 1 and 65535")
+                                         or not 1 <= int(endpoint.rsplit(":", 1)[1]) <= 65534):
+                raise ValueError(f"{flag} {endpoint}: expected tcp://HOST:PORT, PORT between 1 and 65534 (PORT + 1 "
+                                 f"is its data port, which carries the replicas' bytes)")
         if len(set(self.peers)) != len(self.peers) or (self.peer_listen is not None and self.peer_listen in self.peers):
             raise ValueError(f"--peer names one endpoint twice, or this daemon's own --peer-listen: {list(self.peers)}")
         if self.peers and self.peer_keys is None:

@@ -144,7 +144,7 @@ class Server:
                                                None)
         if config.peer_listen is not None:
             self.peer_endpoint = PeerEndpoint(self.ctx, config.peer_listen, KeyPair.of(config.run_dir), keys, book,
-                                              stats)
+                                              stats, config.peer_timeout)
         self.replication = Replication(self.ctx, config, keys, self.holding, self.workers, stats, self._send)
 
     def _no_peers(self, ident: bytes, msg: Restore) -> Message:

@@ -10,8 +10,9 @@ served as a local request is (``core/dispatch.py``): any exception becomes an
 ``Error`` reply through ``replies.error_reply``, and no message can take the
 daemon down.
 
-The loop thread polls this socket beside the local one; the bytes of
-replicas move on the ``replica`` pool (``replicas.ReplicaBook``).
+The loop thread polls this socket beside the local one. The bytes of
+replicas do not come through it: they move on the data port beside it (the
+peer port + 1, ``data.py``), on a stream a ``Ticket`` sent here announced.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from ckptd.protocol.messages import MAX_MESSAGE_BYTES, Message
-from ckptd.protocol.peer_messages import PEER_TYPES, Chunk, Fetch, Forget, Offer, Replicas, Seal
+from ckptd.protocol.peer_messages import PEER_TYPES, Fetch, Forget, Offer, Replicas, Seal
 
 from ckptd.core.config import peer_listen_named
 from ckptd.core.dispatch import Dispatch, Sender
 from ckptd.core.keys import KeyPair, Trust
 from ckptd.core.stats import Stats
+from ckptd.peers.data import DataServer
 from ckptd.peers.replicas import ReplicaBook
 
 log = logging.getLogger("ckptd")
@@ -36,11 +38,14 @@ ZAP_DOMAIN = "ckptd-peers"
 
 
 class PeerEndpoint:
-    """Serve other daemons: offers, chunks and seals of replicas, listings, and fetches of them."""
+    """Serve other daemons: offers and seals of replicas, listings, and fetches of them; and the data port their
+    bytes take."""
 
     def __init__(self, ctx: zmq.Context, listen: str, pair: KeyPair, keys: Trust, book: ReplicaBook,
-                 stats: Stats) -> None:
+                 stats: Stats, timeout: float) -> None:
+        """``timeout``: seconds a data connection may stay silent, or not come (``--peer-timeout``)."""
         self.book, self.stats = book, stats
+        self.data: DataServer | None = None
         self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("ckptd.zap"))
         self.auth.start()
         self.auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=keys)
@@ -55,8 +60,13 @@ class PeerEndpoint:
         except zmq.ZMQError as exc:
             self.close()
             raise ValueError(f"{peer_listen_named(listen)} {listen}: cannot listen there: {exc}") from None
+        try:
+            self.data = book.data = DataServer(listen, timeout, book.workers.call_soon)
+        except ValueError:
+            self.close()
+            raise
         self.listen = listen
-        self.dispatch = Dispatch(self.socket, stats, self._handlers(), types=PEER_TYPES, data_frame=Chunk,
+        self.dispatch = Dispatch(self.socket, stats, self._handlers(), types=PEER_TYPES,
                                  authenticated=True, refusal="a peer does not send it as a request",
                                  event="peer_reply_dropped")
         log.info("event=peer_listen endpoint=%s", listen)
@@ -73,7 +83,6 @@ class PeerEndpoint:
             return lambda msg, data=None: self.dispatch.send(sender.ident, msg, data)
         return {
             Offer: lambda s, m: book.offer(s.ident, s.origin, m, reply(s)),
-            Chunk: lambda s, m: book.chunk(s.ident, m, s.data, reply(s)),
             Seal: lambda s, m: book.seal(s.ident, m, reply(s)),
             Forget: lambda s, m: book.forget(s.origin, m),
             Replicas: lambda s, m: book.listing(m.id),
@@ -81,5 +90,7 @@ class PeerEndpoint:
         }
 
     def close(self) -> None:
+        if self.data is not None:
+            self.data.close()
         self.socket.close(0)
         self.auth.stop()

@@ -9,19 +9,14 @@ daemon's key, which CURVE does by never completing the handshake) fails the
 call with ``PeerUnavailable``, and the socket is made anew for the next call
 so that no late answer is taken for another's.
 
-A shard streams in ``MAX_PIECE`` chunks with ``WINDOW`` of them unanswered
-at most: the buddy answers each once written, so neither side holds more
-than the window in memory, and the link runs at the slower of the two
-memcpys and the network.
-
-A replica is read back (``fetch``) in ``FETCH_PIECE`` pieces with
-``FETCH_WINDOW`` asked for and not yet arrived: small enough that the
-buddy's CURVE encryption of one piece, its decryption here and the write
-and checksum of the one before run at once (each end's ZeroMQ I/O thread
-ciphers a whole message before the next step sees any of it), and each
-piece is written into the file with ``pwrite``, not through a fresh
-mapping, whose page faults cost more than the copy (docs/memory.md,
-issue 40).
+A shard's bytes do not go over the CURVE socket, whose cipher held a stream
+to 0.18-0.35 x a plain TCP socket (``benchmarks/RESULTS.md``): the peer that
+serves the stream answers with a ``Ticket`` (a token and a fresh AES-256-GCM
+key, over CURVE), and the bytes go as AEAD frames on a plain TCP connection to
+its data port (``bulk.py``): to the buddy for a replica (``stream``), from the
+holder for a restore (``fetch``, written into the file with ``pwrite``, not
+through a fresh mapping, whose page faults cost more than the copy). Every
+socket operation of the data connection waits at most ``timeout`` too.
 """
 
 from __future__ import annotations
@@ -29,6 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import socket
 from typing import Any
 
 import zmq
@@ -36,24 +32,12 @@ import zmq
 from ckptd.protocol.checksums import updater
 from ckptd.protocol.errors import CkptdError, DaemonUnavailable, InvalidCheckpoint, error_for_code
 from ckptd.protocol.messages import MAX_MESSAGE_BYTES, Error, Message, Ok, decode
-from ckptd.protocol.peer_messages import (
-    MAX_PIECE, PEER_TYPES, Chunk, Fetch, Forget, Offer, Piece, ReplicaList, Replicas, Seal,
-)
+from ckptd.protocol.peer_messages import PEER_TYPES, Fetch, Forget, Offer, ReplicaList, Replicas, Seal, Ticket
 
 from ckptd.core.keys import KeyPair, Trust
+from ckptd.peers import bulk
 
 log = logging.getLogger("ckptd")
-WINDOW = 4
-"""Chunks sent and not yet answered, at most."""
-FETCH_PIECE = 2 * 1024 * 1024
-"""Bytes a restore asks for in one ``Fetch``: a piece the two ends' ciphers and the write here work on at once.
-Measured restoring 30 MiB between two daemons on one loaded two-core machine (load 14, medians of 6, the file's
-pages mapped ahead in each): the fetch took 139 ms in 16 MiB pieces (4 ahead), 73 ms in 2 MiB (8 ahead), 100 ms
-in 1 MiB (16 ahead); the whole profile is in benchmarks/RESULTS.md."""
-FETCH_WINDOW = 8
-"""Pieces of a restore asked for and not yet arrived, at most (16 MiB in flight)."""
-
-
 class PeerUnavailable(DaemonUnavailable):
     """A peer did not answer in time."""
 
@@ -125,22 +109,58 @@ class PeerLink:
             if answer.id == msg.id:
                 return answer, data
 
-    def stream(self, offer: Offer, data: memoryview) -> None:
-        """Offer one shard, send its bytes, seal it; returns once the peer holds it (its checksum matched)."""
+    def _ticket(self, msg: Message) -> Ticket:
+        """Ask for a data stream (an offer, a fetch): the peer's ticket."""
+        answer, _ = self._call(msg)
+        if not isinstance(answer, Ticket):
+            self.reset()
+            raise InvalidCheckpoint(f"peer {self.endpoint} answered a {msg.type} with {answer.type}, not a ticket")
+        return answer
+
+    def _connect(self, ticket: Ticket) -> socket.socket:
+        """The data connection of ``ticket``'s stream, its token sent; ``PeerUnavailable`` if it cannot be made."""
+        host, port = bulk.data_address(self.endpoint)
         try:
-            self._call(offer)
-            unanswered: set[int] = set()
-            for offset in range(0, len(data), MAX_PIECE):
-                while len(unanswered) >= WINDOW:
-                    unanswered.discard(self._answer()[0].id)
-                chunk = Chunk(next(self._ids), offer.id, offset)
-                self._send(chunk, data[offset:offset + MAX_PIECE])
-                unanswered.add(chunk.id)
-            while unanswered:
-                unanswered.discard(self._answer()[0].id)
-            answer, _ = self._call(Seal(next(self._ids), offer.id))
+            conn = socket.create_connection((host, port), timeout=self.timeout_ms / 1000)
+        except OSError as exc:
+            self.reset()  # the peer's answer to what follows belongs to no one
+            raise PeerUnavailable(f"peer {self.endpoint}: cannot connect to its data port {port} (the peer port "
+                                  f"+ 1): {exc.strerror or exc}") from None
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.sendall(ticket.token)
+        except OSError as exc:
+            conn.close()
+            self.reset()
+            raise PeerUnavailable(f"peer {self.endpoint}: its data port {port} closed the connection: "
+                                  f"{exc.strerror or exc}") from None
+        return conn
+
+    def stream(self, offer: Offer, data: memoryview) -> None:
+        """Offer one shard, send its bytes on the data port, seal it; returns once the peer holds it (its checksum
+        matched). If the data connection breaks, the seal's answer says why when the buddy knows (a frame it
+        refused); a buddy that does not answer is ``PeerUnavailable``."""
+        try:
+            ticket = self._ticket(offer)
+            conn = self._connect(ticket)
+            broke: OSError | None = None
+            try:
+                bulk.send(conn, ticket.key, data)
+            except OSError as exc:
+                broke = exc
+            finally:
+                conn.close()
+            try:
+                answer, _ = self._call(Seal(next(self._ids), offer.id))
+            except PeerUnavailable as exc:
+                if broke is None:
+                    raise
+                raise PeerUnavailable(f"peer {self.endpoint}: the data connection broke mid-stream "
+                                      f"({broke.strerror or broke}), and then: {exc}") from None
             if not isinstance(answer, Ok):
                 raise InvalidCheckpoint(f"peer {self.endpoint} answered a seal with {answer.type}")
+            if broke is not None:  # the buddy holds it after all?  Not without every byte: a defect if so
+                raise InvalidCheckpoint(f"peer {self.endpoint} sealed a replica whose data connection broke")
         except CkptdError:
             raise
         except zmq.ZMQError as exc:
@@ -159,41 +179,32 @@ class PeerLink:
         return list(answer.replicas)
 
     def fetch(self, path: str, rank: int, size: int, checksum: int, algorithm: str, into: int) -> None:
-        """Read a replica's shard into the file ``into`` (a descriptor, written from offset 0), checking its bytes
-        against ``checksum`` (the origin's) as they come; ``InvalidCheckpoint`` if they differ. The pieces are
-        asked for ``FETCH_WINDOW`` ahead, so the buddy always has the next ones to send."""
-        update, crc = updater(algorithm), 0
-        offsets = iter(range(0, size, FETCH_PIECE))
-        pending: dict[int, int] = {}
-        arrived: dict[int, memoryview] = {}
-        next_offset = 0
-        while True:
-            while len(pending) < FETCH_WINDOW and (ask := next(offsets, None)) is not None:
-                req = Fetch(next(self._ids), path, rank, ask, min(FETCH_PIECE, size - ask))
-                self._send(req)
-                pending[req.id] = ask
-            if not pending:
-                break
-            answer, data = self._answer()
-            if answer.id not in pending or not isinstance(answer, Piece) or data is None:
-                continue
-            offset = pending.pop(answer.id)
-            if len(data) != min(FETCH_PIECE, size - offset):
-                self.reset()  # the pieces still in flight belong to no one
-                raise InvalidCheckpoint(f"peer {self.endpoint} answered a fetch of {path} rank {rank} at {offset} "
-                                        f"with {len(data)} bytes, not the {min(FETCH_PIECE, size - offset)} asked for")
-            arrived[offset] = data
-            while next_offset in arrived:  # checksummed in order, whatever order the pieces come in
-                piece = arrived.pop(next_offset)
+        """Read a replica's shard into the file ``into`` (a descriptor, written from offset 0) over the data port,
+        checking its bytes against ``checksum`` (the origin's) as they come; ``InvalidCheckpoint`` if a frame fails
+        its tag, the stream ends short, or the checksum differs. A frame is written only once its tag passed."""
+        ticket = self._ticket(Fetch(next(self._ids), path, rank))
+        update, crc, got = updater(algorithm), 0, 0
+        scratch = memoryview(bytearray(min(bulk.FRAME, max(size, 1))))
+        conn = self._connect(ticket)
+        try:
+            for offset, piece in bulk.receive(conn, ticket.key, size, lambda _, n: scratch[:n]):
                 written = 0
                 while written < len(piece):
-                    written += os.pwrite(into, piece[written:], next_offset + written)
+                    written += os.pwrite(into, piece[written:], offset + written)
                 crc = update(piece, crc)
-                next_offset += len(piece)
-        if next_offset != size or crc != checksum:
+                got = offset + len(piece)
+        except bulk.FrameError as exc:
             raise InvalidCheckpoint(f"the replica of {path} rank {rank} on peer {self.endpoint} fails its check "
-                                    f"({next_offset} of {size} bytes, checksum {crc:#x}, its origin took "
-                                    f"{checksum:#x}); it is not loaded")
+                                    f"after {got} of {size} bytes: {exc}; it is not loaded") from None
+        except OSError as exc:
+            raise PeerUnavailable(f"peer {self.endpoint}: the data connection of {path} rank {rank} broke after "
+                                  f"{got} of {size} bytes: {exc.strerror or exc}") from None
+        finally:
+            conn.close()
+        if crc != checksum:
+            raise InvalidCheckpoint(f"the replica of {path} rank {rank} on peer {self.endpoint} fails its check "
+                                    f"({got} of {size} bytes, checksum {crc:#x}, its origin took {checksum:#x}); "
+                                    f"it is not loaded")
 
     def close(self) -> None:
         self.reset()

@@ -175,9 +175,9 @@ START_OPTIONS: tuple[StartOption, ...] = (
                 "/dev/shm's free space, at most a quarter of the RAM)", memory_size, "BYTES"),
     StartOption("--keep-snapshots", "keep_snapshots", "newest memory snapshots kept per checkpoint directory",
                 positive_int, "K"),
-    StartOption("--peer-listen", "peer_listen", "open the peer endpoint for other nodes' daemons (CurveZMQ; "
-                "default $CKPTD_PEER_LISTEN; without either no TCP port is opened); alone, the job's ranks name the "
-                "peers and the buddy", str,
+    StartOption("--peer-listen", "peer_listen", "open the peer endpoint for other nodes' daemons (CurveZMQ on "
+                "PORT, the replicas' encrypted bytes on PORT+1; default $CKPTD_PEER_LISTEN; without either no TCP port "
+                "is opened); alone, the job's ranks name the peers and the buddy", str,
                 "tcp://HOST:PORT"),
     StartOption("--peer", "peers", "another node's peer endpoint (repeatable): the first is the buddy that holds a "
                 "replica of every snapshot (it wins over the ranks' ring)", str, "tcp://HOST:PORT", repeated=True),
@@ -185,7 +185,8 @@ START_OPTIONS: tuple[StartOption, ...] = (
                 "--peer (lines of `ckptd peer-key`); without it the ranks' ring names them", Path, "FILE"),
     StartOption("--replicas", "replicas", "copies of each snapshot on other nodes (default 1 with a --peer or "
                 "--peer-listen, else 0)", int, "N"),
-    StartOption("--peer-timeout", "peer_timeout", "seconds a peer has to answer each step of a replication",
+    StartOption("--peer-timeout", "peer_timeout", "seconds a peer has to answer each step of a replication, "
+                "and a data connection to come or to send its next bytes",
                 seconds, "SECONDS"),
     StartOption("--persist-on-exit", "persist_on_exit", "when a trainer closes or dies, write its newest snapshot "
                 "to disk", choices=("newest", "never")),

@@ -1,0 +1,192 @@
+"""The data port that carries replicas' bytes beside the CURVE peer endpoint (``ckptd/peers/data.py``), with real
+daemons as nodes on 127.0.0.1 and, where the link must misbehave, a proxy standing for it (``tests/proxy.py``):
+the bytes cross it encrypted and come back bitwise; a connection whose token no ticket gave is closed before a byte
+of it is held; a byte altered on the link fails that stream (and only it), and nothing altered is ever restored;
+an origin killed mid-stream leaves the buddy nothing, and it serves on."""
+
+from __future__ import annotations
+
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd
+from ckptd.core.keys import KeyPair
+from ckptd.peers import bulk
+from ckptd.protocol.errors import ErrorCode, InvalidCheckpoint
+from ckptd.protocol.messages import Error
+from ckptd.protocol.peer_messages import Seal, Ticket
+
+from helpers import Daemon, segments_of, start_daemon, wait_until
+from proxy import TcpProxy
+from test_fuzz_peers import _peer_socket
+from test_peer_outages import _through
+from test_peers import LOG, _answers, _node, _pair, _raw_offer
+
+MIB = 1 << 20
+NEVER = ("--persist-on-exit", "never")
+
+
+def _state(mib: int, seed: int) -> dict:
+    return {"w": torch.randn(mib * MIB // 4, generator=torch.Generator().manual_seed(seed)), "step": seed}
+
+
+@dataclass
+class Link:
+    """An origin reaching its buddy through ``proxy``, which stands for the link (both its ports)."""
+
+    proxy: TcpProxy
+    buddy: Daemon
+    origin: Daemon
+    keys: Path
+    lines: list[str]
+    buddy_dir: Path
+    buddy_ep: str
+    origin_dir: Path
+
+    def replace_origin(self) -> Path:
+        """The origin is lost; a replacement starts with a key of its own and reaches the buddy directly."""
+        self.origin.kill()
+        new_dir, _ = _node(self.keys, self.lines)
+        self.keys.write_text("".join(self.lines))
+        self.origin = start_daemon(new_dir, self.origin.root, "--peer", self.buddy_ep, "--peer-keys",
+                                   str(self.keys), *NEVER)
+        return new_dir
+
+    def close(self) -> None:
+        self.origin.kill()
+        self.buddy.kill()
+        self.proxy.close()
+
+
+def _linked(root: Path, tmp_path: Path) -> Link:
+    lines: list[str] = []
+    keys = tmp_path / "keys"
+    origin_dir, _ = _node(keys, lines)
+    buddy_dir, buddy_ep = _node(keys, lines)
+    host, port = buddy_ep.removeprefix("tcp://").split(":")
+    proxy = TcpProxy(host, int(port), peer=True)
+    buddy, origin, _ = _through(proxy, root, keys, lines, buddy_dir, buddy_ep, origin_dir, *NEVER)
+    return Link(proxy, buddy, origin, keys, lines, buddy_dir, buddy_ep, origin_dir)
+
+
+def _restored(link: Link, root: Path, path: Path, state: dict) -> None:
+    """A replacement of the origin finds ``path`` the newest and loads it back bitwise from the buddy."""
+    new_dir = link.replace_origin()
+    assert ckptd.latest(root, run_dir=new_dir) == path
+    back = {"w": torch.zeros_like(state["w"]), "step": 0}
+    ckptd.load_into(back, path, run_dir=new_dir)
+    assert torch.equal(back["w"], state["w"]) and back["step"] == state["step"]
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_crosses_the_link_encrypted_and_comes_back_bitwise(root: Path, tmp_path: Path) -> None:
+    """What a wiretap on the link sees of a replica: as many bytes as the shard and then some (a tag per frame),
+    and not one 64-byte run of the shard's own bytes."""
+    link = _linked(root, tmp_path)
+    state = _state(9, 1)
+    try:
+        client = ckptd.Client(run_dir=link.origin_dir, spawn=False)
+        client.save_async(state, root / "step-1", step=1, persist=False).wait_replicated(60)
+        client.close()
+        plain = state["w"].numpy().tobytes()
+        seen = bytes(link.proxy.data_seen)
+        assert len(seen) > len(plain)  # the whole shard went over the data port
+        assert not any(plain[i:i + 64] in seen for i in range(0, len(plain) - 64, len(plain) // 97))
+        _restored(link, root, root / "step-1", state)
+    finally:
+        link.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_connection_with_a_token_no_ticket_gave_is_closed_before_a_byte_of_it_is_held(
+        root: Path, tmp_path: Path) -> None:
+    """A trusted peer's offer gets a ticket; a connection with another token then sends frames under the ticket's
+    own key: it is closed, the shard's file stays zeros, and the stream whose connection never came is dropped
+    after the peer timeout, its seal saying why."""
+    pair = _pair(root, tmp_path, buddy_extra=("--peer-timeout", "2"))
+    sock = _peer_socket(pair.buddy_ep, KeyPair.of(pair.buddy_dir).public, KeyPair.of(pair.origin_dir))
+    try:
+        offer, data = _raw_offer(1, root / "forged" / "step-1", 7, nbytes=bulk.FRAME)
+        sock.send(offer.to_wire())
+        ticket = _answers(sock, [offer.id])[offer.id]
+        assert isinstance(ticket, Ticket), ticket
+        (name,) = segments_of(pair.buddy.proc.pid)  # the shard's file, made for the offer
+        forged = bytes(b ^ 0xFF for b in ticket.token)
+        with socket.create_connection(bulk.data_address(pair.buddy_ep), timeout=30) as conn:
+            conn.sendall(forged)
+            try:
+                bulk.send(conn, ticket.key, memoryview(data))
+                closed = conn.recv(1) == b""
+            except ConnectionError:  # closed while the frames still came
+                closed = True
+            assert closed  # by the buddy
+        assert Path("/dev/shm", name).read_bytes() == bytes(len(data))  # nothing of it reached the shard
+        assert "event=peer_data_refused" in (log := (pair.buddy_dir / LOG).read_text())
+        assert "reason=unknown_token" in log
+        sock.send(Seal(2, offer.id).to_wire())
+        seal = _answers(sock, [2])[2]
+        assert isinstance(seal, Error) and seal.code == ErrorCode.WRITE_FAILED, seal
+        assert "data connection did not come within 2 s" in seal.message
+        replicas = pair.buddy.status()["peers"]["replicas_held"]
+        assert (replicas["held"], replicas["receiving"]) == ([], 0)
+        wait_until(lambda: not segments_of(pair.buddy.proc.pid), 30, "the refused shard's file was never removed")
+    finally:
+        sock.close()
+        pair.kill()
+
+
+@pytest.mark.timeout(180)
+def test_a_byte_altered_on_the_link_fails_that_stream_only_and_nothing_altered_is_restored(
+        root: Path, tmp_path: Path) -> None:
+    link = _linked(root, tmp_path)
+    states = {1: _state(9, 1), 2: _state(9, 2)}
+    try:
+        client = ckptd.Client(run_dir=link.origin_dir, spawn=False)
+        link.proxy.flip_data_byte(bulk.TOKEN_BYTES + bulk.HEADER.size + 1000)  # in frame 0's ciphertext
+        altered = client.save_async(states[1], root / "step-1", step=1, persist=False)
+        with pytest.raises(InvalidCheckpoint, match="not replicated: .*frame 0 .*fails its authentication tag"):
+            altered.wait_replicated(60)
+        assert link.proxy.flipped.is_set()  # the byte was altered on the way: the fault fired
+        assert "event=replica_stream_failed" in (link.buddy_dir / LOG).read_text()
+        wait_until(lambda: not segments_of(link.buddy.proc.pid), 30, "the buddy kept the altered stream's file")
+        assert link.buddy.status()["peers"]["replicas_held"]["held"] == []
+        client.save_async(states[2], root / "step-2", step=2, persist=False).wait_replicated(60)  # the next: held
+        client.close()
+        _restored(link, root, root / "step-2", states[2])  # never step 1, whose replica was never held
+        assert link.buddy.proc.poll() is None
+    finally:
+        link.close()
+
+
+@pytest.mark.timeout(180)
+def test_an_origin_killed_mid_stream_leaves_the_buddy_nothing_and_it_takes_the_next(
+        root: Path, tmp_path: Path) -> None:
+    link = _linked(root, tmp_path)
+    proxy, buddy, origin = link.proxy, link.buddy, link.origin
+    try:
+        client = ckptd.Client(run_dir=link.origin_dir, spawn=False)
+        proxy.stall_after(8 * MIB)  # the stream is held part-way, so the kill lands in its middle
+        client.save_async(_state(48, 1), root / "step-1", step=1, persist=False).result(60)
+        assert proxy.stalled.wait(60)
+        wait_until(lambda: buddy.status()["peers"]["replicas_held"]["receiving"] == 1, 30,
+                   "the buddy never started receiving the replica")
+        origin.kill()
+        assert origin.proc.returncode == -signal.SIGKILL
+        proxy.restore()
+        wait_until(lambda: buddy.status()["peers"]["replicas_held"]["receiving"] == 0, 30,
+                   "the buddy kept the half stream of an origin that died")
+        wait_until(lambda: not segments_of(buddy.proc.pid), 30, "the half stream's file was never removed")
+        assert "event=replica_stream_failed" in (link.buddy_dir / LOG).read_text()
+        assert buddy.proc.poll() is None and buddy.status()["peers"]["replicas_held"]["held"] == []
+        state = _state(1, 2)
+        client = ckptd.Client(run_dir=link.replace_origin(), spawn=False)
+        client.save_async(state, root / "step-2", step=2, persist=False).wait_replicated(60)
+        client.close()
+        assert [r["step"] for r in buddy.status()["peers"]["replicas_held"]["held"]] == [2]
+    finally:
+        link.close()
