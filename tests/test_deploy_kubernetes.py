@@ -24,6 +24,7 @@ import yaml
 
 import ckptd
 from ckptd.cli import _parser
+from ckptd.peers.bulk import data_address
 from ckptd.tools.options import config_kwargs
 from helpers import REPO, free_port, short_tempdir, status, wait_until
 
@@ -99,8 +100,9 @@ def test_the_command_lines_are_ones_ckptd_accepts() -> None:
         assert parsed.run_dir == Path(env["CKPTD_RUN_DIR"])
     stop = _parser().parse_args(container["lifecycle"]["preStop"]["exec"]["command"][1:])
     assert stop.command == "stop" and stop.timeout < _pod("DaemonSet")["terminationGracePeriodSeconds"]
-    assert container["ports"][0]["containerPort"] == int(env["CKPTD_PEER_PORT"])
-    assert _one("Service")["spec"]["ports"][0]["port"] == int(env["CKPTD_PEER_PORT"])
+    peer = int(env["CKPTD_PEER_PORT"])  # and its data port, always the next one (ckptd.peers.bulk)
+    assert [p["containerPort"] for p in container["ports"]] == [peer, data_address(f"tcp://0.0.0.0:{peer}")[1]]
+    assert [p["port"] for p in _one("Service")["spec"]["ports"]] == [peer, data_address(f"tcp://0.0.0.0:{peer}")[1]]
 
 
 def test_the_training_pod_shares_with_the_daemon_what_it_must() -> None:
