@@ -17,6 +17,7 @@ whole. A second run with the same arguments resumes from it::
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any, Callable
 
 import deepspeed
@@ -44,6 +45,13 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s batch at ``step``: the same in every run, so a resumed run sees what the first would have."""
     x = torch.randn(BATCH, FEATURES, generator=torch.Generator().manual_seed(1000 * step + rank))
     return x, x.sum(dim=1, keepdim=True)
+
+
+def say(line: str) -> None:
+    """``line`` in one write: the launcher runs ranks unbuffered (``python -u``) on one terminal, where ``print``'s
+    two writes (the text, then the newline) of two ranks interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def engine_for(args: argparse.Namespace) -> Any:
@@ -75,13 +83,13 @@ def main(argv: list[str] | None = None, at_end: Callable[[Any], None] | None = N
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
-        print(f"rank {rank} step {step} loss {loss.item()!r}", flush=True)
+        say(f"rank {rank} step {step} loss {loss.item()!r}")
         if step % args.save_every == 0:
             engine.save_checkpoint(args.save_dir)  # training goes on while the daemon writes global_step{step}
     if at_end is not None:
         at_end(engine)
     engine.destroy()  # waits for the last save: committed, and `latest` names it
-    print(f"rank {rank}: trained to step {engine.global_steps}", flush=True)
+    say(f"rank {rank}: trained to step {engine.global_steps}")
     return engine
 
 

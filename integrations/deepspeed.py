@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import json
 import logging
 import os
 import pickle
@@ -78,6 +79,7 @@ from typing import Any, Callable
 
 try:
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
     from deepspeed.runtime.engine import DeepSpeedEngine
 except ImportError as exc:
@@ -317,11 +319,7 @@ class CkptdCheckpointEngine(CheckpointEngine):
         current, self._current = self._current, None
         if current is None:
             return
-        names: list[list[str]] = [[] for _ in range(dist.get_world_size())] if dist.is_initialized() else [[]]
-        if dist.is_initialized():
-            dist.all_gather_object(names, sorted(current.files))
-        else:
-            names[0] = sorted(current.files)
+        names = _gather_names(sorted(current.files))
         self._save_async(current, {name: rank for rank, held in enumerate(names) for name in held})
 
     def _save_async(self, current: _Save, holders: dict[str, int]) -> None:
@@ -411,6 +409,24 @@ class CkptdCheckpointEngine(CheckpointEngine):
         if isinstance(load_path, str) and load_path.startswith(view + os.sep):
             load_path = os.path.join(load_dir, os.path.relpath(load_path, view))
         return load_path, client_state
+
+
+def _gather_names(names: list[str]) -> list[list[str]]:
+    """Every rank's ``names``, by rank (a collective: sizes, then the JSON bytes padded to the longest; no pickle,
+    and no numpy, which ``all_gather_object`` needs)."""
+    if not dist.is_initialized():
+        return [names]
+    device = torch.device(get_accelerator().current_device_name())
+    data = torch.tensor(list(json.dumps(names).encode()), dtype=torch.uint8, device=device)
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+    longest = max(int(size.item()) for size in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    gathered = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    return [json.loads(bytes(g[:int(size.item())].tolist())) for g, size in zip(gathered, sizes)]
 
 
 def _rank() -> int:

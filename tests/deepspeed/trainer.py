@@ -76,7 +76,7 @@ def checked_save_checkpoint(self: CkptdCheckpointEngine, *args: Any, **kwargs: A
         committed = [p.name for p in Path(REST[REST.index("--save-dir") + 1]).iterdir() if (p / "ckptd.json").is_file()]
         latest = Path(REST[REST.index("--save-dir") + 1], LATEST).read_text()
         assert latest in committed, f"save_checkpoint returned with latest={latest!r}, committed: {committed}"
-        print(f"committed {latest}", flush=True)
+        example.say(f"committed {latest}")
     return result
 
 
