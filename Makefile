@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-torchtitan test-hf test-nonumpy test-slurm soak demo bench clean
+.PHONY: test test-torchtitan test-hf test-deepspeed test-nonumpy test-slurm soak demo bench clean
 
 $(STAMP): setup.cfg pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,22 @@ $(HF_STAMP): setup.cfg pyproject.toml requirements-hf.txt
 test-hf: $(HF_STAMP)
 	$(HF_PY) -m pytest -q --timeout=600 tests/hf $(PYTEST_ARGS)
 
+# The DeepSpeed checkpoint engine (integrations/deepspeed.py) against DeepSpeed itself, in a venv of its own
+# (.venv-deepspeed): torch==2.13.0 (CPU), the test runner and DeepSpeed 0.19.8 (requirements-deepspeed.txt says what
+# was measured). tests/deepspeed/ is collected only here (`make test` skips that directory by name); its training runs
+# are processes of their own under DeepSpeed's launcher (CPU accelerator, gloo), so it runs in this process (no -n).
+DS_VENV := .venv-deepspeed
+DS_PY := $(DS_VENV)/bin/python
+DS_STAMP := $(DS_VENV)/.installed
+
+$(DS_STAMP): setup.cfg pyproject.toml requirements-deepspeed.txt
+	$(PYTHON) -m venv $(DS_VENV)
+	$(DS_PY) -m pip install --quiet --disable-pip-version-check -r requirements-deepspeed.txt -e .
+	touch $(DS_STAMP)
+
+test-deepspeed: $(DS_STAMP)
+	DS_ACCELERATOR=cpu $(DS_PY) -m pytest -q --timeout=900 tests/deepspeed $(PYTEST_ARGS)
+
 # The client's saves and loads where numpy is not installed: ckptd requires none and torch runs without it, but
 # torch's numpy bridge (Tensor.numpy(), torch.from_numpy) then raises, and `make test` cannot see a use of it
 # (Lightning brings numpy into .venv). .venv-nonumpy holds torch, ckptd's own requirements and the test runner, their
@@ -100,4 +116,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(TT_VENV) $(HF_VENV) $(NN_VENV) demo-checkpoints .pytest_cache
+	rm -rf $(VENV) $(TT_VENV) $(HF_VENV) $(DS_VENV) $(NN_VENV) demo-checkpoints .pytest_cache
