@@ -128,8 +128,10 @@ def test_every_peer_message_gets_one_reply_and_replication_goes_on(root: Path, t
                     conn.sendall(frames[1])
                     conn.shutdown(socket.SHUT_WR)
                     assert conn.recv(1) == b""
-                except ConnectionError:  # closed while the garbage was still coming: as good
-                    pass
+                except OSError as exc:  # closed while the garbage was still coming (reset, or no longer connected
+                    # when the shutdown came): as good; a timeout is not
+                    if isinstance(exc, TimeoutError):
+                        raise
             return
         sock.send_multipart(frames)
         assert sock.poll(30_000), f"no reply to {frames!r:.300}"

@@ -109,8 +109,12 @@ def test_only_the_registry_moves_an_attempt() -> None:
 
 REGISTRY_CALLS = frozenset({"move", "end", "end_orphaned", "open", "promote", "forget"})
 """What changes an attempt's state or a book: ``lifecycle/registry.Registry``'s methods."""
-BOOKS = frozenset({"pending", "held", "replacing"})
-"""The attempts' books (``Commits.pending``, ``SnapshotBook.held`` and ``.replacing``), written by the registry only."""
+BOOKS = frozenset({"pending", "held", "replacing", "incoming"})
+"""The registry's books (``Commits.pending``, ``SnapshotBook.held`` and ``.replacing``, ``ReplicaBook.incoming`` and
+``.held``), written by the registry only."""
+PIPELINES = frozenset({"ckptd/lifecycle/commit.py", "ckptd/lifecycle/saves.py", "ckptd/lifecycle/holding.py",
+                       "ckptd/lifecycle/snapshots.py", "ckptd/peers/replicas.py"})
+"""The modules of the registry's pipelines: disk saves, memory snapshots, and the replicas held for peers."""
 
 
 def _registry_callers(path: Path) -> set[str]:
@@ -121,18 +125,19 @@ def _registry_callers(path: Path) -> set[str]:
 
 
 def test_only_the_pipelines_end_an_attempt_and_only_through_the_registry() -> None:
-    """An attempt moves and ends through ``Registry.move``/``end`` only (``end`` answers its ranks and releases
-    what it held through its pipeline's hook), called by the lifecycle's own modules: the loop, the peers and the
-    upkeep ask the pipelines, never the registry, to change an attempt."""
+    """An attempt (a replica held for a peer too) moves and ends through ``Registry.move``/``end`` only (``end``
+    answers its ranks and releases what it held through its pipeline's hook), called by the pipelines' own modules:
+    the loop, replication and the upkeep ask the pipelines, never the registry, to change one."""
     callers = {p.relative_to(REPO).as_posix() for p in _daemon() if _registry_callers(p)}
-    assert callers <= {f"ckptd/lifecycle/{m}.py" for m in ("commit", "saves", "holding", "snapshots")}, callers
-    assert "end" in _registry_callers(_by_stem("saves")) and "end" in _registry_callers(_by_stem("holding"))
+    assert callers <= PIPELINES, callers
+    for pipeline in ("saves", "holding", "replicas"):
+        assert {"end"} <= _registry_callers(_by_stem(pipeline)), pipeline
+    assert {"open", "promote", "move"} <= _registry_callers(_by_stem("replicas"))
 
 
 def test_no_module_but_the_registry_writes_an_attempts_book() -> None:
     """No item of a book is set or deleted, and no book is cleared or popped, outside ``Registry`` (a book is a
-    read-only mapping to the rest: ``registry.Book``). The buddy's replicas (``peers/replicas.py``, whose ``held``
-    is a book of its own, keyed by origin) are not attempts of this registry."""
+    read-only mapping to the rest: ``registry.Book``), the buddy's replicas' included."""
     def written(tree: ast.AST) -> list[str]:
         found = []
         for node in ast.walk(tree):
@@ -146,7 +151,7 @@ def test_no_module_but_the_registry_writes_an_attempts_book() -> None:
                 found.append(node.func.value.attr)
         return found
     writers = {f"{p.relative_to(REPO).as_posix()}: {w}" for p in _daemon()
-               if p.name not in ("registry.py", "replicas.py") for w in written(ast.parse(p.read_text()))}
+               if p.name != "registry.py" for w in written(ast.parse(p.read_text()))}
     assert not writers, f"books written outside the registry: {sorted(writers)}"
 
 

@@ -9,28 +9,33 @@ does not list (``cannot go from``, an ``InternalError``) ever happens.
 from __future__ import annotations
 
 import re
+import signal
 
 import pytest
 import torch
 
 import ckptd
-from ckptd.lifecycle.attempt import ENDED, NEXT_REPLICATION, NEXT_STATES, AttemptState
+from ckptd.lifecycle.attempt import ENDED, NEXT_REPLICA_STATES, NEXT_REPLICATION, NEXT_STATES, AttemptState
 from ckptd.protocol.messages import ReplicationState
 from ckptd.protocol.endpoint import LOG_NAME
 from helpers import SHM, wait_until
 from test_incarnations import RUN_1, Rank
+from test_peers import _pair
 
 
-def test_every_state_leads_to_an_end_and_only_the_ends_lead_nowhere() -> None:
-    assert ENDED == {AttemptState.COMMITTED, AttemptState.FAILED, AttemptState.DROPPED, AttemptState.LET_GO}
-    assert set(NEXT_STATES) == set(AttemptState)
-    for start in AttemptState:
+@pytest.mark.parametrize("table", [NEXT_STATES, NEXT_REPLICA_STATES], ids=["attempts", "replicas"])
+def test_every_state_leads_to_an_end_and_only_the_ends_lead_nowhere(table) -> None:
+    assert ENDED == {AttemptState.COMMITTED, AttemptState.FAILED, AttemptState.DROPPED, AttemptState.LET_GO,
+                     AttemptState.ADOPTED}
+    assert set(NEXT_STATES) | set(NEXT_REPLICA_STATES) == set(AttemptState), "every state is some kind's"
+    for start in table:
         seen, todo = set(), [start]
         while todo:
             state = todo.pop()
             seen.add(state)
-            todo += [s for s in NEXT_STATES[state] if s not in seen]
+            todo += [s for s in table[state] if s not in seen]
         assert seen & ENDED, f"{start.value} leads to no end"
+        assert all(s in table for s in table[start]), f"{start.value} leads out of its kind's table"
 
 
 def test_a_snapshots_replication_reaches_its_buddy_again_from_every_state_it_is_sent_from() -> None:
@@ -157,3 +162,32 @@ def test_an_attempt_whose_ranks_can_never_all_come_ends_failed_saying_why(daemon
     assert "cannot go from" not in log_path.read_text()
     wait_until(lambda: not daemon.status()["checkpoints"] and not daemon.status()["memory"]["snapshots"], 60,
                "nothing of either attempt left in status")
+
+
+@pytest.mark.timeout(240)
+def test_a_replica_held_for_a_peer_ends_through_the_registry_dropped_or_adopted(root, tmp_path) -> None:
+    """The buddy's replicas are the registry's too (``NEXT_REPLICA_STATES``): received then held, and ended
+    dropped when a newer copy of the path replaces one and when its origin forgets it, adopted when a drain
+    takes over the replica of an origin that is gone; each end logged with why, and no move outside the table."""
+    pair = _pair(root, tmp_path, origin_extra=("--persist-on-exit", "never"), ring=True)
+    run = root / "run"
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async({"w": torch.ones(50_000)}, run / "a", step=1, persist=False).wait_replicated(60)
+        client.save_async({"w": torch.full((50_000,), 2.0)}, run / "a", step=1, persist=False,
+                          overwrite=True).wait_replicated(60)  # its replica replaces the first one
+        client.delete(run / "a")  # the origin lets it go: the buddy forgets its replica
+        client.save_async({"w": torch.full((50_000,), 3.0)}, run / "b", step=2, persist=False).wait_replicated(60)
+        client.close()
+        pair.origin.kill()
+        assert pair.origin.proc.returncode == -signal.SIGKILL  # the origin is gone; the buddy's drain adopts "b"
+        assert pair.buddy.cli("stop", timeout=120).returncode == 0
+        assert pair.buddy.proc.wait(30) == 0
+        log = (pair.buddy_dir / LOG_NAME).read_text()
+        replicas = [(name, end, why) for kind, name, end, why in ended(log, why=True) if kind == "replica"]
+        assert replicas == [("a", "dropped", "replaced"), ("a", "dropped", "forgotten"), ("b", "adopted",
+                                                                                          "origin_gone")], replicas
+        assert "cannot go from" not in log
+        assert ckptd.load(run / "b")["w"].tolist()[:1] == [3.0]  # the adopted replica, persisted by the drain
+    finally:
+        pair.kill()

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Hashable, Mapping
 
 from ckptd.protocol.errors import CkptdError, Conflict, InternalError, RanksMissing
 from ckptd.protocol.messages import DEFAULT_COMMIT_TIMEOUT, Error, Message, ReplicationState, StagedShard
@@ -46,7 +46,8 @@ class AttemptState(str, Enum):
     HOLDING = "holding"
     """Memory: its ranks' shards arrive and are checksummed; nothing is told yet."""
     HELD = "held"
-    """Memory: complete and its ranks told; in node memory only."""
+    """Memory: complete and its ranks told; in node memory only. A replica: every shard sealed; listed and read
+    back by a node restoring it."""
     PERSISTING = "persisting"
     """Memory: held, and being written to disk by the save pipeline."""
     PERSISTED = "persisted"
@@ -60,6 +61,10 @@ class AttemptState(str, Enum):
     LET_GO = "let go"
     """Ended, disk, several nodes: settled here, and published or discarded by another node's daemon, or left to
     it after its contributors died; nobody here is told."""
+    RECEIVING = "receiving"
+    """A replica, on the buddy: its origin's shards arrive on the data port and are checked as they come."""
+    ADOPTED = "adopted"
+    """Ended, replica: its origin gone, its bytes became a snapshot of this node's own (a drain persists it)."""
 
 
 _S = AttemptState
@@ -76,8 +81,16 @@ NEXT_STATES: dict[AttemptState, frozenset[AttemptState]] = {
     _S.DROPPED: frozenset(),
     _S.LET_GO: frozenset(),
 }
-"""The only moves an attempt makes (``Attempt.move_to``); it ends once, in one of ``ENDED``."""
-ENDED = frozenset(state for state, after in NEXT_STATES.items() if not after)
+"""The only moves an attempt at a checkpoint or a snapshot makes (``Tracked.move_to``); it ends once."""
+NEXT_REPLICA_STATES: dict[AttemptState, frozenset[AttemptState]] = {
+    _S.RECEIVING: frozenset({_S.HELD, _S.DROPPED}),
+    _S.HELD: frozenset({_S.DROPPED, _S.ADOPTED}),  # replaced, forgotten, stalled; or taken over by a drain
+    _S.DROPPED: frozenset(),
+    _S.ADOPTED: frozenset(),
+}
+"""The only moves of a replica held for a peer (``peers/replicas.Replica``): the same states, a table of its own."""
+ENDED = frozenset(state for table in (NEXT_STATES, NEXT_REPLICA_STATES) for state, after in table.items()
+                  if not after)
 
 
 _R = ReplicationState
@@ -109,16 +122,63 @@ class Waiter:
 
 
 @dataclass(kw_only=True)
-class Attempt:
-    """The ranks of one attempt at ``path``: who they are, what they agreed on, who waits for an answer."""
+class Tracked:
+    """What the registry keeps of anything it owns (an attempt at a checkpoint or a snapshot, a replica held for a
+    peer): where it is in its life, moved along its kind's table by ``registry.Registry`` only, and why
+    housekeeping ends it (each kind says which of the three judgements apply to it)."""
 
     noun: ClassVar[str]
-    """How messages name the attempt: checkpoint (on disk) or snapshot (in node memory)."""
+    """How messages name it: checkpoint (on disk), snapshot (in node memory), replica (a peer's, held here)."""
+    entry: ClassVar[AttemptState]
+    """The state every one of the kind starts at (``Registry.open`` refuses any other)."""
+    moves: ClassVar[Mapping[AttemptState, frozenset[AttemptState]]] = NEXT_STATES
+    """Its kind's table of moves."""
+    judged_end: ClassVar[AttemptState] = AttemptState.FAILED
+    """How housekeeping ends one it judges overdue, abandoned or orphaned."""
+    overdue_reason: ClassVar[str] = "overdue"
+    """What the log calls that end when it is ``overdue``."""
+    path: Path
+    state: AttemptState = field(init=False)
+    """Where it is: its kind's ``entry`` at first, then moved by ``registry.Registry`` only."""
+
+    def __post_init__(self) -> None:
+        self.state = self.entry
+
+    @property
+    def key(self) -> Hashable:
+        """Its place in its book: the path (a replica: its origin's key and the path)."""
+        return self.path
+
+    def move_to(self, state: AttemptState) -> None:
+        """Change state along its kind's table; any other move is a defect in a pipeline, never done silently.
+        Called by ``registry.Registry`` only (``move`` and ``end``), which keeps the books."""
+        if state not in self.moves.get(self.state, ()):
+            raise InternalError(f"{self.noun} {self.path} cannot go from {self.state.value} to {state.value}")
+        self.state = state
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED
+
+    def overdue(self, now: float) -> CkptdError | None:
+        """Why housekeeping ends it for taking too long (None: it does not)."""
+        return None
+
+    def orphaned(self) -> CkptdError | None:
+        """Why housekeeping ends it because the processes it waits for are gone (None: it does not)."""
+        return None
+
+    def rank_died(self, job: str, world_size: int, rank: int, pid: int) -> CkptdError | None:
+        """Why housekeeping ends it because rank ``rank`` of run ``job`` died before saving (None: it does not)."""
+        return None
+
+
+@dataclass(kw_only=True)
+class Attempt(Tracked):
+    """The ranks of one attempt at ``path``: who they are, what they agreed on, who waits for an answer."""
+
     nothing_kept: ClassVar[str]
     """What a failure leaves: nothing was committed / nothing was held."""
-    entry: ClassVar[AttemptState]
-    """The state every attempt of the kind starts at (``Registry.open`` refuses any other)."""
-    path: Path
     backend: Checkpoints
     """The storage its path lies on, resolved once when the attempt was made: everything it writes, reads, sets
     aside or removes goes through it, never through a backend asked for again by path."""
@@ -131,11 +191,6 @@ class Attempt:
     contributors: Contributors = field(default_factory=lambda: Contributors(""))
     """The run and the processes whose shards this attempt holds (no other may join)."""
     waiting: list[Waiter] = field(default_factory=list)
-    state: AttemptState = field(init=False)
-    """Where it is: its kind's ``entry`` at first, then moved by ``registry.Registry`` only."""
-
-    def __post_init__(self) -> None:
-        self.state = self.entry
 
     @property
     def arrived(self) -> set[int]:
@@ -146,17 +201,6 @@ class Attempt:
     def open(self) -> bool:
         """Whether ranks may still join (and so whether it can be overdue, abandoned or broken by a rank)."""
         raise NotImplementedError
-
-    def move_to(self, state: AttemptState) -> None:
-        """Change state along ``NEXT_STATES``; any other move is a defect in a pipeline, never done silently.
-        Called by ``registry.Registry`` only (``move`` and ``end``), which keeps the books."""
-        if state not in NEXT_STATES[self.state]:
-            raise InternalError(f"{self.noun} {self.path} cannot go from {self.state.value} to {state.value}")
-        self.state = state
-
-    @property
-    def ended(self) -> bool:
-        return self.state in ENDED
 
     @property
     def missing(self) -> list[int]:

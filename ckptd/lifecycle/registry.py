@@ -3,7 +3,7 @@ and the one housekeeping over them.
 
 Each pipeline keeps its attempts by path in books the registry gives it (``book``: ``Commits.pending``,
 ``SnapshotBook.held`` and ``SnapshotBook.replacing``). A book is read-only to everyone but the registry: an attempt
-enters one through ``open`` (at its kind's entry state, ``Attempt.entry``), moves from the replacing book to the
+enters one through ``open`` (at its kind's entry state, ``Tracked.entry``), moves from the replacing book to the
 held one through ``promote``, and leaves every book when it ends. Its state changes through ``move`` (a step along
 ``attempt.NEXT_STATES`` that does not end it) and it ends through ``end`` only, once: ``end`` takes it out of every
 book, then hands it to the pipeline of its kind (``Pipeline.ended``), which answers every rank still waiting,
@@ -11,8 +11,12 @@ releases what the attempt held (slots, directories, pins) and publishes the even
 ended attempt nor forgets one that goes on, and nothing leaves the books without being released (a test scans the
 daemon for any other caller of ``move_to``, and for writes to the books).
 
-Both pipelines (``saves.Saves``: attempts at a disk checkpoint; ``holding.Holding``: memory snapshots) gather
-their ranks the same way (``attempt.Attempt``). So what ends an attempt whose ranks will never all come is judged
+Its third pipeline is the buddy's: ``peers/replicas.ReplicaBook`` keeps the replicas it holds for its peers in two
+books of the registry's (``incoming``, ``held``, keyed by origin and path), and ends them here too (receiving, held,
+then dropped or adopted: ``attempt.NEXT_REPLICA_STATES``), a stalled one by this housekeeping (``Replica.overdue``).
+
+The two pipelines of this node's own saves (``saves.Saves``: attempts at a disk checkpoint; ``holding.Holding``:
+memory snapshots) gather their ranks the same way (``attempt.Attempt``). So what ends an attempt whose ranks will never all come is judged
 once, here, for either kind, each housekeeping round (``Registry.housekeep``, called by the loop) and when a rank
 of another run arrives at its path (``end_orphaned``): ranks still missing after the attempt's timeout, a rank of a
 named run whose process died before it saved, contributors that died while ranks were missing.
@@ -30,9 +34,9 @@ from typing import Any, Generic, Iterator, Mapping, Protocol, Sequence, TypeVar
 from ckptd.protocol.errors import InternalError
 from ckptd.protocol.messages import ReplicationState
 
-from ckptd.lifecycle.attempt import ENDED, NEXT_REPLICATION, Attempt, AttemptState
+from ckptd.lifecycle.attempt import ENDED, NEXT_REPLICATION, AttemptState, Tracked
 
-A = TypeVar("A", bound=Attempt)
+A = TypeVar("A", bound=Tracked)
 log = logging.getLogger("ckptd")
 
 
@@ -46,32 +50,33 @@ class DeadRank:
     pid: int
 
 
-class Book(Mapping[Path, A], Generic[A]):
-    """Attempts of one kind by path: read by their pipeline, written by the registry only."""
+class Book(Mapping[Any, A], Generic[A]):
+    """What the registry owns of one kind, by ``Tracked.key`` (an attempt's path; a replica's origin and path):
+    read by their pipeline, written by the registry only."""
 
     def __init__(self) -> None:
-        self._by_path: dict[Path, A] = {}
+        self._by_key: dict[Any, A] = {}
 
-    def __getitem__(self, path: Path) -> A:
-        return self._by_path[path]
+    def __getitem__(self, key: Any) -> A:
+        return self._by_key[key]
 
-    def __iter__(self) -> Iterator[Path]:
-        return iter(self._by_path)
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._by_key)
 
     def __len__(self) -> int:
-        return len(self._by_path)
+        return len(self._by_key)
 
 
 class Pipeline(Protocol):
     """What the registry needs of a pipeline: the kind of attempt it runs, its attempts, and how one ends."""
 
-    kind: type[Attempt]
+    kind: type[Tracked]
 
-    def attempts(self) -> list[Attempt]:
+    def attempts(self) -> list[Tracked]:
         """Its attempts in progress (a copy: ending one changes the books)."""
         ...
 
-    def ended(self, attempt: Attempt, state: AttemptState, error: BaseException | None, reason: str) -> None:
+    def ended(self, attempt: Tracked, state: AttemptState, error: BaseException | None, reason: str) -> None:
         """``attempt`` ended in ``state`` (out of the books already): answer every rank still waiting (``error``
         for a failure), release what it held, publish the event last; ``reason`` says why (a snapshot dropped, a
         disk attempt let go)."""
@@ -105,29 +110,29 @@ class Registry:
         if attempt.state is not attempt.entry:
             raise InternalError(f"{attempt.noun} {attempt.path} opened at {attempt.state.value}, not at "
                                 f"{attempt.entry.value}")
-        if attempt.path in book:
+        if attempt.key in book:
             raise InternalError(f"{attempt.noun} {attempt.path} opened where one is in progress")
-        book._by_path[attempt.path] = attempt
+        book._by_key[attempt.key] = attempt
         return attempt
 
     def promote(self, attempt: A, source: Book[A], target: Book[A]) -> A | None:
         """``attempt`` leaves ``source`` for ``target`` at its path; returns the attempt it displaced there (still
         going: the caller ends it), or None."""
-        if source.get(attempt.path) is not attempt:
+        if source.get(attempt.key) is not attempt:
             raise InternalError(f"{attempt.noun} {attempt.path} promoted from a book it is not in")
-        del source._by_path[attempt.path]
-        old = target.get(attempt.path)
-        target._by_path[attempt.path] = attempt
+        del source._by_key[attempt.key]
+        old = target.get(attempt.key)
+        target._by_key[attempt.key] = attempt
         return old
 
-    def move(self, attempt: Attempt, state: AttemptState) -> None:
+    def move(self, attempt: Tracked, state: AttemptState) -> None:
         """Move ``attempt`` to ``state``, a step along ``NEXT_STATES`` that does not end it (``end`` does that;
-        ``Attempt.move_to`` refuses a move the table lacks)."""
+        ``Tracked.move_to`` refuses a move its kind's table lacks)."""
         if state in ENDED:
             raise InternalError(f"{attempt.noun} {attempt.path} ends through Registry.end, not move ({state.value})")
         attempt.move_to(state)
 
-    def end(self, attempt: Attempt, state: AttemptState, error: BaseException | None = None, *,
+    def end(self, attempt: Tracked, state: AttemptState, error: BaseException | None = None, *,
             reason: str = "") -> None:
         """The one way an attempt ends: moved to ``state`` (one of ``ENDED``; an attempt ends once), out of every
         book, then its pipeline's ``ended`` answers its ranks, releases what it held and publishes the event."""
@@ -137,19 +142,19 @@ class Registry:
         why = reason or (type(error).__name__ if error is not None else "")
         log.info("event=attempt_ended kind=%s path=%s state=%s why=%s", attempt.noun, attempt.path, state.value, why)
         for book in self._books:
-            if book.get(attempt.path) is attempt:
-                del book._by_path[attempt.path]
+            if book.get(attempt.key) is attempt:
+                del book._by_key[attempt.key]
         for pipeline in self.pipelines:
             if isinstance(attempt, pipeline.kind):
                 pipeline.ended(attempt, state, error, reason)
                 return
 
-    def end_orphaned(self, attempt: Attempt) -> bool:
+    def end_orphaned(self, attempt: Tracked) -> bool:
         """Fail ``attempt`` if it still misses ranks and some of its contributors died (``Attempt.orphaned``): no
         rank of their run can complete it. True if it ended."""
         why = attempt.orphaned()
         if why is not None:
-            self.end(attempt, AttemptState.FAILED, why, reason="orphaned")
+            self.end(attempt, attempt.judged_end, why, reason="orphaned")
         return why is not None
 
     def forget(self, *books: Book[A]) -> list[A]:
@@ -157,7 +162,7 @@ class Registry:
         to release; nobody is told)."""
         every = [a for book in books for a in book.values()]
         for book in books:
-            book._by_path.clear()
+            book._by_key.clear()
         return every
 
     @staticmethod
@@ -177,15 +182,15 @@ class Registry:
                     continue
                 judged = _why_it_fails(attempt, now, died)
                 if judged is not None:
-                    self.end(attempt, AttemptState.FAILED, judged[1], reason=judged[0])
+                    self.end(attempt, attempt.judged_end, judged[1], reason=judged[0])
             pipeline.tidy(now)
 
 
-def _why_it_fails(attempt: Attempt, now: float, died: Sequence[DeadRank]) -> tuple[str, BaseException] | None:
-    """Why housekeeping fails ``attempt`` (the end's reason, and the error its ranks are told), if it does."""
+def _why_it_fails(attempt: Tracked, now: float, died: Sequence[DeadRank]) -> tuple[str, BaseException] | None:
+    """Why housekeeping ends ``attempt`` (the end's reason, and the error its ranks are told), if it does."""
     why: BaseException | None = attempt.overdue(now)
     if why is not None:
-        return "overdue", why
+        return attempt.overdue_reason, why
     for dead in died:
         why = attempt.rank_died(dead.job, dead.world_size, dead.rank, dead.pid)
         if why is not None:

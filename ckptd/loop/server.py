@@ -136,9 +136,10 @@ class Server:
         """The replicas held for other nodes, the peer endpoint (``--peer-listen``) and replication to the buddy."""
         config, slots, stats = self.config, self.state.slots, self.state.stats
         snapshots = self.state.snapshots
-        book = self.replicas = ReplicaBook(self.workers, stats, slots.shm_dir, slots.own_name,
+        book = self.replicas = ReplicaBook(self.attempts, self.workers, stats, slots.shm_dir, slots.own_name,
                                         lambda: snapshots.budget - snapshots.held_bytes,
                                         lambda raw: self.storage.resolve(raw, config.roots))
+        self.attempts.keep((*self.attempts.pipelines, book))  # its replicas end through the registry too
         snapshots.replica_bytes = lambda: book.nbytes
         book.endpoint_of = lambda origin: next((ep for ep, key in keys.endpoints.items() if key.decode() == origin),
                                                None)
@@ -338,9 +339,7 @@ class Server:
                 died.append(DeadRank(client.job, client.world_size, client.rank, pid))
             if not self.state.pid_connected(pid):
                 self.workers.background("maintenance", lambda pid=pid: self.state.slots.reclaim(pid))
-        self.attempts.housekeep(time.monotonic(), died)
-        if self.replicas is not None:
-            self.replicas.tidy(time.monotonic())
+        self.attempts.housekeep(time.monotonic(), died)  # the replicas held for peers too
         if self.replication is not None and not self.state.draining:
             self.replication.check(time.monotonic())
 

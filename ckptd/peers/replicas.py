@@ -38,10 +38,10 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, Mapping
 
 from ckptd.protocol.checksums import updater
-from ckptd.protocol.errors import Conflict, InvalidCheckpoint, NoSpace, WriteFailed
+from ckptd.protocol.errors import CkptdError, Conflict, InvalidCheckpoint, NoSpace, WriteFailed
 from ckptd.protocol.messages import Message, Ok, Snapshot
 from ckptd.protocol.objects import display
 from ckptd.protocol.peer_messages import Fetch, Forget, Offer, ReplicaList, Seal, Ticket
@@ -50,6 +50,8 @@ from ckptd.core.render import human_bytes
 from ckptd.core.replies import error_reply
 from ckptd.core.stats import Stats
 from ckptd.core.workers import Workers
+from ckptd.lifecycle.attempt import NEXT_REPLICA_STATES, AttemptState, Tracked
+from ckptd.lifecycle.registry import Book, Registry
 from ckptd.peers import bulk
 from ckptd.peers.data import DataServer, StreamEnded, Transfer
 
@@ -71,8 +73,9 @@ class ReplicaShard:
     """Bytes of it that came, checked against their tags (all or none: set when its stream ended)."""
     crc: int = 0
     sealed: bool = False
+    """Its seal came and its bytes passed their check: it counts towards its replica's completeness."""
     last_chunk: float = field(default_factory=time.monotonic)
-    """When it was offered, or its stream ended."""
+    """When it was offered, its stream ended, or it was sealed."""
     transfer: Transfer | None = None
     """Its stream on the data port, until it ended."""
     sealing: tuple[Seal, "Reply"] | None = None
@@ -93,15 +96,35 @@ class ReplicaShard:
         self.fd, self.map = -1, None
 
 
-@dataclass
-class Replica:
-    """The shards one origin holds of one snapshot, replicated here."""
+@dataclass(kw_only=True)
+class Replica(Tracked):
+    """The shards one origin holds of one snapshot, replicated here: owned by the registry as the daemon's own
+    attempts are, in a life of its own kind (``NEXT_REPLICA_STATES``): receiving, then held once every shard is
+    sealed, and ended dropped (replaced, forgotten, its stream failed, stalled) or adopted (a drain took it over)."""
 
+    noun: ClassVar[str] = "replica"
+    entry: ClassVar[AttemptState] = AttemptState.RECEIVING
+    moves: ClassVar[Mapping[AttemptState, frozenset[AttemptState]]] = NEXT_REPLICA_STATES
+    judged_end: ClassVar[AttemptState] = AttemptState.DROPPED
+    overdue_reason: ClassVar[str] = "stalled"
     origin: str
-    path: Path
     ranks: tuple[int, ...]
     created: float
     shards: dict[int, ReplicaShard] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, Path]:
+        return (self.origin, self.path)
+
+    def overdue(self, now: float) -> CkptdError | None:
+        """Why a replica still being received is dropped: no stream of it runs, and nothing came (an offer, a
+        stream's end, a seal) for ``STALLED_S``: its origin died or gave up."""
+        if self.state is not AttemptState.RECEIVING or any(s.transfer is not None for s in self.shards.values()):
+            return None
+        if now - max((s.last_chunk for s in self.shards.values()), default=now) <= STALLED_S:
+            return None
+        return Conflict(f"replica of {display(self.path)}: nothing of it came from its origin for {STALLED_S:g} s "
+                        f"and not every shard was sealed")
 
     @property
     def complete(self) -> bool:
@@ -162,10 +185,16 @@ def remove_shm_file(shm_dir: Path, name: str, fd: int, mapping: mmap.mmap | None
 
 class ReplicaBook:
     """Every replica this daemon holds or is receiving, within the node's memory budget (shared with its own
-    snapshots: ``room`` says how many bytes are free of it)."""
+    snapshots: ``room`` says how many bytes are free of it): the registry's pipeline of replicas (``kind``,
+    ``attempts``, ``ended``, ``tidy``), whose books it reads and whose ``open``, ``promote``, ``move`` and ``end``
+    change them."""
 
-    def __init__(self, workers: Workers, stats: Stats, shm_dir: Path, new_name: Callable[[], str],
+    kind = Replica
+    """What ``Registry.end`` hands to ``ended``."""
+
+    def __init__(self, registry: Registry, workers: Workers, stats: Stats, shm_dir: Path, new_name: Callable[[], str],
                  room: Callable[[], int], resolve: Callable[[str], Path]) -> None:
+        self.registry = registry
         self.data: DataServer | None = None
         """The data port the shards' bytes come and go on (set with the peer endpoint: without one, no peer
         reaches this book)."""
@@ -175,9 +204,9 @@ class ReplicaBook:
         self.resolve = resolve
         """A path a peer names, checked against this daemon's roots as a local request's is (``PathNotAllowed``
         naming it and the roots; I/O, so on the pool): a drain may write a replica to disk here."""
-        self.held: dict[tuple[str, Path], Replica] = {}
+        self.held: Book[Replica] = registry.book()
         """Complete replicas by (origin, path)."""
-        self.incoming: dict[tuple[str, Path], Replica] = {}
+        self.incoming: Book[Replica] = registry.book()
         """Replicas still being received, by (origin, path)."""
         self._offers: dict[tuple[bytes, int], ReplicaShard] = {}
         """Shards being received, by (connection, offer id)."""
@@ -208,8 +237,9 @@ class ReplicaBook:
         replica = self.incoming.get((origin, path))
         if replica is None or replica.ranks != msg.ranks or snap.rank in replica.shards:  # a new attempt starts over
             if replica is not None:
-                self._drop(replica)
-            replica = self.incoming[(origin, path)] = Replica(origin, path, msg.ranks, msg.created)
+                self.registry.end(replica, AttemptState.DROPPED, reason="offered_again")
+            replica = self.registry.open(self.incoming, Replica(origin=origin, path=path, ranks=msg.ranks,
+                                                                created=msg.created))
         shard = replica.shards[snap.rank] = ReplicaShard(msg, self.new_name())
         self._offers[(ident, msg.id)] = shard
         path_in_shm, resolve = self.shm_dir / shard.name, self.resolve
@@ -220,7 +250,8 @@ class ReplicaBook:
 
         def created(fut: Any) -> None:
             if fut.exception() is not None:  # refused, or no file: nothing of the offer stays on the books
-                self._drop(replica)
+                if not replica.ended:
+                    self.registry.end(replica, AttemptState.DROPPED, fut.exception(), reason="offer_refused")
                 reply(self._answer(fut, msg.id), None)
             elif not self._receiving(replica, shard) or self.data is None:
                 reply(error_reply(self.stats, msg.id, Conflict(
@@ -273,7 +304,7 @@ class ReplicaBook:
             log.warning("event=replica_stream_failed path=%s rank=%d reason=%s", replica.path,
                         shard.offer.snapshot.rank, error)
             self._failed[(ident, offer)] = (f"its stream on the data port failed: {error}", time.monotonic())
-            self._drop(replica)
+            self.registry.end(replica, AttemptState.DROPPED, reason="stream_failed")
         if sealing is not None:
             self._seal(ident, *sealing)
 
@@ -297,7 +328,7 @@ class ReplicaBook:
             return
         replica = next(r for r in self.incoming.values() if any(s is shard for s in r.shards.values()))
         if shard.queued != shard.nbytes or shard.crc != shard.offer.checksum:
-            self._drop(replica)
+            self.registry.end(replica, AttemptState.DROPPED, reason="checksum")
             why = (f"{shard.queued} of {shard.nbytes} bytes came" if shard.queued != shard.nbytes else
                    f"its bytes' checksum {shard.crc:#x} is not the origin's {shard.offer.checksum:#x}")
             log.warning("event=replica_refused path=%s rank=%d reason=%s", replica.path,
@@ -305,7 +336,7 @@ class ReplicaBook:
             reply(error_reply(self.stats, msg.id, WriteFailed(
                 f"replica of {display(replica.path)} rank {shard.offer.snapshot.rank} not held: {why}")), None)
             return
-        shard.sealed = True
+        shard.sealed, shard.last_chunk = True, time.monotonic()
         if replica.complete:
             self._completed(replica)
         reply(Ok(msg.id), None)
@@ -324,17 +355,15 @@ class ReplicaBook:
         from whichever origin (a replacement node has a key of its own, and takes its predecessor's place). Of
         the other paths' newer ones only the newest stays, as its origin keeps a newer snapshot it never drops
         for an older one (a restarted run saving older steps): otherwise each older save would add one more."""
-        del self.incoming[(replica.origin, replica.path)]
         replaced = [r for r in self.held.values() if r.path == replica.path
                     and (r.origin == replica.origin or set(r.ranks) & set(replica.ranks))]
         same = [r for r in self.held.values() if r.path.parent == replica.path.parent and r.path != replica.path
                 and r.ranks == replica.ranks]
         newest = max((r for r in same if r.order > replica.order), key=lambda r: r.order, default=None)
         for old in [*replaced, *(r for r in same if r is not newest)]:
-            del self.held[(old.origin, old.path)]
-            log.info("event=replica_dropped path=%s origin=%s reason=replaced", old.path, old.origin[:8])
-            self._unlink(old)
-        self.held[(replica.origin, replica.path)] = replica
+            self.registry.end(old, AttemptState.DROPPED, reason="replaced")
+        self.registry.promote(replica, self.incoming, self.held)
+        self.registry.move(replica, AttemptState.HELD)
         log.info("event=replica_held path=%s ranks=%s bytes=%d origin=%s", replica.path, list(replica.ranks),
                  replica.nbytes, replica.origin[:8])
 
@@ -346,27 +375,31 @@ class ReplicaBook:
         """A completion's failure path: the peer's request ``rid`` is answered with the error, not left to time out."""
         return lambda exc: reply(error_reply(self.stats, rid, exc), None)
 
-    def _drop(self, replica: Replica) -> None:
-        if self.incoming.get((replica.origin, replica.path)) is replica:
-            del self.incoming[(replica.origin, replica.path)]
+    # -- the registry's pipeline (``lifecycle/registry.Pipeline``) -------------------------------------------
+
+    def attempts(self) -> list[Replica]:
+        """The replicas being received: housekeeping ends one that stalled (``Replica.overdue``)."""
+        return list(self.incoming.values())
+
+    def ended(self, replica: Replica, state: AttemptState, error: BaseException | None, reason: str) -> None:
+        """``replica`` ended and left the books: its offers are forgotten, and its files unlinked (dropped, its
+        streams stopped first) or left to the snapshot that adopted them (its restores stopped)."""
         for key in [k for k, s in self._offers.items() if s in replica.shards.values()]:
             del self._offers[key]
-        self._unlink(replica)
-
-    def _unlink(self, replica: Replica) -> None:
+        if state is AttemptState.ADOPTED:
+            for shard in replica.shards.values():  # a restore reading it back ends here: the snapshot may unmap it
+                for transfer in list(shard.serving) if self.data is not None else ():
+                    self.data.cancel(transfer, "the replica was persisted by a drain")
+            return
+        log.log(logging.WARNING if reason == "stalled" else logging.INFO,
+                "event=replica_dropped path=%s origin=%s reason=%s", replica.path, replica.origin[:8], reason)
         shards, shm_dir, data = list(replica.shards.values()), self.shm_dir, self.data
         self.workers.background("replica", lambda: [s.close(shm_dir, data) for s in shards])
 
     def tidy(self, now: float) -> None:
-        """End the streams whose data connection did not come; drop replicas whose origin streamed every byte of
-        a shard and then never sealed it."""
+        """End the streams whose data connection did not come, and forget why old offers failed."""
         if self.data is not None:
             self.data.expire(now)
-        for replica in list(self.incoming.values()):
-            if all(s.transfer is None and now - s.last_chunk > STALLED_S
-                   for s in replica.shards.values() if not s.sealed):
-                log.warning("event=replica_dropped path=%s reason=stalled", replica.path)
-                self._drop(replica)
         for key in [k for k, (_, when) in self._failed.items() if now - when > STALLED_S]:
             del self._failed[key]
 
@@ -378,13 +411,8 @@ class ReplicaBook:
 
         def theirs(replica: Replica) -> bool:
             return replica.path == path and (replica.origin == origin or bool(set(replica.ranks) & ranks))
-        for replica in [r for r in self.incoming.values() if theirs(r)]:
-            log.info("event=replica_dropped path=%s origin=%s reason=forgotten", path, replica.origin[:8])
-            self._drop(replica)
-        for replica in [r for r in self.held.values() if theirs(r)]:
-            del self.held[(replica.origin, replica.path)]
-            log.info("event=replica_dropped path=%s origin=%s reason=forgotten", path, replica.origin[:8])
-            self._unlink(replica)
+        for replica in [r for r in (*self.incoming.values(), *self.held.values()) if theirs(r)]:
+            self.registry.end(replica, AttemptState.DROPPED, reason="forgotten")
         return Ok(msg.id)
 
     # -- reading back -------------------------------------------------------
@@ -437,10 +465,7 @@ class ReplicaBook:
         (a drain persists a replica whose origin is gone: ``Replication.drain``): each shard's ``Snapshot`` as its
         origin admitted it, file name, fd, mapping and the origin's checksum. Its bytes leave the replicas' share of
         the memory budget as they join the snapshots'."""
-        del self.held[(replica.origin, replica.path)]
-        for shard in replica.shards.values():  # a restore reading it back ends here: the snapshot's owner may unmap it
-            for transfer in list(shard.serving) if self.data is not None else ():
-                self.data.cancel(transfer, "the replica was persisted by a drain")
+        self.registry.end(replica, AttemptState.ADOPTED, reason="origin_gone")
         return [(s.offer.snapshot, s.name, s.fd, s.map, s.offer.checksum) for _, s in sorted(replica.shards.items())
                 if s.map is not None]
 
@@ -453,8 +478,6 @@ class ReplicaBook:
 
     def close(self) -> None:
         """The daemon exits: nothing held for others outlives it (on the calling thread)."""
-        for replica in [*self.held.values(), *self.incoming.values()]:
+        for replica in self.registry.forget(self.held, self.incoming):
             for shard in replica.shards.values():
                 shard.close(self.shm_dir, self.data)
-        self.held.clear()
-        self.incoming.clear()
