@@ -22,7 +22,7 @@ log = logging.getLogger("ckptd")
 SPEC = "tests.faults:FaultyStorage"
 """What ``--storage`` (or ``CKPTD_STORAGE``) names to load this class."""
 ENV = "CKPTD_FAULTS"
-COMPLETIONS = ("completion", "checksummed", "persist_end")
+COMPLETIONS = ("completion", "checksummed", "persist_end", "then")
 """The ops that are no storage call but a completion on the daemon's loop thread."""
 
 
@@ -43,6 +43,9 @@ class Fault:
     snapshot shard's checksum (``Holding._checksummed``), ``persist_end`` in the memory tier's handling of a
     snapshot's write to disk that ended (``Holding._persist_outcome``): a defect of the daemon's own code that no
     storage call can reach (the loop thread does no I/O). The storage loaded into the daemon installs them.
+    ``then`` raises in the loop-thread completion of any work submitted to the pool ``match`` names (``status``,
+    ``peer`` (a stream to the buddy), ``peer_ask`` (a listing, a restore), ``replica`` (the buddy's offers and
+    fetches); ``Workers.submit``): every one must reach its ``failed`` path, and through it whoever waits.
     """
 
     op: str
@@ -111,6 +114,18 @@ class FaultyStorage(LocalStorage):
             return persist_outcome(holding, snap, error)
 
         Saves._write_finished, Holding._checksummed, Holding._persist_outcome = raising, raising_held, raising_end
+
+        from ckptd.core.workers import Workers
+
+        submit = Workers.submit
+
+        def raising_then(workers, pool, work, then, failed):  # noqa: ANN001, ANN202 - Workers.submit's own signature
+            def then_or_defect(fut):  # noqa: ANN001, ANN202
+                inject("then", pool)
+                return then(fut)
+            return submit(workers, pool, work, then_or_defect, failed)
+
+        Workers.submit = raising_then
 
     def _inject(self, op: str, where: str, *, after: bool = False) -> None:
         for i, f in enumerate(self.faults):

@@ -59,8 +59,8 @@ class Pair:
 
 
 def _pair(root: Path, tmp_path: Path, buddy_extra: tuple[str, ...] = (), origin_extra: tuple[str, ...] = (),
-          ring: bool = False) -> Pair:
-    """``ring``: the buddy replicates to the origin as well."""
+          ring: bool = False, buddy_faults: list[dict] | None = None, origin_faults: list[dict] | None = None) -> Pair:
+    """``ring``: the buddy replicates to the origin as well; ``*_faults``: that daemon's (tests/faults.py)."""
     lines: list[str] = []
     keys = tmp_path / "keys"
     origin_dir, origin_ep = _node(keys, lines)
@@ -68,9 +68,10 @@ def _pair(root: Path, tmp_path: Path, buddy_extra: tuple[str, ...] = (), origin_
     keys.write_text("".join(lines))
     if ring:
         buddy_extra = ("--peer", origin_ep, *buddy_extra)
-    buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys), *buddy_extra)
+    buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys), *buddy_extra,
+                         faults=buddy_faults)
     origin = start_daemon(origin_dir, root, "--peer-listen", origin_ep, "--peer", buddy_ep, "--peer-keys", str(keys),
-                          *origin_extra)
+                          *origin_extra, faults=origin_faults)
     return Pair(keys, lines, origin_dir, buddy_dir, buddy_ep, origin_ep, origin, buddy)
 
 
@@ -81,13 +82,13 @@ def _snapshot(run_dir: Path, path: Path, mib: int = 1) -> Any:
     return client, fut
 
 
-def _replace_origin(pair: Pair, *extra: str) -> Path:
+def _replace_origin(pair: Pair, *extra: str, faults: list[dict] | None = None) -> Path:
     """The origin node is lost whole; a replacement starts in a new run directory with a key of its own."""
     pair.origin.kill()
     new_dir, _ = _node(pair.keys, pair.lines)
     pair.keys.write_text("".join(pair.lines))
     pair.origin = start_daemon(new_dir, pair.origin.root, "--peer", pair.buddy_ep, "--peer-keys", str(pair.keys),
-                               *extra)
+                               *extra, faults=faults)
     return new_dir
 
 
