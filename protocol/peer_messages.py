@@ -33,6 +33,9 @@ TOKEN_BYTES = 16
 """A data stream's token: what its connection sends first, the only thing that admits it to the data port."""
 KEY_BYTES = 32
 """A data stream's AES-256-GCM key."""
+FRAME_BYTES = 4 * 1024 * 1024
+"""Plaintext bytes in one frame of a stream on the data port, at most (``ckptd/peers/bulk.py``): large enough that
+the per-frame cost is nothing, small enough that the receiver decrypts one frame while the next is on the wire."""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ckptd
+from ckptd.core.config import DaemonConfig
 from ckptd.core.keys import KeyPair
 from ckptd.peers import bulk
 from ckptd.protocol.errors import ErrorCode, InvalidCheckpoint
@@ -25,7 +26,7 @@ from helpers import Daemon, segments_of, start_daemon, wait_until
 from proxy import TcpProxy
 from test_fuzz_peers import _peer_socket
 from test_peer_outages import _through
-from test_peers import LOG, _answers, _node, _pair, _raw_offer
+from test_peers import LOG, _answers, _held_replicas, _node, _pair, _raw_offer
 
 MIB = 1 << 20
 NEVER = ("--persist-on-exit", "never")
@@ -190,3 +191,47 @@ def test_an_origin_killed_mid_stream_leaves_the_buddy_nothing_and_it_takes_the_n
         assert [r["step"] for r in buddy.status()["peers"]["replicas_held"]["held"]] == [2]
     finally:
         link.close()
+
+
+def test_a_pacer_keeps_streams_together_to_its_rate_a_frame_at_a_time() -> None:
+    """``--peer-rate``'s pacing, on a clock of the test's: frames of two streams share one rate, each waits for
+    its turn, and none waits when the link's share is free."""
+    now, slept = [100.0], []
+
+    def sleep(seconds: float) -> None:
+        slept.append(round(seconds, 6))
+        now[0] += seconds
+
+    pace = bulk.Pacer(1000, clock=lambda: now[0], sleep=sleep)
+    pace.before(500)  # the share is free: at once
+    pace.before(500)  # half a second after the first
+    pace.before(1000)  # a second after that
+    assert slept == [0.5, 0.5]
+    now[0] += 10  # a long quiet spell earns no burst beyond one frame's wait
+    pace.before(2000)
+    pace.before(1)
+    assert slept == [0.5, 0.5, 2.0]
+
+
+def test_a_peer_rate_too_slow_for_the_peer_timeout_is_refused_naming_both(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"--peer-rate 100000 bytes/s is too slow.*--peer-timeout \(10 s\)"):
+        DaemonConfig(run_dir=tmp_path / "run", roots=(tmp_path,), peer_rate=100_000)
+    assert DaemonConfig(run_dir=tmp_path / "run", roots=(tmp_path,), peer_rate=2_000_000_000).peer_rate == 2_000_000_000
+
+
+@pytest.mark.timeout(120)
+def test_replication_under_a_peer_rate_takes_at_least_its_share_and_arrives(root: Path, tmp_path: Path) -> None:
+    """12 MiB at 1 MiB a second: its three frames go 4 s apart, so the copy takes 8 s at least (a bound from below,
+    which load can only lengthen; unpaced it takes well under a second), and the buddy holds it (its checksum
+    checked end to end)."""
+    pair = _pair(root, tmp_path, origin_extra=("--peer-rate", "1MiB"))
+    path = root / "run" / "paced"
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async({"w": torch.randn(3 * 1024 * 1024)}, path, step=1, persist=False).wait_replicated(60)
+        held = next(s for s in pair.origin.status()["memory"]["snapshots"] if s["path"] == str(path))
+        assert held["replication_lag_s"] >= 8.0, held
+        assert _held_replicas(pair.buddy) == [(str(path), 1)]
+        client.close()
+    finally:
+        pair.kill()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from ckptd.protocol.layout import PAGE_SIZE
 from ckptd.protocol.shm import shm_usage
 
 from ckptd.protocol.objects import is_object_path, object_url, require_library
+from ckptd.protocol.peer_messages import FRAME_BYTES
 
 from ckptd.storage.backends import load_storage
 
@@ -128,6 +130,8 @@ class DaemonConfig:
     else 0."""
     peer_timeout: float = 10.0
     """Seconds a peer has to answer each step of a stream before the replication fails."""
+    peer_rate: int | None = None
+    """Bytes a second the streams to the buddy keep to, together (``--peer-rate``; None: as fast as the link)."""
     storage: str | None = field(default_factory=lambda: os.environ.get("CKPTD_STORAGE") or None)
     """``module:Class`` of the checkpoint storage (``ckptd.storage.contract.Storage``); default ``$CKPTD_STORAGE``,
     else None: the local filesystem. Tests load their fault-injecting one here."""
@@ -231,6 +235,11 @@ class DaemonConfig:
                              f"the copy, given or set by the ranks' ring), got {self.replicas}")
         if not 0 < self.peer_timeout < float("inf"):
             raise ValueError(f"peer_timeout must be positive finite seconds, got {self.peer_timeout}")
+        slowest = math.ceil(2 * FRAME_BYTES / self.peer_timeout)  # a frame within half the buddy's patience
+        if self.peer_rate is not None and self.peer_rate < slowest:
+            raise ValueError(f"--peer-rate {self.peer_rate} bytes/s is too slow: a stream's 4 MiB frame would take "
+                             f"more than half of --peer-timeout ({self.peer_timeout:g} s), and the buddy gives up on "
+                             f"a stream that long silent; give at least {slowest} bytes/s, or a longer --peer-timeout")
 
     def retention_for(self, checkpoint: Path) -> int | None:
         """The configured keep_last for a checkpoint's directory, if any."""

@@ -136,7 +136,7 @@ class PeerLink:
                                   f"{exc.strerror or exc}") from None
         return conn
 
-    def stream(self, offer: Offer, data: memoryview) -> None:
+    def stream(self, offer: Offer, data: memoryview, pace: bulk.Pacer | None = None) -> None:
         """Offer one shard, send its bytes on the data port, seal it; returns once the peer holds it (its checksum
         matched). If the data connection breaks, the seal's answer says why when the buddy knows (a frame it
         refused); a buddy that does not answer is ``PeerUnavailable``."""
@@ -145,7 +145,7 @@ class PeerLink:
             conn = self._connect(ticket)
             broke: OSError | None = None
             try:
-                bulk.send(conn, ticket.key, data)
+                bulk.send(conn, ticket.key, data, pace=pace)
             except OSError as exc:
                 broke = exc
             finally:

@@ -56,6 +56,7 @@ from ckptd.core.stats import Stats
 from ckptd.core.workers import Workers
 from ckptd.lifecycle.holding import Holding
 from ckptd.lifecycle.snapshots import HeldSnapshot
+from ckptd.peers import bulk
 from ckptd.peers.link import PeerLink, PeerUnavailable
 from ckptd.peers.placement import Placement
 from ckptd.peers.replicas import Replica, ReplicaBook, new_shm_file, remove_shm_file
@@ -187,6 +188,9 @@ class Replication:
                                    ASK_TIMEOUT_S)
         self.records: dict[str, PeerRecord] = {}
         """What status says of each peer this daemon streamed to or asked (by endpoint), kept across ring changes."""
+        self.pace = bulk.Pacer(self.config.peer_rate) if self.config.peer_rate is not None else None
+        """``--peer-rate``: the share of the link the streams to the buddy keep to (restores are not paced: the
+        node restoring is not training yet, and waits for them)."""
 
     @property
     def buddy(self) -> PeerLink | None:
@@ -270,7 +274,7 @@ class Replication:
             for wire, checksum, slot, nbytes in shards:
                 view = memoryview(slot.map)[:nbytes]
                 try:
-                    buddy.stream(Offer(0, wire, checksum, CHECKSUM_ALGORITHM, snap.created, ranks), view)
+                    buddy.stream(Offer(0, wire, checksum, CHECKSUM_ALGORITHM, snap.created, ranks), view, self.pace)
                 finally:
                     view.release()
             return start, time.monotonic()

@@ -188,6 +188,9 @@ START_OPTIONS: tuple[StartOption, ...] = (
     StartOption("--peer-timeout", "peer_timeout", "seconds a peer has to answer each step of a replication, "
                 "and a data connection to come or to send its next bytes",
                 seconds, "SECONDS"),
+    StartOption("--peer-rate", "peer_rate", "bytes a second the replicas' streams to the buddy keep to, e.g. 2GB "
+                "(default: as fast as the link); a stream's 4 MiB frame still leaves at link speed", memory_size,
+                "BYTES"),
     StartOption("--persist-on-exit", "persist_on_exit", "when a trainer closes or dies, write its newest snapshot "
                 "to disk", choices=("newest", "never")),
 )
