@@ -2,6 +2,7 @@
 (issues #28, #40).
 
     python -m benchmarks.replication --mib 1024 --repeat 3 [--pin] [--restore-only] [--no-s3]
+    python -m benchmarks.replication --steps --mib 256 --every 2 --repeat 6 --peer-rate 100MB
 
 Two daemons on 127.0.0.1 stand for two nodes (origin and buddy), each with its own run directory and peer port,
 CurveZMQ on for the peer protocol and AES-256-GCM frames on the data port, as ``docs/memory.md`` deploys them. In
@@ -17,6 +18,12 @@ one run, for the same state:
   cache dropped first, and of the same state saved to ``s3://`` on moto's S3 server on localhost (a subprocess;
   ``--no-s3``: not measured); the restore's two calls are also timed apart;
 - the memory a buddy spends: the replica bytes it holds over the origin's own.
+
+``--steps`` measures instead what replication costs a training loop (issue #40, item 3): the step-time
+benchmark's trainee (``benchmarks/steps.py``: an MLP and its AdamW state of ``--mib``) snapshots every ``--every``
+steps, each snapshot waited for before the next, on an origin with no replication (``--replicas 0``), replicating
+as fast as it can, and replicating at ``--peer-rate``; each mode's median interval of ``--every`` steps, and its ratio
+to the unreplicated one's.
 """
 
 from __future__ import annotations
@@ -296,6 +303,40 @@ def restores(nodes: Nodes, state: dict, repeat: int, s3: bool) -> dict[str, list
     return out
 
 
+def steps_under_replication(scratch: Path, mib: int, every: int, repeat: int, rate: str,
+                            cpus: tuple[set[int], set[int]] | None) -> dict[str, list[float]]:
+    """Each mode's intervals of ``every`` steps ending with a snapshot (the trainee and ``train`` of the step-time
+    cases), one origin daemon per mode, the buddy started afresh with it."""
+    from .steps import Trainee, train
+
+    out: dict[str, list[float]] = {}
+    for mode, extra in (("unreplicated", ("--replicas", "0")), ("replicated", ()),
+                        ("capped", ("--peer-rate", rate))):
+        nodes = Nodes(scratch / mode, cpus)
+        try:
+            nodes.start(0)
+            nodes.start(1)
+            nodes.serve(1)
+            nodes.serve(0, *extra)
+            trainee = Trainee(mib / 1024)
+            client = ckptd.Client(run_dir=nodes.run_dirs[0], spawn=False)
+
+            def save(step: int) -> Any:
+                return client.save_async({"model": trainee.model.state_dict(),
+                                          "optim": trainee.optimizer.state_dict()},
+                                         nodes.root / "run" / f"s-{step}", step=step, persist=False)
+
+            def wait(fut: Any) -> None:  # held, and (but unreplicated) on the buddy before the next
+                fut.result(600)
+                if mode != "unreplicated":
+                    fut.wait_replicated(600)
+            out[mode] = train(trainee.step, save, every=every, saves=repeat, wait=wait)["interval"]
+            client.close()
+        finally:
+            nodes.stop()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=1024)
@@ -306,6 +347,11 @@ def main() -> None:
     parser.add_argument("--restore-only", action="store_true",
                         help="only the raw streams and the lost node's restore against the cold disk and s3:// loads")
     parser.add_argument("--no-s3", action="store_true", help="no s3:// load (moto) beside the restore")
+    parser.add_argument("--steps", action="store_true",
+                        help="a training loop's step time with no replication, replication, and replication at "
+                             "--peer-rate (nothing else)")
+    parser.add_argument("--every", type=int, default=2, help="--steps: steps per snapshot")
+    parser.add_argument("--peer-rate", default="100MB", help="--steps: the capped mode's --peer-rate")
     args = parser.parse_args()
     cpus = None
     if args.pin:
@@ -319,6 +365,17 @@ def main() -> None:
     print(f"{args.mib} MiB, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
           + (f", origin's node on cores {sorted(cpus[0])}, buddy's on {sorted(cpus[1])}" if cpus else ""))
     med = statistics.median
+    if args.steps:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("CKPTD_BENCH_DIR", "/tmp")) as scratch:
+            for mode in ("unreplicated", "replicated", "capped"):
+                (Path(scratch) / mode).mkdir()
+            got = steps_under_replication(Path(scratch), args.mib, args.every, args.repeat, args.peer_rate, cpus)
+        base = med(got["unreplicated"])
+        print(f"{args.every} steps ending with a snapshot: " + "; ".join(
+            f"{mode} {med(v):.3f} s ({med(v) / base:.2f} x unreplicated)" for mode, v in got.items())
+            + f"; --peer-rate {args.peer_rate}")
+        print("every repetition:", got)
+        return
     with tempfile.TemporaryDirectory(dir=os.environ.get("CKPTD_BENCH_DIR", "/tmp")) as scratch, \
             (contextlib.nullcontext() if args.no_s3 else Moto()):
         nodes = Nodes(Path(scratch), cpus)
