@@ -86,12 +86,20 @@ class NodeLoss:
         return {r for r in range(self.world) if self.job.node_of[r] == node}
 
     def _wait_replication_settled(self) -> None:
-        """Until no daemon is streaming a snapshot to its buddy or receiving a replica."""
+        """Until no daemon is streaming a snapshot to its buddy or receiving a replica, and every snapshot said
+        ``restored`` still has the copy it was read back from on its buddy (once that copy is gone, it is streamed
+        to the buddy again: a restored snapshot is never left as its node's only copy)."""
         def settled() -> bool:
-            for info in self._statuses():
+            infos = self._statuses()
+            for node, info in enumerate(infos):
                 if any(s.get("replication") == "replicating" for s in info["memory"]["snapshots"]):
                     return False
                 if info["peers"]["replicas_held"]["receiving"]:
+                    return False
+                copies = infos[self.w.buddy(node)]["peers"]["replicas_held"]["held"]
+                if any(s.get("replication") == "restored" and not any(
+                        r["path"] == s["path"] and r["complete"] and set(s["ranks_held"]) <= set(r["ranks_held"])
+                        for r in copies) for s in info["memory"]["snapshots"]):
                     return False
             return True
         wait_until(settled, SETTLE_S, lambda: f"replication settled; status: {self._statuses()}")

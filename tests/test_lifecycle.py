@@ -40,11 +40,12 @@ def test_every_state_leads_to_an_end_and_only_the_ends_lead_nowhere(table) -> No
 
 def test_a_snapshots_replication_reaches_its_buddy_again_from_every_state_it_is_sent_from() -> None:
     """The second track: every state is in the table, a snapshot that was sent (or failed, or was superseded) can
-    be sent again (a late rank joined), and the copies that are a peer's (restored, adopted) are never sent on."""
+    be sent again (a late rank joined), a restored one is sent on once the peer it was read from lost its copy,
+    and a peer's replica a drain adopted is never sent on."""
     assert set(NEXT_REPLICATION) == set(ReplicationState)
     R = ReplicationState
-    assert {s for s, after in NEXT_REPLICATION.items() if not after} == {R.RESTORED, R.ADOPTED}
-    for state in set(ReplicationState) - {R.RESTORED, R.ADOPTED}:
+    assert {s for s, after in NEXT_REPLICATION.items() if not after} == {R.ADOPTED}
+    for state in set(ReplicationState) - {R.ADOPTED}:
         assert R.REPLICATING in NEXT_REPLICATION[state], f"{state.value} is never sent again"
     assert {R.REPLICATED, R.FAILED, R.SUPERSEDED} <= NEXT_REPLICATION[R.REPLICATING]
     assert all(R.OFF not in after for after in NEXT_REPLICATION.values()), "nothing goes back to not sent"

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import ckptd
 
-from helpers import Daemon, ckptd_cli, free_port, short_tempdir, start_daemon, wait_for_ranks
+from helpers import Daemon, ckptd_cli, free_port, short_tempdir, start_daemon, wait_for_ranks, wait_until
 from docs_reference import status_paths
 from test_docs import documented_status_paths
 from node_trainer import report_and_train_on, resume, snapshot, state
@@ -234,6 +234,38 @@ def test_a_node_restoring_from_several_peers_reads_back_the_replica_of_its_own_r
     assert [(log["resumed"], log["step"], log["bitwise"]) for log in logs] == [(str(root / "step-10"), 10, True)] * 3
     restored = _held(cluster.status(1), "step-10")
     assert (restored["replication"], restored["ranks_held"]) == ("restored", [1])
+    _kill_job(ctx)
+
+
+def test_a_restored_snapshot_gets_a_copy_again_once_its_peer_is_lost_so_a_second_loss_of_its_node_keeps_it(
+        cluster: Cluster, root: Path) -> None:
+    """Node 1 is lost and its replacement reads step 10 back from node 2 (its buddy); then node 2 is lost, and the
+    only copy of node 1's shard is node 1's memory. Node 1 sees its copy gone from node 2's replacement and streams
+    the restored snapshot to it, so losing node 1 again still resumes bitwise from memory. A restored snapshot was
+    never sent on: the second loss of node 1 sent every rank back to disk (step 5)."""
+    ctx, _ = cluster.job(persist=[5], snapshots=[10])
+    cluster.lose(1)
+    _kill_job(ctx)
+    cluster.start(1)
+    ctx, logs = cluster.job(persist=[], snapshots=[])
+    assert [(log["resumed"], log["step"]) for log in logs] == [(str(root / "step-10"), 10)] * 3
+    assert _held(cluster.status(1), "step-10")["replication"] == "restored"
+    cluster.lose(2)
+    _kill_job(ctx)
+    cluster.start(2)
+    ctx, logs = cluster.job(persist=[], snapshots=[])  # node 2's replacement reads its own shard back from node 0
+    assert [(log["resumed"], log["step"], log["bitwise"]) for log in logs] == [(str(root / "step-10"), 10, True)] * 3
+    wait_until(lambda: _held(cluster.status(1), "step-10")["replication"] == "replicated", timeout=60,
+               what="node 1 never sent its restored snapshot to node 2's replacement")
+    held = cluster.status(2)["peers"]["replicas_held"]["held"]
+    assert [(r["path"], r["ranks_held"]) for r in held] == [(str(root / "step-10"), [1])]
+    assert "action=sent_again" in (cluster.daemons[1].run_dir / LOG).read_text()
+    cluster.lose(1)
+    _kill_job(ctx)
+    cluster.start(1)
+    ctx, logs = cluster.job(persist=[], snapshots=[])
+    assert [(log["resumed"], log["step"], log["bitwise"]) for log in logs] == [(str(root / "step-10"), 10, True)] * 3
+    assert sorted(p.name for p in root.iterdir()) == ["step-5"]
     _kill_job(ctx)
 
 

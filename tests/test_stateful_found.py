@@ -281,3 +281,28 @@ def test_a_snapshot_its_origin_dropped_as_older_than_the_disk_is_never_written_b
 def _replicas(machine: CheckpointMachine) -> list[str]:
     """The complete replicas node 1 (the buddy) holds, by path."""
     return [r["path"] for r in machine._statuses()[1]["peers"]["replicas_held"]["held"] if r["complete"]]
+
+
+def test_a_snapshot_restored_on_a_replacement_outlives_the_loss_of_the_peer_it_came_from_and_of_its_node_again(
+        aws: S3Server) -> None:
+    """Found by a new user, replayed on the ``node_lost`` machine: ``snap-3`` is held on the three nodes and
+    replicated; node 1 is lost and its replacement reads its shard back from node 2 (``restored``); node 2 is lost
+    next, taking that replica with it, and node 1 is lost once more. A restored snapshot was never sent on, so
+    node 1's shard had no second copy and the last resume went back to disk: the machine's settle now waits until
+    every ``restored`` snapshot has its copy on its buddy, and the resume must be the snapshot (its floor)."""
+    machine = _machine(aws)
+    try:
+        machine._save_all("disk", "step-1", False, None, False)
+        machine._save_all("memory", "step-3", False, None, False)
+        machine.node_is_lost(1, False, False)
+        machine.node_is_lost(2, False, False)
+        path = machine.w.path("memory", "step-3")
+        machine._wait_replication_settled()
+        holdings = machine._holdings(2)
+        assert {1} <= holdings.replicas.get(path, set()), "node 2's replacement holds no copy of node 1's shard"
+        machine.node_is_lost(1, False, False)
+        told = _resume(machine)
+        assert {o["path"] for o in told.values()} == {path}, told
+    finally:
+        machine.job.kill()
+        machine.w.close()

@@ -104,7 +104,8 @@ NEXT_REPLICATION: dict[ReplicationState, frozenset[ReplicationState]] = {
     # its copy: sent again; the buddy replaced its copy with another's: failed
     _R.FAILED: frozenset({_R.REPLICATING}),
     _R.SUPERSEDED: frozenset({_R.REPLICATING}),
-    _R.RESTORED: frozenset(),
+    _R.RESTORED: frozenset({_R.REPLICATING, _R.FAILED}),  # the peer it was read from lost its copy, or is not the
+    # buddy: sent to the buddy; or the peer holds a newer one of its directory in its place: failed
     _R.ADOPTED: frozenset(),
 }
 """The only moves of a snapshot's replication; ``restored`` and ``adopted`` are where such snapshots start."""

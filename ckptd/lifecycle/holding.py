@@ -303,20 +303,20 @@ class Holding:
         self._release(shards_of(self.snapshots.unpin(reader, path)))
 
     def hold_restored(self, path: Path, created: float, shards: list[tuple[Snapshot, str, int, mmap.mmap, int]],
-                      replication: ReplicationState = ReplicationState.RESTORED) -> HeldSnapshot:
-        """Hold a snapshot read back from a peer's replica (``peers/replication.py``), every shard checked: its
+                      *, peer: str = "", replication: ReplicationState = ReplicationState.RESTORED) -> HeldSnapshot:
+        """Hold a snapshot read back from ``peer``'s replica (``peers/replication.py``), every shard checked: its
         ranks' ``Snapshot`` messages as the origin admitted them, and the files of this daemon's own that hold
-        them (name, fd, mapping, checksum). It is held as its origin held it, complete; ``CheckpointExists``
-        if a snapshot of the path is held here meanwhile, ``NoSpace`` if it does not fit the budget.
-        ``replication`` ``ADOPTED``: a replica held here for a peer that is gone, about to be persisted by a drain
-        (``Replication.drain``)."""
+        them (name, fd, mapping, checksum). It is held as its origin held it, complete; ``CheckpointExists`` if a
+        snapshot of the path is held here meanwhile, ``NoSpace`` if it does not fit the budget.
+        ``replication`` ``ADOPTED`` (and no ``peer``): a replica held here for a peer that is gone, about to be
+        persisted by a drain (``Replication.drain``)."""
         if self.snapshots.opening(path) is not None or not shards:
             raise CheckpointExists(f"snapshot {display(path)} is held here already; the replica is not restored")
         first = shards[0][0]
         self.snapshots.make_room(path, sum(msg.nbytes for msg, *_ in shards))
         snap = HeldSnapshot(path=path, backend=self.storage.at(path), world_size=first.world_size, step=first.step,
                             coordinated=first.coordinated, created=created, contributors=Contributors(first.job),
-                            replication=replication)
+                            replication=replication, restored_from=peer)
         for msg, name, fd, mapping, checksum in shards:
             slot = MappedSlot(name, os.fstat(fd).st_ino, max(1, msg.nbytes), mapping, fd, users=1)
             snap.shards[msg.rank] = HeldShard(msg, slot, os.getpid(), checksum=checksum)

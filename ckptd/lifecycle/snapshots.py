@@ -89,6 +89,9 @@ class HeldSnapshot(Attempt):
     """Why replication failed."""
     replication_lag_s: float | None = None
     """Seconds from held here (its ranks told) to held on the buddy, once replicated."""
+    restored_from: str = ""
+    """The peer it was read back from (``Holding.hold_restored``); empty: taken here. Kept whatever its
+    replication says since: a restored snapshot is streamed on to the buddy once the peer's copy is gone."""
 
     @property
     def arrived(self) -> set[int]:
@@ -305,7 +308,7 @@ class SnapshotBook:
         clients = {sh.client for sh in snap.shards.values()}
         job = sorted((s for s in self.held.values() if s.acknowledged and s.path.parent == snap.path.parent
                       and not s.persisting and (clients & {sh.client for sh in s.shards.values()}
-                                                or (s.replication is ReplicationState.RESTORED or s.left_by_a_gone_run(snap))
+                                                or (bool(s.restored_from) or s.left_by_a_gone_run(snap))
                                                 and set(s.shards) & set(snap.shards))),
                      key=lambda s: s.order, reverse=True)
         return [s for s in job[self.keep:] if s is not snap]

@@ -13,7 +13,7 @@ its directory was held before its turn came, ``restored`` for one read back
 from a peer); ``ckptd status`` and ``SaveFuture.wait_replicated`` read it.
 What it says is what the buddy holds now: every ``CHECK_S`` the origin asks
 the buddy what it holds, sends a copy lost with no successor again (the
-buddy restarted), and reports one the buddy replaced with another run's
+buddy restarted; for a restored one, also the peer it was read from), and reports one the buddy replaced with another run's
 snapshot of its path or directory ``failed``, saying so.
 
 A node restoring asks its peers what they hold (``PeerSnapshots``
@@ -70,6 +70,10 @@ ASK_TIMEOUT_S = 2.0
 """Seconds a peer has to answer a question (what it holds): a listing must not hang on a node that is gone."""
 CHECK_S = 5.0
 """Seconds between two checks that the buddy still holds the copies this daemon says are replicated."""
+COPIED = frozenset({R.REPLICATED, R.RESTORED})
+"""Where a held snapshot has a copy on a peer: one it streamed, or the replica it was read back from. Either is
+checked (``check``), and sent to the buddy again once gone: a restored snapshot left without its copy would be
+lost with its node the next time."""
 Send = Callable[[bytes, Message], None]
 
 
@@ -88,7 +92,8 @@ class _Turn:
 
 @dataclass(frozen=True)
 class _Copy:
-    """A snapshot's copy on a buddy, as it was sealed there: gone once the buddy no longer lists these shards."""
+    """A snapshot's copy on a peer, as it was sealed there (or read back from there): gone once the peer no longer
+    lists these shards."""
 
     snap: HeldSnapshot
     endpoint: str
@@ -320,16 +325,17 @@ class Replication:
             self.stats.error(f"replicating snapshot {display(snap.path)} failed: {exc}")
 
     def check(self, now: float) -> None:
-        """Housekeeping: every ``CHECK_S``, ask each buddy holding a copy said ``replicated`` whether it holds it
-        still. A copy lost with no successor (the buddy restarted), or on a buddy the ring has since replaced, is
-        streamed again (to the buddy now); one the buddy replaced (by
+        """Housekeeping: every ``CHECK_S``, ask each peer holding a copy (``COPIED``: said ``replicated``, or the
+        replica a ``restored`` one was read back from) whether it holds it still. A copy lost with no successor
+        (the buddy restarted), or on a peer that is not the buddy now (the ring replaced it; a restore read it
+        from another), is streamed again (to the buddy now); one the peer replaced (by
         another run's snapshot of the path, or a newer one of its directory) is reported ``failed``, saying so. A
         buddy that does not answer is not judged: it may be paused, and still hold the copy."""
         if self._checking or now < self._next_check:
             return
         self._next_check = now + CHECK_S
         for path in [p for p, c in self._copies.items() if self.holding.snapshots.held.get(p) is not c.snap
-                     or c.snap.replication is not R.REPLICATED]:
+                     or c.snap.replication not in COPIED]:
             del self._copies[path]
         buddy = self.buddy
         for copy in [c for c in self._copies.values() if buddy is not None and c.endpoint != buddy.endpoint]:
@@ -358,7 +364,7 @@ class Replication:
             for copy in copies:
                 replicas = listed.get(copy.endpoint)
                 if isinstance(replicas, list) and self._copies.get(copy.snap.path) is copy \
-                        and copy.snap.replication is R.REPLICATED and not copy.held_by(replicas):
+                        and copy.snap.replication in COPIED and not copy.held_by(replicas):
                     self._copy_gone(copy, copy.replaced_by(replicas))
 
         def unasked(exc: BaseException) -> None:
@@ -474,8 +480,10 @@ class Replication:
             if error is None:
                 entry, pulled = fut.result()
                 try:
-                    self.holding.hold_restored(path, entry["created"], [(p.msg, p.name, p.fd, p.map, p.checksum)
-                                                                        for p in pulled])
+                    snap = self.holding.hold_restored(path, entry["created"], [
+                        (p.msg, p.name, p.fd, p.map, p.checksum) for p in pulled], peer=entry["on_peer"])
+                    self._copies[path] = _Copy(snap, entry["on_peer"], tuple(sorted(
+                        (p.msg.rank, p.checksum) for p in pulled)))
                     log.info("event=snapshot_restored path=%s step=%s peer=%s", path, entry["step"], entry["on_peer"])
                 except CkptdError as exc:
                     self.workers.background("maintenance", lambda: _discard(pulled, shm_dir))
