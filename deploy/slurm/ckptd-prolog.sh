@@ -32,7 +32,7 @@ IFS=$OLD_IFS
 if [ "$COUNT" -lt 2 ]; then
     # One node: no other node to hold a replica, so no peer port.
     # shellcheck disable=SC2086
-    ckptd_cmd start --run-dir "$RUN_DIR" $ROOTS $CKPTD_START_OPTIONS >&2
+    ckptd_cmd start --run-dir "$RUN_DIR" $ROOTS --drain-timeout "$CKPTD_DRAIN_TIMEOUT" $CKPTD_START_OPTIONS >&2
     exit 0
 fi
 
@@ -62,6 +62,6 @@ as_user sh -c 'shift_dir=$1; shift; for n in "$@"; do cat "$shift_dir/$n.key"; d
 NEXT=$(printf '%s\n%s\n' "$NODES" "$NODES" | awk -v me="$NODE" 'found { print; exit } $0 == me { found = 1 }')
 BUDDY=$(as_user cat "$JOB_DIR/$NEXT.key" | awk '{ print $2 }')
 # shellcheck disable=SC2086
-ckptd_cmd start --run-dir "$RUN_DIR" $ROOTS --peer-listen "$ME" --peer "$BUDDY" --peer-keys "$KEYS" \
+ckptd_cmd start --run-dir "$RUN_DIR" $ROOTS --drain-timeout "$CKPTD_DRAIN_TIMEOUT" --peer-listen "$ME" --peer "$BUDDY" --peer-keys "$KEYS" \
     $CKPTD_START_OPTIONS >&2
 say "daemon started, peer endpoint $ME, buddy $NEXT at $BUDDY"
