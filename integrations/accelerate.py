@@ -87,6 +87,8 @@ try:
     from accelerate import Accelerator
     from accelerate.data_loader import SeedableRandomSampler
     from accelerate.utils import DistributedType
+    from accelerate.utils.constants import (MODEL_NAME, OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_MODEL_NAME,
+                                            SAMPLER_NAME, SCALER_NAME, SCHEDULER_NAME)
 except ImportError as exc:
     raise ImportError("ckptd.integrations.accelerate needs accelerate 1.16: pip install 'accelerate>=1.16,<1.17'") \
         from exc
@@ -106,6 +108,10 @@ SUPPORTED = ((1, 16),)
 
 _AUTOMATIC = re.compile(r"^checkpoint_(\d+)$")
 """accelerate's automatic checkpoint names (``checkpoint_<iteration>``); a save in flight is never called that."""
+_THEIRS = (MODEL_NAME, SAFE_MODEL_NAME, OPTIMIZER_NAME, SCHEDULER_NAME, RNG_STATE_NAME, SAMPLER_NAME, SCALER_NAME,
+           "custom_checkpoint_", "dl_state_dict")
+"""How the files accelerate's own ``save_state`` writes begin: a folder with none is no checkpoint of either kind
+(``load_state`` of it would load nothing and say nothing)."""
 _REPLICATED = ("models", "optimizers")
 """Keys the same on every process under DDP: written once, by process 0."""
 _COVERED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
@@ -226,6 +232,9 @@ class CkptdAccelerator(Accelerator):
             raise ValueError("save_state needs output_dir unless the Accelerator's ProjectConfiguration has "
                              "automatic_checkpoint_naming=True")
         path = os.path.abspath(os.path.expanduser(os.fspath(output_dir)))
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise FileExistsError(f"{path} is a file: save_state writes a checkpoint folder there, and ckptd never "
+                                  f"replaces what it did not write. Name a new folder")
         if os.path.lexists(path) and not self._is_ckptd(path):
             raise FileExistsError(
                 f"{path} exists and is not a ckptd checkpoint (accelerate's own files?): ckptd never replaces what "
@@ -333,9 +342,16 @@ class CkptdAccelerator(Accelerator):
         else:
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
         if not self._is_ckptd(path):
+            if os.path.lexists(path) and not os.path.isdir(path):
+                raise ValueError(f"{path} is a file, not a checkpoint folder: load_state takes the folder a "
+                                 f"save_state wrote")
             if not os.path.isdir(path):
                 raise ValueError(f"Tried to find {path} but folder does not exist (nor is a ckptd memory snapshot "
                                  f"held there)")
+            if not any(name.startswith(_THEIRS) for name in os.listdir(path)):
+                raise ValueError(f"{path} holds no checkpoint: neither ckptd's ({INDEX_NAME}, or a memory snapshot "
+                                 f"of it held by the daemon) nor accelerate's own files; load_state takes the folder "
+                                 f"a save_state wrote")
             log.info("loading %s with accelerate's own load_state (not a ckptd checkpoint)", path)
             super().load_state(path, load_kwargs, **load_model_func_kwargs)
             self._continue_numbering(_number(path))

@@ -314,7 +314,9 @@ def test_draining_both_nodes_persists_each_snapshot_once_in_either_order(root: P
             assert daemon.proc.wait(30) == 0
         buddy_log = (pair.buddy_dir / LOG).read_text()
         reason = "origin_alive" if first == "buddy" else "committed_already"
-        assert f"event=replica_not_persisted path={path} origin=" in buddy_log and f"reason={reason}" in buddy_log
+        assert f"event=replica_not_persisted path={path} origin={pair.origin_ep} reason={reason}" in buddy_log
+        held = next(line for line in buddy_log.splitlines() if f"event=replica_held path={path} " in line)
+        assert held.endswith(f" origin={pair.origin_ep}")  # the origin's endpoint, not a piece of its key
         assert "event=drain_persist_replica" not in buddy_log
         assert "event=persist path=" in (pair.origin_dir / LOG).read_text()  # the origin wrote it, once
         assert torch.equal(ckptd.load(path)["w"], state["w"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import socket
 from pathlib import Path
 
 import pytest
@@ -90,4 +91,18 @@ def test_a_bad_ckptd_peer_listen_fails_the_clients_spawn_naming_the_variable(tmp
     monkeypatch.setenv("CKPTD_ROOTS", str(tmp_path))
     with pytest.raises(ckptd.DaemonUnavailable, match=rf"--peer-listen \(from \$CKPTD_PEER_LISTEN\) {value}: {why}"):
         ckptd.Client(run_dir=run_dir, timeout=20)
+    assert not (run_dir / "ckptd.sock").exists()
+
+
+def test_a_ckptd_peer_listen_whose_data_port_is_taken_fails_the_clients_spawn_naming_the_variable(
+        tmp_path: Path, monkeypatch) -> None:
+    """The data port (the peer port + 1) is taken by another program: the error names the variable too."""
+    run_dir = short_tempdir("ckenv-")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1] - 1
+        monkeypatch.setenv("CKPTD_PEER_LISTEN", f"tcp://127.0.0.1:{port}")
+        monkeypatch.setenv("CKPTD_ROOTS", str(tmp_path))
+        with pytest.raises(ckptd.DaemonUnavailable, match=rf"--peer-listen \(from \$CKPTD_PEER_LISTEN\) "
+                                                          rf"tcp://127.0.0.1:{port}: cannot open its data port"):
+            ckptd.Client(run_dir=run_dir, timeout=20)
     assert not (run_dir / "ckptd.sock").exists()

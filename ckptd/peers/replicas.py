@@ -153,6 +153,12 @@ class Replica(Tracked):
                 "messages": [s.offer.shard for _, s in sorted(self.shards.items())]}
 
 
+def origin_named(origin: str, endpoint: str | None) -> str:
+    """How the log names a replica's origin: the endpoint the peer keys file gives its key, else ``key:`` and the
+    key's first 8 characters (a node a replacement took the line of), which ``ckptd status`` lists whole."""
+    return endpoint if endpoint is not None else f"key:{origin[:8]}"
+
+
 def new_shm_file(path: Path, size: int, *, allocate: bool = True) -> tuple[int, mmap.mmap]:
     """A new file of this daemon's own in the shared-memory directory, mapped: a replica's shard, or one read back
     from a peer. ``allocate``: its pages allocated now, in one call; else by the ``pwrite`` of each frame as it
@@ -365,7 +371,7 @@ class ReplicaBook:
         self.registry.promote(replica, self.incoming, self.held)
         self.registry.move(replica, AttemptState.HELD)
         log.info("event=replica_held path=%s ranks=%s bytes=%d origin=%s", replica.path, list(replica.ranks),
-                 replica.nbytes, replica.origin[:8])
+                 replica.nbytes, origin_named(replica.origin, self.endpoint_of(replica.origin)))
 
     def _answer(self, fut: Any, rid: int) -> Message:
         exc = fut.exception()
@@ -392,7 +398,8 @@ class ReplicaBook:
                     self.data.cancel(transfer, "the replica was persisted by a drain")
             return
         log.log(logging.WARNING if reason == "stalled" else logging.INFO,
-                "event=replica_dropped path=%s origin=%s reason=%s", replica.path, replica.origin[:8], reason)
+                "event=replica_dropped path=%s origin=%s reason=%s", replica.path,
+                origin_named(replica.origin, self.endpoint_of(replica.origin)), reason)
         shards, shm_dir, data = list(replica.shards.values()), self.shm_dir, self.data
         self.workers.background("replica", lambda: [s.close(shm_dir, data) for s in shards])
 

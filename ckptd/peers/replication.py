@@ -59,7 +59,7 @@ from ckptd.lifecycle.snapshots import HeldSnapshot
 from ckptd.peers import bulk
 from ckptd.peers.link import PeerLink, PeerUnavailable
 from ckptd.peers.placement import Placement
-from ckptd.peers.replicas import Replica, ReplicaBook, new_shm_file, remove_shm_file
+from ckptd.peers.replicas import Replica, ReplicaBook, new_shm_file, origin_named, remove_shm_file
 from ckptd.storage.backends import Backends
 
 log = logging.getLogger("ckptd")
@@ -558,16 +558,16 @@ class Replication:
             for replica in todo:
                 why = gone[replica.origin]
                 if why is None:
-                    _not_persisted(replica, "origin_alive")
+                    _not_persisted(replica, by_key.get(replica.origin), "origin_alive")
                 elif replica.describe()["coordinated"]:
-                    _not_persisted(replica, "spans_nodes")
+                    _not_persisted(replica, by_key.get(replica.origin), "spans_nodes")
                     why = None
                 elif (outside := _outside_roots(storage, replica.path, roots)) is not None:
-                    _not_persisted(replica, "outside_roots")
+                    _not_persisted(replica, by_key.get(replica.origin), "outside_roots")
                     refused.append(f"{display(replica.path)} (a replica of a node that is gone): {outside}")
                     why = None
                 elif storage.at(replica.path).files.stat(replica.path / INDEX_NAME) is not None:
-                    _not_persisted(replica, "committed_already")
+                    _not_persisted(replica, by_key.get(replica.origin), "committed_already")
                     why = None
                 verdicts.append((replica, why))
             return verdicts
@@ -578,7 +578,7 @@ class Replication:
                 if why is None or replicas.held.get((replica.origin, replica.path)) is not replica:
                     continue
                 log.info("event=drain_persist_replica path=%s step=%s origin=%s reason=%s", replica.path,
-                         replica.order[0], replica.origin[:8], why)
+                         replica.order[0], origin_named(replica.origin, by_key.get(replica.origin)), why)
                 try:
                     snap = self.holding.hold_restored(replica.path, replica.created, replicas.hand_over(replica),
                                                       replication=R.ADOPTED)
@@ -626,8 +626,9 @@ def _outside_roots(storage: Backends, path: Path, roots: tuple[Path, ...]) -> Pa
     return None
 
 
-def _not_persisted(replica: Replica, reason: str) -> None:
-    log.info("event=replica_not_persisted path=%s origin=%s reason=%s", replica.path, replica.origin[:8], reason)
+def _not_persisted(replica: Replica, endpoint: str | None, reason: str) -> None:
+    log.info("event=replica_not_persisted path=%s origin=%s reason=%s", replica.path,
+             origin_named(replica.origin, endpoint), reason)
 
 
 def _discard(pulled: list[_Pulled], shm_dir: Path) -> None:

@@ -196,8 +196,8 @@ def test_a_path_round_trip_memory_snapshots_and_misuse_each_say_what_is_wrong(da
     object bitwise, and the dataloader's epoch with its sampler's (the same shuffle again); a memory snapshot
     (``persist=False``) is what ``load_state()`` then finds; and every misuse is refused naming what was wrong,
     leaving what is on disk as it was: a folder of accelerate's own files as the target (which ``load_state`` still
-    reads, through accelerate's own), a ``.incomplete`` or missing folder, a checkpoint saved with other objects
-    registered, save hooks, DeepSpeed and ``torch.load`` options, no ``output_dir``."""
+    reads, through accelerate's own), a ``.incomplete``, missing or empty folder, a file, a checkpoint saved with
+    other objects registered, save hooks, DeepSpeed and ``torch.load`` options, no ``output_dir``."""
     accelerator, model, optimizer, counter, loader = prepared(CkptdAccelerator, daemon)
     try:
         train_step(accelerator, model, optimizer)
@@ -240,6 +240,15 @@ def test_a_path_round_trip_memory_snapshots_and_misuse_each_say_what_is_wrong(da
             accelerator.load_state(root / "mine.incomplete")
         with pytest.raises(ValueError, match=f"Tried to find {root / 'nowhere'} but folder does not exist"):
             accelerator.load_state(root / "nowhere")
+        (root / "notes.txt").write_text("mine")
+        with pytest.raises(FileExistsError, match=f"{root / 'notes.txt'} is a file: save_state writes a checkpoint"):
+            accelerator.save_state(root / "notes.txt")
+        with pytest.raises(ValueError, match=f"{root / 'notes.txt'} is a file, not a checkpoint folder"):
+            accelerator.load_state(root / "notes.txt")
+        assert (root / "notes.txt").read_text() == "mine"
+        (root / "empty").mkdir()
+        with pytest.raises(ValueError, match=f"{root / 'empty'} holds no checkpoint: neither ckptd's"):
+            accelerator.load_state(root / "empty")
         with pytest.raises(ValueError, match="No input_dir provided and automatic checkpoint naming is disabled"):
             accelerator.load_state()
         with pytest.raises(ValueError, match="save_state needs output_dir unless"):
