@@ -24,6 +24,11 @@ def fmt(x: float | None, digits: int = 3) -> str:
 def nbytes(rec: dict) -> int:
     return rec.get("nbytes") or rec["state"]["nbytes"]
 
+EVERY_CKPTD = ("ckptd_sync", "ckptd_bg")
+"""ckptd's documented ways of a snapshot every step (``benchmarks/every_step.py``)."""
+EVERY_PEERS = ("dcp_stager", "torchckpt", "gemini")
+"""The peers' captures every step; the one of least step overhead in the run is the strongest."""
+
 FIELDS: dict[str, Callable[[dict], float | None]] = {  # any other field: the median of that repetition list
     "first_blocking": lambda r: r.get("first", {}).get("blocking"),
     "extra_per_state": lambda r: div(r.get("trainer_extra"), r["state"]["nbytes"]),
@@ -34,7 +39,21 @@ FIELDS: dict[str, Callable[[dict], float | None]] = {  # any other field: the me
     "raw_gbps": lambda r: div(nbytes(r) / GB, med(r, "single")),
     "blocking_per_gib": lambda r: div(med(r, "blocking"), nbytes(r) / GIB),
     "durable_per_gib": lambda r: div(med(r, "durable"), nbytes(r) / GIB),
+    **{f"{m}_overhead": (lambda m: lambda r: overhead(r, m))(m) for m in EVERY_CKPTD},
+    "ckptd_overhead": lambda r: min((v for m in EVERY_CKPTD if (v := overhead(r, m)) is not None), default=None),
+    "peer_overhead": lambda r: strongest_peer(r)[0],
 }
+
+def overhead(r: dict, mode: str) -> float | None:
+    """A mode's step overhead in an ``everystep`` record: per round, the median of its steps less the median of
+    the plain steps right before them; the median over the rounds."""
+    steps, plain = r["reps"].get(f"{mode}_round"), r["reps"].get(f"{mode}_plain")
+    return statistics.median(s - p for s, p in zip(steps, plain)) if steps and plain else None
+
+def strongest_peer(r: dict) -> tuple[float, str] | tuple[None, None]:
+    """The lowest step overhead of the peers' modes in an ``everystep`` record, and that mode."""
+    found = [(v, m) for m in EVERY_PEERS if (v := overhead(r, m)) is not None]
+    return min(found) if found else (None, None)
 
 @dataclass(frozen=True)
 class Target:
@@ -108,6 +127,13 @@ TARGETS = [Target(*row) for row in (  # text, measured, reference (None: the val
     ("load_into from memory, verify=False ≤ 1.2 × memcpy into the same targets", "snapshots.restore_into_unverified",
      "snapshots.memcpy_into", 1.2, 20),
     ("FSDP2: reshard load, cold ≤ 0.8 × dcp.load", "sharded_load_ckptd.cold", "sharded_load_dcp.cold", 0.8, 10),
+    ("a snapshot every step, sync staging: step overhead ≤ 1.5 × one memcpy of the state",
+     "everystep.ckptd_sync_overhead", "everystep.copy", 1.5, 40),
+    ("a snapshot every step, background staging: step overhead ≤ 1.5 × one memcpy of the state",
+     "everystep.ckptd_bg_overhead", "everystep.copy", 1.5, 40),
+    ("a snapshot every step: ckptd's step overhead (the lower of sync and background staging) ≤ 0.5 × the "
+     "strongest peer's at every step (the lowest of DCP + reused stager, torch-checkpointing, lm-resiliency)",
+     "everystep.ckptd_overhead", "everystep.peer_overhead", 0.5, 40),
     ("GPU: D2H staging into the pinned slot ≥ 90% of a pinned to(\"cpu\", non_blocking=True) (speed)",
      "gpu_check.to_cpu", "gpu_check.ckptd_staged", 0.9, 30, "≥"),
     ("GPU: blocking with sync staging ≤ DCP's pinned DefaultStager's staged time", "gpu_check.ckptd_blocking",
@@ -495,6 +521,38 @@ def steps_table(recs: Records) -> str:
                   "snapshot ÷ persisted", "snapshot: interval cost s", "persisted: interval cost s",
                   "own: interval cost s", "interval: snapshot ÷ own", "interval: snapshot ÷ persisted"], rows)
 
+def everystep_table(recs: Records) -> str:
+    """``benchmarks/every_step.py``: per mode, its step overhead over the plain steps of the same rounds, against one
+    memcpy of the state and against the strongest peer, with the CPU and faults it adds."""
+    r = recs.get("everystep")
+    if r is None:
+        return ""
+    copy, plain = med(r, "copy"), med(r, "none_step")
+    peer, peer_mode = strongest_peer(r)
+    none_cpu, none_faults = med(r, "none_cpu"), med(r, "none_faults")
+    def extra_cpu(mode: str) -> float | None:  # this process's over the plain steps', plus the helper's
+        cpu, helper = med(r, f"{mode}_cpu"), med(r, f"{mode}_helper_cpu")
+        return None if none_cpu is None or cpu is None or mode == "none" else cpu - none_cpu + (helper or 0.0)
+    rows = []
+    for mode, label in r["modes"].items():
+        cost = overhead(r, mode)
+        rows.append([label, fmt(med(r, f"{mode}_step")), fmt(cost), fmt(med(r, f"{mode}_blocking")),
+                     fmt(div(cost, copy), 2), fmt(div(cost, peer), 2),
+                     fmt(None if none_cpu is None or mode == "none" else med(r, f"{mode}_cpu") - none_cpu),
+                     fmt(med(r, f"{mode}_helper_cpu")), fmt(med(r, f"{mode}_helper_crc_cpu")),
+                     fmt(extra_cpu(mode)), fmt(div(extra_cpu(mode), extra_cpu("memcpy")), 2),
+                     fmt(None if none_faults is None or mode == "none" else med(r, f"{mode}_faults") - none_faults, 0),
+                     fmt(med(r, f"{mode}_helper_faults"), 0)])
+    head = (f"{fmt(nbytes(r) / MIB, 0)} MiB of state (parameters and AdamW's), plain step {fmt(plain)} s, one "
+            f"memcpy of the state {fmt(copy, 4)} s ({fmt(div(nbytes(r) / GB, copy), 1)} GB/s); strongest peer: "
+            f"{r['modes'].get(peer_mode, 'none measured')}; load average per round "
+            f"{', '.join(f'{x:.1f}' for x in r.get('load', []))}.")
+    return head + "\n\n" + table(
+        ["capture after every optimizer step", "step s", "overhead s", "in its calls s", "overhead ÷ memcpy",
+         "overhead ÷ strongest peer's", "trainer CPU s/step over plain", "helper CPU s/step",
+         "of it, checksum threads", "CPU s/step over plain, all", "CPU over plain ÷ memcpy's",
+         "trainer faults/step over plain", "helper faults/step"], rows)
+
 def transport_table(recs: Records) -> str:
     """``benchmarks/transport.py``: each candidate per frame size, its speed as a share of the plain TCP stream of the
     same round (the median of the rounds' ratios), and each side's CPU per GB."""
@@ -613,6 +671,15 @@ def render(records: list[dict], meta: dict[str, Any]) -> str:
                "per GB streamed. One thread a side, as the daemon's link; sender and receiver share this machine's "
                "cores (two nodes would not). The keyed candidates' key reaches the receiver over a stand-in for the "
                "CURVE control channel; every frame's 12-byte header is in its tag or its AEAD's associated data."),
+              ("everystep", "A capture every step: ckptd's snapshot against one memcpy and the peers", everystep_table,
+               "`benchmarks/every_step.py` (issue #40, item 5): one process trains an MLP with AdamW on the CPU and "
+               "captures its state after every optimizer step, every way in turn, round after round (the first round "
+               "a warm-up). Each way's steps follow plain steps in the same round; its overhead is the median of its "
+               "steps less the median of those plain steps, the median over the rounds. In its calls: the time a "
+               "step spent in the way's own calls (its capture, and its wait before the next `optimizer.step()`); "
+               "the rest of the overhead is the capture's work beside the step (threads, the daemon). Helper: "
+               "ckptd's daemon, torch-checkpointing's writer subprocess. The peers write to /dev/shm (memory, as a "
+               "snapshot is), each awaits its previous save before the next."),
               ("steps", "Step-time cost of a save, per integration", steps_table,
                "One process per integration trains an MLP with AdamW on the CPU (`benchmarks/steps.py`), saving "
                "every N steps through the integration: a memory snapshot (ckptd's memory tier: DCP "
