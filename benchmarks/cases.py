@@ -59,7 +59,8 @@ def missing_peers() -> dict[str, str]:
 class Case:
     name: str
     section: str
-    """``save``, ``multi``, ``scaling``, ``load``, ``sharded``, ``objects``, ``transport``, ``steps`` or ``gpu``: where the report
+    """``save``, ``multi``, ``scaling``, ``load``, ``sharded``, ``objects``, ``transport``, ``steps``, ``everystep`` or
+    ``gpu``: where the report
     puts it. ``gpu`` (``gpu_check``) is the whole of a ``--device cuda`` run, and in a CPU run only when named."""
     method: str
     label: str
@@ -146,6 +147,9 @@ def registry(s: Settings) -> list[Case]:
         out += [Case(f"steps_{name}", section="steps", method="steps", label=label, repeat=s.repeat,
                      state="trainee", size_gib=s.steps_gib, params={"integration": name, "every": s.steps_every})
                 for name, label in STEP_CASES.items() if name != "torchtitan" or TT_PY.exists()]
+    if cpu:
+        out.append(Case("everystep", section="everystep", method="everystep", repeat=s.repeat, state="trainee",
+                        size_gib=s.steps_gib, label="a capture every step: ckptd's snapshot, its peers, one memcpy"))
     out.append(Case("gpu_check", section="gpu", method="gpu_check", repeat=s.repeat, size_gib=s.size_gib, device=dev,
                     label="GPU check: D2H staging, staging against DCP's pinned stager, step-time cost",
                     params={"steps_gib": s.steps_gib, "every": s.steps_every, "saves": s.repeat}))

@@ -2,6 +2,10 @@
 
     python -m benchmarks.first_save --mib 256 --repeat 3
 
+Last, a snapshot client's saves one after the other (``persist=False``, ``--snapshots`` saves, a pause of a step
+between them): each lends its slot to the daemon, so the second one needs a slot of its own (prepared on a helper
+thread when the first was lent, ``SlotPool.lend``).
+
 Then, through a real daemon and ``ckptd.Client()`` without ``reserve_bytes``: the transformer state of the same
 size, a fresh client's first save against its next ones (sync staging, each client fresh, ``--repeat`` clients),
 and the two ways of setting up a fresh slot timed side by side: ``pwritev`` of the tensors into the empty file
@@ -118,10 +122,34 @@ def client_saves(mib: int, repeat: int) -> dict[str, list[float]]:
     return out
 
 
+def snapshot_saves(mib: int, repeat: int, saves: int, pause: float) -> list[list[float]]:
+    """Blocking seconds of each of a fresh snapshot client's first ``saves`` saves (``persist=False``, ``pause``
+    seconds between them, as a training step would leave), ``repeat`` clients one after the other on one daemon."""
+    import tempfile
+    import ckptd
+    from .saves import BenchDaemon
+    from .state import build
+    bench = build("transformer", mib / 1024)
+    out: list[list[float]] = [[] for _ in range(saves)]
+    with tempfile.TemporaryDirectory(prefix="ckbench-first-") as root, \
+            BenchDaemon(Path(root), "--persist-on-exit", "never") as daemon:
+        for c in range(repeat):
+            with ckptd.Client(run_dir=daemon.run_dir, spawn=False) as client:
+                for i in range(saves):
+                    t0 = time.perf_counter()
+                    fut = client.save_async(bench.state, Path(root) / f"s{c}-{i}", step=i, persist=False)
+                    out[i].append(time.perf_counter() - t0)
+                    fut.result()
+                    time.sleep(pause)
+                client.delete(Path(root) / f"s{c}-{saves - 1}")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--snapshots", type=int, default=5, help="saves per snapshot client (0: none)")
     args = parser.parse_args()
     size = args.mib << 20
     src = torch.randint(0, 255, (size,), dtype=torch.uint8)
@@ -144,6 +172,11 @@ def main() -> None:
           f"steady {steady:.3f} s: first ÷ steady {first / steady:.2f} (firsts: "
           f"{', '.join(f'{r:.3f}' for r in saves['first'])}; steadies: "
           f"{', '.join(f'{r:.3f}' for r in saves['steady'])})")
+    if args.snapshots:
+        snaps = snapshot_saves(args.mib, args.repeat, args.snapshots, pause=0.3)
+        print(f"snapshot client (persist=False), blocking of save 1..{args.snapshots}, medians: "
+              f"{', '.join(f'{statistics.median(b):.3f}' for b in snaps)} s (each: "
+              f"{'; '.join(', '.join(f'{x:.3f}' for x in b) for b in snaps)})")
 
 
 if __name__ == "__main__":

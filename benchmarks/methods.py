@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from . import gpu_check, integration_steps, limits, loads, objects, ranks, saves, snapshots, transport
+from . import every_step, gpu_check, integration_steps, limits, loads, objects, ranks, saves, snapshots, transport
 from .cases import Case
 from .limits import memory
 from .state import BYTES_PER_PARAM, build, param_count, pick_width
@@ -64,6 +64,7 @@ METHODS: dict[str, Callable[[Case, Path], dict]] = {
     "objects": objects.objects_case,
     "transport": transport.transport_case,
     "steps": integration_steps.steps_case,
+    "everystep": every_step.every_step,
     "gpu_check": gpu_check.gpu_check,
 }
 

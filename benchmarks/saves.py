@@ -29,9 +29,10 @@ from .limits import Sampler, cpu_seconds, peak_rss, reset_peak_rss
 START_TIMEOUT_S = 60.0
 
 class BenchDaemon:
-    """A daemon of the case's own (``ckptd start``, ``ckptd stop``: it drains) on a private run directory."""
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    """A daemon of the case's own (``ckptd start``, ``ckptd stop``: it drains) on a private run directory;
+    ``options``: more ``ckptd start`` options."""
+    def __init__(self, root: Path, *options: str) -> None:
+        self.root, self.options = root, options
         self.run_dir = Path(tempfile.mkdtemp(prefix="ckbench-", dir="/tmp"))  # a socket path fits in 107 bytes
         self.pid = 0
     def _ckptd(self, command: str, *args: str) -> str:
@@ -44,7 +45,7 @@ class BenchDaemon:
         """The daemon's ``ckptd status --json`` snapshot."""
         return json.loads(self._ckptd("status", "--json"))
     def __enter__(self) -> "BenchDaemon":
-        self._ckptd("start", "--root", str(self.root))  # returns once the daemon answers
+        self._ckptd("start", "--root", str(self.root), *self.options)  # returns once the daemon answers
         self.pid = self.status()["daemon"]["pid"]
         return self
     def __exit__(self, *exc: object) -> None:

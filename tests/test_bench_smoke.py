@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-PARTS = ("save,load,snapshot,gpu", "multi,scaling,sharded,objects,transport,steps")
+PARTS = ("save,load,snapshot,gpu,everystep", "multi,scaling,sharded,objects,transport,steps")
 """The sections of each run (``--only``), about as long as each other."""
 
 
@@ -126,7 +126,7 @@ def test_smoke_run_gives_every_case_one_json_line_and_renders_the_report(tmp_pat
     report = (tmp_path / "RESULTS.md").read_text()
     for heading in ("## Targets", "## Saving", "## Clients on one node", "## Scaling", "## Loading",
                     "## Ranks loading at once", "## Sharded state: FSDP2", "## Replication transport",
-                    "## Step-time cost of a save", "## Every repetition"):
+                    "## Step-time cost of a save", "## A capture every step", "## Every repetition"):
         assert heading in report
     assert "## Failed cases" not in report
     for r in records:

@@ -163,3 +163,23 @@ def test_a_slot_the_daemon_cannot_find_names_both_sides_shm_directory(daemon_fac
         client_factory().save_async({"w": torch.ones(4)}, daemon.root / "x").result(30)
     assert str(elsewhere) in str(missing.value)
     assert "CKPTD_SHM_DIR" in str(missing.value)
+
+
+def test_a_held_snapshots_next_slot_is_prepared_at_once_and_the_next_snapshot_lands_in_it(
+        client_factory, daemon, root, run_dir) -> None:
+    """A snapshot lends its slot to the daemon; the next save would otherwise make a fresh slot on its caller's
+    thread (tmpfs allocating every page as the copy writes it). It is made when the slot is lent, every page
+    allocated on a helper thread, and the next snapshot is staged into it, its bytes intact."""
+    client = client_factory()
+    first = {"w": torch.randn(4 << 20)}  # 16 MiB
+    client.save_async(first, root / "s1", step=1, persist=False).result(30)
+
+    def prepared() -> list[str]:
+        return [n for n in own_segments() if os.stat(SHM / n).st_blocks * 512 >= os.stat(SHM / n).st_size > 16 << 20]
+    wait_until(lambda: len(prepared()) == 1, 10, lambda: f"one prepared slot of ours; /dev/shm holds {own_segments()}")
+    ahead = prepared()[0]
+    second = {"w": torch.randn(4 << 20)}
+    client.save_async(second, root / "s2", step=2, persist=False).result(30)
+    assert ahead not in own_segments()  # the daemon's now: s2 is held in it (and s1's slot came back)
+    assert len(own_segments()) == 1
+    assert torch.equal(ckptd.load(root / "s2", run_dir=run_dir)["w"], second["w"])
