@@ -91,6 +91,8 @@ import torch.distributed as dist
 
 import ckptd
 from ckptd.client import Client, SaveFuture
+from ckptd.client.checks import check_seconds
+from ckptd.protocol.messages import MAX_TIMEOUT
 from ckptd.protocol.names import INDEX_NAME
 
 __all__ = ["CkptdCheckpointEngine", "SUPPORTED", "export_deepspeed", "install", "require_supported", "wait"]
@@ -218,6 +220,7 @@ class CkptdCheckpointEngine(CheckpointEngine):
                                       or keep_last < 1):
             raise ValueError(f"keep_last must be a whole number of tags, 1 or more (or None: keep all), "
                              f"got {keep_last!r}")
+        check_seconds("commit_timeout", commit_timeout, high=MAX_TIMEOUT)
         super().__init__(None)
         self.name = "CkptdCheckpointEngine"
         self.blocking = blocking
@@ -330,8 +333,7 @@ class CkptdCheckpointEngine(CheckpointEngine):
                  "tag": current.info.tag, "deepspeed_version": deepspeed.__version__}
         current.files.clear()
         step = _step_of(current.info.tag)
-        current.future = self._client.save_async(state, current.path, step=step, overwrite=True,
-                                                 keep_last=self.keep_last)
+        current.future = self._client.save_async(state, current.path, step=step, overwrite=True)
         self._pending = current
         if current.info.save_latest and _rank() == 0:
             current.future.add_done_callback(lambda future: self._committed(current, future))
@@ -352,8 +354,39 @@ class CkptdCheckpointEngine(CheckpointEngine):
         if pending is None or pending.future is None:
             return
         pending.future.result()
-        if pending.info.save_latest and _rank() == 0:
-            self._committed(pending, pending.future)
+        if _rank() == 0:
+            if pending.info.save_latest:
+                self._committed(pending, pending.future)
+            self._retain(pending)
+
+    def _retain(self, save: _Save) -> None:
+        """Rank 0, once ``latest`` names ``save``'s tag (on the training thread: the step after its commit, the next
+        save, :func:`wait` or ``engine.destroy()``): the daemon deletes the ckptd tags of its ``save_dir`` beyond the
+        newest ``keep_last`` (by the tag's trailing number, then by when it was committed), never ``save``'s own nor
+        the one ``latest`` names. Here and not by the daemon at the commit: the daemon's retention ran before rank 0
+        could rewrite ``latest``, so a rank 0 killed in between left ``latest`` naming a tag already deleted, and
+        every restart failed on it. A tag that cannot be deleted (saved again meanwhile, not ckptd's) is logged and
+        kept."""
+        if self.keep_last is None or self._client is None:
+            return
+        save_dir = save.info.save_dir
+        named, tags = _read_latest(save_dir), []
+        for entry in os.scandir(save_dir):
+            index = os.path.join(entry.path, INDEX_NAME)
+            if entry.is_dir(follow_symlinks=False) and not entry.name.endswith(".incomplete") \
+                    and os.path.isfile(index):
+                step = _step_of(entry.name)
+                tags.append(((-1 if step is None else step, os.stat(index).st_mtime), entry.name))
+        spared = {save.info.tag, named}
+        for _, tag in sorted(tags, reverse=True)[self.keep_last:]:
+            if tag in spared:
+                continue
+            try:
+                self._client.delete(os.path.join(save_dir, tag))
+                log.info("deleted the tag %s of %s (keep_last=%d)", tag, save_dir, self.keep_last)
+            except Exception as exc:  # noqa: BLE001 - retention never stops training; said, and kept
+                log.warning("kept the tag %s of %s beyond keep_last=%d: %s: %s", tag, save_dir, self.keep_last,
+                            type(exc).__name__, exc)
 
     def at_exit(self) -> None:
         """At the interpreter's exit (registered by :func:`install`): the last save waited for, so ``latest`` names
@@ -386,11 +419,9 @@ class CkptdCheckpointEngine(CheckpointEngine):
         DeepSpeed's own."""
         self.finish()
         if tag is None:
-            latest = os.path.join(load_dir, LATEST)
-            if not os.path.isfile(latest):
+            tag = _agreed(_read_latest(load_dir))
+            if tag is None:
                 return original(load_dir, tag, **kwargs)  # DeepSpeed warns and loads nothing
-            with open(latest) as f:
-                tag = f.read().strip()
         checkpoint = Path(load_dir, str(tag))
         if not (checkpoint / INDEX_NAME).is_file():
             return original(load_dir, tag, **kwargs)
@@ -429,6 +460,26 @@ def _gather_names(names: list[str]) -> list[list[str]]:
     return [json.loads(bytes(g[:int(size.item())].tolist())) for g, size in zip(gathered, sizes)]
 
 
+def _read_latest(load_dir: str) -> str | None:
+    """The tag ``load_dir/latest`` names (None: no such file)."""
+    try:
+        with open(os.path.join(load_dir, LATEST)) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
+def _agreed(tag: str | None) -> str | None:
+    """Rank 0's ``tag`` on every rank (a collective, as ``load_checkpoint`` is): rank 0 rewrites ``latest`` once a
+    save is committed, so a rank reading it at the same moment could read the tag before and load another step than
+    rank 0, and the next save then waited for ever for shards of two different tags."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tag
+    chosen = [tag]
+    dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -444,7 +495,8 @@ def install(engine: Any, *, blocking: bool = False, keep_last: int | None = None
     """Make ``engine`` (what ``deepspeed.initialize`` returned) save and load its checkpoints through ckptd.
 
     ``blocking``: ``save_checkpoint`` returns once the tag is committed (default: once it is copied).
-    ``keep_last``: the daemon keeps the newest K tags of a ``save_dir`` (by the tag's trailing number).
+    ``keep_last``: once ``latest`` names a new tag, rank 0 has the daemon delete the tags of its ``save_dir``
+    beyond the newest K (by the tag's trailing number, then commit time), never the one ``latest`` names.
     ``run_dir``: the daemon's run directory (default as ``ckptd.Client``). ``commit_timeout``: seconds every rank
     has to hand its shard over. Returns the checkpoint engine put in place (``engine.checkpoint_engine``).
     """
@@ -483,8 +535,9 @@ def install(engine: Any, *, blocking: bool = False, keep_last: int | None = None
 
 
 def wait(engine: Any) -> None:
-    """Wait until the last ``save_checkpoint`` of ``engine`` is committed and ``latest`` names it (a failed save
-    raises here); ``engine.destroy()`` does the same and frees the client's shared memory."""
+    """Wait until the last ``save_checkpoint`` of ``engine`` is committed (a failed save raises here); on rank 0,
+    ``latest`` names it when this returns (rank 0 writes it; ``load_checkpoint`` on every rank reads rank 0's).
+    ``engine.destroy()`` does the same and frees the client's shared memory."""
     checkpoint_engine = getattr(engine, "checkpoint_engine", None)
     if not isinstance(checkpoint_engine, CkptdCheckpointEngine):
         raise TypeError(f"ckptd is not installed on {type(engine).__name__} (call install(engine) first)")

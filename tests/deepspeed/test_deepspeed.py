@@ -133,6 +133,46 @@ def test_a_rank_killed_mid_save_resumes_from_the_last_whole_tag_bitwise(
     assert model_states["global_steps"] == 6 and differences(model_states["module"], final["module"]) == []
 
 
+RACES = REPO / "tests" / "deepspeed" / "races.py"
+
+
+def races(daemon, mode: str, save_dir: Path) -> subprocess.CompletedProcess:
+    """``tests/deepspeed/races.py MODE SAVE_DIR`` on two processes under DeepSpeed's launcher."""
+    env = dict(os.environ, CKPTD_RUN_DIR=str(daemon.run_dir), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    return subprocess.run([str(DEEPSPEED), "--master_port", str(free_port()), "--num_gpus", "2", str(RACES), mode,
+                           str(save_dir)], env=env, cwd=REPO, capture_output=True, text=True, timeout=400)
+
+
+@pytest.mark.timeout(600)
+def test_a_load_right_after_a_save_loads_the_same_tag_on_every_rank(daemon, root: Path) -> None:
+    """Save, ``wait`` and load at once, three times on two ranks: rank 0 rewrites ``latest`` as the save commits, so
+    rank 1 read the tag before it and loaded another step than rank 0, and the next save waited for ever for shards
+    of two tags. Every rank loads the tag rank 0's ``latest`` names."""
+    done = ok(races(daemon, "rollback", root / "rollback"))
+    loaded = re.findall(r"^rank (\d) loaded (\S+) at step (\d+)$", done, re.M)
+    assert sorted(loaded) == sorted((str(r), f"global_step{s}", str(s)) for r in (0, 1) for s in (2, 4, 6)), done
+
+
+@pytest.mark.timeout(900)
+def test_keep_last_1_with_rank_0_killed_right_after_a_save_leaves_latest_naming_a_whole_tag(
+        daemon, root: Path, tmp_path: Path) -> None:
+    """``keep_last=1``: global_step4 is handed over by both ranks and rank 0 dies before it sees the commit, so
+    ``latest`` still names global_step2. The daemon's retention used to delete global_step2 at global_step4's
+    commit, and every restart then failed on a ``latest`` naming a deleted tag; rank 0 deletes beyond K only once
+    ``latest`` names the new tag, so global_step2 stays, and the next run resumes from it."""
+    save_dir = root / "die"
+    died = races(daemon, "die", save_dir)
+    assert died.returncode != 0 and "rank 0 dies" in died.stdout, died.stdout[-3000:]
+    wait_until(lambda: (save_dir / "global_step4" / "ckptd.json").is_file(), timeout=120,
+               what="global_step4 committed (both ranks handed it over)")
+    assert (save_dir / LATEST).read_text() == "global_step2"
+    assert (save_dir / "global_step2" / "ckptd.json").is_file()
+    out = tmp_path / "resumed"
+    out.mkdir()
+    resumed = ok(launch(daemon, out, save_dir, "--steps", "6", "--save-every", "2"))
+    assert sorted(s for r, s in losses(resumed) if r == 0) == [3, 4, 5, 6], resumed[-3000:]
+
+
 # -- misuse, on a one-process engine in this process ----------------------------
 
 @pytest.fixture(scope="module")
@@ -181,6 +221,9 @@ def test_install_refuses_what_it_does_not_cover_and_a_second_install(one_process
         install(engine, keep_last=0)
     with pytest.raises(TypeError, match="blocking must be True or False, got 'yes'"):
         install(engine, blocking="yes")
+    for bad in (0, -5):  # refused here, not at every save_checkpoint after
+        with pytest.raises(ValueError, match=f"commit_timeout must be a finite number of seconds above 0 .*got {bad}"):
+            install(engine, commit_timeout=bad)
     installed = install(engine, run_dir=daemon.run_dir)
     assert engine.checkpoint_engine is installed
     with pytest.raises(RuntimeError, match="already installed on this engine"):
