@@ -94,6 +94,11 @@ def test_errors_are_clear_and_leave_nothing_behind(saved, tmp_path: Path):
     assert out.returncode == 2 and "max shard size '5XB' is not a positive size" in out.stderr
     with pytest.raises(ValueError, match="prefix 'nothing.' selects no tensor"):
         export_checkpoint(path, tmp_path / "b", prefix="nothing.")
+    step = next(name for name in ckptd.load(path, rank=0)["optim"]["state"])  # AdamW's per-rank step counters
+    with pytest.raises(ValueError, match=rf"prefix 'optim.state.{step}.step' selects no tensor .* \(only per-rank "
+                                         rf"tensors \(1, such as optim.state.{step}.step\), which each rank saved "
+                                         rf"its own of: no single value"):
+        export_checkpoint(path, tmp_path / "b", prefix=f"optim.state.{step}.step")
     damaged = tmp_path / "damaged"
     shutil.copytree(path, damaged)
     chunk = ckptd.read_index(damaged).tensors["grid"].chunks[2]

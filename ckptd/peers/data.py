@@ -68,8 +68,8 @@ class DataServer:
         try:
             self.listener = socket.create_server((host, port), backlog=MAX_CONNECTIONS)
         except OSError as exc:
-            raise ValueError(f"{peer_listen_named(listen)} {listen}: cannot open its data port {port} (the peer port + 1, "
-                             f"which carries the replicas' bytes): {exc.strerror or exc}") from None
+            raise ValueError(f"{peer_listen_named(listen)} {listen}: cannot open its data port {port} (the peer port "
+                             f"+ 1, which carries the replicas' bytes): {exc.strerror or exc}") from None
         self.port, self.timeout, self.call_soon = port, timeout, call_soon
         self._lock = threading.Lock()
         self._waiting: dict[bytes, Transfer] = {}

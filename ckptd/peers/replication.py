@@ -13,7 +13,8 @@ its directory was held before its turn came, ``restored`` for one read back
 from a peer); ``ckptd status`` and ``SaveFuture.wait_replicated`` read it.
 What it says is what the buddy holds now: every ``CHECK_S`` the origin asks
 the buddy what it holds, sends a copy lost with no successor again (the
-buddy restarted; for a restored one, also the peer it was read from), and reports one the buddy replaced with another run's
+buddy restarted; for a restored one, also the peer it was read from), and
+reports one the buddy replaced with another run's
 snapshot of its path or directory ``failed``, saying so.
 
 A node restoring asks its peers what they hold (``PeerSnapshots``

@@ -91,7 +91,12 @@ def export_checkpoint(checkpoint: Path | str, outdir: Path | str, *, prefix: str
     tensors, skipped = _exported_tensors(checkpoint, index)
     chosen = {name[len(prefix):]: rec for name, rec in sorted(tensors.items()) if name.startswith(prefix)}
     if not chosen or "" in chosen:
-        raise ValueError(f"prefix {prefix!r} selects no tensor of {checkpoint} (it holds {_sample(tensors)})")
+        own = sorted(name for name in skipped if name.startswith(prefix))
+        why = f"it holds {_sample(tensors)}" if not own or "" in chosen else (
+            f"only per-rank tensors ({len(own)}, such as {own[0]}), which each rank saved its own of: no single "
+            f"value to export; load them per rank with ckptd.load(path, rank=R), or export a DeepSpeed tag with "
+            f"python -m ckptd.integrations.deepspeed export")
+        raise ValueError(f"prefix {prefix!r} selects no tensor of {checkpoint} ({why})")
     groups = _group(chosen, limit)
     names = [SINGLE_FILE] if len(groups) == 1 else [
         f"model-{k:05d}-of-{len(groups):05d}.safetensors" for k in range(1, len(groups) + 1)]
