@@ -473,11 +473,10 @@ def _agreed(tag: str | None) -> str | None:
     """Rank 0's ``tag`` on every rank (a collective, as ``load_checkpoint`` is): rank 0 rewrites ``latest`` once a
     save is committed, so a rank reading it at the same moment could read the tag before and load another step than
     rank 0, and the next save then waited for ever for shards of two different tags."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return tag
-    chosen = [tag]
-    dist.broadcast_object_list(chosen, src=0)
-    return chosen[0]
+    chosen = _gather_names([] if tag is None else [tag])[0]
+    return chosen[0] if chosen else None
 
 
 def _rank() -> int:
