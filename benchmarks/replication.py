@@ -326,10 +326,8 @@ def steps_under_replication(scratch: Path, mib: int, every: int, repeat: int, ra
                                           "optim": trainee.optimizer.state_dict()},
                                          nodes.root / "run" / f"s-{step}", step=step, persist=False)
 
-            def wait(fut: Any) -> None:  # held, and (but unreplicated) on the buddy before the next
-                fut.result(600)
-                if mode != "unreplicated":
-                    fut.wait_replicated(600)
+            def wait(fut: Any) -> None:  # held before the next, as a trainer waits; its stream to the buddy
+                fut.result(600)  # runs beside the steps that follow (a step pays for what it takes of the cores)
             out[mode] = train(trainee.step, save, every=every, saves=repeat, wait=wait)["interval"]
             client.close()
         finally:
