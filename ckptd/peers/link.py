@@ -47,6 +47,11 @@ class BuildFailed(InvalidCheckpoint):
     """The buddy built a shard from a replica it held and did not hold it: its checksum differed, or what it built
     from was dropped while it did (``chunks.py``). Sent whole, it may be held."""
 
+    def __init__(self, message: str, sent: int) -> None:
+        super().__init__(message)
+        self.sent = sent
+        """Bytes of the shard that crossed the data port all the same."""
+
 
 class PeerLink:
     """Requests to the peer at ``endpoint``, whose public key the peer keys file or the ring names (asked again
@@ -178,7 +183,7 @@ class PeerLink:
                                       f"({broke.strerror or broke}), and then: {exc}") from None
             except CkptdError as exc:
                 if reused:
-                    raise BuildFailed(str(exc)) from None
+                    raise BuildFailed(str(exc), sent) from None
                 raise
             if not isinstance(answer, Ok):
                 raise InvalidCheckpoint(f"peer {self.endpoint} answered a seal with {answer.type}")
@@ -206,6 +211,7 @@ class PeerLink:
                 sent, built = sent + got[0], built + got[1]
             return sent, built
         except BuildFailed as exc:
+            sent += exc.sent
             log.warning("event=replica_build_failed peer=%s error=%s action=send_whole", self.endpoint, exc)
         for wire, checksum, view in shards:
             sent += self.stream(Offer(0, wire, checksum, CHECKSUM_ALGORITHM, created, ranks), view, pace)[0]
