@@ -28,9 +28,10 @@ to the unreplicated one's.
 
 ``--frozen F`` measures sending only what changed (issue #40, item 4): a state of ``--mib`` whose share ``F`` is
 frozen (the same bytes at every step, as a base model under LoRA) is snapshotted twice into a fresh directory per
-repetition; the first is a full send (nothing to build from on the buddy), the second sends only its changed
-chunks. For each: bytes sent (the origin's ``peers.replicated_sent_bytes_total``) and held to replicated; and the
-origin's cost, SHA-256 of every chunk on one core. Two layouts: the frozen part as one tensor and the trained part
+repetition; the first is a full send (nothing to build from on the buddy, every chunk hashed all the same), the
+second sends only its changed chunks; then the same two on an origin started with ``--peer-send-all`` (no digests:
+every byte, as before item 4). For each: bytes sent (the origin's ``peers.replicated_sent_bytes_total``) and held to
+replicated; and the origin's cost, SHA-256 of every chunk on one core. Two layouts: the frozen part as one tensor and the trained part
 as another (``block``), and 32 layers each a frozen weight with its adapter's two small tensors beside it in the
 shard (``interleaved``, as a LoRA model's state dict lays them out).
 """
@@ -428,16 +429,23 @@ def main() -> None:
                 nodes.start(0)
                 nodes.start(1)
                 nodes.serve(1)
+                nodes.serve(0, "--peer-send-all")
+                every = {"send_all": changed_only(nodes, args.mib, args.frozen, args.repeat, "block")}
+                nodes.kill(0)
                 nodes.serve(0)
-                every = {}
                 for layout in ("block", "interleaved"):
-                    got = every[layout] = changed_only(nodes, args.mib, args.frozen, args.repeat, layout)
-                    print(f"{layout}, {args.frozen:.0%} frozen: full send {med(got['full_sent']) / 2**20:.1f} MiB in "
-                          f"{med(got['full_s']):.3f} s; changed only {med(got['changed_sent']) / 2**20:.1f} MiB "
-                          f"({med(got['changed_sent']) / size:.1%} of the state) in {med(got['changed_s']):.3f} s "
-                          f"({med(got['changed_s']) / med(got['full_s']):.2f} x the full send's time); SHA-256 of "
-                          f"every chunk on one core {med(got['hash_s']):.3f} s ({size / med(got['hash_s']) / 1e9:.2f} "
-                          f"GB/s)")
+                    every[layout] = changed_only(nodes, args.mib, args.frozen, args.repeat, layout)
+                plain = statistics.median(every["send_all"]["changed_s"] + every["send_all"]["full_s"])
+                print(f"--peer-send-all: every snapshot {med(every['send_all']['changed_sent']) / 2**20:.1f} MiB in "
+                      f"{plain:.3f} s")
+                for layout in ("block", "interleaved"):
+                    got = every[layout]
+                    print(f"{layout}, {args.frozen:.0%} frozen: first snapshot {med(got['full_sent']) / 2**20:.1f} "
+                          f"MiB in {med(got['full_s']):.3f} s ({med(got['full_s']) / plain:.2f} x --peer-send-all's); "
+                          f"next {med(got['changed_sent']) / 2**20:.1f} MiB ({med(got['changed_sent']) / size:.1%} of "
+                          f"the state) in {med(got['changed_s']):.3f} s ({med(got['changed_s']) / plain:.2f} x "
+                          f"--peer-send-all's); SHA-256 of every chunk on one core {med(got['hash_s']):.3f} s "
+                          f"({size / med(got['hash_s']) / 1e9:.2f} GB/s)")
                 print("every repetition:", every)
             finally:
                 nodes.stop()

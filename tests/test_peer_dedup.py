@@ -188,3 +188,17 @@ def _stream(endpoint: str, ticket: Ticket, data: bytes, reused: set[int]) -> Non
     with socket.create_connection(bulk.data_address(endpoint), timeout=30) as conn:
         conn.sendall(ticket.token)
         bulk.send(conn, ticket.key, memoryview(data), spans=chunks.spans(reused, len(data)) if reused else None)
+
+
+@pytest.mark.timeout(180)
+def test_an_origin_started_with_peer_send_all_sends_every_byte_of_every_snapshot(root: Path, tmp_path: Path) -> None:
+    pair = _pair(root, tmp_path, origin_extra=("--peer-send-all",))
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        for step in (1, 2):
+            client.save_async(_lora(step), root / "run" / f"step-{step}", step=step, persist=False).wait_replicated(60)
+        client.close()
+        assert _sent(pair) == 2 * _shard_bytes(pair, root / "run" / "step-2")
+        assert pair.origin.status()["peers"]["links"][0]["bytes_built"] == 0
+    finally:
+        pair.kill()

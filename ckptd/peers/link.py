@@ -197,22 +197,24 @@ class PeerLink:
             raise PeerUnavailable(f"peer {self.endpoint}: {exc}") from None
 
     def replicate(self, shards: list[tuple[bytes, int, memoryview]], ranks: tuple[int, ...], created: float,
-                  pace: bulk.Pacer | None = None) -> tuple[int, int]:
+                  pace: bulk.Pacer | None = None, *, changed_only: bool = True) -> tuple[int, int]:
         """Stream every shard of one snapshot ((its ``Snapshot`` message, checksum, bytes)), each offered with its
         chunks' digests so the buddy builds what it holds already; (bytes sent, bytes built there). A shard the
         buddy built but did not hold (its checksum differed: a chunk of what it built from was damaged in its
         memory, or that replica was dropped meanwhile) ends that attempt there, every shard of it: the whole
-        snapshot is sent again once, without digests, so nothing of it is built (``event=replica_build_failed``)."""
+        snapshot is sent again once, without digests, so nothing of it is built (``event=replica_build_failed``).
+        ``changed_only`` False (``--peer-send-all``): no digests at all, every byte sent."""
         sent = built = 0
-        try:
-            for wire, checksum, view in shards:
-                got = self.stream(Offer(0, wire, checksum, CHECKSUM_ALGORITHM, created, ranks,
-                                        chunks.digests(view)), view, pace)
-                sent, built = sent + got[0], built + got[1]
-            return sent, built
-        except BuildFailed as exc:
-            sent += exc.sent
-            log.warning("event=replica_build_failed peer=%s error=%s action=send_whole", self.endpoint, exc)
+        if changed_only:
+            try:
+                for wire, checksum, view in shards:
+                    got = self.stream(Offer(0, wire, checksum, CHECKSUM_ALGORITHM, created, ranks,
+                                            chunks.digests(view)), view, pace)
+                    sent, built = sent + got[0], built + got[1]
+                return sent, built
+            except BuildFailed as exc:
+                sent += exc.sent
+                log.warning("event=replica_build_failed peer=%s error=%s action=send_whole", self.endpoint, exc)
         for wire, checksum, view in shards:
             sent += self.stream(Offer(0, wire, checksum, CHECKSUM_ALGORITHM, created, ranks), view, pace)[0]
         return sent, 0

@@ -278,7 +278,7 @@ class Replication:
             views = [memoryview(slot.map)[:nbytes] for _, _, slot, nbytes in shards]
             try:
                 sent, built = buddy.replicate([(w, c, v) for (w, c, _, _), v in zip(shards, views)], ranks,
-                                              snap.created, self.pace)
+                                              snap.created, self.pace, changed_only=self.config.peer_send_changed)
             finally:
                 for view in views:
                     view.release()
