@@ -331,7 +331,8 @@ def changed_only(nodes: Nodes, mib: int, frozen: float, repeat: int, layout: str
     from ckptd.peers import chunks
 
     client = ckptd.Client(run_dir=nodes.run_dirs[0], spawn=False)
-    out: dict[str, list[float]] = {"full_s": [], "full_sent": [], "changed_s": [], "changed_sent": [], "hash_s": []}
+    out: dict[str, list[float]] = {"full_s": [], "full_sent": [], "changed_s": [], "changed_sent": [], "hash_s": [],
+                                   "hash_threads_s": []}
     try:
         for i in range(repeat + 1):  # the first makes the client's slots: not counted
             for step, kind in ((1, "full"), (2, "changed")):
@@ -350,9 +351,10 @@ def changed_only(nodes: Nodes, mib: int, frozen: float, repeat: int, layout: str
             client.delete(nodes.root / f"{layout}-{i}" / "step-2")
             if i:
                 flat = torch.cat([t.view(-1) for t in state.values()]).numpy().data.cast("B")
-                started = time.perf_counter()
-                chunks.digests(flat)
-                out["hash_s"].append(time.perf_counter() - started)
+                for threads, key in ((1, "hash_s"), (chunks.HASH_THREADS, "hash_threads_s")):
+                    started = time.perf_counter()
+                    chunks.digests(flat, threads)
+                    out[key].append(time.perf_counter() - started)
     finally:
         client.close()
     return out
@@ -406,7 +408,8 @@ def main() -> None:
                         help="a training loop's step time with no replication, replication, and replication at "
                              "--peer-rate (nothing else)")
     parser.add_argument("--every", type=int, default=2, help="--steps: steps per snapshot")
-    parser.add_argument("--peer-rate", default="100MB", help="--steps: the capped mode's --peer-rate")
+    parser.add_argument("--peer-rate", default=None,
+                        help="--steps: the capped mode's --peer-rate (default 100MB); --frozen: the origin's, if given")
     parser.add_argument("--frozen", type=float, default=None,
                         help="only sending what changed: the share of the state frozen between snapshots (0.9)")
     args = parser.parse_args()
@@ -423,20 +426,23 @@ def main() -> None:
           + (f", origin's node on cores {sorted(cpus[0])}, buddy's on {sorted(cpus[1])}" if cpus else ""))
     med = statistics.median
     if args.frozen is not None:
+        from ckptd.peers import chunks
+
         with tempfile.TemporaryDirectory(dir=os.environ.get("CKPTD_BENCH_DIR", "/tmp")) as scratch:
             nodes = Nodes(Path(scratch), cpus)
             try:
                 nodes.start(0)
                 nodes.start(1)
                 nodes.serve(1)
-                nodes.serve(0, "--peer-send-all")
+                rate = ("--peer-rate", args.peer_rate) if args.peer_rate else ()
+                nodes.serve(0, "--peer-send-all", *rate)
                 every = {"send_all": changed_only(nodes, args.mib, args.frozen, args.repeat, "block")}
                 nodes.kill(0)
-                nodes.serve(0)
+                nodes.serve(0, *rate)
                 for layout in ("block", "interleaved"):
                     every[layout] = changed_only(nodes, args.mib, args.frozen, args.repeat, layout)
                 plain = statistics.median(every["send_all"]["changed_s"] + every["send_all"]["full_s"])
-                print(f"--peer-send-all: every snapshot {med(every['send_all']['changed_sent']) / 2**20:.1f} MiB in "
+                print((f"origin at --peer-rate {args.peer_rate}; " if rate else "") + f"--peer-send-all: every snapshot {med(every['send_all']['changed_sent']) / 2**20:.1f} MiB in "
                       f"{plain:.3f} s")
                 for layout in ("block", "interleaved"):
                     got = every[layout]
@@ -445,7 +451,8 @@ def main() -> None:
                           f"next {med(got['changed_sent']) / 2**20:.1f} MiB ({med(got['changed_sent']) / size:.1%} of "
                           f"the state) in {med(got['changed_s']):.3f} s ({med(got['changed_s']) / plain:.2f} x "
                           f"--peer-send-all's); SHA-256 of every chunk on one core {med(got['hash_s']):.3f} s "
-                          f"({size / med(got['hash_s']) / 1e9:.2f} GB/s)")
+                          f"({size / med(got['hash_s']) / 1e9:.2f} GB/s), on the daemon's {chunks.HASH_THREADS} "
+                          f"threads {med(got['hash_threads_s']):.3f} s")
                 print("every repetition:", every)
             finally:
                 nodes.stop()
@@ -454,11 +461,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory(dir=os.environ.get("CKPTD_BENCH_DIR", "/tmp")) as scratch:
             for mode in ("unreplicated", "replicated", "capped"):
                 (Path(scratch) / mode).mkdir()
-            got = steps_under_replication(Path(scratch), args.mib, args.every, args.repeat, args.peer_rate, cpus)
+            got = steps_under_replication(Path(scratch), args.mib, args.every, args.repeat,
+                                          args.peer_rate or "100MB", cpus)
         base = med(got["unreplicated"])
         print(f"{args.every} steps ending with a snapshot: " + "; ".join(
             f"{mode} {med(v):.3f} s ({med(v) / base:.2f} x unreplicated)" for mode, v in got.items())
-            + f"; --peer-rate {args.peer_rate}")
+            + f"; --peer-rate {args.peer_rate or '100MB'}")
         print("every repetition:", got)
         return
     with tempfile.TemporaryDirectory(dir=os.environ.get("CKPTD_BENCH_DIR", "/tmp")) as scratch, \
