@@ -70,6 +70,7 @@ class Offer(Message):
     ranks: tuple[int, ...]
     digests: bytes = b""
     type: ClassVar[str] = "offer"
+    sparse: ClassVar[frozenset[str]] = frozenset({"digests"})
 
     def __post_init__(self) -> None:
         try:
@@ -106,6 +107,7 @@ class Ticket(Message):
     key: bytes
     reused: bytes = b""
     type: ClassVar[str] = "ticket"
+    sparse: ClassVar[frozenset[str]] = frozenset({"reused"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.token, bytes) or len(self.token) != TOKEN_BYTES:
