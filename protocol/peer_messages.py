@@ -40,10 +40,13 @@ KEY_BYTES = 32
 FRAME_BYTES = 4 * 1024 * 1024
 """Plaintext bytes in one frame of a stream on the data port, at most (``ckptd/peers/bulk.py``): large enough that
 the per-frame cost is nothing, small enough that the receiver decrypts one frame while the next is on the wire."""
-CHUNK_BYTES = 1024 * 1024
+CHUNK_BYTES = 256 * 1024
 """Bytes of a shard one chunk digest covers: what a replica is built from, or sent, at least (``Offer.digests``).
-Finer than a frame, so a small tensor that changed among frozen ones (a LoRA adapter beside its base layer)
-sends about a MiB, not four; 32 bytes of digest a MiB, so a 64 GiB shard's digests are 2 MiB."""
+Finer than a frame, so a small tensor that changed among frozen ones (a LoRA adapter beside its base layer) sends
+its own bytes and at most two chunks more, not two frames; 128 bytes of digest a MiB."""
+MAX_DIGESTS_BYTES = 16 * 1024 * 1024
+"""The most digests an offer carries: those of a 128 GiB shard. A larger shard is offered without them, and sent
+whole."""
 DIGEST = "sha256"
 """What ``Offer.digests`` are: SHA-256 (hashlib, OpenSSL), 1.7 GB/s on one core here with the CPU's SHA instructions
 against 0.75 for BLAKE2b (``benchmarks/RESULTS.md``); a match must mean the same bytes, so no 32-bit CRC."""
@@ -84,9 +87,11 @@ class Offer(Message):
                 or self.snapshot.rank not in self.ranks or len(set(self.ranks)) != len(self.ranks):
             raise BadMessage(f"offer.ranks must be distinct ranks of world size {world}, its own rank "
                              f"{self.snapshot.rank} among them")
-        if self.digests and len(self.digests) != DIGEST_BYTES * chunk_count(self.snapshot.nbytes):
+        if self.digests and (len(self.digests) != DIGEST_BYTES * chunk_count(self.snapshot.nbytes)
+                             or len(self.digests) > MAX_DIGESTS_BYTES):
             raise BadMessage(f"offer.digests must be {DIGEST_BYTES} bytes for each of the "
-                             f"{chunk_count(self.snapshot.nbytes)} chunks of {CHUNK_BYTES} bytes of its shard, or none")
+                             f"{chunk_count(self.snapshot.nbytes)} chunks of {CHUNK_BYTES} bytes of its shard, at "
+                             f"most {MAX_DIGESTS_BYTES} bytes, or none")
 
     @property
     def snapshot(self) -> Snapshot:

@@ -1,7 +1,7 @@
 """Send only what changed: a shard's chunks that its buddy already holds are built there, not sent.
 
-A snapshot's shard is cut into ``CHUNK_BYTES`` chunks (1 MiB; the last may be
-shorter). The origin takes the SHA-256 of each (``digests``) on its stream's
+A snapshot's shard is cut into ``CHUNK_BYTES`` chunks (256 KiB; the last may
+be shorter). The origin takes the SHA-256 of each (``digests``) on its stream's
 thread, once the snapshot is held, so a rank's blocking time does not change,
 and sends them with the offer. The buddy looks each digest up among the chunks
 of the replicas it holds *from the same origin* (the same CURVE key) *in the
@@ -31,7 +31,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
-from ckptd.protocol.peer_messages import CHUNK_BYTES, DIGEST_BYTES, chunk_count
+from ckptd.protocol.peer_messages import CHUNK_BYTES, DIGEST_BYTES, MAX_DIGESTS_BYTES, chunk_count
 
 
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -65,6 +65,11 @@ def digests(data: memoryview, threads: int = HASH_THREADS) -> bytes:
         for part in [_hashers().submit(run, first, min(first + step, count)) for first in range(0, count, step)]:
             part.result()
     return bytes(out)
+
+
+def digestible(nbytes: int) -> bool:
+    """Whether a shard of ``nbytes`` is offered with its digests (``MAX_DIGESTS_BYTES``; a larger one is sent whole)."""
+    return DIGEST_BYTES * chunk_count(nbytes) <= MAX_DIGESTS_BYTES
 
 
 def split(blob: bytes) -> list[bytes]:

@@ -208,8 +208,9 @@ class PeerLink:
         if changed_only:
             try:
                 for wire, checksum, view in shards:
-                    got = self.stream(Offer(0, wire, checksum, CHECKSUM_ALGORITHM, created, ranks,
-                                            chunks.digests(view)), view, pace)
+                    digests = chunks.digests(view) if chunks.digestible(len(view)) else b""
+                    got = self.stream(Offer(0, wire, checksum, CHECKSUM_ALGORITHM, created, ranks, digests), view,
+                                      pace)
                     sent, built = sent + got[0], built + got[1]
                 return sent, built
             except BuildFailed as exc:

@@ -185,6 +185,23 @@ def new_shm_file(path: Path, size: int, *, allocate: bool = True) -> tuple[int, 
         raise
 
 
+def _plan(msg: Offer, bases: list[ReplicaShard]) -> dict[int, tuple[ReplicaShard, int]]:
+    """The chunks of the shard ``msg`` offers that ``bases`` have, by digest: each chunk's shard to copy it from and
+    where in it. ``bases`` are the shards of the replicas held here of the same origin (its key: a reference never
+    reaches another peer's bytes) in the same directory (the previous snapshot of a run); their digests are the ones
+    that origin sent with them, and their bytes passed the checksum when they were held."""
+    where: dict[bytes, tuple[ReplicaShard, int, int]] = {}
+    for base in bases:
+        for i, digest in enumerate(chunks.split(base.offer.digests)):
+            where.setdefault(digest, (base, *chunks.chunk_span(i, base.nbytes)))
+    plan = {}
+    for i, digest in enumerate(chunks.split(msg.digests)):
+        found = where.get(digest)
+        if found is not None and found[2] == chunks.chunk_span(i, msg.snapshot.nbytes)[1]:
+            plan[i] = (found[0], found[1])
+    return plan
+
+
 def _mapped(base: ReplicaShard) -> memoryview:
     """The bytes of a held replica's shard that a build reads, once its file is checked whole (a mapping read past
     the end of a file another process of this user shortened is SIGBUS: the daemon would die of it)."""
@@ -274,12 +291,15 @@ class ReplicaBook:
                                                                 created=msg.created))
         shard = replica.shards[snap.rank] = ReplicaShard(msg, self.new_name())
         self._offers[(ident, msg.id)] = shard
-        plan = self._plan(origin, path, msg)
+        bases = [base for held in self.held.values() if held.origin == origin and held.path.parent == path.parent
+                 for base in held.shards.values()] if msg.digests else []
+        plan: dict[int, tuple[ReplicaShard, int]] = {}
         path_in_shm, resolve = self.shm_dir / shard.name, self.resolve
 
         def create() -> None:
             resolve(snap.path)
             shard.fd, shard.map = new_shm_file(path_in_shm, shard.nbytes, allocate=False)
+            plan.update(_plan(msg, bases))  # on the pool: a large shard has many chunks to look up
 
         def created(fut: Any) -> None:
             if fut.exception() is not None:  # refused, or no file: nothing of the offer stays on the books
@@ -302,27 +322,6 @@ class ReplicaBook:
                 shard.reused = sum(chunks.chunk_span(i, shard.nbytes)[1] for i in sources)
                 reply(Ticket(msg.id, transfer.token, transfer.key, chunks.bitmap(set(sources), shard.nbytes)), None)
         self.workers.submit("replica", create, created, failed=self._refused(reply, msg.id))
-
-    def _plan(self, origin: str, path: Path, msg: Offer) -> dict[int, tuple[ReplicaShard, int]]:
-        """The chunks of the shard ``msg`` offers that a replica held here has, by digest: each chunk's shard to
-        copy it from and where in it. Only replicas of the same origin (its key: a reference never reaches
-        another peer's bytes) in the same directory (the previous snapshot of a run) count, and only their
-        digests, which that origin sent with them; their bytes passed the checksum when they were held."""
-        if not msg.digests:
-            return {}
-        where: dict[bytes, tuple[ReplicaShard, int, int]] = {}
-        for held in self.held.values():
-            if held.origin != origin or held.path.parent != path.parent:
-                continue
-            for base in held.shards.values():
-                for i, digest in enumerate(chunks.split(base.offer.digests)):
-                    where.setdefault(digest, (base, *chunks.chunk_span(i, base.nbytes)))
-        plan = {}
-        for i, digest in enumerate(chunks.split(msg.digests)):
-            found = where.get(digest)
-            if found is not None and found[2] == chunks.chunk_span(i, msg.snapshot.nbytes)[1]:
-                plan[i] = (found[0], found[1])
-        return plan
 
     def _sources(self, plan: dict[int, tuple[ReplicaShard, int]]) -> dict[int, tuple[ReplicaShard, int]]:
         """``plan``, checked on the loop once the shard's file is made: none if a replica it reads from was dropped
@@ -351,9 +350,14 @@ class ReplicaBook:
                 for begin, length, built in chunks.runs(reused, nbytes) if reused else [(0, nbytes, False)]:
                     end = begin + length
                     while begin < end:
-                        if built:
-                            base, at = sources[begin // chunks.CHUNK_BYTES]
-                            n = chunks.chunk_span(begin // chunks.CHUNK_BYTES, nbytes)[1]
+                        if built:  # the chunks that follow in the same replica's shard, a frame's worth at most
+                            i = begin // chunks.CHUNK_BYTES
+                            base, at = sources[i]
+                            n = chunks.chunk_span(i, nbytes)[1]
+                            while begin + n < end and n < bulk.FRAME and sources[i + 1][0] is base \
+                                    and sources[i + 1][1] == at + n:
+                                i += 1
+                                n += chunks.chunk_span(i, nbytes)[1]
                             offset, piece = begin, mapped[id(base)][at:at + n]
                         else:
                             offset, piece = next(frames)
