@@ -77,7 +77,7 @@ def test_a_state_ninety_percent_frozen_sends_at_most_fifteen_percent_of_it_again
         assert link["bytes_built"] == nbytes - second
         assert re.search(rf"event=snapshot_replicated path=\S+step-2 .* sent={second} built={nbytes - second}\b",
                          (pair.origin_dir / LOG).read_text())
-        assert re.search(rf"event=replica_held path=\S+step-2 .* reused={nbytes - second}\b",
+        assert re.search(rf"event=replica_shard_built path=\S+step-2 rank=0 bytes={nbytes} reused={nbytes - second}\b",
                          (pair.buddy_dir / LOG).read_text())
         wait_until(lambda: [p for p, _ in _held_replicas(pair.buddy)] == [str(root / "run" / "step-2")], 30,
                    lambda: f"the buddy holds {_held_replicas(pair.buddy)}")  # the replica built from is let go

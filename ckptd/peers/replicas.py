@@ -424,6 +424,9 @@ class ReplicaBook:
                 f"replica of {display(replica.path)} rank {shard.offer.snapshot.rank} not held: {why}")), None)
             return
         shard.sealed, shard.last_chunk = True, time.monotonic()
+        if shard.reused:
+            log.info("event=replica_shard_built path=%s rank=%d bytes=%d reused=%d", replica.path,
+                     shard.offer.snapshot.rank, shard.nbytes, shard.reused)
         if replica.complete:
             self._completed(replica)
         reply(Ok(msg.id), None)
@@ -451,9 +454,8 @@ class ReplicaBook:
             self.registry.end(old, AttemptState.DROPPED, reason="replaced")
         self.registry.promote(replica, self.incoming, self.held)
         self.registry.move(replica, AttemptState.HELD)
-        log.info("event=replica_held path=%s ranks=%s bytes=%d reused=%d origin=%s", replica.path,
-                 list(replica.ranks), replica.nbytes, sum(s.reused for s in replica.shards.values()),
-                 replica.origin[:8])
+        log.info("event=replica_held path=%s ranks=%s bytes=%d origin=%s", replica.path, list(replica.ranks),
+                 replica.nbytes, replica.origin[:8])
 
     def _answer(self, fut: Any, rid: int) -> Message:
         exc = fut.exception()
