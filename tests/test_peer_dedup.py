@@ -139,12 +139,15 @@ def test_a_corrupted_chunk_of_the_previous_replica_is_caught_never_held_and_the_
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("connected", [False, True], ids=["before_its_connection", "with_its_connection_open"])
 def test_a_replica_dropped_between_the_offer_built_from_it_and_its_stream_fails_that_build_and_a_whole_send_is_held(
-        root: Path, tmp_path: Path) -> None:
+        root: Path, tmp_path: Path, connected: bool) -> None:
     """A trusted peer offers step 2, whose first three chunks step 1's replica holds, and gets a ticket saying so;
-    before its data connection comes, the peer forgets step 1. The build is stopped (its seal refused saying why,
-    nothing held), and step 2 offered again without digests is sent whole, held, and read back bitwise."""
+    then, before its data connection comes (or with it open, the build under way or about to be, its one sent chunk
+    not yet sent), the peer forgets step 1. The build is stopped (its seal refused saying why, nothing held), and
+    step 2 offered again without digests is sent whole, held, and read back bitwise."""
     pair = _pair(root, tmp_path)
+    conn = None
     sock = _peer_socket(pair.buddy_ep, KeyPair.of(pair.buddy_dir).public, KeyPair.of(pair.origin_dir))
     try:
         one, data = _raw_offer(1, root / "run" / "step-1", 7, nbytes=4 * CHUNK_BYTES)
@@ -162,6 +165,9 @@ def test_a_replica_dropped_between_the_offer_built_from_it_and_its_stream_fails_
         sock.send(two.to_wire())
         ticket = _answers(sock, [3])[3]
         assert isinstance(ticket, Ticket) and chunks.reused_of(ticket.reused, len(data2)) == {0, 1, 2}
+        if connected:
+            conn = socket.create_connection(bulk.data_address(pair.buddy_ep), timeout=30)
+            conn.sendall(ticket.token)
         sock.send(Forget(4, str(root / "run" / "step-1"), (0,)).to_wire())
         assert isinstance(_answers(sock, [4])[4], Ok)
         wait_until(lambda: _held_replicas(pair.buddy) == [], 30, lambda: f"the buddy holds {_held_replicas(pair.buddy)}")
@@ -169,6 +175,8 @@ def test_a_replica_dropped_between_the_offer_built_from_it_and_its_stream_fails_
         refused = _answers(sock, [5])[5]
         assert isinstance(refused, Error) and refused.code == ErrorCode.WRITE_FAILED, refused
         assert "built from here was dropped" in refused.message
+        if conn is not None:
+            conn.close()
 
         whole = dataclasses.replace(two, id=6, digests=b"")
         sock.send(whole.to_wire())
@@ -179,6 +187,8 @@ def test_a_replica_dropped_between_the_offer_built_from_it_and_its_stream_fails_
         assert isinstance(_answers(sock, [7])[7], Ok)
         assert _read_back(sock, pair.buddy_ep, 8, root / "run" / "step-2", len(data2)) == data2
     finally:
+        if conn is not None:
+            conn.close()
         sock.close(0)
         pair.kill()
 
