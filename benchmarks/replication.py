@@ -3,6 +3,7 @@
 
     python -m benchmarks.replication --mib 1024 --repeat 3 [--pin] [--restore-only] [--no-s3]
     python -m benchmarks.replication --steps --mib 256 --every 2 --repeat 6 --peer-rate 100MB
+    python -m benchmarks.replication --frozen 0.9 --mib 512 --repeat 3
 
 Two daemons on 127.0.0.1 stand for two nodes (origin and buddy), each with its own run directory and peer port,
 CurveZMQ on for the peer protocol and AES-256-GCM frames on the data port, as ``docs/memory.md`` deploys them. In
@@ -24,6 +25,15 @@ benchmark's trainee (``benchmarks/steps.py``: an MLP and its AdamW state of ``--
 steps, each snapshot waited for before the next, on an origin with no replication (``--replicas 0``), replicating
 as fast as it can, and replicating at ``--peer-rate``; each mode's median interval of ``--every`` steps, and its ratio
 to the unreplicated one's.
+
+``--frozen F`` measures sending only what changed (issue #40, item 4): a state of ``--mib`` whose share ``F`` is
+frozen (the same bytes at every step, as a base model under LoRA) is snapshotted twice into a fresh directory per
+repetition; the first is a full send (nothing to build from on the buddy, every chunk hashed all the same), the
+second sends only its changed chunks; then the same two on an origin started with ``--peer-send-all`` (no digests:
+every byte, as before item 4). For each: bytes sent (the origin's ``peers.replicated_sent_bytes_total``) and held to
+replicated; and the origin's cost, SHA-256 of every chunk on one core. Two layouts: the frozen part as one tensor and the trained part
+as another (``block``), and 32 layers each a frozen weight with its adapter's two small tensors beside it in the
+shard (``interleaved``, as a LoRA model's state dict lays them out).
 """
 
 from __future__ import annotations
@@ -303,6 +313,53 @@ def restores(nodes: Nodes, state: dict, repeat: int, s3: bool) -> dict[str, list
     return out
 
 
+def _frozen_state(mib: int, frozen: float, layout: str, step: int) -> dict:
+    """A state of ``mib`` MiB whose share ``frozen`` is the same at every ``step`` and the rest new at each."""
+    total, base = mib << 18, int((mib << 18) * frozen)  # float32 elements
+    fixed, trained = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1000 + step)
+    if layout == "block":
+        return {"base": torch.randn(base, generator=fixed), "lora": torch.randn(total - base, generator=trained)}
+    layers = 32
+    return {f"layers.{i:02d}.{name}": torch.randn(n, generator=fixed if name == "base" else trained)
+            for i in range(layers) for name, n in (("base", base // layers), ("lora_a", (total - base) // layers // 2),
+                                                   ("lora_b", (total - base) // layers // 2))}
+
+
+def changed_only(nodes: Nodes, mib: int, frozen: float, repeat: int, layout: str) -> dict[str, list[float]]:
+    """Bytes sent and held to replicated of a full send (a directory's first snapshot) and of one sending only its
+    changed chunks (its second), ``repeat`` times, each in a directory of its own, deleted after."""
+    from ckptd.peers import chunks
+
+    client = ckptd.Client(run_dir=nodes.run_dirs[0], spawn=False)
+    out: dict[str, list[float]] = {"full_s": [], "full_sent": [], "changed_s": [], "changed_sent": [], "hash_s": [],
+                                   "hash_threads_s": []}
+    try:
+        for i in range(repeat + 1):  # the first makes the client's slots: not counted
+            for step, kind in ((1, "full"), (2, "changed")):
+                state = _frozen_state(mib, frozen, layout, step)
+                before = _status(nodes.run_dirs[0])["peers"]["replicated_sent_bytes_total"]
+                fut = client.save_async(state, nodes.root / f"{layout}-{i}" / f"step-{step}", step=step,
+                                        persist=False)
+                fut.result(600)
+                held = time.perf_counter()
+                fut.wait_replicated(600)
+                took = time.perf_counter() - held
+                sent = _status(nodes.run_dirs[0])["peers"]["replicated_sent_bytes_total"] - before
+                if i:
+                    out[f"{kind}_s"].append(took)
+                    out[f"{kind}_sent"].append(sent)
+            client.delete(nodes.root / f"{layout}-{i}" / "step-2")
+            if i:
+                flat = torch.cat([t.view(-1) for t in state.values()]).numpy().data.cast("B")
+                for threads, key in ((1, "hash_s"), (chunks.HASH_THREADS, "hash_threads_s")):
+                    started = time.perf_counter()
+                    chunks.digests(flat, threads)
+                    out[key].append(time.perf_counter() - started)
+    finally:
+        client.close()
+    return out
+
+
 def steps_under_replication(scratch: Path, mib: int, every: int, repeat: int, rate: str,
                             cpus: tuple[set[int], set[int]] | None) -> dict[str, list[float]]:
     """Each mode's intervals of ``every`` steps ending with a snapshot (the trainee and ``train`` of the step-time
@@ -349,7 +406,10 @@ def main() -> None:
                         help="a training loop's step time with no replication, replication, and replication at "
                              "--peer-rate (nothing else)")
     parser.add_argument("--every", type=int, default=2, help="--steps: steps per snapshot")
-    parser.add_argument("--peer-rate", default="100MB", help="--steps: the capped mode's --peer-rate")
+    parser.add_argument("--peer-rate", default=None,
+                        help="--steps: the capped mode's --peer-rate (default 100MB); --frozen: the origin's, if given")
+    parser.add_argument("--frozen", type=float, default=None,
+                        help="only sending what changed: the share of the state frozen between snapshots (0.9)")
     args = parser.parse_args()
     cpus = None
     if args.pin:
@@ -363,15 +423,48 @@ def main() -> None:
     print(f"{args.mib} MiB, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
           + (f", origin's node on cores {sorted(cpus[0])}, buddy's on {sorted(cpus[1])}" if cpus else ""))
     med = statistics.median
+    if args.frozen is not None:
+        from ckptd.peers import chunks
+
+        with tempfile.TemporaryDirectory(dir=os.environ.get("CKPTD_BENCH_DIR", "/tmp")) as scratch:
+            nodes = Nodes(Path(scratch), cpus)
+            try:
+                nodes.start(0)
+                nodes.start(1)
+                nodes.serve(1)
+                rate = ("--peer-rate", args.peer_rate) if args.peer_rate else ()
+                nodes.serve(0, "--peer-send-all", *rate)
+                every = {"send_all": changed_only(nodes, args.mib, args.frozen, args.repeat, "block")}
+                nodes.kill(0)
+                nodes.serve(0, *rate)
+                for layout in ("block", "interleaved"):
+                    every[layout] = changed_only(nodes, args.mib, args.frozen, args.repeat, layout)
+                plain = statistics.median(every["send_all"]["changed_s"] + every["send_all"]["full_s"])
+                print((f"origin at --peer-rate {args.peer_rate}; " if rate else "") + f"--peer-send-all: every snapshot {med(every['send_all']['changed_sent']) / 2**20:.1f} MiB in "
+                      f"{plain:.3f} s")
+                for layout in ("block", "interleaved"):
+                    got = every[layout]
+                    print(f"{layout}, {args.frozen:.0%} frozen: first snapshot {med(got['full_sent']) / 2**20:.1f} "
+                          f"MiB in {med(got['full_s']):.3f} s ({med(got['full_s']) / plain:.2f} x --peer-send-all's); "
+                          f"next {med(got['changed_sent']) / 2**20:.1f} MiB ({med(got['changed_sent']) / size:.1%} of "
+                          f"the state) in {med(got['changed_s']):.3f} s ({med(got['changed_s']) / plain:.2f} x "
+                          f"--peer-send-all's); SHA-256 of every chunk on one core {med(got['hash_s']):.3f} s "
+                          f"({size / med(got['hash_s']) / 1e9:.2f} GB/s), on the daemon's {chunks.HASH_THREADS} "
+                          f"threads {med(got['hash_threads_s']):.3f} s")
+                print("every repetition:", every)
+            finally:
+                nodes.stop()
+        return
     if args.steps:
         with tempfile.TemporaryDirectory(dir=os.environ.get("CKPTD_BENCH_DIR", "/tmp")) as scratch:
             for mode in ("unreplicated", "replicated", "capped"):
                 (Path(scratch) / mode).mkdir()
-            got = steps_under_replication(Path(scratch), args.mib, args.every, args.repeat, args.peer_rate, cpus)
+            got = steps_under_replication(Path(scratch), args.mib, args.every, args.repeat,
+                                          args.peer_rate or "100MB", cpus)
         base = med(got["unreplicated"])
         print(f"{args.every} steps ending with a snapshot: " + "; ".join(
             f"{mode} {med(v):.3f} s ({med(v) / base:.2f} x unreplicated)" for mode, v in got.items())
-            + f"; --peer-rate {args.peer_rate}")
+            + f"; --peer-rate {args.peer_rate or '100MB'}")
         print("every repetition:", got)
         return
     with tempfile.TemporaryDirectory(dir=os.environ.get("CKPTD_BENCH_DIR", "/tmp")) as scratch, \

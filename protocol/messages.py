@@ -79,6 +79,9 @@ class Message:
 
     id: int
     type: ClassVar[str] = ""
+    sparse: ClassVar[frozenset[str]] = frozenset()
+    """Fields added later that are left off the wire while they hold their default, so a peer of an earlier
+    release, which refuses a field it does not know, still takes the message when nothing new is said."""
 
     def to_wire(self) -> bytes:
         return encode(self)
@@ -631,6 +634,8 @@ def encode(msg: Message) -> bytes:
     wire: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.type}
     for f in dataclasses.fields(msg):
         value = getattr(msg, f.name)
+        if f.name in msg.sparse and value == f.default:
+            continue
         if isinstance(value, tuple):
             value = [_flat(item) for item in value]
         wire[f.name] = value

@@ -7,8 +7,10 @@ answers with a ``Ticket`` (a token and a fresh key), and the bytes go as AES-256
 beside the peer endpoint (``ckptd/peers/bulk.py``)::
 
     origin                         buddy
-    Offer                 ──▶      Ticket | Error    (one shard: its Snapshot message and checksum; room is reserved)
-    (the shard's bytes on the data port, under the ticket's key)
+    Offer                 ──▶      Ticket | Error    (one shard: its Snapshot message, checksum and chunk digests;
+                                                     room is reserved; the ticket names the chunks the buddy
+                                                     builds from the origin's previous replica of the directory)
+    (the shard's other chunks on the data port, under the ticket's key)
     Seal                  ──▶      Ok | Error        (every byte came and matches the checksum: a replica now)
 
     a node restoring               a holder
@@ -17,7 +19,9 @@ beside the peer endpoint (``ckptd/peers/bulk.py``)::
 
 Nothing in a peer message is trusted because a peer is authenticated: an ``Offer``'s shard is checked as a
 rank's own ``Snapshot`` would be, and a replica is held only once every byte came under its stream's key and
-its checksum matches.
+its checksum matches. A chunk the buddy builds from a replica it holds is taken only from the same origin's
+replicas (the same key) of the same directory, whose digests that origin sent itself, and the shard built is held
+only if its checksum over every byte, copied or sent, is the origin's.
 """
 
 from __future__ import annotations
@@ -36,6 +40,22 @@ KEY_BYTES = 32
 FRAME_BYTES = 4 * 1024 * 1024
 """Plaintext bytes in one frame of a stream on the data port, at most (``ckptd/peers/bulk.py``): large enough that
 the per-frame cost is nothing, small enough that the receiver decrypts one frame while the next is on the wire."""
+CHUNK_BYTES = 256 * 1024
+"""Bytes of a shard one chunk digest covers: what a replica is built from, or sent, at least (``Offer.digests``).
+Finer than a frame, so a small tensor that changed among frozen ones (a LoRA adapter beside its base layer) sends
+its own bytes and at most two chunks more, not two frames; 128 bytes of digest a MiB."""
+MAX_DIGESTS_BYTES = 16 * 1024 * 1024
+"""The most digests an offer carries: those of a 128 GiB shard. A larger shard is offered without them, and sent
+whole."""
+DIGEST = "sha256"
+"""What ``Offer.digests`` are: SHA-256 (hashlib, OpenSSL), 1.7 GB/s on one core here with the CPU's SHA instructions
+against 0.75 for BLAKE2b (``benchmarks/RESULTS.md``); a match must mean the same bytes, so no 32-bit CRC."""
+DIGEST_BYTES = 32
+
+
+def chunk_count(nbytes: int) -> int:
+    """How many ``CHUNK_BYTES`` chunks a shard of ``nbytes`` has (the last may be shorter)."""
+    return -(-nbytes // CHUNK_BYTES)
 
 
 @dataclass(frozen=True)
@@ -43,14 +63,17 @@ class Offer(Message):
     """A replica of one rank's shard of a held snapshot, about to be streamed: ``shard`` is that rank's
     ``Snapshot`` message as its origin admitted it (checked again here), ``checksum`` what the origin computed
     over its ``nbytes`` when it held it, ``ranks`` every rank of the snapshot on the origin's node (the replica
-    is complete once each of them is sealed)."""
+    is complete once each of them is sealed). ``digests``: the ``DIGEST`` of each ``CHUNK_BYTES`` chunk of the
+    shard, in order, concatenated (empty: none; every byte is sent, and no later offer is built from it)."""
 
     shard: bytes
     checksum: int
     algorithm: str
     created: float
     ranks: tuple[int, ...]
+    digests: bytes = b""
     type: ClassVar[str] = "offer"
+    sparse: ClassVar[frozenset[str]] = frozenset({"digests"})
 
     def __post_init__(self) -> None:
         try:
@@ -64,6 +87,11 @@ class Offer(Message):
                 or self.snapshot.rank not in self.ranks or len(set(self.ranks)) != len(self.ranks):
             raise BadMessage(f"offer.ranks must be distinct ranks of world size {world}, its own rank "
                              f"{self.snapshot.rank} among them")
+        if self.digests and (len(self.digests) != DIGEST_BYTES * chunk_count(self.snapshot.nbytes)
+                             or len(self.digests) > MAX_DIGESTS_BYTES):
+            raise BadMessage(f"offer.digests must be {DIGEST_BYTES} bytes for each of the "
+                             f"{chunk_count(self.snapshot.nbytes)} chunks of {CHUNK_BYTES} bytes of its shard, at "
+                             f"most {MAX_DIGESTS_BYTES} bytes, or none")
 
     @property
     def snapshot(self) -> Snapshot:
@@ -75,11 +103,16 @@ class Offer(Message):
 class Ticket(Message):
     """The answer to an ``Offer`` or a ``Fetch``: connect to the data port (this peer's port + 1), send ``token``
     first, and the shard's bytes follow (to the buddy for an offer, from the holder for a fetch) as AES-256-GCM
-    frames under ``key``, which serves this one stream only. Sent over CURVE, so only the two daemons know it."""
+    frames under ``key``, which serves this one stream only. Sent over CURVE, so only the two daemons know it.
+    ``reused`` (an offer's only): a bitmap of the shard's chunks, bit ``i % 8`` of byte ``i // 8`` set for chunk
+    ``i`` that the buddy builds from a replica it holds of the same origin and directory, whose digest is the
+    offer's; those are not sent, and the frames carry the others, in order (empty: every chunk is sent)."""
 
     token: bytes
     key: bytes
+    reused: bytes = b""
     type: ClassVar[str] = "ticket"
+    sparse: ClassVar[frozenset[str]] = frozenset({"reused"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.token, bytes) or len(self.token) != TOKEN_BYTES:

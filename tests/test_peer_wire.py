@@ -9,6 +9,8 @@ peer's, and an offer's shard is checked as a rank's own ``Snapshot`` is.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ckptd.protocol.errors import BadMessage
@@ -19,19 +21,21 @@ from test_wire_format import GOLDEN
 SNAPSHOT = GOLDEN["snapshot"][0]
 PEER_GOLDEN: dict[str, tuple[Message, str]] = {
     "offer": (
-        Offer(id=3, shard=SNAPSHOT.to_wire(), checksum=0x1234, algorithm="crc32c", created=1700000000.5, ranks=(0, 1)),
-        "88a17601a474797065a56f66666572a2696403a57368617264c50101de0015a17601a474797065a8736e617073686f74a269"
+        Offer(id=3, shard=SNAPSHOT.to_wire(), checksum=0x1234, algorithm="crc32c", created=1700000000.5, ranks=(0, 1),
+              digests=bytes(range(32))),
+        "89a17601a474797065a56f66666572a2696403a57368617264c50101de0015a17601a474797065a8736e617073686f74a269"
         "6402a4736c6f74b1636b7074642d313030302d343234322d31a66e6279746573cd1020aa6865616465725f6c656ecd1000a7"
         "74656e736f72739295a177a3463332920203001895a162a44246313691041820a470617468ae2f636b70742f737465702d31"
         "3031a472616e6b01aa776f726c645f73697a6502a47374657065a96f7665727772697465c2ab636f6f7264696e61746564c2"
         "a96b6565705f6c617374c0a774696d656f7574cb4082c00000000000a6776169746564cb0000000000000000a67374616765"
         "64cd1020a66c61796f7574a0a36a6f62a0aa7265706c69636174656480a47361766500a8636865636b73756dcd1234a9616c"
-        "676f726974686da6637263333263a763726561746564cb41d954fc40200000a572616e6b73920001",
+        "676f726974686da6637263333263a763726561746564cb41d954fc40200000a572616e6b73920001a764696765737473c420"
+        "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f",
     ),
     "ticket": (
-        Ticket(id=4, token=bytes(range(16)), key=bytes(range(32))),
-        "85a17601a474797065a67469636b6574a2696404a5746f6b656ec410000102030405060708090a0b0c0d0e0fa36b6579c4200001"
-        "02030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f",
+        Ticket(id=4, token=bytes(range(16)), key=bytes(range(32)), reused=b"\x01"),
+        "86a17601a474797065a67469636b6574a2696404a5746f6b656ec410000102030405060708090a0b0c0d0e0fa36b6579c420"
+        "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fa6726575736564c40101",
     ),
     "seal": (
         Seal(id=5, offer=3),
@@ -80,6 +84,8 @@ def test_an_offer_carries_its_shard_checked_as_a_snapshot() -> None:
     (dict(ranks=(1, 1)), "distinct"),
     (dict(ranks=(1, 2)), "world size 2"),
     (dict(algorithm="md5"), "algorithm"),
+    (dict(digests=bytes(31)), "offer.digests must be 32 bytes for each of the 1 chunks"),
+    (dict(digests=bytes(64)), "offer.digests"),
 ])
 def test_a_bad_offer_is_refused_naming_what_is_wrong(bad: dict, says: str) -> None:
     good = dict(id=3, shard=SNAPSHOT.to_wire(), checksum=1, algorithm="crc32c", created=1.0, ranks=(0, 1))
@@ -88,6 +94,30 @@ def test_a_bad_offer_is_refused_naming_what_is_wrong(bad: dict, says: str) -> No
         object.__setattr__(wire, name, value)
     with pytest.raises(BadMessage, match=says):
         decode(wire.to_wire(), PEER_TYPES)
+
+
+BEFORE_CHUNK_DIGESTS = {
+    "offer": "88a17601a474797065a56f66666572a2696403a57368617264c50101de0015a17601a474797065a8736e617073686f74a269"
+             "6402a4736c6f74b1636b7074642d313030302d343234322d31a66e6279746573cd1020aa6865616465725f6c656ecd1000a7"
+             "74656e736f72739295a177a3463332920203001895a162a44246313691041820a470617468ae2f636b70742f737465702d31"
+             "3031a472616e6b01aa776f726c645f73697a6502a47374657065a96f7665727772697465c2ab636f6f7264696e61746564c2"
+             "a96b6565705f6c617374c0a774696d656f7574cb4082c00000000000a6776169746564cb0000000000000000a67374616765"
+             "64cd1020a66c61796f7574a0a36a6f62a0aa7265706c69636174656480a47361766500a8636865636b73756dcd1234a9616c"
+             "676f726974686da6637263333263a763726561746564cb41d954fc40200000a572616e6b73920001",
+    "ticket": "85a17601a474797065a67469636b6574a2696404a5746f6b656ec410000102030405060708090a0b0c0d0e0fa36b6579c4200001"
+              "02030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f",
+}
+"""The offer and the ticket as the release before chunk digests encoded them (and refuses any field more)."""
+
+
+@pytest.mark.parametrize("kind, field", [("offer", "digests"), ("ticket", "reused")])
+def test_an_offer_or_ticket_that_says_nothing_of_chunks_is_the_bytes_of_the_release_before_them(
+        kind: str, field: str) -> None:
+    """An origin started with --peer-send-all offers no digests, and a buddy that builds nothing names no chunk: their
+    messages are what a daemon of the release before takes, and that release's are taken as sending every byte."""
+    msg = dataclasses.replace(PEER_GOLDEN[kind][0], **{field: b""})
+    assert msg.to_wire().hex() == BEFORE_CHUNK_DIGESTS[kind]
+    assert decode(bytes.fromhex(BEFORE_CHUNK_DIGESTS[kind]), PEER_TYPES) == msg
 
 
 def test_a_fetch_of_no_rank_is_refused() -> None:

@@ -81,6 +81,8 @@ COUNTERS = [
      lambda s: s["memory"]["dropped_total"]),
     ("ckptd_replicated_bytes", "Bytes of snapshots replicated to the buddy since start.",
      lambda s: _peers(s).get("replicated_bytes_total", 0)),
+    ("ckptd_replicated_sent_bytes", "Of those, bytes that crossed the link (the rest the buddy built from what it held).",
+     lambda s: _peers(s).get("replicated_sent_bytes_total", 0)),
     ("ckptd_replicated_snapshots", "Snapshots replicated to the buddy since start.",
      lambda s: _peers(s).get("replicated_total", 0)),
     ("ckptd_replication_failures", "Snapshots whose replication failed since start (refused, or no answer).",

@@ -95,40 +95,51 @@ class Pacer:
             self.sleep(start - now)
 
 
-def send(sock: socket.socket, key: bytes, data: memoryview, frame: int = FRAME, pace: Pacer | None = None) -> None:
-    """Send ``data`` as frames under ``key`` (the token was sent already), each after ``pace`` let it go."""
+def send(sock: socket.socket, key: bytes, data: memoryview, frame: int = FRAME, pace: Pacer | None = None,
+         spans: list[tuple[int, int]] | None = None) -> int:
+    """Send ``data`` as frames under ``key`` (the token was sent already), each after ``pace`` let it go: all of it,
+    or only its ``spans`` ((offset, length), in order: the chunks the buddy does not build itself, ``chunks.py``);
+    the bytes sent. Frames are numbered on across the spans, so the receiver, which knows the same spans, takes
+    them in order."""
     aead, out = AESGCM(key), bytearray(HEADER.size + min(frame, max(len(data), 1)) + TAG)
     view = memoryview(out)
-    for number, offset in enumerate(range(0, len(data), frame)):
-        n = min(frame, len(data) - offset)
-        if pace is not None:
-            pace.before(n)
-        HEADER.pack_into(out, 0, number, n)
-        aead.encrypt_into(_nonce(number), data[offset:offset + n], bytes(view[:HEADER.size]),
-                          view[HEADER.size:HEADER.size + n + TAG])
-        sock.sendall(view[:HEADER.size + n + TAG])
+    number = sent = 0
+    for begin, length in ([(0, len(data))] if spans is None else spans):
+        for offset in range(begin, begin + length, frame):
+            n = min(frame, begin + length - offset)
+            if pace is not None:
+                pace.before(n)
+            HEADER.pack_into(out, 0, number, n)
+            aead.encrypt_into(_nonce(number), data[offset:offset + n], bytes(view[:HEADER.size]),
+                              view[HEADER.size:HEADER.size + n + TAG])
+            sock.sendall(view[:HEADER.size + n + TAG])
+            number, sent = number + 1, sent + n
+    return sent
 
 
 def receive(sock: socket.socket, key: bytes, size: int, into: Callable[[int, int], memoryview],
-            frame: int = FRAME) -> Iterator[tuple[int, memoryview]]:
-    """Take the ``size`` bytes of a stream under ``key``: each frame is decrypted into ``into(offset, length)``
-    and yielded as (offset, that view) only once its tag passed. ``FrameError`` at the first frame that fails."""
+            frame: int = FRAME, spans: list[tuple[int, int]] | None = None) -> Iterator[tuple[int, memoryview]]:
+    """Take the ``size`` bytes of a stream under ``key`` (or only its ``spans``, as ``send`` sent them): each frame
+    is decrypted into ``into(offset, length)`` and yielded as (offset, that view) only once its tag passed.
+    ``FrameError`` at the first frame that fails."""
     aead, head = AESGCM(key), bytearray(HEADER.size)
     sealed = memoryview(bytearray(min(frame, max(size, 1)) + TAG))
-    offset = number = 0
-    while offset < size:
-        recv_exact(sock, memoryview(head))
-        got, n = HEADER.unpack(head)
-        if got != number or not 0 < n <= min(frame, size - offset):
-            raise FrameError(f"frame {got} of {n} bytes where frame {number} of at most "
-                             f"{min(frame, size - offset)} bytes was due")
-        recv_exact(sock, sealed[:n + TAG])
-        dest = into(offset, n)
-        try:
-            aead.decrypt_into(_nonce(number), sealed[:n + TAG], bytes(head), dest)
-        except InvalidTag:
-            raise FrameError(f"frame {number} (bytes {offset}..{offset + n}) fails its authentication tag: "
-                             f"altered on the way, or not sent by the daemon the stream was announced to") from None
-        yield offset, dest
-        offset += n
-        number += 1
+    number = 0
+    for begin, length in ([(0, size)] if spans is None else spans):
+        offset, end = begin, begin + length
+        while offset < end:
+            recv_exact(sock, memoryview(head))
+            got, n = HEADER.unpack(head)
+            if got != number or not 0 < n <= min(frame, end - offset):
+                raise FrameError(f"frame {got} of {n} bytes where frame {number} of at most "
+                                 f"{min(frame, end - offset)} bytes was due")
+            recv_exact(sock, sealed[:n + TAG])
+            dest = into(offset, n)
+            try:
+                aead.decrypt_into(_nonce(number), sealed[:n + TAG], bytes(head), dest)
+            except InvalidTag:
+                raise FrameError(f"frame {number} (bytes {offset}..{offset + n}) fails its authentication tag: "
+                                 f"altered on the way, or not sent by the daemon the stream was announced to") from None
+            yield offset, dest
+            offset += n
+            number += 1

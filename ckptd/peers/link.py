@@ -31,15 +31,26 @@ import zmq
 
 from ckptd.protocol.checksums import updater
 from ckptd.protocol.errors import CkptdError, DaemonUnavailable, InvalidCheckpoint, error_for_code
+from ckptd.protocol.index import CHECKSUM_ALGORITHM
 from ckptd.protocol.messages import MAX_MESSAGE_BYTES, Error, Message, Ok, decode
 from ckptd.protocol.peer_messages import PEER_TYPES, Fetch, Forget, Offer, ReplicaList, Replicas, Seal, Ticket
 
 from ckptd.core.keys import KeyPair, Trust
-from ckptd.peers import bulk
+from ckptd.peers import bulk, chunks
 
 log = logging.getLogger("ckptd")
 class PeerUnavailable(DaemonUnavailable):
     """A peer did not answer in time."""
+
+
+class BuildFailed(InvalidCheckpoint):
+    """The buddy built a shard from a replica it held and did not hold it: its checksum differed, or what it built
+    from was dropped while it did (``chunks.py``). Sent whole, it may be held."""
+
+    def __init__(self, message: str, sent: int) -> None:
+        super().__init__(message)
+        self.sent = sent
+        """Bytes of the shard that crossed the data port all the same."""
 
 
 class PeerLink:
@@ -136,16 +147,29 @@ class PeerLink:
                                   f"{exc.strerror or exc}") from None
         return conn
 
-    def stream(self, offer: Offer, data: memoryview, pace: bulk.Pacer | None = None) -> None:
-        """Offer one shard, send its bytes on the data port, seal it; returns once the peer holds it (its checksum
-        matched). If the data connection breaks, the seal's answer says why when the buddy knows (a frame it
-        refused); a buddy that does not answer is ``PeerUnavailable``."""
+    def stream(self, offer: Offer, data: memoryview, pace: bulk.Pacer | None = None) -> tuple[int, int]:
+        """Offer one shard, send its bytes on the data port (those of the chunks the buddy does not build from a
+        replica it holds, as its ticket says: ``chunks.py``), seal it; returns once the peer holds it (its checksum
+        matched over every byte, sent or built): (bytes sent, bytes built there). If the data connection breaks,
+        the seal's answer says why when the buddy knows (a frame it refused); a buddy that does not answer is
+        ``PeerUnavailable``; a shard the buddy built that it did not hold is ``BuildFailed``."""
+        nbytes = len(data)
         try:
             ticket = self._ticket(offer)
+            try:
+                reused = chunks.reused_of(ticket.reused, nbytes) if offer.digests else set()
+                if ticket.reused and not offer.digests:
+                    raise ValueError("a bitmap for an offer without digests")
+            except ValueError as exc:
+                self.reset()
+                raise InvalidCheckpoint(f"peer {self.endpoint} answered an offer with a ticket that is no "
+                                        f"plan of its shard: {exc}") from None
             conn = self._connect(ticket)
             broke: OSError | None = None
+            sent = 0
             try:
-                bulk.send(conn, ticket.key, data, pace=pace)
+                sent = bulk.send(conn, ticket.key, data, pace=pace, spans=chunks.spans(reused, nbytes) if reused
+                                 else None)
             except OSError as exc:
                 broke = exc
             finally:
@@ -157,15 +181,44 @@ class PeerLink:
                     raise
                 raise PeerUnavailable(f"peer {self.endpoint}: the data connection broke mid-stream "
                                       f"({broke.strerror or broke}), and then: {exc}") from None
+            except CkptdError as exc:
+                if reused:
+                    raise BuildFailed(str(exc), sent) from None
+                raise
             if not isinstance(answer, Ok):
                 raise InvalidCheckpoint(f"peer {self.endpoint} answered a seal with {answer.type}")
             if broke is not None:  # the buddy holds it after all?  Not without every byte: a defect if so
                 raise InvalidCheckpoint(f"peer {self.endpoint} sealed a replica whose data connection broke")
+            return sent, (nbytes - sum(length for _, length in chunks.spans(reused, nbytes))) if reused else 0
         except CkptdError:
             raise
         except zmq.ZMQError as exc:
             self.reset()
             raise PeerUnavailable(f"peer {self.endpoint}: {exc}") from None
+
+    def replicate(self, shards: list[tuple[bytes, int, memoryview]], ranks: tuple[int, ...], created: float,
+                  pace: bulk.Pacer | None = None, *, changed_only: bool = True) -> tuple[int, int]:
+        """Stream every shard of one snapshot ((its ``Snapshot`` message, checksum, bytes)), each offered with its
+        chunks' digests so the buddy builds what it holds already; (bytes sent, bytes built there). A shard the
+        buddy built but did not hold (its checksum differed: a chunk of what it built from was damaged in its
+        memory, or that replica was dropped meanwhile) ends that attempt there, every shard of it: the whole
+        snapshot is sent again once, without digests, so nothing of it is built (``event=replica_build_failed``).
+        ``changed_only`` False (``--peer-send-all``): no digests at all, every byte sent."""
+        sent = built = 0
+        if changed_only:
+            try:
+                for wire, checksum, view in shards:
+                    digests = chunks.digests(view) if chunks.digestible(len(view)) else b""
+                    got = self.stream(Offer(0, wire, checksum, CHECKSUM_ALGORITHM, created, ranks, digests), view,
+                                      pace)
+                    sent, built = sent + got[0], built + got[1]
+                return sent, built
+            except BuildFailed as exc:
+                sent += exc.sent
+                log.warning("event=replica_build_failed peer=%s error=%s action=send_whole", self.endpoint, exc)
+        for wire, checksum, view in shards:
+            sent += self.stream(Offer(0, wire, checksum, CHECKSUM_ALGORITHM, created, ranks), view, pace)[0]
+        return sent, 0
 
     def forget(self, path: str, ranks: tuple[int, ...]) -> None:
         """Tell the peer this daemon let its snapshot of ``path`` (of ``ranks``) go for good: it drops its replica."""

@@ -43,10 +43,9 @@ from typing import Any, Callable
 import zmq
 
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed
-from ckptd.protocol.index import CHECKSUM_ALGORITHM, INDEX_NAME
+from ckptd.protocol.index import INDEX_NAME
 from ckptd.protocol.messages import Message, Ok, PeerSnapshots, Restore, Snapshot, SnapshotList
 from ckptd.protocol.objects import display
-from ckptd.protocol.peer_messages import Offer
 
 from ckptd.protocol.messages import ReplicationState as R
 from ckptd.core.config import DaemonConfig
@@ -133,6 +132,9 @@ class PeerRecord:
     last_answer: float | None = None
     """Unix time of its last answer."""
     bytes_replicated: int = 0
+    bytes_sent: int = 0
+    """Of those, the bytes that crossed the data port (the others the buddy built from replicas it held)."""
+    bytes_built: int = 0
     snapshots_replicated: int = 0
     failures: int = 0
     """Streams to it that failed (a snapshot reported not replicated)."""
@@ -151,7 +153,8 @@ class PeerRecord:
     def describe(self, *, buddy: bool) -> dict[str, Any]:
         return {"endpoint": self.endpoint, "buddy": buddy, "connected": self.connected,
                 "authenticated": self.authenticated, "last_answer": self.last_answer,
-                "bytes_replicated": self.bytes_replicated, "snapshots_replicated": self.snapshots_replicated,
+                "bytes_replicated": self.bytes_replicated, "bytes_sent": self.bytes_sent,
+                "bytes_built": self.bytes_built, "snapshots_replicated": self.snapshots_replicated,
                 "failures": self.failures, "bytes_per_second": self.bytes_per_second, "lag_s": self.lag_s,
                 "last_error": self.last_error}
 
@@ -272,18 +275,20 @@ class Replication:
         ranks = tuple(sorted(snap.shards))
         shards = [(sh.msg.to_wire(), sh.checksum, sh.slot, sh.msg.nbytes) for _, sh in sorted(snap.shards.items())]
 
-        def stream() -> tuple[float, float] | None:
-            """(start, end) of the stream, monotonic; None if superseded before its turn."""
+        def stream() -> tuple[float, float, int, int] | None:
+            """(start, end) of the stream, monotonic, and its bytes sent and built on the buddy from what it held
+            (``chunks.py``); None if superseded before its turn."""
             if turn.superseded:
                 return None
             start = time.monotonic()
-            for wire, checksum, slot, nbytes in shards:
-                view = memoryview(slot.map)[:nbytes]
-                try:
-                    buddy.stream(Offer(0, wire, checksum, CHECKSUM_ALGORITHM, snap.created, ranks), view, self.pace)
-                finally:
+            views = [memoryview(slot.map)[:nbytes] for _, _, slot, nbytes in shards]
+            try:
+                sent, built = buddy.replicate([(w, c, v) for (w, c, _, _), v in zip(shards, views)], ranks,
+                                              snap.created, self.pace, changed_only=self.config.peer_send_changed)
+            finally:
+                for view in views:
                     view.release()
-            return start, time.monotonic()
+            return start, time.monotonic(), sent, built
         self.workers.submit("peer", stream, lambda fut: self._streamed(turn, fut),
                             failed=lambda exc: self._unstreamed(turn, exc))
 
@@ -300,18 +305,19 @@ class Replication:
             if not again:  # else the newer turn says how it went
                 self.holding.state.attempts.replicate(snap, state, error)
         if exc is None and fut.result() is not None:
-            start, end = fut.result()
+            start, end, sent, built = fut.result()
             move(R.REPLICATED)
             self._copies[snap.path] = _Copy(snap, turn.endpoint, tuple(sorted((r, sh.checksum)
                                                                               for r, sh in snap.shards.items())))
             snap.replication_lag_s = round(end - turn.held_at, 6)
             record.answered()
             record.bytes_replicated += snap.nbytes
+            record.bytes_sent, record.bytes_built = record.bytes_sent + sent, record.bytes_built + built
             record.snapshots_replicated += 1
             record.bytes_per_second = round(snap.nbytes / max(end - start, 1e-6), 1)
             record.lag_s = snap.replication_lag_s
-            log.info("event=snapshot_replicated path=%s step=%s peer=%s lag_s=%.3f", snap.path, snap.step,
-                     turn.endpoint, snap.replication_lag_s)
+            log.info("event=snapshot_replicated path=%s step=%s peer=%s lag_s=%.3f bytes=%d sent=%d built=%d",
+                     snap.path, snap.step, turn.endpoint, snap.replication_lag_s, snap.nbytes, sent, built)
         elif exc is None:
             move(R.SUPERSEDED)
         else:
@@ -605,6 +611,7 @@ class Replication:
                 "links": [r.describe(buddy=self.buddy is not None and r.endpoint == self.buddy.endpoint)
                           for r in self.records.values()],
                 "replicated_bytes_total": sum(r.bytes_replicated for r in self.records.values()),
+                "replicated_sent_bytes_total": sum(r.bytes_sent for r in self.records.values()),
                 "replicated_total": sum(r.snapshots_replicated for r in self.records.values()),
                 "replication_failures_total": sum(r.failures for r in self.records.values())}
 

@@ -191,6 +191,9 @@ START_OPTIONS: tuple[StartOption, ...] = (
     StartOption("--peer-rate", "peer_rate", "bytes a second the replicas' streams to the buddy keep to, e.g. 2GB "
                 "(default: as fast as the link); a stream's 4 MiB frame still leaves at link speed", memory_size,
                 "BYTES"),
+    StartOption("--peer-send-all", "peer_send_changed", "send the buddy every byte of every snapshot, also the "
+                "chunks it holds from this node already (no SHA-256 pass over each snapshot: for a link faster than "
+                "hashing, where its share does not matter)", flag_value=False),
     StartOption("--persist-on-exit", "persist_on_exit", "when a trainer closes or dies, write its newest snapshot "
                 "to disk", choices=("newest", "never")),
 )
