@@ -423,7 +423,9 @@ def open_checkpoint(path: Path, *, verify: bool, run_dir: str | os.PathLike | No
 def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None) -> Path | str | None:
     """The newest checkpoint under ``root``: committed on disk, or a complete snapshot in node memory.
 
-    Newest means the highest step, then the most recent. With
+    Newest means the highest step, then the most recent; of one path, its
+    version written last counts (a snapshot saved over a disk checkpoint
+    with ``overwrite=True`` at a lower step, a rollback, is that path). With
     torch.distributed initialized (several ranks) every rank must call it:
     the ranks agree, and a snapshot that some rank's daemon does not hold is
     never chosen (that rank could not restore it), nor a disk checkpoint some
@@ -455,7 +457,9 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
             if _my_rank() in s["ranks_held"] and key > there.get(shown, ((-2, 0.0),))[0]:  # a restore reads its own
                 there[shown] = (key, _save_of(s), s["path"])
             continue
-        if key >= here.get(shown, key):
+        prior = here.get(shown)
+        if prior is None or s["created"] >= prior[1]:  # the path's latest write is its version, whatever its step:
+            # a rollback (overwrite=True at a lower step) held in memory replaces the disk checkpoint of the path
             here[shown] = key
             saves[shown] = "" if s.get("persisted") else _save_of(s)  # persisted: the disk's own
     chosen = _chosen(here, saves, there, run_dir)
@@ -500,8 +504,11 @@ def _chosen(here: dict[str, Key], saves: dict[str, str], there: dict[str, tuple[
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        best_here = max(here.values(), default=None)
+        # a replica written after the version of its path here (a rollback this node lost) is the path's version
+        best_here = max((k for p, k in here.items() if p not in there or there[p][0][1] <= k[1]), default=None)
         for shown, (key, _, held_as) in sorted(there.items(), key=lambda item: item[1][0], reverse=True):
+            if shown in here and key[1] <= here[shown][1]:
+                continue  # an earlier write of a path this node can read
             if best_here is not None and key <= best_here:
                 break
             if restore_from_peer(held_as, run_dir):  # this node lost them: the newest that restores
@@ -517,7 +524,11 @@ def _chosen(here: dict[str, Key], saves: dict[str, str], there: dict[str, tuple[
             everyone = all_gather_msgpack(mine, group)
             common = set.intersection(*({(p, save) for p, _, _, save in rank} for rank in everyone))
             keys = {(p, save): (step, created) for p, step, created, save in everyone[0]}
-            best = max(common, key=lambda ps: (keys[ps], ps), default=None)
+            written = {}  # per path, its version written last (a rollback over its disk checkpoint), whatever its step
+            for ps in common:
+                if ps[0] not in written or keys[ps][1] > keys[written[ps[0]]][1]:
+                    written[ps[0]] = ps
+            best = max(written.values(), key=lambda ps: (keys[ps], ps), default=None)
             _pass_over(everyone, common, keys[best] if best is not None else (-1, 0.0))
             if best is None:
                 return None

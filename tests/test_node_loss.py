@@ -61,6 +61,22 @@ def _rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: str, p
     report_and_train_on(out, rank, log)
 
 
+def _rollback_rank(rank: int, init_file: str, run_dirs: list[str], root: str, out: str) -> None:
+    """One trainer: ``root/cur`` on disk at step 20, then a memory snapshot of it at step 3 over it (a rollback,
+    ``overwrite=True``), replicated; then it stays alive until killed."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=len(run_dirs))
+    log = _warnings_kept()
+    try:
+        client = ckptd.Client(run_dir=run_dirs[rank], spawn=False, commit_timeout=60, timeout=10, heartbeat=0.2)
+        client.save_async(state(rank, 20), Path(root) / "cur", step=20).result(60)
+        fut = client.save_async(state(rank, 3), Path(root) / "cur", step=3, persist=False, overwrite=True)
+        fut.result(60)
+        fut.wait_replicated(60)
+    except BaseException:
+        log["crash"] = traceback.format_exc()
+    report_and_train_on(out, rank, log)
+
+
 @dataclass
 class Cluster:
     """Three nodes in a ring; a node is replaced in a new run directory, at the same peer endpoint."""
@@ -266,6 +282,29 @@ def test_a_restored_snapshot_gets_a_copy_again_once_its_peer_is_lost_so_a_second
     ctx, logs = cluster.job(persist=[], snapshots=[])
     assert [(log["resumed"], log["step"], log["bitwise"]) for log in logs] == [(str(root / "step-10"), 10, True)] * 3
     assert sorted(p.name for p in root.iterdir()) == ["step-5"]
+    _kill_job(ctx)
+
+
+def test_a_rollback_over_a_disk_checkpoint_is_what_every_rank_resumes_after_a_node_loss(cluster: Cluster,
+                                                                                         root: Path) -> None:
+    """``cur`` committed on disk at step 20, then rolled back in memory to step 3 with ``overwrite=True`` on every
+    rank, replicated; node 1 is lost. Every rank resumes from the rollback, node 1's replacement reading its shard
+    back from node 2. Ranks 0 and 2 read step 3 from memory and rank 1 step 20 from disk, each bitwise its own but
+    together two saves: the ranks agreed on the path, and on the disk's save of it (step 20 ranked first), while
+    a load prefers a held snapshot."""
+    out = cluster.work / "rollback"
+    out.mkdir()
+    run_dirs = [str(d.run_dir) for d in cluster.daemons if d is not None]
+    ctx = start_ranks(_rollback_rank, (str(out / "init"), run_dirs, str(root), str(out)), NODES)
+    wait_for_ranks(out, "done", NODES, ctx, time.monotonic() + 180, "the job's ranks did not finish saving")
+    for r in range(NODES):
+        assert "crash" not in json.loads((out / f"rank-{r}.json").read_text())
+    cluster.lose(1)
+    _kill_job(ctx)
+    cluster.start(1)
+    ctx, logs = cluster.job(persist=[], snapshots=[])
+    assert [(log["resumed"], log["step"], log["bitwise"]) for log in logs] == [(str(root / "cur"), 3, True)] * 3
+    assert "event=snapshot_restored" in (cluster.daemons[1].run_dir / LOG).read_text()
     _kill_job(ctx)
 
 

@@ -721,3 +721,37 @@ def test_a_daemon_that_exits_when_idle_stays_while_it_holds_a_peers_replica_and_
         client.close()
     finally:
         pair.kill()
+
+
+@pytest.mark.parametrize("then", ["replaced", "buddy_drains"])
+def test_a_rollback_over_a_disk_checkpoint_survives_its_nodes_loss_restored_or_persisted_by_the_buddy(
+        root: Path, tmp_path: Path, then: str) -> None:
+    """``run/cur`` committed on disk at step 20, then a snapshot of it at step 3 with ``overwrite=True`` (a
+    rollback), replicated; the origin is lost. Its replacement resumes from the rollback, read back from the buddy;
+    or, with no replacement, the buddy's drain persists the rollback over the disk checkpoint it replaced. The
+    replacement resumed from the disk's step 20 (ordered by step, where the path's version written last is the
+    path), and the drain skipped the replica as committed already, so the acknowledged rollback was lost."""
+    never = ("--persist-on-exit", "never")
+    pair = _pair(root, tmp_path, origin_extra=never)
+    cur = root / "run" / "cur"
+    first, rollback = {"w": torch.full((1000,), 20.0), "step": 20}, {"w": torch.full((1000,), 3.0), "step": 3}
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        client.save_async(first, cur, step=20).result(60)
+        client.save_async(rollback, cur, step=3, persist=False, overwrite=True).wait_replicated(60)
+        client.close()
+        back = {"w": torch.zeros(1000), "step": 0}
+        if then == "replaced":
+            new_dir = _replace_origin(pair, *never)
+            assert ckptd.latest(root / "run", run_dir=new_dir) == cur
+            ckptd.load_into(back, cur, run_dir=new_dir)
+            assert "event=snapshot_restored" in (new_dir / LOG).read_text()
+        else:
+            pair.origin.kill()
+            stopped = pair.buddy.cli("stop", timeout=120)
+            assert stopped.returncode == 0, stopped.stderr
+            assert f"event=drain_persist_replica path={cur}" in (pair.buddy_dir / LOG).read_text()
+            ckptd.load_into(back, cur)
+        assert torch.equal(back["w"], rollback["w"]) and back["step"] == 3
+    finally:
+        pair.kill()

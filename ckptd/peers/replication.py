@@ -43,7 +43,7 @@ from typing import Any, Callable
 import zmq
 
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed
-from ckptd.protocol.index import INDEX_NAME
+from ckptd.protocol.index import INDEX_NAME, read_index
 from ckptd.protocol.messages import Message, Ok, PeerSnapshots, Restore, Snapshot, SnapshotList
 from ckptd.protocol.objects import display
 
@@ -573,7 +573,7 @@ class Replication:
                     _not_persisted(replica, by_key.get(replica.origin), "outside_roots")
                     refused.append(f"{display(replica.path)} (a replica of a node that is gone): {outside}")
                     why = None
-                elif storage.at(replica.path).files.stat(replica.path / INDEX_NAME) is not None:
+                elif _written_since(storage, replica) is not None:
                     _not_persisted(replica, by_key.get(replica.origin), "committed_already")
                     why = None
                 verdicts.append((replica, why))
@@ -632,6 +632,21 @@ def _outside_roots(storage: Backends, path: Path, roots: tuple[Path, ...]) -> Pa
     except PathNotAllowed as exc:
         return exc
     return None
+
+
+def _written_since(storage: Backends, replica: Replica) -> Path | None:
+    """The checkpoint committed at ``replica``'s path, if it was written at or after the replica's snapshot (the
+    origin persisted it, or saved the path again since): then there is nothing to persist. One written before it
+    (a rollback, saved over that checkpoint with ``overwrite=True``, is the replica) does not count, and neither
+    does none. An index that cannot be read counts as written since: what cannot be judged is never replaced."""
+    files, index = storage.at(replica.path).files, replica.path / INDEX_NAME
+    if files.stat(index) is None:
+        return None
+    try:
+        written = read_index(replica.path, files).created
+    except InvalidCheckpoint:
+        return index
+    return index if written >= replica.created else None
 
 
 def _not_persisted(replica: Replica, endpoint: str | None, reason: str) -> None:
