@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,21 @@ def test_a_ckptd_peer_listen_whose_data_port_is_taken_fails_the_clients_spawn_na
                                                           rf"tcp://127.0.0.1:{port}: cannot open its data port"):
             ckptd.Client(run_dir=run_dir, timeout=20)
     assert not (run_dir / "ckptd.sock").exists()
+
+
+def test_ckptd_start_from_a_folder_holding_a_ckptd_directory_starts_the_installed_ckptd(tmp_path: Path) -> None:
+    """The detached daemon imported ``ckptd`` from the directory ``ckptd start`` ran in (a checkout of another
+    release, say), and died of it at start."""
+    if sys.version_info < (3, 11):
+        pytest.skip("Python 3.10 cannot keep the current directory off the path (-P)")
+    there = tmp_path / "elsewhere"
+    (there / "ckptd").mkdir(parents=True)
+    (there / "ckptd" / "__init__.py").write_text("raise ImportError('the ckptd of another checkout')\n")
+    run_dir = short_tempdir("ckcwd-")
+    cli = [str(Path(sys.executable).with_name("ckptd")), "start", "--run-dir", str(run_dir), "--root", str(tmp_path)]
+    started = subprocess.run(cli, cwd=there, capture_output=True, text=True, timeout=120)
+    try:
+        assert started.returncode == 0, started.stderr
+        assert "another checkout" not in started.stderr
+    finally:
+        subprocess.run([*cli[:1], "stop", "--run-dir", str(run_dir)], capture_output=True, timeout=120)

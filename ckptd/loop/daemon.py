@@ -164,13 +164,19 @@ def _bucket_error(target: Path) -> BaseException | None:
     return None
 
 
+SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()
+"""The detached daemon's interpreter does not put the current directory first on its path (``-m`` would): started
+from a checkout of another release, or any folder holding a ``ckptd`` directory, it would import that instead of
+the ckptd that was asked to start it. (Python 3.10 has no such switch.)"""
+
+
 def start_detached(argv: list[str], run_dir: Path, *, timeout: float = 30.0) -> int:
     """Start ``ckptd start --foreground`` with ``argv`` in a new session; return its pid."""
     prepare_run_dir(run_dir)
     err_path = run_dir / ERR_NAME
     with open(err_path, "wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ckptd", "start", "--foreground", "--quiet", *argv],
+            [sys.executable, *SAFE_PATH, "-m", "ckptd", "start", "--foreground", "--quiet", *argv],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=err,
