@@ -24,7 +24,7 @@ from ckptd.protocol.peer_messages import CHUNK_BYTES, Forget, Seal, Ticket
 
 from helpers import SHM, wait_until
 from test_fuzz_peers import _peer_socket
-from test_peers import LOG, _answers, _held_replicas, _pair, _raw_offer, _read_back, _replace_origin
+from test_peers import LOG, Pair, _answers, _held_replicas, _pair, _raw_offer, _read_back, _replace_origin
 
 MIB = 1 << 20
 
@@ -58,14 +58,19 @@ def _restores_bitwise(pair, root: Path, path: Path, state: dict) -> None:
         assert torch.equal(back["model"][name], tensor), name
 
 
+def _step_one(pair: Pair, root: Path) -> tuple[ckptd.Client, int]:
+    """A client of the origin whose first snapshot (``run/step-1``) is replicated; the bytes sent so far."""
+    client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+    client.save_async(_lora(1), root / "run" / "step-1", step=1, persist=False).wait_replicated(60)
+    return client, _sent(pair)
+
+
 @pytest.mark.timeout(180)
 def test_a_state_ninety_percent_frozen_sends_at_most_fifteen_percent_of_it_again_and_restores_bitwise(
         root: Path, tmp_path: Path) -> None:
     pair = _pair(root, tmp_path)
     try:
-        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
-        client.save_async(_lora(1), root / "run" / "step-1", step=1, persist=False).wait_replicated(60)
-        first = _sent(pair)
+        client, first = _step_one(pair, root)
         nbytes = _shard_bytes(pair, root / "run" / "step-1")
         assert first == nbytes  # nothing to build from: every byte crossed
         state = _lora(2)
@@ -92,9 +97,7 @@ def test_a_snapshot_whose_previous_replica_is_gone_is_sent_whole_and_restores_bi
     """The origin deleted step 1, so the buddy forgot its replica before step 2 was offered: nothing to build from."""
     pair = _pair(root, tmp_path)
     try:
-        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
-        client.save_async(_lora(1), root / "run" / "step-1", step=1, persist=False).wait_replicated(60)
-        first = _sent(pair)
+        client, first = _step_one(pair, root)
         client.delete(root / "run" / "step-1")
         wait_until(lambda: _held_replicas(pair.buddy) == [], 30, lambda: f"the buddy holds {_held_replicas(pair.buddy)}")
         state = _lora(2)
@@ -114,9 +117,7 @@ def test_a_corrupted_chunk_of_the_previous_replica_is_caught_never_held_and_the_
     replacement reads back."""
     pair = _pair(root, tmp_path)
     try:
-        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
-        client.save_async(_lora(1), root / "run" / "step-1", step=1, persist=False).wait_replicated(60)
-        first = _sent(pair)
+        client, first = _step_one(pair, root)
         (replica,) = pair.buddy.status()["peers"]["replicas_held"]["held"]
         (_, name, size, _, _), = replica["shards"]
         with open(SHM / name, "r+b") as f:  # a byte of the frozen base, 30 MiB in
