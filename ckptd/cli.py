@@ -19,7 +19,7 @@ from pathlib import Path
 from ckptd.protocol.endpoint import default_run_dir
 from ckptd.protocol.names import DRAIN_FAILED_NAME
 from ckptd.protocol.errors import CkptdError, DaemonUnavailable
-from ckptd.protocol.messages import Error, SnapshotList, Snapshots, Status, StatusReply, Stop
+from ckptd.protocol.messages import Error, SnapshotList, ListSnapshots, Status, StatusReply, Stop
 from ckptd.protocol.objects import display
 from ckptd.protocol.reading import files_for
 
@@ -140,7 +140,7 @@ def _list(args: argparse.Namespace, run_dir: Path) -> int:
     on_disk = files_for(args.root).holds_checkpoints(args.root)
     rows = list_checkpoints(args.root) if on_disk else []
     try:  # the node's daemon, if one answers, knows which checkpoints are (also) in memory
-        held = request(run_dir, Snapshots(1), timeout=1.0)
+        held = request(run_dir, ListSnapshots(1), timeout=1.0)
     except DaemonUnavailable:
         held = None
     if isinstance(held, SnapshotList):

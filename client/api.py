@@ -17,7 +17,7 @@ from ckptd.protocol.endpoint import default_run_dir, endpoint_for
 from ckptd.protocol.errors import Busy, CkptdError, InternalError, InvalidCheckpoint, NoSpace
 from ckptd.protocol.layout import ShardLayout
 from ckptd.protocol.messages import (
-    DEFAULT_COMMIT_TIMEOUT, Bye, Delete, Done, Durable, Held, Ok, Persist, Ping, Snapshot, Staged, WriteShard,
+    DEFAULT_COMMIT_TIMEOUT, Bye, Delete, Done, Durable, HeldInMemory, Ok, Persist, Ping, Snapshot, Staged, WriteShard,
 )
 from ckptd.protocol.objects import absolute, user_path
 
@@ -465,7 +465,7 @@ class Client:
 
     def _lend_if_held(self, req: "_Request", reply: Future) -> None:
         """A held snapshot's slot is the daemon's now; the slots it names as released are ours again."""
-        if reply.exception() is None and isinstance(reply.result(), Held):
+        if reply.exception() is None and isinstance(reply.result(), HeldInMemory):
             self._slots.reclaim(reply.result().released)
             self._slots.lend(req.slot)
             req.slot = None
@@ -477,7 +477,7 @@ class Client:
         self._inflight.release()
         if isinstance(outcome, BaseException):
             fut.set_exception(outcome)
-        elif isinstance(outcome, Held):
+        elif isinstance(outcome, HeldInMemory):
             fut.set_result(SaveResult(user_path(outcome.path), outcome.bytes_held, time.monotonic() - req.started,
                                       req.step))
         elif isinstance(outcome, Durable):  # a coordinated commit its caller finalizes

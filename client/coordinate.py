@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ckptd.protocol.errors import CkptdError, Conflict, RanksMissing, error_for_code
 from ckptd.protocol.index import ShardRecord
-from ckptd.protocol.messages import Abort, Done, Durable, Finalize, Held, PeerIdentity, PeerIdentityReply, Ring
+from ckptd.protocol.messages import Abort, Done, Durable, Finalize, HeldInMemory, PeerIdentity, PeerIdentityReply, Ring
 
 from .connection import Connection
 
@@ -164,7 +164,7 @@ class Coordinator:
     def _agree(self, save: _Save) -> Done | BaseException:
         try:
             reply = save.shard.result()
-            if isinstance(reply, Held):
+            if isinstance(reply, HeldInMemory):
                 mine: tuple = ("ok", (reply.path, self.rank, reply.bytes_held, 0, 0))
             else:
                 assert isinstance(reply, Durable)

@@ -1,7 +1,7 @@
 """Reading memory snapshots: what the node's daemon holds, the newest checkpoint, and its bytes.
 
 The daemon keeps each snapshot's shards in the slots its clients staged them
-in (``Snapshots`` lists them: path, step, ranks, slot names, checksums). A
+in (``ListSnapshots`` lists them: path, step, ranks, slot names, checksums). A
 reader reads a held slot into its own memory (no disk, memcpy speed) and
 checks those bytes against the checksum the daemon computed when it took the
 slot over; tensors view or copy only checked bytes. A snapshot the daemon
@@ -36,7 +36,7 @@ from ckptd.protocol.objects import canonical, resolved, user_path
 from ckptd.protocol.layout import MAX_HEADER_BYTES, TensorEntry, parse_header
 from ckptd.protocol.mapped import GAP_READ, MappedShard, identity
 from ckptd.protocol.messages import (
-    Bye, Error, Ok, PeerSnapshots, Pin, ReplicationState, Restore, SnapshotList, Snapshots, Unpin,
+    Bye, Error, Ok, ListPeerSnapshots, Pin, ReplicationState, Restore, SnapshotList, ListSnapshots, Unpin,
 )
 from ckptd.protocol.reading import files_for
 from ckptd.protocol.request import request
@@ -72,7 +72,7 @@ def held_snapshots(run_dir: str | os.PathLike | None = None, *, peers: bool = Fa
     """The complete snapshots this node's daemon holds (none if no daemon runs); with ``peers``, also the
     replicas its peers hold of snapshots it does not (``on_peer`` names the peer)."""
     try:
-        reply = request(_endpoint(run_dir), PeerSnapshots(1) if peers else Snapshots(1),
+        reply = request(_endpoint(run_dir), ListPeerSnapshots(1) if peers else ListSnapshots(1),
                         timeout=PEERS_TIMEOUT if peers else ASK_TIMEOUT)
     except DaemonUnavailable:
         return []
@@ -85,7 +85,7 @@ def wait_replicated(endpoint: str, path: Path | str, timeout: float | None) -> N
     """Until the daemon at ``endpoint`` says snapshot ``path`` is replicated (``SaveFuture.wait_replicated``)."""
     want, deadline = resolved(path), None if timeout is None else time.monotonic() + timeout
     while True:
-        reply = request(endpoint, Snapshots(1), timeout=ASK_TIMEOUT)
+        reply = request(endpoint, ListSnapshots(1), timeout=ASK_TIMEOUT)
         if not isinstance(reply, SnapshotList):
             raise InvalidCheckpoint(f"snapshot {path}: the daemon did not list its snapshots ({reply.type})")
         snap = next((s for s in reply.snapshots if resolved(s["path"]) == want), None)
@@ -126,7 +126,7 @@ def _asked(run_dir: str | os.PathLike | None) -> str:
     there, so a snapshot held by a daemon of another run directory is not taken for a lost one."""
     where = Path(run_dir).absolute() if run_dir is not None else default_run_dir()
     try:
-        request(_endpoint(run_dir), Snapshots(1), timeout=ASK_TIMEOUT)
+        request(_endpoint(run_dir), ListSnapshots(1), timeout=ASK_TIMEOUT)
     except DaemonUnavailable:
         return f"any daemon (none answers at run directory {where}; pass run_dir= to name another)"
     except (CkptdError, TimeoutError):  # one answers, late or with an error: it is the one asked

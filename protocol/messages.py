@@ -14,11 +14,11 @@ Conversation::
     client                      daemon
     Hello            ──▶        Welcome
     WriteShard       ──▶        Accepted ... later Done | Error   (its tensor table, or the digest of one sent before)
-    Snapshot         ──▶        Accepted ... later Held | Error   (kept in node memory, not written)
+    Snapshot         ──▶        Accepted ... later HeldInMemory | Error   (kept in node memory, not written)
     Persist          ──▶        Done | Error      (write a held snapshot to disk)
     Delete           ──▶        Ok | Error        (a committed checkpoint, as retention deletes it)
-    Snapshots        ──▶        SnapshotList      (what the daemon holds in memory)
-    PeerSnapshots    ──▶        SnapshotList      (that, and its peers' replicas of snapshots it does not hold)
+    ListSnapshots    ──▶        SnapshotList      (what the daemon holds in memory)
+    ListPeerSnapshots ──▶       SnapshotList      (that, and its peers' replicas of snapshots it does not hold)
     Restore          ──▶        Ok | Error        (bring a snapshot back from a peer's replica into this node's memory)
     PeerIdentity     ──▶        PeerIdentityReply (the daemon's peer key and endpoint; empty without --peer-listen)
     Ring             ──▶        Ok | Error        (a node's first rank: the job's nodes, in ring order, and their keys)
@@ -217,14 +217,14 @@ class Snapshot(StagedShard):
     """Keep the shard staged in ``slot`` in node memory as rank ``rank`` of checkpoint ``path`` instead of writing it.
 
     The daemon takes over the slot (the client stages its next save into
-    another one) until the snapshot is dropped; ``Held`` says so.
+    another one) until the snapshot is dropped; ``HeldInMemory`` says so.
     """
 
     type: ClassVar[str] = "snapshot"
 
 
 @dataclass(frozen=True)
-class Held(Message):
+class HeldInMemory(Message):
     """Snapshot ``path`` is held (every rank of it, or this rank's on several nodes).
 
     ``released`` names slots of this client the daemon no longer holds
@@ -262,17 +262,17 @@ class Delete(Message):
 
 
 @dataclass(frozen=True)
-class Snapshots(Message):
+class ListSnapshots(Message):
     """Ask which snapshots the daemon holds in memory."""
 
     type: ClassVar[str] = "snapshots"
 
 
 @dataclass(frozen=True)
-class PeerSnapshots(Message):
+class ListPeerSnapshots(Message):
     """Ask which snapshots the daemon holds, and which replicas its peers hold of snapshots it does not (listed
     with ``on_peer``, the peer's endpoint): what a node that lost its memory may restore (``Restore``). A
-    daemon with no peers answers as ``Snapshots``."""
+    daemon with no peers answers as ``ListSnapshots``."""
 
     type: ClassVar[str] = "peer_snapshots"
 
@@ -623,9 +623,9 @@ class Ok(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.type: cls
-    for cls in (Hello, Welcome, WriteShard, Staged, Accepted, Durable, Finalize, Abort, Done, Lease, Granted, Release, Error,
-                Status, StatusReply, Ping, Pong, Bye, Stop, Ok, Snapshot, Held, Persist, Snapshots, SnapshotList,
-                Pin, Unpin, Delete, PeerSnapshots, Restore, PeerIdentity, PeerIdentityReply, Ring)
+    for cls in (Hello, Welcome, WriteShard, Staged, Accepted, Durable, Finalize, Abort, Done, Lease, Granted, Release,
+                Error, Status, StatusReply, Ping, Pong, Bye, Stop, Ok, Snapshot, HeldInMemory, Persist, ListSnapshots,
+                SnapshotList, Pin, Unpin, Delete, ListPeerSnapshots, Restore, PeerIdentity, PeerIdentityReply, Ring)
 }
 
 

@@ -41,7 +41,7 @@ class Fault:
     Two are no storage calls: ``completion`` raises ``RuntimeError`` in the loop-thread completion of a shard's
     write into a checkpoint whose path matches (``Saves._write_finished``), and ``checksummed`` in that of a
     snapshot shard's checksum (``Holding._checksummed``), ``persist_end`` in the memory tier's handling of a
-    snapshot's write to disk that ended (``Holding._persist_outcome``): a defect of the daemon's own code that no
+    snapshot's write to disk that ended (``Holding._judge_persist_end``): a defect of the daemon's own code that no
     storage call can reach (the loop thread does no I/O). The storage loaded into the daemon installs them.
     ``then`` raises in the loop-thread completion of any work submitted to the pool ``match`` names (``status``,
     ``peer`` (a stream to the buddy), ``peer_ask`` (a listing, a restore), ``replica`` (the buddy's offers and
@@ -107,13 +107,13 @@ class FaultyStorage(LocalStorage):
             inject("checksummed", str(snap.path))
             return checksummed(holding, ident, msg, snap, fut)
 
-        persist_outcome = Holding._persist_outcome
+        judge_persist_end = Holding._judge_persist_end
 
-        def raising_end(holding, snap, error):  # noqa: ANN001, ANN202 - Holding._persist_outcome's own signature
+        def raising_end(holding, snap, error):  # noqa: ANN001, ANN202 - Holding._judge_persist_end's own signature
             inject("persist_end", str(snap.path))
-            return persist_outcome(holding, snap, error)
+            return judge_persist_end(holding, snap, error)
 
-        Saves._write_finished, Holding._checksummed, Holding._persist_outcome = raising, raising_held, raising_end
+        Saves._write_finished, Holding._checksummed, Holding._judge_persist_end = raising, raising_held, raising_end
 
         from ckptd.core.workers import Workers
 

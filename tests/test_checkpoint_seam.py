@@ -69,10 +69,43 @@ class DirectRefusedOnWrite(LocalStorage):
 
 def test_the_daemons_storage_chooses_each_names_backend_once(tmp_path: Path) -> None:
     backends = Backends(LocalStorage())
-    local, store = backends.at(tmp_path / "a"), backends.at(Path("s3://bucket/a"))
+    local, store = backends.bind(tmp_path / "a"), backends.bind(Path("s3://bucket/a"))
     assert isinstance(local, LocalCheckpoints) and isinstance(local, Checkpoints) and local.files is backends.local
     assert isinstance(store, ObjectCheckpoints) and isinstance(store.files, ObjectStorage)
-    assert backends.at("s3://bucket/b") is store and backends.at(tmp_path / "b") is local
+    assert backends.bind("s3://bucket/b") is store and backends.bind(tmp_path / "b") is local
+
+
+class StoreNamesSeen(LocalStorage):
+    """The store's file operations for this test: every name asked of it recorded, none answered."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def stat(self, path: Path, *, follow: bool = False) -> None:
+        self.asked.append(str(path))
+        return None
+
+    def scandir(self, path: Path) -> list:
+        self.asked.append(str(path))
+        return []
+
+
+def test_calls_on_the_backends_go_to_the_backend_each_name_is_on(tmp_path: Path) -> None:
+    """What upkeep, listing and status call on ``Backends`` itself (``files``, ``listed``, ``index_bytes``) reaches
+    the filesystem for a local name and the store for an ``s3://`` one, call by call."""
+    store = StoreNamesSeen()
+    backends = Backends(LocalStorage(), store)
+    final, index = tmp_path / "step-1", b'{"format": 1}'
+    attempt = incomplete_path(final)
+    attempt.mkdir()
+    (attempt / INDEX_NAME).write_bytes(index)
+    os.rename(attempt, final)
+    assert backends.files.stat(final / INDEX_NAME).size == len(index) and backends.index_bytes(final) == index
+    assert backends.listed(tmp_path) == ([final], []) and store.asked == []
+    run = Path("s3://bucket/run")
+    assert backends.files.stat(run / "step-1") is None and backends.listed(run) == ([], [])
+    assert backends.index_bytes(run / "step-2") is None
+    assert store.asked == [str(run / "step-1"), str(run), str(run / "step-2" / INDEX_NAME)]
 
 
 def test_a_shard_whose_o_direct_writes_are_refused_carries_on_buffered_and_is_cut_to_its_size(tmp_path) -> None:
@@ -83,7 +116,7 @@ def test_a_shard_whose_o_direct_writes_are_refused_carries_on_buffered_and_is_cu
         page = memoryview(b"x" * 5000 + b"\0" * (8192 - 5000))  # the slot's page padding is written too
         assert shard.write(page, 0) == 8192
         assert not shard.aligned  # from now on the writer writes the shard's own bytes only
-        shard.complete(5000)
+        shard.finish(5000)
     finally:
         shard.close()
     assert files.refused == [0]

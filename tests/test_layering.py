@@ -174,17 +174,45 @@ CHOOSERS = ("objects", "reading")
 """Protocol modules that tell a name on a store from a local one: the parser, and the reader stack's one choice."""
 
 
+def _storage(node: ast.expr) -> bool:
+    """Whether ``node`` names the daemon's ``Backends`` (``storage``, ``self.storage``)."""
+    return (isinstance(node, ast.Name) and node.id == "storage"
+            or isinstance(node, ast.Attribute) and node.attr == "storage")
+
+
+def _binds(path: Path) -> list[str]:
+    """Where ``path`` asks ``Backends`` for one backend (``bind``) or reaches through one to its ``files``
+    (``….bind(p).files``, ``….backend.files``); ``Backends``' own ``files`` (each call on the backend its name is
+    on) is neither."""
+    return [f"{path.name}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and (
+                node.attr == "bind" and _storage(node.value)
+                or node.attr == "files" and (
+                    isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute)
+                    and node.value.func.attr == "bind"
+                    or isinstance(node.value, ast.Attribute) and node.value.attr == "backend"))]
+
+
 def test_an_attempt_is_bound_to_its_backend_once_where_it_is_made() -> None:
     """The lifecycle asks which backend a path is on only where an attempt is made (a rank's admission, a
     Finalize or Abort of ranks all on other nodes, a snapshot read back from a peer): the attempt keeps it
     (``Attempt.backend``), and its writes, commit, discard and removal go through that, never through
-    ``Backends.at`` again nor a backend's ``files``."""
+    ``Backends.bind`` again nor a backend's ``files``."""
     def asks(path: Path) -> list[str]:
         return [f"{path.name}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
-                if isinstance(node, ast.Attribute) and (node.attr == "at" or node.attr == "files"
+                if isinstance(node, ast.Attribute) and (node.attr == "bind" or node.attr == "files"
                 and not (isinstance(node.value, ast.Name) and node.value.id == "msg"))]
     found = sorted(a for p in sorted((REPO / "ckptd" / "lifecycle").glob("*.py")) for a in asks(p))
     assert [a.split(":")[0] for a in found] == ["admission.py", "commit.py", "holding.py", "saves.py"], found
+
+
+def test_nothing_outside_storage_and_the_lifecycle_picks_a_backend() -> None:
+    """Retention, the mirror, the sweep, listing, status and a buddy's drain call checkpoint operations on
+    ``Backends`` and read through ``Backends.files``, which send each call to the backend its name is on: none
+    of them binds one (``Backends.bind``) or reaches through one to its ``files``."""
+    outside = [p for p in _daemon() if p.parent.name not in ("storage", "lifecycle")]
+    found = sorted(a for p in outside for a in _binds(p))
+    assert not found, f"a backend picked outside storage/ and the lifecycle's attempts: {found}"
 
 
 def test_readers_never_ask_which_backend_a_name_is_on() -> None:

@@ -95,7 +95,7 @@ def trainer_for(root: Path, run_dir: Path, max_steps: int, *extra: Callback) -> 
 
 def slots_given_back(before: set[str]) -> None:
     """Wait until the daemon has unlinked the slots it owed this process's closed clients (snapshots dropped after
-    their last Held: ``ModelCheckpoint``'s closing save of ``last.ckpt`` drops the held one), on its maintenance
+    their last HeldInMemory: ``ModelCheckpoint``'s closing save of ``last.ckpt`` drops the held one), on its maintenance
     pool after the client's goodbye."""
     wait_until(lambda: not own_segments() - before, 30, lambda: f"slots left: {sorted(own_segments() - before)}")
 

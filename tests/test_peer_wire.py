@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 
 from ckptd.protocol.errors import BadMessage
-from ckptd.protocol.messages import MESSAGE_TYPES, Message, Snapshots, decode
+from ckptd.protocol.messages import MESSAGE_TYPES, Message, ListSnapshots, decode
 from ckptd.protocol.peer_messages import PEER_TYPES, Fetch, Forget, Offer, ReplicaList, Replicas, Seal, Ticket
 from test_wire_format import GOLDEN
 
@@ -79,7 +79,7 @@ def test_an_offer_carries_its_shard_checked_as_a_snapshot() -> None:
 
 @pytest.mark.parametrize("bad, says", [
     (dict(shard=b"\x81\xa1v\x01"), "offer.shard: unknown message type"),
-    (dict(shard=Snapshots(1).to_wire()), "offer.shard: expected a snapshot"),
+    (dict(shard=ListSnapshots(1).to_wire()), "offer.shard: expected a snapshot"),
     (dict(ranks=(0,)), "its own rank 1"),
     (dict(ranks=(1, 1)), "distinct"),
     (dict(ranks=(1, 2)), "world size 2"),
@@ -140,6 +140,6 @@ def test_a_ticket_of_a_short_token_or_key_is_refused(field: str, size: int) -> N
 
 def test_the_two_protocols_do_not_accept_each_others_requests() -> None:
     with pytest.raises(BadMessage, match="unknown message type 'snapshots'"):
-        decode(Snapshots(1).to_wire(), PEER_TYPES)
+        decode(ListSnapshots(1).to_wire(), PEER_TYPES)
     with pytest.raises(BadMessage, match="unknown message type 'seal'"):
         decode(Seal(1, 1).to_wire(), MESSAGE_TYPES)

@@ -160,7 +160,7 @@ def test_persist_waits_for_every_rank_and_answers_every_caller_once_committed(da
     first = rank0.save_async(full(0), root / "s1", step=1, persist=False)
     wait_until(lambda: held(daemon, root / "s1")["ranks_held"] == [0], 60, "rank 0 is held")
     with ThreadPoolExecutor(2) as pool:
-        early = [pool.submit(c.persist, root / "s1") for c in (persister, rank0)]  # rank 0 waits for its own Held
+        early = [pool.submit(c.persist, root / "s1") for c in (persister, rank0)]  # rank 0 waits for its HeldInMemory
         wait_until(lambda: held(daemon, root / "s1")["persists_waiting"] == 1, 60, "the daemon holds the persist")
         assert not any(f.done() for f in early)
         second = rank1.save_async(full(1), root / "s1", step=1, persist=False)

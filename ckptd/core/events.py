@@ -58,7 +58,7 @@ class Failed:
 
 @dataclass(frozen=True)
 class SnapshotHeld:
-    """Every rank of a snapshot is held in node memory (its ranks were told ``Held``)."""
+    """Every rank of a snapshot is held in node memory (its ranks were told ``HeldInMemory``)."""
 
     path: Path
     step: int | None

@@ -170,7 +170,7 @@ def _throughput(jobs: list, now: float) -> float:
 
 def _root_usage(storage: Backends, root: Path) -> dict[str, Any]:
     try:
-        space = storage.at(root).files.space(root)
+        space = storage.files.space(root)
     except OSError:
         return {"path": display(root), "free_bytes": None, "total_bytes": None}
     if not space.bounded:  # a store enforces its own quotas: it has no free space to show

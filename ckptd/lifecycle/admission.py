@@ -59,7 +59,7 @@ def examine(storage: Backends, slots: SlotMaps, msg: StagedShard, *, pid: int, r
         if not _header_matches(slot, msg):
             raise BadSlot(f"slot {msg.slot!r} holds a header that does not match the commit's tensor table")
         final = storage.resolve(msg.path, roots)
-        backend = storage.at(final)
+        backend = storage.bind(final)
         backend.admit(final, msg.overwrite)  # before the room check: "exists" is the answer that helps
         shm_free = shm_free_bytes()
         return Examined(final, backend, slot, backend.space(final.parent),

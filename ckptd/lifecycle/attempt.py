@@ -113,7 +113,7 @@ NEXT_REPLICATION: dict[ReplicationState, frozenset[ReplicationState]] = {
 
 @dataclass(frozen=True)
 class Waiter:
-    """A rank owed one answer (``Done``/``Held`` or ``Error``) for its request."""
+    """A rank owed one answer (``Done``/``HeldInMemory`` or ``Error``) for its request."""
 
     client: bytes
     request_id: int

@@ -84,7 +84,7 @@ class PendingCheckpoint(Attempt):
     """Whether ``prepare`` made ``p.incomplete`` for this attempt: only then may a failure remove it."""
     held: HeldBytes | None = None
     """Set when this attempt writes bytes the daemon already holds: the PERSISTING phase of a memory snapshot's
-    own attempt (``Saves.persist``), which no client's save joins, nor it one."""
+    own attempt (``Saves.write_held``), which no client's save joins, nor it one."""
 
     @property
     def arrived(self) -> set[int]:
@@ -209,7 +209,7 @@ class Commits:
         pending.writing += 1
         return pending, pending.incomplete / shard_name(commit.rank, commit.world_size)
 
-    def begin_persist(self, snap: HeldSnapshot, ended: Callable[[CkptdError | None], None]) -> PendingCheckpoint:
+    def open_held_write(self, snap: HeldSnapshot, ended: Callable[[CkptdError | None], None]) -> PendingCheckpoint:
         """The disk attempt that persists held snapshot ``snap``, every rank in: with the snapshot's own
         ``overwrite`` and ``keep_last`` (persisting is the disk save it stood in for), ``preparing``; ``ended`` is
         told how it ends (``HeldBytes``)."""
@@ -298,7 +298,7 @@ class Commits:
             return kept
         pending = self.registry.open(self.pending, PendingCheckpoint(  # taken: no other run's rank may start an
             # attempt at the path meanwhile
-            path=final, backend=self.storage.at(final), world_size=msg.world_size, step=msg.step,
+            path=final, backend=self.storage.bind(final), world_size=msg.world_size, step=msg.step,
             overwrite=msg.overwrite, coordinated=True,
             keep_last=msg.keep_last, shards={f.rank: f for f in msg.files}, ranks_seen=set(range(msg.world_size)),
             owns_directory=True, waiting=[Waiter(client, msg.id, 0)], contributors=Contributors(msg.job)))

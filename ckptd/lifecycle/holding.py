@@ -1,13 +1,13 @@
-"""The memory tier's pipeline: from a rank's Snapshot to its Held, and from a held snapshot to disk.
+"""The memory tier's pipeline: from a rank's Snapshot to its HeldInMemory, and from a held snapshot to disk.
 
 ::
 
     Snapshot ──admit pool: examine (path, slot, header)
              ──loop: budget, bookkeeping, Accepted ──checksum pool: CRC as the client stages
-             ──loop: every rank held? Held to each rank, older snapshots dropped
+             ──loop: every rank held? HeldInMemory to each rank, older snapshots dropped
 
     Persist  ──admit pool: free space ──loop: the held shards into the save pipeline as one attempt
-             (``Saves.persist``: .incomplete, write, fsync, index, rename)
+             (``Saves.write_held``: .incomplete, write, fsync, index, rename)
 
     Pin      ──loop: the snapshot's listing, and a reader's lease on it (a drop waits for its Unpin)
 
@@ -31,8 +31,8 @@ from ckptd.protocol.errors import (
     CheckpointExists, CkptdError, InternalError, InvalidCheckpoint, RanksMissing, ShuttingDown, WriteFailed,
 )
 from ckptd.protocol.messages import (
-    Abort, Accepted, Done, Error, Held, Message, Ok, Persist, Pin, ReplicationState, Snapshot, SnapshotList, Snapshots,
-    Unpin,
+    Abort, Accepted, Done, Error, HeldInMemory, ListSnapshots, Message, Ok, Persist, Pin, ReplicationState, Snapshot,
+    SnapshotList, Unpin,
 )
 from ckptd.protocol.objects import display, is_permanent
 
@@ -80,7 +80,7 @@ class Holding:
     # -- holding ---------------------------------------------------------------
 
     def snapshot(self, ident: bytes, msg: Snapshot) -> None:
-        """Start admitting one rank's snapshot shard; Accepted then Held (or Error) follow."""
+        """Start admitting one rank's snapshot shard; Accepted then HeldInMemory (or Error) follow."""
         self.state.client(ident)
         if self.state.draining:
             raise ShuttingDown("the daemon is draining and holds no new snapshots")
@@ -166,20 +166,20 @@ class Holding:
 
     def _take_path(self, snap: HeldSnapshot) -> None:
         """``snap`` (complete, acknowledged) is the snapshot of its path: the one it replaces and older ones of its
-        job beyond ``--keep-snapshots`` are dropped, then its ranks are told ``Held``. A coordinated snapshot (several
-        nodes) is complete once this node's ranks are held: its older ones are dropped then as well, or a multi-node
-        job's snapshots would pile up until the memory budget refused the next."""
+        job beyond ``--keep-snapshots`` are dropped, then its ranks are told ``HeldInMemory``. A coordinated
+        snapshot (several nodes) is complete once this node's ranks are held: its older ones are dropped then as
+        well, or a multi-node job's snapshots would pile up until the memory budget refused the next."""
         replaced = self.snapshots.promote(snap)
         dropped: list[tuple[HeldSnapshot, str, CkptdError | None]] = [] if replaced is None else [(
             replaced, "replaced",
             InvalidCheckpoint(f"snapshot {display(snap.path)} was replaced in memory by a newer one (overwrite=True)"))]
         dropped += [(s, "newer", None) for s in self.snapshots.beyond_kept(snap)]
         if snap.coordinated:  # its ranks were told as each was held (the slots dropped now are named in their next
-            # Held); they agree among themselves
+            # HeldInMemory); they agree among themselves
             self._drop_all(dropped)
             self._published_held(snap)
             return
-        # Their slots back first, then Held: it names every slot they give back, so the trainer reuses them
+        # Their slots back first, then HeldInMemory: it names every slot they give back, so the trainer reuses them
         self._drop_all(dropped, then=lambda: self._tell_held(snap))
         if snap.persist_waiting or self._left_behind(snap) or self._held_in_drain(snap):
             self.start_persist(snap)
@@ -203,14 +203,15 @@ class Holding:
         self.events.publish(SnapshotHeld(snap.path, snap.step, snap.nbytes))
 
     def _tell_held(self, snap: HeldSnapshot) -> None:
-        """Held to every rank, once the slots it released are back under their names (so the reply can name them)."""
+        """HeldInMemory to every rank, once the slots it released are back under their names (so the reply can
+        name them)."""
         for waiter in snap.waiting:
             self.send(waiter.client, self._held(snap, waiter.request_id, waiter.nbytes, waiter.pid))
         snap.waiting = []
         self._published_held(snap)
 
-    def _held(self, snap: HeldSnapshot, rid: int, nbytes: int, pid: int) -> Held:
-        return Held(rid, str(snap.path), nbytes, time.monotonic() - snap.started_at,
+    def _held(self, snap: HeldSnapshot, rid: int, nbytes: int, pid: int) -> HeldInMemory:
+        return HeldInMemory(rid, str(snap.path), nbytes, time.monotonic() - snap.started_at,
                     self.snapshots.take_released(pid))
 
     # -- how a snapshot ends (``Registry.end`` hands it here) ------------------------------------------------
@@ -257,8 +258,8 @@ class Holding:
         self.workers.submit("maintenance", lambda: None, lambda _: then(), undone)
 
     def _return_unheld(self, shards: list[HeldShard]) -> None:
-        """Slots of a snapshot that failed before its ranks were told ``Held``: their clients still count them as
-        their own (no ``released`` entry), and a gone client's is unlinked (``_hand_back``)."""
+        """Slots of a snapshot that failed before its ranks were told ``HeldInMemory``: their clients still count
+        them as their own (no ``released`` entry), and a gone client's is unlinked (``_hand_back``)."""
         if shards:
             self._hand_back(shards, lambda back, fut: None, logged(self.state.stats))
 
@@ -314,7 +315,7 @@ class Holding:
             raise CheckpointExists(f"snapshot {display(path)} is held here already; the replica is not restored")
         first = shards[0][0]
         self.snapshots.make_room(path, sum(msg.nbytes for msg, *_ in shards))
-        snap = HeldSnapshot(path=path, backend=self.storage.at(path), world_size=first.world_size, step=first.step,
+        snap = HeldSnapshot(path=path, backend=self.storage.bind(path), world_size=first.world_size, step=first.step,
                             coordinated=first.coordinated, created=created, contributors=Contributors(first.job),
                             replication=replication, restored_from=peer)
         for msg, name, fd, mapping, checksum in shards:
@@ -348,7 +349,7 @@ class Holding:
 
     def _release(self, shards: list[HeldShard], then: Callable[[], None] = lambda: None) -> None:
         """Drop held shards: a live, connected client gets its slot back (under its old name, named in its next
-        ``Held``), others' are unlinked; ``then`` runs on the loop once that is done."""
+        ``HeldInMemory``), others' are unlinked; ``then`` runs on the loop once that is done."""
         slots = self.state.slots
 
         def done(back: list[HeldShard], fut: Future) -> None:
@@ -363,7 +364,7 @@ class Holding:
             then()
 
         def undone(exc: BaseException) -> None:  # ``done`` raised (a defect): those waiting on ``then`` (ranks owed
-            # their Held, a closing client its Ok) are answered still
+            # their HeldInMemory, a closing client its Ok) are answered still
             as_error(self.state.stats, exc)
             then()
         if shards:
@@ -399,7 +400,7 @@ class Holding:
 
     # -- what is held -----------------------------------------------------------
 
-    def listing(self, ident: bytes, msg: Snapshots) -> SnapshotList:
+    def listing(self, ident: bytes, msg: ListSnapshots) -> SnapshotList:
         return SnapshotList(msg.id, self.snapshots.listing())
 
     # -- persisting ----------------------------------------------------------------
@@ -411,9 +412,9 @@ class Holding:
         persisted once complete, one being persisted answers when it is
         committed, one already persisted answers at once.
         """
-        self.saves.resolve_then(ident, msg.id, msg.path, lambda final: self._persist_path(ident, msg.id, final))
+        self.saves.resolve_then(ident, msg.id, msg.path, lambda final: self._persist_resolved(ident, msg.id, final))
 
-    def _persist_path(self, ident: bytes, rid: int, final: Path) -> None:
+    def _persist_resolved(self, ident: bytes, rid: int, final: Path) -> None:
         snap = self.snapshots.held.get(final)
         if snap is None:
             self.send(ident, error_reply(self.state.stats, rid, InvalidCheckpoint(
@@ -446,10 +447,10 @@ class Holding:
             if not there:  # what came to its name since it was held (a directory a user made) refuses it now, as
                 backend.admit(final, overwrite)  # a disk save's admission would, before a byte is written
             return backend.space(final.parent), backend.newer_beside(final, order), there
-        self.workers.submit("admit", look, lambda fut: self._persist_room(snap, fut),
+        self.workers.submit("admit", look, lambda fut: self._persist_looked(snap, fut),
                             failed=lambda exc: self.persist_ended(snap, as_error(self.state.stats, exc)))
 
-    def _persist_room(self, snap: HeldSnapshot, fut: Future) -> None:
+    def _persist_looked(self, snap: HeldSnapshot, fut: Future) -> None:
         exc = fut.exception()
         if exc is not None:
             self.persist_ended(snap, exc if isinstance(exc, CkptdError) else WriteFailed(
@@ -459,7 +460,7 @@ class Holding:
             if there:
                 self._committed_by_another(snap)
             elif newer is None:
-                self.saves.persist(snap, space, lambda error: self.persist_ended(snap, error))
+                self.saves.write_held(snap, space, lambda error: self.persist_ended(snap, error))
             else:
                 self._outranked(snap, newer)
 
@@ -467,7 +468,7 @@ class Holding:
         """Its path holds exactly its bytes, committed by another holder of them (its buddy's drain judged this
         node gone while it did not answer, or a node restored from that buddy): persisted, and no loss."""
         log.info("event=snapshot_not_persisted path=%s reason=committed_by_another", snap.path)
-        self._persist_ended(snap, None)
+        self._end_persist(snap, None)
 
     def _outranked(self, snap: HeldSnapshot, newer: Path) -> None:
         """A checkpoint newer than ``snap`` (by step, then time) is committed beside it: ``snap`` is not persisted.
@@ -527,7 +528,7 @@ class Holding:
         tries again): never left ``persisting`` for ever.
         """
         try:
-            self._persist_outcome(snap, error)
+            self._judge_persist_end(snap, error)
         except BaseException as exc:
             internal = as_error(self.state.stats, exc)
             log.error("event=persist_end_failed path=%s error=%s", snap.path, internal.message)
@@ -536,7 +537,7 @@ class Holding:
             self._answer_persists(snap, internal)
             self._replacement_in(snap.path)
 
-    def _persist_outcome(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
+    def _judge_persist_end(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
         if self.snapshots.held.get(snap.path) is not snap or not snap.persisting:
             return
         path = snap.path
@@ -545,13 +546,13 @@ class Holding:
 
             def judged(same: bool) -> None:
                 if self.snapshots.held.get(path) is snap and snap.persisting:
-                    self._committed_by_another(snap) if same else self._persist_ended(snap, error)
+                    self._committed_by_another(snap) if same else self._end_persist(snap, error)
             self.workers.submit("admit", lambda: backend.holds_same(path, world_size, fingerprint),
                                 lambda fut: judged(fut.result()), failed=lambda _: judged(False))
             return
-        self._persist_ended(snap, error)
+        self._end_persist(snap, error)
 
-    def _persist_ended(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
+    def _end_persist(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
         """``snap``'s persist committed (``error`` None) or failed: persisted, or held again and retried by a
         drain while its deadline allows; its waiters answered; a replacement that waited for it takes the path."""
         path = snap.path

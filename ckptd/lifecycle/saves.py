@@ -175,22 +175,22 @@ class Saves:
         self.send(ident, Accepted(msg.id))
         self._queue(job, pending)
 
-    def persist(self, snap: HeldSnapshot, space: Space, ended: Callable[[CkptdError | None], None]) -> None:
+    def write_held(self, snap: HeldSnapshot, space: Space, ended: Callable[[CkptdError | None], None]) -> None:
         """Write held snapshot ``snap`` to disk (``space``: its parent's room): the disk side of its ``persisting``.
 
         Its shards are already in the daemon's slots, so nothing is admitted
-        rank by rank: one attempt with every rank in (``Commits.begin_persist``),
+        rank by rank: one attempt with every rank in (``Commits.open_held_write``),
         refused or failed as a whole, even while draining; each shard must
         write with the checksum it was held with (``HeldBytes``). ``ended``
         (the memory tier's) is told how it ended, once, directly; then the
         subscribers learn it as ``Committed`` or ``Failed``, like any save's.
         """
         state, final = self.state, snap.path
-        if state.commits.wait_for_cleanup(final, lambda: self.persist(snap, space, ended)):
+        if state.commits.wait_for_cleanup(final, lambda: self.write_held(snap, space, ended)):
             return
         try:
             self._check_room(final, space, snap.nbytes)
-            pending = state.commits.begin_persist(snap, ended)
+            pending = state.commits.open_held_write(snap, ended)
         except BaseException as exc:
             ended(as_error(state.stats, exc))
             return
@@ -371,7 +371,7 @@ class Saves:
         else:
             pending = pending or PendingCheckpoint(  # none here: this node's ranks never came; another node's
                 # daemon made its directory, removed here as its Abort says
-                path=final, backend=self.storage.at(final), world_size=1, step=None, overwrite=False,
+                path=final, backend=self.storage.bind(final), world_size=1, step=None, overwrite=False,
                 coordinated=True, owns_directory=True,
                 contributors=Contributors(msg.job))
             if not pending.ended:

@@ -3,10 +3,10 @@
 A ``Snapshot`` stages exactly like a disk save; instead of writing the slot,
 the daemon checksums it and keeps the mapping. The slot is the daemon's from
 then on: its client stages the next save into another slot of its pool, and
-never reuses or unlinks this one until a ``Held`` reply names it as
+never reuses or unlinks this one until a ``HeldInMemory`` reply names it as
 released. A snapshot is complete once every rank of its world is held here
 (on several nodes: once this node's ranks are; the ranks agree among
-themselves). Only then are its ranks told ``Held``, and only then are older
+themselves). Only then are its ranks told ``HeldInMemory``, and only then are older
 snapshots of the same job dropped: per directory and client, the newest
 ``keep_snapshots`` (by step, then time, as ``latest`` ranks them) stay, so a
 snapshot is dropped only after a newer one is completely held, and never for
@@ -25,7 +25,7 @@ disk; if that is not enough it is refused with a message naming the budget
 and what is held. A held slot is renamed to a name of the daemon's own pid,
 so no sweep of dead clients' slots takes it. A dropped slot whose client is
 alive goes back to that client under its old name (named in its next
-``Held``); a dead or gone client's slot is unlinked.
+``HeldInMemory``); a dead or gone client's slot is unlinked.
 
 A reader pins a snapshot while it copies out of its slots (``Pin``, a
 reader's lease). One dropped meanwhile is parked: no longer listed, still
@@ -168,7 +168,7 @@ class HeldSnapshot(Attempt):
         return (self.step if self.step is not None else -1, self.created)
 
     def describe(self) -> dict[str, Any]:
-        """The snapshot as ``Snapshots`` and ``ckptd status`` report it (keys documented in docs/status.md)."""
+        """The snapshot as ``ListSnapshots`` and ``ckptd status`` report it (keys documented in docs/status.md)."""
         return {
             "path": display(self.path), "step": self.step, "world_size": self.world_size, "created": self.created,
             "job": self.contributors.job, "save": self.save,
@@ -193,7 +193,7 @@ class SnapshotBook:
         """What the replicas this node holds for its peers occupy of the same budget (``peers/replicas.py``)."""
         self.held: Book[HeldSnapshot] = registry.book()
         self.released: dict[int, list[str]] = {}
-        """Slots dropped from snapshots whose client is alive, by its pid: named in its next ``Held``."""
+        """Slots dropped from snapshots whose client is alive, by its pid: named in its next ``HeldInMemory``."""
         self.parked: list[HeldSnapshot] = []
         """Dropped while pinned by a reader: no longer listed, their slots released when the last reader unpins."""
         self.replacing: Book[HeldSnapshot] = registry.book()

@@ -125,7 +125,7 @@ def write_shard(job: ShardWrite, storage: Checkpoints, checksums: Executor, *, d
     try:
         shard = storage.open_shard(job.dest, direct=direct)
         offset = 0
-        # O_DIRECT needs whole pages; the slot is page-sized, and ``complete`` cuts the padding off again.
+        # O_DIRECT needs whole pages; the slot is page-sized, and ``finish`` cuts the padding off again.
         while offset < (end := round_up(nbytes) if shard.aligned else nbytes):
             n = min(chunk, end - offset)
             _await_bytes(job, min(offset + n, nbytes))
@@ -133,7 +133,7 @@ def write_shard(job: ShardWrite, storage: Checkpoints, checksums: Executor, *, d
                 offset += shard.write(part, offset)
             job.written = min(offset, nbytes)
         job.state = WriteState(shard.finishing)
-        shard.complete(nbytes)
+        shard.finish(nbytes)
     except WriteFailed:
         job.progress.fail("the write failed")  # lets the checksum thread go
         raise

@@ -22,8 +22,8 @@ import zmq
 from ckptd.protocol import __version__
 from ckptd.protocol.errors import BadMessage, Conflict, InvalidCheckpoint
 from ckptd.protocol.messages import (
-    MAX_MESSAGE_BYTES, Abort, Bye, Delete, Finalize, Granted, Hello, Lease, Message, Ok, PeerIdentity,
-    PeerIdentityReply, PeerSnapshots, Persist, Pin, Ping, Pong, Release, Restore, Ring, Snapshot, Snapshots, Staged,
+    MAX_MESSAGE_BYTES, Abort, Bye, Delete, Finalize, Granted, Hello, Lease, ListPeerSnapshots, ListSnapshots,
+    Message, Ok, PeerIdentity, PeerIdentityReply, Persist, Pin, Ping, Pong, Release, Restore, Ring, Snapshot, Staged,
     StagedShard, Status, StatusReply, Stop, Unpin, Welcome, WriteShard,
 )
 from ckptd.protocol.objects import display
@@ -104,8 +104,8 @@ class Server:
             WriteShard: self.saves.write_shard,
             Snapshot: self.holding.snapshot,
             Persist: self.holding.persist,
-            Snapshots: self.holding.listing,
-            PeerSnapshots: self.holding.listing if self.replication is None else self.replication.listing,
+            ListSnapshots: self.holding.listing,
+            ListPeerSnapshots: self.holding.listing if self.replication is None else self.replication.listing,
             Restore: self._no_peers if self.replication is None else self.replication.restore,
             PeerIdentity: self._on_peer_identity,
             Ring: self._on_ring,
@@ -303,7 +303,8 @@ class Server:
 
     def _on_bye(self, ident: bytes, msg: Bye) -> None:
         """A client closes: Ok once what the daemon owed it is settled (the slots of its snapshots dropped since
-        its last ``Held`` unlinked), so nothing of a closed client is left in /dev/shm when its close returns."""
+        its last ``HeldInMemory`` unlinked), so nothing of a closed client is left in /dev/shm when its close
+        returns."""
         self._teardown(ident, "the client closed before it finished staging", lambda: self._send(ident, Ok(msg.id)))
 
     def _on_stop(self, ident: bytes, msg: Stop) -> Message:

@@ -17,7 +17,7 @@ buddy restarted; for a restored one, also the peer it was read from), and
 reports one the buddy replaced with another run's
 snapshot of its path or directory ``failed``, saying so.
 
-A node restoring asks its peers what they hold (``PeerSnapshots``
+A node restoring asks its peers what they hold (``ListPeerSnapshots``
 lists their replicas of snapshots it does not hold) and reads one back
 (``Restore``): every shard is checked against the checksum its origin took
 as it arrives, and held here as the origin held it only if every shard
@@ -44,7 +44,7 @@ import zmq
 
 from ckptd.protocol.errors import CkptdError, InvalidCheckpoint, PathNotAllowed
 from ckptd.protocol.index import INDEX_NAME, read_index
-from ckptd.protocol.messages import Message, Ok, PeerSnapshots, Restore, Snapshot, SnapshotList
+from ckptd.protocol.messages import Message, Ok, ListPeerSnapshots, Restore, Snapshot, SnapshotList
 from ckptd.protocol.objects import display
 
 from ckptd.protocol.messages import ReplicationState as R
@@ -407,7 +407,7 @@ class Replication:
 
     # -- from the peers -------------------------------------------------------
 
-    def listing(self, ident: bytes, msg: PeerSnapshots) -> Message | None:
+    def listing(self, ident: bytes, msg: ListPeerSnapshots) -> Message | None:
         """What is held here, and the replicas peers hold of snapshots not held here (answered once every peer
         answered or timed out)."""
         if not self.asks:
@@ -639,7 +639,7 @@ def _written_since(storage: Backends, replica: Replica) -> Path | None:
     origin persisted it, or saved the path again since): then there is nothing to persist. One written before it
     (a rollback, saved over that checkpoint with ``overwrite=True``, is the replica) does not count, and neither
     does none. An index that cannot be read counts as written since: what cannot be judged is never replaced."""
-    files, index = storage.at(replica.path).files, replica.path / INDEX_NAME
+    files, index = storage.files, replica.path / INDEX_NAME
     if files.stat(index) is None:
         return None
     try:

@@ -153,21 +153,21 @@ class ShardWriter(Protocol):
 
     aligned: bool
     """Whether writes must cover whole pages (O_DIRECT): the writer then writes the slot's page padding too,
-    and ``complete`` cuts it off."""
+    and ``finish`` cuts it off."""
     finishing: str
-    """What ``complete`` waits for, as ``ckptd status`` names it: ``fsync`` (a file) or ``completing`` (an
+    """What ``finish`` waits for, as ``ckptd status`` names it: ``fsync`` (a file) or ``completing`` (an
     upload's last parts and the request that makes the object whole)."""
 
     def write(self, data: memoryview, offset: int) -> int:
         """Write ``data`` at ``offset``; returns how many bytes were taken."""
         ...
 
-    def complete(self, size: int) -> None:
+    def finish(self, size: int) -> None:
         """Cut the shard to ``size`` bytes and make it durable: after this it is whole on storage."""
         ...
 
     def close(self) -> None:
-        """Let go of the shard; one not completed is abandoned (an upload is aborted, no part stays behind)."""
+        """Let go of the shard; one not finished is abandoned (an upload is aborted, no part stays behind)."""
         ...
 
 

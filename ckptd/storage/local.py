@@ -50,7 +50,7 @@ class LocalShard:
         self._end = max(self._end, offset + n)
         return n
 
-    def complete(self, size: int) -> None:
+    def finish(self, size: int) -> None:
         if self._end != size:  # O_DIRECT wrote whole pages: the padding past the shard goes
             self._files.truncate(self._fd, size)
         self._files.fsync(self._fd)

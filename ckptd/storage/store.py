@@ -15,7 +15,7 @@ operations mean this here (``ckptd/storage/contract.py`` holds the contract):
   one, the mirror (whose local original stays meanwhile) does.
 - ``open_shard`` starts a multipart upload on its own thread; each ``write``
   hands it the next bytes of the shard (parts go up in parallel),
-  ``complete`` completes it, and ``close`` before that aborts it (so no part
+  ``finish`` completes it, and ``close`` before that aborts it (so no part
   stays behind). A failed save's prefix is removed in place; a deleted
   checkpoint loses its index first.
 - ``space`` reports no limit (the store enforces its own quotas).
@@ -182,7 +182,7 @@ class ShardUpload:
         self._upload.send(bytes(data))  # a copy: the slot's view is released when this returns
         return len(data)
 
-    def complete(self, size: int) -> None:
+    def finish(self, size: int) -> None:
         """Complete the upload: after this the object is whole on the store."""
         upload = self._upload
         upload.send(None)

@@ -39,7 +39,7 @@ class EntryState(str, Enum):
 
 def list_checkpoints(root: Path, storage: Files | None = None) -> list[dict[str, Any]]:
     """One dict per entry under ``root``, committed ones ordered by step."""
-    storage = storage if storage is not None else load_storage(None).at(root).files
+    storage = storage if storage is not None else load_storage(None).files
     out = []
     for entry in sorted(storage.scandir(root), key=lambda e: e.name):
         path = entry.path

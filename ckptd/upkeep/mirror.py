@@ -256,15 +256,11 @@ class Mirrors:
         for dest in beside.values():
             self._retain_on_store(dest)
 
-    def _files(self, path: Path) -> Files:
-        """The file operations of the backend ``path`` is on (the local original's or the store's)."""
-        return self.storage.at(path).files
-
     def _committed_under(self, directory: Path, depth: int) -> list[Path]:
-        found = [path for _, path in committed_in(directory, self._files(directory))]
+        found = [path for _, path in committed_in(directory, self.storage.files)]
         if depth > 1:
             try:
-                entries = self._files(directory).scandir(directory)
+                entries = self.storage.files.scandir(directory)
             except OSError:
                 return found
             for entry in entries:
@@ -274,19 +270,19 @@ class Mirrors:
 
     def _settled(self, checkpoint: Path) -> bool:
         """Whether the mirror needs nothing more of ``checkpoint``: on it, or retired by ``--mirror-keep``."""
-        index = read_index(checkpoint, self._files(checkpoint))
+        index = read_index(checkpoint, self.storage.files)
         return self._on_mirror(checkpoint, index) or self._retired(checkpoint, index)
 
     def _on_mirror(self, checkpoint: Path, index: CheckpointIndex) -> bool:
         """Whether the store holds this version of the checkpoint: its index there is the local ``index``."""
         dest = self.target(checkpoint)
         assert dest is not None
-        store = self._files(dest)
-        st = store.stat(dest / INDEX_NAME)
+        files = self.storage.files
+        st = files.stat(dest / INDEX_NAME)
         if st is None:
             return False
         mine = index.to_json()
-        return st.size == len(mine) and store.read(dest / INDEX_NAME, 0, st.size) == mine
+        return st.size == len(mine) and files.read(dest / INDEX_NAME, 0, st.size) == mine
 
     def _retired(self, checkpoint: Path, index: CheckpointIndex) -> bool:
         """Whether ``--mirror-keep`` newer checkpoints are on the store beside where ``checkpoint`` goes: its
@@ -296,7 +292,7 @@ class Mirrors:
         dest = self.target(checkpoint)
         assert dest is not None
         mine = (index.step if index.step is not None else -1, index.created)
-        beside = committed_in(dest.parent, self._files(dest))
+        beside = committed_in(dest.parent, self.storage.files)
         newer = [path for key, path in beside if key > mine and path != dest]
         return len(newer) >= self.keep
 
@@ -307,10 +303,10 @@ class Mirrors:
         upload.started = upload.started or time.monotonic()
         skipped: str | None = None
         try:
-            local = self._files(checkpoint)
-            if local.stat(checkpoint / INDEX_NAME) is None:  # deleted (the user's retention) before its turn
+            files = self.storage.files
+            if files.stat(checkpoint / INDEX_NAME) is None:  # deleted (the user's retention) before its turn
                 skipped = "deleted_locally"
-            elif self._retired(checkpoint, index := read_index(checkpoint, local)):
+            elif self._retired(checkpoint, index := read_index(checkpoint, files)):
                 skipped = "older_than_mirror_keep"
             elif not self._on_mirror(checkpoint, index):
                 self._upload(checkpoint, dest, index, upload)
@@ -324,12 +320,12 @@ class Mirrors:
         # (index gone, shards left) is never shown as settled.
         self._retain_on_store(dest)
         try:  # local retention may now delete it: the retention the last one committed beside it asked for, again
-            beside = committed_in(checkpoint.parent, self._files(checkpoint))
+            beside = committed_in(checkpoint.parent, self.storage.files)
             if self.after_upload is not None and beside:
                 # the last committed, not the highest step: a commit's retention keeps the checkpoint it committed
                 # (a rollback's lower step too), so the retention deferred for the mirror is that one's
                 newest = max(beside, key=lambda found: found[0][1])[1]
-                self.after_upload(newest, read_index(newest, self._files(newest)).keep_last)
+                self.after_upload(newest, read_index(newest, self.storage.files).keep_last)
         except (OSError, InvalidCheckpoint) as exc:  # the checkpoint stays until the next retention
             log.error("event=mirror_local_retention_failed path=%s error=%r", checkpoint, exc)
         with self._cond:  # logged with its removal from ``uploads``: ``close`` lists only what is left
@@ -355,10 +351,9 @@ class Mirrors:
             return
         failed: list[Path] = []
         try:
-            store = self.storage.at(dest)
-            beside = committed_in(dest.parent, store.files)
+            beside = committed_in(dest.parent, self.storage.files)
             if beside:
-                apply_retention(store, beside[-1][1], self.keep, set(), spare_later=False, failed=failed)
+                apply_retention(self.storage, beside[-1][1], self.keep, set(), spare_later=False, failed=failed)
         except Exception as exc:  # noqa: BLE001 - tried again below
             log.error("event=mirror_retention_failed path=%s error=%r", dest, exc)
             failed.append(dest)
@@ -404,10 +399,10 @@ class Mirrors:
         """Shards, then the index, through the store's own checkpoint operations (``open_shard``, ``publish``):
         an older version of the checkpoint on the store is replaced by the store's one rule (retired first,
         its leftover objects removed by the publish; see ``ObjectCheckpoints.publish``)."""
-        local, store = self._files(checkpoint), self.storage.at(dest)
+        store, files = self.storage, self.storage.files  # each call on the backend its name is on
         upload.total, upload.sent = index.total_bytes, 0
-        if store.files.stat(dest / INDEX_NAME) is not None:
-            theirs = read_index(dest, store.files)
+        if files.stat(dest / INDEX_NAME) is not None:
+            theirs = read_index(dest, files)
             if theirs.created >= index.created:
                 raise FileExistsError(errno.EEXIST, f"another checkpoint of this name, saved at {theirs.created:.3f} "
                                       f"(this one at {index.created:.3f}), is on the mirror", display(dest))
@@ -418,14 +413,14 @@ class Mirrors:
             try:
                 for offset in range(0, record.size, CHUNK):
                     want = min(CHUNK, record.size - offset)
-                    data = local.read(checkpoint / record.file, offset, want)
+                    data = files.read(checkpoint / record.file, offset, want)
                     if len(data) != want:
                         raise OSError(f"{checkpoint / record.file} ended early: changed while it was uploaded")
                     shard.write(memoryview(data), offset)
                     upload.sent += len(data)
-                shard.complete(record.size)
+                shard.finish(record.size)
             finally:
                 shard.close()
-        if read_index(checkpoint, local) != index:  # saved again while it was read: that version goes next
+        if read_index(checkpoint, files) != index:  # saved again while it was read: that version goes next
             raise OSError(errno.EAGAIN, "the checkpoint was saved again while it was uploaded", str(checkpoint))
         store.publish(dest, dest, index.to_json(), overwrite=True, publishing=nullcontext())

@@ -42,7 +42,7 @@ from ckptd.storage.ownership import UNEXAMINED, why_not_replaceable
 log = logging.getLogger("ckptd")
 
 
-def apply_retention(storage: Checkpoints, newest: Path, keep_last: int, in_flight: set[Path],
+def apply_retention(storage: Checkpoints | Backends, newest: Path, keep_last: int, in_flight: set[Path],
                     keep: Callable[[Path], bool] | None = None,
                     publishing: AbstractContextManager[Any] = nullcontext(),
                     spare_later: bool = True, failed: list[Path] | None = None,
@@ -112,7 +112,7 @@ def apply_retention(storage: Checkpoints, newest: Path, keep_last: int, in_fligh
     return deleted
 
 
-def delete_on_request(storage: Checkpoints, checkpoint: Path,
+def delete_on_request(storage: Checkpoints | Backends, checkpoint: Path,
                       publishing: AbstractContextManager[Any]) -> bool:
     """A trainer's ``Delete`` (``Client.delete``): True once ``checkpoint`` is deleted, False if nothing is there;
     ``InvalidCheckpoint`` naming why if what is there is not a committed ckptd checkpoint (maintenance thread)."""
@@ -217,7 +217,7 @@ class Retainer:
 
         def run() -> list[Path]:
             request = self.queue.take(key)
-            return apply_retention(self.storage.at(request.newest), request.newest, request.keep_last,
+            return apply_retention(self.storage, request.newest, request.keep_last,
                                    set(request.in_flight), self.not_uploaded, self.publishing,
                                    committed_at=request.committed_at)
 
@@ -240,8 +240,7 @@ class Retainer:
                 log.info("event=deleted path=%s reason=request", final)
                 self.events.publish(Deleted(final))
 
-        backend = self.storage.at(final)
-        self.workers.submit("maintenance", lambda: delete_on_request(backend, final, self.publishing), done,
+        self.workers.submit("maintenance", lambda: delete_on_request(self.storage, final, self.publishing), done,
                             failed=answer)
 
     def _done(self, newest: Path, fut: Future) -> None:

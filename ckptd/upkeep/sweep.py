@@ -77,17 +77,16 @@ def sweep_incomplete(storage: Backends, directories: list[Path], mode: str) -> l
         return []
     swept = []
     for directory in directories:
-        backend = storage.at(directory)
         try:
-            committed, attempts = backend.listed(directory)
+            committed, attempts = storage.listed(directory)
         except OSError:
             continue
         for path in committed:
-            remove_markers(backend.files, path, dead_only=True)
+            remove_markers(storage.files, path, dead_only=True)
         for path in attempts:
-            if not is_orphaned(backend.files, path):
+            if not is_orphaned(storage.files, path):
                 continue
-            backend.sweep(path, move_to=directory / SWEPT_DIR if mode == "move" else None)
+            storage.sweep(path, move_to=directory / SWEPT_DIR if mode == "move" else None)
             swept.append(path)
             log.info("event=swept path=%s mode=%s", path, mode)
     return swept
