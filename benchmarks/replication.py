@@ -170,6 +170,9 @@ def raw_stream(size: int, curve: bool, repeat: int, frame: int = FRAME, window: 
 class Nodes:
     """Origin and buddy daemons with peers on, in one scratch directory."""
 
+    ALWAYS: tuple[str, ...] = ()
+    """``ckptd start`` options of every daemon of the run (``--peer-encrypt``)."""
+
     def __init__(self, scratch: Path, cpus: tuple[set[int], set[int]] | None = None) -> None:
         """``cpus``: the cores of the origin's node (its daemon; the trainer pins itself) and the buddy's."""
         self.scratch, self.keys, self.cpus = scratch, scratch / "peer-keys", cpus
@@ -194,7 +197,8 @@ class Nodes:
         self.procs[node] = subprocess.Popen(
             [sys.executable, "-m", "ckptd", "start", "--foreground", "--quiet", "--run-dir", str(run_dir),
              "--root", str(self.root), "--peer-listen", self.endpoints[node], "--peer", self.endpoints[1 - node],
-             "--peer-keys", str(self.keys), "--persist-on-exit", "never", "--memory-budget", "8GiB", *extra],
+             "--peer-keys", str(self.keys), "--persist-on-exit", "never", "--memory-budget", "8GiB", *self.ALWAYS,
+             *extra],
             preexec_fn=None if self.cpus is None else lambda: os.sched_setaffinity(0, self.cpus[node]))
         while not (run_dir / "ckptd.sock").exists():
             time.sleep(0.02)
@@ -410,7 +414,10 @@ def main() -> None:
                         help="--steps: the capped mode's --peer-rate (default 100MB); --frozen: the origin's, if given")
     parser.add_argument("--frozen", type=float, default=None,
                         help="only sending what changed: the share of the state frozen between snapshots (0.9)")
+    parser.add_argument("--peer-encrypt", action="store_true",
+                        help="both daemons encrypt the replicas' frames (AES-256-GCM; default: GMAC-tagged plain)")
     args = parser.parse_args()
+    Nodes.ALWAYS = ("--peer-encrypt",) if args.peer_encrypt else ()
     cpus = None
     if args.pin:
         every = sorted(os.sched_getaffinity(0))
@@ -420,7 +427,8 @@ def main() -> None:
         os.sched_setaffinity(0, cpus[0])
     size = args.mib << 20
     state = {"w": torch.randn(size // 4)}
-    print(f"{args.mib} MiB, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+    print(f"{args.mib} MiB, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, frames "
+          f"{'encrypted' if args.peer_encrypt else 'plain (GMAC)'}"
           + (f", origin's node on cores {sorted(cpus[0])}, buddy's on {sorted(cpus[1])}" if cpus else ""))
     med = statistics.median
     if args.frozen is not None:

@@ -54,14 +54,16 @@ CANDIDATES: dict[str, tuple[str, str]] = {
     "curve2": ("ZeroMQ CURVE, two connections, two I/O threads", "integrity, authenticity, confidentiality"),
     "aesgcm": ("AES-256-GCM frames over plain TCP", "integrity, authenticity, confidentiality"),
     "chacha": ("ChaCha20-Poly1305 frames over plain TCP", "integrity, authenticity, confidentiality"),
+    "gmac": ("GMAC tag per frame (AES-256-GCM over the data as associated data: ckptd's plain frames), plain data "
+             "over TCP", "integrity, authenticity"),
     "poly1305": ("Poly1305 tag per frame (one-time key from keyed BLAKE2b), plain data over TCP",
                  "integrity, authenticity"),
     "hmac": ("HMAC-SHA256 tag per frame, plain data over TCP", "integrity, authenticity"),
     "blake2b": ("keyed BLAKE2b-256 tag per frame, plain data over TCP", "integrity, authenticity"),
 }
 """Name: (label, what it gives beyond TCP's own checksum). The ``cryptography`` ones are absent without it."""
-NEEDS_CRYPTOGRAPHY = ("aesgcm", "chacha", "poly1305")
-PRIMITIVES = ("crc32c", "aesgcm", "chacha", "poly1305", "hmac", "blake2b")
+NEEDS_CRYPTOGRAPHY = ("aesgcm", "chacha", "gmac", "poly1305")
+PRIMITIVES = ("crc32c", "aesgcm", "chacha", "gmac", "poly1305", "hmac", "blake2b")
 """Computed alone on one core over the frames (no socket): crc32c is the checksum ckptd uses (protocol/checksums.py)."""
 
 
@@ -94,6 +96,11 @@ def _tagger(name: str, key: bytes) -> Callable[[int, bytes, memoryview], bytes]:
             h = hashlib.blake2b(head, key=key, digest_size=32)
             h.update(data)
             return h.digest()
+    elif name == "gmac":  # the number is the nonce, the length is in GHASH's last block: the header is bound
+        gcm = AESGCM(key)
+
+        def tag(i: int, head: bytes, data: memoryview) -> bytes:
+            return gcm.encrypt(_nonce(i), b"", data)
     elif name == "hmac":
         def tag(i: int, head: bytes, data: memoryview) -> bytes:
             h = hmac.new(key, head, "sha256")
@@ -108,7 +115,7 @@ def _tagger(name: str, key: bytes) -> Callable[[int, bytes, memoryview], bytes]:
     return tag
 
 
-TAG_BYTES = {"blake2b": 32, "hmac": 32, "poly1305": 16}
+TAG_BYTES = {"blake2b": 32, "hmac": 32, "gmac": 16, "poly1305": 16}
 
 
 def _aead(name: str, key: bytes) -> Any:
@@ -237,16 +244,25 @@ def _send_tcp(name: str, port: int, data: memoryview, frame: int, key: bytes) ->
                 sock.sendall(chunk)
                 continue
             head = HEADER.pack(i, len(chunk))
-            sock.sendall(head)
-            if name in TAG_BYTES:
-                sock.sendall(chunk)
-                sock.sendall(tag(i, head, chunk))
+            if name in TAG_BYTES:  # header, data and tag in one call: sent apart, the tag waited behind the data
+                _send_parts(sock, [memoryview(head), chunk, memoryview(tag(i, head, chunk))])  # for an ACK (Nagle)
             else:
                 out = memoryview(sealed)[:len(chunk) + 16]
                 aead.encrypt_into(_nonce(i), chunk, head, out)
+                sock.sendall(head)
                 sock.sendall(out)
         if sock.recv(1) != b"k":
             raise ConnectionError("the receiver did not acknowledge the stream")
+
+
+def _send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+    while parts:
+        n = sock.sendmsg(parts)
+        while parts and n >= len(parts[0]):
+            n -= len(parts[0])
+            parts.pop(0)
+        if parts and n:
+            parts[0] = parts[0][n:]
 
 
 def _send_zmq(name: str, port: int, data: memoryview, frame: int, server_public: bytes) -> None:

@@ -3,8 +3,9 @@
 The origin is the daemon whose ranks took a snapshot; its buddy holds a replica of it. Every message travels as
 one msgpack frame, decoded and validated by ``messages.decode`` against ``PEER_TYPES`` only (a peer can send no
 local request, nor a local client a peer's). A shard's bytes do not travel here: the daemon that serves a stream
-answers with a ``Ticket`` (a token and a fresh key), and the bytes go as AES-256-GCM frames over the data port
-beside the peer endpoint (``ckptd/peers/bulk.py``)::
+answers with a ``Ticket`` (a token and a fresh key), and the bytes go as authenticated frames over the data port
+beside the peer endpoint (``ckptd/peers/bulk.py``), each with its tag; encrypted (AES-256-GCM) where either daemon
+runs with ``--peer-encrypt``, else in the clear under a GMAC tag (``Ticket.encrypted``)::
 
     origin                         buddy
     Offer                 ──▶      Ticket | Error    (one shard: its Snapshot message, checksum and chunk digests;
@@ -36,10 +37,10 @@ from .messages import MAX_WORLD_SIZE, Error, Message, Ok, Snapshot, _check_path
 TOKEN_BYTES = 16
 """A data stream's token: what its connection sends first, the only thing that admits it to the data port."""
 KEY_BYTES = 32
-"""A data stream's AES-256-GCM key."""
+"""A data stream's AES-256-GCM key (for encrypted frames and plain frames' GMAC tags alike)."""
 FRAME_BYTES = 4 * 1024 * 1024
 """Plaintext bytes in one frame of a stream on the data port, at most (``ckptd/peers/bulk.py``): large enough that
-the per-frame cost is nothing, small enough that the receiver decrypts one frame while the next is on the wire."""
+the per-frame cost is nothing, small enough that the receiver checks one frame while the next is on the wire."""
 CHUNK_BYTES = 256 * 1024
 """Bytes of a shard one chunk digest covers: what a replica is built from, or sent, at least (``Offer.digests``).
 Finer than a frame, so a small tensor that changed among frozen ones (a LoRA adapter beside its base layer) sends
@@ -64,7 +65,9 @@ class Offer(Message):
     ``Snapshot`` message as its origin admitted it (checked again here), ``checksum`` what the origin computed
     over its ``nbytes`` when it held it, ``ranks`` every rank of the snapshot on the origin's node (the replica
     is complete once each of them is sealed). ``digests``: the ``DIGEST`` of each ``CHUNK_BYTES`` chunk of the
-    shard, in order, concatenated (empty: none; every byte is sent, and no later offer is built from it)."""
+    shard, in order, concatenated (empty: none; every byte is sent, and no later offer is built from it).
+    ``plain``: the origin takes the stream's frames in the clear under their GMAC tag (it does not run with
+    ``--peer-encrypt``); left out (False), by an origin that requires encryption or predates plain frames."""
 
     shard: bytes
     checksum: int
@@ -72,8 +75,9 @@ class Offer(Message):
     created: float
     ranks: tuple[int, ...]
     digests: bytes = b""
+    plain: bool = False
     type: ClassVar[str] = "offer"
-    sparse: ClassVar[frozenset[str]] = frozenset({"digests"})
+    sparse: ClassVar[frozenset[str]] = frozenset({"digests", "plain"})
 
     def __post_init__(self) -> None:
         try:
@@ -106,13 +110,17 @@ class Ticket(Message):
     frames under ``key``, which serves this one stream only. Sent over CURVE, so only the two daemons know it.
     ``reused`` (an offer's only): a bitmap of the shard's chunks, bit ``i % 8`` of byte ``i // 8`` set for chunk
     ``i`` that the buddy builds from a replica it holds of the same origin and directory, whose digest is the
-    offer's; those are not sent, and the frames carry the others, in order (empty: every chunk is sent)."""
+    offer's; those are not sent, and the frames carry the others, in order (empty: every chunk is sent).
+    ``encrypted``: the frames are encrypted (True, and what a peer that predates plain frames means), or plain under
+    a GMAC tag: only where the request said ``plain`` and the daemon answering does not run with
+    ``--peer-encrypt``."""
 
     token: bytes
     key: bytes
     reused: bytes = b""
+    encrypted: bool = True
     type: ClassVar[str] = "ticket"
-    sparse: ClassVar[frozenset[str]] = frozenset({"reused"})
+    sparse: ClassVar[frozenset[str]] = frozenset({"reused", "encrypted"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.token, bytes) or len(self.token) != TOKEN_BYTES:
@@ -166,11 +174,14 @@ class ReplicaList(Message):
 
 @dataclass(frozen=True)
 class Fetch(Message):
-    """Rank ``rank``'s shard of the replica of ``path``, whole, on the data port (answered with a ``Ticket``)."""
+    """Rank ``rank``'s shard of the replica of ``path``, whole, on the data port (answered with a ``Ticket``).
+    ``plain``: as ``Offer.plain``, for the frames that come back."""
 
     path: str
     rank: int
+    plain: bool = False
     type: ClassVar[str] = "fetch"
+    sparse: ClassVar[frozenset[str]] = frozenset({"plain"})
 
     def __post_init__(self) -> None:
         _check_path(self.path)

@@ -1,13 +1,15 @@
 """The data port that carries replicas' bytes beside the CURVE peer endpoint (``ckptd/peers/data.py``), with real
 daemons as nodes on 127.0.0.1 and, where the link must misbehave, a proxy standing for it (``tests/proxy.py``):
-the bytes cross it encrypted and come back bitwise; a connection whose token no ticket gave is closed before a byte
+the bytes cross it in the clear or, where a daemon asks, encrypted, and come back bitwise; a connection whose token no ticket gave is closed before a byte
 of it is held; a byte altered on the link fails that stream (and only it), and nothing altered is ever restored;
 an origin killed mid-stream leaves the buddy nothing, and it serves on."""
 
 from __future__ import annotations
 
+import random
 import signal
 import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,14 +66,15 @@ class Link:
         self.proxy.close()
 
 
-def _linked(root: Path, tmp_path: Path) -> Link:
+def _linked(root: Path, tmp_path: Path, *, buddy_args: tuple[str, ...] = (), origin_args: tuple[str, ...] = ()) -> Link:
     lines: list[str] = []
     keys = tmp_path / "keys"
     origin_dir, _ = _node(keys, lines)
     buddy_dir, buddy_ep = _node(keys, lines)
     host, port = buddy_ep.removeprefix("tcp://").split(":")
     proxy = TcpProxy(host, int(port), peer=True)
-    buddy, origin, _ = _through(proxy, root, keys, lines, buddy_dir, buddy_ep, origin_dir, *NEVER)
+    buddy, origin, _ = _through(proxy, root, keys, lines, buddy_dir, buddy_ep, origin_dir, *NEVER, *origin_args,
+                                buddy_args=buddy_args)
     return Link(proxy, buddy, origin, keys, lines, buddy_dir, buddy_ep, origin_dir)
 
 
@@ -85,10 +88,14 @@ def _restored(link: Link, root: Path, path: Path, state: dict) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_replica_crosses_the_link_encrypted_and_comes_back_bitwise(root: Path, tmp_path: Path) -> None:
-    """What a wiretap on the link sees of a replica: as many bytes as the shard and then some (a tag per frame),
-    and not one 64-byte run of the shard's own bytes."""
-    link = _linked(root, tmp_path)
+@pytest.mark.parametrize("encrypting", ["neither", "buddy", "origin"])
+def test_a_replica_crosses_the_link_in_the_clear_unless_a_daemon_asks_for_encryption_and_comes_back_bitwise(
+        root: Path, tmp_path: Path, encrypting: str) -> None:
+    """What a wiretap on the link sees of a replica: as many bytes as the shard and then some (a tag per frame);
+    the shard's own bytes where neither daemon runs with --peer-encrypt, and not one 64-byte run of them where
+    either does (the buddy says which it took)."""
+    link = _linked(root, tmp_path, buddy_args=("--peer-encrypt",) if encrypting == "buddy" else (),
+                   origin_args=("--peer-encrypt",) if encrypting == "origin" else ())
     state = _state(9, 1)
     try:
         client = ckptd.Client(run_dir=link.origin_dir, spawn=False)
@@ -97,10 +104,75 @@ def test_a_replica_crosses_the_link_encrypted_and_comes_back_bitwise(root: Path,
         plain = state["w"].numpy().tobytes()
         seen = bytes(link.proxy.data_seen)
         assert len(seen) > len(plain)  # the whole shard went over the data port
-        assert not any(plain[i:i + 64] in seen for i in range(0, len(plain) - 64, len(plain) // 97))
+        runs = [plain[i:i + 64] in seen for i in range(0, len(plain) - 64, len(plain) // 97)]
+        encrypted = encrypting != "neither"
+        assert not any(runs) if encrypted else all(runs)
+        held = [line for line in (link.buddy_dir / LOG).read_text().splitlines() if "event=replica_held" in line]
+        assert len(held) == 1 and f" encrypted={str(encrypted).lower()} origin=" in held[0], held
         _restored(link, root, root / "step-1", state)
     finally:
         link.close()
+
+
+def _on_the_wire(data: bytes, encrypted: bool, key: bytes, frame: int) -> bytes:
+    """The bytes ``bulk.send`` puts on a connection for ``data``."""
+    a, b = socket.socketpair()
+    with a, b:
+        sender = threading.Thread(target=lambda: (bulk.send(a, key, memoryview(data), frame, encrypted=encrypted),
+                                                  a.shutdown(socket.SHUT_WR)))
+        sender.start()
+        got = bytearray()
+        while chunk := b.recv(1 << 20):
+            got += chunk
+        sender.join()
+    return bytes(got)
+
+
+def _taken(wire: bytes, encrypted: bool, key: bytes, size: int, frame: int) -> bytes:
+    """What ``bulk.receive`` takes of ``wire``, frame by frame (``FrameError`` at the first that fails)."""
+    a, b = socket.socketpair()
+    with a, b:
+        feeder = threading.Thread(target=lambda: (a.sendall(wire), a.shutdown(socket.SHUT_WR)))
+        feeder.start()
+        out = bytearray(size)
+        try:
+            for offset, piece in bulk.receive(b, key, size, lambda o, n: memoryview(out)[o:o + n], frame,
+                                              encrypted=encrypted):
+                assert bytes(piece) == bytes(out[offset:offset + len(piece)])
+        finally:
+            b.close()
+            feeder.join()
+    return bytes(out)
+
+
+@pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "encrypted"])
+def test_frames_plain_or_encrypted_come_back_whole_and_any_byte_altered_or_frame_moved_fails_its_tag(
+        encrypted: bool) -> None:
+    """Both kinds of frame carry the same guarantees: every payload byte, its length and its place in the stream
+    are under the tag, so a byte flipped in a payload or a tag, a frame's number changed, or a frame from another
+    stream's key fails; plain frames carry the payload itself, encrypted ones not a 64-byte run of it."""
+    key, frame = bulk.new_stream()[1], 4096
+    data = bytes(random.Random(7).randbytes(3 * frame + 100))
+    wire = _on_the_wire(data, encrypted, key, frame)
+    assert len(wire) == len(data) + 4 * (bulk.HEADER.size + bulk.TAG)
+    assert (data[frame:frame + 64] in wire) is not encrypted
+    assert _taken(wire, encrypted, key, len(data), frame) == data
+    step = bulk.HEADER.size + frame + bulk.TAG
+    payload_byte, tag_byte = step + bulk.HEADER.size + 10, 2 * step - 1
+    for at in (payload_byte, tag_byte):
+        altered = bytearray(wire)
+        altered[at] ^= 0x01
+        with pytest.raises(bulk.FrameError, match="frame 1 .*fails its authentication tag"):
+            _taken(bytes(altered), encrypted, key, len(data), frame)
+    swapped = wire[step:2 * step] + wire[:step] + wire[2 * step:]  # frames 1 and 0 in each other's places
+    with pytest.raises(bulk.FrameError, match="frame 1 of 4096 bytes where frame 0"):
+        _taken(swapped, encrypted, key, len(data), frame)
+    renumbered = bytearray(wire[:step])
+    bulk.HEADER.pack_into(renumbered, 0, 1, frame)  # frame 0 under frame 1's number, then frame 1 dropped
+    with pytest.raises(bulk.FrameError, match="frame 0 .*fails its authentication tag|where frame 0 of"):
+        _taken(bytes(renumbered) + wire[2 * step:], encrypted, key, len(data), frame)
+    with pytest.raises(bulk.FrameError, match="frame 0 .*fails its authentication tag"):
+        _taken(wire, encrypted, bulk.new_stream()[1], len(data), frame)
 
 
 @pytest.mark.timeout(120)

@@ -82,14 +82,14 @@ def test_status_and_metrics_show_each_peer_and_what_was_replicated(root: Path, t
 
 
 def _through(proxy: TcpProxy, root: Path, keys: Path, lines: list[str], buddy_dir: Path, buddy_ep: str,
-             origin_dir: Path, *origin_args: str) -> tuple[Daemon, Daemon, str]:
+             origin_dir: Path, *origin_args: str, buddy_args: tuple[str, ...] = ()) -> tuple[Daemon, Daemon, str]:
     """The buddy on its own endpoint and the origin reaching it through ``proxy`` (its peer port and data port; the
     keys file names the buddy's key at the proxy's port too), the origin giving up on a link after 3 s: (buddy, origin, the proxy's
     endpoint)."""
     via_proxy = f"tcp://127.0.0.1:{proxy.port}"
     lines.append(f"{lines[1].split()[0]} {via_proxy}\n")
     keys.write_text("".join(lines))
-    buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys))
+    buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys), *buddy_args)
     origin = start_daemon(origin_dir, root, "--peer", via_proxy, "--peer-keys", str(keys), "--peer-timeout", "3",
                           *origin_args)
     return buddy, origin, via_proxy

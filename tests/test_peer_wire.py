@@ -120,6 +120,28 @@ def test_an_offer_or_ticket_that_says_nothing_of_chunks_is_the_bytes_of_the_rele
     assert decode(bytes.fromhex(BEFORE_CHUNK_DIGESTS[kind]), PEER_TYPES) == msg
 
 
+PLAIN_FRAMES = {
+    "offer": ("plain", True, "a5706c61696ec3"),
+    "fetch": ("plain", True, "a5706c61696ec3"),
+    "ticket": ("encrypted", False, "a9656e63727970746564c2"),
+}
+"""What plain frames add to a request (``plain``: its sender takes them) and to a ticket (``encrypted`` False): one
+field, appended to the golden bytes (and the map one entry longer)."""
+
+
+@pytest.mark.parametrize("kind", sorted(PLAIN_FRAMES))
+def test_plain_frames_are_one_field_more_and_their_absence_is_the_encrypted_bytes_of_before(kind: str) -> None:
+    """A request that takes plain frames and a ticket that sends them encode to frozen bytes; a daemon started with
+    --peer-encrypt sends neither field, so its messages are those of the release before plain frames, and that
+    release's requests and tickets are read as encrypted ones."""
+    field, value, suffix = PLAIN_FRAMES[kind]
+    golden, wire = PEER_GOLDEN[kind]
+    msg = dataclasses.replace(golden, **{field: value})
+    assert msg.to_wire().hex() == f"{int(wire[:2], 16) + 1:02x}{wire[2:]}{suffix}"
+    assert decode(msg.to_wire(), PEER_TYPES) == msg
+    assert getattr(decode(bytes.fromhex(wire), PEER_TYPES), field) is (not value)
+
+
 def test_a_fetch_of_no_rank_is_refused() -> None:
     for rank in (-1, 1 << 30):
         wire = Fetch.__new__(Fetch)

@@ -132,6 +132,10 @@ class DaemonConfig:
     """Seconds a peer has to answer each step of a stream before the replication fails."""
     peer_rate: int | None = None
     """Bytes a second the streams to the buddy keep to, together (``--peer-rate``; None: as fast as the link)."""
+    peer_encrypt: bool = False
+    """Encrypt the replicas' bytes on the data port (``--peer-encrypt``): AES-256-GCM frames, where by default
+    they travel in the clear under a GMAC tag, authenticated and checked just the same (``ckptd/peers/bulk.py``):
+    for a network others can read. A stream is encrypted when either of its two daemons asks for it."""
     peer_send_changed: bool = True
     """Send the buddy only the chunks of a snapshot it does not hold from this node already (``ckptd/peers/chunks.py``:
     one SHA-256 pass over each snapshot, 1.7 GB/s on a core here); False (``--peer-send-all``): every byte, no

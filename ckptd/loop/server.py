@@ -138,7 +138,8 @@ class Server:
         snapshots = self.state.snapshots
         book = self.replicas = ReplicaBook(self.attempts, self.workers, stats, slots.shm_dir, slots.own_name,
                                         lambda: snapshots.budget - snapshots.held_bytes,
-                                        lambda raw: self.storage.resolve(raw, config.roots))
+                                        lambda raw: self.storage.resolve(raw, config.roots),
+                                        encrypt=config.peer_encrypt)
         self.attempts.keep((*self.attempts.pipelines, book))  # its replicas end through the registry too
         snapshots.replica_bytes = lambda: book.nbytes
         book.endpoint_of = lambda origin: next((ep for ep, key in keys.endpoints.items() if key.decode() == origin),

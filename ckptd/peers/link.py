@@ -57,8 +57,12 @@ class PeerLink:
     """Requests to the peer at ``endpoint``, whose public key the peer keys file or the ring names (asked again
     for each call: a replacement node at the same endpoint has a key of its own)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, keys: Trust, pair: KeyPair, timeout: float) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, keys: Trust, pair: KeyPair, timeout: float, *,
+                 encrypt: bool = False) -> None:
         self.ctx, self.endpoint, self.keys, self.pair = ctx, endpoint, keys, pair
+        self.encrypt = encrypt
+        """This daemon's ``--peer-encrypt``: its requests ask for plain frames only without it, and a ticket for
+        plain frames is refused with it."""
         self.timeout_ms = int(timeout * 1000)
         self._socket: zmq.Socket | None = None
         self._server_key = b""
@@ -121,11 +125,16 @@ class PeerLink:
                 return answer, data
 
     def _ticket(self, msg: Message) -> Ticket:
-        """Ask for a data stream (an offer, a fetch): the peer's ticket."""
+        """Ask for a data stream (an offer, a fetch): the peer's ticket, refused if it sends in the clear what this
+        daemon's ``--peer-encrypt`` wants encrypted (the request said so: only a peer at fault answers so)."""
         answer, _ = self._call(msg)
         if not isinstance(answer, Ticket):
             self.reset()
             raise InvalidCheckpoint(f"peer {self.endpoint} answered a {msg.type} with {answer.type}, not a ticket")
+        if self.encrypt and not answer.encrypted:
+            self.reset()
+            raise InvalidCheckpoint(f"peer {self.endpoint} answered a {msg.type} with a ticket for plain frames; "
+                                    f"this daemon runs with --peer-encrypt and asked for encrypted ones")
         return answer
 
     def _connect(self, ticket: Ticket) -> socket.socket:
@@ -169,7 +178,7 @@ class PeerLink:
             sent = 0
             try:
                 sent = bulk.send(conn, ticket.key, data, pace=pace, spans=chunks.spans(reused, nbytes) if reused
-                                 else None)
+                                 else None, encrypted=ticket.encrypted)
             except OSError as exc:
                 broke = exc
             finally:
@@ -209,15 +218,16 @@ class PeerLink:
             try:
                 for wire, checksum, view in shards:
                     digests = chunks.digests(view) if chunks.digestible(len(view)) else b""
-                    got = self.stream(Offer(0, wire, checksum, CHECKSUM_ALGORITHM, created, ranks, digests), view,
-                                      pace)
+                    got = self.stream(Offer(0, wire, checksum, CHECKSUM_ALGORITHM, created, ranks, digests,
+                                            plain=not self.encrypt), view, pace)
                     sent, built = sent + got[0], built + got[1]
                 return sent, built
             except BuildFailed as exc:
                 sent += exc.sent
                 log.warning("event=replica_build_failed peer=%s error=%s action=send_whole", self.endpoint, exc)
         for wire, checksum, view in shards:
-            sent += self.stream(Offer(0, wire, checksum, CHECKSUM_ALGORITHM, created, ranks), view, pace)[0]
+            sent += self.stream(Offer(0, wire, checksum, CHECKSUM_ALGORITHM, created, ranks, plain=not self.encrypt),
+                                view, pace)[0]
         return sent, 0
 
     def forget(self, path: str, ranks: tuple[int, ...]) -> None:
@@ -235,12 +245,12 @@ class PeerLink:
         """Read a replica's shard into the file ``into`` (a descriptor, written from offset 0) over the data port,
         checking its bytes against ``checksum`` (the origin's) as they come; ``InvalidCheckpoint`` if a frame fails
         its tag, the stream ends short, or the checksum differs. A frame is written only once its tag passed."""
-        ticket = self._ticket(Fetch(next(self._ids), path, rank))
+        ticket = self._ticket(Fetch(next(self._ids), path, rank, plain=not self.encrypt))
         update, crc, got = updater(algorithm), 0, 0
         scratch = memoryview(bytearray(min(bulk.FRAME, max(size, 1))))
         conn = self._connect(ticket)
         try:
-            for offset, piece in bulk.receive(conn, ticket.key, size, lambda _, n: scratch[:n]):
+            for offset, piece in bulk.receive(conn, ticket.key, size, lambda _, n: scratch[:n], encrypted=ticket.encrypted):
                 written = 0
                 while written < len(piece):
                     written += os.pwrite(into, piece[written:], offset + written)

@@ -129,7 +129,8 @@ class Placement:
     def _link(self, pool: str, endpoint: str) -> PeerLink:
         links = self._links[pool]
         if endpoint not in links:
-            links[endpoint] = PeerLink(self.ctx, endpoint, self.trust, self.pair, self._timeouts[pool])
+            links[endpoint] = PeerLink(self.ctx, endpoint, self.trust, self.pair, self._timeouts[pool],
+                                       encrypt=self.config.peer_encrypt)
         return links[endpoint]
 
     def _retire(self) -> None:

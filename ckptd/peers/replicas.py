@@ -94,6 +94,8 @@ class ReplicaShard:
     """The shards of replicas held here that its own stream builds chunks from (until its stream ended)."""
     reused: int = 0
     """Bytes of it built from those, not sent."""
+    encrypted: bool = True
+    """Whether its stream's frames are encrypted, or plain under their GMAC tags (``bulk.py``)."""
 
     @property
     def nbytes(self) -> int:
@@ -248,8 +250,11 @@ class ReplicaBook:
     """What ``Registry.end`` hands to ``ended``."""
 
     def __init__(self, registry: Registry, workers: Workers, stats: Stats, shm_dir: Path, new_name: Callable[[], str],
-                 room: Callable[[], int], resolve: Callable[[str], Path]) -> None:
+                 room: Callable[[], int], resolve: Callable[[str], Path], *, encrypt: bool = False) -> None:
         self.registry = registry
+        self.encrypt = encrypt
+        """``--peer-encrypt``: every stream this daemon serves is encrypted; else only one whose peer asked for it
+        (its request without ``plain``)."""
         self.data: DataServer | None = None
         """The data port the shards' bytes come and go on (set with the peer endpoint: without one, no peer
         reaches this book)."""
@@ -301,6 +306,7 @@ class ReplicaBook:
                  for base in held.shards.values()] if msg.digests else []
         plan: dict[int, tuple[ReplicaShard, int]] = {}
         path_in_shm, resolve = self.shm_dir / shard.name, self.resolve
+        encrypted = self.encrypt or not msg.plain
 
         def create() -> None:
             resolve(snap.path)
@@ -319,14 +325,16 @@ class ReplicaBook:
             else:
                 sources = self._sources(plan)
                 transfer = shard.transfer = self.data.announce(
-                    self._receiver(shard, sources),
+                    self._receiver(shard, sources, encrypted),
                     lambda error, crc: self._received(ident, msg.id, replica, shard, error, crc),
                     f"replica of {path} rank {snap.rank}")
                 shard.bases = tuple({id(base): base for base, _ in plan.values()}.values()) if sources else ()
                 for base in shard.bases:
                     base.building.add(transfer)
                 shard.reused = sum(chunks.chunk_span(i, shard.nbytes)[1] for i in sources)
-                reply(Ticket(msg.id, transfer.token, transfer.key, chunks.bitmap(set(sources), shard.nbytes)), None)
+                shard.encrypted = encrypted
+                reply(Ticket(msg.id, transfer.token, transfer.key, chunks.bitmap(set(sources), shard.nbytes),
+                             encrypted=encrypted), None)
         self.workers.submit("replica", create, created, failed=self._refused(reply, msg.id))
 
     def _sources(self, plan: dict[int, tuple[ReplicaShard, int]]) -> dict[int, tuple[ReplicaShard, int]]:
@@ -336,11 +344,13 @@ class ReplicaBook:
         return plan if all(id(base) in alive for base, _ in plan.values()) else {}
 
     @staticmethod
-    def _receiver(shard: ReplicaShard, sources: dict[int, tuple[ReplicaShard, int]]) -> Callable[[Any], int]:
+    def _receiver(shard: ReplicaShard, sources: dict[int, tuple[ReplicaShard, int]],
+                  encrypted: bool) -> Callable[[Any], int]:
         """The work of a shard's stream on its data connection's thread, in the shard's order: each chunk in
         ``sources`` read from the mapping of the replica's shard held here that has it (its file's size checked
         first, as a restore's read is: a mapping read past a shortened file's end is SIGBUS; 460 MiB took 0.32 s
-        so against 0.42-0.60 s through ``pread``, measured here), each other chunk's frame decrypted as it comes,
+        so against 0.42-0.60 s through ``pread``, measured here), each other chunk's frame taken as it comes
+        (decrypted where ``encrypted``) once its tag passed,
         and each checksummed and written into the shard's file with ``pwrite`` (a fresh mapping's page faults cost
         twice the copy: 256 MiB took 0.20 s decrypted through the mapping, 0.11 s by pwrite, measured here); its
         crc32c, over every byte, built or sent."""
@@ -350,7 +360,7 @@ class ReplicaBook:
             scratch = memoryview(bytearray(min(bulk.FRAME, max(nbytes, 1))))
             reused = set(sources)
             frames = bulk.receive(conn, key, nbytes, lambda _, n: scratch[:n],
-                                  spans=chunks.spans(reused, nbytes) if reused else None)
+                                  spans=chunks.spans(reused, nbytes) if reused else None, encrypted=encrypted)
             with contextlib.ExitStack() as views:
                 mapped = {id(base): views.enter_context(_mapped(base)) for base, _ in sources.values()}
                 for begin, length, built in chunks.runs(reused, nbytes) if reused else [(0, nbytes, False)]:
@@ -460,8 +470,9 @@ class ReplicaBook:
             self.registry.end(old, AttemptState.DROPPED, reason="replaced")
         self.registry.promote(replica, self.incoming, self.held)
         self.registry.move(replica, AttemptState.HELD)
-        log.info("event=replica_held path=%s ranks=%s bytes=%d origin=%s", replica.path, list(replica.ranks),
-                 replica.nbytes, origin_named(replica.origin, self.endpoint_of(replica.origin)))
+        log.info("event=replica_held path=%s ranks=%s bytes=%d encrypted=%s origin=%s", replica.path,
+                 list(replica.ranks), replica.nbytes, str(all(s.encrypted for s in replica.shards.values())).lower(),
+                 origin_named(replica.origin, self.endpoint_of(replica.origin)))
 
     def _answer(self, fut: Any, rid: int) -> Message:
         exc = fut.exception()
@@ -527,6 +538,7 @@ class ReplicaBook:
         data, damaged = self.data, (f"the replica of {msg.path} rank {msg.rank} is damaged: its file in "
                                     f"{self.shm_dir} was shortened; it is not read")
         transfer: Transfer | None = None
+        encrypted = self.encrypt or not msg.plain
 
         def check() -> None:  # a mapping read past its file's end is SIGBUS: the daemon would die of a file another
             # process of its user shortened
@@ -537,7 +549,7 @@ class ReplicaBook:
             check()
             assert shard.map is not None and transfer is not None
             with memoryview(shard.map) as view:
-                bulk.send(conn, transfer.key, view[:shard.nbytes])
+                bulk.send(conn, transfer.key, view[:shard.nbytes], encrypted=encrypted)
 
         def sent(error: StreamEnded | None, _: object) -> None:
             shard.serving.discard(transfer)
@@ -554,7 +566,9 @@ class ReplicaBook:
             else:
                 transfer = data.announce(send, sent, f"restore of {msg.path} rank {msg.rank}")
                 shard.serving.add(transfer)
-                reply(Ticket(msg.id, transfer.token, transfer.key), None)
+                log.info("event=replica_read_back path=%s rank=%d encrypted=%s", msg.path, msg.rank,
+                         str(encrypted).lower())
+                reply(Ticket(msg.id, transfer.token, transfer.key, encrypted=encrypted), None)
         self.workers.submit("replica", check, checked, failed=self._refused(reply, msg.id))
 
     def hand_over(self, replica: Replica) -> list[tuple[Snapshot, str, int, mmap.mmap, int]]:

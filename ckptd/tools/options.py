@@ -176,7 +176,7 @@ START_OPTIONS: tuple[StartOption, ...] = (
     StartOption("--keep-snapshots", "keep_snapshots", "newest memory snapshots kept per checkpoint directory",
                 positive_int, "K"),
     StartOption("--peer-listen", "peer_listen", "open the peer endpoint for other nodes' daemons (CurveZMQ on "
-                "PORT, the replicas' encrypted bytes on PORT+1; default $CKPTD_PEER_LISTEN; without either no TCP port "
+                "PORT, the replicas' bytes on PORT+1; default $CKPTD_PEER_LISTEN; without either no TCP port "
                 "is opened); alone, the job's ranks name the peers and the buddy", str,
                 "tcp://HOST:PORT"),
     StartOption("--peer", "peers", "another node's peer endpoint (repeatable): the first is the buddy that holds a "
@@ -191,6 +191,9 @@ START_OPTIONS: tuple[StartOption, ...] = (
     StartOption("--peer-rate", "peer_rate", "bytes a second the replicas' streams to the buddy keep to, e.g. 2GB "
                 "(default: as fast as the link); a stream's 4 MiB frame still leaves at link speed", memory_size,
                 "BYTES"),
+    StartOption("--peer-encrypt", "peer_encrypt", "encrypt the replicas' bytes between daemons (AES-256-GCM); "
+                "by default they travel in the clear, each frame authenticated (GMAC) and every shard checksummed, "
+                "which costs a third of encryption's CPU: for a network others can read", flag_value=True),
     StartOption("--peer-send-all", "peer_send_changed", "send the buddy every byte of every snapshot, also the "
                 "chunks it holds from this node already (no SHA-256 pass over each snapshot: for a link faster than "
                 "hashing, where its share does not matter)", flag_value=False),
