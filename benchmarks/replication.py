@@ -171,7 +171,7 @@ class Nodes:
     """Origin and buddy daemons with peers on, in one scratch directory."""
 
     ALWAYS: tuple[str, ...] = ()
-    """``ckptd start`` options of every daemon of the run (``--peer-encrypt``)."""
+    """``ckptd start`` options of every daemon of the run (``--peer-encrypt``, ``--peer-send-all``)."""
 
     def __init__(self, scratch: Path, cpus: tuple[set[int], set[int]] | None = None) -> None:
         """``cpus``: the cores of the origin's node (its daemon; the trainer pins itself) and the buddy's."""
@@ -416,8 +416,10 @@ def main() -> None:
                         help="only sending what changed: the share of the state frozen between snapshots (0.9)")
     parser.add_argument("--peer-encrypt", action="store_true",
                         help="both daemons encrypt the replicas' frames (AES-256-GCM; default: GMAC-tagged plain)")
+    parser.add_argument("--send-all", action="store_true",
+                        help="both daemons with --peer-send-all: no SHA-256 pass before a snapshot's stream")
     args = parser.parse_args()
-    Nodes.ALWAYS = ("--peer-encrypt",) if args.peer_encrypt else ()
+    Nodes.ALWAYS = ("--peer-encrypt",) * args.peer_encrypt + ("--peer-send-all",) * args.send_all
     cpus = None
     if args.pin:
         every = sorted(os.sched_getaffinity(0))
@@ -428,7 +430,7 @@ def main() -> None:
     size = args.mib << 20
     state = {"w": torch.randn(size // 4)}
     print(f"{args.mib} MiB, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, frames "
-          f"{'encrypted' if args.peer_encrypt else 'plain (GMAC)'}"
+          f"{'encrypted' if args.peer_encrypt else 'plain (GMAC)'}{', every byte sent' if args.send_all else ''}"
           + (f", origin's node on cores {sorted(cpus[0])}, buddy's on {sorted(cpus[1])}" if cpus else ""))
     med = statistics.median
     if args.frozen is not None:

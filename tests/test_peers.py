@@ -389,9 +389,11 @@ def test_a_path_a_second_run_overwrote_at_a_lower_step_comes_back_with_the_secon
 
 
 @pytest.mark.timeout(180)
-def test_a_path_rolled_back_again_and_again_leaves_the_buddy_one_replica_file(root: Path, tmp_path: Path) -> None:
+def test_a_path_rolled_back_again_and_again_leaves_the_buddy_one_replica_file_and_one_spare(
+        root: Path, tmp_path: Path) -> None:
     """Each snapshot of the same path at a lower step replaced the buddy's replica in its books without unlinking
-    its file: one file per rollback, outside the budget and every listing, until the buddy exited."""
+    its file: one file per rollback, outside the budget and every listing, until the buddy exited. Now the replaced
+    one's file is the spare the next replica takes (``peers/spares.py``): one file more at most, in the budget."""
     pair = _pair(root, tmp_path)
     path = root / "run" / "last"
     client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
@@ -402,9 +404,10 @@ def test_a_path_rolled_back_again_and_again_leaves_the_buddy_one_replica_file(ro
         held = pair.buddy.status()["peers"]["replicas_held"]
         assert [(r["path"], r["step"]) for r in held["held"]] == [(str(path), 1)], held
         ((_, name, size, *_),) = held["held"][0]["shards"]
-        assert held["bytes"] == size
-        wait_until(lambda: segments_of(pair.buddy.proc.pid) == [name], 30,
-                   lambda: f"the buddy's files in /dev/shm are {segments_of(pair.buddy.proc.pid)}, not [{name}]")
+        assert held["bytes"] == size and held["spare_bytes"] == size  # the same size: one spare, as large
+        wait_until(lambda: len(segments_of(pair.buddy.proc.pid)) == 2 and name in segments_of(pair.buddy.proc.pid),
+                   30, lambda: f"the buddy's files in /dev/shm are {segments_of(pair.buddy.proc.pid)}, not {name} "
+                               f"and one spare")
     finally:
         client.close()
         pair.kill()

@@ -191,6 +191,9 @@ class SnapshotBook:
         self.budget, self.keep, self.registry = budget, keep, registry
         self.replica_bytes: Callable[[], int] = lambda: 0
         """What the replicas this node holds for its peers occupy of the same budget (``peers/replicas.py``)."""
+        self.free_spares: Callable[[int], int] = lambda needed: 0
+        """Let go of spare replica files (``peers/spares.py``) until ``needed`` bytes are freed: they hold nothing
+        anyone asked for, so they go before a held snapshot is evicted or a new one refused."""
         self.held: Book[HeldSnapshot] = registry.book()
         self.released: dict[int, list[str]] = {}
         """Slots dropped from snapshots whose client is alive, by its pid: named in its next ``HeldInMemory``."""
@@ -272,6 +275,8 @@ class SnapshotBook:
         Which to evict is decided first, and nothing is evicted unless ``needed`` then fits: a snapshot refused
         anyway must not cost one that is held. Each evicted one ends dropped (``Registry.end``: its slots are
         released by the memory tier)."""
+        if self.held_bytes + needed > self.budget:
+            self.free_spares(self.held_bytes + needed - self.budget)
         candidates = sorted((s for s in self.held.values() if s.persisted and not s.persisting and not s.readers),
                             key=lambda s: s.order)  # a pinned one's memory would stay until its readers are done
         evicted: list[HeldSnapshot] = []

@@ -141,7 +141,8 @@ class Server:
                                         lambda raw: self.storage.resolve(raw, config.roots),
                                         encrypt=config.peer_encrypt)
         self.attempts.keep((*self.attempts.pipelines, book))  # its replicas end through the registry too
-        snapshots.replica_bytes = lambda: book.nbytes
+        snapshots.replica_bytes = lambda: book.budgeted
+        snapshots.free_spares = book.spares.release
         book.endpoint_of = lambda origin: next((ep for ep, key in keys.endpoints.items() if key.decode() == origin),
                                                None)
         if config.peer_listen is not None:

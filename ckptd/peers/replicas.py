@@ -60,6 +60,7 @@ from ckptd.lifecycle.attempt import NEXT_REPLICA_STATES, AttemptState, Tracked
 from ckptd.lifecycle.registry import Book, Registry
 from ckptd.peers import bulk, chunks
 from ckptd.peers.data import DataServer, StreamEnded, Transfer
+from ckptd.peers.spares import Spare, Spares, adopt, remove
 
 log = logging.getLogger("ckptd")
 STALLED_S = 60.0
@@ -272,6 +273,8 @@ class ReplicaBook:
         """Shards being received, by (connection, offer id)."""
         self.endpoint_of: Callable[[str], str | None] = lambda origin: None
         """The endpoint the peer keys file names for an origin's key (None: none), for status."""
+        self.spares = Spares(shm_dir, lambda work: workers.background("replica", work))
+        """The files of replicas a newer one replaced, for the next replica of their directory's ranks."""
 
     @property
     def holds_any(self) -> bool:
@@ -281,8 +284,13 @@ class ReplicaBook:
 
     @property
     def nbytes(self) -> int:
-        """What the memory budget counts of replicas: held and incoming."""
+        """The replicas' bytes: held and incoming."""
         return sum(r.nbytes for r in (*self.held.values(), *self.incoming.values()))
+
+    @property
+    def budgeted(self) -> int:
+        """What the memory budget counts of what this book holds: the replicas and the spares."""
+        return self.nbytes + self.spares.bytes
 
     # -- receiving ----------------------------------------------------------
 
@@ -290,7 +298,12 @@ class ReplicaBook:
         """Reserve room for one shard and create its file; Ok once it may be streamed."""
         snap = msg.snapshot
         path = Path(snap.path)
+        spare = self.spares.take((origin, path.parent, snap.rank))  # its bytes become this shard's
         if self.room() < snap.nbytes:
+            self.spares.release(snap.nbytes - self.room())
+        if self.room() < snap.nbytes:
+            if spare is not None:
+                self.spares.keep((origin, path.parent, snap.rank), spare)
             raise NoSpace(f"a replica of {display(path)} rank {snap.rank} needs {human_bytes(snap.nbytes)} of this "
                           f"node's memory budget and only {human_bytes(max(0, self.room()))} are free; start this "
                           f"daemon with a larger --memory-budget")
@@ -309,8 +322,14 @@ class ReplicaBook:
         encrypted = self.encrypt or not msg.plain
 
         def create() -> None:
-            resolve(snap.path)
-            shard.fd, shard.map = new_shm_file(path_in_shm, shard.nbytes, allocate=False)
+            try:
+                resolve(snap.path)
+            except BaseException:
+                if spare is not None:
+                    remove(path_in_shm.parent, spare)
+                raise
+            shard.fd, shard.map = (new_shm_file(path_in_shm, shard.nbytes, allocate=False) if spare is None
+                                   else adopt(spare, path_in_shm.parent, path_in_shm.name, shard.nbytes))
             plan.update(_plan(msg, bases))  # on the pool: a large shard has many chunks to look up
 
         def created(fut: Any) -> None:
@@ -502,12 +521,21 @@ class ReplicaBook:
                 "event=replica_dropped path=%s origin=%s reason=%s", replica.path,
                 origin_named(replica.origin, self.endpoint_of(replica.origin)), reason)
         shards, shm_dir, data = list(replica.shards.values()), self.shm_dir, self.data
+        if reason in ("replaced", "forgotten"):  # its directory's next replica may take its files (``spares.py``)
+            for rank, shard in replica.shards.items():
+                if shard.map is not None and shard.fd >= 0 and shard.transfer is None and not shard.serving \
+                        and not shard.building:
+                    self.spares.keep((replica.origin, replica.path.parent, rank),
+                                     Spare(shard.name, shard.fd, shard.map, shard.nbytes))
+                    shard.fd, shard.map = -1, None
+            shards = [s for s in shards if s.map is not None]
         self.workers.background("replica", lambda: [s.close(shm_dir, data) for s in shards])
 
     def tidy(self, now: float) -> None:
         """End the streams whose data connection did not come, and forget why old offers failed."""
         if self.data is not None:
             self.data.expire(now)
+        self.spares.expire(now)
         for key in [k for k, (_, when) in self._failed.items() if now - when > STALLED_S]:
             del self._failed[key]
 
@@ -582,9 +610,9 @@ class ReplicaBook:
 
     def summary(self) -> dict[str, Any]:
         """The ``replicas`` part of ``ckptd status``: what this node holds for others."""
-        return {"bytes": self.nbytes, "held": [{**{k: v for k, v in r.describe().items() if k != "messages"},
-                                               "origin_endpoint": self.endpoint_of(r.origin)}
-                                              for r in self.held.values()],
+        return {"bytes": self.nbytes, "spare_bytes": self.spares.bytes,
+                "held": [{**{k: v for k, v in r.describe().items() if k != "messages"},
+                          "origin_endpoint": self.endpoint_of(r.origin)} for r in self.held.values()],
                 "receiving": len(self.incoming)}
 
     def close(self) -> None:
@@ -592,3 +620,4 @@ class ReplicaBook:
         for replica in self.registry.forget(self.held, self.incoming):
             for shard in replica.shards.values():
                 shard.close(self.shm_dir, self.data)
+        self.spares.close()
