@@ -120,7 +120,7 @@ def _peer_key(args: argparse.Namespace, run_dir: Path) -> int:
 
 
 def _start(args: argparse.Namespace, run_dir: Path) -> int:
-    from ckptd.loop.daemon import run_foreground, start_detached
+    from ckptd.loop.daemon import StartFailed, run_foreground, start_detached
 
     config = DaemonConfig(run_dir=run_dir, **config_kwargs(args), log_to_stderr=args.foreground and not args.quiet)
     if args.foreground:
@@ -129,7 +129,11 @@ def _start(args: argparse.Namespace, run_dir: Path) -> int:
             print(lost_snapshots(os.getpid(), lost), file=sys.stderr)
             return EXIT_ERROR
         return EXIT_OK
-    pid = start_detached(["--run-dir", str(run_dir), *detached_argv(config, args)], run_dir)
+    try:
+        pid = start_detached(["--run-dir", str(run_dir), *detached_argv(config, args)], run_dir)
+    except StartFailed as exc:  # the daemon's own line and exit code, as a --foreground start gives them
+        print(f"ckptd: {exc}", file=sys.stderr)
+        return exc.exit_code
     print(f"ckptd started (pid {pid}) on {config.endpoint}")
     return EXIT_OK
 

@@ -71,11 +71,16 @@ def _endpoint(run_dir: str | os.PathLike | None) -> str:
 def held_snapshots(run_dir: str | os.PathLike | None = None, *, peers: bool = False) -> list[dict[str, Any]]:
     """The complete snapshots this node's daemon holds (none if no daemon runs); with ``peers``, also the
     replicas its peers hold of snapshots it does not (``on_peer`` names the peer)."""
+    return _listed(run_dir, peers=peers) or []
+
+
+def _listed(run_dir: str | os.PathLike | None, *, peers: bool) -> list[dict[str, Any]] | None:
+    """``held_snapshots``, or None where no daemon answers at ``run_dir`` (``latest`` says so)."""
     try:
         reply = request(_endpoint(run_dir), ListPeerSnapshots(1) if peers else ListSnapshots(1),
                         timeout=PEERS_TIMEOUT if peers else ASK_TIMEOUT)
     except DaemonUnavailable:
-        return []
+        return None
     if not isinstance(reply, SnapshotList):  # a daemon that predates snapshots (or peers) answers with an error
         return held_snapshots(run_dir) if peers else []
     return [s for s in reply.snapshots if s.get("complete")]
@@ -445,7 +450,12 @@ def latest(root: str | os.PathLike, *, run_dir: str | os.PathLike | None = None)
         except InvalidCheckpoint:  # removed since
             pass
     real_root, there, other_world = canonical(root), {}, []
-    for s in held_snapshots(run_dir, peers=True):
+    listed = _listed(run_dir, peers=True)
+    if listed is None:  # None must still mean "nothing to resume from": the why is logged, not raised
+        log.warning("ckptd.latest: no daemon answers at run directory %s, so only checkpoints on disk under %s "
+                    "were considered, not memory snapshots (pass run_dir= to ask another daemon)",
+                    Path(run_dir).absolute() if run_dir is not None else default_run_dir(), root)
+    for s in listed or ():
         parent, name = os.path.split(resolved(s["path"]))
         if parent != real_root:
             continue

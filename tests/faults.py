@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd.storage.contract import Entry, LocalStorage, Space
+from ckptd.storage.contract import Entry, LocalStorage, Space, Stat
 
 log = logging.getLogger("ckptd")
 SPEC = "tests.faults:FaultyStorage"
@@ -34,7 +34,8 @@ class Fault:
     exchange (the swap of an overwrite; its path is the final name), touch
     (owner markers), unlink, remove_tree, resolve (a checkpoint's parent, on the
     daemon's admit pool), scandir (a directory listed: retention lists the
-    checkpoints' directory), and space: the filesystem reports
+    checkpoints' directory), stat (a file looked up: the start reads the run
+    directory's list of directories saved into), and space: the filesystem reports
     no free space (until the ``wait_for`` file exists, if one is named). Each fault that acts logs
     ``event=fault`` first, so a test can tell which call it hit.
 
@@ -190,6 +191,9 @@ class FaultyStorage(LocalStorage):
 
     def unlink(self, path: Path) -> None:
         self._around("unlink", str(path), super().unlink, path)
+
+    def stat(self, path: Path, *, follow: bool = False) -> Stat | None:
+        return self._around("stat", str(path), super().stat, path, follow=follow)
 
     def scandir(self, path: Path) -> list[Entry]:
         return self._around("scandir", str(path), super().scandir, path)

@@ -22,7 +22,7 @@ import ckptd
 from ckptd.protocol.errors import PathNotAllowed
 from ckptd.protocol.messages import MAX_NAME_BYTES
 
-from helpers import ckptd_cli, start_daemon
+from helpers import FAULTS_SPEC, REPO, ckptd_cli, free_port, start_daemon
 
 
 def assert_clear(out: subprocess.CompletedProcess, code: int, *phrases: str) -> None:
@@ -74,6 +74,38 @@ def test_a_run_dir_that_cannot_be_created_is_refused_naming_it(root, tmp_path) -
     for mode in (("--foreground",), ()):
         out = ckptd_cli("start", *mode, "--run-dir", str(blocker), "--root", str(root))
         assert_clear(out, 3, f"cannot use {blocker} as the run directory", "--run-dir")
+
+
+@pytest.mark.parametrize("detached", [False, True], ids=["foreground", "detached"])
+def test_a_run_dir_holding_a_garbled_key_pair_is_refused_in_one_line_naming_the_file(run_dir, root, detached) -> None:
+    """A key pair file of two words that are no Z85 keys reached the CURVE socket, which raised a bare
+    ``ZMQError: Invalid argument``: a traceback in the foreground, and its last lines joined into one detached."""
+    run_dir.mkdir(mode=0o700, exist_ok=True)
+    (run_dir / "peer.key_secret").write_text("abc\ndef\n")
+    mode = () if detached else ("--foreground",)
+    out = ckptd_cli("start", *mode, "--run-dir", str(run_dir), "--root", str(root),
+                    "--peer-listen", f"tcp://127.0.0.1:{free_port()}")
+    assert_clear(out, 2, f"{run_dir / 'peer.key_secret'} is not a key pair", "remove it")
+    assert len(out.stderr.splitlines()) == 1, out.stderr
+    assert not (run_dir / "ckptd.sock").exists() and not (run_dir / "ckptd.pid").exists()
+
+
+@pytest.mark.parametrize("detached", [False, True], ids=["foreground", "detached"])
+def test_a_defect_at_start_is_one_line_naming_it_and_the_log_which_holds_its_traceback(run_dir, root,
+                                                                                         detached) -> None:
+    """An exception no user error explains (here a storage call that raises ``RuntimeError`` as the daemon
+    starts) is told in one line, exit 3, with its traceback kept in the daemon's log."""
+    env = {**os.environ, "CKPTD_FAULTS": json.dumps([{"op": "stat", "match": "ckptd.dirs", "defect": True}]),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    mode = () if detached else ("--foreground",)  # the foreground logs to stderr too: still one line there
+    out = ckptd_cli("start", *mode, "--run-dir", str(run_dir), "--root", str(root), "--storage", FAULTS_SPEC,
+                    env=env)
+    assert_clear(out, 3, "failed to start: RuntimeError: injected defect", f"traceback is in {run_dir / 'ckptd.log'}")
+    said = [line for line in out.stderr.splitlines() if " level=" not in line]  # the foreground's own log lines aside
+    assert len(said) == 1 and 'File "' not in out.stderr, out.stderr
+    logged = (run_dir / "ckptd.log").read_text()
+    assert "event=start_failed" in logged and "Traceback" in logged and "injected defect" in logged, logged
+    assert not (run_dir / "ckptd.sock").exists() and not (run_dir / "ckptd.pid").exists()
 
 
 # --------------------------------------------------------------------------- status / stop

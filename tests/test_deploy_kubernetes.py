@@ -88,10 +88,10 @@ def _start_argv(run_dir: str, args: list[str], *, me: str, keys: str, buddy: str
 def test_the_command_lines_are_ones_ckptd_accepts() -> None:
     container = _container("DaemonSet")
     env = _env(container)
-    args = _parser().parse_args(_start_argv(env["CKPTD_RUN_DIR"], container["args"], me="tcp://10.0.0.1:47100",
-                                            keys=env["CKPTD_PEER_KEYS"], buddy="tcp://10.0.0.2:47100"))
+    args = _parser().parse_args(_start_argv(env["CKPTD_RUN_DIR"], container["args"], me="tcp://10.0.0.1:29100",
+                                            keys=env["CKPTD_PEER_KEYS"], buddy="tcp://10.0.0.2:29100"))
     given = config_kwargs(args)
-    assert given["peers"] == ("tcp://10.0.0.2:47100",) and given["peer_listen"] == "tcp://10.0.0.1:47100"
+    assert given["peers"] == ("tcp://10.0.0.2:29100",) and given["peer_listen"] == "tcp://10.0.0.1:29100"
     assert given["memory_budget"] == 8 * 2**30 and given["roots"] == (Path("/checkpoints"),)
     for command in (container["lifecycle"]["preStop"]["exec"]["command"],
                     container["readinessProbe"]["exec"]["command"]):

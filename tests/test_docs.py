@@ -105,3 +105,19 @@ def test_every_link_between_the_pages_reaches_a_file_and_a_heading() -> None:
                 if anchor not in {_anchor(h) for h in headings}:
                     broken.append(f"{page.relative_to(REPO)}: {target}#{anchor} names no heading there")
     assert not broken, "\n".join(broken)
+
+
+EPHEMERAL = range(32768, 61000)
+"""Linux's default ``net.ipv4.ip_local_port_range``: an outgoing connection may hold any of these ports, so a
+daemon told to listen on one may find it taken."""
+PORTS = re.compile(r"tcp://[^\s:/`'\"]+:(\d+)|[Pp]ort:\s*\"?(\d+)|PEER_PORT\D{0,12}(\d{4,5})|ports? (\d{4,5})")
+
+
+def test_every_example_port_and_its_data_port_lie_below_the_ephemeral_range() -> None:
+    """The peer ports the docs and deployment files give (and each one's data port, the peer port + 1) are ports a
+    user copies: each must be free to listen on, never one the kernel hands to outgoing connections."""
+    pages = [REPO / "README.md", *DOCS.glob("*.md"), *(p for p in (REPO / "deploy").rglob("*") if p.is_file())]
+    found = {(page.relative_to(REPO).as_posix(), int(port)) for page in pages
+             for match in PORTS.finditer(page.read_text(errors="replace")) for port in match.groups() if port}
+    assert found, "no example port found: the pattern no longer matches the docs"
+    assert not [(page, port) for page, port in sorted(found) if {port, port + 1} & set(EPHEMERAL)], sorted(found)

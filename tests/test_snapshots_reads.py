@@ -81,6 +81,28 @@ def test_a_read_asks_the_daemon_its_run_dir_names_and_says_which_it_asked_when_t
     daemon.stop()
 
 
+def test_latest_with_no_daemon_at_its_run_dir_still_answers_from_disk_and_warns_naming_the_run_dir(
+    daemon, client_factory, root, run_dir, tmp_path, caplog
+) -> None:
+    """``latest`` with no daemon at ``run_dir`` keeps its answer (the disk's newest, or None: nothing to resume
+    from), and says why a snapshot held elsewhere was not considered, where it said nothing."""
+    client = client_factory()
+    client.save_async(full(1), root / "step-1", step=1).result(30)
+    client.save_async(full(2), root / "step-2", step=2, persist=False).result(30)
+    elsewhere = tmp_path / "no-daemon-here"
+    with caplog.at_level("WARNING", logger="ckptd"):
+        assert ckptd.latest(root, run_dir=elsewhere) == root / "step-1"
+        assert ckptd.latest(tmp_path, run_dir=elsewhere) is None
+    said = [r.getMessage() for r in caplog.records if r.name == "ckptd" and r.levelname == "WARNING"]
+    assert len(said) == 2 and all(f"no daemon answers at run directory {elsewhere}" in m for m in said), said
+    assert "only checkpoints on disk" in said[0] and str(root) in said[0], said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ckptd"):
+        assert ckptd.latest(root, run_dir=run_dir) == root / "step-2"  # a daemon answers: nothing to say
+    assert not [r for r in caplog.records if r.name == "ckptd"], caplog.records
+    daemon.stop()
+
+
 def test_a_snapshot_dropped_while_a_reader_pins_it_stays_readable_until_the_reader_is_done(
     daemon, client_factory, root, run_dir
 ) -> None:

@@ -69,14 +69,14 @@ def test_ckptd_peer_listen_is_the_default_of_peer_listen_passed_on_by_a_detached
         tmp_path: Path, monkeypatch) -> None:
     """A daemon a client spawns inherits the client's environment: ``CKPTD_PEER_LISTEN`` opens its peer endpoint."""
     root = ["--root", str(tmp_path)]
-    monkeypatch.setenv("CKPTD_PEER_LISTEN", "tcp://127.0.0.1:47100")
+    monkeypatch.setenv("CKPTD_PEER_LISTEN", "tcp://127.0.0.1:29100")
     from_env = DaemonConfig(run_dir=tmp_path / "run", **config_kwargs(_start_args(root)))
-    assert from_env.peer_listen == "tcp://127.0.0.1:47100" and from_env.replicas == 1
-    assert detached_argv(from_env, _start_args(root))[-2:] == ["--peer-listen", "tcp://127.0.0.1:47100"]
-    flag = [*root, "--peer-listen", "tcp://127.0.0.1:47101"]
+    assert from_env.peer_listen == "tcp://127.0.0.1:29100" and from_env.replicas == 1
+    assert detached_argv(from_env, _start_args(root))[-2:] == ["--peer-listen", "tcp://127.0.0.1:29100"]
+    flag = [*root, "--peer-listen", "tcp://127.0.0.1:29101"]
     given = DaemonConfig(run_dir=tmp_path / "run", **config_kwargs(_start_args(flag)))
-    assert given.peer_listen == "tcp://127.0.0.1:47101"
-    assert "tcp://127.0.0.1:47100" not in detached_argv(given, _start_args(flag))
+    assert given.peer_listen == "tcp://127.0.0.1:29101"
+    assert "tcp://127.0.0.1:29100" not in detached_argv(given, _start_args(flag))
     monkeypatch.setenv("CKPTD_PEER_LISTEN", "")
     unset = DaemonConfig(run_dir=tmp_path / "run", **config_kwargs(_start_args(root)))
     assert unset.peer_listen is None and unset.replicas == 0
@@ -84,7 +84,7 @@ def test_ckptd_peer_listen_is_the_default_of_peer_listen_passed_on_by_a_detached
 
 
 @pytest.mark.parametrize("value, why", [("bogus", "expected tcp://HOST:PORT"),
-                                        ("tcp://192.0.2.1:47100", "cannot listen there")], ids=["form", "address"])
+                                        ("tcp://192.0.2.1:29100", "cannot listen there")], ids=["form", "address"])
 def test_a_bad_ckptd_peer_listen_fails_the_clients_spawn_naming_the_variable(tmp_path: Path, monkeypatch, value,
                                                                             why) -> None:
     """The user set the variable, not the flag: the error a spawning client raises says so, and no daemon runs."""

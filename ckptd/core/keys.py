@@ -50,7 +50,7 @@ class KeyPair:
         """The run directory's key pair, made on first use (the secret readable by this user only)."""
         secret_file, public_file = run_dir / SECRET_NAME, run_dir / PUBLIC_NAME
         try:
-            public, secret = secret_file.read_bytes().split()
+            public, secret = _pair_of(secret_file.read_bytes())
         except FileNotFoundError:
             run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             public, secret = zmq.curve_keypair()
@@ -65,6 +65,15 @@ class KeyPair:
                              f"made, then give its peers the new public key (ckptd peer-key)") from None
         public_file.write_bytes(public + b"\n")
         return cls(public, secret)
+
+
+def _pair_of(text: bytes) -> tuple[bytes, bytes]:
+    """The public and secret key of a key pair file's text; ValueError unless both are 40 characters of Z85: a
+    pair of other words reached the CURVE socket, which refused it with no more than "Invalid argument"."""
+    public, secret = text.split()
+    if not all(KEY.fullmatch(key.decode(errors="replace")) for key in (public, secret)):
+        raise ValueError("not two Z85 keys")
+    return public, secret
 
 
 def key_line(run_dir: Path, endpoint: str | None) -> str:

@@ -42,6 +42,20 @@ class AlreadyRunning(CkptdError):
     """A daemon already holds this run directory's pid lock."""
 
 
+class StartFailed(CkptdError):
+    """A detached daemon exited before it answered: its own one-line error, and its exit code, which ``ckptd start``
+    exits with too (2 usage, 3 error), so a start fails alike detached and in the foreground."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+FILE_ONLY = "ckptd_file_only"
+"""A log record's ``extra`` key: the record goes to the log file only, never to stderr (``--foreground``), where
+every error is one line (a start's traceback is kept in the log)."""
+
+
 def prepare_run_dir(run_dir: Path) -> None:
     """Create the run directory private to this user, or refuse a foreign one."""
     try:
@@ -78,6 +92,7 @@ def setup_logging(run_dir: Path, *, to_stderr: bool) -> None:
     ]
     if to_stderr:
         handlers.append(logging.StreamHandler(sys.stderr))
+        handlers[-1].addFilter(lambda record: not getattr(record, FILE_ONLY, False))
     for h in handlers:
         h.setFormatter(fmt)
         h.addFilter(_object_urls)
@@ -107,16 +122,7 @@ def run_foreground(config: DaemonConfig) -> list[str]:
     if sock.exists():  # we hold the lock, so it is a dead daemon's socket
         sock.unlink()
     try:  # a start that fails (metrics port in use...) leaves no socket or pid file behind
-        check_stores(config)
-        # From the socket's bind (in Server) to the handlers, a SIGTERM would kill the daemon undrained: held
-        # until they are in place (the threads Server starts inherit the block, so the main thread takes it).
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
-            server = Server(config, load_storage(config.storage))
-            for sig in STOP_SIGNALS:
-                signal.signal(sig, lambda *_: server.request_stop())
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        server = _started(config)
         (config.run_dir / DRAIN_FAILED_NAME).unlink(missing_ok=True)
         try:
             server.serve_forever()
@@ -136,6 +142,33 @@ def run_foreground(config: DaemonConfig) -> list[str]:
             except FileNotFoundError:
                 pass
         os.close(lock_fd)
+
+
+def _started(config: DaemonConfig) -> Server:
+    """The server, serving once ``serve_forever`` runs, with its stop signals handled.
+
+    A user's error (``ValueError``, ``CkptdError``, ``OSError``) goes to the CLI, which says it in one line. Any
+    other exception is a defect: its traceback goes to the log file, and the CLI's one line names it and the log,
+    where a traceback on stderr was all a detached start showed, flattened into one line.
+    """
+    try:
+        check_stores(config)
+        # From the socket's bind (in Server) to the handlers, a SIGTERM would kill the daemon undrained: held
+        # until they are in place (the threads Server starts inherit the block, so the main thread takes it).
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            server = Server(config, load_storage(config.storage))
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, lambda *_: server.request_stop())
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    except (CkptdError, OSError, ValueError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a defect: logged whole, told in one line
+        log.error("event=start_failed error=%r", exc, exc_info=True, extra={FILE_ONLY: True})
+        raise CkptdError(f"the daemon failed to start: {type(exc).__name__}: {exc} (a defect of ckptd; its "
+                         f"traceback is in {config.run_dir / LOG_NAME})") from None
+    return server
 
 
 def check_stores(config: DaemonConfig) -> None:
@@ -187,13 +220,23 @@ def start_detached(argv: list[str], run_dir: Path, *, timeout: float = 30.0) -> 
     while time.monotonic() < deadline:
         code = proc.poll()
         if code is not None:
-            tail = err_path.read_text(errors="replace").strip().splitlines()[-5:]
-            raise CkptdError("daemon exited at start (code %d): %s" % (code, " | ".join(tail) or "no output"))
+            raise StartFailed(_start_error(err_path, code, run_dir), code if code in (2, 3) else 3)
         if probe(run_dir, timeout=0.5) and _pid_in(run_dir) == proc.pid:
             return proc.pid
         time.sleep(0.05)
     proc.terminate()
     raise CkptdError(f"daemon did not answer within {timeout:.0f} s; see {run_dir / LOG_NAME}")
+
+
+def _start_error(err_path: Path, code: int, run_dir: Path) -> str:
+    """What a daemon that exited at start said: its one-line error (``ckptd: ...``, the last such line of its
+    stderr), never lines of a traceback joined into one; else where to look."""
+    lines = [line for line in err_path.read_text(errors="replace").splitlines() if line.strip()]
+    said = next((line.removeprefix("ckptd: ") for line in reversed(lines) if line.startswith("ckptd: ")), None)
+    if said is not None:
+        return said
+    return (f"the daemon exited at start (code {code}) without saying why; see {run_dir / LOG_NAME} and "
+            f"{err_path}")
 
 
 def _pid_in(run_dir: Path) -> int | None:
