@@ -6,8 +6,8 @@
     python -m benchmarks.replication --frozen 0.9 --mib 512 --repeat 3
 
 Two daemons on 127.0.0.1 stand for two nodes (origin and buddy), each with its own run directory and peer port,
-CurveZMQ on for the peer protocol and GMAC-tagged frames on the data port (``--peer-encrypt``: AES-256-GCM), as ``docs/memory.md`` deploys them. In
-one run, for the same state:
+CurveZMQ on for the peer protocol and GMAC-tagged frames on the data port (``--peer-encrypt``: AES-256-GCM), as
+``docs/memory.md`` deploys them. In one run, for the same state:
 
 - the link's limit: a plain TCP stream of the same bytes between two processes (the receiver ``recv_into`` one
   buffer), and a raw ZeroMQ stream (16 MiB frames, DEALER to ROUTER, the receiver copying each frame into one

@@ -1,5 +1,6 @@
 """A restore's read of a replica from a peer (``PeerLink.fetch``), against a fake holder on 127.0.0.1: it answers the
-``Fetch`` over CURVE with a ``Ticket`` and sends the shard on its data port (its peer port + 1) as authenticated frames (GMAC-tagged plain by default, AES-256-GCM with --peer-encrypt).
+``Fetch`` over CURVE with a ``Ticket`` and sends the shard on its data port (its peer port + 1) as authenticated
+frames (AES-256-GCM, as a holder with --peer-encrypt sends them; plain ones are tests/test_peer_data.py's).
 The shard comes back bitwise, each frame written in place only once its tag passed; a frame altered on the way, out
 of order, or under another key, a stream cut short, and bytes that pass their tags but not the origin's checksum
 are each refused with a clear error, never taken."""
