@@ -21,10 +21,11 @@ per stream, numbers counted up from 0) and the tag covers the payload and its
 length, so no frame can be altered, dropped, repeated, reordered, cut short or
 taken from another stream without its tag failing or the count coming out
 wrong: integrity and authenticity are the same in both. Plain frames leave the
-bytes readable on the wire; they cost a GMAC pass (6.4 GB/s on a core here)
-where encryption costs a cipher pass and a copy (2.35 GB/s), at both ends, so
-plain is what a stream uses unless either daemon runs with ``--peer-encrypt``
-(``Ticket.encrypted``). The crc32c each shard carries from its origin is still
+bytes readable on the wire; they cost a GMAC pass (4.6-5.0 GB/s on a core here)
+where encryption costs a cipher pass and a copy (2.2-3.1 GB/s), at both ends
+(``benchmarks/RESULTS.md``: a stream of them ran at 0.56 x plain TCP, encrypted
+ones at 0.42 x), so plain is what a stream uses unless either daemon runs with
+``--peer-encrypt`` (``Ticket.encrypted``). The crc32c each shard carries from its origin is still
 checked end to end on top of either.
 """
 

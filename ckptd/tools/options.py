@@ -193,7 +193,7 @@ START_OPTIONS: tuple[StartOption, ...] = (
                 "BYTES"),
     StartOption("--peer-encrypt", "peer_encrypt", "encrypt the replicas' bytes between daemons (AES-256-GCM); "
                 "by default they travel in the clear, each frame authenticated (GMAC) and every shard checksummed, "
-                "which costs a third of encryption's CPU: for a network others can read", flag_value=True),
+                "at less CPU a byte: for a network others can read", flag_value=True),
     StartOption("--peer-send-all", "peer_send_changed", "send the buddy every byte of every snapshot, also the "
                 "chunks it holds from this node already (no SHA-256 pass over each snapshot: for a link faster than "
                 "hashing, where its share does not matter)", flag_value=False),
