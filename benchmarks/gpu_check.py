@@ -15,6 +15,9 @@ One case, one process, every figure of one run:
   every ``steps_every`` steps: never (``none``), awaited (``wait_staged`` right after ``save_async``: the step
   pays the copy) and background (``background_staging=True``; the copy runs beside the next forward and backward,
   ``wait_staged`` before the optimizer step, as the README's loop does). Each step ends with a device synchronize.
+- Replication (issue #40): the same state snapshotted (``persist=False``) to a daemon with a buddy, two daemons on
+  127.0.0.1 as two nodes (``replication.Nodes``), while a matrix product runs on another CUDA stream as training
+  would: its blocking (D2H into the slot), held and replicated times, against a plain TCP stream of the same bytes.
 
 On the CPU the same code runs with CPU tensors (no pinning, host to host), so the harness is tried without a GPU;
 its figures say nothing about a GPU.
@@ -30,6 +33,7 @@ from .limits import memcpy_reused
 from .saves import BenchDaemon, ckptd_saves, dcp_saves
 from .state import build
 from .steps import Trainee
+from .replication import Nodes, tcp_stream
 
 
 def sync(device: str) -> None:
@@ -85,6 +89,50 @@ def step_costs(scratch: Path, daemon: BenchDaemon, size_gib: float, device: str,
     return {"steps_nbytes": nbytes, "reps": reps}
 
 
+def busy(device: str) -> Any:
+    """Work on another stream, as training's kernels run while a snapshot is taken (a no-op on the CPU)."""
+    if device != "cuda":
+        return None
+    side, x = torch.cuda.Stream(), torch.randn(4096, 4096, device=device)
+    with torch.cuda.stream(side):
+        for _ in range(20):
+            x = x @ x / 4096
+    return side
+
+
+def replication(state: dict, nbytes: int, scratch: Path, repeat: int, device: str) -> dict[str, list[float]]:
+    """Snapshot ``state`` to a daemon whose buddy holds its replicas, ``repeat`` times after a first save (its slot
+    made): blocking, held and replicated seconds each; and a plain TCP stream of the same bytes."""
+    (scratch / "peers").mkdir()
+    nodes = Nodes(scratch / "peers")
+    out: dict[str, list[float]] = {"rep_blocking": [], "rep_held": [], "rep_replicated": [],
+                                   "rep_tcp": tcp_stream(nbytes, repeat)}
+    try:
+        for node in (1, 0):
+            nodes.start(node)
+        nodes.serve(1)
+        nodes.serve(0)
+        with ckptd.Client(run_dir=nodes.run_dirs[0], spawn=False) as client:
+            for i in range(repeat + 1):
+                side = busy(device)
+                started = time.perf_counter()
+                fut = client.save_async(state, nodes.root / f"rep-{i}", step=i, persist=False)
+                fut.wait_staged()
+                blocked = time.perf_counter() - started
+                fut.result(600)
+                held = time.perf_counter() - started
+                fut.wait_replicated(600)
+                if i:
+                    out["rep_blocking"].append(blocked)
+                    out["rep_held"].append(held)
+                    out["rep_replicated"].append(time.perf_counter() - started)
+                if side is not None:
+                    side.synchronize()
+    finally:
+        nodes.stop()
+    return out
+
+
 def gpu_check(case: Case, scratch: Path) -> dict:
     device = case.device
     bench = build("transformer", case.size_gib, device=device)
@@ -100,6 +148,7 @@ def gpu_check(case: Case, scratch: Path) -> dict:
             out[f"{name}_first_blocking"] = got["first"]["blocking"]
         got = dcp_saves(bench.state, scratch, case.repeat, 0, mode="thread_stager")
         reps.update({f"dcp_{k}": v for k, v in got["reps"].items() if k in ("blocking", "staged", "durable")})
+        reps.update(replication(bench.state, bench.nbytes, scratch, case.repeat, device))
         del bench
         steps = step_costs(scratch, daemon, case.params["steps_gib"], device, case.params["every"],
                            case.params["saves"])

@@ -633,8 +633,14 @@ def gpu_table(recs: Records) -> str:
               fmt(None if mode == "none" else med(r, f"{mode}_step") - med(r, "none_step")),
               fmt(None if mode == "none" else gpu_interval_cost(r, mode))] for mode in ("none", "awaited", "background")
              if med(r, f"{mode}_step") is not None]
+    replicated = [[fmt(med(r, "rep_blocking")), fmt(med(r, "rep_held")), fmt(med(r, "rep_replicated")),
+                   fmt(med(r, "rep_tcp")), fmt(div(med(r, "rep_tcp"), med(r, "rep_replicated")), 2)]]
     return "\n\n".join([table(["what", "blocking s", "staged s", "durable s", "staged GB/s",
                                 "speed ÷ pinned to()"], rows),
+                         "The same state snapshotted to a daemon whose buddy (a second daemon on 127.0.0.1) holds "
+                         "its replica, another CUDA stream busy with matrix products meanwhile:",
+                         table(["blocking s", "held s", "replicated s", "plain TCP stream s",
+                                "replication speed ÷ plain TCP"], replicated if med(r, "rep_replicated") else []),
                          f"Steps of a {fmt(r.get('steps_nbytes', 0) / MIB, 0)} MiB MLP (state with AdamW's) trained on "
                          f"the device, saved every {r['params']['every']} steps:",
                          table(["saves", "step s (saving step)", "interval s", "step cost s", "interval cost s"],

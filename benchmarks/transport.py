@@ -36,6 +36,8 @@ from typing import Any, Callable
 import crc32c
 import zmq
 
+from ckptd.peers.bulk import send_parts
+
 try:
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
     from cryptography.hazmat.primitives.poly1305 import Poly1305
@@ -245,7 +247,7 @@ def _send_tcp(name: str, port: int, data: memoryview, frame: int, key: bytes) ->
                 continue
             head = HEADER.pack(i, len(chunk))
             if name in TAG_BYTES:  # header, data and tag in one call: sent apart, the tag waited behind the data
-                _send_parts(sock, [memoryview(head), chunk, memoryview(tag(i, head, chunk))])  # for an ACK (Nagle)
+                send_parts(sock, [memoryview(head), chunk, memoryview(tag(i, head, chunk))])  # for an ACK (Nagle)
             else:
                 out = memoryview(sealed)[:len(chunk) + 16]
                 aead.encrypt_into(_nonce(i), chunk, head, out)
@@ -253,16 +255,6 @@ def _send_tcp(name: str, port: int, data: memoryview, frame: int, key: bytes) ->
                 sock.sendall(out)
         if sock.recv(1) != b"k":
             raise ConnectionError("the receiver did not acknowledge the stream")
-
-
-def _send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
-    while parts:
-        n = sock.sendmsg(parts)
-        while parts and n >= len(parts[0]):
-            n -= len(parts[0])
-            parts.pop(0)
-        if parts and n:
-            parts[0] = parts[0][n:]
 
 
 def _send_zmq(name: str, port: int, data: memoryview, frame: int, server_public: bytes) -> None:

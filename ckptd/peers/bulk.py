@@ -14,8 +14,8 @@ port + 1 (``data_address``), sends the token, and the frames follow::
     payload (length bytes) + tag (16 bytes)
 
 A frame is *encrypted* (AES-256-GCM: the payload is the ciphertext, the
-header its associated data) or *plain* (the payload is the plaintext, the tag its
-GMAC: AES-GCM with the payload as associated data and nothing encrypted).
+header its associated data) or *plain* (the payload is the plaintext, the tag
+its GMAC: AES-GCM with the payload as associated data, nothing encrypted).
 Either way the nonce is the frame number (never repeated under a key: one key
 per stream, numbers counted up from 0) and the tag covers the payload and its
 length, so no frame can be altered, dropped, repeated, reordered, cut short or
@@ -25,8 +25,8 @@ bytes readable on the wire; they cost a GMAC pass (4.6-5.0 GB/s on a core here)
 where encryption costs a cipher pass and a copy (2.2-3.1 GB/s), at both ends
 (``benchmarks/RESULTS.md``: a stream of them ran at 0.56 x plain TCP, encrypted
 ones at 0.42 x), so plain is what a stream uses unless either daemon runs with
-``--peer-encrypt`` (``Ticket.encrypted``). The crc32c each shard carries from its origin is still
-checked end to end on top of either.
+``--peer-encrypt`` (``Ticket.encrypted``). The crc32c each shard carries from
+its origin is still checked end to end on top of either.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class Pacer:
             self.sleep(start - now)
 
 
-def _send_parts(sock: socket.socket, parts: Sequence[memoryview | bytes]) -> None:
+def send_parts(sock: socket.socket, parts: Sequence[memoryview | bytes]) -> None:
     """Send ``parts`` back to back in as few calls as the kernel takes them (a plain frame's header, payload and tag
     in one ``sendmsg``: written apart, the tag would wait behind the payload for an ACK, Nagle's rule)."""
     views = [memoryview(p) for p in parts if len(p)]
@@ -120,7 +120,8 @@ def send(sock: socket.socket, key: bytes, data: memoryview, frame: int = FRAME, 
     """Send ``data`` as frames under ``key`` (the token was sent already), each after ``pace`` let it go: all of it,
     or only its ``spans`` ((offset, length), in order: the chunks the buddy does not build itself, ``chunks.py``);
     the bytes sent. Frames are numbered on across the spans, so the receiver, which knows the same spans, takes
-    them in order. ``encrypted``: AES-256-GCM frames (else plain, the payload sent from ``data`` itself with its GMAC tag)."""
+    them in order. ``encrypted``: AES-256-GCM frames (else plain: the payload sent from ``data`` itself, with its
+    GMAC tag)."""
     aead = AESGCM(key)
     out = bytearray(HEADER.size + (min(frame, max(len(data), 1)) + TAG if encrypted else 0))
     view = memoryview(out)
@@ -137,7 +138,7 @@ def send(sock: socket.socket, key: bytes, data: memoryview, frame: int = FRAME, 
                                   view[HEADER.size:HEADER.size + n + TAG])
                 sock.sendall(view[:HEADER.size + n + TAG])
             else:
-                _send_parts(sock, (view[:HEADER.size], payload, aead.encrypt(_nonce(number), b"", payload)))
+                send_parts(sock, (view[:HEADER.size], payload, aead.encrypt(_nonce(number), b"", payload)))
             number, sent = number + 1, sent + n
     return sent
 
