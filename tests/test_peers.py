@@ -270,15 +270,22 @@ def test_older_steps_saved_after_a_newer_one_leave_the_buddy_two_replicas_as_the
         pair.kill()
 
 
-def test_a_drained_buddy_persists_the_replica_of_an_origin_that_is_gone(root: Path, tmp_path: Path) -> None:
-    # in a ring: the buddy's own buddy is the origin, which will be gone
+@pytest.mark.parametrize("floats", [50_000, 50_304], ids=["any_size", "512_not_4096"])
+def test_a_drained_buddy_persists_the_replica_of_an_origin_that_is_gone(root: Path, tmp_path: Path,
+                                                                         floats: int) -> None:
+    """In a ring (the buddy's own buddy is the origin, which will be gone). A replica's file is exactly its shard's
+    size, not page-sized as a trainer's slot is: one whose size is a multiple of 512 bytes but not of a page had its
+    O_DIRECT write loop for ever past the file's end, and the drain with it (found by a new-user pass)."""
     pair = _pair(root, tmp_path, origin_extra=("--persist-on-exit", "never"), ring=True)
-    state = {"w": torch.randn(50_000), "step": 7}
+    state = {"w": torch.randn(floats), "step": 7}
     path = root / "run" / "step-7"
     try:
         client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
         client.save_async(state, path, step=7, persist=False).wait_replicated(60)
         client.close()
+        (held,) = pair.buddy.status()["peers"]["replicas_held"]["held"]
+        if floats == 50_304:  # the size the fault needs
+            assert held["bytes"] % 512 == 0 and held["bytes"] % 4096 != 0, held["bytes"]
         assert not path.exists()  # in memory only, on both nodes
         pair.origin.kill()
         assert pair.origin.proc.returncode == -signal.SIGKILL  # the origin is gone, and its snapshot with it

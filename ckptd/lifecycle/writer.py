@@ -125,12 +125,17 @@ def write_shard(job: ShardWrite, storage: Checkpoints, checksums: Executor, *, d
     try:
         shard = storage.open_shard(job.dest, direct=direct)
         offset = 0
-        # O_DIRECT needs whole pages; the slot is page-sized, and ``finish`` cuts the padding off again.
-        while offset < (end := round_up(nbytes) if shard.aligned else nbytes):
+        # O_DIRECT needs whole pages: a trainer's slot is page-sized, and ``finish`` cuts the padding off again. A
+        # snapshot read back from a peer, or adopted from a replica, lies in a file of exactly its size: its last
+        # piece is written short (a multiple of 512 bytes is taken direct, any other length buffered).
+        while offset < (end := min(round_up(nbytes), len(view)) if shard.aligned else nbytes):
             n = min(chunk, end - offset)
             _await_bytes(job, min(offset + n, nbytes))
             with view[offset : offset + n] as part:  # released even if a traceback keeps the frame
-                offset += shard.write(part, offset)
+                took = shard.write(part, offset)
+            if took <= 0:  # never loop on a write that takes nothing
+                raise WriteFailed(f"writing {display(job.dest)} failed: {n} bytes at offset {offset} were not taken")
+            offset += took
             job.written = min(offset, nbytes)
         job.state = WriteState(shard.finishing)
         shard.finish(nbytes)
