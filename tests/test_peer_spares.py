@@ -45,6 +45,7 @@ def test_the_next_replica_of_a_directory_lands_in_the_file_the_last_one_left_and
         held = pair.buddy.status()["peers"]["replicas_held"]
         assert [h["path"] for h in held["held"]] == [str(run / "step-2")]
         assert held["spare_bytes"] > 4 * MIB and set(first) < set(second)  # step 1's file waits, step 2's is new
+        assert "spare files 4." in pair.buddy.cli("status").stdout  # the human status shows them too
         client.save_async(states[3], run / "step-3", step=3, persist=False).wait_replicated(60)
         third = _files(pair.buddy.proc.pid)
         assert set(third) == set(second)  # no new file: step 3 took step 1's, and step 2's waits in its turn

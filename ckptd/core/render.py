@@ -92,7 +92,8 @@ def render_status(info: dict[str, Any]) -> str:
         held = peers["replicas_held"]
         lines.append(f"peers: listening on {peers['listen'] or 'nothing'}, buddy {peers['buddy'] or 'none'}; "
                      f"replicas held for others: {len(held['held'])} ({human_bytes(held['bytes'])}), "
-                     f"{held['receiving']} arriving")
+                     f"{held['receiving']} arriving"
+                     + (f"; spare files {human_bytes(held['spare_bytes'])}" if held.get("spare_bytes") else ""))
         if "replicated_total" in peers:
             lines.append(f"  replicated: {peers['replicated_total']} snapshots "
                          f"({human_bytes(peers['replicated_bytes_total'])}), "
