@@ -298,12 +298,13 @@ class ReplicaBook:
         """Reserve room for one shard and create its file; Ok once it may be streamed."""
         snap = msg.snapshot
         path = Path(snap.path)
-        spare = self.spares.take((origin, path.parent, snap.rank))  # its bytes become this shard's
+        spare_key = (origin, path.parent, snap.rank)
+        spare = self.spares.take(spare_key)  # its bytes become this shard's
         if self.room() < snap.nbytes:
             self.spares.release(snap.nbytes - self.room())
         if self.room() < snap.nbytes:
             if spare is not None:
-                self.spares.keep((origin, path.parent, snap.rank), spare)
+                self.spares.keep(spare_key, spare)
             raise NoSpace(f"a replica of {display(path)} rank {snap.rank} needs {human_bytes(snap.nbytes)} of this "
                           f"node's memory budget and only {human_bytes(max(0, self.room()))} are free; start this "
                           f"daemon with a larger --memory-budget")
@@ -319,7 +320,7 @@ class ReplicaBook:
                  for base in held.shards.values()] if msg.digests else []
         plan: dict[int, tuple[ReplicaShard, int]] = {}
         path_in_shm, resolve = self.shm_dir / shard.name, self.resolve
-        encrypted = self.encrypt or not msg.plain
+        encrypted = self._encrypted(msg)
 
         def create() -> None:
             try:
@@ -493,6 +494,11 @@ class ReplicaBook:
                  list(replica.ranks), replica.nbytes, str(all(s.encrypted for s in replica.shards.values())).lower(),
                  origin_named(replica.origin, self.endpoint_of(replica.origin)))
 
+    def _encrypted(self, request: Offer | Fetch) -> bool:
+        """Whether the stream ``request`` asks for is encrypted: with this daemon's ``--peer-encrypt``, or where the
+        peer did not say it takes plain frames (it asks for encryption, or predates plain frames)."""
+        return self.encrypt or not request.plain
+
     def _answer(self, fut: Any, rid: int) -> Message:
         exc = fut.exception()
         return Ok(rid) if exc is None else error_reply(self.stats, rid, exc)
@@ -566,7 +572,7 @@ class ReplicaBook:
         data, damaged = self.data, (f"the replica of {msg.path} rank {msg.rank} is damaged: its file in "
                                     f"{self.shm_dir} was shortened; it is not read")
         transfer: Transfer | None = None
-        encrypted = self.encrypt or not msg.plain
+        encrypted = self._encrypted(msg)
 
         def check() -> None:  # a mapping read past its file's end is SIGBUS: the daemon would die of a file another
             # process of its user shortened
