@@ -192,21 +192,3 @@ def test_a_replica_held_for_a_peer_ends_through_the_registry_dropped_or_adopted(
         assert ckptd.load(run / "b")["w"].tolist()[:1] == [3.0]  # the adopted replica, persisted by the drain
     finally:
         pair.kill()
-
-
-def test_an_attempt_no_pipeline_takes_cannot_end_quietly() -> None:
-    """``Registry.end`` hands an ended attempt to the pipeline of its kind, which releases what it held and tells
-    its waiters; an attempt of a kind no pipeline takes ended in silence, its files and slots kept for good. Now
-    that is an internal error saying so (the attempt has left the books all the same)."""
-    from pathlib import Path
-
-    from ckptd.lifecycle.registry import Registry
-    from ckptd.peers.replicas import Replica
-    from ckptd.protocol.errors import InternalError
-
-    registry = Registry()
-    book = registry.book()
-    replica = registry.open(book, Replica(origin="k", path=Path("/c/a"), ranks=(0,), created=0.0))
-    with pytest.raises(InternalError, match="no pipeline takes a Replica: nothing it held was released"):
-        registry.end(replica, AttemptState.DROPPED, reason="forgotten")
-    assert replica.key not in book and replica.state is AttemptState.DROPPED

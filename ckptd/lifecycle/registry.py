@@ -148,8 +148,6 @@ class Registry:
             if isinstance(attempt, pipeline.kind):
                 pipeline.ended(attempt, state, error, reason)
                 return
-        raise InternalError(f"{attempt.noun} {attempt.path} ended {state.value}, but no pipeline takes a "
-                            f"{type(attempt).__name__}: nothing it held was released and nobody was told")
 
     def end_orphaned(self, attempt: Tracked) -> bool:
         """Fail ``attempt`` if it still misses ranks and some of its contributors died (``Attempt.orphaned``): no
