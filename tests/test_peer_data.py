@@ -1,8 +1,8 @@
-"""The data port that carries replicas' bytes beside the CURVE peer endpoint (``ckptd/peers/data.py``), with real
-daemons as nodes on 127.0.0.1 and, where the link must misbehave, a proxy standing for it (``tests/proxy.py``):
-the bytes cross it in the clear or, where a daemon asks, encrypted, and come back bitwise; a connection whose token no ticket gave is closed before a byte
-of it is held; a byte altered on the link fails that stream (and only it), and nothing altered is ever restored;
-an origin killed mid-stream leaves the buddy nothing, and it serves on."""
+"""The data port that carries replicas' bytes beside the CURVE peer endpoint (``ckptd/peers/data.py``), with real daemons
+as nodes on 127.0.0.1 and, where the link must misbehave, a proxy standing for it (``tests/proxy.py``): the bytes
+cross it in the clear or, where a daemon asks, encrypted, and come back bitwise; a connection whose token no ticket
+gave is closed before a byte of it is held; a byte altered on the link fails that stream (and only it), and nothing
+altered is ever restored; an origin killed mid-stream leaves the buddy nothing, and it serves on."""
 
 from __future__ import annotations
 

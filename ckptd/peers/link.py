@@ -250,7 +250,8 @@ class PeerLink:
         scratch = memoryview(bytearray(min(bulk.FRAME, max(size, 1))))
         conn = self._connect(ticket)
         try:
-            for offset, piece in bulk.receive(conn, ticket.key, size, lambda _, n: scratch[:n], encrypted=ticket.encrypted):
+            for offset, piece in bulk.receive(conn, ticket.key, size, lambda _, n: scratch[:n],
+                                              encrypted=ticket.encrypted):
                 written = 0
                 while written < len(piece):
                     written += os.pwrite(into, piece[written:], offset + written)
