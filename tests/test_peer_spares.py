@@ -93,7 +93,8 @@ def _spare(shm: Path, name: str, size: int, fill: int) -> Spare:
     return Spare(name, fd, mmap.mmap(fd, size), size)
 
 
-def test_spares_go_oldest_first_when_room_is_needed_and_when_unused_for_their_time(tmp_path: Path) -> None:
+def test_spares_go_oldest_first_when_room_is_needed_and_when_unused_for_their_time(tmp_path: Path, caplog) -> None:
+    caplog.set_level("INFO", logger="ckptd")
     later: list = []
     spares = Spares(tmp_path, later.append)  # what is let go is unlinked when ``later`` runs, as on the pool
     a, b, c = (_spare(tmp_path, n, s, 1) for n, s in (("a", 4096), ("b", 8192), ("c", 4096)))
@@ -112,6 +113,9 @@ def test_spares_go_oldest_first_when_room_is_needed_and_when_unused_for_their_ti
     spares.expire(c.since + SPARE_S + 1)
     assert spares.bytes == 0 and spares.take(("k", Path("/e"), 0)) is None
     later[-1]()
+    assert [r.getMessage() for r in caplog.records] == [  # each release said, with why
+        "event=replica_spares_released count=2 bytes=12288 reason=room",
+        "event=replica_spares_released count=1 bytes=4096 reason=unused"]
     assert not (tmp_path / "c").exists()
 
 

@@ -23,6 +23,7 @@ and when the daemon exits.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import time
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+log = logging.getLogger("ckptd")
 SPARE_S = 300.0
 """Seconds a spare waits for the next replica of its directory's ranks: a run that snapshots less often than this
 (or ended) gets its memory back, and its next replica is written into a fresh file."""
@@ -66,7 +68,7 @@ class Spares:
         """``spare`` waits for the next replica of ``key`` (one kept before it for the same key goes)."""
         old = self._by_key.pop(key, None)
         if old is not None:
-            self._let_go([old])
+            self._let_go([old], "replaced")
         self._by_key[key] = spare
 
     def take(self, key: Key) -> Spare | None:
@@ -81,13 +83,13 @@ class Spares:
                 break
             gone.append(self._by_key.pop(key))
             freed += spare.size
-        self._let_go(gone)
+        self._let_go(gone, "room")
         return freed
 
     def expire(self, now: float) -> None:
         """Let go the spares no offer took within ``SPARE_S``."""
         old = [key for key, spare in self._by_key.items() if now - spare.since > SPARE_S]
-        self._let_go([self._by_key.pop(key) for key in old])
+        self._let_go([self._by_key.pop(key) for key in old], "unused")
 
     def close(self) -> None:
         """The daemon exits: every spare goes, on the calling thread."""
@@ -95,8 +97,12 @@ class Spares:
         for spare in gone:
             remove(self.shm_dir, spare)
 
-    def _let_go(self, spares: list[Spare]) -> None:
+    def _let_go(self, spares: list[Spare], reason: str) -> None:
+        """Unlink ``spares`` on the pool, logged (``reason``: ``room`` needed, ``unused`` for ``SPARE_S``, or
+        ``replaced`` by a newer spare of the same key)."""
         if spares:
+            log.info("event=replica_spares_released count=%d bytes=%d reason=%s", len(spares),
+                     sum(s.size for s in spares), reason)
             shm_dir = self.shm_dir
             self._unlink(lambda: [remove(shm_dir, s) for s in spares])
 
