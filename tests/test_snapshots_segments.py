@@ -3,6 +3,7 @@ not by a killed daemon (the next start unlinks it), not under a pid a new daemon
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -10,7 +11,9 @@ import torch
 
 import ckptd
 
-from helpers import SHM, equal_states, segments_of, status, wait_until
+from ckptd.protocol.shm import SHM_DIR_ENV
+
+from helpers import SHM, equal_states, segments_of, status, tmpfs, wait_until
 from snapshots import state_at
 
 
@@ -64,14 +67,25 @@ def test_a_daemon_started_under_its_dead_predecessors_pid_unlinks_the_segments_l
         proc.wait(30)
 
 
-def test_a_killed_daemons_held_snapshots_are_unlinked_by_the_next_start(daemon_factory, client_factory, root) -> None:
-    daemon = daemon_factory()
-    client = client_factory()
-    client.save_async(state_at(1), root / "s1", step=1, persist=False).result(30)
-    left = segments_of(daemon.proc.pid)
-    assert left, "the daemon holds the snapshot's slot under its own pid"
-    daemon.kill()
-    assert segments_of(daemon.proc.pid) == left  # a SIGKILL unlinks nothing
-    daemon_factory()
-    wait_until(lambda: segments_of(daemon.proc.pid) == [], 30,
-               lambda: f"the next start unlinks the dead daemon's slots: {segments_of(daemon.proc.pid)}")
+def test_a_killed_daemons_held_snapshots_are_unlinked_by_the_next_start(daemon_factory, client_factory, root,
+                                                                        run_dir, tmp_path, monkeypatch) -> None:
+    # Every start sweeps the dead pids' slots of its shared-memory folder: in /dev/shm another test's daemon could
+    # sweep this one's first, so the two daemons here share a tmpfs of their own and the log proves the sweep
+    with tmpfs(tmp_path / "shm", 64) as shm:
+        monkeypatch.setenv(SHM_DIR_ENV, str(shm))
+        daemon = daemon_factory()
+        client = client_factory()
+        client.save_async(state_at(1), root / "s1", step=1, persist=False).result(30)
+        prefix = f"ckptd-{os.getuid()}-{daemon.proc.pid}-"
+
+        def left() -> list[str]:
+            return sorted(p.name for p in shm.iterdir() if p.name.startswith(prefix))
+        held = left()
+        assert held, "the daemon holds the snapshot's slot under its own pid"
+        daemon.kill()
+        assert left() == held  # a SIGKILL unlinks nothing
+        log = run_dir / "ckptd.log"
+        before = log.read_text().count("event=slots_reclaimed")
+        daemon_factory()
+        wait_until(lambda: left() == [], 30, lambda: f"the next start unlinks the dead daemon's slots: {left()}")
+        wait_until(lambda: log.read_text().count("event=slots_reclaimed") > before, 30, "the start logs its sweep")
