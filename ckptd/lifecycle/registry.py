@@ -150,11 +150,12 @@ class Registry:
                 return
 
     def end_orphaned(self, attempt: Tracked) -> bool:
-        """Fail ``attempt`` if it still misses ranks and some of its contributors died (``Attempt.orphaned``): no
-        rank of their run can complete it. True if it ended."""
+        """A rank of another run arrived at ``attempt``'s path: fail ``attempt`` if it still misses ranks and some of
+        its contributors died (``Attempt.orphaned``), as no rank of their run can complete it. Logged ``abandoned``
+        (housekeeping's own finding of the same is ``orphaned``). True if it ended."""
         why = attempt.orphaned()
         if why is not None:
-            self.end(attempt, attempt.judged_end, why, reason="orphaned")
+            self.end(attempt, attempt.judged_end, why, reason="abandoned")
         return why is not None
 
     def forget(self, *books: Book[A]) -> list[A]:
