@@ -85,16 +85,14 @@ def test_the_integrations_and_the_package_face_reach_only_the_client_and_the_pro
     assert not bad, f"integrations/ and the package face may use ckptd.client and ckptd.protocol only: {bad}"
 
 
-BACKEND_BLIND = ("writer", "retention", "admission", "holding", "snapshots", "saves", "sweep", "mirror", "commit",
-                 "stats", "attempt", "registry", "cli", "replicas", "replication")
-"""Daemon modules that speak to storage in checkpoint operations only (``ckptd.storage.contract.Checkpoints``)."""
-
-
 def test_the_checkpoint_lifecycle_never_asks_which_backend_a_name_is_on() -> None:
-    """Only the storage implementations (``ckptd/storage/backends.py`` and the backends it chooses between), path parsing and messages
-    ask whether a name is on an object store; what writes, publishes and deletes checkpoints does not."""
-    blind = [*(p for p in _daemon() if p.stem in BACKEND_BLIND), *_sources("integrations")]
-    asking = {f"{p.name}: {m}" for p in blind for m in _imports(p) if m.endswith(".is_object_path")}
+    """Only the storage implementations (``ckptd/storage/``: ``backends.py`` and the backends it chooses between,
+    whose ``check_stores`` also checks a start's buckets), path parsing (``protocol/``, and the flags' own in
+    ``core/config.py``) and messages ask whether a name is on an object store; no other daemon module (the lifecycle,
+    upkeep, the loop, the peers, the tools) nor an integration does."""
+    asking = {str(p.relative_to(REPO)) for p in [*_daemon(), *_sources("integrations")]
+              if p.parent.name != "storage" and p != _by_stem("config")
+              and any(m.endswith(".is_object_path") for m in _imports(p))}
     asking |= {p.name for p in [*_daemon(), *_sources("integrations")] if "can_rename" in p.read_text()}
     assert not asking, f"checkpoint operations, not backend checks: {asking}"
 

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path, PurePath
 
@@ -23,18 +22,17 @@ import psutil
 
 from ckptd.protocol.names import DRAIN_FAILED_NAME, ERR_NAME, LOG_NAME, PID_NAME, SOCKET_NAME
 from ckptd.protocol.errors import CkptdError
-from ckptd.protocol.objects import check_bucket, display, is_object_path
+from ckptd.protocol.objects import display
 
 from ckptd.core.config import DaemonConfig
 from ckptd.loop.server import Server
-from ckptd.storage.backends import load_storage
+from ckptd.storage.backends import check_stores, load_storage
 from ckptd.tools.control import probe
 
 log = logging.getLogger("ckptd")
 """Written when a drain could not persist held snapshots (one line each): ``ckptd stop`` reports it."""
 LOG_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 3
-STORE_CHECK_S = 5.0
 """How long a start waits for a store to say whether a bucket exists."""
 
 
@@ -104,7 +102,7 @@ def setup_logging(run_dir: Path, *, to_stderr: bool) -> None:
 def _object_urls(record: logging.LogRecord) -> bool:
     """Log an object's name as its URL (``s3://bucket/key``), as every message does, never as ``Path`` prints it."""
     if isinstance(record.args, tuple):
-        record.args = tuple(display(a) if isinstance(a, PurePath) and is_object_path(a) else a for a in record.args)
+        record.args = tuple(display(a) if isinstance(a, PurePath) else a for a in record.args)
     return True
 
 
@@ -152,7 +150,7 @@ def _started(config: DaemonConfig) -> Server:
     where a traceback on stderr was all a detached start showed, flattened into one line.
     """
     try:
-        check_stores(config)
+        check_stores(config.roots, config.mirrors)
         # From the socket's bind (in Server) to the handlers, a SIGTERM would kill the daemon undrained: held
         # until they are in place (the threads Server starts inherit the block, so the main thread takes it).
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -169,32 +167,6 @@ def _started(config: DaemonConfig) -> Server:
         raise CkptdError(f"the daemon failed to start: {type(exc).__name__}: {exc} (a defect of ckptd; its "
                          f"traceback is in {config.run_dir / LOG_NAME})") from None
     return server
-
-
-def check_stores(config: DaemonConfig) -> None:
-    """Refuse (ValueError) an ``s3://`` root or mirror target whose bucket does not exist: every save or upload
-    there would fail. An endpoint that does not answer now may come back: that is only logged."""
-    targets = [(f"--root {display(r)}", r) for r in config.roots if is_object_path(r)]
-    targets += [(f"--mirror {d}={display(r)}", r) for d, r in config.mirrors.items()]
-    for shown, target in targets:
-        outcome: list[BaseException | None] = []
-        ask = threading.Thread(target=lambda: outcome.append(_bucket_error(target)), name="ckptd-check", daemon=True)
-        ask.start()
-        ask.join(STORE_CHECK_S)  # a stalled endpoint must not hold up the start
-        error = outcome[0] if outcome else TimeoutError(f"no answer within {STORE_CHECK_S:g} s")
-        if isinstance(error, FileNotFoundError):
-            raise ValueError(f"{shown}: {error.strerror} (create it first, or name another)") from None
-        if error is not None:
-            log.warning("event=store_unchecked target=%s error=%s", display(target),
-                        getattr(error, "strerror", None) or error)
-
-
-def _bucket_error(target: Path) -> BaseException | None:
-    try:
-        check_bucket(target)
-    except Exception as exc:  # noqa: BLE001 - the caller decides what stops the start
-        return exc
-    return None
 
 
 SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()

@@ -15,17 +15,23 @@ that asks which backend a name is on.
 from __future__ import annotations
 
 import importlib
+import logging
+import threading
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from ckptd.protocol.errors import PathNotAllowed
-from ckptd.protocol.objects import is_object_path
+from ckptd.protocol.objects import check_bucket, display, is_object_path
 
 from ckptd.storage.checkpoints import Checkpoints
 from ckptd.storage.contract import CheckpointReads, Entry, Files, LocalStorage, ShardWriter, Space, Stat, Storage
 from ckptd.storage.local import LocalCheckpoints
 from ckptd.storage.store import ObjectCheckpoints, ObjectStorage
+
+log = logging.getLogger("ckptd")
+STORE_CHECK_S = 5.0
+"""How long a start waits for an object store to say whether a root's or a mirror's bucket exists."""
 
 
 class Backends:
@@ -160,3 +166,29 @@ def _local_storage(spec: str | None) -> Storage:
     if not isinstance(storage, Storage):
         raise ValueError(f"--storage {spec!r} does not implement ckptd.storage.contract.Storage")
     return storage
+
+
+def check_stores(roots: tuple[Path, ...], mirrors: Mapping[Path, Path]) -> None:
+    """Refuse (ValueError) an ``s3://`` root or mirror target whose bucket does not exist: every save or upload
+    there would fail. An endpoint that does not answer now may come back: that is only logged."""
+    targets = [(f"--root {display(r)}", r) for r in roots if is_object_path(r)]
+    targets += [(f"--mirror {d}={display(r)}", r) for d, r in mirrors.items()]
+    for shown, target in targets:
+        outcome: list[BaseException | None] = []
+        ask = threading.Thread(target=lambda: outcome.append(_bucket_error(target)), name="ckptd-check", daemon=True)
+        ask.start()
+        ask.join(STORE_CHECK_S)  # a stalled endpoint must not hold up the start
+        error = outcome[0] if outcome else TimeoutError(f"no answer within {STORE_CHECK_S:g} s")
+        if isinstance(error, FileNotFoundError):
+            raise ValueError(f"{shown}: {error.strerror} (create it first, or name another)") from None
+        if error is not None:
+            log.warning("event=store_unchecked target=%s error=%s", display(target),
+                        getattr(error, "strerror", None) or error)
+
+
+def _bucket_error(target: Path) -> BaseException | None:
+    try:
+        check_bucket(target)
+    except Exception as exc:  # noqa: BLE001 - the caller decides what stops the start
+        return exc
+    return None
