@@ -94,6 +94,9 @@ def test_each_way_an_attempt_ends_on_a_node_is_a_move_of_the_table(daemon_factor
     assert "cannot go from" not in log_path.read_text()
     assert ("snapshot", "s-9", "failed", "overdue") in ended(log_path.read_text(), why=True)
     assert ckptd.load(root / "shadow")["w"].tolist() == [2.0] * 4
+    info = daemon.status()  # each end was published last: the counters its subscribers keep moved
+    assert (info["completed"]["count"], info["completed"]["failed"]) == (3, 1), info["completed"]
+    assert (info["memory"]["dropped_total"], info["memory"]["failed_total"]) == (2, 1), info["memory"]
 
 
 def dropped(log: str) -> list[tuple[str, str]]:
@@ -180,6 +183,10 @@ def test_a_replica_held_for_a_peer_ends_through_the_registry_dropped_or_adopted(
         client.delete(run / "a")  # the origin lets it go: the buddy forgets its replica
         client.save_async({"w": torch.full((50_000,), 3.0)}, run / "b", step=2, persist=False).wait_replicated(60)
         client.close()
+        totals = lambda: {k: v for k, v in pair.buddy.status()["peers"]["replicas_held"].items()  # noqa: E731
+                          if k.endswith("_total")}
+        wait_until(lambda: totals() == {"dropped_total": 2, "adopted_total": 0}, 30,
+                   lambda: f"each replica's end published (ReplicaEnded), as status counts: {totals()}")
         pair.origin.kill()
         assert pair.origin.proc.returncode == -signal.SIGKILL  # the origin is gone; the buddy's drain adopts "b"
         assert pair.buddy.cli("stop", timeout=120).returncode == 0

@@ -1,8 +1,12 @@
 """What happens to checkpoints, told to whoever reacts to it.
 
-The lifecycle publishes: the save pipeline (``saves.py``) that a checkpoint
-committed or failed, the memory tier (``holding.py``) that a snapshot is held
-or dropped, retention that it deleted a checkpoint. Stats (and through them status and metrics), the mirror,
+The lifecycle publishes, as the last step of each end (``Registry.end``
+hands an attempt to its pipeline, which answers its waiters, releases what
+it held, then publishes): the save pipeline (``saves.py``) that a checkpoint
+committed or failed, the memory tier (``holding.py``) that a snapshot is held,
+dropped or failed, the buddy's book (``peers/replicas.py``) that a replica
+it held for a peer was dropped or adopted; retention that it deleted a
+checkpoint. Stats (and through them status and metrics), the mirror,
 retention and the memory tier subscribe; ``server.py`` wires them. So the
 module that commits imports none of the modules that react to a commit, and
 a new reaction is one more subscription, not another hook inside the pipeline.
@@ -78,14 +82,37 @@ class SnapshotDropped:
 
 
 @dataclass(frozen=True)
+class SnapshotFailed:
+    """A snapshot ended before it was held whole (its ranks were told why): nothing of it is kept."""
+
+    path: Path
+    step: int | None
+    error: CkptdError
+
+
+@dataclass(frozen=True)
+class ReplicaEnded:
+    """A replica this node held for a peer ended: dropped (its files unlinked, or kept as spares for the next
+    replica of its directory) or adopted (a drain made it a snapshot of this node's own)."""
+
+    path: Path
+    origin: str
+    """The public key of the peer that sent it."""
+    adopted: bool
+    reason: str
+    """Why it ended: ``replaced``, ``forgotten``, ``stalled``, ``stream_failed``, ``checksum``, ``offered_again``,
+    ``offer_refused``; ``origin_gone`` when adopted."""
+
+
+@dataclass(frozen=True)
 class Deleted:
     """A committed checkpoint was deleted: by retention (``keep_last``, ``--keep``) or a trainer's ``Delete``."""
 
     path: Path
 
 
-Event = Union[Committed, Failed, SnapshotHeld, SnapshotDropped, Deleted]
-E = TypeVar("E", Committed, Failed, SnapshotHeld, SnapshotDropped, Deleted)
+Event = Union[Committed, Failed, SnapshotHeld, SnapshotDropped, SnapshotFailed, ReplicaEnded, Deleted]
+E = TypeVar("E", Committed, Failed, SnapshotHeld, SnapshotDropped, SnapshotFailed, ReplicaEnded, Deleted)
 
 
 class Events:

@@ -68,6 +68,8 @@ GAUGES = [
 COUNTERS = [
     ("ckptd_checkpoints_committed", "Checkpoints committed since start.", lambda s: s["completed"]["count"]),
     ("ckptd_written_bytes", "Bytes of committed checkpoints since start.", lambda s: s["completed"]["bytes"]),
+    ("ckptd_checkpoints_failed", "Checkpoint attempts that failed since start (their ranks were told why).",
+     lambda s: s["completed"]["failed"]),
     ("ckptd_errors", "Errors reported to clients since start.", lambda s: s["errors_total"]),
     ("ckptd_mirror_uploaded", "Checkpoints uploaded to their --mirror since start.",
      lambda s: s.get("mirror", {}).get("uploaded", 0)),
@@ -79,6 +81,8 @@ COUNTERS = [
      lambda s: s["memory"]["held_total"]),
     ("ckptd_memory_snapshots_dropped", "Held snapshots dropped from node memory since start.",
      lambda s: s["memory"]["dropped_total"]),
+    ("ckptd_memory_snapshots_failed", "Snapshots that failed before they were held whole, since start.",
+     lambda s: s["memory"]["failed_total"]),
     ("ckptd_replicated_bytes", "Bytes of snapshots replicated to the buddy since start.",
      lambda s: _peers(s).get("replicated_bytes_total", 0)),
     ("ckptd_replicated_sent_bytes", "Of those, bytes that crossed the link (the rest the buddy built from what it held).",
@@ -87,6 +91,8 @@ COUNTERS = [
      lambda s: _peers(s).get("replicated_total", 0)),
     ("ckptd_replication_failures", "Snapshots whose replication failed since start (refused, or no answer).",
      lambda s: _peers(s).get("replication_failures_total", 0)),
+    ("ckptd_replicas_dropped", "Replicas held for peers dropped since start (replaced, forgotten, or not received "
+     "whole).", lambda s: _peers(s).get("replicas_held", {}).get("dropped_total", 0)),
     ("ckptd_client_wait_seconds", "Seconds connected clients blocked on backpressure.",
      lambda s: sum(c["waited_s"] for c in s["clients"])),
 ]

@@ -22,7 +22,7 @@ from ckptd.protocol.objects import display
 from ckptd.protocol.shm import shm_usage
 
 from ckptd.core.config import DaemonConfig
-from ckptd.core.events import Committed, SnapshotDropped, SnapshotHeld
+from ckptd.core.events import Committed, Failed, ReplicaEnded, SnapshotDropped, SnapshotFailed, SnapshotHeld
 from ckptd.storage.backends import Backends
 
 
@@ -60,8 +60,12 @@ class Stats:
         self.last_committed: dict[str, Any] | None = None
         self.errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_ERRORS)
         self.errors_total = 0
+        self.failed_count = 0
         self.snapshots_held = 0
         self.snapshots_dropped = 0
+        self.snapshots_failed = 0
+        self.replicas_ended: collections.Counter[str] = collections.Counter()
+        """Replicas held for peers that ended, by ``dropped`` / ``adopted``."""
         self.process = psutil.Process()
 
     def committed(self, event: Committed) -> None:
@@ -76,11 +80,24 @@ class Stats:
             "time": time.time(),
         }
 
+    def failed(self, event: Failed) -> None:
+        self.failed_count += 1
+
     def held(self, event: SnapshotHeld) -> None:
         self.snapshots_held += 1
 
     def dropped(self, event: SnapshotDropped) -> None:
         self.snapshots_dropped += 1
+
+    def snapshot_failed(self, event: SnapshotFailed) -> None:
+        self.snapshots_failed += 1
+
+    def replica_ended(self, event: ReplicaEnded) -> None:
+        self.replicas_ended["adopted" if event.adopted else "dropped"] += 1
+
+    def replica_totals(self) -> dict[str, int]:
+        """The ``peers.replicas_held`` counters of ``ckptd status``: replicas ended since start."""
+        return {"dropped_total": self.replicas_ended["dropped"], "adopted_total": self.replicas_ended["adopted"]}
 
     def error(self, message: str) -> None:
         self.errors.append({"time": time.time(), "message": message})
@@ -141,6 +158,7 @@ class Stats:
             "completed": {
                 "count": self.committed_count,
                 "bytes": self.committed_bytes,
+                "failed": self.failed_count,
                 "last": self.last_committed,
             },
             "errors": list(self.errors),
@@ -149,7 +167,7 @@ class Stats:
             "shm": {"dir": str(view.shm_dir), "total_bytes": None, "free_bytes": None},
             "loads": dict(view.lease_status()),
             "memory": {**view.memory_status(), "held_total": self.snapshots_held,
-                       "dropped_total": self.snapshots_dropped},
+                       "dropped_total": self.snapshots_dropped, "failed_total": self.snapshots_failed},
             "roots": [{"path": display(r), "free_bytes": None, "total_bytes": None} for r in self.config.roots],
         }
         return info

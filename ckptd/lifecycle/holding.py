@@ -37,7 +37,7 @@ from ckptd.protocol.messages import (
 from ckptd.protocol.objects import display, is_permanent
 
 from ckptd.core.config import DaemonConfig
-from ckptd.core.events import Committed, Deleted, Events, SnapshotDropped, SnapshotHeld
+from ckptd.core.events import Committed, Deleted, Events, SnapshotDropped, SnapshotFailed, SnapshotHeld
 from ckptd.core.replies import as_error, error_reply, logged
 from ckptd.core.workers import Workers
 from ckptd.lifecycle.admission import Examined, examine
@@ -219,7 +219,8 @@ class Holding:
     def ended(self, snap: HeldSnapshot, state: AttemptState, error: BaseException | None, reason: str) -> None:
         """``snap`` ended in ``state`` and left the books: every rank and ``persist`` still waiting is answered
         (``error``; a drop without one says why it was dropped), its slots go back (a dropped one a reader pins is
-        parked until it unpins), and a drop is published last (``SnapshotDropped``, with ``reason``)."""
+        parked until it unpins), and its end is published last (``SnapshotDropped`` with ``reason``, or
+        ``SnapshotFailed``)."""
         if state is AttemptState.FAILED:
             failure = as_error(self.state.stats, error if error is not None else InternalError("failed"))
             log.warning("event=snapshot_failed path=%s error=%s", snap.path, failure.message)
@@ -227,6 +228,7 @@ class Holding:
             self._answer_persists(snap, failure)
             self._return_unheld([sh for sh in snap.shards.values() if sh.checksum is not None])  # the others:
             # when checksummed (``_checksummed``)
+            self.events.publish(SnapshotFailed(snap.path, snap.step, failure))
             return
         log.info("event=snapshot_dropped path=%s step=%s reason=%s", snap.path, snap.step, reason)
         self._answer_persists(snap, as_error(self.state.stats, error) if error is not None else InvalidCheckpoint(

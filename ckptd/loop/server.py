@@ -30,7 +30,9 @@ from ckptd.protocol.objects import display
 
 from ckptd.core.config import DaemonConfig
 from ckptd.core.dispatch import Dispatch, Handler, Sender
-from ckptd.core.events import Committed, Deleted, Events, SnapshotDropped, SnapshotHeld
+from ckptd.core.events import (
+    Committed, Deleted, Events, Failed, ReplicaEnded, SnapshotDropped, SnapshotFailed, SnapshotHeld,
+)
 from ckptd.core.keys import KeyPair, PeerKeys, Trust
 from ckptd.core.leases import Grant
 from ckptd.core.replies import error_reply, logged
@@ -136,7 +138,8 @@ class Server:
         """The replicas held for other nodes, the peer endpoint (``--peer-listen``) and replication to the buddy."""
         config, slots, stats = self.config, self.state.slots, self.state.stats
         snapshots = self.state.snapshots
-        book = self.replicas = ReplicaBook(self.attempts, self.workers, stats, slots.shm_dir, slots.own_name,
+        book = self.replicas = ReplicaBook(self.attempts, self.workers, stats, self.events, slots.shm_dir,
+                                           slots.own_name,
                                         lambda: snapshots.budget - snapshots.held_bytes,
                                         lambda raw: self.storage.resolve(raw, config.roots),
                                         encrypt=config.peer_encrypt)
@@ -172,8 +175,11 @@ class Server:
         (a snapshot persisted or shadowed by a disk save), the upload, and retention last (it asks the mirror)."""
         events, stats = self.events, self.state.stats
         events.subscribe(Committed, stats.committed)
+        events.subscribe(Failed, stats.failed)
         events.subscribe(SnapshotHeld, stats.held)
         events.subscribe(SnapshotDropped, stats.dropped)
+        events.subscribe(SnapshotFailed, stats.snapshot_failed)
+        events.subscribe(ReplicaEnded, stats.replica_ended)
         events.subscribe(Committed, self.holding.committed)
         events.subscribe(Deleted, self.holding.deleted)
         if self.mirrors is not None:
@@ -265,7 +271,8 @@ class Server:
         if self.mirrors is not None:
             info["mirror"] = self.mirrors.status()
         if self.replication is not None and self.replicas is not None:
-            info["peers"] = {**self.replication.status(), "replicas_held": self.replicas.summary()}
+            info["peers"] = {**self.replication.status(),
+                             "replicas_held": {**self.replicas.summary(), **self.state.stats.replica_totals()}}
         return info
 
     def _on_status(self, ident: bytes, msg: Status) -> None:

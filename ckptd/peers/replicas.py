@@ -52,6 +52,7 @@ from ckptd.protocol.messages import Message, Ok, Snapshot
 from ckptd.protocol.objects import display
 from ckptd.protocol.peer_messages import Fetch, Forget, Offer, ReplicaList, Seal, Ticket
 
+from ckptd.core.events import Events, ReplicaEnded
 from ckptd.core.render import human_bytes
 from ckptd.core.replies import error_reply
 from ckptd.core.stats import Stats
@@ -250,7 +251,8 @@ class ReplicaBook:
     kind = Replica
     """What ``Registry.end`` hands to ``ended``."""
 
-    def __init__(self, registry: Registry, workers: Workers, stats: Stats, shm_dir: Path, new_name: Callable[[], str],
+    def __init__(self, registry: Registry, workers: Workers, stats: Stats, events: Events, shm_dir: Path,
+                 new_name: Callable[[], str],
                  room: Callable[[], int], resolve: Callable[[str], Path], *, encrypt: bool = False) -> None:
         self.registry = registry
         self.encrypt = encrypt
@@ -262,6 +264,7 @@ class ReplicaBook:
         self._failed: dict[tuple[bytes, int], tuple[str, float]] = {}
         """Why the stream of an offer failed (its replica dropped then), for its seal; by (connection, offer id)."""
         self.workers, self.stats, self.shm_dir, self.new_name, self.room = workers, stats, shm_dir, new_name, room
+        self.events = events
         self.resolve = resolve
         """A path a peer names, checked against this daemon's roots as a local request's is (``PathNotAllowed``
         naming it and the roots; I/O, so on the pool): a drain may write a replica to disk here."""
@@ -515,13 +518,16 @@ class ReplicaBook:
 
     def ended(self, replica: Replica, state: AttemptState, error: BaseException | None, reason: str) -> None:
         """``replica`` ended and left the books: its offers are forgotten, and its files unlinked (dropped, its
-        streams stopped first) or left to the snapshot that adopted them (its restores stopped)."""
+        streams stopped first) or left to the snapshot that adopted them (its restores stopped); its end is
+        published last (``ReplicaEnded``)."""
         for key in [k for k, s in self._offers.items() if s in replica.shards.values()]:
             del self._offers[key]
+        ended = ReplicaEnded(replica.path, replica.origin, state is AttemptState.ADOPTED, reason)
         if state is AttemptState.ADOPTED:
             for shard in replica.shards.values():  # a restore reading it back ends here: the snapshot may unmap it
                 for transfer in [*shard.serving, *shard.building] if self.data is not None else ():
                     self.data.cancel(transfer, "the replica was persisted by a drain")
+            self.events.publish(ended)
             return
         log.log(logging.WARNING if reason == "stalled" else logging.INFO,
                 "event=replica_dropped path=%s origin=%s reason=%s", replica.path,
@@ -536,6 +542,7 @@ class ReplicaBook:
                     shard.fd, shard.map = -1, None
             shards = [s for s in shards if s.map is not None]
         self.workers.background("replica", lambda: [s.close(shm_dir, data) for s in shards])
+        self.events.publish(ended)
 
     def tidy(self, now: float) -> None:
         """End the streams whose data connection did not come, and forget why old offers failed."""
