@@ -108,7 +108,7 @@ def test_only_the_registry_moves_an_attempt() -> None:
 REGISTRY_CALLS = frozenset({"move", "end", "end_orphaned", "open", "promote", "forget"})
 """What changes an attempt's state or a book: ``lifecycle/registry.Registry``'s methods."""
 BOOKS = frozenset({"pending", "held", "replacing", "incoming"})
-"""The registry's books (``Commits.pending``, ``SnapshotBook.held`` and ``.replacing``, ``ReplicaBook.incoming`` and
+"""The registry's books (``Commits.pending``, ``SnapshotBook.current`` and ``.replacing``, ``ReplicaBook.incoming`` and
 ``.held``), written by the registry only."""
 PIPELINES = frozenset({"ckptd/lifecycle/commit.py", "ckptd/lifecycle/saves.py", "ckptd/lifecycle/holding.py",
                        "ckptd/lifecycle/snapshots.py", "ckptd/peers/replicas.py"})

@@ -92,7 +92,7 @@ def test_a_save_counts_for_its_client_and_ends_with_its_write(state) -> None:
     job = ShardWrite(b"a", commit(1), FakeSlot("ckptd-0-1-1"), Path("/ckpts/a.incomplete/r"), Path("/ckpts/a"),
                    progress, device=7)
     state.writes.append(job)
-    state.finish_job(job)
+    state.finish_write(job)
     assert state.writes == [] and state.staging == {} and state.slots.released == ["ckptd-0-1-1"]
     assert job.finished_at is not None
     assert not state.busy

@@ -137,7 +137,8 @@ def test_status_text_and_prometheus_metrics_show_the_snapshots_and_the_budget(
     nbytes = daemon.status()["memory"]["snapshots"][0]["bytes"]
     want = {"ckptd_memory_budget_bytes": 64 * 2**20, "ckptd_memory_held_bytes": nbytes,
             "ckptd_memory_snapshots": 1, "ckptd_memory_snapshots_unpersisted": 1,
-            "ckptd_memory_snapshots_held_total": 1, "ckptd_memory_snapshots_dropped_total": 0}
+            "ckptd_memory_snapshots_held_total": 1, "ckptd_memory_snapshots_dropped_total": 0,
+            "ckptd_memory_snapshots_failed_total": 0}
     wait_until(lambda: scraped() == want, 60, lambda: f"the metrics say {scraped()}")
     client.save_async(state_at(9), root / "s9", step=9, persist=False).result(30)  # keeps 1: s8 is dropped
     want.update({"ckptd_memory_snapshots_held_total": 2, "ckptd_memory_snapshots_dropped_total": 1})

@@ -146,10 +146,10 @@ class Holding:
             self.send(ident, self._held(snap, msg.id, msg.nbytes, shard.pid))
             if snap.acknowledged:  # a late rank of this node joined: its shard goes to the buddy too
                 self._published_held(snap)
-            elif snap.complete:
+            elif snap.gathered:
                 self._acknowledge(snap)
             return
-        if not snap.complete:
+        if not snap.gathered:
             return
         self._acknowledge(snap)
 
@@ -323,7 +323,7 @@ class Holding:
         for msg, name, fd, mapping, checksum in shards:
             slot = MappedSlot(name, os.fstat(fd).st_ino, max(1, msg.nbytes), mapping, fd, users=1)
             snap.shards[msg.rank] = HeldShard(msg, slot, os.getpid(), checksum=checksum)
-        self.registry.open(self.snapshots.held, snap)
+        self.registry.open(self.snapshots.current, snap)
         self.registry.move(snap, AttemptState.HELD)
         self._published_held(snap)
         return snap
@@ -339,7 +339,7 @@ class Holding:
     def deleted_on_request(self, final: Path) -> None:
         """A trainer deleted ``final`` (``Client.delete``): the snapshot held of it goes too, or it would be
         listed, loaded, and persisted again on exit, as if the delete had not happened."""
-        snap = self.snapshots.held.get(final)
+        snap = self.snapshots.current.get(final)
         if snap is None or not snap.acknowledged or snap.persisting:
             return
         self.registry.end(snap, AttemptState.DROPPED,
@@ -383,9 +383,9 @@ class Holding:
         fails it (it was taken for the persist's disk attempt, and the persist failed with ``RanksMissing``)."""
 
         def abort(final: Path) -> None:
-            candidates = (self.snapshots.replacing.get(final), self.snapshots.held.get(final))
+            candidates = (self.snapshots.replacing.get(final), self.snapshots.current.get(final))
             snap = next((s for s in candidates if s is not None and s.open and s.contributors.job == msg.job), None)
-            held = self.snapshots.held.get(final)
+            held = self.snapshots.current.get(final)
             if snap is None and held is not None and held.persisting:
                 log.info("event=abort_ignored path=%s job=%r reason=%s why=persisting_held_snapshot", final, msg.job,
                          msg.reason)
@@ -417,11 +417,11 @@ class Holding:
         self.saves.resolve_then(ident, msg.id, msg.path, lambda final: self._persist_resolved(ident, msg.id, final))
 
     def _persist_resolved(self, ident: bytes, rid: int, final: Path) -> None:
-        snap = self.snapshots.held.get(final)
+        snap = self.snapshots.current.get(final)
         if snap is None:
             self.send(ident, error_reply(self.state.stats, rid, InvalidCheckpoint(
                 f"the daemon holds no snapshot {final} in memory; held: "
-                f"{', '.join(str(p) for p in self.snapshots.held) or 'none'}")))
+                f"{', '.join(str(p) for p in self.snapshots.current) or 'none'}")))
             return
         if snap.coordinated:
             self.send(ident, error_reply(self.state.stats, rid, WriteFailed(
@@ -501,7 +501,7 @@ class Holding:
         if event.snapshot:
             return
         path = event.path
-        snap = self.snapshots.held.get(path)
+        snap = self.snapshots.current.get(path)
         if snap is None or snap.persisting:
             return
         why = InvalidCheckpoint(f"snapshot {path} was dropped from memory: a disk save committed the same path")
@@ -516,7 +516,7 @@ class Holding:
         as with a trainer's delete. Retention judged it older than the checkpoints its directory keeps; held on,
         an exit or a drain persisted it again as its directory's newest snapshot, and that persist's own
         retention then deleted a newer checkpoint (found by a new-user pass: step-14 came back, step-15 went)."""
-        snap = self.snapshots.held.get(event.path)
+        snap = self.snapshots.current.get(event.path)
         if snap is None or not snap.persisted:
             return
         self.registry.end(snap, AttemptState.DROPPED, reason="retention_deleted_disk_copy")
@@ -540,14 +540,14 @@ class Holding:
             self._replacement_in(snap.path)
 
     def _judge_persist_end(self, snap: HeldSnapshot, error: CkptdError | None) -> None:
-        if self.snapshots.held.get(snap.path) is not snap or not snap.persisting:
+        if self.snapshots.current.get(snap.path) is not snap or not snap.persisting:
             return
         path = snap.path
         if isinstance(error, CheckpointExists):  # another holder of the same bytes may have committed them first
             backend, world_size, fingerprint = snap.backend, snap.world_size, snap.fingerprint
 
             def judged(same: bool) -> None:
-                if self.snapshots.held.get(path) is snap and snap.persisting:
+                if self.snapshots.current.get(path) is snap and snap.persisting:
                     self._committed_by_another(snap) if same else self._end_persist(snap, error)
             self.workers.submit("admit", lambda: backend.holds_same(path, world_size, fingerprint),
                                 lambda fut: judged(fut.result()), failed=lambda _: judged(False))
@@ -587,7 +587,7 @@ class Holding:
         log.info("event=persist_retry path=%s attempt=%d in_s=%g", snap.path, attempt + 1, delay)
 
         def again(_: Future) -> None:
-            if self.snapshots.held.get(snap.path) is snap and not snap.persisting and not snap.persisted:
+            if self.snapshots.current.get(snap.path) is snap and not snap.persisting and not snap.persisted:
                 self.start_persist(snap)
 
         self.workers.submit("maintenance", lambda: time.sleep(delay), again,
@@ -645,7 +645,7 @@ class Holding:
         still under this daemon's own name (a release or give-back queued
         behind abandoned maintenance).
         """
-        held = shards_of([*self.registry.forget(self.snapshots.held, self.snapshots.replacing),
+        held = shards_of([*self.registry.forget(self.snapshots.current, self.snapshots.replacing),
                           *self.snapshots.parked])
         owed = [n for names in self.snapshots.released.values() for n in names]
         self.snapshots.parked.clear()

@@ -2,7 +2,7 @@
 and the one housekeeping over them.
 
 Each pipeline keeps its attempts by path in books the registry gives it (``book``: ``Commits.pending``,
-``SnapshotBook.held`` and ``SnapshotBook.replacing``). A book is read-only to everyone but the registry: an attempt
+``SnapshotBook.current`` and ``SnapshotBook.replacing``). A book is read-only to everyone but the registry: an attempt
 enters one through ``open`` (at its kind's entry state, ``Tracked.entry``), moves from the replacing book to the
 held one through ``promote``, and leaves every book when it ends. Its state changes through ``move`` (a step along
 ``attempt.NEXT_STATES`` that does not end it) and it ends through ``end`` only, once: ``end`` takes it out of every

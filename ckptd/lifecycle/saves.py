@@ -168,12 +168,12 @@ class Saves:
             state.slots.release(examined.slot)
             self.refuse(ident, msg, exc)
             return
-        job = ShardWrite(ident, msg, examined.slot, dest, pending.path, progress, device=examined.space.device)
+        write = ShardWrite(ident, msg, examined.slot, dest, pending.path, progress, device=examined.space.device)
         log.info("event=admitted path=%s rank=%d bytes=%d", pending.path, msg.rank, msg.nbytes)
-        # The daemon holds the save now (its slot mapped, its job listed): the client may go on, before the
+        # The daemon holds the save now (its slot mapped, its write listed): the client may go on, before the
         # checkpoint's directory exists (a failure to make it fails the save through its future).
         self.send(ident, Accepted(msg.id))
-        self._queue(job, pending)
+        self._queue(write, pending)
 
     def write_held(self, snap: HeldSnapshot, space: Space, ended: Callable[[CkptdError | None], None]) -> None:
         """Write held snapshot ``snap`` to disk (``space``: its parent's room): the disk side of its ``persisting``.
@@ -210,17 +210,17 @@ class Saves:
                    margin_fraction=cfg.space_margin_fraction, margin_min=cfg.space_margin_bytes,
                    shm_min_free=cfg.shm_min_free, shm_free=shm_free)
 
-    def _queue(self, job: ShardWrite, pending: PendingCheckpoint) -> None:
+    def _queue(self, write: ShardWrite, pending: PendingCheckpoint) -> None:
         """List an admitted write and start it, or queue it until ``pending``'s directory is made (first rank)."""
-        self.state.writes.append(job)
+        self.state.writes.append(write)
         if pending.state is not AttemptState.PREPARING:
-            self._start(job, pending)
+            self._start(write, pending)
             return
         if pending.queued is None:
             pending.queued = []
             self.workers.submit("admit", lambda: self._prepare(pending), lambda fut: self._prepared(pending, fut),
                                 failed=self._fails(pending))
-        pending.queued.append(job)
+        pending.queued.append(write)
 
     def _prepare(self, pending: PendingCheckpoint) -> None:
         """Remember the parent for the start-up sweep, then create ``p.incomplete`` (admit pool).
@@ -235,37 +235,37 @@ class Saves:
         self.state.commits.prepare(pending)
 
     def _prepared(self, pending: PendingCheckpoint, fut: Future) -> None:
-        jobs, pending.queued = pending.queued or [], []
+        writes_queued, pending.queued = pending.queued or [], []
         pending.owns_directory = fut.exception() is None
         if pending.state is AttemptState.PREPARING:
             if fut.exception() is None:
                 self.registry.move(pending, AttemptState.WRITING)
-                for job in jobs:
-                    self._start(job, pending)
+                for write in writes_queued:
+                    self._start(write, pending)
                 return
             self.registry.end(pending, AttemptState.FAILED, fut.exception())
-        for job in jobs:  # the checkpoint failed before its directory was ready: these never start
-            self._write_finished(job, pending, None)
+        for write in writes_queued:  # the checkpoint failed before its directory was ready: these never start
+            self._write_finished(write, pending, None)
 
-    def _start(self, job: ShardWrite, pending: PendingCheckpoint) -> None:
+    def _start(self, write: ShardWrite, pending: PendingCheckpoint) -> None:
         cfg, backend, checksums = self.config, pending.backend, self.workers.checksums
-        run = lambda: write_shard(job, backend, checksums, direct=cfg.direct_io, chunk=cfg.chunk_bytes)  # noqa: E731
-        self.workers.submit("write", run, lambda fut: self._write_finished(job, pending, fut),
-                            failed=lambda exc: self._write_defect(job, pending, exc))
+        run = lambda: write_shard(write, backend, checksums, direct=cfg.direct_io, chunk=cfg.chunk_bytes)  # noqa: E731
+        self.workers.submit("write", run, lambda fut: self._write_finished(write, pending, fut),
+                            failed=lambda exc: self._write_defect(write, pending, exc))
 
     # -- writes and commits ---------------------------------------------------
 
-    def _write_finished(self, job: ShardWrite, pending: PendingCheckpoint, fut: Future | None) -> None:
-        self.state.finish_job(job)
+    def _write_finished(self, write: ShardWrite, pending: PendingCheckpoint, fut: Future | None) -> None:
+        self.state.finish_write(write)
         exc = fut.exception() if fut is not None else None
         record: ShardRecord | None = fut.result() if fut is not None and exc is None else None
-        held = pending.held.checksums.get(job.msg.rank) if pending.held is not None else None
+        held = pending.held.checksums.get(write.msg.rank) if pending.held is not None else None
         if record is not None and held is not None and record.checksum != held:
             exc, record = WriteFailed(
-                f"rank {job.msg.rank} of snapshot {pending.path} changed in node memory since the daemon held it "
+                f"rank {write.msg.rank} of snapshot {pending.path} changed in node memory since the daemon held it "
                 f"(checksum {record.checksum:#010x} now, {held:#010x} when held): not persisted"), None
         if record is None:
-            job.state = WriteState.FAILED
+            write.state = WriteState.FAILED
             if exc is not None and pending.state is not AttemptState.FAILED:
                 self.registry.end(pending, AttemptState.FAILED, exc)
         ready = self.state.commits.shard_done(pending, record)
@@ -274,19 +274,19 @@ class Saves:
                 self._discard(pending)
             return
         if pending.coordinated and record is not None:
-            self.send(job.client, Durable(job.msg.id, record.file, record.rank, record.size,
+            self.send(write.client, Durable(write.msg.id, record.file, record.rank, record.size,
                                           record.checksum, record.tensors))
-            pending.answered(job.client, job.msg.id)
+            pending.answered(write.client, write.msg.id)
         if ready:
             self._finalize(pending)
 
-    def _write_defect(self, job: ShardWrite, pending: PendingCheckpoint, exc: BaseException) -> None:
+    def _write_defect(self, write: ShardWrite, pending: PendingCheckpoint, exc: BaseException) -> None:
         """``_write_finished`` raised: the write is over, so it ends here if the completion had not ended it yet
         (its slot back, its shard no longer in flight), and the attempt fails on every rank (and is discarded once
         nothing of it is written any more)."""
-        if job in self.state.writes:
-            self.state.finish_job(job)
-            job.state = WriteState.FAILED
+        if write in self.state.writes:
+            self.state.finish_write(write)
+            write.state = WriteState.FAILED
             self.state.commits.shard_done(pending, None)
             if pending.state is AttemptState.FAILED and pending.writing == 0:  # failed by an earlier rank
                 self._discard(pending)

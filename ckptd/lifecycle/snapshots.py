@@ -124,8 +124,9 @@ class HeldSnapshot(Attempt):
         return all(s.checksum is not None for s in self.shards.values())
 
     @property
-    def complete(self) -> bool:
-        """Every rank held here (several nodes: every rank that committed here)."""
+    def gathered(self) -> bool:
+        """Every rank held here and checksummed (several nodes: every rank that committed here); acknowledged
+        (``HELD``) once its ranks are told. A listing's ``complete`` means acknowledged."""
         have_all = self.coordinated or len(self.shards) == self.world_size
         return have_all and bool(self.shards) and self.checksummed
 
@@ -194,7 +195,9 @@ class SnapshotBook:
         self.free_spares: Callable[[int], int] = lambda needed: 0
         """Let go of spare replica files (``peers/spares.py``) until ``needed`` bytes are freed: they hold nothing
         anyone asked for, so they go before a held snapshot is evicted or a new one refused."""
-        self.held: Book[HeldSnapshot] = registry.book()
+        self.current: Book[HeldSnapshot] = registry.book()
+        """The snapshot of each path, by path: still gathering its ranks (``holding``) or acknowledged (held,
+        persisting, persisted)."""
         self.released: dict[int, list[str]] = {}
         """Slots dropped from snapshots whose client is alive, by its pid: named in its next ``HeldInMemory``."""
         self.parked: list[HeldSnapshot] = []
@@ -205,27 +208,27 @@ class SnapshotBook:
 
     def all(self) -> list[HeldSnapshot]:
         """Every snapshot this daemon assembles or holds (held and replacing; not the parked)."""
-        return [*self.held.values(), *self.replacing.values()]
+        return [*self.current.values(), *self.replacing.values()]
 
     def opening(self, final: Path) -> HeldSnapshot | None:
         """The snapshot at ``final`` that ranks still join: its replacement if one is open, else the held one."""
-        return self.replacing.get(final) or self.held.get(final)
+        return self.replacing.get(final) or self.current.get(final)
 
     def holds(self, snap: HeldSnapshot) -> bool:
         """Whether ``snap`` is still this daemon's (held or replacing): not failed, dropped or replaced."""
-        return self.held.get(snap.path) is snap or self.replacing.get(snap.path) is snap
+        return self.current.get(snap.path) is snap or self.replacing.get(snap.path) is snap
 
     def replaced_by(self, snap: HeldSnapshot) -> HeldSnapshot | None:
         """The held snapshot ``snap`` (a complete replacement) is to take the path of; None if it is no
         replacement. ``promote`` makes the swap."""
-        return self.held.get(snap.path) if self.replacing.get(snap.path) is snap else None
+        return self.current.get(snap.path) if self.replacing.get(snap.path) is snap else None
 
     def promote(self, snap: HeldSnapshot) -> HeldSnapshot | None:
         """A complete replacement takes its path; returns the snapshot it replaced, out of the books and still to
         be ended (dropped) by the caller."""
         if self.replacing.get(snap.path) is not snap:
             return None
-        return self.registry.promote(snap, self.replacing, self.held)
+        return self.registry.promote(snap, self.replacing, self.current)
 
     @property
     def held_bytes(self) -> int:
@@ -236,7 +239,7 @@ class SnapshotBook:
         """``PathNotAllowed`` if a checkpoint at ``final`` (to disk or to memory) would lie inside a held snapshot
         or hold one: a checkpoint holds no other, so the held one could never be persisted (its name taken by a
         directory ckptd did not make a checkpoint, or a checkpoint with an entry ckptd did not write)."""
-        for snap in (*self.held.values(), *self.replacing.values()):
+        for snap in (*self.current.values(), *self.replacing.values()):
             if snap.path in final.parents or final in snap.path.parents:
                 where = "lies inside" if snap.path in final.parents else "would hold"
                 raise PathNotAllowed(f"checkpoint path {display(final)} {where} memory snapshot "
@@ -250,8 +253,8 @@ class SnapshotBook:
         Raises ``NoSpace`` (the budget), ``CheckpointExists`` (a snapshot is held at the path, no ``overwrite``) or
         ``Conflict`` (the rank is held already, or the world differs, or another run's snapshot is open there).
         """
-        held = self.held.get(final)
-        into = self.held
+        held = self.current.get(final)
+        into = self.current
         if held is not None and held.acknowledged and not held.takes_late_rank(msg):
             if not msg.overwrite:
                 raise CheckpointExists(f"snapshot {display(final)} is already held in memory; pass overwrite=True "
@@ -277,7 +280,7 @@ class SnapshotBook:
         released by the memory tier)."""
         if self.held_bytes + needed > self.budget:
             self.free_spares(self.held_bytes + needed - self.budget)
-        candidates = sorted((s for s in self.held.values() if s.persisted and not s.persisting and not s.readers),
+        candidates = sorted((s for s in self.current.values() if s.persisted and not s.persisting and not s.readers),
                             key=lambda s: s.order)  # a pinned one's memory would stay until its readers are done
         evicted: list[HeldSnapshot] = []
         freed = 0
@@ -288,11 +291,11 @@ class SnapshotBook:
             for victim in evicted:  # never pinned: the budget evicts none a reader holds
                 self.registry.end(victim, AttemptState.DROPPED, reason="budget")
             return
-        unpersisted, replicas = sum(1 for s in self.held.values() if not s.persisted), self.replica_bytes()
+        unpersisted, replicas = sum(1 for s in self.current.values() if not s.persisted), self.replica_bytes()
         raise NoSpace(
             f"snapshot {final} needs {human_bytes(needed)} of node memory, but the daemon's memory budget is "
             f"{human_bytes(self.budget)}: {human_bytes(self.held_bytes - replicas)} hold snapshots "
-            f"({len(self.held)} held, {unpersisted} of them not on disk yet, which are never evicted for "
+            f"({len(self.current)} held, {unpersisted} of them not on disk yet, which are never evicted for "
             f"another; the rest being replaced or still read after a drop) and {human_bytes(replicas)} hold "
             f"replicas for peers. The budget must hold keep_snapshots + 1 snapshots per job (the newest is only "
             f"dropped once a newer one is held): start the daemon with a larger --memory-budget or a smaller "
@@ -311,7 +314,7 @@ class SnapshotBook:
         the budget evicts what is on disk).
         """
         clients = {sh.client for sh in snap.shards.values()}
-        job = sorted((s for s in self.held.values() if s.acknowledged and s.path.parent == snap.path.parent
+        job = sorted((s for s in self.current.values() if s.acknowledged and s.path.parent == snap.path.parent
                       and not s.persisting and (clients & {sh.client for sh in s.shards.values()}
                                                 or (bool(s.restored_from) or s.left_by_a_gone_run(snap))
                                                 and set(s.shards) & set(snap.shards))),
@@ -321,7 +324,7 @@ class SnapshotBook:
     def newest(self, *, pid: int | None = None) -> list[HeldSnapshot]:
         """Per directory, the newest acknowledged snapshot not yet on disk (of client ``pid``'s ranks, if given)."""
         best: dict[Path, HeldSnapshot] = {}
-        for s in self.held.values():
+        for s in self.current.values():
             if not s.acknowledged or s.coordinated or (pid is not None and all(sh.pid != pid
                                                                                 for sh in s.shards.values())):
                 continue
@@ -334,7 +337,7 @@ class SnapshotBook:
         """Per directory, the newest acknowledged snapshot if it spans several nodes and is not on disk: a drain
         persists no such snapshot (this node holds only its ranks' share), so it is lost with this memory."""
         best: dict[Path, HeldSnapshot] = {}
-        for s in self.held.values():
+        for s in self.current.values():
             current = best.get(s.path.parent)
             if s.acknowledged and (current is None or s.order > current.order):
                 best[s.path.parent] = s
@@ -342,7 +345,7 @@ class SnapshotBook:
 
     def pin(self, reader: bytes, path: Path) -> HeldSnapshot | None:
         """One more pin of the complete snapshot at ``path`` by ``reader``; None if none is held there."""
-        snap = self.held.get(path)
+        snap = self.current.get(path)
         if snap is None or not snap.acknowledged:
             return None
         snap.readers[reader] = snap.readers.get(reader, 0) + 1
@@ -351,7 +354,7 @@ class SnapshotBook:
     def unpin(self, reader: bytes, path: Path | None = None) -> list[HeldSnapshot]:
         """End one pin of ``path`` by ``reader`` (None: all its pins, the reader is gone); returns the parked
         snapshots that no reader pins any more, dropped from the books: their slots are to be released."""
-        for snap in [*self.parked, *self.held.values()]:
+        for snap in [*self.parked, *self.current.values()]:
             if reader in snap.readers and path in (None, snap.path):
                 snap.readers[reader] -= 1
                 if path is None or snap.readers[reader] == 0:
@@ -366,7 +369,7 @@ class SnapshotBook:
         return tuple(self.released.pop(pid, []))
 
     def listing(self) -> tuple[dict[str, Any], ...]:
-        return tuple(s.describe() for s in sorted(self.held.values(), key=lambda s: (str(s.path.parent), s.order)))
+        return tuple(s.describe() for s in sorted(self.current.values(), key=lambda s: (str(s.path.parent), s.order)))
 
     def summary(self) -> dict[str, Any]:
         """The ``memory`` part of ``ckptd status``."""

@@ -183,11 +183,11 @@ class NodeState:
         """Bytes admitted to ``device`` and not yet written (admission's promise)."""
         return sum(j.msg.nbytes - j.written for j in self.writes if j.device == device)
 
-    def finish_job(self, job: ShardWrite) -> None:
-        self.writes.remove(job)
-        self.slots.release(job.slot)
-        self.end_save(job.client, job.msg.id)
-        job.finished_at = time.monotonic()
+    def finish_write(self, write: ShardWrite) -> None:
+        self.writes.remove(write)
+        self.slots.release(write.slot)
+        self.end_save(write.client, write.msg.id)
+        write.finished_at = time.monotonic()
 
     @property
     def busy(self) -> bool:

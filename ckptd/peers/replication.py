@@ -221,7 +221,7 @@ class Replication:
 
     def held(self, event: SnapshotHeld) -> None:
         """A snapshot was held here (its ranks told): queue its stream to the buddy."""
-        snap = self.holding.snapshots.held.get(event.path)
+        snap = self.holding.snapshots.current.get(event.path)
         if snap is not None and snap.replication not in (R.RESTORED, R.ADOPTED):  # read back from a replica, or
             # a replica a drain is persisting
             self._stream(snap)
@@ -341,7 +341,7 @@ class Replication:
         if self._checking or now < self._next_check:
             return
         self._next_check = now + CHECK_S
-        for path in [p for p, c in self._copies.items() if self.holding.snapshots.held.get(p) is not c.snap
+        for path in [p for p, c in self._copies.items() if self.holding.snapshots.current.get(p) is not c.snap
                      or c.snap.replication not in COPIED]:
             del self._copies[path]
         buddy = self.buddy
@@ -443,7 +443,7 @@ class Replication:
     def restore(self, ident: bytes, msg: Restore) -> Message | None:
         """Read snapshot ``msg.path`` back from a peer's replica into this node's memory; Ok once held."""
         path = Path(msg.path)
-        held = self.holding.snapshots.held.get(path)
+        held = self.holding.snapshots.current.get(path)
         if held is not None and held.acknowledged:
             return Ok(msg.id)
         if path in self._restoring:  # every rank of the node asks: one read serves them all (a node's ranks are
