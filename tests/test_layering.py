@@ -133,6 +133,25 @@ def test_only_the_pipelines_end_an_attempt_and_only_through_the_registry() -> No
     assert {"open", "promote", "move"} <= _registry_callers(_by_stem("replicas"))
 
 
+LIFE_CALLS = frozenset({"move", "end", "end_orphaned", "promote"})
+"""The registry's methods that change an attempt's life, by names no other object of the daemon uses for a method,
+so a call of one on anything else is a second way to move or end an attempt."""
+OTHER_RECEIVERS = frozenset({("holding.py", "self.snapshots.promote")})
+"""Calls of those names on another object, each of which hands its attempt to the registry (``SnapshotBook.promote``
+calls ``Registry.promote``)."""
+
+
+def test_no_attempt_moves_or_ends_but_through_an_object_named_for_the_registry() -> None:
+    """``test_only_the_pipelines_end_an_attempt_and_only_through_the_registry`` looks at calls on ``…registry`` or
+    ``…attempts``; this one finds every call of the registry's life methods, whatever it is called on, so a
+    pipeline that kept the registry under another name, or grew a ``move``/``end`` of its own, fails here."""
+    found = {(p.name, f"{ast.unparse(node.func.value)}.{node.func.attr}") for p in _daemon() if p.name != "registry.py"
+             for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in LIFE_CALLS
+             and not ast.unparse(node.func.value).endswith(("registry", "attempts"))}
+    assert found == OTHER_RECEIVERS, f"moved or ended elsewhere than on the registry: {sorted(found - OTHER_RECEIVERS)}"
+
+
 def test_no_module_but_the_registry_writes_an_attempts_book() -> None:
     """No item of a book is set or deleted, and no book is cleared or popped, outside ``Registry`` (a book is a
     read-only mapping to the rest: ``registry.Book``), the buddy's replicas' included."""
