@@ -173,14 +173,15 @@ def test_no_module_but_the_registry_writes_an_attempts_book() -> None:
 
 
 def test_only_the_registry_moves_a_snapshots_replication() -> None:
-    """A held snapshot's second track (its copy on the buddy, ``protocol.messages.ReplicationState``) moves along
-    ``NEXT_REPLICATION`` through ``Registry.replicate`` only: no other module of the daemon assigns it."""
+    """A held snapshot's second track (its copy on a peer, ``lifecycle.attempt.PeerCopy``, whose states are
+    ``protocol.messages.ReplicationState``) moves along ``NEXT_REPLICATION`` through ``Registry.replicate`` only:
+    no other module of the daemon assigns it (a snapshot starts with one: ``restored`` or ``adopted``)."""
     def assigned(node: ast.AST) -> list[ast.expr]:
         if isinstance(node, ast.Assign):
             return [t for target in node.targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
         return [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
     movers = {p.relative_to(REPO).as_posix() for p in _daemon() for node in ast.walk(ast.parse(p.read_text()))
-              for t in assigned(node) if isinstance(t, ast.Attribute) and t.attr == "replication"
+              for t in assigned(node) if isinstance(t, ast.Attribute) and t.attr == "copy"
               and not (isinstance(t.value, ast.Name) and t.value.id == "self")}
     assert movers == {"ckptd/lifecycle/registry.py"}, f"replication moved outside the registry: {sorted(movers)}"
 

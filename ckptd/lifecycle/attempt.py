@@ -112,6 +112,25 @@ NEXT_REPLICATION: dict[ReplicationState, frozenset[ReplicationState]] = {
 
 
 @dataclass(frozen=True)
+class PeerCopy:
+    """A held snapshot's copy on a peer: the origin's one record of it, where it is along ``NEXT_REPLICATION``,
+    which peer, and what that peer must still list for it. ``peers/replication.py`` streams and checks the copy;
+    ``registry.Registry.replicate`` alone moves it, each move a new record (so a check that asked about one record
+    can tell when its answer comes that the copy moved on meanwhile)."""
+
+    state: ReplicationState = ReplicationState.OFF
+    endpoint: str = ""
+    """The peer it is streamed to, held on, or was read back from (empty: none yet)."""
+    error: str = ""
+    """Why it failed."""
+    lag_s: float | None = None
+    """Seconds from held here (its ranks told) to held on the buddy, once replicated."""
+    checksums: tuple[tuple[int, int], ...] = ()
+    """(rank, checksum) of every shard as the peer sealed it (or as it was read back from there): what the peer
+    must still list while this says ``replicated`` or ``restored``."""
+
+
+@dataclass(frozen=True)
 class Waiter:
     """A rank owed one answer (``Done``/``HeldInMemory`` or ``Error``) for its request."""
 

@@ -41,7 +41,7 @@ from ckptd.core.events import Committed, Deleted, Events, SnapshotDropped, Snaps
 from ckptd.core.replies import as_error, error_reply, logged
 from ckptd.core.workers import Workers
 from ckptd.lifecycle.admission import Examined, examine
-from ckptd.lifecycle.attempt import AttemptState
+from ckptd.lifecycle.attempt import AttemptState, PeerCopy
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.saves import Saves
 from ckptd.lifecycle.slot_maps import MappedSlot, SlotMaps
@@ -312,14 +312,17 @@ class Holding:
         them (name, fd, mapping, checksum). It is held as its origin held it, complete; ``CheckpointExists`` if a
         snapshot of the path is held here meanwhile, ``NoSpace`` if it does not fit the budget.
         ``replication`` ``ADOPTED`` (and no ``peer``): a replica held here for a peer that is gone, about to be
-        persisted by a drain (``Replication.drain``)."""
+        persisted by a drain (``Replication.drain``). Its copy (``PeerCopy``) starts there: ``restored`` on
+        ``peer`` with the shards' checksums (what that peer must still list), or ``adopted``."""
         if self.snapshots.opening(path) is not None or not shards:
             raise CheckpointExists(f"snapshot {display(path)} is held here already; the replica is not restored")
         first = shards[0][0]
         self.snapshots.make_room(path, sum(msg.nbytes for msg, *_ in shards))
+        checksums = tuple(sorted((msg.rank, checksum) for msg, *_, checksum in shards))
         snap = HeldSnapshot(path=path, backend=self.storage.bind(path), world_size=first.world_size, step=first.step,
                             coordinated=first.coordinated, created=created, contributors=Contributors(first.job),
-                            replication=replication, restored_from=peer)
+                            copy=PeerCopy(replication, peer, checksums=checksums if peer else ()),
+                            restored_from=peer)
         for msg, name, fd, mapping, checksum in shards:
             slot = MappedSlot(name, os.fstat(fd).st_ino, max(1, msg.nbytes), mapping, fd, users=1)
             snap.shards[msg.rank] = HeldShard(msg, slot, os.getpid(), checksum=checksum)

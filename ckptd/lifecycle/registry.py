@@ -34,7 +34,7 @@ from typing import Any, Generic, Iterator, Mapping, Protocol, Sequence, TypeVar
 from ckptd.protocol.errors import InternalError
 from ckptd.protocol.messages import ReplicationState
 
-from ckptd.lifecycle.attempt import ENDED, NEXT_REPLICATION, AttemptState, Tracked
+from ckptd.lifecycle.attempt import ENDED, NEXT_REPLICATION, AttemptState, PeerCopy, Tracked
 
 A = TypeVar("A", bound=Tracked)
 log = logging.getLogger("ckptd")
@@ -166,14 +166,17 @@ class Registry:
             book._by_key.clear()
         return every
 
-    @staticmethod
-    def replicate(snap: Any, state: ReplicationState, error: str = "") -> None:
-        """Move held snapshot ``snap``'s replication to ``state`` along ``NEXT_REPLICATION`` (any other move is a
-        defect, raised as ``InternalError``); ``error`` says why it failed."""
-        if state not in NEXT_REPLICATION[snap.replication]:
-            raise InternalError(f"snapshot {snap.path}'s replication cannot go from {snap.replication.value} to "
+    def replicate(self, snap: Any, state: ReplicationState, *, endpoint: str | None = None, error: str = "",
+                  lag_s: float | None = None, checksums: tuple[tuple[int, int], ...] = ()) -> None:
+        """Move held snapshot ``snap``'s copy on a peer (``PeerCopy``) to ``state`` along ``NEXT_REPLICATION`` (any
+        other move is a defect, raised as ``InternalError``), as a new record: on ``endpoint`` (None: the same
+        peer), ``error`` saying why it failed, and once ``replicated`` its ``lag_s`` and the ``checksums`` the peer
+        sealed."""
+        if state not in NEXT_REPLICATION[snap.copy.state]:
+            raise InternalError(f"snapshot {snap.path}'s replication cannot go from {snap.copy.state.value} to "
                                 f"{state.value}")
-        snap.replication, snap.replication_error = state, error
+        snap.copy = PeerCopy(state, snap.copy.endpoint if endpoint is None else endpoint, error,
+                             lag_s if lag_s is not None else snap.copy.lag_s, checksums)
 
     def housekeep(self, now: float, died: Sequence[DeadRank] = ()) -> None:
         """One round: fail what is overdue, waits for a rank that died, or was left by contributors that died."""

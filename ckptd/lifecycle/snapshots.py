@@ -44,11 +44,11 @@ from typing import Any, Callable, ClassVar, Iterable
 
 from ckptd.protocol.errors import CheckpointExists, NoSpace, PathNotAllowed
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
-from ckptd.protocol.messages import ReplicationState, Snapshot
+from ckptd.protocol.messages import Snapshot
 from ckptd.protocol.objects import display
 
 from ckptd.core.render import human_bytes
-from ckptd.lifecycle.attempt import Attempt, AttemptState, Waiter
+from ckptd.lifecycle.attempt import Attempt, AttemptState, PeerCopy, Waiter
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.registry import Book, Registry
 from ckptd.lifecycle.slot_maps import MappedSlot
@@ -83,12 +83,8 @@ class HeldSnapshot(Attempt):
     persist_started: float = 0.0
     readers: dict[bytes, int] = field(default_factory=dict)
     """Pins by reader connection (``Pin``): while any is held its slots stay as they are, dropped or not."""
-    replication: ReplicationState = ReplicationState.OFF
+    copy: PeerCopy = field(default_factory=PeerCopy)
     """Its copy on the buddy node (``ckptd/peers/replication.py``), moved by ``Registry.replicate`` only."""
-    replication_error: str = ""
-    """Why replication failed."""
-    replication_lag_s: float | None = None
-    """Seconds from held here (its ranks told) to held on the buddy, once replicated."""
     restored_from: str = ""
     """The peer it was read back from (``Holding.hold_restored``); empty: taken here. Kept whatever its
     replication says since: a restored snapshot is streamed on to the buddy once the peer's copy is gone."""
@@ -177,8 +173,8 @@ class HeldSnapshot(Attempt):
             "ranks_held": sorted(r for r, s in self.shards.items() if s.checksum is not None),
             "complete": self.acknowledged, "persisted": self.persisted, "persisting": self.persisting,
             "persists_waiting": len(self.persist_waiting),
-            "replication": self.replication.value, "replication_error": self.replication_error,
-            "replication_lag_s": self.replication_lag_s,
+            "replication": self.copy.state.value, "replication_error": self.copy.error,
+            "replication_lag_s": self.copy.lag_s,
             "checksum_algorithm": CHECKSUM_ALGORITHM,
             "shards": [[r, s.slot.name, s.msg.nbytes, s.checksum, len(s.msg.tensors)]
                        for r, s in sorted(self.shards.items()) if s.checksum is not None],

@@ -54,6 +54,7 @@ from ckptd.core.keys import KeyPair, Trust
 from ckptd.core.replies import as_error, error_reply
 from ckptd.core.stats import Stats
 from ckptd.core.workers import Workers
+from ckptd.lifecycle.attempt import PeerCopy
 from ckptd.lifecycle.holding import Holding
 from ckptd.lifecycle.snapshots import HeldSnapshot
 from ckptd.peers import bulk
@@ -90,30 +91,21 @@ class _Turn:
     """When it was held here (its ranks told): its lag runs from then to the buddy's last seal."""
 
 
-@dataclass(frozen=True)
-class _Copy:
-    """A snapshot's copy on a peer, as it was sealed there (or read back from there): gone once the peer no longer
-    lists these shards."""
+def _held_by(snap: HeldSnapshot, replicas: list[dict[str, Any]]) -> bool:
+    """Whether a peer's listing holds ``snap``'s copy as its record says: the path, with every shard's checksum."""
+    return any(r["path"] == str(snap.path) and r.get("complete")
+               and set(snap.copy.checksums) <= {(rank, checksum) for rank, _, _, checksum, _ in r["shards"]}
+               for r in replicas)
 
-    snap: HeldSnapshot
-    endpoint: str
-    checksums: tuple[tuple[int, int], ...]
-    """(rank, checksum) of every shard sent."""
 
-    def held_by(self, replicas: list[dict[str, Any]]) -> bool:
-        """Whether the buddy's listing holds this copy: the path, with every shard's checksum."""
-        return any(r["path"] == str(self.snap.path) and r.get("complete")
-                   and set(self.checksums) <= {(rank, checksum) for rank, _, _, checksum, _ in r["shards"]}
-                   for r in replicas)
-
-    def replaced_by(self, replicas: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """The replica the buddy holds in its place, if any (``ReplicaBook._completed``'s rules: another of the same
-        path, or a newer one of the same ranks in its directory); None: it was lost with no successor (the buddy
-        restarted)."""
-        path, ranks = self.snap.path, sorted(rank for rank, _ in self.checksums)
-        return next((r for r in replicas if r["path"] == str(path) or (
-            Path(r["path"]).parent == path.parent and r["ranks_held"] == ranks and _step(r["step"]) > _step(
-                self.snap.step))), None)
+def _replaced_by(snap: HeldSnapshot, replicas: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The replica a peer holds in place of ``snap``'s copy, if any (``ReplicaBook._completed``'s rules: another of
+    the same path, or a newer one of the same ranks in its directory); None: it was lost with no successor (the
+    buddy restarted)."""
+    path, ranks = snap.path, sorted(rank for rank, _ in snap.copy.checksums)
+    return next((r for r in replicas if r["path"] == str(path) or (
+        Path(r["path"]).parent == path.parent and r["ranks_held"] == ranks and _step(r["step"]) > _step(
+            snap.step))), None)
 
 
 @dataclass
@@ -184,8 +176,6 @@ class Replication:
     _turns: dict[Path, _Turn] = field(default_factory=dict)
     _restoring: dict[Path, list[tuple[bytes, int]]] = field(default_factory=dict)
     _pins: Any = field(default_factory=lambda: itertools.count(1))
-    _copies: dict[Path, _Copy] = field(default_factory=dict)
-    """Where each snapshot said ``replicated`` was sent, for the check that the copy is still there (``check``)."""
     _next_check: float = 0.0
     _checking: bool = False
     _forgets: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
@@ -222,7 +212,7 @@ class Replication:
     def held(self, event: SnapshotHeld) -> None:
         """A snapshot was held here (its ranks told): queue its stream to the buddy."""
         snap = self.holding.snapshots.current.get(event.path)
-        if snap is not None and snap.replication not in (R.RESTORED, R.ADOPTED):  # read back from a replica, or
+        if snap is not None and snap.copy.state not in (R.RESTORED, R.ADOPTED):  # read back from a replica, or
             # a replica a drain is persisting
             self._stream(snap)
 
@@ -236,7 +226,6 @@ class Replication:
         is not told (that node is gone, or holds a copy its next drain may persist: logged as open)."""
         if event.reason not in FORGOTTEN:
             return
-        self._copies.pop(event.path, None)
         buddy = self.buddy
         if buddy is None:
             return
@@ -271,7 +260,7 @@ class Replication:
         if before is not None:
             before.superseded = True
         self._turns[snap.path.parent] = turn
-        self.holding.state.attempts.replicate(snap, R.REPLICATING)
+        self.holding.state.attempts.replicate(snap, R.REPLICATING, endpoint=buddy.endpoint)
         ranks = tuple(sorted(snap.shards))
         shards = [(sh.msg.to_wire(), sh.checksum, sh.slot, sh.msg.nbytes) for _, sh in sorted(snap.shards.items())]
 
@@ -301,27 +290,25 @@ class Replication:
         exc = fut.exception()
         again = newer is not None and newer is not turn and newer.snap is snap  # sent again: a late rank joined
 
-        def move(state: R, error: str = "") -> None:
+        def move(state: R, **how: Any) -> None:
             if not again:  # else the newer turn says how it went
-                self.holding.state.attempts.replicate(snap, state, error)
+                self.holding.state.attempts.replicate(snap, state, endpoint=turn.endpoint, **how)
         if exc is None and fut.result() is not None:
             start, end, sent, built = fut.result()
-            move(R.REPLICATED)
-            self._copies[snap.path] = _Copy(snap, turn.endpoint, tuple(sorted((r, sh.checksum)
-                                                                              for r, sh in snap.shards.items())))
-            snap.replication_lag_s = round(end - turn.held_at, 6)
+            lag = round(end - turn.held_at, 6)
+            move(R.REPLICATED, lag_s=lag, checksums=tuple(sorted((r, sh.checksum) for r, sh in snap.shards.items())))
             record.answered()
             record.bytes_replicated += snap.nbytes
             record.bytes_sent, record.bytes_built = record.bytes_sent + sent, record.bytes_built + built
             record.snapshots_replicated += 1
             record.bytes_per_second = round(snap.nbytes / max(end - start, 1e-6), 1)
-            record.lag_s = snap.replication_lag_s
+            record.lag_s = lag
             log.info("event=snapshot_replicated path=%s step=%s peer=%s lag_s=%.3f bytes=%d sent=%d built=%d",
-                     snap.path, snap.step, turn.endpoint, snap.replication_lag_s, snap.nbytes, sent, built)
+                     snap.path, snap.step, turn.endpoint, lag, snap.nbytes, sent, built)
         elif exc is None:
             move(R.SUPERSEDED)
         else:
-            move(R.FAILED, str(exc))
+            move(R.FAILED, error=str(exc))
             record.failures += 1
             if isinstance(exc, PeerUnavailable):
                 record.unanswered(exc)
@@ -341,19 +328,18 @@ class Replication:
         if self._checking or now < self._next_check:
             return
         self._next_check = now + CHECK_S
-        for path in [p for p, c in self._copies.items() if self.holding.snapshots.current.get(p) is not c.snap
-                     or c.snap.replication not in COPIED]:
-            del self._copies[path]
+        copied = [s for s in self.holding.snapshots.current.values() if s.copy.state in COPIED and s.copy.checksums]
         buddy = self.buddy
-        for copy in [c for c in self._copies.values() if buddy is not None and c.endpoint != buddy.endpoint]:
-            self._copy_gone(copy, None)  # the ring named a new buddy (a replacement node at another endpoint): the
-            # copy on the old one is no copy of this node's any more, and the new one is sent what is held
+        for snap in [s for s in copied if buddy is not None and s.copy.endpoint != buddy.endpoint]:
+            self._copy_gone(snap, snap.copy, None)  # the ring named a new buddy (a replacement node at another
+            # endpoint): the copy on the old one is no copy of this node's any more, and the new one is sent what is
+            # held
         asks = {link.endpoint: link for link in self.asks}
-        copies = [c for c in self._copies.values() if c.endpoint in asks]
-        if not copies:
+        asked = [(s, s.copy) for s in copied if s.copy.state in COPIED and s.copy.endpoint in asks]
+        if not asked:
             return
         self._checking = True
-        links = [asks[endpoint] for endpoint in sorted({c.endpoint for c in copies})]
+        links = [asks[endpoint] for endpoint in sorted({copy.endpoint for _, copy in asked})]
 
         def ask() -> dict[str, list[dict[str, Any]] | BaseException]:
             listed: dict[str, list[dict[str, Any]] | BaseException] = {}
@@ -368,29 +354,27 @@ class Replication:
             self._checking = False
             listed = fut.result()
             self._heard({ep: r if isinstance(r, BaseException) else None for ep, r in listed.items()})
-            for copy in copies:
+            for snap, copy in asked:  # a copy that moved on meanwhile (a new record) is judged at the next check
                 replicas = listed.get(copy.endpoint)
-                if isinstance(replicas, list) and self._copies.get(copy.snap.path) is copy \
-                        and copy.snap.replication in COPIED and not copy.held_by(replicas):
-                    self._copy_gone(copy, copy.replaced_by(replicas))
+                if isinstance(replicas, list) and self.holding.snapshots.current.get(snap.path) is snap \
+                        and snap.copy is copy and not _held_by(snap, replicas):
+                    self._copy_gone(snap, copy, _replaced_by(snap, replicas))
 
         def unasked(exc: BaseException) -> None:
             self._checking = False
             log.warning("event=replica_check_failed error=%s", exc)
         self.workers.submit("peer_ask", ask, answer, failed=unasked)
 
-    def _copy_gone(self, copy: _Copy, successor: dict[str, Any] | None) -> None:
-        """The buddy no longer holds ``copy``: send it again, or say why not (on the loop)."""
-        snap = copy.snap
+    def _copy_gone(self, snap: HeldSnapshot, copy: PeerCopy, successor: dict[str, Any] | None) -> None:
+        """The peer no longer holds ``snap``'s ``copy``: send it to the buddy again, or say why not (on the loop)."""
         if successor is None and snap.path.parent in self._turns:  # a stream of its directory is queued: the
             return  # next check decides
-        del self._copies[snap.path]
         log.warning("event=replica_gone path=%s step=%s peer=%s action=%s", snap.path, snap.step, copy.endpoint,
                     "failed" if successor is not None else "sent_again")
         if successor is None:
             self._stream(snap)
             return
-        self.holding.state.attempts.replicate(snap, R.FAILED, (
+        self.holding.state.attempts.replicate(snap, R.FAILED, error=(
             f"peer {copy.endpoint} no longer holds its copy: it holds a replica of {successor['path']} at step "
             f"{successor['step']} in its place (another run's snapshot of the same path, or a newer one of its "
             f"directory)"))
@@ -402,8 +386,8 @@ class Replication:
         if self._turns.get(snap.path.parent) is turn:
             del self._turns[snap.path.parent]
         self.holding.unpin_for(turn.reader, snap.path)
-        if snap.replication is R.REPLICATING:
-            self.holding.state.attempts.replicate(snap, R.FAILED, as_error(self.stats, exc).message)
+        if snap.copy.state is R.REPLICATING:
+            self.holding.state.attempts.replicate(snap, R.FAILED, error=as_error(self.stats, exc).message)
 
     # -- from the peers -------------------------------------------------------
 
@@ -487,10 +471,8 @@ class Replication:
             if error is None:
                 entry, pulled = fut.result()
                 try:
-                    snap = self.holding.hold_restored(path, entry["created"], [
+                    self.holding.hold_restored(path, entry["created"], [
                         (p.msg, p.name, p.fd, p.map, p.checksum) for p in pulled], peer=entry["on_peer"])
-                    self._copies[path] = _Copy(snap, entry["on_peer"], tuple(sorted(
-                        (p.msg.rank, p.checksum) for p in pulled)))
                     log.info("event=snapshot_restored path=%s step=%s peer=%s", path, entry["step"], entry["on_peer"])
                 except CkptdError as exc:
                     self.workers.background("maintenance", lambda: _discard(pulled, shm_dir))
