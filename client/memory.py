@@ -105,8 +105,8 @@ def wait_replicated(endpoint: str, path: Path | str, timeout: float | None) -> N
             why = {None: "it is no longer held (a newer snapshot, a delete or a disk save dropped it)",
                    R.OFF: "the daemon has no buddy (start it with --peer-listen, so the ranks place it in their "
                           "ring, or with --peer and --peer-keys)",
-                   R.SUPERSEDED: "a newer snapshot of its directory was held before its turn, and is replicated "
-                                 "instead"}.get(state, snap.get("replication_error", "") if snap else "")
+                   R.SUPERSEDED: "a newer snapshot of its directory was held before its turn, or took its place on "
+                                 "the buddy (which keeps one replica per directory), and is replicated instead"}.get(state, snap.get("replication_error", "") if snap else "")
             raise InvalidCheckpoint(f"snapshot {path} was not replicated: {why}")
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(f"snapshot {path} was not replicated within {timeout:g} s (still streaming)")

@@ -652,6 +652,32 @@ def test_a_snapshot_whose_replica_another_run_replaced_on_the_buddy_is_no_longer
         pair.kill()
 
 
+@pytest.mark.timeout(180)
+def test_an_older_snapshot_kept_beside_a_newer_one_is_superseded_on_the_buddy_not_failed(root: Path,
+                                                                                           tmp_path: Path) -> None:
+    """With ``--keep-snapshots 2`` the origin keeps two snapshots of a directory, and the buddy one replica per
+    directory and ranks: the newer's replica replaces the older's there. The older then says ``superseded`` (its
+    directory's newer state is on the buddy), where it said ``failed`` as if another run had taken its place."""
+    pair = _pair(root, tmp_path, origin_extra=("--keep-snapshots", "2"))
+    older, newer = root / "run" / "step-1", root / "run" / "step-2"
+    try:
+        client = ckptd.Client(run_dir=pair.origin_dir, spawn=False)
+        first = client.save_async({"w": torch.randn(50_000)}, older, step=1, persist=False)
+        first.wait_replicated(60)
+        client.save_async({"w": torch.randn(50_000)}, newer, step=2, persist=False).wait_replicated(60)
+        assert _held_replicas(pair.buddy) == [(str(newer), 2)]
+        wait_until(lambda: _replication(pair.origin, older)[0] == "superseded", 60,
+                   lambda: f"the origin says {_replication(pair.origin, older)} of the older one")
+        assert _replication(pair.origin, older) == ("superseded", "")
+        assert _replication(pair.origin, newer) == ("replicated", "")
+        with pytest.raises(InvalidCheckpoint, match="took its place on the buddy"):
+            first.wait_replicated(10)
+        assert "action=superseded" in (pair.origin_dir / LOG).read_text()
+        client.close()
+    finally:
+        pair.kill()
+
+
 def _held_replicas(daemon: Daemon) -> list[tuple[str, int]]:
     return [(r["path"], r["step"]) for r in daemon.status()["peers"]["replicas_held"]["held"]]
 

@@ -100,12 +100,14 @@ NEXT_REPLICATION: dict[ReplicationState, frozenset[ReplicationState]] = {
     # ``registry.Registry.replicate`` only
     _R.OFF: frozenset({_R.REPLICATING}),
     _R.REPLICATING: frozenset({_R.REPLICATED, _R.FAILED, _R.SUPERSEDED, _R.REPLICATING}),
-    _R.REPLICATED: frozenset({_R.REPLICATING, _R.FAILED}),  # a late rank of its node joined, or the buddy lost
-    # its copy: sent again; the buddy replaced its copy with another's: failed
+    _R.REPLICATED: frozenset({_R.REPLICATING, _R.FAILED, _R.SUPERSEDED}),  # a late rank of its node joined, or the
+    # buddy lost its copy: sent again; the buddy replaced its copy with another's: failed; with this node's newer
+    # snapshot of its directory (a buddy keeps one per directory and ranks): superseded
     _R.FAILED: frozenset({_R.REPLICATING}),
     _R.SUPERSEDED: frozenset({_R.REPLICATING}),
-    _R.RESTORED: frozenset({_R.REPLICATING, _R.FAILED}),  # the peer it was read from lost its copy, or is not the
-    # buddy: sent to the buddy; or the peer holds a newer one of its directory in its place: failed
+    _R.RESTORED: frozenset({_R.REPLICATING, _R.FAILED, _R.SUPERSEDED}),  # the peer it was read from lost its copy,
+    # or is not the buddy: sent to the buddy; or the peer holds a newer one of its directory in its place: failed,
+    # or superseded if that is this node's own, replicated there
     _R.ADOPTED: frozenset(),
 }
 """The only moves of a snapshot's replication; ``restored`` and ``adopted`` are where such snapshots start."""

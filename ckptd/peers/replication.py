@@ -369,6 +369,14 @@ class Replication:
         """The peer no longer holds ``snap``'s ``copy``: send it to the buddy again, or say why not (on the loop)."""
         if successor is None and snap.path.parent in self._turns:  # a stream of its directory is queued: the
             return  # next check decides
+        newer = None if successor is None else self.holding.snapshots.current.get(Path(successor["path"]))
+        if newer is not None and newer is not snap and newer.copy.state is R.REPLICATED \
+                and newer.copy.endpoint == copy.endpoint and _held_by(newer, [successor]):
+            # this node's newer snapshot of its directory: the buddy keeps one replica per directory and ranks
+            log.info("event=replica_gone path=%s step=%s peer=%s action=superseded newer=%s", snap.path, snap.step,
+                     copy.endpoint, newer.path)
+            self.holding.state.attempts.replicate(snap, R.SUPERSEDED)
+            return
         log.warning("event=replica_gone path=%s step=%s peer=%s action=%s", snap.path, snap.step, copy.endpoint,
                     "failed" if successor is not None else "sent_again")
         if successor is None:
