@@ -5,7 +5,8 @@
 (``cannot go from``) on any daemon:
 
 * an attempt, on disk or in memory, left missing ranks by contributors that died, ended by a rank of another run
-  arriving at its path (``Registry.end_orphaned``: ``abandoned``, where housekeeping's own finding is ``orphaned``);
+  arriving at its path (``Registry.end_orphaned``: ``abandoned``, where housekeeping's own finding is ``orphaned``),
+  and by a late rank of its own run (``orphaned``);
 * a snapshot still gathering its ranks ended by its run's ``Abort``, and a persisted snapshot still held whose disk
   copy retention (keep_last) deleted;
 * a save spread over two nodes: its run's ``Abort`` on global rank 0's daemon (whether that daemon holds a shard of
@@ -73,6 +74,19 @@ def test_a_newcomer_abandons_a_dead_runs_attempt_and_a_snapshot_ends_by_abort_or
             newcomer = Rank(RUN_2, daemon.run_dir, root / name, 0, 1, 2.0, "wait" + mode[len("hold"):])
             assert [newcomer.event()["event"], newcomer.event()["event"]] == ["staged", "done"]
             assert newcomer.proc.wait(30) == 0
+        # a late rank of the dead run's own: the attempt is orphaned (no rank of its run can complete it), not
+        # abandoned to another run; the late rank's own attempt then waits for the dead one (housekeeping would end
+        # it), so it is killed too
+        left = Rank(RUN_1, daemon.run_dir, root / "late", 0, 2, 1.0, "hold")
+        assert left.event()["event"] == "staged"
+        killed.append(left.proc.pid)
+        left.kill()
+        late = Rank(RUN_1, daemon.run_dir, root / "late", 1, 2, 1.0, "hold")
+        assert late.event()["event"] == "staged"
+        wait_until(lambda: ("checkpoint", "late", "failed", "orphaned") in ended(_logged(daemon), why=True), 30,
+                   "the late rank's arrival ends its run's orphaned attempt")
+        killed.append(late.proc.pid)
+        late.kill()
 
         lonely = client_factory(rank=0, world_size=2)
         gathering = lonely.save_async({"w": torch.ones(4)}, root / "gathering", step=1, persist=False)
@@ -92,13 +106,13 @@ def test_a_newcomer_abandons_a_dead_runs_attempt_and_a_snapshot_ends_by_abort_or
 
         rows = lambda: ended(_logged(daemon), why=True)  # noqa: E731
         wanted = [("checkpoint", "left-disk", "failed", "abandoned"), ("checkpoint", "left-disk", "committed", ""),
-                  ("snapshot", "left-memory", "failed", "abandoned"),
-                  ("snapshot", "gathering", "failed", "RanksMissing"),
+                  ("snapshot", "left-memory", "failed", "abandoned"), ("checkpoint", "late", "failed", "orphaned"),
+                  ("snapshot", "gathering", "failed", "aborted"),
                   ("checkpoint", "s-1", "committed", ""), ("checkpoint", "d-2", "committed", ""),
                   ("snapshot", "s-1", "dropped", "retention_deleted_disk_copy")]
         wait_until(lambda: rows() == wanted, 30, lambda: f"each end logged once, in order; logged: {rows()}")
         log = _logged(daemon)
-        assert "cannot go from" not in log and "why=orphaned" not in log
+        assert "cannot go from" not in log and log.count("why=orphaned") == 1
         assert [s["path"] for s in daemon.status()["memory"]["snapshots"]] == [str(root / "left-memory")]
         assert ckptd.load(root / "left-disk")["w"].tolist()[:1] == [2.0]  # run 2's, never run 1's
         assert sorted(p.name for p in (root / "kept").iterdir()) == ["d-2"]
@@ -148,8 +162,8 @@ def test_a_save_over_two_nodes_ends_failed_by_its_abort_and_let_go_on_the_node_t
         rank1.close()
 
         wanted = [(a, [("checkpoint", "again", "let go", AGAIN), ("checkpoint", "again", "committed", ""),
-                       ("checkpoint", "aborted", "failed", "RanksMissing"),
-                       ("checkpoint", "never", "failed", "RanksMissing")]),
+                       ("checkpoint", "aborted", "failed", "aborted"),
+                       ("checkpoint", "never", "failed", "aborted")]),
                   (b, [("checkpoint", "again", "let go", AGAIN), ("checkpoint", "again", "let go", GONE),
                        ("checkpoint", "aborted", "let go", GONE), ("checkpoint", "never", "let go", GONE)])]
         for node, rows in wanted:  # B looks at its settled attempts every 5 s (saves.LOOK_INTERVAL_S)

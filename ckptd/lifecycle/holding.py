@@ -88,7 +88,7 @@ class Holding:
 
     def _examined(self, ident: bytes, msg: Snapshot, progress: Progress, examined: Examined, *, pid: int) -> None:
         current = self.snapshots.opening(examined.final)
-        if current is not None and self.registry.end_orphaned(current):
+        if current is not None and self.registry.end_orphaned(current, msg.job):
             current = self.snapshots.opening(examined.final)
         conflict = None if current is None else current.broken_by(msg)
         try:
@@ -398,7 +398,7 @@ class Holding:
                 self.saves.abort_at(ident, msg, final)
                 return
             self.registry.end(snap, AttemptState.FAILED,
-                              RanksMissing(f"snapshot {display(final)} was aborted: {msg.reason}"))
+                              RanksMissing(f"snapshot {display(final)} was aborted: {msg.reason}"), reason="aborted")
             self.send(ident, Ok(msg.id))
 
         self.saves.resolve_then(ident, msg.id, msg.path, abort)

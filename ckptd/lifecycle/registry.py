@@ -149,13 +149,15 @@ class Registry:
                 pipeline.ended(attempt, state, error, reason)
                 return
 
-    def end_orphaned(self, attempt: Tracked) -> bool:
-        """A rank of another run arrived at ``attempt``'s path: fail ``attempt`` if it still misses ranks and some of
-        its contributors died (``Attempt.orphaned``), as no rank of their run can complete it. Logged ``abandoned``
-        (housekeeping's own finding of the same is ``orphaned``). True if it ended."""
+    def end_orphaned(self, attempt: Tracked, arriving_job: str) -> bool:
+        """A rank of run ``arriving_job`` arrived at ``attempt``'s path: fail ``attempt`` if it still misses ranks
+        and some of its contributors died (``Attempt.orphaned``), as no rank of their run can complete it. Logged
+        ``abandoned`` when the newcomer is another run's, else ``orphaned`` (as housekeeping's own finding of the
+        same is). True if it ended."""
         why = attempt.orphaned()
         if why is not None:
-            self.end(attempt, attempt.judged_end, why, reason="abandoned")
+            reason = "abandoned" if arriving_job != attempt.contributors.job else "orphaned"
+            self.end(attempt, attempt.judged_end, why, reason=reason)
         return why is not None
 
     def forget(self, *books: Book[A]) -> list[A]:

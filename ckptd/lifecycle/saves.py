@@ -139,7 +139,7 @@ class Saves:
         state, final = self.state, examined.final
         current = state.commits.pending.get(final)
         if current is not None and current.held is None:
-            if not self.registry.end_orphaned(current):
+            if not self.registry.end_orphaned(current, msg.job):
                 self._let_go_unclaimed(current)
             if current.settled and msg.job != current.contributors.job and not looked:
                 self._look_then(current, lambda: self.admit_examined(ident, msg, progress, examined, pid=pid,
@@ -376,7 +376,8 @@ class Saves:
                 contributors=Contributors(msg.job))
             if not pending.ended:
                 self.registry.end(pending, AttemptState.FAILED,
-                                  RanksMissing(f"checkpoint {display(final)} was aborted: {msg.reason}"))
+                                  RanksMissing(f"checkpoint {display(final)} was aborted: {msg.reason}"),
+                                  reason="aborted")
         self.send(ident, Ok(msg.id))
 
     def _failed(self, pending: PendingCheckpoint, error: BaseException | None) -> None:
