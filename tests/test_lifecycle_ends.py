@@ -13,10 +13,11 @@
   it or not), and the other node's daemon letting go of its part, for each reason it has (a rank of its run saved
   the path again; its directory gone, published or discarded by rank 0's daemon);
 * the buddy's replica of a peer's shard dropped because it was offered again, its stream failed, its checksum was
-  not the origin's, or the offer was refused.
+  not the origin's, or the offer was refused; and a replica whose origin stopped half-way ended by housekeeping
+  (``stalled``).
 
-A replica that stalls (``Replica.overdue``: nothing came for ``replicas.STALLED_S``, 60 s, a constant no option
-sets) is not driven here: it would hold this file a minute.
+and one that stalled: a shard of it sealed, the other never offered (``Replica.overdue``: nothing came for
+``replicas.STALLED_S``, 60 s, so that test takes a minute of real time; no option shortens it).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ import ckptd
 from ckptd.client.flatten import flatten
 from ckptd.core.keys import KeyPair
 from ckptd.peers import bulk
+from ckptd.peers.replicas import STALLED_S
 from ckptd.protocol.endpoint import LOG_NAME
 from ckptd.protocol.errors import ErrorCode, RanksMissing
 from ckptd.protocol.index import ShardRecord
-from ckptd.protocol.messages import Abort, Done, Error, Finalize, Ok
+from ckptd.protocol.messages import Abort, Done, Error, Finalize, Ok, Snapshot
 from ckptd.protocol.peer_messages import Offer, Seal, Ticket
 from helpers import SHM, Daemon, segments_of, short_tempdir, start_daemon, wait_until
 from test_fuzz_peers import _peer_socket
@@ -185,13 +187,14 @@ def _offered(sock: zmq.Socket, offer: Offer) -> Ticket | Error:
     return _answers(sock, [offer.id])[offer.id]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_each_way_the_buddy_drops_a_replica_it_receives_is_logged_with_why(root: Path, tmp_path: Path) -> None:
     """The buddy, offered shards by a trusted peer (the test, under the origin's key): a shard offered again before
     its seal drops the first attempt (``offered_again``), a stream that breaks part-way drops its replica
     (``stream_failed``), bytes whose checksum is not the offer's are not held (``checksum``), and an offer of a path
     outside the buddy's roots is refused (``offer_refused``); each is answered saying so, and only the replica
-    offered again, then sent whole, is held."""
+    offered again, then sent whole, is held. A replica of two ranks whose origin sealed one and never offered the
+    other is ended by housekeeping once nothing came for ``STALLED_S`` (``stalled``), its file removed."""
     lines: list[str] = []
     keys = tmp_path / "keys"
     origin_dir, _ = _node(keys, lines)
@@ -201,6 +204,15 @@ def test_each_way_the_buddy_drops_a_replica_it_receives_is_logged_with_why(root:
                          "--memory-budget", "64MiB")
     sock = _peer_socket(buddy_ep, KeyPair.of(buddy_dir).public, KeyPair.of(origin_dir))
     try:
+        half, half_data = _raw_offer(60, root / "run" / "stalled", 6, nbytes=bulk.FRAME)
+        shard = dataclasses.replace(Snapshot.from_wire(half.shard), world_size=2)
+        half = dataclasses.replace(half, shard=shard.to_wire(), ranks=(0, 1))  # rank 1 of its node never comes
+        ticket = _offered(sock, half)
+        assert isinstance(ticket, Ticket), ticket
+        stalled_at = time.monotonic()  # before its last bytes and its seal: nothing of it comes after those
+        sealed = _send_shard(sock, buddy_ep, half, ticket, half_data)
+        assert isinstance(_answers(sock, [sealed])[sealed], Ok)
+
         first, _ = _raw_offer(10, root / "run" / "again", 1, nbytes=bulk.FRAME)
         assert isinstance(_offered(sock, first), Ticket)
         again, again_data = _raw_offer(20, root / "run" / "again", 2, nbytes=bulk.FRAME)
@@ -233,7 +245,7 @@ def test_each_way_the_buddy_drops_a_replica_it_receives_is_logged_with_why(root:
 
         log = _logged(buddy)
         assert "event=replica_stream_failed" in log and "event=replica_refused" in log
-        replicas = [row for row in ended(log, why=True) if row[0] == "replica"]
+        replicas = [row for row in ended(log, why=True) if row[0] == "replica" and row[1] != "stalled"]
         assert replicas == [("replica", "again", "dropped", "offered_again"),
                             ("replica", "broken", "dropped", "stream_failed"),
                             ("replica", "crc", "dropped", "checksum"),
@@ -241,6 +253,13 @@ def test_each_way_the_buddy_drops_a_replica_it_receives_is_logged_with_why(root:
         assert "cannot go from" not in log
         (held,) = buddy.status()["peers"]["replicas_held"]["held"]
         assert held["path"] == str(root / "run" / "again") and held["shards"][0][3] == again.checksum
+        assert buddy.status()["peers"]["replicas_held"]["receiving"] == 1  # the half replica, not listed
+        stalled = ("replica", "stalled", "dropped", "stalled")
+        wait_until(lambda: stalled in ended(_logged(buddy), why=True), 150,
+                   lambda: f"the half replica ended by housekeeping; logged: {ended(_logged(buddy), why=True)}")
+        assert time.monotonic() - stalled_at >= STALLED_S  # not before nothing came for that long
+        assert buddy.status()["peers"]["replicas_held"]["receiving"] == 0
+        assert "cannot go from" not in _logged(buddy)
         wait_until(lambda: segments_of(buddy.proc.pid) == [held["shards"][0][1]], 30,
                    lambda: f"the dropped replicas' files removed; the buddy's: {segments_of(buddy.proc.pid)}")
     finally:
