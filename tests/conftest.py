@@ -18,7 +18,8 @@ if TYPE_CHECKING:  # imported where used: moto is a dev-only package that `make 
 
 LONGEST_FIRST = ("test_readme", "test_bench_smoke", "test_object_storage", "test_stateful", "test_stateful_found",
                  "test_fabric", "test_dcp_writer", "test_snapshots", "test_node_loss", "test_torchrun_example",
-                 "test_launch_names", "test_lifecycle_ends", "test_mirror", "test_mirror_retention", "test_snapshots_reads",
+                 "test_launch_names", "test_lifecycle_ends", "test_mirror", "test_mirror_retention",
+                 "test_snapshots_reads",
                  "test_crash_consistency", "test_lightning_sharded", "test_drain", "test_snapshots_persist",
                  "test_fsdp2_example", "test_dcp_replace", "test_dcp_reader", "test_dcp_clients",
                  "test_multinode_debris", "test_incarnations", "test_fuzz_daemon", "test_ring", "test_peers",
