@@ -105,7 +105,7 @@ def test_only_the_registry_moves_an_attempt() -> None:
     assert movers == {"ckptd/lifecycle/registry.py"}, f"attempts moved outside the registry: {sorted(movers)}"
 
 
-REGISTRY_CALLS = frozenset({"move", "end", "end_orphaned", "open", "promote", "forget"})
+REGISTRY_CALLS = frozenset({"move", "end", "end_orphaned", "open", "promote"})
 """What changes an attempt's state or a book: ``lifecycle/registry.Registry``'s methods."""
 BOOKS = frozenset({"pending", "held", "replacing", "incoming"})
 """The registry's books (``Commits.pending``, ``SnapshotBook.current`` and ``.replacing``, ``ReplicaBook.incoming`` and

@@ -636,8 +636,9 @@ class Holding:
         self.workers.submit("maintenance", lambda: sum(slots.trim(sh.slot, round_up(sh.msg.nbytes)) for sh in shards),
                             trimmed, failed=logged(self.state.stats))
 
-    def close(self) -> None:
-        """The daemon exits (its loop is over, its workers closed): no slot it took over outlives it.
+    def exited(self, snaps: list[HeldSnapshot]) -> None:
+        """The daemon exits (its loop is over, its workers closed; ``Registry.close`` hands over ``snaps``, held
+        and replacing, out of the books): no slot it took over outlives it.
 
         This unlinks on the calling thread: maintenance may have been
         abandoned at the drain deadline (a stalled store request ahead of
@@ -648,8 +649,7 @@ class Holding:
         still under this daemon's own name (a release or give-back queued
         behind abandoned maintenance).
         """
-        held = shards_of([*self.registry.forget(self.snapshots.current, self.snapshots.replacing),
-                          *self.snapshots.parked])
+        held = shards_of([*snaps, *self.snapshots.parked])
         owed = [n for names in self.snapshots.released.values() for n in names]
         self.snapshots.parked.clear()
         self.snapshots.released.clear()

@@ -9,7 +9,8 @@ held one through ``promote``, and leaves every book when it ends. Its state chan
 book, then hands it to the pipeline of its kind (``Pipeline.ended``), which answers every rank still waiting,
 releases what the attempt held (slots, directories, pins) and publishes the event last. So no book ever holds an
 ended attempt nor forgets one that goes on, and nothing leaves the books without being released (a test scans the
-daemon for any other caller of ``move_to``, and for writes to the books).
+daemon for any other caller of ``move_to``, and for writes to the books). At exit ``close`` empties the books and
+hands each pipeline what it still had (``Pipeline.exited``): an exit ends no attempt, but releases all.
 
 Its third pipeline is the buddy's: ``peers/replicas.ReplicaBook`` keeps the replicas it holds for its peers in two
 books of the registry's (``incoming``, ``held``, keyed by origin and path), and ends them here too (receiving, held,
@@ -86,6 +87,13 @@ class Pipeline(Protocol):
         """What the pipeline itself keeps up each round (forgetting old failures, looking at settled attempts)."""
         ...
 
+    def exited(self, attempts: list[Tracked]) -> None:
+        """The daemon exits (its workers closed): ``attempts``, its attempts still in the books (out of them
+        already), and whatever else it keeps, are released on the calling thread. Nobody is told and nothing is
+        published: an exit ends no attempt (a snapshot's replica stays on its buddy; a disk attempt's
+        ``.incomplete`` is the next start's sweep's)."""
+        ...
+
 
 class Registry:
     """The attempts of every pipeline: their books, their moves and ends, and the one place that ends those whose
@@ -160,13 +168,14 @@ class Registry:
             self.end(attempt, attempt.judged_end, why, reason=reason)
         return why is not None
 
-    def forget(self, *books: Book[A]) -> list[A]:
-        """The daemon exits: ``books`` are emptied, and what they held is returned (what it holds is the caller's
-        to release; nobody is told)."""
-        every = [a for book in books for a in book.values()]
-        for book in books:
+    def close(self) -> None:
+        """The daemon exits: every book is emptied, and each pipeline is handed the attempts it still had, to
+        release (``Pipeline.exited``), in the order the pipelines were kept."""
+        left = [a for book in self._books for a in book.values()]
+        for book in self._books:
             book._by_key.clear()
-        return every
+        for pipeline in self.pipelines:
+            pipeline.exited([a for a in left if isinstance(a, pipeline.kind)])
 
     def replicate(self, snap: Any, state: ReplicationState, *, endpoint: str | None = None, error: str = "",
                   lag_s: float | None = None, checksums: tuple[tuple[int, int], ...] = ()) -> None:

@@ -510,6 +510,12 @@ class Saves:
             self._let_go_unclaimed(pending)
         self._let_go_ended()
 
+    def exited(self, attempts: list[PendingCheckpoint]) -> None:
+        """The daemon exits: its disk attempts hold nothing to release here (their slots go with ``SlotMaps``, a
+        ``.incomplete`` directory left is the next start's sweep's), so they are only counted in the log."""
+        if attempts:
+            log.info("event=attempts_left_at_exit kind=checkpoint count=%d", len(attempts))
+
     def attempts_kept(self) -> list[PendingCheckpoint]:
         """Settled attempts: kept until their run's Finalize or Abort, here or on another node's daemon."""
         return [p for p in self.state.commits.pending.values() if p.settled]

@@ -232,9 +232,8 @@ class Server:
         if self.peer_endpoint is not None:
             self.peer_endpoint.close()
         self.workers.close()
-        self.holding.close()  # after the workers: what they finished may have taken over or released slots
-        if self.replicas is not None:
-            self.replicas.close()
+        self.attempts.close()  # after the workers: what they finished may have taken over or released slots; each
+        # pipeline releases what it still holds (``Pipeline.exited``)
         self.router.close()
         self.ctx.term()
         self.state.slots.close()

@@ -628,9 +628,10 @@ class ReplicaBook:
                           "origin_endpoint": self.endpoint_of(r.origin)} for r in self.held.values()],
                 "receiving": len(self.incoming)}
 
-    def close(self) -> None:
-        """The daemon exits: nothing held for others outlives it (on the calling thread)."""
-        for replica in self.registry.forget(self.held, self.incoming):
+    def exited(self, replicas: list[Replica]) -> None:
+        """The daemon exits (``Registry.close`` hands over ``replicas``, held and incoming, out of the books):
+        nothing held for others outlives it (on the calling thread)."""
+        for replica in replicas:
             for shard in replica.shards.values():
                 shard.close(self.shm_dir, self.data)
         self.spares.close()
