@@ -61,6 +61,10 @@ Examine = Callable[..., Examined]
 Admit = Callable[..., None]
 """What takes an examined shard on the loop: (ident, msg, progress, examined, *, pid)."""
 
+UNCLAIMED = "its contributors all died"
+"""Why a settled attempt is let go when no rank of its run is left to Finalize or Abort it (``ended`` gives up this
+daemon's part of its directory then)."""
+
 
 class Saves:
     """Moves saves through the pipeline above; replies through ``send``."""
@@ -332,14 +336,17 @@ class Saves:
     def ended(self, pending: PendingCheckpoint, state: AttemptState, error: BaseException | None,
               reason: str) -> None:
         """``pending`` ended in ``state`` and left the books: its ranks are answered, its directory set aside if
-        it failed, and ``Committed`` or ``Failed`` is published last (a let-go attempt is only logged: its
-        directory is another node's daemon's, and nobody here waits for it)."""
+        it failed, and ``Committed`` or ``Failed`` is published last. A let-go attempt is logged, and nobody here
+        waits for it; its directory is another node's daemon's, except when its contributors all died
+        (``UNCLAIMED``): this daemon's part of it is given up then (``_release``)."""
         if state is AttemptState.COMMITTED:
             self._committed(pending)
         elif state is AttemptState.FAILED:
             self._failed(pending, error)
         else:
             log.info("event=let_go path=%s job=%r why=%s", pending.path, pending.contributors.job, reason)
+            if reason == UNCLAIMED:
+                self._release(pending)
 
     def _committed(self, pending: PendingCheckpoint) -> None:
         seconds = time.monotonic() - pending.started_at
@@ -439,8 +446,8 @@ class Saves:
     def _let_go_unclaimed(self, pending: PendingCheckpoint) -> None:
         """Let go of a settled attempt whose contributors all died (its directory may still be another node's to
         publish): no Finalize or Abort of theirs can come here."""
-        if pending.unclaimed() and self._let_go(pending, "its contributors all died"):
-            self._release(pending)
+        if pending.unclaimed():
+            self._let_go(pending, UNCLAIMED)
 
     def _let_go(self, pending: PendingCheckpoint, why: str) -> bool:
         """Forget a settled attempt that ended without a word here; nobody is told. False if it was not kept."""
