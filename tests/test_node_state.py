@@ -9,6 +9,7 @@ import pytest
 
 from ckptd.core.config import DaemonConfig
 from ckptd.lifecycle.attempt import AttemptState
+from ckptd.lifecycle.budget import MemoryBudget
 from ckptd.protocol.errors import Conflict, InternalError, RanksMissing, UnknownClient
 from ckptd.protocol.index import ShardRecord
 from ckptd.protocol.layout import TensorEntry
@@ -159,7 +160,7 @@ def test_disk_and_memory_attempts_share_one_set_of_rules_for_their_ranks(state, 
     final = tmp_path / "both"
     pending, _ = state.commits.admit(commit(1, world_size=2, path=str(final)), b"a", final, os.getpid(),
                                      state.commits.storage)
-    snaps = SnapshotBook(budget=1 << 30, keep=1, registry=state.attempts)
+    snaps = SnapshotBook(MemoryBudget(1 << 30), keep=1, registry=state.attempts)
     shot = Snapshot(**{**commit(1, world_size=2, path=str(final)).__dict__})
     snap = snaps.admit(shot, final, state.commits.storage, FakeSlot("s"), os.getpid(), b"a")  # type: ignore[arg-type]
     for attempt, kind in ((pending, "checkpoint"), (snap, "snapshot")):

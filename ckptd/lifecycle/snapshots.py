@@ -40,7 +40,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, ClassVar, Iterable
 
 from ckptd.protocol.errors import CheckpointExists, NoSpace, PathNotAllowed
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
@@ -49,6 +49,7 @@ from ckptd.protocol.objects import display
 
 from ckptd.core.render import human_bytes
 from ckptd.lifecycle.attempt import Attempt, AttemptState, PeerCopy, Waiter
+from ckptd.lifecycle.budget import MemoryBudget
 from ckptd.lifecycle.contributors import Contributors
 from ckptd.lifecycle.registry import Book, Registry
 from ckptd.lifecycle.slot_maps import MappedSlot
@@ -184,13 +185,10 @@ class HeldSnapshot(Attempt):
 class SnapshotBook:
     """The snapshots this daemon holds, by final path, within the memory budget."""
 
-    def __init__(self, budget: int, keep: int, registry: Registry) -> None:
-        self.budget, self.keep, self.registry = budget, keep, registry
-        self.replica_bytes: Callable[[], int] = lambda: 0
-        """What the replicas this node holds for its peers occupy of the same budget (``peers/replicas.py``)."""
-        self.free_spares: Callable[[int], int] = lambda needed: 0
-        """Let go of spare replica files (``peers/spares.py``) until ``needed`` bytes are freed: they hold nothing
-        anyone asked for, so they go before a held snapshot is evicted or a new one refused."""
+    def __init__(self, memory: MemoryBudget, keep: int, registry: Registry) -> None:
+        self.memory, self.keep, self.registry = memory, keep, registry
+        """``memory``: the node's budget, which the replicas held for peers share (``budget.py``)."""
+        memory.count("snapshots", lambda: sum(s.nbytes for s in self.all()) + sum(s.nbytes for s in self.parked))
         self.current: Book[HeldSnapshot] = registry.book()
         """The snapshot of each path, by path: still gathering its ranks (``holding``) or acknowledged (held,
         persisting, persisted)."""
@@ -228,8 +226,9 @@ class SnapshotBook:
 
     @property
     def held_bytes(self) -> int:
-        """What the budget counts: the snapshots held and those parked for their readers."""
-        return sum(s.nbytes for s in self.all()) + sum(s.nbytes for s in self.parked) + self.replica_bytes()
+        """What the budget counts: the snapshots held and those parked for their readers, and what the node holds
+        for its peers."""
+        return self.memory.held()
 
     def refuse_nested(self, final: Path) -> None:
         """``PathNotAllowed`` if a checkpoint at ``final`` (to disk or to memory) would lie inside a held snapshot
@@ -274,23 +273,23 @@ class SnapshotBook:
         Which to evict is decided first, and nothing is evicted unless ``needed`` then fits: a snapshot refused
         anyway must not cost one that is held. Each evicted one ends dropped (``Registry.end``: its slots are
         released by the memory tier)."""
-        if self.held_bytes + needed > self.budget:
-            self.free_spares(self.held_bytes + needed - self.budget)
+        self.memory.make_room(needed)  # spare replica files first: they hold nothing anyone asked for
+        budget = self.memory.total
         candidates = sorted((s for s in self.current.values() if s.persisted and not s.persisting and not s.readers),
                             key=lambda s: s.order)  # a pinned one's memory would stay until its readers are done
         evicted: list[HeldSnapshot] = []
         freed = 0
-        while self.held_bytes - freed + needed > self.budget and candidates:
+        while self.held_bytes - freed + needed > budget and candidates:
             evicted.append(candidates.pop(0))
             freed += evicted[-1].nbytes
-        if self.held_bytes - freed + needed <= self.budget:
+        if self.held_bytes - freed + needed <= budget:
             for victim in evicted:  # never pinned: the budget evicts none a reader holds
                 self.registry.end(victim, AttemptState.DROPPED, reason="budget")
             return
-        unpersisted, replicas = sum(1 for s in self.current.values() if not s.persisted), self.replica_bytes()
+        unpersisted, replicas = sum(1 for s in self.current.values() if not s.persisted), self.memory.held("replicas")
         raise NoSpace(
             f"snapshot {final} needs {human_bytes(needed)} of node memory, but the daemon's memory budget is "
-            f"{human_bytes(self.budget)}: {human_bytes(self.held_bytes - replicas)} hold snapshots "
+            f"{human_bytes(budget)}: {human_bytes(self.held_bytes - replicas)} hold snapshots "
             f"({len(self.current)} held, {unpersisted} of them not on disk yet, which are never evicted for "
             f"another; the rest being replaced or still read after a drop) and {human_bytes(replicas)} hold "
             f"replicas for peers. The budget must hold keep_snapshots + 1 snapshots per job (the newest is only "
@@ -369,7 +368,7 @@ class SnapshotBook:
 
     def summary(self) -> dict[str, Any]:
         """The ``memory`` part of ``ckptd status``."""
-        return {"budget_bytes": self.budget, "held_bytes": self.held_bytes, "keep_snapshots": self.keep,
+        return {"budget_bytes": self.memory.total, "held_bytes": self.held_bytes, "keep_snapshots": self.keep,
                 "snapshots": [{k: v for k, v in d.items() if k != "shards"} for d in self.listing()]}
 
 

@@ -26,6 +26,7 @@ from ckptd.protocol.processes import pid_alive
 from ckptd.core.config import DaemonConfig
 from ckptd.core.leases import Grant, LoadLeases
 from ckptd.core.stats import Stats
+from ckptd.lifecycle.budget import MemoryBudget
 from ckptd.lifecycle.commit import Commits, PendingCheckpoint
 from ckptd.lifecycle.registry import Registry
 from ckptd.lifecycle.slot_maps import SlotMaps
@@ -73,7 +74,9 @@ class NodeState:
         self.leases = LoadLeases(config.max_concurrent_loads)
         self.slots = slots if slots is not None else SlotMaps()
         self.stats = Stats(config)
-        self.snapshots = SnapshotBook(config.memory_budget, config.keep_snapshots, self.attempts)
+        self.memory = MemoryBudget(config.memory_budget)
+        """The node's memory budget, which the snapshots and the replicas held for peers share."""
+        self.snapshots = SnapshotBook(self.memory, config.keep_snapshots, self.attempts)
         self.draining = False
 
     # -- the view status reads (stats.NodeView) ---------------------------------

@@ -137,15 +137,11 @@ class Server:
     def _start_peers(self, keys: Trust) -> None:
         """The replicas held for other nodes, the peer endpoint (``--peer-listen``) and replication to the buddy."""
         config, slots, stats = self.config, self.state.slots, self.state.stats
-        snapshots = self.state.snapshots
         book = self.replicas = ReplicaBook(self.attempts, self.workers, stats, self.events, slots.shm_dir,
-                                           slots.own_name,
-                                        lambda: snapshots.budget - snapshots.held_bytes,
-                                        lambda raw: self.storage.resolve(raw, config.roots),
-                                        encrypt=config.peer_encrypt)
+                                           slots.own_name, self.state.memory,
+                                           lambda raw: self.storage.resolve(raw, config.roots),
+                                           encrypt=config.peer_encrypt)
         self.attempts.keep((*self.attempts.pipelines, book))  # its replicas end through the registry too
-        snapshots.replica_bytes = lambda: book.budgeted
-        snapshots.free_spares = book.spares.release
         book.endpoint_of = lambda origin: next((ep for ep, key in keys.endpoints.items() if key.decode() == origin),
                                                None)
         if config.peer_listen is not None:

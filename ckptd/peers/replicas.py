@@ -58,6 +58,7 @@ from ckptd.core.replies import error_reply
 from ckptd.core.stats import Stats
 from ckptd.core.workers import Workers
 from ckptd.lifecycle.attempt import NEXT_REPLICA_STATES, AttemptState, Tracked
+from ckptd.lifecycle.budget import MemoryBudget
 from ckptd.lifecycle.registry import Book, Registry
 from ckptd.peers import bulk, chunks
 from ckptd.peers.data import DataServer, StreamEnded, Transfer
@@ -244,7 +245,7 @@ def remove_shm_file(shm_dir: Path, name: str, fd: int, mapping: mmap.mmap | None
 
 class ReplicaBook:
     """Every replica this daemon holds or is receiving, within the node's memory budget (shared with its own
-    snapshots: ``room`` says how many bytes are free of it): the registry's pipeline of replicas (``kind``,
+    snapshots: ``lifecycle/budget.MemoryBudget``): the registry's pipeline of replicas (``kind``,
     ``attempts``, ``ended``, ``tidy``), whose books it reads and whose ``open``, ``promote``, ``move`` and ``end``
     change them."""
 
@@ -253,7 +254,7 @@ class ReplicaBook:
 
     def __init__(self, registry: Registry, workers: Workers, stats: Stats, events: Events, shm_dir: Path,
                  new_name: Callable[[], str],
-                 room: Callable[[], int], resolve: Callable[[str], Path], *, encrypt: bool = False) -> None:
+                 memory: MemoryBudget, resolve: Callable[[str], Path], *, encrypt: bool = False) -> None:
         self.registry = registry
         self.encrypt = encrypt
         """``--peer-encrypt``: every stream this daemon serves is encrypted; else only one whose peer asked for it
@@ -263,7 +264,7 @@ class ReplicaBook:
         reaches this book)."""
         self._failed: dict[tuple[bytes, int], tuple[str, float]] = {}
         """Why the stream of an offer failed (its replica dropped then), for its seal; by (connection, offer id)."""
-        self.workers, self.stats, self.shm_dir, self.new_name, self.room = workers, stats, shm_dir, new_name, room
+        self.workers, self.stats, self.shm_dir, self.new_name, self.memory = workers, stats, shm_dir, new_name, memory
         self.events = events
         self.resolve = resolve
         """A path a peer names, checked against this daemon's roots as a local request's is (``PathNotAllowed``
@@ -278,6 +279,8 @@ class ReplicaBook:
         """The endpoint the peer keys file names for an origin's key (None: none), for status."""
         self.spares = Spares(shm_dir, lambda work: workers.background("replica", work))
         """The files of replicas a newer one replaced, for the next replica of their directory's ranks."""
+        memory.count("replicas", lambda: self.budgeted)
+        memory.spare(self.spares.release)
 
     @property
     def holds_any(self) -> bool:
@@ -303,13 +306,12 @@ class ReplicaBook:
         path = Path(snap.path)
         spare_key = (origin, path.parent, snap.rank)
         spare = self.spares.take(spare_key)  # its bytes become this shard's
-        if self.room() < snap.nbytes:
-            self.spares.release(snap.nbytes - self.room())
-        if self.room() < snap.nbytes:
+        self.memory.make_room(snap.nbytes)  # spare files first: they hold nothing anyone asked for
+        if self.memory.free < snap.nbytes:
             if spare is not None:
                 self.spares.keep(spare_key, spare)
             raise NoSpace(f"a replica of {display(path)} rank {snap.rank} needs {human_bytes(snap.nbytes)} of this "
-                          f"node's memory budget and only {human_bytes(max(0, self.room()))} are free; start this "
+                          f"node's memory budget and only {human_bytes(max(0, self.memory.free))} are free; start this "
                           f"daemon with a larger --memory-budget")
         replica = self.incoming.get((origin, path))
         if replica is None or replica.ranks != msg.ranks or snap.rank in replica.shards:  # a new attempt starts over
