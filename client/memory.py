@@ -101,12 +101,16 @@ def wait_replicated(endpoint: str, path: Path | str, timeout: float | None) -> N
                                     f"{snap.get('replication')!r}, which this client does not know") from None
         if state in (R.REPLICATED, R.RESTORED):
             return
-        if snap is None or state is not R.REPLICATING:
-            why = {None: "it is no longer held (a newer snapshot, a delete or a disk save dropped it)",
-                   R.OFF: "the daemon has no buddy (start it with --peer-listen, so the ranks place it in their "
-                          "ring, or with --peer and --peer-keys)",
-                   R.SUPERSEDED: "a newer snapshot of its directory was held before its turn, or took its place on "
-                                 "the buddy (which keeps one replica per directory), and is replicated instead"}.get(state, snap.get("replication_error", "") if snap else "")
+        if snap is None:  # it may have been replicated before: only that nothing of it is kept now is certain
+            raise InvalidCheckpoint(f"snapshot {path} is no longer held (a newer snapshot, a delete or a disk save "
+                                    f"dropped it), and its node keeps no copy of it on the buddy")
+        if state is R.SUPERSEDED:
+            raise InvalidCheckpoint(f"snapshot {path} has no copy of its own on the buddy: a newer snapshot of its "
+                                    f"directory was held before its turn, or took its place on the buddy (which "
+                                    f"keeps one replica per directory), and is replicated instead")
+        if state is not R.REPLICATING:
+            why = {R.OFF: "the daemon has no buddy (start it with --peer-listen, so the ranks place it in their "
+                          "ring, or with --peer and --peer-keys)"}.get(state, snap.get("replication_error", ""))
             raise InvalidCheckpoint(f"snapshot {path} was not replicated: {why}")
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(f"snapshot {path} was not replicated within {timeout:g} s (still streaming)")

@@ -100,13 +100,13 @@ class FaultyStorage(LocalStorage):
 
         write_finished, checksummed, inject = Saves._write_finished, Holding._checksummed, self._inject
 
-        def raising(saves, job, pending, fut):  # noqa: ANN001, ANN202 - Saves._write_finished's own signature
+        def raising(saves, write, pending, fut):  # noqa: ANN001, ANN202 - Saves._write_finished's own signature
             inject("completion", str(pending.path))
-            return write_finished(saves, job, pending, fut)
+            return write_finished(saves, write, pending, fut)
 
-        def raising_held(holding, ident, msg, snap, fut):  # noqa: ANN001, ANN202 - Holding._checksummed's own
+        def raising_held(holding, ident, msg, snap, shard, fut):  # noqa: ANN001, ANN202 - Holding._checksummed's own
             inject("checksummed", str(snap.path))
-            return checksummed(holding, ident, msg, snap, fut)
+            return checksummed(holding, ident, msg, snap, shard, fut)
 
         judge_persist_end = Holding._judge_persist_end
 

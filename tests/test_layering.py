@@ -107,7 +107,7 @@ def test_only_the_registry_moves_an_attempt() -> None:
 
 REGISTRY_CALLS = frozenset({"move", "end", "end_orphaned", "open", "promote"})
 """What changes an attempt's state or a book: ``lifecycle/registry.Registry``'s methods."""
-BOOKS = frozenset({"pending", "held", "replacing", "incoming"})
+BOOKS = frozenset({"pending", "current", "held", "replacing", "incoming"})
 """The registry's books (``Commits.pending``, ``SnapshotBook.current`` and ``.replacing``, ``ReplicaBook.incoming`` and
 ``.held``), written by the registry only."""
 PIPELINES = frozenset({"ckptd/lifecycle/commit.py", "ckptd/lifecycle/saves.py", "ckptd/lifecycle/holding.py",

@@ -97,6 +97,9 @@ def test_each_way_an_attempt_ends_on_a_node_is_a_move_of_the_table(daemon_factor
     info = daemon.status()  # each end was published last: the counters its subscribers keep moved
     assert (info["completed"]["count"], info["completed"]["failed"]) == (3, 1), info["completed"]
     assert (info["memory"]["dropped_total"], info["memory"]["failed_total"]) == (2, 1), info["memory"]
+    shown = daemon.cli("status").stdout  # and the human status says so
+    assert "checkpoints" in shown and "; 1 failed" in shown.split("completed:", 1)[1].splitlines()[0], shown
+    assert "; 1 failed" in shown.split("memory snapshots:", 1)[1].splitlines()[0], shown
 
 
 def dropped(log: str) -> list[tuple[str, str]]:

@@ -93,6 +93,8 @@ COUNTERS = [
      lambda s: _peers(s).get("replication_failures_total", 0)),
     ("ckptd_replicas_dropped", "Replicas held for peers dropped since start (replaced, forgotten, or not received "
      "whole).", lambda s: _peers(s).get("replicas_held", {}).get("dropped_total", 0)),
+    ("ckptd_replicas_adopted", "Replicas held for peers that a drain adopted since start (their origin gone).",
+     lambda s: _peers(s).get("replicas_held", {}).get("adopted_total", 0)),
     ("ckptd_client_wait_seconds", "Seconds connected clients blocked on backpressure.",
      lambda s: sum(c["waited_s"] for c in s["clients"])),
 ]

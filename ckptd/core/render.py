@@ -79,7 +79,8 @@ def render_status(info: dict[str, Any]) -> str:
     mem = info.get("memory")
     if mem:
         lines.append(f"memory snapshots: {human_bytes(mem['held_bytes'])} held of a {human_bytes(mem['budget_bytes'])}"
-                     f" budget (keep {mem['keep_snapshots']} per directory)")
+                     f" budget (keep {mem['keep_snapshots']} per directory)"
+                     + (f"; {mem['failed_total']} failed" if mem.get("failed_total") else ""))
         for s in mem["snapshots"]:
             where = "memory + disk" if s["persisted"] else ("persisting" if s["persisting"] else "memory only")
             replica = "" if s.get("replication", "off") == "off" else f"  replica: {s['replication']}"
@@ -110,7 +111,8 @@ def render_status(info: dict[str, Any]) -> str:
                          f"{r['ranks_held']}  from {printable(r.get('origin_endpoint') or r['origin'][:8] + '…')}")
     done = info["completed"]
     last = done["last"]
-    lines.append(f"completed: {done['count']} checkpoints, {human_bytes(done['bytes'])}")
+    lines.append(f"completed: {done['count']} checkpoints, {human_bytes(done['bytes'])}"
+                 + (f"; {done['failed']} failed" if done.get("failed") else ""))
     if last:
         rate = f"{last['gbps']:.2f} GB/s" if last["gbps"] else "?"
         lines.append(f"  last: {printable(last['path'])} step {last['step']}  {human_bytes(last['bytes'])} in {last['seconds']:.2f} s ({rate})")

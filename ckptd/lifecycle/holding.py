@@ -109,24 +109,37 @@ class Holding:
             crc = checksum_when_staged(memoryview(slot.map), msg.nbytes, progress)
             slots.adopt(slot, name)
             return crc
-        self.workers.submit("checksum", checksum_and_adopt, lambda f: self._checksummed(ident, msg, snap, f),
-                            failed=lambda exc: self._checksum_failed(ident, msg, snap, exc))
+        shard = snap.shards[msg.rank]  # a drop meanwhile takes it out of the snapshot (``ended``), not out of here
+        self.workers.submit("checksum", checksum_and_adopt, lambda f: self._checksummed(ident, msg, snap, shard, f),
+                            failed=lambda exc: self._checksum_failed(ident, msg, snap, shard, exc))
 
-    def _checksum_failed(self, ident: bytes, msg: Snapshot, snap: HeldSnapshot, exc: BaseException) -> None:
+    def _checksum_failed(self, ident: bytes, msg: Snapshot, snap: HeldSnapshot, shard: HeldShard,
+                         exc: BaseException) -> None:
         """The completion of a shard's checksum raised (a defect): its snapshot fails on every rank now, held or
         replacing one (``holds``: a replacement with ``overwrite=True`` is in the other book, and its ranks waited
-        for their timeout), and the shard's slot goes back as a failed checksum's would."""
+        for their timeout), and the shard's slot goes back as a failed checksum's would. A snapshot acknowledged
+        already (a late rank of its node, or a defect after it was held) is not failed, which its table forbids:
+        that rank alone is, if it still waits."""
         self.state.end_save(ident, msg.id)
-        if not self.snapshots.holds(snap):
+        if not self.snapshots.holds(snap):  # failed or dropped meanwhile: its end handed back only the checksummed
+            if shard.checksum is None:
+                self._return_unheld([shard])
+            return
+        if snap.acknowledged:
+            if shard.checksum is None and snap.shards.get(msg.rank) is shard:
+                del snap.shards[msg.rank]
+                self._return_unheld([shard])
+            if any((w.client, w.request_id) == (ident, msg.id) for w in snap.waiting):
+                snap.answered(ident, msg.id)
+                self.send(ident, error_reply(self.state.stats, msg.id, exc))
             return
         self.registry.end(snap, AttemptState.FAILED, exc)
-        shard = snap.shards.get(msg.rank)
-        if shard is not None and shard.checksum is None:  # a failure hands back only the checksummed ones
+        if shard.checksum is None:  # a failure hands back only the checksummed ones
             self._return_unheld([shard])
 
-    def _checksummed(self, ident: bytes, msg: Snapshot, snap: HeldSnapshot, fut: Future) -> None:
+    def _checksummed(self, ident: bytes, msg: Snapshot, snap: HeldSnapshot, shard: HeldShard, fut: Future) -> None:
         self.state.end_save(ident, msg.id)
-        shard, failed = snap.shards[msg.rank], not self.snapshots.holds(snap)
+        failed = not self.snapshots.holds(snap)
         if fut.exception() is not None:  # not adopted
             self.state.slots.release(shard.slot)
             if not failed and snap.acknowledged:  # a late rank of a held snapshot (``takes_late_rank``): it alone
@@ -231,8 +244,13 @@ class Holding:
             self.events.publish(SnapshotFailed(snap.path, snap.step, failure))
             return
         log.info("event=snapshot_dropped path=%s step=%s reason=%s", snap.path, snap.step, reason)
-        self._answer_persists(snap, as_error(self.state.stats, error) if error is not None else InvalidCheckpoint(
-            f"snapshot {display(snap.path)} was dropped from memory ({reason})"))
+        why = as_error(self.state.stats, error) if error is not None else InvalidCheckpoint(
+            f"snapshot {display(snap.path)} was dropped from memory ({reason})")
+        self._answer_persists(snap, why)
+        snap.tell_failed(self.send, why)  # a late rank of its node still being checksummed (``takes_late_rank``)
+        unchecked = [r for r, sh in snap.shards.items() if sh.checksum is None]
+        for rank in unchecked:  # its slot goes back when its checksum ends (``_checksummed``), never twice
+            del snap.shards[rank]
         if snap.readers:
             log.info("event=snapshot_drop_deferred path=%s step=%s readers=%d", snap.path, snap.step,
                      sum(snap.readers.values()))

@@ -297,6 +297,8 @@ class Replication:
             start, end, sent, built = fut.result()
             lag = round(end - turn.held_at, 6)
             move(R.REPLICATED, lag_s=lag, checksums=tuple(sorted((r, sh.checksum) for r, sh in snap.shards.items())))
+            if not again:
+                self._supersede_older(snap, turn.endpoint)
             record.answered()
             record.bytes_replicated += snap.nbytes
             record.bytes_sent, record.bytes_built = record.bytes_sent + sent, record.bytes_built + built
@@ -317,6 +319,19 @@ class Replication:
                 record.last_error = str(exc)
             log.warning("event=replication_failed path=%s step=%s error=%s", snap.path, snap.step, exc)
             self.stats.error(f"replicating snapshot {display(snap.path)} failed: {exc}")
+
+    def _supersede_older(self, snap: HeldSnapshot, endpoint: str) -> None:
+        """``snap``'s replica is sealed on ``endpoint``, whose book dropped for it every replica of this node's
+        older snapshots of the same directory and ranks (``ReplicaBook._completed``: a buddy keeps one per
+        directory and ranks): those say ``superseded`` now, not ``replicated`` until the next check finds their
+        copies gone."""
+        ranks = set(snap.shards)
+        for older in [s for s in self.holding.snapshots.current.values() if s is not snap
+                      and s.path.parent == snap.path.parent and set(s.shards) == ranks and s.order < snap.order
+                      and s.copy.state in COPIED and s.copy.endpoint == endpoint]:
+            log.info("event=replica_gone path=%s step=%s peer=%s action=superseded newer=%s", older.path, older.step,
+                     endpoint, snap.path)
+            self.holding.state.attempts.replicate(older, R.SUPERSEDED)
 
     def check(self, now: float) -> None:
         """Housekeeping: every ``CHECK_S``, ask each peer holding a copy (``COPIED``: said ``replicated``, or the
@@ -482,7 +497,8 @@ class Replication:
                     self.holding.hold_restored(path, entry["created"], [
                         (p.msg, p.name, p.fd, p.map, p.checksum) for p in pulled], peer=entry["on_peer"])
                     log.info("event=snapshot_restored path=%s step=%s peer=%s", path, entry["step"], entry["on_peer"])
-                except CkptdError as exc:
+                except Exception as exc:  # noqa: BLE001 - not held (a defect included): its files go, its waiters
+                    # are told
                     self.workers.background("maintenance", lambda: _discard(pulled, shm_dir))
                     error = exc
             for who, rid in self._restoring.pop(path, []):
@@ -576,12 +592,15 @@ class Replication:
                     continue
                 log.info("event=drain_persist_replica path=%s step=%s origin=%s reason=%s", replica.path,
                          replica.order[0], origin_named(replica.origin, by_key.get(replica.origin)), why)
+                files = replicas.hand_over(replica)
                 try:
-                    snap = self.holding.hold_restored(replica.path, replica.created, replicas.hand_over(replica),
-                                                      replication=R.ADOPTED)
-                except CkptdError as exc:
+                    snap = self.holding.hold_restored(replica.path, replica.created, files, replication=R.ADOPTED)
+                except CkptdError as exc:  # its files are nobody's now: removed, not left until the exit
                     self.holding.drain_failures.append(f"{display(replica.path)} (a replica of a node that is gone): "
                                                        f"{exc}")
+                    shm_dir = self.holding.state.slots.shm_dir
+                    self.workers.background("maintenance", lambda files=files: [
+                        remove_shm_file(shm_dir, name, fd, mapping) for _, name, fd, mapping, _ in files])
                     continue
                 self.holding.start_persist(snap)
 
