@@ -105,6 +105,8 @@ def check_room(target: Path, space: Space, nbytes: int, reserved: int, *, margin
     Pure arithmetic over what the storage (``space``) and the slot directory
     (``shm_free``) reported, so it runs on the loop thread where the promises are known.
     """
+    if not space.bounded:  # an object store: no free space to run out of
+        return check_shm(shm_free, shm_min_free)
     if space.total == 0:
         raise PathNotAllowed(
             f"cannot save to {target}: it lies on a {space.kind} filesystem, which has no storage "
@@ -117,6 +119,11 @@ def check_room(target: Path, space: Space, nbytes: int, reserved: int, *, margin
             f"filesystem need {human_bytes(reserved)}, and {human_bytes(margin)} is kept free, but only "
             f"{human_bytes(space.free)} is free"
         )
+    check_shm(shm_free, shm_min_free)
+
+
+def check_shm(shm_free: int | None, shm_min_free: int) -> None:
+    """Raise ``NoSpace`` if the slot directory has less than ``shm_min_free`` bytes free (None: not known)."""
     if shm_free is not None and shm_free < shm_min_free:
         raise NoSpace(f"{shm_usage()['dir']} is nearly full: {human_bytes(shm_free)} free counting this save's "
                       f"own slot, but the daemon keeps {human_bytes(shm_min_free)} free as headroom for everything "

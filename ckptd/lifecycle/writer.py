@@ -115,38 +115,39 @@ class ShardWrite:
     finished_at: float | None = None
 
 
-def write_shard(job: ShardWrite, storage: Checkpoints, checksums: Executor, *, direct: bool, chunk: int) -> ShardRecord:
-    """Write ``job``'s shard to ``job.dest``, fsync it, and return its record."""
-    job.state, job.started_at = WriteState.WRITING, time.monotonic()
-    nbytes = job.msg.nbytes
-    view = memoryview(job.slot.map)
-    crc = checksums.submit(checksum_when_staged, view, nbytes, job.progress)
+def write_shard(write: ShardWrite, storage: Checkpoints, checksums: Executor, *, direct: bool,
+                chunk: int) -> ShardRecord:
+    """Write ``write``'s shard to ``write.dest``, fsync it, and return its record."""
+    write.state, write.started_at = WriteState.WRITING, time.monotonic()
+    nbytes = write.msg.nbytes
+    view = memoryview(write.slot.map)
+    crc = checksums.submit(checksum_when_staged, view, nbytes, write.progress)
     shard = None
     try:
-        shard = storage.open_shard(job.dest, direct=direct)
+        shard = storage.open_shard(write.dest, direct=direct)
         offset = 0
         # O_DIRECT needs whole pages: a trainer's slot is page-sized, and ``finish`` cuts the padding off again. A
         # snapshot read back from a peer, or adopted from a replica, lies in a file of exactly its size: its last
         # piece is written short (a multiple of 512 bytes is taken direct, any other length buffered).
         while offset < (end := min(round_up(nbytes), len(view)) if shard.aligned else nbytes):
             n = min(chunk, end - offset)
-            _await_bytes(job, min(offset + n, nbytes))
+            _await_bytes(write, min(offset + n, nbytes))
             with view[offset : offset + n] as part:  # released even if a traceback keeps the frame
                 took = shard.write(part, offset)
             if took <= 0:  # never loop on a write that takes nothing
-                raise WriteFailed(f"writing {display(job.dest)} failed: {n} bytes at offset {offset} were not taken")
+                raise WriteFailed(f"writing {display(write.dest)} failed: {n} bytes at offset {offset} were not taken")
             offset += took
-            job.written = min(offset, nbytes)
-        job.state = WriteState(shard.finishing)
+            write.written = min(offset, nbytes)
+        write.state = WriteState(shard.finishing)
         shard.finish(nbytes)
     except WriteFailed:
-        job.progress.fail("the write failed")  # lets the checksum thread go
+        write.progress.fail("the write failed")  # lets the checksum thread go
         raise
     except OSError as exc:
-        job.progress.fail("the write failed")
-        raise WriteFailed(f"writing {display(job.dest)} failed: {exc.strerror or exc}") from None
+        write.progress.fail("the write failed")
+        raise WriteFailed(f"writing {display(write.dest)} failed: {exc.strerror or exc}") from None
     except BaseException:
-        job.progress.fail("the write failed")
+        write.progress.fail("the write failed")
         raise
     finally:
         if shard is not None:
@@ -156,21 +157,21 @@ def write_shard(job: ShardWrite, storage: Checkpoints, checksums: Executor, *, d
         except WriteFailed:
             checksum = -1  # only when the write itself failed: the record is never used
         view.release()
-    job.state = WriteState.DURABLE
+    write.state = WriteState.DURABLE
     return ShardRecord(
-        file=job.dest.name,
-        rank=job.msg.rank,
+        file=write.dest.name,
+        rank=write.msg.rank,
         size=nbytes,
         checksum=checksum,
-        tensors=len(job.msg.tensors),
+        tensors=len(write.msg.tensors),
     )
 
 
-def _await_bytes(job: ShardWrite, upto: int) -> None:
-    if job.progress.staged < upto:
-        job.state = WriteState.STAGING
-        job.progress.wait_for(upto)
-        job.state = WriteState.WRITING
+def _await_bytes(write: ShardWrite, upto: int) -> None:
+    if write.progress.staged < upto:
+        write.state = WriteState.STAGING
+        write.progress.wait_for(upto)
+        write.state = WriteState.WRITING
 
 
 def checksum_when_staged(view: memoryview, nbytes: int, progress: Progress) -> int:
