@@ -22,7 +22,7 @@ log = logging.getLogger("ckptd")
 SPEC = "tests.faults:FaultyStorage"
 """What ``--storage`` (or ``CKPTD_STORAGE``) names to load this class."""
 ENV = "CKPTD_FAULTS"
-COMPLETIONS = ("completion", "checksummed", "persist_end", "then")
+COMPLETIONS = ("completion", "checksummed", "persist_end", "then", "ended")
 """The ops that are no storage call but a completion on the daemon's loop thread."""
 
 
@@ -42,8 +42,10 @@ class Fault:
     Two are no storage calls: ``completion`` raises ``RuntimeError`` in the loop-thread completion of a shard's
     write into a checkpoint whose path matches (``Saves._write_finished``), and ``checksummed`` in that of a
     snapshot shard's checksum (``Holding._checksummed``), ``persist_end`` in the memory tier's handling of a
-    snapshot's write to disk that ended (``Holding._judge_persist_end``): a defect of the daemon's own code that no
-    storage call can reach (the loop thread does no I/O). The storage loaded into the daemon installs them.
+    snapshot's write to disk that ended (``Holding._judge_persist_end``), ``ended`` in the end hook of a
+    checkpoint's or a snapshot's attempt (``Saves.ended``, ``Holding.ended``, which ``Registry.end`` calls): a
+    defect of the daemon's own code that no storage call can reach (the loop thread does no I/O). The storage
+    loaded into the daemon installs them.
     ``then`` raises in the loop-thread completion of any work submitted to the pool ``match`` names (``status``,
     ``peer`` (a stream to the buddy), ``peer_ask`` (a listing, a restore), ``replica`` (the buddy's offers and
     fetches); ``Workers.submit``): every one must reach its ``failed`` path, and through it whoever waits.
@@ -115,6 +117,14 @@ class FaultyStorage(LocalStorage):
             return judge_persist_end(holding, snap, error)
 
         Saves._write_finished, Holding._checksummed, Holding._judge_persist_end = raising, raising_held, raising_end
+
+        def raising_ended(hook):  # noqa: ANN001, ANN202 - a pipeline's ``ended``, its own signature kept
+            def ended(pipeline, attempt, state, error, reason):  # noqa: ANN001, ANN202
+                inject("ended", str(attempt.path))
+                return hook(pipeline, attempt, state, error, reason)
+            return ended
+
+        Saves.ended, Holding.ended = raising_ended(Saves.ended), raising_ended(Holding.ended)
 
         from ckptd.core.workers import Workers
 

@@ -13,7 +13,7 @@ import torch
 import ckptd
 
 from ckptd.protocol.endpoint import LOG_NAME
-from ckptd.protocol.messages import Error, Ping, Pong, Status, decode
+from ckptd.protocol.messages import Abort, Error, Ok, Ping, Pong, Status, decode
 from helpers import raw_socket, wait_until
 
 
@@ -183,6 +183,30 @@ def test_a_defect_in_a_completion_answers_every_waiting_rank_at_once_and_the_dae
     for fut in [c.save_async({"w": torch.ones(4)}, root / "after", step=1) for c in clients]:
         fut.result(60)
     assert ckptd.load(root / "after")["w"].tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize("persist", [True, False], ids=["disk", "memory"])
+def test_a_defect_in_an_attempts_end_hook_answers_its_waiting_ranks_at_once_and_the_daemon_serves_on(
+        daemon_factory, client_factory, root, persist) -> None:
+    """The pipeline's hook that ``Registry.end`` hands an ended attempt to raises (injected: ``ended`` in
+    ``tests/faults.py``) before it answered a rank: the registry logs it with its traceback, counts it, and tells
+    every rank still waiting an ``InternalError`` at once; before, they waited for their commit timeout (ten
+    minutes here), or for ever. The attempt stays ended, and the next save of another path goes through."""
+    daemon = daemon_factory(faults=[{"op": "ended", "match": "doomed", "errno": 0}])
+    lonely = client_factory(rank=0, world_size=2, commit_timeout=600)
+    fut = lonely.save_async({"w": torch.ones(64)}, root / "doomed", step=1, persist=persist)
+    fut.staged.result(30)  # admitted: the attempt waits for rank 1; its run gives up on it (as ckptd.dcp's rank 0
+    # does), so it ends failed, and its hook raises before rank 0 is told
+    conn = lonely._conn
+    assert isinstance(conn.call(Abort(conn.next_id(), str(root / "doomed"), "rank 1 failed", lonely.job)), Ok)
+    with pytest.raises(ckptd.InternalError, match="injected defect in the ended"):
+        fut.result(120)
+    log = (daemon.run_dir / LOG_NAME).read_text()
+    assert "event=fault op=ended" in log and "event=end_hook_failed" in log and "Traceback" in log
+    assert daemon.status()["errors_total"] >= 1
+    client = client_factory()
+    client.save_async({"w": torch.ones(4)}, root / "after", step=2, persist=persist).result(60)
+    assert ckptd.load(root / "after", run_dir=daemon.run_dir)["w"].tolist() == [1.0] * 4
 
 
 def test_a_defect_in_a_pool_job_answers_its_request_at_once_with_an_error_and_the_daemon_serves_on(

@@ -30,12 +30,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Iterator, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Generic, Iterator, Mapping, Protocol, Sequence, TypeVar
 
-from ckptd.protocol.errors import InternalError
-from ckptd.protocol.messages import ReplicationState
+from ckptd.protocol.errors import CkptdError, InternalError
+from ckptd.protocol.messages import Message, ReplicationState
 
-from ckptd.lifecycle.attempt import ENDED, NEXT_REPLICATION, AttemptState, PeerCopy, Tracked
+from ckptd.lifecycle.attempt import ENDED, NEXT_REPLICATION, Attempt, AttemptState, PeerCopy, Tracked
 
 A = TypeVar("A", bound=Tracked)
 log = logging.getLogger("ckptd")
@@ -99,9 +99,13 @@ class Registry:
     """The attempts of every pipeline: their books, their moves and ends, and the one place that ends those whose
     ranks will never all come."""
 
-    def __init__(self) -> None:
+    def __init__(self, defect: Callable[[BaseException], CkptdError] = lambda exc: InternalError(repr(exc))) -> None:
         self._books: list[Book] = []
         self.pipelines: tuple[Pipeline, ...] = ()
+        self._defect = defect
+        """Records a defect (status's internal errors) and makes the error its waiters are told."""
+        self._send: Callable[[bytes, Message], None] = lambda client, msg: None
+        """Answers a local client (``keep`` sets the daemon's): what a failed end hook's waiters are told through."""
 
     def book(self) -> Book:
         """A new book of attempts by path, for a pipeline to read its attempts in (``open`` writes it)."""
@@ -109,9 +113,12 @@ class Registry:
         self._books.append(book)
         return book
 
-    def keep(self, pipelines: Sequence[Pipeline]) -> None:
-        """The pipelines whose attempts ``housekeep`` looks at and ``end`` hands over (built after their books)."""
+    def keep(self, pipelines: Sequence[Pipeline], send: Callable[[bytes, Message], None] | None = None) -> None:
+        """The pipelines whose attempts ``housekeep`` looks at and ``end`` hands over (built after their books),
+        and how their ranks are answered (``send``) should a pipeline's end hook fail."""
         self.pipelines = tuple(pipelines)
+        if send is not None:
+            self._send = send
 
     def open(self, book: Book[A], attempt: A) -> A:
         """``attempt``, new at its kind's entry state, is ``book``'s at its path (none may be there)."""
@@ -154,8 +161,21 @@ class Registry:
                 del book._by_key[attempt.key]
         for pipeline in self.pipelines:
             if isinstance(attempt, pipeline.kind):
-                pipeline.ended(attempt, state, error, reason)
+                try:
+                    pipeline.ended(attempt, state, error, reason)
+                except Exception as exc:  # noqa: BLE001 - a defect of the hook: its attempt has ended all the same
+                    self._hook_failed(attempt, state, exc)
                 return
+
+    def _hook_failed(self, attempt: Tracked, state: AttemptState, exc: BaseException) -> None:
+        """``attempt``'s end hook raised (a defect): logged with its traceback and counted, and every rank still
+        waiting is told it as an internal error at once, never left to its timeout; the attempt stays ended (its
+        caller's own failure path finds it so, and does not end it again)."""
+        log.error("event=end_hook_failed kind=%s path=%s state=%s error=%r", attempt.noun, attempt.path, state.value,
+                  exc, exc_info=exc)
+        internal = self._defect(exc)
+        if isinstance(attempt, Attempt):  # a replica's peer is answered by its own request's failure path
+            attempt.tell_failed(self._send, internal)
 
     def end_orphaned(self, attempt: Tracked, arriving_job: str) -> bool:
         """A rank of run ``arriving_job`` arrived at ``attempt``'s path: fail ``attempt`` if it still misses ranks

@@ -25,6 +25,7 @@ from ckptd.protocol.processes import pid_alive
 
 from ckptd.core.config import DaemonConfig
 from ckptd.core.leases import Grant, LoadLeases
+from ckptd.core.replies import as_error
 from ckptd.core.stats import Stats
 from ckptd.lifecycle.budget import MemoryBudget
 from ckptd.lifecycle.commit import Commits, PendingCheckpoint
@@ -62,7 +63,7 @@ class NodeState:
     def __init__(self, config: DaemonConfig, storage: Backends, slots: SlotMaps | None = None,
                  attempts: Registry | None = None) -> None:
         self.config = config
-        self.attempts = attempts if attempts is not None else Registry()
+        self.attempts = attempts if attempts is not None else Registry(defect=lambda exc: as_error(self.stats, exc))
         """The attempts' books and their one mover (the lifecycle's ``Registry``): the pipelines keep theirs there."""
         self.clients: dict[bytes, ClientRecord] = {}
         self.staging: dict[tuple[bytes, int], Progress] = {}

@@ -76,7 +76,7 @@ class Server:
         self.saves = Saves(self.state, self.workers, storage, config, self._send, self.known_dirs, self.events)
         self.holding = Holding(self.state, self.workers, storage, config, self._send, self.saves, self.events)
         self.attempts = self.state.attempts
-        self.attempts.keep((self.saves, self.holding))
+        self.attempts.keep((self.saves, self.holding), send=self._send)
         self.replicas: ReplicaBook | None = None
         self.peer_endpoint: PeerEndpoint | None = None
         self.replication: Replication | None = None
