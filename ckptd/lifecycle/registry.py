@@ -166,6 +166,8 @@ class Registry:
                 except Exception as exc:  # noqa: BLE001 - a defect of the hook: its attempt has ended all the same
                     self._hook_failed(attempt, state, exc)
                 return
+        if self.pipelines:  # a registry without pipelines is a test's (``tests/test_node_state.py``)
+            self._defect(InternalError(f"{attempt.noun} {attempt.path} ended, and no pipeline takes its kind"))
 
     def _hook_failed(self, attempt: Tracked, state: AttemptState, exc: BaseException) -> None:
         """``attempt``'s end hook raised (a defect): logged with its traceback and counted, and every rank still

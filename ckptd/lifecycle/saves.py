@@ -382,6 +382,8 @@ class Saves:
                 coordinated=True, owns_directory=True,
                 contributors=Contributors(msg.job))
             if not pending.ended:
+                if self.state.commits.pending.get(final) is not pending:  # opened like any attempt, then ended
+                    self.registry.open(self.state.commits.pending, pending)
                 self.registry.end(pending, AttemptState.FAILED,
                                   RanksMissing(f"checkpoint {display(final)} was aborted: {msg.reason}"),
                                   reason="aborted")
