@@ -7,8 +7,9 @@
 * an attempt, on disk or in memory, left missing ranks by contributors that died, ended by a rank of another run
   arriving at its path (``Registry.end_orphaned``: ``abandoned``, where housekeeping's own finding is ``orphaned``),
   and by a late rank of its own run (``orphaned``);
-* a snapshot still gathering its ranks ended by its run's ``Abort``, and a persisted snapshot still held whose disk
-  copy retention (keep_last) deleted;
+* a snapshot still gathering its ranks ended by its run's ``Abort``, by a rank of its run that disagrees with the
+  first (``Conflict``), or by a disk save committing its path (``saved_to_disk``); and a persisted snapshot still
+  held whose disk copy retention (keep_last) deleted;
 * a save spread over two nodes: its run's ``Abort`` on global rank 0's daemon (whether that daemon holds a shard of
   it or not), and the other node's daemon letting go of its part, for each reason it has (a rank of its run saved
   the path again; its directory gone, published or discarded by rank 0's daemon);
@@ -122,6 +123,41 @@ def test_a_newcomer_abandons_a_dead_runs_attempt_and_a_snapshot_ends_by_abort_or
         for pid in killed:  # what the killed ranks staged: housekeeping, which would reclaim it, never runs here
             for name in segments_of(pid):
                 (SHM / name).unlink(missing_ok=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_snapshot_still_gathering_fails_by_a_rank_that_disagrees_or_by_a_disk_save_of_its_path(
+        daemon_factory, client_factory, root: Path) -> None:
+    """Two ends of a snapshot no rank has been answered for yet (not acknowledged, so it fails rather than being
+    dropped): its run's rank 1 saying another step than rank 0 fails it on both ranks (``Conflict``); and a disk
+    save by another run committing the path while its rank 1 is still to come fails it (``saved_to_disk``: it
+    must never shadow that newer save), its rank 0 told why and its slot handed back."""
+    daemon = daemon_factory("--housekeeping-interval", "3600")
+    rank0 = client_factory(rank=0, world_size=2, job="run-s")
+    rank1 = client_factory(rank=1, world_size=2, job="run-s")
+    first = rank0.save_async({"w": torch.ones(4)}, root / "disagreed", step=1, persist=False)
+    first.staged.result(30)  # admitted: the snapshot waits for rank 1
+    with pytest.raises(ckptd.Conflict, match="rank 1 says world size 2, step 2"):
+        rank1.save_async({"w": torch.ones(4)}, root / "disagreed", step=2, persist=False).result(30)
+    with pytest.raises(ckptd.Conflict, match="rank 1 says world size 2, step 2"):
+        first.result(30)
+
+    gathering = rank0.save_async({"w": torch.ones(4)}, root / "shadowed", step=3, persist=False)
+    gathering.staged.result(30)
+    other = client_factory(job="run-t")
+    other.save_async({"w": torch.full((4,), 2.0)}, root / "shadowed", step=4).result(30)
+    with pytest.raises(ckptd.InvalidCheckpoint, match="a disk save committed the same path"):
+        gathering.result(30)
+    for client in (rank0, rank1):
+        wait_until(lambda c=client: all((SHM / name).exists() for name in c.slot_names), 30, "the slots handed back")
+
+    rows = lambda: ended(_logged(daemon), why=True)  # noqa: E731
+    wanted = [("snapshot", "disagreed", "failed", "Conflict"), ("checkpoint", "shadowed", "committed", ""),
+              ("snapshot", "shadowed", "failed", "saved_to_disk")]
+    wait_until(lambda: rows() == wanted, 30, lambda: f"each end logged once, in order; logged: {rows()}")
+    assert "cannot go from" not in _logged(daemon)
+    assert not daemon.status()["memory"]["snapshots"]
+    assert ckptd.load(root / "shadowed")["w"].tolist() == [2.0] * 4
 
 
 def _durable(client: ckptd.Client, path: Path, value: float, step: int) -> ShardRecord:
