@@ -113,6 +113,43 @@ def test_prometheus_metrics_are_served_and_written_to_a_textfile(daemon_factory,
     assert "ckptd_checkpoints_committed_total 1.0" in textfile.read_text()
 
 
+def test_a_metrics_textfile_that_stops_being_writable_is_logged_once_and_again_when_it_is_written(
+        daemon_factory, tmp_path) -> None:
+    """Its directory removed after the start: the first failed write is logged, the next ones (each second) are
+    not; once the directory is back, the file is written again and that is logged."""
+    import shutil
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    folder = tmp_path / "prom"
+    folder.mkdir()
+    textfile = folder / "ckptd.prom"
+    daemon = daemon_factory("--metrics-port", str(port), "--metrics-textfile", str(textfile))
+    log = lambda: (daemon.run_dir / "ckptd.log").read_text()  # noqa: E731
+
+    def uptime() -> float:  # the snapshot's, served: a new value is a new update, whose write follows it
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        return next(float(line.split()[1]) for line in body.splitlines() if line.startswith("ckptd_uptime_seconds"))
+
+    wait_until(lambda: "ckptd_up 1.0" in textfile.read_text(), 60, "the textfile written")
+    shutil.rmtree(folder)
+    wait_until(lambda: "event=metrics_textfile_failed" in log(), 60, "the failed write logged")
+    seen = {uptime()}
+
+    def two_more_updates() -> bool:
+        seen.add(uptime())
+        return len(seen) >= 3
+    wait_until(two_more_updates, 60, "two more updates")
+    assert log().count("event=metrics_textfile_failed") == 1
+    folder.mkdir()
+    wait_until(lambda: "event=metrics_textfile_written" in log(), 60, "the write logged once it works again")
+    assert "ckptd_up 1.0" in textfile.read_text()
+    assert log().count("event=metrics_textfile_failed") == 1 and "background_failed" not in log()
+
+
 def test_ckptd_list_shows_committed_incomplete_and_foreign(daemon, client, root) -> None:
     client.save_async({"w": torch.ones(100)}, root / "step-7", step=7).result(30)
     (root / "step-8.incomplete").mkdir()

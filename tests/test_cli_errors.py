@@ -61,6 +61,15 @@ def test_a_metrics_textfile_in_a_missing_directory_is_a_usage_error(run_dir, roo
     assert_clear(out, 2, "metrics_textfile", "does not exist")
 
 
+def test_a_metrics_textfile_that_cannot_be_written_fails_the_start_naming_it_and_leaves_nothing(run_dir, root) -> None:
+    """/proc exists as a directory, but no file can be made in it, root or not: found at the start (exit 3, as a
+    metrics port in use), not logged as a failure each second after it."""
+    out = ckptd_cli("start", "--foreground", "--run-dir", str(run_dir), "--root", str(root),
+                    "--metrics-textfile", "/proc/ckptd.prom")
+    assert_clear(out, 3, "cannot write the metrics textfile /proc/ckptd.prom", "--metrics-textfile")
+    assert not (run_dir / "ckptd.sock").exists() and not (run_dir / "ckptd.pid").exists()
+
+
 def test_a_root_that_does_not_exist_is_refused_at_start(run_dir, tmp_path) -> None:
     missing = tmp_path / "no-such-dir"
     out = ckptd_cli("start", "--foreground", "--run-dir", str(run_dir), "--root", str(missing))

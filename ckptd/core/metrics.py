@@ -12,10 +12,13 @@ units (bytes, seconds) and ``_total`` for counters.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Iterator
 
 from ckptd.protocol.errors import CkptdError
+
+log = logging.getLogger("ckptd")
 
 def _peers(s: dict[str, Any]) -> dict[str, Any]:
     """The status's ``peers`` part (empty without ``--peer-keys``: its metrics are 0)."""
@@ -104,7 +107,9 @@ class Metrics:
     """Serves or writes the latest snapshot; ``update`` runs on the daemon loop."""
 
     def __init__(self, *, port: int | None, addr: str, textfile: Path | None) -> None:
-        """Raises ``CkptdError`` naming the port when it cannot be served (in use, bad address)."""
+        """Raises ``CkptdError`` naming the port when it cannot be served (in use, bad address), or the textfile
+        when it cannot be written (its directory read-only, or not one files can be made in): found at the start,
+        not as a failure each second after it."""
         try:
             from prometheus_client import CollectorRegistry, start_http_server
         except ImportError:
@@ -114,6 +119,14 @@ class Metrics:
         self.textfile = textfile
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
+        self._unwritten: str | None = None
+        """Why the textfile could not be written last time (logged once, until a write succeeds again)."""
+        if textfile is not None:
+            try:
+                self._write(textfile)  # the first, empty until the first snapshot: a probe of the directory
+            except OSError as exc:
+                raise CkptdError(f"cannot write the metrics textfile {textfile}: {exc.strerror or exc}; choose "
+                                 "another --metrics-textfile") from None
         if port is not None:
             try:
                 start_http_server(port, addr=addr, registry=self.registry)
@@ -122,11 +135,28 @@ class Metrics:
                                  "choose another --metrics-port (or --metrics-addr)") from None
 
     def update(self, snapshot: dict[str, Any]) -> None:
+        """Take ``snapshot`` as the one scrapes read, and write the textfile: a write that fails (its directory
+        made read-only or full after the start) is logged when it starts failing and when it writes again, not
+        each second."""
         self.snapshot = snapshot
-        if self.textfile is not None:
-            from prometheus_client import write_to_textfile
+        if self.textfile is None:
+            return
+        try:
+            self._write(self.textfile)
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            if why != self._unwritten:
+                log.warning("event=metrics_textfile_failed path=%s error=%s", self.textfile, why)
+            self._unwritten = why
+            return
+        if self._unwritten is not None:
+            log.info("event=metrics_textfile_written path=%s", self.textfile)
+            self._unwritten = None
 
-            write_to_textfile(str(self.textfile), self.registry)
+    def _write(self, textfile: Path) -> None:
+        from prometheus_client import write_to_textfile
+
+        write_to_textfile(str(textfile), self.registry)
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
