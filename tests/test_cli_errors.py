@@ -55,6 +55,36 @@ def test_a_metrics_port_in_use_fails_the_start_naming_the_port_and_leaves_nothin
     assert ckptd_cli("status", "--run-dir", str(run_dir)).returncode == 1
 
 
+def _held_port_beside_a_free_one(offset: int) -> tuple[socket.socket, int]:
+    """A listening socket on a port of 127.0.0.1, and the peer port whose data port (+ 1) is it (``offset`` 1) or
+    which is it (``offset`` 0), its other port free now."""
+    while True:
+        held = socket.socket()
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1] - offset
+        with socket.socket() as other:
+            try:
+                other.bind(("127.0.0.1", port + 1 - offset))
+            except OSError:
+                held.close()
+                continue
+        held.listen()
+        return held, port
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["peer-port", "data-port"])
+def test_a_peer_port_in_use_fails_the_start_as_a_metrics_port_does(run_dir, root, offset) -> None:
+    """The peer port, or its data port (the peer port + 1), held by another program: the machine's state, not the
+    option's form, so exit 3 (as a metrics port in use), naming the option, and nothing left behind."""
+    held, port = _held_port_beside_a_free_one(offset)
+    with held:
+        out = ckptd_cli("start", "--foreground", "--run-dir", str(run_dir), "--root", str(root),
+                        "--peer-listen", f"tcp://127.0.0.1:{port}")
+    assert_clear(out, 3, f"--peer-listen tcp://127.0.0.1:{port}",
+                 "cannot listen there" if offset == 0 else "cannot open its data port")
+    assert not (run_dir / "ckptd.sock").exists() and not (run_dir / "ckptd.pid").exists()
+
+
 def test_a_metrics_textfile_in_a_missing_directory_is_a_usage_error(run_dir, root, tmp_path) -> None:
     out = ckptd_cli("start", "--foreground", "--run-dir", str(run_dir), "--root", str(root),
                     "--metrics-textfile", str(tmp_path / "nowhere" / "ckptd.prom"))

@@ -28,6 +28,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ckptd.protocol.errors import CkptdError
+
 from ckptd.core.config import peer_listen_named
 from ckptd.peers.bulk import TOKEN_BYTES, FrameError, data_address, new_stream, recv_exact
 
@@ -68,7 +70,7 @@ class DataServer:
         try:
             self.listener = socket.create_server((host, port), backlog=MAX_CONNECTIONS)
         except OSError as exc:
-            raise ValueError(f"{peer_listen_named(listen)} {listen}: cannot open its data port {port} (the peer port "
+            raise CkptdError(f"{peer_listen_named(listen)} {listen}: cannot open its data port {port} (the peer port "
                              f"+ 1, which carries the replicas' bytes): {exc.strerror or exc}") from None
         self.port, self.timeout, self.call_soon = port, timeout, call_soon
         self._lock = threading.Lock()

@@ -23,6 +23,7 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from ckptd.protocol.errors import CkptdError
 from ckptd.protocol.messages import MAX_MESSAGE_BYTES, Message
 from ckptd.protocol.peer_messages import PEER_TYPES, Fetch, Forget, Offer, Replicas, Seal
 
@@ -59,10 +60,11 @@ class PeerEndpoint:
             self.socket.bind(listen)
         except zmq.ZMQError as exc:
             self.close()
-            raise ValueError(f"{peer_listen_named(listen)} {listen}: cannot listen there: {exc}") from None
+            # the machine's state, not the option's form (``DaemonConfig`` checks that): exit 3, as a metrics port
+            raise CkptdError(f"{peer_listen_named(listen)} {listen}: cannot listen there: {exc}") from None
         try:
             self.data = book.data = DataServer(listen, timeout, book.workers.call_soon)
-        except ValueError:
+        except CkptdError:
             self.close()
             raise
         self.listen = listen
