@@ -125,6 +125,9 @@ class PeerCopy:
     """The peer it is streamed to, held on, or was read back from (empty: none yet)."""
     error: str = ""
     """Why it failed."""
+    unanswered: bool = False
+    """It failed because the peer did not answer (down, restarting, cut off): streamed again once the buddy
+    answers, if no newer snapshot of its directory took its place (``Replication.check``). A refusal is final."""
     lag_s: float | None = None
     """Seconds from held here (its ranks told) to held on the buddy, once replicated."""
     checksums: tuple[tuple[int, int], ...] = ()

@@ -200,15 +200,16 @@ class Registry:
             pipeline.exited([a for a in left if isinstance(a, pipeline.kind)])
 
     def replicate(self, snap: Any, state: ReplicationState, *, endpoint: str | None = None, error: str = "",
-                  lag_s: float | None = None, checksums: tuple[tuple[int, int], ...] = ()) -> None:
+                  unanswered: bool = False, lag_s: float | None = None,
+                  checksums: tuple[tuple[int, int], ...] = ()) -> None:
         """Move held snapshot ``snap``'s copy on a peer (``PeerCopy``) to ``state`` along ``NEXT_REPLICATION`` (any
         other move is a defect, raised as ``InternalError``), as a new record: on ``endpoint`` (None: the same
-        peer), ``error`` saying why it failed, and once ``replicated`` its ``lag_s`` and the ``checksums`` the peer
-        sealed."""
+        peer), ``error`` saying why it failed (``unanswered``: the peer did not answer), and once ``replicated``
+        its ``lag_s`` and the ``checksums`` the peer sealed."""
         if state not in NEXT_REPLICATION[snap.copy.state]:
             raise InternalError(f"snapshot {snap.path}'s replication cannot go from {snap.copy.state.value} to "
                                 f"{state.value}")
-        snap.copy = PeerCopy(state, snap.copy.endpoint if endpoint is None else endpoint, error,
+        snap.copy = PeerCopy(state, snap.copy.endpoint if endpoint is None else endpoint, error, unanswered,
                              lag_s if lag_s is not None else snap.copy.lag_s, checksums)
 
     def housekeep(self, now: float, died: Sequence[DeadRank] = ()) -> None:

@@ -13,9 +13,11 @@ its directory was held before its turn came, ``restored`` for one read back
 from a peer); ``ckptd status`` and ``SaveFuture.wait_replicated`` read it.
 What it says is what the buddy holds now: every ``CHECK_S`` the origin asks
 the buddy what it holds, sends a copy lost with no successor again (the
-buddy restarted; for a restored one, also the peer it was read from), and
+buddy restarted; for a restored one, also the peer it was read from),
 reports one the buddy replaced with another run's
-snapshot of its path or directory ``failed``, saying so.
+snapshot of its path or directory ``failed``, saying so, and sends again the
+newest snapshot of a directory whose stream failed because the buddy did not
+answer, once it answers.
 
 A node restoring asks its peers what they hold (``ListPeerSnapshots``
 lists their replicas of snapshots it does not hold) and reads one back
@@ -310,7 +312,7 @@ class Replication:
         elif exc is None:
             move(R.SUPERSEDED)
         else:
-            move(R.FAILED, error=str(exc))
+            move(R.FAILED, error=str(exc), unanswered=isinstance(exc, PeerUnavailable))
             record.failures += 1
             if isinstance(exc, PeerUnavailable):
                 record.unanswered(exc)
@@ -339,7 +341,10 @@ class Replication:
         (the buddy restarted), or on a peer that is not the buddy now (the ring replaced it; a restore read it
         from another), is streamed again (to the buddy now); one the peer replaced (by
         another run's snapshot of the path, or a newer one of its directory) is reported ``failed``, saying so. A
-        buddy that does not answer is not judged: it may be paused, and still hold the copy."""
+        buddy that does not answer is not judged: it may be paused, and still hold the copy. A snapshot whose
+        stream failed because the buddy did not answer (``PeerCopy.unanswered``) is streamed again once the buddy
+        answers the check, if it is still the newest of its directory and ranks here: else, with the buddy
+        restarted and no new snapshot since, the node's last one would have no copy, and be lost with the node."""
         if self._checking or now < self._next_check:
             return
         self._next_check = now + CHECK_S
@@ -351,10 +356,12 @@ class Replication:
             # held
         asks = {link.endpoint: link for link in self.asks}
         asked = [(s, s.copy) for s in copied if s.copy.state in COPIED and s.copy.endpoint in asks]
-        if not asked:
+        waiting = [(s, s.copy) for s in self._unanswered()] if buddy is not None and buddy.endpoint in asks else []
+        if not asked and not waiting:
             return
         self._checking = True
-        links = [asks[endpoint] for endpoint in sorted({copy.endpoint for _, copy in asked})]
+        links = [asks[endpoint] for endpoint in sorted({copy.endpoint for _, copy in asked}
+                                                      | ({buddy.endpoint} if waiting and buddy else set()))]
 
         def ask() -> dict[str, list[dict[str, Any]] | BaseException]:
             listed: dict[str, list[dict[str, Any]] | BaseException] = {}
@@ -374,11 +381,29 @@ class Replication:
                 if isinstance(replicas, list) and self.holding.snapshots.current.get(snap.path) is snap \
                         and snap.copy is copy and not _held_by(snap, replicas):
                     self._copy_gone(snap, copy, _replaced_by(snap, replicas))
+            now_buddy = self.buddy
+            if now_buddy is None or not isinstance(listed.get(now_buddy.endpoint), list):
+                return  # the buddy still does not answer: asked again at the next check
+            for snap, copy in waiting:  # one that moved on meanwhile (sent again, superseded) is left as it is
+                if snap.copy is copy and any(s is snap for s in self._unanswered()):
+                    log.info("event=replication_resumed path=%s step=%s peer=%s", snap.path, snap.step,
+                             now_buddy.endpoint)
+                    self._stream(snap)
 
         def unasked(exc: BaseException) -> None:
             self._checking = False
             log.warning("event=replica_check_failed error=%s", exc)
         self.workers.submit("peer_ask", ask, answer, failed=unasked)
+
+    def _unanswered(self) -> list[HeldSnapshot]:
+        """The held snapshots whose stream failed because the buddy did not answer, each the newest of its
+        directory and ranks here, none of whose directory a stream is queued for: what a buddy that answers again
+        is sent (an older one's place on the buddy is its newer one's)."""
+        held = list(self.holding.snapshots.current.values())
+        return [s for s in held if s.copy.state is R.FAILED and s.copy.unanswered
+                and s.path.parent not in self._turns
+                and not any(o is not s and o.path.parent == s.path.parent and set(o.shards) == set(s.shards)
+                            and o.order > s.order for o in held)]
 
     def _copy_gone(self, snap: HeldSnapshot, copy: PeerCopy, successor: dict[str, Any] | None) -> None:
         """The peer no longer holds ``snap``'s ``copy``: send it to the buddy again, or say why not (on the loop)."""
