@@ -210,10 +210,11 @@ def parse_header(prefix: bytes | memoryview, file_size: int) -> tuple[list[Tenso
 
 
 def _entry_from_json(name: str, info: object) -> TensorEntry:
-    bad = BadMessage(f"tensor {name!r}: header entry must hold dtype, shape and two integer data_offsets")
-    if not isinstance(info, dict):
-        raise bad
-    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    """One header entry, checked; its error is made only for a bad one (a shard's header has one entry per tensor,
+    parsed at every admission and every read)."""
+    dtype = shape = offsets = None
+    if isinstance(info, dict):
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not (
         isinstance(dtype, str)
         and isinstance(shape, list)
@@ -222,5 +223,5 @@ def _entry_from_json(name: str, info: object) -> TensorEntry:
         and len(offsets) == 2
         and all(type(o) is int for o in offsets)
     ):
-        raise bad
+        raise BadMessage(f"tensor {name!r}: header entry must hold dtype, shape and two integer data_offsets")
     return TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
