@@ -133,7 +133,7 @@ def test_a_failed_checkpoint_fails_its_late_ranks_the_same_way_and_a_retry_start
     pending, _ = state.commits.admit(commit(1, rank=0, world_size=2), b"a", final, os.getpid(), state.commits.storage)
     failure = RanksMissing("ranks [1] never came")
     state.attempts.end(pending, AttemptState.FAILED, failure)
-    state.commits.failed_with(pending, failure)  # what the save pipeline's end of a failed attempt remembers
+    state.commits.failed_with(pending, failure)  # what the save pipeline's end of a failed attempt does
     assert pending.state is AttemptState.FAILED and final not in state.commits.pending
     with pytest.raises(RanksMissing, match="ranks \\[1\\] never came"):
         state.commits.admit(commit(2, rank=1, world_size=2), b"b", final, os.getpid(), state.commits.storage)

@@ -70,13 +70,22 @@ def test_one_failing_rank_fails_the_whole_checkpoint(daemon_factory, client_fact
 
 
 @pytest.mark.timeout(120)
-def test_a_late_rank_of_a_failed_checkpoint_gets_the_same_error_at_once(daemon, client_factory, root) -> None:
-    rank0 = client_factory(rank=0, world_size=2, commit_timeout=3.0)
+@pytest.mark.parametrize("persist", [True, False], ids=["disk", "memory"])
+def test_a_late_rank_of_a_failed_checkpoint_gets_the_same_error_at_once(daemon, client_factory, root,
+                                                                        persist) -> None:
+    """On disk and in memory alike (a snapshot's late rank used to start a snapshot of its own, wait its timeout
+    for rank 0, which had come, and blame it): the late rank is told the attempt's own error at once."""
+    rank0 = client_factory(rank=0, world_size=2, commit_timeout=3.0, job="run-l")
     with pytest.raises(ckptd.RanksMissing, match=r"ranks \[1\] of 2") as first:
-        rank0.save_async({"w": torch.ones(4)}, root / "late", step=1).result(30)
+        rank0.save_async({"w": torch.ones(4)}, root / "late", step=1, persist=persist).result(30)
     time.sleep(4)  # past the failed checkpoint's own commit timeout
-    rank1 = client_factory(rank=1, world_size=2, commit_timeout=3.0)
+    rank1 = client_factory(rank=1, world_size=2, commit_timeout=3.0, job="run-l")
     with pytest.raises(ckptd.RanksMissing) as late:
-        rank1.save_async({"w": torch.ones(4)}, root / "late", step=1).result(30)
-    assert str(late.value) == str(first.value), "the late rank must get the checkpoint's own error, not blame rank 0"
-    assert not (root / "late").exists()
+        rank1.save_async({"w": torch.ones(4)}, root / "late", step=1, persist=persist).result(30)
+    assert str(late.value) == str(first.value), "the late rank must get the attempt's own error, not blame rank 0"
+    assert not (root / "late").exists() and not daemon.status()["memory"]["snapshots"]
+    # a retry by the rank that was in starts afresh, and rank 1 joins it
+    again = [c.save_async({"w": torch.ones(4)}, root / "late", step=1, persist=persist) for c in (rank0, rank1)]
+    for fut in again:
+        fut.result(30)
+    assert (root / "late").exists() == persist

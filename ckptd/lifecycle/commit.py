@@ -127,14 +127,6 @@ class PendingCheckpoint(Attempt):
                                tensors=tensors or {}, keep_last=self.keep_last)
 
 
-FAILED_MEMORY_S = 600.0
-"""How long a failed checkpoint's error waits for its late ranks (at least; its commit timeout if longer).
-
-A late rank is by definition late by more than the timeout that failed its
-checkpoint, so remembering the failure only that long would make it start a
-fresh checkpoint and blame the ranks that did commit."""
-
-
 @dataclass(frozen=True)
 class HeldBytes:
     """What a disk attempt that writes bytes the daemon already holds carries, instead of a back-pointer to
@@ -151,23 +143,12 @@ class HeldBytes:
     any event: a subscriber can neither keep it from being told nor be the one who tells it."""
 
 
-@dataclass
-class FailedCheckpoint:
-    """Why a checkpoint failed, kept so its late ranks fail the same way."""
-
-    error: CkptdError
-    ranks_seen: set[int]
-    expires: float
-    contributors: Contributors
-
-
 class Commits:
     """Checkpoints in progress on this daemon, by final path (bookkeeping on the loop; I/O where marked)."""
 
     def __init__(self, storage: Backends, registry: Registry) -> None:
         self.storage, self.registry = storage, registry
         self.pending: Book[PendingCheckpoint] = registry.book()
-        self.failed: dict[Path, FailedCheckpoint] = {}
         self.closing: dict[Path, list[Callable[[], None]]] = {}
         """Failed attempts whose ``p.incomplete`` is not yet out of the way, with what waits for it (a retry's
         admission, a persist): a retry must never lose its new directory to the old attempt's cleanup."""
@@ -188,7 +169,7 @@ class Commits:
         failed that attempt first. A rank of a settled attempt's own run that
         saved there already starts a fresh attempt (``moved_on``).
         """
-        self._refuse_late_rank_of_failed(final, commit)
+        self.registry.refuse_late_rank(PendingCheckpoint, final, commit)
         pending = self.pending.get(final)
         if pending is not None and pending.moved_on(commit):
             # its directory is another node's daemon's to publish or remove: left alone
@@ -224,22 +205,6 @@ class Commits:
             held=HeldBytes(snap.created, {rank: shard.checksum for rank, shard in snap.shards.items()}, ended),
             ranks_seen=set(snap.shards), writing=len(snap.shards)))
 
-    def _refuse_late_rank_of_failed(self, final: Path, commit: StagedShard) -> None:
-        """A rank arriving after its checkpoint failed gets the same error; its retry starts afresh.
-
-        A rank of another incarnation, or arriving after the failed attempt's
-        processes died, is no late rank of it: a restarted job starts afresh.
-        """
-        failed = self.failed.get(final)
-        if failed is None:
-            return
-        if (time.monotonic() > failed.expires or commit.rank in failed.ranks_seen
-                or commit.job != failed.contributors.job or failed.contributors.dead()):
-            del self.failed[final]
-            return
-        failed.ranks_seen.add(commit.rank)
-        raise type(failed.error)(failed.error.message)
-
     def prepare(self, pending: PendingCheckpoint) -> None:
         """Begin the attempt: refuse what is in the way, then create ``p.incomplete`` with this daemon's marker
         (I/O; ``Checkpoints.begin``). Coordinated checkpoints share the directory with other nodes' daemons, so
@@ -260,19 +225,11 @@ class Commits:
             self.registry.move(pending, AttemptState.COMMITTING)
         return pending.complete
 
-    def forget_old_failures(self, now: float) -> None:
-        """Forget why attempts failed once no late rank of theirs can still come (``FailedCheckpoint.expires``)."""
-        for path in [p for p, f in self.failed.items() if now > f.expires]:
-            del self.failed[path]
-
     def failed_with(self, pending: PendingCheckpoint, error: CkptdError) -> None:
-        """``pending`` failed (``Registry.end``): remember why for its late ranks, and keep what waits for its
-        directory to be cleared away (``wait_for_cleanup``)."""
+        """``pending`` failed (``Registry.end``): why is remembered for its late ranks (``Registry``), and what
+        waits for its directory to be cleared away is kept (``wait_for_cleanup``)."""
         self.closing.setdefault(pending.path, [])
-        if not pending.coordinated:  # across nodes the ranks' own agreement tells late ranks
-            remembered = max(pending.timeout, FAILED_MEMORY_S)  # a bare copy: no traceback pins frames
-            self.failed[pending.path] = FailedCheckpoint(type(error)(error.message), set(pending.ranks_seen),
-                                                         time.monotonic() + remembered, pending.contributors)
+        self.registry.remember_failure(pending, error)
 
     def from_finalize(self, msg: Finalize, client: bytes, final: Path) -> PendingCheckpoint:
         """The checkpoint global rank 0 asks this daemon to commit (at ``final``, resolved), ``committing``.

@@ -92,6 +92,8 @@ class Holding:
             current = self.snapshots.opening(examined.final)
         conflict = None if current is None else current.broken_by(msg)
         try:
+            # a late rank of a snapshot that failed is told why at once, as on disk
+            self.registry.refuse_late_rank(HeldSnapshot, examined.final, msg)
             if conflict is not None:  # the snapshot fails on every rank, this one included
                 self.registry.end(current, AttemptState.FAILED, conflict)
                 raise conflict
@@ -237,6 +239,7 @@ class Holding:
         if state is AttemptState.FAILED:
             failure = as_error(self.state.stats, error if error is not None else InternalError("failed"))
             log.warning("event=snapshot_failed path=%s error=%s", snap.path, failure.message)
+            self.registry.remember_failure(snap, failure)
             snap.tell_failed(self.send, failure)
             self._answer_persists(snap, failure)
             self._return_unheld([sh for sh in snap.shards.values() if sh.checksum is not None])  # the others:

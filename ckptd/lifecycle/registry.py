@@ -28,17 +28,35 @@ Bookkeeping only, on the loop thread.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Generic, Iterator, Mapping, Protocol, Sequence, TypeVar
 
 from ckptd.protocol.errors import CkptdError, InternalError
-from ckptd.protocol.messages import Message, ReplicationState
+from ckptd.protocol.messages import Message, ReplicationState, StagedShard
 
 from ckptd.lifecycle.attempt import ENDED, NEXT_REPLICATION, Attempt, AttemptState, PeerCopy, Tracked
+from ckptd.lifecycle.contributors import Contributors
 
 A = TypeVar("A", bound=Tracked)
 log = logging.getLogger("ckptd")
+FAILED_MEMORY_S = 600.0
+"""How long a failed attempt's error waits for its late ranks (at least; its commit timeout if longer).
+
+A late rank is by definition late by more than the timeout that failed its
+attempt, so remembering the failure only that long would make it start a
+fresh attempt, wait its own timeout for the ranks that did come, and blame them."""
+
+
+@dataclass
+class Failure:
+    """Why an attempt failed, as its ranks were told, kept so its late ranks fail the same way at once."""
+
+    error: CkptdError
+    ranks_seen: set[int]
+    expires: float
+    contributors: Contributors
 
 
 @dataclass(frozen=True)
@@ -106,6 +124,8 @@ class Registry:
         """Records a defect (status's internal errors) and makes the error its waiters are told."""
         self._send: Callable[[bytes, Message], None] = lambda client, msg: None
         """Answers a local client (``keep`` sets the daemon's): what a failed end hook's waiters are told through."""
+        self._failures: dict[tuple[str, Path], Failure] = {}
+        """Attempts that failed, by kind (``Tracked.noun``) and path, for their late ranks (``remember_failure``)."""
 
     def book(self) -> Book:
         """A new book of attempts by path, for a pipeline to read its attempts in (``open`` writes it)."""
@@ -190,6 +210,31 @@ class Registry:
             self.end(attempt, attempt.judged_end, why, reason=reason)
         return why is not None
 
+    def remember_failure(self, attempt: Attempt, error: CkptdError) -> None:
+        """``attempt`` failed with ``error`` (its end hook told its ranks): a rank of its run that arrives later
+        at its path is told the same at once (``refuse_late_rank``), not made to wait its own timeout for the
+        ranks that came and blame them. An attempt over several nodes is not kept: its ranks' own agreement tells
+        its late ranks."""
+        if attempt.coordinated:
+            return
+        self._failures[(attempt.noun, attempt.path)] = Failure(
+            type(error)(error.message), set(attempt.arrived),  # a bare copy: no traceback pins frames
+            time.monotonic() + max(attempt.timeout, FAILED_MEMORY_S), attempt.contributors)
+
+    def refuse_late_rank(self, kind: type[Attempt], path: Path, msg: StagedShard) -> None:
+        """Raise the error of ``kind``'s failed attempt at ``path`` if ``msg`` is a late rank of it: of its run,
+        not yet seen, its contributors alive, within ``FAILED_MEMORY_S``. Any other rank (a retry of one that was
+        in, another run's, a restarted job's) forgets the failure, and starts afresh."""
+        failure = self._failures.get((kind.noun, path))
+        if failure is None:
+            return
+        if (time.monotonic() > failure.expires or msg.rank in failure.ranks_seen
+                or msg.job != failure.contributors.job or failure.contributors.dead()):
+            del self._failures[(kind.noun, path)]
+            return
+        failure.ranks_seen.add(msg.rank)
+        raise type(failure.error)(failure.error.message)
+
     def close(self) -> None:
         """The daemon exits: every book is emptied, and each pipeline is handed the attempts it still had, to
         release (``Pipeline.exited``), in the order the pipelines were kept."""
@@ -213,7 +258,8 @@ class Registry:
                              lag_s if lag_s is not None else snap.copy.lag_s, checksums)
 
     def housekeep(self, now: float, died: Sequence[DeadRank] = ()) -> None:
-        """One round: fail what is overdue, waits for a rank that died, or was left by contributors that died."""
+        """One round (``now``: monotonic): fail what is overdue, waits for a rank that died, or was left by
+        contributors that died; forget the failures whose late ranks can no longer come."""
         for pipeline in self.pipelines:
             for attempt in pipeline.attempts():
                 if attempt.ended:  # ended by an earlier one's hook this round
@@ -222,6 +268,8 @@ class Registry:
                 if judged is not None:
                     self.end(attempt, attempt.judged_end, judged[1], reason=judged[0])
             pipeline.tidy(now)
+        for key in [k for k, f in self._failures.items() if now > f.expires]:  # no late rank of theirs can come
+            del self._failures[key]
 
 
 def _why_it_fails(attempt: Tracked, now: float, died: Sequence[DeadRank]) -> tuple[str, BaseException] | None:

@@ -514,7 +514,6 @@ class Saves:
         return list(self.state.commits.pending.values())
 
     def tidy(self, now: float) -> None:
-        self.state.commits.forget_old_failures(now)
         for pending in self.attempts_kept():
             self._let_go_unclaimed(pending)
         self._let_go_ended()
