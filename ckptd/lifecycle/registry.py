@@ -10,7 +10,9 @@ book, then hands it to the pipeline of its kind (``Pipeline.ended``), which answ
 releases what the attempt held (slots, directories, pins) and publishes the event last. So no book ever holds an
 ended attempt nor forgets one that goes on, and nothing leaves the books without being released (a test scans the
 daemon for any other caller of ``move_to``, and for writes to the books). At exit ``close`` empties the books and
-hands each pipeline what it still had (``Pipeline.exited``): an exit ends no attempt, but releases all.
+hands each pipeline what it still had (``Pipeline.exited``): an exit ends no attempt, but releases all. A failed
+attempt, disk or memory, is remembered for its late ranks, which are told its error at once
+(``remember_failure``, ``refuse_late_rank``).
 
 Its third pipeline is the buddy's: ``peers/replicas.ReplicaBook`` keeps the replicas it holds for its peers in two
 books of the registry's (``incoming``, ``held``, keyed by origin and path), and ends them here too (receiving, held,
