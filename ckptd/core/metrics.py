@@ -20,6 +20,7 @@ from ckptd.protocol.errors import CkptdError
 
 log = logging.getLogger("ckptd")
 
+
 def _peers(s: dict[str, Any]) -> dict[str, Any]:
     """The status's ``peers`` part (empty without ``--peer-keys``: its metrics are 0)."""
     return s.get("peers") or {}
