@@ -24,6 +24,8 @@ SPEC = "tests.faults:FaultyStorage"
 ENV = "CKPTD_FAULTS"
 COMPLETIONS = ("completion", "checksummed", "persist_end", "then", "ended")
 """The ops that are no storage call but a completion on the daemon's loop thread."""
+POOL_WORK = "work"
+"""The op that holds (``wait_for``) or delays the work submitted to a pool, on its worker thread."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class Fault:
     ``then`` raises in the loop-thread completion of any work submitted to the pool ``match`` names (``status``,
     ``peer`` (a stream to the buddy), ``peer_ask`` (a listing, a restore), ``replica`` (the buddy's offers and
     fetches); ``Workers.submit``): every one must reach its ``failed`` path, and through it whoever waits.
+    ``work`` holds the work itself submitted to the pool ``match`` names, on its worker thread, before it runs
+    (``wait_for``, ``delay``; with ``errno`` 0 it then runs): what the loop does meanwhile is what a slow pool
+    lets happen (a failed snapshot's slots not yet handed back).
     """
 
     op: str
@@ -93,7 +98,7 @@ class FaultyStorage(LocalStorage):
         self._paths: dict[int, str] = {}
         self._hits: dict[int, int] = {}
         """Matching calls seen per fault (by its place in ``faults``), for ``skip``."""
-        if any(f.op in COMPLETIONS for f in faults):
+        if any(f.op in (*COMPLETIONS, POOL_WORK) for f in faults):
             self._install_completion_faults()
 
     def _install_completion_faults(self) -> None:
@@ -134,7 +139,11 @@ class FaultyStorage(LocalStorage):
             def then_or_defect(fut):  # noqa: ANN001, ANN202
                 inject("then", pool)
                 return then(fut)
-            return submit(workers, pool, work, then_or_defect, failed)
+
+            def held_work():  # noqa: ANN202 - the work's own result
+                inject(POOL_WORK, pool)
+                return work()
+            return submit(workers, pool, held_work, then_or_defect, failed)
 
         Workers.submit = raising_then
 

@@ -233,3 +233,38 @@ def test_a_defect_in_a_pool_job_answers_its_request_at_once_with_an_error_and_th
     log = (daemon.run_dir / LOG_NAME).read_text()
     assert "event=fault op=space" in log and "Traceback" in log
     assert daemon.stop() == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_snapshots_rank_is_told_only_once_its_slot_is_back_so_its_retry_finds_it(daemon_factory,
+                                                                                         client_factory, root,
+                                                                                         tmp_path) -> None:
+    """The daemon took a snapshot shard's slot over (renamed to its own name) once it was checksummed; a failure
+    hands it back under the client's name on the maintenance pool. The client reuses its slot the moment it is
+    told, so its rank is told only once the slot is back: told before (as it was), a retry at once found no slot
+    (``BadSlot``) whenever the pool was slow. Here the pool's hand-back is held until the test lets it go; a
+    request the rank's connection makes meanwhile is answered, and the failed save's answer has not come before
+    it (replies on one connection keep their order)."""
+    arm, go = tmp_path / "arm", tmp_path / "go"
+    daemon = daemon_factory(faults=[{"op": "work", "match": "maintenance", "exact": True, "errno": 0,
+                                     "armed_by": str(arm), "wait_for": str(go)}])
+    rank0 = client_factory(rank=0, world_size=2, job="run-b")
+    first = rank0.save_async({"w": torch.ones(1024)}, root / "given-back", step=1, persist=False)
+    conn = rank0._conn
+    wait_until(lambda: daemon.status()["memory"]["snapshots"], 30, "the snapshot admitted")
+    wait_until(lambda: any(s["path"] == str(root / "given-back") and s.get("ranks_held") == [0]
+                           for s in daemon.status()["memory"]["snapshots"]), 30, "rank 0's shard checksummed")
+    arm.touch()
+    assert isinstance(conn.call(Abort(conn.next_id(), str(root / "given-back"), "rank 1 failed", rank0.job),
+                                timeout=30), Ok)
+    log = daemon.run_dir / LOG_NAME
+    wait_until(lambda: "event=fault op=work" in log.read_text(), 30, "the slot's hand-back held on the pool")
+    assert isinstance(conn.call(Ping(conn.next_id()), timeout=30), Pong)
+    assert not first.done(), "the rank was told before its slot was back under its name"
+    go.touch()
+    with pytest.raises(ckptd.RanksMissing, match="was aborted: rank 1 failed"):
+        first.result(30)
+    retry = rank0.save_async({"w": torch.full((1024,), 2.0)}, root / "again", step=2, persist=False)
+    rank1 = client_factory(rank=1, world_size=2, job="run-b")
+    rank1.save_async({"w": torch.full((1024,), 2.0)}, root / "again", step=2, persist=False).result(30)
+    retry.result(30)  # its slot was there: admitted and held

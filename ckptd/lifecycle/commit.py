@@ -149,9 +149,6 @@ class Commits:
     def __init__(self, storage: Backends, registry: Registry) -> None:
         self.storage, self.registry = storage, registry
         self.pending: Book[PendingCheckpoint] = registry.book()
-        self.closing: dict[Path, list[Callable[[], None]]] = {}
-        """Failed attempts whose ``p.incomplete`` is not yet out of the way, with what waits for it (a retry's
-        admission, a persist): a retry must never lose its new directory to the old attempt's cleanup."""
         self.publishing = threading.Lock()
         """Held while a checkpoint takes its name (rename or exchange, commit pool) and while retention checks
         that a victim is still the version it judged and sets it aside (maintenance pool): so retention never
@@ -226,10 +223,11 @@ class Commits:
         return pending.complete
 
     def failed_with(self, pending: PendingCheckpoint, error: CkptdError) -> None:
-        """``pending`` failed (``Registry.end``): why is remembered for its late ranks (``Registry``), and what
-        waits for its directory to be cleared away is kept (``wait_for_cleanup``)."""
-        self.closing.setdefault(pending.path, [])
+        """``pending`` failed (``Registry.end``): why is remembered for its late ranks, and it is releasing until
+        its ``p.incomplete`` is out of the way (``Saves._set_aside``): a retry's admission or a persist at its path
+        waits for that (``Registry.after_release``)."""
         self.registry.remember_failure(pending, error)
+        self.registry.releasing(pending)
 
     def from_finalize(self, msg: Finalize, client: bytes, final: Path) -> PendingCheckpoint:
         """The checkpoint global rank 0 asks this daemon to commit (at ``final``, resolved), ``committing``.
@@ -337,18 +335,6 @@ class Commits:
         """Let go of this daemon's part of a settled attempt whose contributors all died (I/O): its marker goes,
         and so does ``p.incomplete`` once no other daemon claims it; returns what is left to remove later."""
         return pending.backend.let_go(pending.incomplete, pending.path)
-
-    def wait_for_cleanup(self, final: Path, then: Callable[[], None]) -> bool:
-        """Keep ``then`` until ``final``'s failed attempt is cleared away; False if none is in the way."""
-        waiting = self.closing.get(final)
-        if waiting is None:
-            return False
-        waiting.append(then)
-        return True
-
-    def cleared(self, path: Path) -> list[Callable[[], None]]:
-        """A failed attempt at ``path`` is out of the way: what waited for it, to run now."""
-        return self.closing.pop(path, [])
 
     @property
     def in_progress(self) -> bool:

@@ -125,7 +125,7 @@ class Holding:
         self.state.end_save(ident, msg.id)
         if not self.snapshots.holds(snap):  # failed or dropped meanwhile: its end handed back only the checksummed
             if shard.checksum is None:
-                self._return_unheld([shard])
+                self._return_unheld([shard], lambda: self._tell_ended(snap, ident, msg.id))
             return
         if snap.acknowledged:
             if shard.checksum is None and snap.shards.get(msg.rank) is shard:
@@ -137,22 +137,25 @@ class Holding:
             return
         self.registry.end(snap, AttemptState.FAILED, exc)
         if shard.checksum is None:  # a failure hands back only the checksummed ones
-            self._return_unheld([shard])
+            self._return_unheld([shard], lambda: self._tell_ended(snap, ident, msg.id))
 
     def _checksummed(self, ident: bytes, msg: Snapshot, snap: HeldSnapshot, shard: HeldShard, fut: Future) -> None:
         self.state.end_save(ident, msg.id)
         failed = not self.snapshots.holds(snap)
         if fut.exception() is not None:  # not adopted
             self.state.slots.release(shard.slot)
-            if not failed and snap.acknowledged:  # a late rank of a held snapshot (``takes_late_rank``): it alone
+            if failed:  # its slot never left its name
+                self._tell_ended(snap, ident, msg.id)
+            elif snap.acknowledged:  # a late rank of a held snapshot (``takes_late_rank``): it alone
                 del snap.shards[msg.rank]
                 snap.answered(ident, msg.id)
                 self.send(ident, error_reply(self.state.stats, msg.id, fut.exception()))
-            elif not failed:
+            else:
                 self.registry.end(snap, AttemptState.FAILED, fut.exception())
+                self._tell_ended(snap, ident, msg.id)
             return
-        if failed:  # the snapshot failed meanwhile (its ranks were told): the slot goes back under its name
-            self._return_unheld([shard])
+        if failed:  # the snapshot ended meanwhile: the slot goes back under its name, then its rank is told why
+            self._return_unheld([shard], lambda: self._tell_ended(snap, ident, msg.id))
             return
         shard.checksum = fut.result()
         log.info("event=snapshot_held path=%s rank=%d bytes=%d", snap.path, msg.rank, msg.nbytes)
@@ -240,24 +243,26 @@ class Holding:
             failure = as_error(self.state.stats, error if error is not None else InternalError("failed"))
             log.warning("event=snapshot_failed path=%s error=%s", snap.path, failure.message)
             self.registry.remember_failure(snap, failure)
-            snap.tell_failed(self.send, failure)
             self._answer_persists(snap, failure)
-            self._return_unheld([sh for sh in snap.shards.values() if sh.checksum is not None])  # the others:
-            # when checksummed (``_checksummed``)
+            self._tell_when_back(snap, failure)  # the slots still being checksummed: when checksummed
             self.events.publish(SnapshotFailed(snap.path, snap.step, failure))
             return
         log.info("event=snapshot_dropped path=%s step=%s reason=%s", snap.path, snap.step, reason)
         why = as_error(self.state.stats, error) if error is not None else InvalidCheckpoint(
             f"snapshot {display(snap.path)} was dropped from memory ({reason})")
         self._answer_persists(snap, why)
-        snap.tell_failed(self.send, why)  # a late rank of its node still being checksummed (``takes_late_rank``)
+        snap.ended_with = why  # a late rank of its node still being checksummed (``takes_late_rank``) is told
+        # when its checksum ends and its slot is back (``_checksummed``), never handed back twice
         unchecked = [r for r, sh in snap.shards.items() if sh.checksum is None]
-        for rank in unchecked:  # its slot goes back when its checksum ends (``_checksummed``), never twice
+        for waiter in [w for w in snap.waiting if w.rank not in unchecked]:
+            snap.answered(waiter.client, waiter.request_id)
+            self.send(waiter.client, Error.of(waiter.request_id, why))
+        for rank in unchecked:
             del snap.shards[rank]
         if snap.readers:
             log.info("event=snapshot_drop_deferred path=%s step=%s readers=%d", snap.path, snap.step,
                      sum(snap.readers.values()))
-            self.snapshots.parked.append(snap)
+            self.registry.releasing(snap)
         else:
             self._release(list(snap.shards.values()))
         self.events.publish(SnapshotDropped(snap.path, snap.step, reason, tuple(sorted(snap.shards))))
@@ -280,11 +285,44 @@ class Holding:
             then()
         self.workers.submit("maintenance", lambda: None, lambda _: then(), undone)
 
-    def _return_unheld(self, shards: list[HeldShard]) -> None:
+    def _return_unheld(self, shards: list[HeldShard], then: Callable[[], None] = lambda: None) -> None:
         """Slots of a snapshot that failed before its ranks were told ``HeldInMemory``: their clients still count
-        them as their own (no ``released`` entry), and a gone client's is unlinked (``_hand_back``)."""
-        if shards:
-            self._hand_back(shards, lambda back, fut: None, logged(self.state.stats))
+        them as their own (no ``released`` entry), and a gone client's is unlinked (``_hand_back``); ``then`` runs
+        on the loop once they are back (or their hand-back raised)."""
+        if not shards:
+            then()
+            return
+        stats = self.state.stats
+
+        def failed(exc: BaseException) -> None:
+            logged(stats)(exc)
+            then()
+        self._hand_back(shards, lambda back, fut: then(), failed)
+
+    def _tell_when_back(self, snap: HeldSnapshot, error: CkptdError) -> None:
+        """Tell ``snap``'s waiting ranks ``error``: one whose slot the daemon took over (checksummed, so renamed
+        to the daemon's own name) once it is back under its name, as its client reuses it the moment it is told
+        (its retry's admission would not find it: ``BadSlot``); one still being checksummed when that ends
+        (``_checksummed``: ``snap.ended_with``); any other (its shard never joined) now."""
+        snap.ended_with = error
+        taken = {r for r, sh in snap.shards.items() if sh.checksum is not None}
+        checking = {r for r, sh in snap.shards.items() if sh.checksum is None}
+        later = [w for w in snap.waiting if w.rank in taken]
+        now = [w for w in snap.waiting if w.rank not in taken and w.rank not in checking]
+        snap.waiting = [w for w in snap.waiting if w.rank in checking]
+        for waiter in now:
+            self.send(waiter.client, Error.of(waiter.request_id, error))
+
+        def tell() -> None:
+            for waiter in later:
+                self.send(waiter.client, Error.of(waiter.request_id, error))
+        self._return_unheld([snap.shards[r] for r in sorted(taken)], tell)
+
+    def _tell_ended(self, snap: HeldSnapshot, ident: bytes, rid: int) -> None:
+        """A rank of ``snap``, which ended meanwhile, whose slot is back: told why, if it still waits."""
+        if snap.ended_with is not None and any((w.client, w.request_id) == (ident, rid) for w in snap.waiting):
+            snap.answered(ident, rid)
+            self.send(ident, Error.of(rid, snap.ended_with))
 
     def _hand_back(self, shards: list[HeldShard], done: Callable[[list[HeldShard], Future], None],
                    failed: Callable[[BaseException], None]) -> None:
@@ -658,8 +696,8 @@ class Holding:
                             trimmed, failed=logged(self.state.stats))
 
     def exited(self, snaps: list[HeldSnapshot]) -> None:
-        """The daemon exits (its loop is over, its workers closed; ``Registry.close`` hands over ``snaps``, held
-        and replacing, out of the books): no slot it took over outlives it.
+        """The daemon exits (its loop is over, its workers closed; ``Registry.close`` hands over ``snaps``: held
+        and replacing, out of the books, and dropped ones a reader still pinned): no slot it took over outlives it.
 
         This unlinks on the calling thread: maintenance may have been
         abandoned at the drain deadline (a stalled store request ahead of
@@ -670,9 +708,8 @@ class Holding:
         still under this daemon's own name (a release or give-back queued
         behind abandoned maintenance).
         """
-        held = shards_of([*snaps, *self.snapshots.parked])
+        held = shards_of(snaps)  # the parked ones too (``Registry.close``)
         owed = [n for names in self.snapshots.released.values() for n in names]
-        self.snapshots.parked.clear()
         self.snapshots.released.clear()
         for shard in held:  # a shard never taken over keeps its client's name: the client's to unlink
             self.state.slots.release(shard.slot)

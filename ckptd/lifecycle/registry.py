@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Generic, Iterator, Mapping, Protocol, Sequence, TypeVar
 
@@ -59,6 +59,14 @@ class Failure:
     ranks_seen: set[int]
     expires: float
     contributors: Contributors
+
+
+@dataclass(eq=False)
+class Releasing:
+    """An ended attempt whose release is still under way, and what waits for it to be over."""
+
+    attempt: Attempt
+    then: list[Callable[[], None]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,7 @@ class Pipeline(Protocol):
 
     def exited(self, attempts: list[Tracked]) -> None:
         """The daemon exits (its workers closed): ``attempts``, its attempts still in the books (out of them
-        already), and whatever else it keeps, are released on the calling thread. Nobody is told and nothing is
+        already) and its ended ones still releasing, and whatever else it keeps, are released on the calling thread. Nobody is told and nothing is
         published: an exit ends no attempt (a snapshot's replica stays on its buddy; a disk attempt's
         ``.incomplete`` is the next start's sweep's)."""
         ...
@@ -128,6 +136,8 @@ class Registry:
         """Answers a local client (``keep`` sets the daemon's): what a failed end hook's waiters are told through."""
         self._failures: dict[tuple[str, Path], Failure] = {}
         """Attempts that failed, by kind (``Tracked.noun``) and path, for their late ranks (``remember_failure``)."""
+        self._releasing: list[Releasing] = []
+        """Ended attempts that still hold what they held (``releasing``)."""
 
     def book(self) -> Book:
         """A new book of attempts by path, for a pipeline to read its attempts in (``open`` writes it)."""
@@ -237,12 +247,49 @@ class Registry:
         failure.ranks_seen.add(msg.rank)
         raise type(failure.error)(failure.error.message)
 
+    def releasing(self, attempt: Attempt) -> None:
+        """``attempt`` ended (its end hook calls this), and what it holds goes back later, when the hook's pipeline
+        says so (``released``): a failed checkpoint's directory still being set aside, a dropped snapshot a reader
+        still pins. Until then it is in no book, but is kept here: the budget still counts it, an attempt of its
+        kind at its path waits for it (``after_release``), and an exit releases it (``close``)."""
+        if not attempt.ended:
+            raise InternalError(f"{attempt.noun} {attempt.path} is releasing before it ended ({attempt.state.value})")
+        self._releasing.append(Releasing(attempt))
+
+    def released(self, attempt: Attempt) -> list[Callable[[], None]]:
+        """``attempt`` holds nothing any more: what waited for it, to run now (none while another ended attempt of
+        its kind at its path is still releasing: they wait for that one too)."""
+        done = next((r for r in self._releasing if r.attempt is attempt), None)
+        if done is None:
+            return []
+        self._releasing.remove(done)
+        other = next((r for r in self._releasing if type(r.attempt) is type(attempt)
+                      and r.attempt.path == attempt.path), None)
+        if other is not None:
+            other.then.extend(done.then)
+            return []
+        return done.then
+
+    def after_release(self, kind: type[Attempt], path: Path, then: Callable[[], None]) -> bool:
+        """Keep ``then`` until no ended attempt of ``kind`` at ``path`` is releasing; False if none is (the caller
+        goes on now). A retry must never lose its new directory to the old attempt's cleanup."""
+        waiting = next((r for r in self._releasing if isinstance(r.attempt, kind) and r.attempt.path == path), None)
+        if waiting is None:
+            return False
+        waiting.then.append(then)
+        return True
+
+    def still_releasing(self, kind: type[A]) -> list[A]:
+        """The ended attempts of ``kind`` still releasing."""
+        return [r.attempt for r in self._releasing if isinstance(r.attempt, kind)]
+
     def close(self) -> None:
-        """The daemon exits: every book is emptied, and each pipeline is handed the attempts it still had, to
-        release (``Pipeline.exited``), in the order the pipelines were kept."""
-        left = [a for book in self._books for a in book.values()]
+        """The daemon exits: every book is emptied, and each pipeline is handed the attempts it still had, those
+        still releasing included, to release (``Pipeline.exited``), in the order the pipelines were kept."""
+        left = [*(a for book in self._books for a in book.values()), *(r.attempt for r in self._releasing)]
         for book in self._books:
             book._by_key.clear()
+        self._releasing.clear()
         for pipeline in self.pipelines:
             pipeline.exited([a for a in left if isinstance(a, pipeline.kind)])
 

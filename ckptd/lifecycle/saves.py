@@ -12,7 +12,7 @@ once no shard of it is being written its ``.incomplete`` directory is
 renamed aside on the admit pool (so a retry of the same path, admitted after
 that on the same FIFO thread, can never lose its directory to the cleanup)
 and removed on the maintenance pool. Until the rename, a retry of that path
-waits (``Commits.wait_for_cleanup``).
+waits (the failed attempt is releasing: ``Registry.after_release``).
 
 Every method runs on the loop thread; the work it hands to the pools is
 the only I/O.
@@ -158,7 +158,7 @@ class Saves:
                 return
         again = lambda: self.admit_examined(ident, msg, progress, examined, pid=pid,  # noqa: E731
                                             arrived_draining=arrived_draining)
-        if state.commits.wait_for_cleanup(final, again):
+        if self.registry.after_release(PendingCheckpoint, final, again):
             return  # a failed attempt's directory is still in the way: admitted once it is not
         try:
             draining = state.draining if arrived_draining is None else arrived_draining
@@ -190,7 +190,7 @@ class Saves:
         subscribers learn it as ``Committed`` or ``Failed``, like any save's.
         """
         state, final = self.state, snap.path
-        if state.commits.wait_for_cleanup(final, lambda: self.write_held(snap, space, ended)):
+        if self.registry.after_release(PendingCheckpoint, final, lambda: self.write_held(snap, space, ended)):
             return
         try:
             self._check_room(final, space, snap.nbytes)
@@ -419,10 +419,10 @@ class Saves:
 
     def _unset_aside(self, pending: PendingCheckpoint, exc: BaseException) -> None:
         """A completion of ``pending``'s discard raised (a defect): what waits for its path to be cleared (a retry,
-        a persist: ``Commits.wait_for_cleanup``) goes on now, and meets what is left there, instead of waiting
+        a persist: ``Registry.after_release``) goes on now, and meets what is left there, instead of waiting
         for its timeout."""
         as_error(self.state.stats, exc)
-        for again in self.state.commits.cleared(pending.path):
+        for again in self.registry.released(pending):
             again()
 
     def _set_aside(self, pending: PendingCheckpoint, fut: Future) -> None:
@@ -442,7 +442,7 @@ class Saves:
         elif fut.result() is not None:
             aside: Path = fut.result()
             self.workers.background("maintenance", lambda: pending.backend.remove_tree(aside))
-        for again in state.commits.cleared(pending.path):
+        for again in self.registry.released(pending):
             again()
 
     def _let_go_unclaimed(self, pending: PendingCheckpoint) -> None:
@@ -519,8 +519,9 @@ class Saves:
         self._let_go_ended()
 
     def exited(self, attempts: list[PendingCheckpoint]) -> None:
-        """The daemon exits: its disk attempts hold nothing to release here (their slots go with ``SlotMaps``, a
-        ``.incomplete`` directory left is the next start's sweep's), so they are only counted in the log."""
+        """The daemon exits: its disk attempts (in progress, or failed with their directory still being set
+        aside) hold nothing to release here (their slots go with ``SlotMaps``, a ``.incomplete`` directory left
+        is the next start's sweep's), so they are only counted in the log."""
         if attempts:
             log.info("event=attempts_left_at_exit kind=checkpoint count=%d", len(attempts))
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterable
 
-from ckptd.protocol.errors import CheckpointExists, NoSpace, PathNotAllowed
+from ckptd.protocol.errors import CheckpointExists, CkptdError, NoSpace, PathNotAllowed
 from ckptd.protocol.index import CHECKSUM_ALGORITHM
 from ckptd.protocol.messages import Snapshot
 from ckptd.protocol.objects import display
@@ -84,6 +84,10 @@ class HeldSnapshot(Attempt):
     persist_started: float = 0.0
     readers: dict[bytes, int] = field(default_factory=dict)
     """Pins by reader connection (``Pin``): while any is held its slots stay as they are, dropped or not."""
+    ended_with: CkptdError | None = None
+    """Once it failed or was dropped, what a rank still waiting is told: a rank whose slot the daemon took over
+    is told once that slot is back under its name (``Holding._tell_when_back``), as its client reuses the slot the
+    moment it is told, and its next save's admission must find it there."""
     copy: PeerCopy = field(default_factory=PeerCopy)
     """Its copy on the buddy node (``ckptd/peers/replication.py``), moved by ``Registry.replicate`` only."""
     restored_from: str = ""
@@ -188,17 +192,21 @@ class SnapshotBook:
     def __init__(self, memory: MemoryBudget, keep: int, registry: Registry) -> None:
         self.memory, self.keep, self.registry = memory, keep, registry
         """``memory``: the node's budget, which the replicas held for peers share (``budget.py``)."""
-        memory.count("snapshots", lambda: sum(s.nbytes for s in self.all()) + sum(s.nbytes for s in self.parked))
+        memory.count("snapshots", lambda: sum(s.nbytes for s in [*self.all(), *self.parked]))
         self.current: Book[HeldSnapshot] = registry.book()
         """The snapshot of each path, by path: still gathering its ranks (``holding``) or acknowledged (held,
         persisting, persisted)."""
         self.released: dict[int, list[str]] = {}
         """Slots dropped from snapshots whose client is alive, by its pid: named in its next ``HeldInMemory``."""
-        self.parked: list[HeldSnapshot] = []
-        """Dropped while pinned by a reader: no longer listed, their slots released when the last reader unpins."""
         self.replacing: Book[HeldSnapshot] = registry.book()
         """Snapshots saved with ``overwrite=True`` over the acknowledged one held at their path, by path: not
         listed, read or persisted until complete (``promote``), so the held one serves until then."""
+
+    @property
+    def parked(self) -> list[HeldSnapshot]:
+        """Dropped while pinned by a reader, still releasing (``Registry.releasing``): no longer listed, their
+        slots released when the last reader unpins."""
+        return self.registry.still_releasing(HeldSnapshot)
 
     def all(self) -> list[HeldSnapshot]:
         """Every snapshot this daemon assembles or holds (held and replacing; not the parked)."""
@@ -357,7 +365,8 @@ class SnapshotBook:
                 if path is not None:
                     break
         free = [s for s in self.parked if not s.readers]
-        self.parked = [s for s in self.parked if s.readers]
+        for snap in free:
+            self.registry.released(snap)  # nothing waits for a snapshot's release
         return free
 
     def take_released(self, pid: int) -> tuple[str, ...]:

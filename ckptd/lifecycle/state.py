@@ -195,7 +195,7 @@ class NodeState:
 
     @property
     def busy(self) -> bool:
-        return bool(self.staging or self.writes or self.commits.closing)
+        return bool(self.staging or self.writes or self.attempts.still_releasing(PendingCheckpoint))
 
     @property
     def idle(self) -> bool:
