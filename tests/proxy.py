@@ -46,6 +46,9 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._cut = False
+        self.refuse_data = False
+        """Reset every new data connection (the peer port + 1) while the peer port forwards: a firewall that opened
+        only the peer port."""
         self._budget: int | None = None
         """Bytes still forwarded towards the target before a cut or a stall; None: no limit."""
         self._stall = False
@@ -127,7 +130,7 @@ class TcpProxy:
             except (socket.timeout, OSError):
                 continue
             with self._lock:
-                cut = self._cut
+                cut = self._cut or (index == 1 and self.refuse_data)
             if cut:
                 with self._lock:
                     self.resets += 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -119,8 +120,10 @@ def test_an_outage_between_peers_fails_replication_visibly_it_resumes_and_a_cut_
             assert proxy.connections >= 1  # it went through the proxy
 
             proxy.cut()  # the link is down: replication fails, and says so
+            held_2 = snapshot(2)
+            held_at = time.monotonic()
             with pytest.raises(InvalidCheckpoint, match="not replicated: peer .* did not answer"):
-                snapshot(2).wait_replicated(60)
+                held_2.wait_replicated(60)
             assert proxy.resets >= 1  # the outage was met
             info = origin.status()
             (link,) = info["peers"]["links"]
@@ -128,12 +131,15 @@ def test_an_outage_between_peers_fails_replication_visibly_it_resumes_and_a_cut_
             assert "did not answer" in link["last_error"] and info["peers"]["replication_failures_total"] == 1
             assert next(s for s in info["memory"]["snapshots"] if s["step"] == 2)["replication"] == "failed"
 
+            outage = time.monotonic() - held_at  # step 2 cannot reach the buddy before this
             proxy.restore()  # back: the snapshot whose stream it did not answer is sent again, no new save needed
             replication = lambda: next(s for s in origin.status()["memory"]["snapshots"]  # noqa: E731
                                        if s["step"] == 2)["replication"]
             wait_until(lambda: replication() == "replicated", 60,
                        lambda: f"step 2 sent again once the buddy answered: {replication()}")
             assert "event=replication_resumed" in (origin_dir / "ckptd.log").read_text()
+            lag = next(s for s in origin.status()["memory"]["snapshots"] if s["step"] == 2)["replication_lag_s"]
+            assert lag >= outage, f"its lag runs from when it was held, through the outage ({outage:.1f} s): {lag}"
             assert [r["step"] for r in buddy.status()["peers"]["replicas_held"]["held"]] == [2]
             snapshot(3).wait_replicated(60)  # and the next one as ever
             (link,) = origin.status()["peers"]["links"]
@@ -168,6 +174,50 @@ def test_an_outage_between_peers_fails_replication_visibly_it_resumes_and_a_cut_
                 if daemon is not None:
                     daemon.kill()
 
+
+
+def test_a_buddy_that_answers_but_whose_data_port_is_shut_is_sent_a_failed_snapshot_again_once_not_each_check(
+        root: Path, tmp_path: Path) -> None:
+    """A snapshot's stream failed because the buddy did not answer (the link cut); the link comes back with only
+    the peer port open (a firewall that forgot the data port): the buddy answers the check, so the snapshot is
+    sent again, once, and that stream fails too (its data port refuses). That failure is final: no resend at
+    every check for ever, each half-offered and dropped on the buddy, the failure counter climbing. Another
+    directory's replicated snapshot makes the origin ask the buddy at every check, so the test sees checks pass.
+    With the data port open again, the next snapshot is replicated as ever."""
+    lines: list[str] = []
+    keys = tmp_path / "keys"
+    origin_dir, _ = _node(keys, lines)
+    buddy_dir, buddy_ep = _node(keys, lines)
+    host, port = buddy_ep.removeprefix("tcp://").split(":")
+    with TcpProxy(host, int(port), peer=True) as proxy:
+        buddy, origin, _ = _through(proxy, root, keys, lines, buddy_dir, buddy_ep, origin_dir)
+        try:
+            client = ckptd.Client(run_dir=origin_dir, spawn=False)
+            client.save_async(_state(1, 0), root / "a" / "step-0", step=0, persist=False).wait_replicated(60)
+            proxy.cut()
+            cut = client.save_async(_state(1, 1), root / "b" / "step-1", step=1, persist=False)
+            with pytest.raises(InvalidCheckpoint, match="did not answer"):
+                cut.wait_replicated(60)
+            proxy.refuse_data = True
+            proxy.restore()
+            log = origin_dir / "ckptd.log"
+            failures = lambda: origin.status()["peers"]["replication_failures_total"]  # noqa: E731
+            wait_until(lambda: failures() == 2, 60, lambda: f"the resent stream failed at the data port: {failures()}")
+            answers: set[float] = set()
+
+            def two_more_checks() -> bool:  # each answered check of a/step-0's copy is a new last_answer
+                (link,) = origin.status()["peers"]["links"]
+                answers.add(link["last_answer"])
+                return len(answers) >= 3
+            wait_until(two_more_checks, 60, "two more answered checks")
+            assert log.read_text().count("event=replication_resumed") == 1 and failures() == 2
+            assert next(s for s in origin.status()["memory"]["snapshots"] if s["step"] == 1)["replication"] == "failed"
+            proxy.refuse_data = False
+            client.save_async(_state(1, 2), root / "b" / "step-2", step=2, persist=False).wait_replicated(60)
+            client.close()
+        finally:
+            origin.kill()
+            buddy.kill()
 
 
 def test_a_buddy_killed_mid_stream_fails_that_snapshot_visibly_and_its_restart_takes_the_next(

@@ -176,6 +176,7 @@ class Holding:
         over a held snapshot) takes its path now, or, while the one it replaces is being written to disk, once
         that write ended (``persisted``): that write's end must find the snapshot it was writing."""
         self.registry.move(snap, AttemptState.HELD)
+        snap.held_at = time.monotonic()
         replaced = self.snapshots.replaced_by(snap)
         if replaced is not None and replaced.persisting:
             log.info("event=snapshot_replace_deferred path=%s step=%s reason=persisting", snap.path, snap.step)
@@ -387,6 +388,7 @@ class Holding:
             snap.shards[msg.rank] = HeldShard(msg, slot, os.getpid(), checksum=checksum)
         self.registry.open(self.snapshots.current, snap)
         self.registry.move(snap, AttemptState.HELD)
+        snap.held_at = time.monotonic()
         self._published_held(snap)
         return snap
 

@@ -82,6 +82,8 @@ class HeldSnapshot(Attempt):
     persist_waiting: list[tuple[bytes, int]] = field(default_factory=list)
     """(client, request id) of every ``Persist`` owed a ``Done`` or an ``Error`` for this snapshot."""
     persist_started: float = 0.0
+    held_at: float = 0.0
+    """When it was held here (monotonic): its ranks told, or read back from a peer. A replication lag runs from it."""
     readers: dict[bytes, int] = field(default_factory=dict)
     """Pins by reader connection (``Pin``): while any is held its slots stay as they are, dropped or not."""
     ended_with: CkptdError | None = None

@@ -90,7 +90,10 @@ class _Turn:
     """The buddy it streams to (the ring may name another by the time it ends)."""
     superseded: bool = False
     held_at: float = field(default_factory=time.monotonic)
-    """When it was held here (its ranks told): its lag runs from then to the buddy's last seal."""
+    """Where its lag runs from, to the buddy's last seal: when it was queued (held here, or its copy found gone);
+    for a stream resumed after the buddy did not answer, when the snapshot was held (its first copy, still)."""
+    resumed: bool = False
+    """Sent again because the buddy did not answer its first stream (``check``): if it fails too, that is final."""
 
 
 def _held_by(snap: HeldSnapshot, replicas: list[dict[str, Any]]) -> bool:
@@ -250,14 +253,16 @@ class Replication:
                 queued.pop(0)
         self.workers.background("peer", forget)
 
-    def _stream(self, snap: HeldSnapshot) -> None:
-        """Queue ``snap``'s stream to the buddy (none without one)."""
+    def _stream(self, snap: HeldSnapshot, *, resumed: bool = False) -> None:
+        """Queue ``snap``'s stream to the buddy (none without one); ``resumed``: its first failed because the
+        buddy did not answer, which does now."""
         buddy = self.buddy
         if buddy is None:
             return
         reader = b"ckptd-replication-%d" % next(self._pins)
         self.holding.snapshots.pin(reader, snap.path)
-        turn = _Turn(snap, reader, buddy.endpoint)
+        turn = _Turn(snap, reader, buddy.endpoint, held_at=snap.held_at if resumed else time.monotonic(),
+                     resumed=resumed)
         before = self._turns.get(snap.path.parent)
         if before is not None:
             before.superseded = True
@@ -312,7 +317,9 @@ class Replication:
         elif exc is None:
             move(R.SUPERSEDED)
         else:
-            move(R.FAILED, error=str(exc), unanswered=isinstance(exc, PeerUnavailable))
+            # resumed once per failure: a buddy that answers but whose stream fails again (its data port
+            # unreachable) is not sent to every check for ever
+            move(R.FAILED, error=str(exc), unanswered=isinstance(exc, PeerUnavailable) and not turn.resumed)
             record.failures += 1
             if isinstance(exc, PeerUnavailable):
                 record.unanswered(exc)
@@ -388,7 +395,7 @@ class Replication:
                 if snap.copy is copy and any(s is snap for s in self._unanswered()):
                     log.info("event=replication_resumed path=%s step=%s peer=%s", snap.path, snap.step,
                              now_buddy.endpoint)
-                    self._stream(snap)
+                    self._stream(snap, resumed=True)
 
         def unasked(exc: BaseException) -> None:
             self._checking = False
