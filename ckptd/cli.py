@@ -23,7 +23,7 @@ from ckptd.protocol.messages import Error, SnapshotList, ListSnapshots, Status, 
 from ckptd.protocol.objects import display
 from ckptd.protocol.reading import files_for
 
-from ckptd.core.config import DaemonConfig
+from ckptd.core.config import DaemonConfig, check_peer_endpoint
 from ckptd.core.render import human_bytes, printable, render_status
 from ckptd.tools.control import request
 from ckptd.tools.options import add_start_options, config_kwargs, detached_argv, path_arg, positive_int, seconds
@@ -113,8 +113,8 @@ def lost_snapshots(pid: int | None, failed: list[str]) -> str:
 def _peer_key(args: argparse.Namespace, run_dir: Path) -> int:
     from ckptd.core.keys import key_line
 
-    if args.endpoint is not None and not args.endpoint.startswith("tcp://"):
-        raise ValueError(f"--endpoint {args.endpoint}: expected tcp://HOST:PORT, as given to --peer-listen")
+    if args.endpoint is not None:
+        check_peer_endpoint("--endpoint", args.endpoint)  # as --peer-listen checks it
     print(key_line(run_dir, args.endpoint))
     return EXIT_OK
 

@@ -265,3 +265,12 @@ def test_status_escapes_control_characters_in_checkpoint_paths(daemon, client, r
 
 def test_list_of_a_missing_directory_is_a_usage_error(tmp_path) -> None:
     assert_clear(ckptd_cli("list", str(tmp_path / "nope")), 2, "is not a directory")
+
+
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:29100", "tcp://127.0.0.1:65535", "tcp://127.0.0.1"])
+def test_peer_key_refuses_an_endpoint_that_peer_listen_would_refuse(run_dir, endpoint) -> None:
+    """The line ``peer-key`` prints is what the keys file names the node by: an endpoint no daemon can listen on
+    (its data port, PORT + 1, beyond the last port) is refused here, as ``--peer-listen`` refuses it."""
+    out = ckptd_cli("peer-key", "--run-dir", str(run_dir), "--endpoint", endpoint)
+    assert_clear(out, 2, f"--endpoint {endpoint}: expected tcp://HOST:PORT, PORT between 1 and 65534")
+    assert not out.stdout

@@ -214,10 +214,8 @@ class DaemonConfig:
     def _check_peers(self) -> None:
         for flag, endpoint in [(peer_listen_named(self.peer_listen), self.peer_listen),
                                *(("--peer", p) for p in self.peers)]:
-            if endpoint is not None and (not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", endpoint)
-                                         or not 1 <= int(endpoint.rsplit(":", 1)[1]) <= 65534):
-                raise ValueError(f"{flag} {endpoint}: expected tcp://HOST:PORT, PORT between 1 and 65534 (PORT + 1 "
-                                 f"is its data port, which carries the replicas' bytes)")
+            if endpoint is not None:
+                check_peer_endpoint(flag, endpoint)
         if len(set(self.peers)) != len(self.peers) or (self.peer_listen is not None and self.peer_listen in self.peers):
             raise ValueError(f"--peer names one endpoint twice, or this daemon's own --peer-listen: {list(self.peers)}")
         if self.peers and self.peer_keys is None:
@@ -269,6 +267,14 @@ def _check_mirrors(mirrors: dict[Path, Path], roots: tuple[Path, ...]) -> None:
             if other_local != local and remote.is_relative_to(other):
                 raise ValueError(f"{shown} and --mirror {other_local}={object_url(other)}: one prefix holds the other; "
                                  f"give each directory a prefix of its own")
+
+
+def check_peer_endpoint(flag: str, endpoint: str) -> None:
+    """``ValueError`` naming ``flag`` unless ``endpoint`` is a peer endpoint: ``tcp://HOST:PORT``, its port one
+    below another (PORT + 1 is its data port)."""
+    if not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", endpoint) or not 1 <= int(endpoint.rsplit(":", 1)[1]) <= 65534:
+        raise ValueError(f"{flag} {endpoint}: expected tcp://HOST:PORT, PORT between 1 and 65534 (PORT + 1 is its "
+                         f"data port, which carries the replicas' bytes)")
 
 
 def peer_listen_named(value: str | None) -> str:
