@@ -83,6 +83,8 @@ def _listed(run_dir: str | os.PathLike | None, *, peers: bool) -> list[dict[str,
         return None
     if not isinstance(reply, SnapshotList):  # a daemon that predates snapshots (or peers) answers with an error
         return held_snapshots(run_dir) if peers else []
+    for unanswered in reply.unanswered:  # what it holds may be this node's only copy: never silently passed over
+        log.warning("ckptd: %s; the replicas it may hold of this node's snapshots were not looked at", unanswered)
     return [s for s in reply.snapshots if s.get("complete")]
 
 

@@ -322,7 +322,11 @@ class SnapshotList(Message):
     documented in docs/status.md."""
 
     snapshots: tuple[dict, ...]
+    unanswered: tuple[str, ...] = ()
+    """For ``ListPeerSnapshots``: why each peer asked that did not answer did not (naming it): the replicas it
+    may hold are not listed, and a node restoring says so, rather than find nothing and start afresh."""
     type: ClassVar[str] = "snapshot_list"
+    sparse: ClassVar[frozenset[str]] = frozenset({"unanswered"})
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ port harms nothing, and a start with a peer option it cannot honour is refused n
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import torch
 import zmq
 
 import ckptd
+from ckptd.client.memory import held_snapshots
 from ckptd.core.keys import KeyPair
 from ckptd.peers import bulk
 from ckptd.protocol.checksums import updater
@@ -93,7 +95,7 @@ def _replace_origin(pair: Pair, *extra: str, faults: list[dict] | None = None) -
 
 
 def test_a_peer_whose_key_is_not_trusted_is_refused_and_its_snapshot_is_reported_not_replicated(
-        root: Path, tmp_path: Path) -> None:
+        root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     lines: list[str] = []
     buddy_keys, rogue_keys = tmp_path / "buddy-keys", tmp_path / "rogue-keys"
     buddy_dir, buddy_ep = _node(buddy_keys, lines)
@@ -113,6 +115,13 @@ def test_a_peer_whose_key_is_not_trusted_is_refused_and_its_snapshot_is_reported
         assert (replicas["held"], replicas["bytes"], replicas["receiving"]) == ([], 0, 0)
         (snap,) = rogue.status()["memory"]["snapshots"]
         assert snap["replication"] == "failed" and "did not answer" in snap["replication_error"]
+        # a node that looks for its snapshots on its peers (as a replacement does) is told one did not answer,
+        # not handed an empty list it would take for "nothing to restore"
+        with caplog.at_level(logging.WARNING, logger="ckptd"):
+            listed = held_snapshots(rogue_dir, peers=True)
+        assert [s["path"] for s in listed] == [str(root / "step-1")]  # its own, held here
+        (warned,) = [r.getMessage() for r in caplog.records if "were not looked at" in r.getMessage()]
+        assert f"peer {buddy_ep} did not answer" in warned, warned
     finally:
         rogue.kill()
         buddy.kill()

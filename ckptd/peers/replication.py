@@ -474,7 +474,8 @@ class Replication:
                 if replica["path"] not in here and key not in seen:
                     seen.add(key)
                     extra.append({k: v for k, v in replica.items() if k != "messages"})
-            self.send(ident, SnapshotList(msg.id, (*self.holding.listing(ident, msg).snapshots, *extra)))
+            unanswered = tuple(str(error) for error in outcomes.values() if error is not None)
+            self.send(ident, SnapshotList(msg.id, (*self.holding.listing(ident, msg).snapshots, *extra), unanswered))
         self.workers.submit("peer_ask", ask, answer, failed=lambda exc: self.send(ident, error_reply(
             self.stats, msg.id, exc)))
         return None
