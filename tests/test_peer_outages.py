@@ -220,6 +220,42 @@ def test_a_buddy_that_answers_but_whose_data_port_is_shut_is_sent_a_failed_snaps
             buddy.kill()
 
 
+def test_a_buddy_restarted_during_an_outage_gets_the_newest_snapshot_of_a_directory_not_the_older_it_lost(
+        root: Path, tmp_path: Path) -> None:
+    """With ``--keep-snapshots 2`` the origin holds step 1 (replicated) and step 2 (its stream failed: the link
+    was cut). The buddy restarts meanwhile and loses step 1's replica. Once the link is back, the check finds
+    step 1's copy gone, and sends step 2, the one the buddy keeps for that directory, not step 1 first (a stream
+    spent, and the buddy holding only the older state until the next check); step 1 then says superseded."""
+    lines: list[str] = []
+    keys = tmp_path / "keys"
+    origin_dir, _ = _node(keys, lines)
+    buddy_dir, buddy_ep = _node(keys, lines)
+    host, port = buddy_ep.removeprefix("tcp://").split(":")
+    with TcpProxy(host, int(port), peer=True) as proxy:
+        buddy, origin, _ = _through(proxy, root, keys, lines, buddy_dir, buddy_ep, origin_dir,
+                                    "--keep-snapshots", "2")
+        try:
+            client = ckptd.Client(run_dir=origin_dir, spawn=False)
+            client.save_async(_state(1, 1), root / "step-1", step=1, persist=False).wait_replicated(60)
+            proxy.cut()
+            with pytest.raises(InvalidCheckpoint, match="did not answer"):
+                client.save_async(_state(1, 2), root / "step-2", step=2, persist=False).wait_replicated(60)
+            buddy.kill()
+            buddy = start_daemon(buddy_dir, root, "--peer-listen", buddy_ep, "--peer-keys", str(keys))
+            proxy.restore()
+            replication = lambda: {s["step"]: s["replication"]  # noqa: E731
+                                   for s in origin.status()["memory"]["snapshots"]}
+            wait_until(lambda: replication() == {1: "superseded", 2: "replicated"}, 60,
+                       lambda: f"step 2 resumed, step 1 superseded: {replication()}")
+            log = (origin_dir / "ckptd.log").read_text()
+            assert "event=replication_resumed" in log and "action=sent_again" not in log
+            assert [r["step"] for r in buddy.status()["peers"]["replicas_held"]["held"]] == [2]
+            client.close()
+        finally:
+            origin.kill()
+            buddy.kill()
+
+
 def test_a_buddy_killed_mid_stream_fails_that_snapshot_visibly_and_its_restart_takes_the_next(
         root: Path, tmp_path: Path) -> None:
     lines: list[str] = []

@@ -96,6 +96,12 @@ class _Turn:
     """Sent again because the buddy did not answer its first stream (``check``): if it fails too, that is final."""
 
 
+def _newer_of_its_directory(newer: HeldSnapshot, snap: HeldSnapshot) -> bool:
+    """Whether ``newer`` takes ``snap``'s place on the buddy, which keeps one replica per directory and ranks."""
+    return (newer is not snap and newer.path.parent == snap.path.parent and set(newer.shards) == set(snap.shards)
+            and newer.order > snap.order)
+
+
 def _held_by(snap: HeldSnapshot, replicas: list[dict[str, Any]]) -> bool:
     """Whether a peer's listing holds ``snap``'s copy as its record says: the path, with every shard's checksum."""
     return any(r["path"] == str(snap.path) and r.get("complete")
@@ -334,9 +340,7 @@ class Replication:
         older snapshots of the same directory and ranks (``ReplicaBook._completed``: a buddy keeps one per
         directory and ranks): those say ``superseded`` now, not ``replicated`` until the next check finds their
         copies gone."""
-        ranks = set(snap.shards)
-        for older in [s for s in self.holding.snapshots.current.values() if s is not snap
-                      and s.path.parent == snap.path.parent and set(s.shards) == ranks and s.order < snap.order
+        for older in [s for s in self.holding.snapshots.current.values() if _newer_of_its_directory(snap, s)
                       and s.copy.state in COPIED and s.copy.endpoint == endpoint]:
             log.info("event=replica_gone path=%s step=%s peer=%s action=superseded newer=%s", older.path, older.step,
                      endpoint, snap.path)
@@ -408,14 +412,14 @@ class Replication:
         is sent (an older one's place on the buddy is its newer one's)."""
         held = list(self.holding.snapshots.current.values())
         return [s for s in held if s.copy.state is R.FAILED and s.copy.unanswered
-                and s.path.parent not in self._turns
-                and not any(o is not s and o.path.parent == s.path.parent and set(o.shards) == set(s.shards)
-                            and o.order > s.order for o in held)]
+                and s.path.parent not in self._turns and not any(_newer_of_its_directory(o, s) for o in held)]
 
     def _copy_gone(self, snap: HeldSnapshot, copy: PeerCopy, successor: dict[str, Any] | None) -> None:
         """The peer no longer holds ``snap``'s ``copy``: send it to the buddy again, or say why not (on the loop)."""
         if successor is None and snap.path.parent in self._turns:  # a stream of its directory is queued: the
             return  # next check decides
+        if successor is None and any(_newer_of_its_directory(s, snap) for s in self._unanswered()):
+            return  # the newer one, which the buddy did not get, is sent in its place (``check``), and replaces it
         newer = None if successor is None else self.holding.snapshots.current.get(Path(successor["path"]))
         if newer is not None and newer is not snap and newer.copy.state is R.REPLICATED \
                 and newer.copy.endpoint == copy.endpoint and _held_by(newer, [successor]):
