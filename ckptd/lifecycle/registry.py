@@ -117,9 +117,9 @@ class Pipeline(Protocol):
 
     def exited(self, attempts: list[Tracked]) -> None:
         """The daemon exits (its workers closed): ``attempts``, its attempts still in the books (out of them
-        already) and its ended ones still releasing, and whatever else it keeps, are released on the calling thread. Nobody is told and nothing is
-        published: an exit ends no attempt (a snapshot's replica stays on its buddy; a disk attempt's
-        ``.incomplete`` is the next start's sweep's)."""
+        already) and its ended ones still releasing, and whatever else it keeps, are released on the calling
+        thread. Nobody is told and nothing is published: an exit ends no attempt (a snapshot's replica stays on
+        its buddy; a disk attempt's ``.incomplete`` is the next start's sweep's)."""
         ...
 
 
