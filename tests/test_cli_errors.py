@@ -98,6 +98,8 @@ def test_a_metrics_textfile_that_cannot_be_written_fails_the_start_naming_it_and
                     "--metrics-textfile", "/proc/ckptd.prom")
     assert_clear(out, 3, "cannot write the metrics textfile /proc/ckptd.prom", "--metrics-textfile")
     assert not (run_dir / "ckptd.sock").exists() and not (run_dir / "ckptd.pid").exists()
+    logged = (run_dir / "ckptd.log").read_text()  # where a detached start's reader looks, too
+    assert "event=start_refused error=cannot write the metrics textfile /proc/ckptd.prom" in logged, logged
 
 
 def test_a_root_that_does_not_exist_is_refused_at_start(run_dir, tmp_path) -> None:

@@ -145,7 +145,8 @@ def run_foreground(config: DaemonConfig) -> list[str]:
 def _started(config: DaemonConfig) -> Server:
     """The server, serving once ``serve_forever`` runs, with its stop signals handled.
 
-    A user's error (``ValueError``, ``CkptdError``, ``OSError``) goes to the CLI, which says it in one line. Any
+    A user's error (``ValueError``, ``CkptdError``, ``OSError``) goes to the CLI, which says it in one line (and
+    to the log file, ``event=start_refused``). Any
     other exception is a defect: its traceback goes to the log file, and the CLI's one line names it and the log,
     where a traceback on stderr was all a detached start showed, flattened into one line.
     """
@@ -160,7 +161,8 @@ def _started(config: DaemonConfig) -> Server:
                 signal.signal(sig, lambda *_: server.request_stop())
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    except (CkptdError, OSError, ValueError):
+    except (CkptdError, OSError, ValueError) as exc:  # the CLI's line; the log keeps it too (a detached start's
+        log.error("event=start_refused error=%s", exc, extra={FILE_ONLY: True})  # reader may only look there)
         raise
     except Exception as exc:  # noqa: BLE001 - a defect: logged whole, told in one line
         log.error("event=start_failed error=%r", exc, exc_info=True, extra={FILE_ONLY: True})
